@@ -1,0 +1,28 @@
+"""posttrain: RLHF and post-training where every model role has its own DeepSpeed plugin."""
+
+import os as _os
+
+
+def _default_accelerator() -> None:
+    # DeepSpeed picks its accelerator at import; on a machine without CUDA it must be told "cpu"
+    # before anything imports it.
+    if "DS_ACCELERATOR" not in _os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            _os.environ["DS_ACCELERATOR"] = "cpu"
+    # DeepSpeed JIT-compiles its CPU comm op once; keep the build beside the project.
+    _os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR",
+        _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), ".cache", "torch_extensions"),
+    )
+
+
+_default_accelerator()
+
+from .dsconfig import ConfigError  # noqa: E402
+from .roles import DEFAULT_MIX, MIXES, Role, roles_for, roles_from_yaml  # noqa: E402
+from .session import Session  # noqa: E402
+
+__all__ = ["ConfigError", "DEFAULT_MIX", "MIXES", "Role", "Session", "roles_for", "roles_from_yaml"]
+__version__ = "0.1.0"

@@ -1,0 +1,204 @@
+"""DeepSpeed config files: reading them with useful errors, and filling every ``"auto"``.
+
+accelerate fills some ``"auto"`` values only while preparing, and only when it sees a dataloader;
+posttrain knows them up front (micro batch, accumulation, clipping, precision, the model's hidden
+size), so it resolves them here and hands DeepSpeed a concrete config. What nothing can fill is
+reported by name instead of failing deep inside ``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
+
+# Keys that only make sense for a model that trains.
+TRAINING_KEYS = ("optimizer", "scheduler", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size")
+
+# DeepSpeed's own defaults for the ZeRO-3 keys that accelerate cannot fill (its multi-model guide
+# writes them as "auto", which accelerate rejects).
+ZERO3_DEFAULTS = {"stage3_max_live_parameters": int(1e9), "stage3_max_reuse_distance": int(1e9)}
+HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed or role configuration that cannot work; the message names the fix."""
+
+
+def config_path(name: str) -> Path:
+    """A preset name (``zero3_inference``) or a path to a JSON file."""
+    path = Path(name)
+    if path.suffix != ".json" and not path.exists():
+        path = CONFIG_DIR / f"{name}.json"
+    if not path.exists():
+        presets = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.json")))
+        raise ConfigError(f"DeepSpeed config {name!r} not found: give a path to a JSON file or one of: {presets}")
+    return path
+
+
+def read_config(source: str | Path | dict) -> dict:
+    """A deep copy of a config given as a dict, a preset name or a JSON path."""
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    path = config_path(str(source))
+    text = path.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        pos, hint = err.pos, ""
+        before = text[: err.pos].rstrip()
+        if before.endswith(",") and text[err.pos : err.pos + 1] in "}]":
+            pos = len(before) - 1  # point at the comma itself
+            hint = " (a trailing comma: JSON does not allow one before '}' or ']'; delete it)"
+        line = text.count("\n", 0, pos) + 1
+        col = pos - (text.rfind("\n", 0, pos) + 1) + 1
+        raise ConfigError(
+            f"{path}:{line}:{col}: invalid JSON: {err.msg}{hint}\n    {text.splitlines()[line - 1].strip()}"
+        ) from None
+
+
+def get(cfg: dict, dotted: str, default: Any = None) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def zero_stage(cfg: dict) -> int:
+    return int(get(cfg, "zero_optimization.stage", 0))
+
+
+def is_inference_only(cfg: dict) -> bool:
+    return not any(key in cfg for key in TRAINING_KEYS)
+
+
+def _auto_paths(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _auto_paths(v, f"{prefix}{k}.")]
+    return [prefix[:-1]] if node == "auto" else []
+
+
+def _set_if_auto(cfg: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for part in parents:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return
+    if node.get(leaf) == "auto":
+        node[leaf] = value
+
+
+def resolve(
+    cfg: dict,
+    *,
+    role: str,
+    trains: bool,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    world_size: int,
+    mixed_precision: str,
+    max_grad_norm: float | None = None,
+    learning_rate: float | None = None,
+    weight_decay: float | None = None,
+    warmup_steps: int | None = None,
+    total_steps: int | None = None,
+    memory_efficient_linear: bool = False,
+) -> dict:
+    """Fill every ``"auto"`` that does not need the model, and make a frozen role's config safe.
+
+    Hidden-size keys stay ``"auto"`` until :func:`resolve_hidden_size` sees the model config.
+    """
+    cfg = copy.deepcopy(cfg)
+    where = f"role {role!r}"
+    zero = cfg.setdefault("zero_optimization", {})
+    if not trains:
+        for key in ("optimizer", "scheduler"):
+            if key in cfg:
+                raise ConfigError(
+                    f"{where} is frozen but its DeepSpeed config has an {key!r} block: remove the block, "
+                    "or declare the role with trains=True"
+                )
+        # A frozen engine still needs an integer micro batch, and the trained role's accumulation
+        # value: accelerate copies the prepared plugin's value into the process-wide state.
+        cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
+        cfg["gradient_accumulation_steps"] = gradient_accumulation_steps
+        cfg.pop("train_batch_size", None)
+        cfg.pop("gradient_clipping", None)
+        # Off unless asked: DeepSpeed's memory-efficient linear patches F.linear for the whole
+        # process and slows every other model in it, the trained policy included.
+        if zero_stage(cfg) == 3 and not memory_efficient_linear:
+            zero.setdefault("memory_efficient_linear", False)
+    elif is_inference_only(cfg):
+        raise ConfigError(
+            f"{where} trains but its DeepSpeed config is inference-only (none of {', '.join(TRAINING_KEYS)}): "
+            "use a training config such as configs/deepspeed/zero2_train.json, or declare the role frozen"
+        )
+
+    for key, value in ZERO3_DEFAULTS.items():
+        _set_if_auto(cfg, f"zero_optimization.{key}", value)
+    half = {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16"}
+    for key, on in half.items():
+        _set_if_auto(cfg, f"{key}.enabled", on)
+    fills = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "train_batch_size": micro_batch_size * gradient_accumulation_steps * world_size,
+        "gradient_clipping": max_grad_norm if max_grad_norm is not None else 1.0,
+        "optimizer.params.lr": learning_rate,
+        "optimizer.params.weight_decay": weight_decay,
+        "scheduler.params.warmup_min_lr": 0.0,
+        "scheduler.params.warmup_max_lr": learning_rate,
+        "scheduler.params.warmup_num_steps": max(1, warmup_steps or 0) if warmup_steps is not None else None,
+        "scheduler.params.total_num_steps": total_steps,
+    }
+    for dotted, value in fills.items():
+        if value is not None:
+            _set_if_auto(cfg, dotted, value)
+    # A hard-coded value that disagrees with the trainer's would make DeepSpeed's batch arithmetic
+    # (train_batch_size = micro * accumulation * world) and the trainer's loop inconsistent.
+    for key, want in (("train_micro_batch_size_per_gpu", micro_batch_size),
+                      ("gradient_accumulation_steps", gradient_accumulation_steps)):
+        if trains and cfg.get(key, want) != want:
+            raise ConfigError(
+                f"{where}: {key} is {cfg.get(key)} in the DeepSpeed config but the trainer uses {want}: "
+                f"set it to \"auto\" or to {want}"
+            )
+    check_auto(cfg, role, allow=HIDDEN_SIZE_KEYS)
+    return cfg
+
+
+def resolve_hidden_size(cfg: dict, hidden_size: int | None, role: str) -> None:
+    """Fill the bucket sizes from the model's hidden size, in place (accelerate's formulas)."""
+    if hidden_size is not None:
+        h = int(hidden_size)
+        _set_if_auto(cfg, "zero_optimization.reduce_bucket_size", h * h)
+        _set_if_auto(cfg, "zero_optimization.stage3_prefetch_bucket_size", int(0.9 * h * h))
+        _set_if_auto(cfg, "zero_optimization.stage3_param_persistence_threshold", 10 * h)
+    check_auto(cfg, role)
+
+
+def check_auto(cfg: dict, role: str, allow: tuple[str, ...] = ()) -> None:
+    left = [p for p in _auto_paths(cfg) if p.split(".")[-1] not in allow]
+    if left:
+        raise ConfigError(
+            f"role {role!r}: nothing can fill the DeepSpeed config value(s) {', '.join(left)} set to \"auto\": "
+            "replace each with a number (DeepSpeed's documentation gives the defaults)"
+        )
+
+
+def hidden_size_of(model_config: Any) -> int | None:
+    if hasattr(model_config, "hidden_size"):
+        return int(model_config.hidden_size)
+    if hasattr(model_config, "hidden_sizes"):
+        return int(max(model_config.hidden_sizes))
+    if hasattr(model_config, "get_text_config"):
+        text = model_config.get_text_config()
+        if text is not model_config:
+            return hidden_size_of(text)
+    return None

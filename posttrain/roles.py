@@ -1,0 +1,82 @@
+"""Roles: which models a run holds, whether each trains, and which DeepSpeed config each gets.
+
+A *mix* names the usual placements: the trained roles get one config and the frozen roles
+another. A YAML file can name a mix, map roles to configs, or both (the map overrides the mix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .dsconfig import ConfigError
+
+
+@dataclass
+class Role:
+    """A model role. ``config`` is a preset name under ``configs/deepspeed``, a JSON path, or a dict."""
+
+    name: str
+    config: str | dict
+    trains: bool = False
+    # Frozen ZeRO-3 roles only: keep DeepSpeed's memory-efficient linear (it patches F.linear
+    # process-wide and slows the trained model; see dsconfig.resolve).
+    memory_efficient_linear: bool = field(default=False, repr=False)
+
+
+# mix name -> (config of trained roles, config of frozen roles)
+MIXES: dict[str, tuple[str, str]] = {
+    # posttrain's default: the policy trains fast under ZeRO-2, frozen models are sharded.
+    "zero2-zero3": ("zero2_train", "zero3_inference"),
+    # Everything sharded: the most memory-frugal, the slowest.
+    "zero3": ("zero3_train", "zero3_inference"),
+    # What TRL does with a ZeRO-2 policy: a full copy of each frozen model on every GPU.
+    "zero2-replicated": ("zero2_train", "replicated_inference"),
+    # Frozen models sharded and their parameters kept in CPU memory.
+    "zero2-zero3-offload": ("zero2_train", "zero3_inference_offload"),
+}
+DEFAULT_MIX = "zero2-zero3"
+
+
+def roles_for(
+    trained: Iterable[str],
+    frozen: Iterable[str] = (),
+    mix: str = DEFAULT_MIX,
+    configs: Mapping[str, str | dict] | None = None,
+) -> list[Role]:
+    """Roles for a trainer: ``mix`` gives each its config, ``configs`` overrides per role."""
+    if mix not in MIXES:
+        raise ConfigError(f"unknown mix {mix!r}: choose one of {', '.join(MIXES)}, or map each role to a config")
+    trained, frozen = list(trained), list(frozen)
+    configs = dict(configs or {})
+    unknown = set(configs) - set(trained) - set(frozen)
+    if unknown:
+        raise ConfigError(
+            f"config given for unknown role(s) {sorted(unknown)}: this run's roles are {trained + frozen}"
+        )
+    train_cfg, frozen_cfg = MIXES[mix]
+    return [Role(n, configs.get(n, train_cfg), trains=True) for n in trained] + [
+        Role(n, configs.get(n, frozen_cfg), trains=False) for n in frozen
+    ]
+
+
+def roles_from_yaml(
+    source: str | Path | Mapping, trained: Iterable[str], frozen: Iterable[str] = ()
+) -> list[Role]:
+    """Read ``mix:`` and/or ``roles: {name: config}`` from a YAML file (or its parsed mapping)."""
+    if isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        try:
+            data = yaml.safe_load(Path(source).read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{source}: invalid YAML: {err}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping with 'mix' and/or 'roles'")
+    roles = data.get("roles") or {}
+    if not isinstance(roles, Mapping):
+        raise ConfigError(f"{source}: 'roles' must map a role name to a DeepSpeed config")
+    return roles_for(trained, frozen, mix=data.get("mix") or DEFAULT_MIX, configs=roles)

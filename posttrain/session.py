@@ -1,0 +1,391 @@
+"""The session: one place that owns the Accelerator(s) and every model's DeepSpeed engine.
+
+Each role has its own named plugin on one ``Accelerator(deepspeed_plugins=...)``. A model is
+loaded and prepared while its role's plugin is active, so a ZeRO-3 role is partitioned as it
+loads (zero.Init) and becomes a ZeRO-3 engine, while a ZeRO-2 role trains beside it.
+
+accelerate's multi-plugin API has traps (shared/knowledge/multi-plugin-facts.md); the session
+avoids them by giving each trained role its own Accelerator (``backward``, ``get_state_dict`` and
+``save_state`` then see exactly one engine and its config) and all frozen roles one more, which
+is never checkpointed. The first trained role owns the Accelerator built with the plugins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import dsconfig
+from .dsconfig import ConfigError
+from .roles import Role
+
+# Launcher variables that would fill or replace a plugin's values behind the session's back.
+OVERRIDING_ENV = (
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "ACCELERATE_GRADIENT_CLIPPING",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+)
+
+
+def check_environment() -> None:
+    """Refuse launcher settings that would silently override the per-role plugins."""
+    found = [k for k in OVERRIDING_ENV if os.environ.get(k) not in (None, "", "none")]
+    if found:
+        raise ConfigError(
+            f"{', '.join(f'{k}={os.environ[k]}' for k in found)} would override posttrain's per-role "
+            "DeepSpeed configs. Remove deepspeed_config_file / zero_stage / offload_* / gradient_* from "
+            "your accelerate config (or the matching --flags of accelerate launch), keep only "
+            "use_deepspeed/num_processes/machine settings, and choose placements with posttrain's mix "
+            "or role configs."
+        )
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+class Session:
+    """Owns the Accelerator(s) and the prepared engine of every role.
+
+    >>> session = Session(roles_for(["policy"], ["reference"]), micro_batch_size=4)
+    >>> policy = session.prepare("policy", session.load("policy", "path/to/model"), optimizer)
+    >>> reference = session.prepare("reference", session.load("reference", "path/to/model"))
+    """
+
+    def __init__(
+        self,
+        roles: Sequence[Role],
+        *,
+        micro_batch_size: int = 1,
+        gradient_accumulation_steps: int = 1,
+        max_grad_norm: float | None = 1.0,
+        mixed_precision: str | None = None,
+        learning_rate: float | None = None,
+        weight_decay: float | None = None,
+        warmup_steps: int | None = None,
+        total_steps: int | None = None,
+        log_with: str | list[str] | None = None,
+        project_dir: str | None = None,
+    ) -> None:
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+        check_environment()
+        # `accelerate launch` lists the accelerate-yaml keys it exported (mixed_precision at
+        # least); with plugins built from configs accelerate treats any listed key as a clash.
+        # The overriding ones were refused above and mixed precision is honoured below.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+        names = [r.name for r in roles]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"role names must be unique, got {names}")
+        trained = [r for r in roles if r.trains]
+        if not trained:
+            raise ConfigError("at least one role must train (Role(..., trains=True))")
+        # Trained roles first: accelerate activates the first plugin, and the first trained role
+        # owns the main Accelerator.
+        self.roles: dict[str, Role] = {r.name: r for r in trained + [r for r in roles if not r.trains]}
+        self.primary = trained[0].name
+        self.micro_batch_size = micro_batch_size
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.mixed_precision = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+
+        self.configs: dict[str, dict] = {}
+        for role in self.roles.values():
+            self.configs[role.name] = dsconfig.resolve(
+                dsconfig.read_config(role.config),
+                role=role.name,
+                trains=role.trains,
+                micro_batch_size=micro_batch_size,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                world_size=world_size,
+                mixed_precision=self.mixed_precision,
+                max_grad_norm=max_grad_norm,
+                learning_rate=learning_rate,
+                weight_decay=weight_decay,
+                warmup_steps=warmup_steps,
+                total_steps=total_steps,
+                memory_efficient_linear=role.memory_efficient_linear,
+            )
+
+        # A session per process at a time: a new one starts from a clean accelerate state
+        # (the process group itself is kept).
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        plugins = {name: DeepSpeedPlugin(hf_ds_config=cfg) for name, cfg in self.configs.items()}
+        # Without gloo on CPU every rank believes it is rank 0 of 1 and runs silently alone.
+        handlers = [InitProcessGroupKwargs(backend="gloo")] if on_cpu() else []
+        self.accelerator = Accelerator(
+            deepspeed_plugins=plugins,
+            mixed_precision=self.mixed_precision,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            kwargs_handlers=handlers,
+            log_with=log_with,
+            project_dir=project_dir,
+        )
+        self._check_world(world_size)
+        self._pin_accumulation()
+        self._accelerators: dict[str, Any] = {self.primary: self.accelerator}
+        for role in trained[1:]:
+            self._accelerators[role.name] = Accelerator()
+        if len(trained) < len(self.roles):
+            frozen_accelerator = Accelerator()
+            for name, role in self.roles.items():
+                if not role.trains:
+                    self._accelerators[name] = frozen_accelerator
+        self.engines: dict[str, Any] = {}
+        self.optimizers: dict[str, Any] = {}
+        self.schedulers: dict[str, Any] = {}
+        self._active: list[str] = [self.primary]
+
+    def _pin_accumulation(self) -> None:
+        # accelerate ignores the constructor's value under DeepSpeed and overwrites the shared
+        # value with each prepared plugin's (trap 1); the trained roles' value is the one that holds.
+        state = self.accelerator.gradient_state
+        state.plugin_kwargs = {**state.plugin_kwargs, "num_steps": self.gradient_accumulation_steps}
+
+    # -- processes ---------------------------------------------------------------------------
+    def _check_world(self, expected: int) -> None:
+        got = self.accelerator.num_processes
+        actual = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if got != expected or actual != expected:
+            raise RuntimeError(
+                f"world size disagrees: the launcher set WORLD_SIZE={expected}, accelerate sees {got}, "
+                f"torch.distributed sees {actual}. Launch with `accelerate launch --use_deepspeed "
+                "--num_processes N` or `torchrun --nproc_per_node N`, and on CPU keep the gloo backend."
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def num_processes(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.accelerator.process_index
+
+    def role(self, name: str) -> Role:
+        if name not in self.roles:
+            raise ConfigError(
+                f"unknown role {name!r}: this session's roles are {list(self.roles)}; declare it with "
+                "Role(name, config) or roles_for(...) so that it gets a DeepSpeed plugin"
+            )
+        return self.roles[name]
+
+    def zero_stage(self, name: str) -> int:
+        return dsconfig.zero_stage(self.configs[self.role(name).name])
+
+    # -- activation --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def activate(self, name: str) -> Iterator[Any]:
+        """Make ``name``'s plugin the active one; the previous role is active again on exit."""
+        self.role(name)
+        self._select(name)
+        self._active.append(name)
+        try:
+            yield self.engines.get(name)
+        finally:
+            self._active.pop()
+            self._select(self._active[-1])
+
+    def _select(self, name: str) -> None:
+        self.accelerator.state.select_deepspeed_plugin(name)
+
+    @property
+    def active_role(self) -> str:
+        from accelerate.utils.deepspeed import get_active_deepspeed_plugin
+
+        active = get_active_deepspeed_plugin(self.accelerator.state)
+        return next(n for n, p in self.accelerator.state.deepspeed_plugins.items() if p is active)
+
+    # -- models ------------------------------------------------------------------------------
+    def _fill_hidden_size(self, name: str, model_config: Any) -> None:
+        cfg = self.accelerator.state.deepspeed_plugins[name].deepspeed_config
+        dsconfig.resolve_hidden_size(cfg, dsconfig.hidden_size_of(model_config), name)
+        self.configs[name] = cfg
+
+    def load(
+        self,
+        name: str,
+        name_or_path: str | os.PathLike | None = None,
+        *,
+        config: Any = None,
+        model_cls: Any = None,
+        **kwargs: Any,
+    ) -> torch.nn.Module:
+        """Build a model for a role under its plugin: ``from_pretrained`` (hub name or local path)
+        or, with only ``config``, ``from_config``. A ZeRO-3 role's parameters are created
+        partitioned; a frozen role's model comes back in eval mode without gradients."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        role = self.role(name)
+        model_cls = model_cls or AutoModelForCausalLM
+        if name_or_path is None and config is None:
+            raise ConfigError(f"role {name!r}: give a hub name or local path, or a model config")
+        if config is None:
+            config = AutoConfig.from_pretrained(name_or_path, **_hub_kwargs(kwargs))
+        self._fill_hidden_size(name, config)
+        with self.activate(name):
+            if name_or_path is not None:
+                model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
+            else:
+                model = model_cls.from_config(config, **kwargs)
+        if not role.trains:
+            model.eval()
+            model.requires_grad_(False)
+        return model
+
+    def prepare(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> Any:
+        """Wrap ``model`` in its role's DeepSpeed engine; returns the engine.
+
+        A trained role needs ``optimizer`` (or an ``optimizer`` block in its config); ``scheduler``
+        is any torch LR scheduler on that optimizer, stepped once per optimizer step by
+        :meth:`step` and saved with the role's state.
+        """
+        from accelerate.utils import DummyOptim
+
+        role = self.role(name)
+        if name in self.engines:
+            raise ConfigError(f"role {name!r} is already prepared; a role holds one model")
+        cfg = self.configs[name]
+        if not role.trains and (optimizer is not None or scheduler is not None):
+            raise ConfigError(
+                f"role {name!r} is frozen and cannot take an optimizer or scheduler: drop them, or declare "
+                "the role with trains=True and a training config"
+            )
+        if role.trains and optimizer is None:
+            if "optimizer" not in cfg:
+                raise ConfigError(
+                    f"role {name!r} trains: pass an optimizer to prepare(), or add an 'optimizer' block "
+                    "to its DeepSpeed config"
+                )
+            optimizer = DummyOptim(model.parameters())
+        if hasattr(model, "config"):
+            self._fill_hidden_size(name, model.config)
+        accelerator = self._accelerators[name]
+        with self.activate(name):
+            if role.trains:
+                engine, optimizer = accelerator.prepare(model, optimizer)
+            else:
+                engine = accelerator.prepare(model)
+        self._pin_accumulation()
+        if role.trains:
+            self.optimizers[name] = optimizer
+            if scheduler is not None:
+                self.schedulers[name] = scheduler
+                accelerator.register_for_checkpointing(scheduler)
+            engine.train()
+        else:
+            engine.eval()
+        self.engines[name] = engine
+        return engine
+
+    def unwrap(self, name: str) -> torch.nn.Module:
+        return self.engines[name].module
+
+    # -- training ----------------------------------------------------------------------------
+    def backward(self, name: str, loss: torch.Tensor) -> None:
+        """Backward through the role's engine (which scales by 1/accumulation steps)."""
+        self._trained_engine(name).backward(loss)
+
+    def step(self, name: str) -> bool:
+        """The engine's step: an optimizer step (clipping included) at an accumulation boundary,
+        after which the role's scheduler steps. Returns whether the optimizer stepped."""
+        engine = self._trained_engine(name)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        if boundary and name in self.schedulers:
+            self.schedulers[name].step()
+        return boundary
+
+    def grad_norm(self, name: str) -> float | None:
+        norm = self._trained_engine(name).get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def learning_rate(self, name: str) -> float:
+        return float(self._trained_engine(name).get_lr()[0])
+
+    def _trained_engine(self, name: str) -> Any:
+        if not self.role(name).trains:
+            raise ConfigError(f"role {name!r} is frozen: it has no backward or optimizer step")
+        if name not in self.engines:
+            raise ConfigError(f"role {name!r} is not prepared yet: call session.prepare({name!r}, model, optimizer)")
+        return self.engines[name]
+
+    # -- saving ------------------------------------------------------------------------------
+    def save_state(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
+        """A resumable checkpoint: each trained role's engine (weights, optimizer), its scheduler
+        and RNG states, plus ``extra`` (the trainer's counters) as JSON."""
+        directory = Path(directory)
+        for name, role in self.roles.items():
+            if role.trains and name in self.engines:
+                with self.activate(name):
+                    self._accelerators[name].save_state(str(directory / name))
+        if self.is_main_process and extra is not None:
+            (directory / "trainer_state.json").write_text(json.dumps(extra, indent=1))
+        self.accelerator.wait_for_everyone()
+
+    def load_state(self, directory: str | os.PathLike) -> dict:
+        """Restore what :meth:`save_state` wrote; returns its ``extra``."""
+        directory = Path(directory)
+        for name, role in self.roles.items():
+            if role.trains and name in self.engines:
+                if not (directory / name).is_dir():
+                    raise FileNotFoundError(f"{directory} has no state for role {name!r}")
+                with self.activate(name):
+                    self._accelerators[name].load_state(str(directory / name))
+        extra = directory / "trainer_state.json"
+        return json.loads(extra.read_text()) if extra.exists() else {}
+
+    def state_dict(self, name: str) -> dict:
+        """The role's full weights (gathered if it is ZeRO-3), read under its own config."""
+        with self.activate(name):
+            accelerator = self._accelerators[name]
+            if self.role(name).trains:
+                return accelerator.get_state_dict(self.engines[name])
+            # Frozen engines share an Accelerator; gather directly rather than through it.
+            import deepspeed
+
+            module = self.engines[name].module
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def save_pretrained(self, name: str, directory: str | os.PathLike, tokenizer: Any = None) -> None:
+        """Save a role's model in Hugging Face format (``from_pretrained`` loads it)."""
+        state_dict = self.state_dict(name)
+        if self.is_main_process:
+            model = self.unwrap(name)
+            model.save_pretrained(str(directory), state_dict=state_dict, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(directory))
+        self.accelerator.wait_for_everyone()
+
+
+def _hub_kwargs(kwargs: dict) -> dict:
+    keys = ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only")
+    return {k: kwargs[k] for k in keys if k in kwargs}

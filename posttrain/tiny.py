@@ -1,0 +1,102 @@
+"""The built-in tiny default: a small Llama-shaped causal LM, a sequence-classification reward
+model with the same vocabulary, and a BPE tokenizer trained on text bundled with the package.
+
+Built once into a cache folder and loaded with ``from_pretrained`` like any model, so tests and the
+demo exercise the same loading code as a hub name or local path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent / "data"
+SPECIAL = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|endoftext|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Small enough for two CPU processes, large enough to learn the bundled tasks.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+
+
+def cache_dir() -> Path:
+    default = Path(__file__).resolve().parent.parent / ".cache" / "posttrain"
+    return Path(os.environ.get("POSTTRAIN_CACHE", default))
+
+
+def corpus() -> list[str]:
+    return (DATA / "tiny_corpus.txt").read_text().splitlines()
+
+
+def words() -> dict[str, list[str]]:
+    out = {}
+    for line in (DATA / "words.txt").read_text().splitlines():
+        key, value = line.split(": ", 1)
+        out[key] = value.split("|") if key == "subjects" else value.split()
+    return out
+
+
+def _lock(name: str):
+    from filelock import FileLock
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    return FileLock(str(cache_dir() / f"{name}.lock"))
+
+
+def tokenizer_path() -> Path:
+    """A byte-level BPE tokenizer trained on the bundled corpus, with pad/eos and a chat template."""
+    path = cache_dir() / "tokenizer"
+    with _lock("tokenizer"):
+        if not (path / "tokenizer.json").exists():
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+            from transformers import PreTrainedTokenizerFast
+
+            tok = Tokenizer(models.BPE())
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=SPECIAL, show_progress=False,
+                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+            tok.train_from_iterator(corpus(), trainer=trainer)
+            fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>",
+                                           bos_token=None, unk_token=None, model_max_length=128)
+            fast.chat_template = CHAT_TEMPLATE
+            fast.save_pretrained(str(path))
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike | None = None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path or tokenizer_path()))
+
+
+def model_config(kind: str = "causal", **overrides):
+    """A LlamaConfig of the tiny shape; ``kind`` is "causal" or "reward" (one-logit classifier)."""
+    from transformers import LlamaConfig
+
+    tok = load_tokenizer()
+    shape = {**TINY_SHAPE, **overrides}
+    cfg = LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      bos_token_id=None, tie_word_embeddings=False, **shape)
+    if kind == "reward":
+        cfg.num_labels = 1
+    return cfg
+
+
+def model_path(kind: str = "causal", seed: int = 0, **overrides) -> Path:
+    """A randomly initialised tiny model saved with the tokenizer (cached; same seed, same weights)."""
+    tag = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    path = cache_dir() / f"{kind}-s{seed}{'-' + tag if tag else ''}"
+    with _lock(path.name):
+        if not (path / "config.json").exists():
+            import torch
+            from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+            torch.manual_seed(seed)
+            cls = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
+            model = cls.from_config(model_config(kind, **overrides))
+            model.save_pretrained(str(path))
+            load_tokenizer().save_pretrained(str(path))
+    return path

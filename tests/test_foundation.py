@@ -1,0 +1,70 @@
+"""The role layer on two CPU processes: placement, activation, numerics, accumulation, resume."""
+
+import pytest
+from conftest import run_json
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("foundation")
+    ckpt = tmp / "ckpt"
+    full = run_json("foundation.py", "full", ckpt, tmp_path=tmp, name="full.json")
+    resumed = run_json("foundation.py", "resume", ckpt, tmp_path=tmp, name="resume.json")
+    return full, resumed
+
+
+def test_two_processes(runs):
+    assert runs[0]["world"] == 2
+
+
+def test_frozen_zero3_is_partitioned_and_policy_whole(runs):
+    r = runs[0]
+    assert r["ref_data_empty"]
+    # Each rank holds half of every parameter (up to padding).
+    assert abs(r["ref_local"] / r["ref_full"] - 0.5) < 0.01
+    assert r["policy_whole"] and r["policy_numel"] == r["ref_full"]
+
+
+def test_zero3_flag_follows_active_role(runs):
+    r = runs[0]
+    assert r["zero3_outside"] is False and r["zero3_inside"] is True and r["zero3_after"] is False
+    assert r["active_inside"] == "reference"
+    assert r["active_after_raise"] == "policy"
+
+
+def test_frozen_outputs_equal_unsharded(runs):
+    assert runs[0]["ref_vs_plain"] < 1e-5
+
+
+def test_accumulation_survives_frozen_prepare(runs):
+    r = runs[0]
+    assert r["ga_after_frozen"] == [2, 2]
+    # With 2 accumulation steps the weights move every second micro-step.
+    losses = r["losses"]
+    assert all(losses[i] == losses[i + 1] for i in range(0, 20, 2))
+    assert losses[2] != losses[0]
+
+
+def test_policy_trains(runs):
+    losses = runs[0]["losses"]
+    assert losses[-1] < losses[0] - 0.5
+    # The frozen reference did not move.
+    assert abs(runs[0]["ref_loss"] - losses[0]) < 1e-5
+
+
+def test_scheduler_steps_once_per_optimizer_step(runs):
+    lrs = runs[0]["lrs"]
+    assert lrs[0] == pytest.approx(3e-3 / 2) or lrs[1] == pytest.approx(3e-3 / 2)
+    assert lrs[-1] == pytest.approx(3e-3 / 11)
+
+
+def test_resume_gives_same_losses(runs):
+    full, resumed = runs
+    assert resumed["losses"] == pytest.approx(full["losses"][10:], abs=1e-6)
+
+
+def test_session_errors(runs):
+    e = runs[0]["errors"]
+    assert "unknown role 'critic'" in e["unknown_role"] and "Role(name, config)" in e["unknown_role"]
+    assert "frozen and cannot take an optimizer" in e["frozen_optimizer"]
+    assert "frozen: it has no backward" in e["frozen_backward"]

@@ -1,0 +1,236 @@
+"""Loop pieces every trainer shares: the base config, the optimizer, data order, logging,
+checkpoints and resume. Each trainer keeps its own algorithm in its own file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..roles import DEFAULT_MIX, roles_for
+from ..session import Session
+
+
+@dataclass
+class TrainConfig:
+    """Fields shared by every trainer; names follow ``transformers.TrainingArguments``/TRL."""
+
+    output_dir: str = "runs/posttrain"
+    seed: int = 42
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    logging_steps: int = 1
+    eval_steps: int | None = None
+    save_steps: int | None = None
+    report_to: list[str] = field(default_factory=list)
+    mixed_precision: str | None = None  # "no" | "bf16" | "fp16"; None: accelerate's launch setting
+    # Placement: a mix name (roles.MIXES) and optional per-role DeepSpeed configs (name or path).
+    mix: str = DEFAULT_MIX
+    role_configs: dict[str, str] = field(default_factory=dict)
+    resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest" in output_dir
+    disable_tqdm: bool = False
+
+
+def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:
+    return Session(
+        roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs),
+        micro_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        max_grad_norm=cfg.max_grad_norm,
+        mixed_precision=cfg.mixed_precision,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=total_steps,
+        log_with=cfg.report_to or None,
+        project_dir=cfg.output_dir,
+    )
+
+
+def optimizer_and_scheduler(model: torch.nn.Module, cfg: TrainConfig, total_steps: int, lr: float | None = None):
+    """AdamW over trainable parameters and a transformers LR schedule stepped per optimizer step."""
+    from transformers import get_scheduler
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr or cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    sched = get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
+                          num_training_steps=max(1, total_steps))
+    return opt, sched
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The same permutation on every rank for a given (seed, epoch)."""
+    g = torch.Generator().manual_seed(seed * 1000 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def rank_batches(n: int, batch_size: int, seed: int, rank: int, world: int, start: int = 0) -> Iterator[list[int]]:
+    """Endless per-rank micro-batches of example indices: each global batch of
+    ``batch_size * world`` consecutive examples of an epoch's permutation is split by rank, so the
+    data seen does not depend on placement and a resumed run continues at micro-batch ``start``."""
+    per_epoch = max(1, n // (batch_size * world))
+    step = start
+    while True:
+        epoch, k = divmod(step, per_epoch)
+        order = epoch_order(n, seed, epoch)
+        base = k * batch_size * world + rank * batch_size
+        yield order[base : base + batch_size]
+        step += 1
+
+
+class Phases:
+    """Wall time per phase (``time/generate``, ``time/score``, ...), synchronised so that a
+    phase's time includes its device work."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        _sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _sync()
+            self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = self.times, {}
+        return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def mean_over_ranks(session: Session, values: dict[str, float]) -> dict[str, float]:
+    """Average scalar metrics over processes (one all-reduce)."""
+    if not values:
+        return {}
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=session.device)
+    if session.num_processes > 1:
+        torch.distributed.all_reduce(t)
+        t /= session.num_processes
+    return dict(zip(keys, t.tolist()))
+
+
+class RunLog:
+    """Progress bar, ``metrics.jsonl`` in the output dir, and accelerate trackers."""
+
+    def __init__(self, session: Session, cfg: TrainConfig, total: int, name: str, start: int = 0) -> None:
+        self.session, self.cfg = session, cfg
+        self.out = Path(cfg.output_dir)
+        self.main = session.is_main_process
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
+        self.history: list[dict] = []
+        if cfg.report_to:
+            session.accelerator.init_trackers(name, config=_jsonable(asdict(cfg)))
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=start, desc=name, disable=not self.main or cfg.disable_tqdm,
+                        dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        row = {"step": step, **{k: _round(v) for k, v in metrics.items()}}
+        self.history.append(row)
+        if self.main:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k in _BAR_KEYS}
+            self.bar.set_postfix(shown, refresh=False)
+        if self.cfg.report_to:
+            self.session.accelerator.log(metrics, step=step)
+        if advance:
+            self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        if self.main:
+            self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.cfg.report_to:
+            self.session.accelerator.end_training()
+
+
+_BAR_KEYS = {"loss", "objective/scores", "objective/kl", "rewards/accuracies", "eval/rewards/accuracies",
+             "loss/policy_avg", "train/loss", "eval/loss"}
+
+
+def _round(v: Any) -> Any:
+    return round(v, 7) if isinstance(v, float) and math.isfinite(v) else v
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v)) for k, v in d.items()}
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+def checkpoint_dir(cfg: TrainConfig, step: int) -> Path:
+    return Path(cfg.output_dir) / f"checkpoint-{step}"
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if (p / "state" / "trainer_state.json").exists()]
+    if not found:
+        return None
+    return max(found, key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
+
+
+def resume_dir(cfg: TrainConfig) -> Path | None:
+    if not cfg.resume_from_checkpoint:
+        return None
+    if cfg.resume_from_checkpoint == "latest":
+        return latest_checkpoint(cfg.output_dir)
+    path = Path(cfg.resume_from_checkpoint)
+    if not (path / "state").is_dir():
+        raise FileNotFoundError(f"{path} is not a posttrain checkpoint (no state/ inside)")
+    return path
+
+
+def save_checkpoint(session: Session, cfg: TrainConfig, step: int, export: dict[str, Any], extra: dict) -> Path:
+    """``checkpoint-N/``: each exported role in Hugging Face format (``<role>/``, loadable with
+    ``from_pretrained``) and ``state/`` (engines, optimizers, schedulers, RNG, trainer counters)."""
+    path = checkpoint_dir(cfg, step)
+    for role, tokenizer in export.items():
+        session.save_pretrained(role, path / role, tokenizer=tokenizer)
+    session.save_state(path / "state", extra={"step": step, **extra})
+    return path

@@ -1,0 +1,132 @@
+"""Preference data in TRL's formats: loading, checking and tokenizing, as ``trl.DPOTrainer`` does.
+
+Rows are standard (``prompt``/``chosen``/``rejected`` strings) or conversational (lists of
+``{"role", "content"}`` messages, rendered with the tokenizer's chat template); an implicit prompt
+(only ``chosen``/``rejected`` sharing a prefix) is split off with TRL's ``extract_prompt``.
+Tokenization follows ``trl.DPOTrainer._prepare_dataset`` token for token, and batches are built
+with TRL's own ``DataCollatorForPreference``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+COLUMNS = ("prompt", "chosen", "rejected")
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_preference_dataset(name_or_path: str, split: str = "train", config: str | None = None) -> Any:
+    """A ``datasets.Dataset`` from a hub name, a local json/jsonl/parquet/csv file or a dataset folder."""
+    from datasets import load_dataset, load_from_disk
+
+    path = Path(name_or_path)
+    if path.is_file():
+        fmt = LOCAL_FORMATS.get(path.suffix)
+        if fmt is None:
+            raise ValueError(f"{path}: unknown data file type {path.suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
+        # A single local file has only the split "train" in `datasets`' eyes.
+        return load_dataset(fmt, data_files=str(path), split="train")
+    if path.is_dir() and (path / "dataset_info.json").exists():
+        return load_from_disk(str(path))
+    return load_dataset(name_or_path, config, split=split)
+
+
+def write_jsonl(rows: Sequence[dict], path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)  # atomic: another process never reads a half-written file
+    return path
+
+
+def _empty(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, (list, tuple)):
+        return len(value) == 0 or any(_empty(m.get("content")) if isinstance(m, dict) else _empty(m) for m in value)
+    return False
+
+
+def check_rows(dataset: Any, name: str = "dataset") -> None:
+    """Raise on a missing column or a missing/empty value, naming the row index and column."""
+    need = ("chosen", "rejected") if "prompt" not in dataset.column_names else COLUMNS
+    missing = [c for c in need if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{name}: no column {missing[0]!r}; a preference dataset needs {', '.join(COLUMNS)} "
+            f"(or an implicit prompt in chosen/rejected), got columns {dataset.column_names}"
+        )
+    index = 0
+    for batch in dataset.select_columns(list(need)).iter(batch_size=1000):
+        for i in range(len(batch[need[0]])):
+            for column in need:
+                if _empty(batch[column][i]):
+                    raise ValueError(f"{name}: row {index + i} has a missing or empty {column!r}")
+        index += len(batch[need[0]])
+
+
+def tokenize_row(row: dict, tokenizer: Any) -> dict[str, list[int]]:
+    """``prompt_ids``/``chosen_ids``/``rejected_ids`` exactly as ``trl.DPOTrainer`` builds them."""
+    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
+
+    if is_conversational(row):
+        tools = row.get("tools")
+        kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools, **(row.get("chat_template_kwargs") or {})}
+        prompt = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
+        chosen = _tokenize(tokenizer, row["prompt"] + row["chosen"], **kwargs)["input_ids"]
+        rejected = _tokenize(tokenizer, row["prompt"] + row["rejected"], **kwargs)["input_ids"]
+    else:
+        # Standard rows end their completions with EOS, as TRL does.
+        eos = tokenizer.eos_token
+        c, r = row["chosen"], row["rejected"]
+        c, r = (c if c.endswith(eos) else c + eos), (r if r.endswith(eos) else r + eos)
+        prompt = _tokenize(tokenizer, row["prompt"])["input_ids"]
+        chosen = _tokenize(tokenizer, row["prompt"] + c)["input_ids"]
+        rejected = _tokenize(tokenizer, row["prompt"] + r)["input_ids"]
+    # The completion starts where prompt and prompt+completion tokenizations diverge (TRL's rule).
+    n = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
+    return {"prompt_ids": prompt[:n], "chosen_ids": chosen[n:], "rejected_ids": rejected[n:]}
+
+
+def prepare_preference_dataset(
+    dataset: Any, tokenizer: Any, max_length: int | None = None, truncation_mode: str = "keep_start",
+    name: str = "dataset", num_proc: int | None = None,
+) -> list[dict[str, list[int]]]:
+    """Check, split implicit prompts, tokenize; drop rows whose prompt alone fills ``max_length``
+    under ``keep_start`` (no completion token would be left, as in TRL). Returns plain lists."""
+    from trl.data_utils import extract_prompt
+
+    if isinstance(dataset, (list, tuple)):
+        from datasets import Dataset
+
+        dataset = Dataset.from_list(list(dataset))
+    check_rows(dataset, name)
+    # keep_in_memory: every rank maps on its own without racing on shared cache files.
+    if "prompt" not in dataset.column_names:
+        dataset = dataset.map(extract_prompt, keep_in_memory=True, num_proc=num_proc)
+    keep = [c for c in dataset.column_names if c in (*COLUMNS, "tools", "chat_template_kwargs")]
+    tokenized = dataset.select_columns(keep).map(
+        tokenize_row, fn_kwargs={"tokenizer": tokenizer}, remove_columns=keep, keep_in_memory=True,
+        num_proc=num_proc,
+    )
+    rows = tokenized.to_list()
+    if max_length is not None and truncation_mode == "keep_start":
+        rows = [r for r in rows if len(r["prompt_ids"]) < max_length]
+    if not rows:
+        raise ValueError(f"{name}: no usable rows (is max_length={max_length} shorter than every prompt?)")
+    return rows
+
+
+def collator(tokenizer: Any, max_length: int | None, truncation_mode: str = "keep_start"):
+    """TRL's ``DataCollatorForPreference``: [chosen; rejected] rows, right-padded, with a completion mask."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return DataCollatorForPreference(pad_token_id=pad, max_length=max_length, truncation_mode=truncation_mode)

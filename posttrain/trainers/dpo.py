@@ -1,0 +1,517 @@
+"""DPO on the role layer: the policy trains under its own plugin (ZeRO-2 by default) and the frozen
+reference is loaded and prepared under another (ZeRO-3 by default), which TRL's DPOTrainer cannot do.
+
+The loss and metrics follow ``trl.DPOTrainer`` (TRL 1.16) formula by formula; tests/test_dpo.py
+checks them against TRL's own code on the same model, batch and reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import preference, tiny
+from .common import (
+    Phases,
+    RunLog,
+    TrainConfig,
+    make_session,
+    mean_over_ranks,
+    optimizer_and_scheduler,
+    rank_batches,
+    resume_dir,
+    save_checkpoint,
+    seed_everything,
+)
+
+# Every loss_type trl.DPOTrainer 1.16 accepts; none needs a model besides policy and reference.
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+# The f-DPO reparameterisation only cancels log Z(x) in the chosen-rejected difference (TRL's rule).
+F_DIVERGENCE_LOSS_TYPES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+
+
+@dataclass
+class DPOConfig(TrainConfig):
+    """DPO settings; names and defaults follow ``trl.DPOConfig`` where the concept is the same."""
+
+    output_dir: str = "runs/dpo"
+    learning_rate: float = 1e-6
+    logging_steps: int = 10
+    # Models: a hub name or local path each; the reference defaults to the policy's weights.
+    model_name_or_path: str | None = None
+    ref_model_name_or_path: str | None = None
+    model_init_kwargs: dict[str, Any] | None = None
+    disable_dropout: bool = True
+    # LoRA (names of trl.ModelConfig): the reference is then the base with adapters disabled.
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None
+    # Data
+    dataset_num_proc: int | None = None
+    max_length: int | None = 1024
+    truncation_mode: str = "keep_start"
+    precompute_ref_log_probs: bool = False
+    precompute_ref_batch_size: int | None = None
+    # Loss
+    loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
+    loss_weights: list[float] | None = None
+    ld_alpha: float | None = None
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    label_smoothing: float = 0.0
+    beta: float = 0.1
+    use_weighting: bool = False
+    discopop_tau: float = 0.05
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss_type, str):
+            self.loss_type = [self.loss_type]
+        validate(self)
+
+
+def validate(cfg: DPOConfig) -> None:
+    """TRL's checks on the loss settings, raised before any model is loaded."""
+    unknown = [t for t in cfg.loss_type if t not in LOSS_TYPES]
+    if unknown:
+        raise ValueError(f"unknown loss_type {unknown[0]!r}: choose from {', '.join(LOSS_TYPES)}")
+    if cfg.loss_weights is not None and len(cfg.loss_weights) != len(cfg.loss_type):
+        raise ValueError(f"loss_weights has {len(cfg.loss_weights)} values for {len(cfg.loss_type)} loss types")
+    if cfg.f_divergence_type not in F_DIVERGENCES:
+        raise ValueError(f"unknown f_divergence_type {cfg.f_divergence_type!r}: choose from {', '.join(F_DIVERGENCES)}")
+    if cfg.f_divergence_type != "reverse_kl" and not set(cfg.loss_type) <= F_DIVERGENCE_LOSS_TYPES:
+        raise ValueError(f"f_divergence_type={cfg.f_divergence_type!r} supports only {sorted(F_DIVERGENCE_LOSS_TYPES)}")
+    if "exo_pair" in cfg.loss_type and cfg.label_smoothing == 0.0:
+        raise ValueError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper uses 1e-3)")
+    if cfg.use_weighting and {"aot", "aot_unpaired"} & set(cfg.loss_type):
+        raise ValueError("use_weighting does not apply to 'aot'/'aot_unpaired': they sort the pairs")
+    if cfg.truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {cfg.truncation_mode!r}")
+    if cfg.use_peft and cfg.ref_model_name_or_path:
+        raise ValueError("use_peft takes its reference from the base model; drop ref_model_name_or_path")
+
+
+# -- the math (TRL 1.16's DPOTrainer._compute_loss) -----------------------------------------------
+def sequence_logps(model: Any, batch: dict, ld_alpha: float | None, stats: bool = False) -> dict[str, torch.Tensor]:
+    """Per-token log-probs of the completion tokens and their (LD-weighted) sum per sequence;
+    with ``stats``, the per-token entropy, mean logit, top-1 hit and log sum p² as well."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = logits[:, :-1].float()
+    labels = batch["input_ids"][:, 1:]
+    mask = batch["completion_mask"][:, 1:]
+    per_token = selective_log_softmax(logits, labels) * mask
+    out = {"per_token_logps": per_token, "logps": _reduce(per_token, mask, ld_alpha)}
+    if stats:
+        with torch.no_grad():
+            out["entropy"] = entropy_from_logits(logits)
+            out["mean_logits"] = logits.mean(-1)
+            out["is_top1"] = logits.argmax(-1) == labels
+            out["log_sum_sq_probs"] = torch.logsumexp(2 * logits.log_softmax(-1), dim=-1)
+    return out
+
+
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None) -> torch.Tensor:
+    if ld_alpha is None:
+        return per_token.sum(1)
+    # LD-DPO: tokens past the shorter completion of the pair count with weight ld_alpha.
+    pos = mask.cumsum(1)
+    chosen_len, rejected_len = mask.sum(1).long().chunk(2)
+    shared = torch.minimum(chosen_len, rejected_len).repeat(2).unsqueeze(1)
+    return (per_token * ((pos > 0) & (pos <= shared))).sum(1) + ld_alpha * (per_token * (pos > shared)).sum(1)
+
+
+def _scores(cfg: DPOConfig, logratios: torch.Tensor) -> torch.Tensor:
+    kind = cfg.f_divergence_type
+    if kind == "reverse_kl" or (kind == "alpha_divergence" and abs(cfg.f_alpha_divergence_coef - 1.0) < 1e-6):
+        return logratios
+    if kind == "forward_kl":
+        return 1 - torch.exp(-logratios)
+    if kind == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratios)
+    a = cfg.f_alpha_divergence_coef
+    t = torch.clamp(((a - 1.0) * logratios).float(), max={torch.float16: 11.0}.get(logratios.dtype, 80.0))
+    return (torch.exp(t) - 1.0).to(logratios.dtype) / (a - 1.0)
+
+
+def dpo_losses(cfg: DPOConfig, policy: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+               completion_mask: torch.Tensor) -> torch.Tensor:
+    """Per-pair loss of the weighted sum of ``cfg.loss_type``; its mean is TRL's loss."""
+    beta, eps = cfg.beta, cfg.label_smoothing
+    chosen, rejected = policy["logps"].chunk(2)
+    per_token, shift_mask = policy["per_token_logps"], completion_mask[:, 1:]
+    chosen_lr, rejected_lr = chosen - ref_chosen, rejected - ref_rejected
+    chosen_s, rejected_s = _scores(cfg, chosen_lr), _scores(cfg, rejected_lr)
+    delta = chosen_s - rejected_s
+    n_chosen, n_rejected = completion_mask.sum(1).clamp(min=1.0).chunk(2)
+    total = torch.zeros_like(chosen)
+    for loss_type, weight in zip(cfg.loss_type, cfg.loss_weights or [1.0] * len(cfg.loss_type)):
+        if loss_type == "sigmoid":
+            loss = -F.logsigmoid(beta * delta)
+        elif loss_type == "hinge":
+            loss = torch.relu(1 - beta * delta)
+        elif loss_type == "ipo":  # length-normalised, as TRL (confirmed with the IPO authors)
+            loss = (chosen_s / n_chosen - rejected_s / n_rejected - 1 / (2 * beta)) ** 2
+        elif loss_type == "exo_pair":
+            eps_t = torch.tensor(eps, device=delta.device)
+            loss = (torch.sigmoid(beta * delta) * (F.logsigmoid(beta * delta) - torch.log1p(-eps_t))
+                    + torch.sigmoid(-beta * delta) * (F.logsigmoid(-beta * delta) - torch.log(eps_t)))
+        elif loss_type == "nca_pair":
+            loss = (-F.logsigmoid(beta * chosen_lr) - 0.5 * F.logsigmoid(-beta * chosen_lr)
+                    - 0.5 * F.logsigmoid(-beta * rejected_lr))
+        elif loss_type == "robust":
+            loss = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
+        elif loss_type == "bco_pair":
+            loss = -F.logsigmoid(beta * chosen_lr) - F.logsigmoid(-beta * rejected_lr)
+        elif loss_type == "sppo_hard":
+            loss = (chosen_lr - 0.5 / beta) ** 2 + (rejected_lr + 0.5 / beta) ** 2
+        elif loss_type in ("aot", "aot_unpaired"):
+            if loss_type == "aot":
+                d = (torch.sort(chosen - rejected, dim=0)[0]
+                     - torch.sort(ref_chosen - ref_rejected, dim=0)[0])
+            else:
+                d = torch.sort(chosen_lr, dim=0)[0] - torch.sort(rejected_lr, dim=0)[0]
+            loss = -F.logsigmoid(beta * d) * (1 - eps) - F.logsigmoid(-beta * d) * eps
+        elif loss_type == "apo_zero":
+            loss = 1 - torch.sigmoid(beta * chosen_lr) + torch.sigmoid(beta * rejected_lr)
+        elif loss_type == "apo_down":
+            loss = torch.sigmoid(beta * chosen_lr) + 1 - torch.sigmoid(beta * (chosen_lr - rejected_lr))
+        elif loss_type == "discopop":
+            logits = beta * delta
+            mix = torch.sigmoid(logits / cfg.discopop_tau)
+            loss = -F.logsigmoid(logits) * (1 - mix) + torch.exp(-logits) * mix
+        elif loss_type == "sft":  # the chosen tokens' NLL over the batch, one value for every pair
+            chosen_mask = shift_mask.chunk(2)[0].bool()
+            loss = (-per_token.chunk(2)[0][chosen_mask].mean()).expand(chosen.shape[0])
+        elif loss_type == "sigmoid_norm":
+            loss = -F.logsigmoid(beta * (chosen_s / n_chosen - rejected_s / n_rejected))
+        else:
+            raise ValueError(f"unknown loss_type {loss_type!r}")
+        if cfg.use_weighting:  # WPO: weight by the pair's length-normalised sequence probabilities
+            with torch.no_grad():
+                aligned = (per_token - policy["log_sum_sq_probs"]) * shift_mask
+            w = torch.exp(aligned.sum(1) / shift_mask.sum(1).clamp_min(1))
+            w_chosen, w_rejected = w.chunk(2)
+            loss = loss * w_chosen * w_rejected
+        total = total + weight * loss
+    return total
+
+
+def pair_metrics(cfg: DPOConfig, policy: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+                 completion_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-pair values behind TRL's metrics (``rewards/*``, ``logps/*``), detached."""
+    chosen, rejected = policy["logps"].detach().chunk(2)
+    rc, rr = cfg.beta * (chosen - ref_chosen), cfg.beta * (rejected - ref_rejected)
+    return {"rewards/chosen": rc, "rewards/rejected": rr, "rewards/accuracies": (rc > rr).float(),
+            "rewards/margins": rc - rr, "logps/chosen": chosen, "logps/rejected": rejected}
+
+
+def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """(sum, count) over completion tokens for TRL's token-level metrics."""
+    mask = completion_mask[:, 1:].bool()
+    chosen_mask, rejected_mask = mask.chunk(2)
+    mean_chosen, mean_rejected = policy["mean_logits"].chunk(2)
+    top1 = policy["is_top1"].chunk(2)[0]
+    return {
+        "entropy": (policy["entropy"][mask].sum().item(), mask.sum().item()),
+        "logits/chosen": (mean_chosen[chosen_mask].sum().item(), chosen_mask.sum().item()),
+        "logits/rejected": (mean_rejected[rejected_mask].sum().item(), rejected_mask.sum().item()),
+        "mean_token_accuracy": ((top1 & chosen_mask).sum().item(), chosen_mask.sum().item()),
+    }
+
+
+# -- the tiny default ---------------------------------------------------------------------------------
+def tiny_sft_policy(steps: int = 300, seed: int = 0) -> Path:
+    """The built-in tiny model after a short causal-LM fine-tune on the bundled corpus (cached), so
+    that DPO starts from a sensible language model."""
+    path = tiny.cache_dir() / f"causal-s{seed}-sft{steps}"
+    with tiny._lock(path.name):
+        if not (path / "config.json").exists():
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(seed)
+            tok = tiny.load_tokenizer()
+            model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=seed))
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            lines = [line + tok.eos_token for line in tiny.corpus()]
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(steps):
+                idx = torch.randint(len(lines), (32,), generator=g).tolist()
+                enc = tok([lines[i] for i in idx], return_tensors="pt", padding=True)
+                labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+                model(**enc, labels=labels).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            model.save_pretrained(str(path))
+            tok.save_pretrained(str(path))
+    return path
+
+
+# -- the trainer --------------------------------------------------------------------------------------
+class DPOTrainer:
+    """Direct Preference Optimization with the policy and reference on their own DeepSpeed plugins.
+
+    Loss types, their formulas and the metric names are those of ``trl.DPOTrainer`` (TRL 1.16); for
+    every loss type the loss and metrics equal TRL's within 1e-5 in fp32 on the same model, batch and
+    reference (tests/test_dpo.py runs TRL's own code for the reference numbers).
+
+    Reference modes: a frozen model under the ``reference`` role (the mix's frozen config, ZeRO-3 by
+    default); ``precompute_ref_log_probs`` (one pass under the reference role, then the engine is
+    released); ``use_peft`` (LoRA policy; the reference is its base with adapters disabled, no role).
+
+    >>> trainer = DPOTrainer(DPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
+    >>> trainer.train()
+    """
+
+    def __init__(self, args: DPOConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
+                 peft_config: Any = None) -> None:
+        self.cfg = cfg = args
+        validate(cfg)
+        seed_everything(cfg.seed)
+        policy_path = cfg.model_name_or_path or str(tiny_sft_policy())
+        self.tokenizer = tokenizer or _load_tokenizer(policy_path, cfg)
+        self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
+        self.peft_config = peft_config if peft_config is not None else _lora_config(cfg)
+        self.live_reference = self.peft_config is None and not cfg.precompute_ref_log_probs
+        frozen = [] if self.peft_config is not None else ["reference"]
+
+        prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, truncation_mode=cfg.truncation_mode,
+                    num_proc=cfg.dataset_num_proc)
+        self.train_rows = preference.prepare_preference_dataset(train_dataset, name="train_dataset", **prep)
+        self.eval_rows = (preference.prepare_preference_dataset(eval_dataset, name="eval_dataset", **prep)
+                          if eval_dataset is not None else None)
+
+        world = _world_size()
+        global_batch = cfg.per_device_train_batch_size * world
+        if len(self.train_rows) < global_batch:
+            raise ValueError(f"train_dataset has {len(self.train_rows)} usable rows, fewer than one global batch "
+                             f"({cfg.per_device_train_batch_size} per device x {world} processes)")
+        per_epoch = max(1, len(self.train_rows) // global_batch // cfg.gradient_accumulation_steps)
+        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
+        self.session = make_session(cfg, ["policy"], frozen, total_steps=self.total_steps)
+        self.phases = Phases()
+        kwargs = dict(cfg.model_init_kwargs or {})
+
+        if frozen:
+            ref = self.session.load("reference", cfg.ref_model_name_or_path or policy_path, **kwargs)
+            self._no_dropout(ref)
+            self.reference = self.session.prepare("reference", ref)
+            if cfg.precompute_ref_log_probs:
+                # One pass under the reference role, then its memory is given back before the policy loads.
+                with self.phases("precompute"):
+                    self._precompute(self.train_rows)
+                    if self.eval_rows is not None:
+                        self._precompute(self.eval_rows)
+                self._release_reference()
+
+        model = self.session.load("policy", policy_path, **kwargs)
+        self._no_dropout(model)
+        if self.peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, self.peft_config)
+        opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
+        self.policy = self.session.prepare("policy", model, opt, sched)
+        self.step = 0
+        self.history: list[dict] = []
+
+    # -- setup helpers ---------------------------------------------------------------------------------
+    def _no_dropout(self, model: torch.nn.Module) -> None:
+        if self.cfg.disable_dropout:
+            from trl.trainer.utils import disable_dropout_in_model
+
+            disable_dropout_in_model(model)
+
+    def _release_reference(self) -> None:
+        # Workaround: Session has no release(); drop the engine and the frozen Accelerator's handle on it.
+        engine = self.session.engines.pop("reference")
+        with contextlib.suppress(Exception):
+            engine.destroy()
+        self.session._accelerators["reference"].free_memory()
+        self.reference = None
+        del engine
+        gc.collect()
+
+    def _shard(self, n: int, batch_size: int) -> list[tuple[list[int], int]]:
+        """This rank's share of ``range(n)`` as (indices, valid count) batches; every rank gets the same
+        number of batches (ZeRO-3 forwards are collective), short ones padded with index 0."""
+        rank, world = self.session.process_index, self.session.num_processes
+        mine = list(range(rank, n, world))
+        per_rank = math.ceil(n / world)
+        out = []
+        for start in range(0, per_rank, batch_size):
+            idx = mine[start : start + batch_size]
+            valid = len(idx)
+            out.append((idx + [0] * (min(batch_size, per_rank - start) - valid), valid))
+        return out
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.session.device) for k, v in batch.items()}
+
+    @torch.no_grad()
+    def _precompute(self, rows: list[dict]) -> None:
+        """Reference log-probs of every pair, stored in the rows (``ref_chosen_logps``/``ref_rejected_logps``)."""
+        bs = self.cfg.precompute_ref_batch_size or self.cfg.per_device_train_batch_size
+        values = torch.zeros(len(rows), 2, dtype=torch.float64, device=self.session.device)
+        for idx, valid in self._shard(len(rows), bs):
+            batch = self._to_device(self.collate([_pair_only(rows[i]) for i in idx]))
+            chosen, rejected = sequence_logps(self.reference, batch, self.cfg.ld_alpha)["logps"].chunk(2)
+            values[idx[:valid]] = torch.stack([chosen, rejected], 1)[:valid].double()
+        if self.session.num_processes > 1:
+            torch.distributed.all_reduce(values)  # each row was computed on exactly one rank
+        for row, (c, r) in zip(rows, values.tolist()):
+            row["ref_chosen_logps"], row["ref_rejected_logps"] = c, r
+
+    # -- the loss --------------------------------------------------------------------------------------
+    def _reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if "ref_chosen_logps" in batch:
+            dtype = torch.get_default_dtype()
+            return batch["ref_chosen_logps"].to(dtype), batch["ref_rejected_logps"].to(dtype)
+        with torch.no_grad():
+            if self.peft_config is not None:
+                from trl.trainer.utils import use_adapter
+
+                with use_adapter(self.policy.module, adapter_name=None):
+                    out = sequence_logps(self.policy, batch, self.cfg.ld_alpha)
+            else:
+                out = sequence_logps(self.reference, batch, self.cfg.ld_alpha)
+        return out["logps"].chunk(2)
+
+    def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+        """TRL's DPO loss on one collated batch ([chosen; rejected] rows); returns the loss, the
+        per-pair metric values and the (sum, count) token metrics."""
+        batch = self._to_device(batch)
+        with self.phases("reference"):
+            ref_chosen, ref_rejected = self._reference_logps(batch)
+        with self.phases("policy_forward"):
+            policy = sequence_logps(self.policy, batch, self.cfg.ld_alpha, stats=True)
+            loss = dpo_losses(self.cfg, policy, ref_chosen, ref_rejected, batch["completion_mask"])
+        pairs = pair_metrics(self.cfg, policy, ref_chosen, ref_rejected, batch["completion_mask"])
+        pairs["loss"] = loss.detach()
+        return loss.mean(), pairs, token_metrics(policy, batch["completion_mask"])
+
+    # -- loop ------------------------------------------------------------------------------------------
+    def _train_batches(self, start_micro: int):
+        cfg, s = self.cfg, self.session
+        for idx in rank_batches(len(self.train_rows), cfg.per_device_train_batch_size, cfg.seed,
+                                s.process_index, s.num_processes, start=start_micro):
+            yield self.collate([self.train_rows[i] for i in idx])
+
+    def train(self) -> list[dict]:
+        """Train ``total_steps`` optimizer steps; returns the logged rows (also in metrics.jsonl)."""
+        cfg, s = self.cfg, self.session
+        ckpt = resume_dir(cfg)
+        if ckpt is not None:
+            self.step = int(s.load_state(ckpt / "state")["step"])
+        ga = cfg.gradient_accumulation_steps
+        batches = self._train_batches(self.step * ga)
+        log = RunLog(s, cfg, self.total_steps, "dpo", start=self.step)
+        window: list[dict[str, float]] = []
+        while self.step < self.total_steps:
+            sums: dict[str, float] = {}
+            tokens: dict[str, list[float]] = {}
+            for _ in range(ga):
+                loss, pairs, tok = self.compute_loss(next(batches))
+                with self.phases("backward"):
+                    s.backward("policy", loss)
+                    s.step("policy")
+                for k, v in pairs.items():
+                    sums[k] = sums.get(k, 0.0) + (loss.item() if k == "loss" else v.mean().item()) / ga
+                for k, (a, b) in tok.items():
+                    tokens.setdefault(k, [0.0, 0.0])
+                    tokens[k][0] += a
+                    tokens[k][1] += b
+            self.step += 1
+            row = {**sums, **{k: a / max(b, 1) for k, (a, b) in tokens.items()},
+                   "grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                   "epoch": self.step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
+                   **self.phases.pop()}
+            window.append(row)
+            last = self.step == self.total_steps
+            if self.step % cfg.logging_steps == 0 or last:
+                metrics = mean_over_ranks(s, {k: sum(r[k] for r in window) / len(window) for k in window[0]})
+                log.log(self.step, metrics, advance=False)
+                self.history.append({"step": self.step, **metrics})
+                window = []
+            log.bar.update(1)
+            if self.eval_rows is not None and ((cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
+                ev = self.evaluate()
+                log.log(self.step, ev, advance=False)
+                self.history.append({"step": self.step, **ev})
+            if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
+                save_checkpoint(s, cfg, self.step, {"policy": self.tokenizer}, {"total_steps": self.total_steps})
+        log.close()
+        return self.history
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
+        """TRL's metrics over every eval pair (exact means over the whole set, whatever the world size)."""
+        rows = rows if rows is not None else self.eval_rows
+        if rows is None:
+            raise ValueError("no eval_dataset was given")
+        self.policy.eval()
+        keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                "logps/chosen", "logps/rejected")
+        tok_keys = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
+        sums = torch.zeros(len(keys) + 1 + 2 * len(tok_keys), dtype=torch.float64, device=self.session.device)
+        for idx, valid in self._shard(len(rows), self.cfg.per_device_eval_batch_size):
+            _, pairs, tok = self.compute_loss(self.collate([rows[i] for i in idx]))
+            for j, k in enumerate(keys):
+                sums[j] += pairs[k][:valid].double().sum()
+            sums[len(keys)] += valid
+            if valid == len(idx):  # token metrics from full batches only, so padding repeats don't count
+                for j, k in enumerate(tok_keys):
+                    sums[len(keys) + 1 + 2 * j] += tok[k][0]
+                    sums[len(keys) + 2 + 2 * j] += tok[k][1]
+        if self.session.num_processes > 1:
+            torch.distributed.all_reduce(sums)
+        self.phases.pop()
+        self.policy.train()
+        out = {f"{prefix}/{k}": (sums[j] / sums[len(keys)]).item() for j, k in enumerate(keys)}
+        for j, k in enumerate(tok_keys):
+            out[f"{prefix}/{k}"] = (sums[len(keys) + 1 + 2 * j] / sums[len(keys) + 2 + 2 * j].clamp(min=1)).item()
+        return out
+
+    def save_model(self, directory: str | Path) -> None:
+        """The policy in Hugging Face format (a LoRA policy saves its adapter)."""
+        self.session.save_pretrained("policy", directory, tokenizer=self.tokenizer)
+
+
+def _pair_only(row: dict) -> dict:
+    return {k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+
+
+def _world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _load_tokenizer(path: str, cfg: DPOConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    kwargs = {k: v for k, v in (cfg.model_init_kwargs or {}).items() if k in ("revision", "trust_remote_code")}
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    if tok.pad_token is None:  # TRL's default
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _lora_config(cfg: DPOConfig) -> Any:
+    if not cfg.use_peft:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.lora_target_modules, bias="none")

@@ -235,6 +235,8 @@ def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tupl
 def tiny_sft_policy(steps: int = 300, seed: int = 0) -> Path:
     """The built-in tiny model after a short causal-LM fine-tune on the bundled corpus (cached), so
     that DPO starts from a sensible language model."""
+    if hasattr(tiny, "sft_model_path"):  # the shared builder, where tiny.py has one
+        return tiny.sft_model_path(seed=seed, steps=steps)
     path = tiny.cache_dir() / f"causal-s{seed}-sft{steps}"
     with tiny._lock(path.name):
         if not (path / "config.json").exists():
@@ -440,7 +442,10 @@ class DPOTrainer:
             window.append(row)
             last = self.step == self.total_steps
             if self.step % cfg.logging_steps == 0 or last:
-                metrics = mean_over_ranks(s, {k: sum(r[k] for r in window) / len(window) for k in window[0]})
+                # Losses and rewards average over the window; lr, epoch and grad norm are the latest.
+                mean = {k: sum(r[k] for r in window) / len(window) for k in window[0]}
+                mean.update({k: row[k] for k in ("grad_norm", "learning_rate", "epoch")})
+                metrics = mean_over_ranks(s, mean)
                 log.log(self.step, metrics, advance=False)
                 self.history.append({"step": self.step, **metrics})
                 window = []

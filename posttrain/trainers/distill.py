@@ -1,0 +1,318 @@
+"""Knowledge distillation: a trained student learns a frozen teacher's next-token distributions.
+
+The loss is TRL's generalized Jensen-Shannon divergence (GKD, https://huggingface.co/papers/2306.13649):
+``beta`` 0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher), values in
+between the generalized JSD; both distributions are softened by ``temperature``. The sequences it
+is measured on come, per step, from the student (with probability ``lmbda``, on-policy), else from
+the teacher (``seq_kd``, sequence-level KD), else from the dataset, as in TRL's GKDTrainer.
+
+Placement: the student trains under its role's plugin (default ZeRO-2, whole on every rank) while
+the teacher is sharded for inference (default ZeRO-3), the first scenario of accelerate's
+multi-model DeepSpeed guide.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import tiny
+from ..dsconfig import ConfigError
+from .common import (
+    Phases,
+    RunLog,
+    TrainConfig,
+    make_session,
+    mean_over_ranks,
+    optimizer_and_scheduler,
+    rank_batches,
+    resume_dir,
+    save_checkpoint,
+    seed_everything,
+)
+
+
+@dataclass
+class DistillConfig(TrainConfig):
+    """Distillation settings; names follow TRL's GKDConfig / DistillationConfig."""
+
+    output_dir: str = "runs/distill"
+    learning_rate: float = 5e-4
+    model_name_or_path: str | None = None  # the student; None: posttrain's tiny default
+    teacher_model_name_or_path: str | None = None
+    beta: float = 0.5  # 0: forward KL, 0.5: JSD, 1: reverse KL
+    temperature: float = 1.0  # softens both distributions in the loss, and samples generations
+    lmbda: float = 0.0  # fraction of steps trained on the student's own generations (on-policy)
+    seq_kd: bool = False  # on the other steps, train on the teacher's generations instead of the data
+    max_new_tokens: int = 16
+    max_length: int = 128  # prompt + completion tokens
+
+    def __post_init__(self) -> None:
+        for name in ("beta", "lmbda"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {value}")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be positive, got {self.temperature}")
+
+
+def generalized_jsd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+) -> torch.Tensor:
+    """TRL's GKD loss: ``beta·KL(teacher‖m) + (1-beta)·KL(student‖m)`` with the mixture
+    ``m = beta·teacher + (1-beta)·student``; positions whose label is -100 are left out.
+    "batchmean" averages over the kept positions."""
+    student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
+    teacher_log_probs = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:  # forward KL(teacher || student)
+        div = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    elif beta == 1:  # reverse KL(student || teacher)
+        div = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+    else:
+        b = torch.tensor(beta, dtype=student_log_probs.dtype, device=student_log_probs.device)
+        mixture = torch.logsumexp(torch.stack([student_log_probs + torch.log1p(-b), teacher_log_probs + torch.log(b)]), 0)
+        kl_teacher = F.kl_div(mixture, teacher_log_probs, reduction="none", log_target=True)
+        kl_student = F.kl_div(mixture, student_log_probs, reduction="none", log_target=True)
+        div = b * kl_teacher + (1 - b) * kl_student
+    mask = labels != -100 if labels is not None else None
+    if mask is not None:
+        div = div[mask]
+    if reduction == "batchmean":
+        denom = mask.sum().clamp_min(1) if mask is not None else max(div.size(0), 1)
+        return div.sum() / denom
+    if reduction == "sum":
+        return div.sum()
+    if reduction == "mean":
+        return div.mean()
+    return div
+
+
+def check_vocabularies(student_config: Any, teacher_config: Any) -> None:
+    """The divergence compares whole next-token distributions, so both models need one vocabulary."""
+    s = student_config.get_text_config().vocab_size
+    t = teacher_config.get_text_config().vocab_size
+    if s != t:
+        raise ConfigError(
+            f"the student's vocabulary has {s} tokens but the teacher's has {t}: distillation compares the "
+            "teacher's full next-token distribution with the student's, so both must share one vocabulary "
+            "(and tokenizer). Pick a teacher and student from the same model family."
+        )
+
+
+def completion_batch(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Right-padded ``prompt + completion`` rows; labels keep only the completion tokens."""
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+        labels[i, len(p) : len(s)] = ids[i, len(p) : len(s)]
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+class DistillTrainer:
+    """Distil ``teacher_model_name_or_path`` into the student on ``{"prompt", "completion"}`` rows.
+
+    >>> trainer = DistillTrainer(DistillConfig(teacher_model_name_or_path="big"), train_rows, eval_rows)
+    >>> trainer.train()
+    """
+
+    def __init__(
+        self,
+        cfg: DistillConfig,
+        train_dataset: list[dict[str, str]],
+        eval_dataset: list[dict[str, str]] | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        if not cfg.teacher_model_name_or_path:
+            raise ConfigError("distillation needs a teacher: set teacher_model_name_or_path")
+        for rows, what in ((train_dataset, "train_dataset"), (eval_dataset or [], "eval_dataset")):
+            if rows and not {"prompt", "completion"} <= set(rows[0]):
+                raise ConfigError(f"{what} rows need 'prompt' and 'completion' (TRL's prompt-completion format)")
+        self.cfg = cfg
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.student_path = cfg.model_name_or_path or str(tiny.model_path())
+        self.tokenizer = tokenizer or tiny.load_tokenizer(self.student_path)
+        self.session = None
+
+    # -- set-up ----------------------------------------------------------------------------
+    def total_steps(self) -> int:
+        cfg = self.cfg
+        if cfg.max_steps > 0:
+            return cfg.max_steps
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        per_step = cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps
+        return max(1, math.ceil(cfg.num_train_epochs * len(self.train_dataset) / per_step))
+
+    def setup(self) -> None:
+        """Check the vocabularies, then load and prepare both models under their roles."""
+        from transformers import AutoConfig
+
+        cfg = self.cfg
+        check_vocabularies(AutoConfig.from_pretrained(self.student_path),
+                           AutoConfig.from_pretrained(cfg.teacher_model_name_or_path))
+        seed_everything(cfg.seed)
+        self.total = self.total_steps()
+        s = self.session = make_session(cfg, ["student"], ["teacher"], total_steps=self.total)
+        student = s.load("student", self.student_path)
+        opt, sched = optimizer_and_scheduler(student, cfg, self.total)
+        self.student = s.prepare("student", student, opt, sched)
+        self.teacher = s.prepare("teacher", s.load("teacher", cfg.teacher_model_name_or_path))
+        self.start = 0
+        ckpt = resume_dir(cfg)
+        if ckpt is not None:
+            self.start = s.load_state(ckpt / "state")["step"]
+
+    # -- data ------------------------------------------------------------------------------
+    def _encode(self, rows: list[dict[str, str]]) -> tuple[list[list[int]], list[list[int]]]:
+        tok = self.tokenizer
+        prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        completions = []
+        for p, r in zip(prompts, rows):
+            ids = tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            completions.append(ids[: max(1, self.cfg.max_length - len(p))])
+        return prompts, completions
+
+    @torch.no_grad()
+    def generate(self, role: str, prompts: list[list[int]]) -> list[list[int]]:
+        """Sample completions from ``role``'s model, each cut after its first end-of-sequence token.
+        A ZeRO-3 model gathers its layers on every forward, so all ranks generate in lock-step."""
+        s, tok = self.session, self.tokenizer
+        engine = s.engines[role]
+        width = max(len(p) for p in prompts)
+        # Left padding: every prompt ends where generation starts.
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=s.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=s.device)
+        with s.activate(role):
+            out = engine.module.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature, top_k=0,
+                top_p=1.0, max_new_tokens=self.cfg.max_new_tokens, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id, synced_gpus=s.zero_stage(role) == 3 and s.num_processes > 1,
+            )
+        completions = []
+        for row in out[:, width:].tolist():
+            if tok.eos_token_id in row:
+                row = row[: row.index(tok.eos_token_id) + 1]
+            completions.append(row)
+        return completions
+
+    def _source(self, step: int) -> str:
+        # One draw per step from (seed, step), the same on every rank: a ZeRO-3 model must run the
+        # same forwards on all ranks, and a resumed run makes the same choices.
+        if random.Random(self.cfg.seed * 100003 + step).random() < self.cfg.lmbda:
+            return "student"
+        return "teacher" if self.cfg.seq_kd else "data"
+
+    # -- loss ------------------------------------------------------------------------------
+    def logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Student and teacher logits at the positions that predict a next token (all but the last)."""
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        with self.session.activate("teacher"), torch.no_grad():
+            teacher_logits = self.teacher(**inputs).logits
+        student_logits = self.student(**inputs).logits
+        return student_logits[:, :-1].float(), teacher_logits[:, :-1].float()
+
+    def training_step(self, step: int, batches: Any, phases: Phases) -> dict[str, float]:
+        s, cfg = self.session, self.cfg
+        source = self._source(step)
+        losses, lengths = [], []
+        for _ in range(cfg.gradient_accumulation_steps):
+            rows = [self.train_dataset[i] for i in next(batches)]
+            prompts, completions = self._encode(rows)
+            if source != "data":
+                # Seeded per step and rank so that a resumed run samples the same sequences.
+                torch.manual_seed(cfg.seed + 7919 * step + s.process_index)
+                with phases("generate"):
+                    completions = self.generate(source, prompts)
+            batch = completion_batch(prompts, completions, self.tokenizer.pad_token_id, s.device)
+            with phases("forward"):
+                student_logits, teacher_logits = self.logits(batch)
+                loss = generalized_jsd_loss(student_logits, teacher_logits, batch["labels"][:, 1:],
+                                            beta=cfg.beta, temperature=cfg.temperature)
+            with phases("backward"):
+                s.backward("student", loss)
+                s.step("student")
+            losses.append(loss.item())
+            lengths.append(sum(len(c) for c in completions) / len(completions))
+        metrics = mean_over_ranks(s, {"loss": sum(losses) / len(losses),
+                                      "completion_length": sum(lengths) / len(lengths)})
+        return {**metrics, "grad_norm": s.grad_norm("student") or 0.0, "learning_rate": s.learning_rate("student"),
+                "on_policy": float(source == "student"), "seq_kd": float(source == "teacher"), **phases.pop()}
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict[str, str]] | None = None) -> dict[str, float]:
+        """Token-weighted forward KL, reverse KL and JSD (temperature 1) and the training loss on the
+        completions of ``rows`` (default: the eval dataset), over all ranks."""
+        s, cfg = self.session, self.cfg
+        rows = rows if rows is not None else self.eval_dataset or []
+        # Every rank runs the same number of forwards (a ZeRO-3 teacher gathers collectively).
+        per_rank = len(rows) // s.num_processes
+        if per_rank == 0:
+            raise ConfigError(f"evaluation needs at least {s.num_processes} rows, one per process")
+        mine = rows[s.process_index * per_rank : (s.process_index + 1) * per_rank]
+        measures = {"forward_kl": (0.0, 1.0), "jsd": (0.5, 1.0), "reverse_kl": (1.0, 1.0),
+                    "loss": (cfg.beta, cfg.temperature)}
+        sums = dict.fromkeys(measures, 0.0)
+        tokens = 0
+        self.student.eval()
+        for i in range(0, per_rank, cfg.per_device_eval_batch_size):
+            prompts, completions = self._encode(mine[i : i + cfg.per_device_eval_batch_size])
+            batch = completion_batch(prompts, completions, self.tokenizer.pad_token_id, s.device)
+            student_logits, teacher_logits = self.logits(batch)
+            for name, (beta, temperature) in measures.items():
+                sums[name] += generalized_jsd_loss(student_logits, teacher_logits, batch["labels"][:, 1:], beta=beta,
+                                                   temperature=temperature, reduction="sum").item()
+            tokens += int((batch["labels"][:, 1:] != -100).sum())
+        self.student.train()
+        totals = torch.tensor([*sums.values(), tokens], dtype=torch.float64, device=s.device)
+        if s.num_processes > 1:
+            torch.distributed.all_reduce(totals)
+        return {f"eval/{k}": v / max(totals[-1].item(), 1) for k, v in zip(sums, totals.tolist())}
+
+    # -- loop ------------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        """Run to ``max_steps`` (or the epochs' worth); returns the logged rows."""
+        if self.session is None:
+            self.setup()
+        s, cfg = self.session, self.cfg
+        log = RunLog(s, cfg, self.total, "distill", start=self.start)
+        batches = rank_batches(len(self.train_dataset), cfg.per_device_train_batch_size, cfg.seed,
+                               s.process_index, s.num_processes, start=self.start * cfg.gradient_accumulation_steps)
+        if self.eval_dataset and self.start == 0:
+            log.log(0, self.evaluate(), advance=False)
+        phases = Phases()
+        for step in range(self.start + 1, self.total + 1):
+            metrics = self.training_step(step, batches, phases)
+            if self.eval_dataset and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == self.total):
+                metrics.update(self.evaluate())
+            if step % cfg.logging_steps == 0 or step == self.total:
+                log.log(step, metrics)
+            else:
+                log.bar.update(1)
+            if cfg.save_steps and (step % cfg.save_steps == 0 or step == self.total):
+                save_checkpoint(s, cfg, step, {"student": self.tokenizer}, {"total": self.total})
+        log.close()
+        return log.history
+
+    def save_model(self, directory: str | Path | None = None) -> Path:
+        """The student in Hugging Face format (``from_pretrained`` loads it)."""
+        path = Path(directory or Path(self.cfg.output_dir) / "student")
+        self.session.save_pretrained("student", path, tokenizer=self.tokenizer)
+        return path

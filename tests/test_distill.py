@@ -1,0 +1,125 @@
+"""Distillation: the loss against TRL's own GKD loss (one process), and the trainer on two CPU
+processes: placement, placement-invariant losses, every sequence source, checkpoint and resume."""
+
+import os
+
+import pytest
+import torch
+from conftest import run_json
+
+from posttrain import tiny
+from posttrain.dsconfig import ConfigError
+from posttrain.trainers.distill import DistillConfig, DistillTrainer, check_vocabularies, generalized_jsd_loss
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def logits_and_labels(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    student = torch.randn(3, 7, 50, generator=g) * 3
+    teacher = torch.randn(3, 7, 50, generator=g) * 3
+    labels = torch.randint(0, 50, (3, 7), generator=g)
+    labels[0, :3] = -100  # a prompt
+    labels[2, 5:] = -100  # padding
+    return student, teacher, labels
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_loss_equals_trl(beta, temperature):
+    from trl.experimental.gkd import GKDTrainer
+
+    student, teacher, labels = logits_and_labels(int(beta * 10 + temperature * 100))
+    for lab in (labels, None):
+        for reduction in ("batchmean", "sum", "mean"):
+            ours = generalized_jsd_loss(student, teacher, lab, beta=beta, temperature=temperature, reduction=reduction)
+            trl = GKDTrainer.generalized_jsd_loss(student, teacher, lab, beta=beta, temperature=temperature,
+                                                  reduction=reduction)
+            assert ours.item() == pytest.approx(trl.item(), rel=1e-6, abs=1e-7)
+            assert ours.item() > 0
+
+
+def test_loss_gradient_equals_trl():
+    from trl.experimental.gkd import GKDTrainer
+
+    student, teacher, labels = logits_and_labels(5)
+    grads = []
+    for fn in (generalized_jsd_loss, GKDTrainer.generalized_jsd_loss):
+        s = student.clone().requires_grad_(True)
+        fn(s, teacher, labels, beta=0.3, temperature=1.5).backward()
+        grads.append(s.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_loss_ends_are_forward_and_reverse_kl():
+    student, teacher, _ = logits_and_labels(1)
+    p, q = teacher.log_softmax(-1), student.log_softmax(-1)
+    forward = (p.exp() * (p - q)).sum(-1).mean()
+    reverse = (q.exp() * (q - p)).sum(-1).mean()
+    # Without labels, "batchmean" sums each sequence's 7 positions and averages over sequences.
+    assert generalized_jsd_loss(student, teacher, beta=0.0).item() == pytest.approx(forward.item() * 7, rel=1e-5)
+    assert generalized_jsd_loss(student, teacher, beta=1.0).item() == pytest.approx(reverse.item() * 7, rel=1e-5)
+    assert generalized_jsd_loss(teacher, teacher, beta=0.5).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_different_vocabularies_are_refused(tmp_path):
+    student = tiny.model_config()
+    teacher = tiny.model_config()
+    teacher.vocab_size = student.vocab_size + 24
+    with pytest.raises(ConfigError, match="vocabulary has .* tokens but the teacher's has"):
+        check_vocabularies(student, teacher)
+    # The trainer checks before it builds anything distributed.
+    teacher.save_pretrained(tmp_path / "teacher")
+    cfg = DistillConfig(output_dir=str(tmp_path / "run"), teacher_model_name_or_path=str(tmp_path / "teacher"))
+    with pytest.raises(ConfigError, match=f"{student.vocab_size} tokens but the teacher's has {teacher.vocab_size}"):
+        DistillTrainer(cfg, [{"prompt": "the cat", "completion": " is calm ."}]).setup()
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="beta must be in"):
+        DistillConfig(beta=1.5)
+    with pytest.raises(ConfigError, match="lmbda must be in"):
+        DistillConfig(lmbda=-0.1)
+    with pytest.raises(ConfigError, match="needs a teacher"):
+        DistillTrainer(DistillConfig(), [])
+    with pytest.raises(ConfigError, match="'prompt' and 'completion'"):
+        DistillTrainer(DistillConfig(teacher_model_name_or_path="x"), [{"text": "the cat is calm ."}])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distill")
+    return run_json("distill_checks.py", tmp, tmp_path=tmp)
+
+
+def test_teacher_partitioned_student_whole(run):
+    assert run["world"] == 2 and run["stages"] == [2, 3]
+    assert run["teacher_data_empty"] and run["student_whole"]
+    assert abs(run["teacher_local"] / run["teacher_full"] - 0.5) < 0.01
+
+
+def test_losses_placement_invariant(run):
+    base = run["losses"]["zero2-zero3"]
+    assert len(base) == 3 and min(base) > 0.05
+    for mix in ("zero2-replicated", "zero3"):
+        assert run["losses"][mix] == pytest.approx(base, abs=1e-4), mix
+        for key, value in run["eval"][mix].items():
+            assert value == pytest.approx(run["eval"]["zero2-zero3"][key], abs=1e-4), (mix, key)
+    ev = run["eval"]["zero2-zero3"]
+    assert ev["eval/forward_kl"] > ev["eval/jsd"] > 0
+
+
+def test_sequence_sources(run):
+    assert run["on_policy"]["on_policy"] == [1.0] * 4 and run["on_policy"]["seq_kd"] == [0.0] * 4
+    assert run["seq_kd"]["seq_kd"] == [1.0] * 4 and run["seq_kd"]["on_policy"] == [0.0] * 4
+    assert set(run["mixed"]["on_policy"]) == {0.0, 1.0}
+    # Generated completions are at most max_new_tokens long; different sources, different sequences.
+    assert all(0 < n <= 6 for n in run["on_policy"]["length"] + run["seq_kd"]["length"])
+    assert run["on_policy"]["losses"][1:] != run["seq_kd"]["losses"][1:]
+
+
+def test_resume_gives_same_losses(run):
+    assert run["resumed"]["on_policy"] == run["mixed"]["on_policy"][2:]
+    assert run["resumed"]["losses"] == pytest.approx(run["mixed"]["losses"][2:], abs=1e-6)
+    assert "model.safetensors" in run["student_export"] and "tokenizer.json" in run["student_export"]
+

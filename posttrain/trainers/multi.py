@@ -1,0 +1,190 @@
+"""Disjoint multi-model training: several independent models, each trained under its own role's
+DeepSpeed plugin (say one ZeRO-2 and one ZeRO-3) with its own optimizer and scheduler, stepping in
+one loop. The second scenario of accelerate's multi-model DeepSpeed guide.
+
+accelerate drives only the first engine prepared on an Accelerator, so every further trained model
+needs an Accelerator of its own; the Session holds one per trained role, and this trainer only ever
+names a role, so backward, clipping, the optimizer step, saving and resuming reach that model's engine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..dsconfig import ConfigError
+from .common import (
+    Phases,
+    RunLog,
+    TrainConfig,
+    make_session,
+    mean_over_ranks,
+    optimizer_and_scheduler,
+    rank_batches,
+    resume_dir,
+    save_checkpoint,
+    seed_everything,
+)
+
+
+def model_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss a Hugging Face model computes itself when the batch carries ``labels``."""
+    return model(**batch).loss
+
+
+def text_collate(tokenizer: Any, max_length: int = 128, lm_labels: bool = True) -> Callable[[list[str]], dict]:
+    """A collate for texts: right-padded ids and mask, and (``lm_labels``) labels for a causal LM's
+    own loss with the padding left out."""
+
+    def collate(texts: list[str]) -> dict[str, torch.Tensor]:
+        enc = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True, max_length=max_length)
+        batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        if lm_labels:
+            batch["labels"] = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        return batch
+
+    return collate
+
+
+@dataclass
+class Task:
+    """One model of a multi-model run and what it learns.
+
+    ``model`` is a hub name or local path (loaded under the role's plugin, so a ZeRO-3 model is
+    created partitioned) or a built ``nn.Module``. ``collate`` turns a list of ``data`` items into a
+    batch of tensors; ``loss(model, batch)`` gives the scalar to minimise.
+    """
+
+    model: str | os.PathLike | torch.nn.Module
+    data: Sequence[Any]
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]]
+    loss: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] = model_loss
+    model_cls: Any = None  # for a path: e.g. AutoModelForSequenceClassification (default: causal LM)
+    tokenizer: Any = None  # saved beside the model in checkpoints
+
+
+@dataclass
+class MultiConfig(TrainConfig):
+    """Shared loop settings; placement per model through ``role_configs`` (model name -> DeepSpeed
+    config), the others get ``mix``'s training config."""
+
+    output_dir: str = "runs/multi"
+    learning_rate: float = 1e-3
+    learning_rates: dict[str, float] = field(default_factory=dict)  # per model; default learning_rate
+
+
+class MultiTrainer:
+    """Train every task's model in one loop; each model is a trained role named like its task.
+
+    >>> trainer = MultiTrainer(MultiConfig(role_configs={"lm": "zero2_train", "clf": "zero3_train"}),
+    ...                        {"lm": Task("path/lm", texts, collate_lm), "clf": Task(...)})
+    >>> trainer.train()
+    """
+
+    def __init__(self, cfg: MultiConfig, tasks: dict[str, Task]) -> None:
+        if not tasks:
+            raise ConfigError("multi-model training needs at least one task")
+        unknown = set(cfg.learning_rates) - set(tasks)
+        if unknown:
+            raise ConfigError(f"learning_rates names unknown model(s) {sorted(unknown)}: the models are {list(tasks)}")
+        self.cfg, self.tasks = cfg, tasks
+        self.session = None
+
+    def total_steps(self) -> int:
+        cfg = self.cfg
+        if cfg.max_steps > 0:
+            return cfg.max_steps
+        per_step = cfg.per_device_train_batch_size * int(os.environ.get("WORLD_SIZE", "1")) * cfg.gradient_accumulation_steps
+        longest = max(len(t.data) for t in self.tasks.values())
+        return max(1, math.ceil(cfg.num_train_epochs * longest / per_step))
+
+    def setup(self) -> None:
+        """Load and prepare every model under its own role, each with its own optimizer and
+        scheduler; restore them all when resuming."""
+        cfg = self.cfg
+        seed_everything(cfg.seed)
+        self.total = self.total_steps()
+        s = self.session = make_session(cfg, list(self.tasks), [], total_steps=self.total)
+        for name, task in self.tasks.items():
+            if isinstance(task.model, torch.nn.Module):
+                model = task.model
+            else:
+                model = s.load(name, task.model, model_cls=task.model_cls)
+            opt, sched = optimizer_and_scheduler(model, cfg, self.total, lr=cfg.learning_rates.get(name))
+            s.prepare(name, model, opt, sched)
+        self.start = 0
+        ckpt = resume_dir(cfg)
+        if ckpt is not None:
+            self.start = s.load_state(ckpt / "state")["step"]
+        # Each model reads its own data order; a resumed run continues where the saved one stopped.
+        self.batches: dict[str, Iterator[list[int]]] = {
+            name: rank_batches(len(task.data), cfg.per_device_train_batch_size, cfg.seed + i, s.process_index,
+                               s.num_processes, start=self.start * cfg.gradient_accumulation_steps)
+            for i, (name, task) in enumerate(self.tasks.items())
+        }
+
+    def _batch(self, name: str, items: list[Any]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.session.device) for k, v in self.tasks[name].collate(items).items()}
+
+    def train_step(self, name: str) -> dict[str, float]:
+        """One optimizer step of model ``name`` (its accumulation micro-batches); no other model moves."""
+        s, cfg, task = self.session, self.cfg, self.tasks[name]
+        engine = s.engines[name]
+        losses = []
+        for _ in range(cfg.gradient_accumulation_steps):
+            batch = self._batch(name, [task.data[i] for i in next(self.batches[name])])
+            loss = task.loss(engine, batch)
+            s.backward(name, loss)
+            s.step(name)
+            losses.append(loss.item())
+        return {f"{name}/loss": sum(losses) / len(losses)}
+
+    def train(self) -> list[dict]:
+        """Step every model once per loop step up to ``max_steps``; returns the logged rows."""
+        if self.session is None:
+            self.setup()
+        s, cfg = self.session, self.cfg
+        log = RunLog(s, cfg, self.total, "multi", start=self.start)
+        phases = Phases()
+        for step in range(self.start + 1, self.total + 1):
+            metrics: dict[str, float] = {}
+            for name in self.tasks:
+                with phases(name):
+                    metrics.update(self.train_step(name))
+            metrics = mean_over_ranks(s, metrics)
+            for name in self.tasks:
+                metrics[f"{name}/grad_norm"] = s.grad_norm(name) or 0.0
+                metrics[f"{name}/learning_rate"] = s.learning_rate(name)
+            metrics.update(phases.pop())
+            if step % cfg.logging_steps == 0 or step == self.total:
+                log.log(step, metrics)
+            else:
+                log.bar.update(1)
+            if cfg.save_steps and (step % cfg.save_steps == 0 or step == self.total):
+                export = {name: task.tokenizer for name, task in self.tasks.items()}
+                save_checkpoint(s, cfg, step, export, {"total": self.total})
+        log.close()
+        return log.history
+
+    @torch.no_grad()
+    def evaluate(self, name: str, items: Sequence[Any]) -> float:
+        """Mean loss of model ``name`` over ``items``, split evenly over ranks (a ZeRO-3 model
+        gathers collectively, so every rank runs the same number of forwards)."""
+        s, task = self.session, self.tasks[name]
+        per_rank = len(items) // s.num_processes
+        if per_rank == 0:
+            raise ConfigError(f"evaluation needs at least {s.num_processes} items, one per process")
+        mine = list(items[s.process_index * per_rank : (s.process_index + 1) * per_rank])
+        engine, size = s.engines[name], self.cfg.per_device_eval_batch_size
+        engine.eval()
+        total = 0.0
+        for i in range(0, per_rank, size):
+            chunk = mine[i : i + size]
+            total += task.loss(engine, self._batch(name, chunk)).item() * len(chunk)
+        engine.train()
+        return mean_over_ranks(s, {"loss": total / per_rank})["loss"]

@@ -1,0 +1,55 @@
+"""Disjoint multi-model training on two CPU processes: a ZeRO-2 LM and a ZeRO-3 classifier, each
+with its own optimizer, scheduler and engine."""
+
+import math
+
+import pytest
+from conftest import run_json
+
+from posttrain.dsconfig import ConfigError
+from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multi")
+    return run_json("multi_checks.py", tmp, tmp_path=tmp)
+
+
+def test_each_model_under_its_own_plugin(run):
+    assert run["world"] == 2 and run["stages"] == [2, 3]
+    assert run["lm_whole"] and run["accelerators_distinct"]
+    assert abs(run["clf_local"] / run["clf_full"] - 0.5) < 0.01
+
+
+def test_a_step_moves_only_its_own_model(run):
+    assert run["lm_step"]["lm"] > 1e-4 and run["lm_step"]["classifier"] == 0.0
+    assert run["clf_step"]["classifier"] > 1e-4 and run["clf_step"]["lm"] == 0.0
+
+
+def test_own_optimizer_and_scheduler(run):
+    # One step of a linear schedule over 4 steps, from each model's own learning rate.
+    assert run["lrs"]["lm"] == pytest.approx(3e-3 * 3 / 4)
+    assert run["lrs"]["classifier"] == pytest.approx(1e-3 * 3 / 4)
+
+
+def test_both_learn_and_report_their_own_norms(run):
+    full = run["full"]
+    assert full["lm/loss"][-1] < full["lm/loss"][0] - 0.2
+    assert all(math.isfinite(v) and v > 0 for v in full["lm/grad_norm"] + full["classifier/grad_norm"])
+    assert full["lm/grad_norm"] != full["classifier/grad_norm"]
+
+
+def test_save_then_resume_restores_both(run):
+    assert run["steps"] == {"full": [1, 2, 3, 4], "resumed": [3, 4]}
+    for key, values in run["resumed"].items():
+        assert values == pytest.approx(run["full"][key][2:], abs=1e-6), key
+    assert {"lm/model.safetensors", "classifier/model.safetensors"} <= set(run["checkpoint"])
+    assert run["state"] == ["classifier", "lm", "trainer_state.json"]
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="at least one task"):
+        MultiTrainer(MultiConfig(), {})
+    with pytest.raises(ConfigError, match=r"learning_rates names unknown model\(s\) \['critic'\]"):
+        MultiTrainer(MultiConfig(learning_rates={"critic": 1e-3}), {"lm": Task("x", [], lambda items: {})})

@@ -5,9 +5,9 @@ loaded and prepared while its role's plugin is active, so a ZeRO-3 role is parti
 loads (zero.Init) and becomes a ZeRO-3 engine, while a ZeRO-2 role trains beside it.
 
 accelerate's multi-plugin API has traps (shared/knowledge/multi-plugin-facts.md); the session
-avoids them by giving each trained role its own Accelerator (``backward``, ``get_state_dict`` and
-``save_state`` then see exactly one engine and its config) and all frozen roles one more, which
-is never checkpointed. The first trained role owns the Accelerator built with the plugins.
+avoids them by giving each role its own Accelerator (``backward``, ``get_state_dict`` and
+``save_state`` then see exactly one engine and its config; frozen roles' Accelerators are never
+checkpointed). The first trained role owns the Accelerator built with the plugins.
 """
 
 from __future__ import annotations
@@ -137,14 +137,11 @@ class Session:
         )
         self._check_world(world_size)
         self._pin_accumulation()
-        self._accelerators: dict[str, Any] = {self.primary: self.accelerator}
-        for role in trained[1:]:
-            self._accelerators[role.name] = Accelerator()
-        if len(trained) < len(self.roles):
-            frozen_accelerator = Accelerator()
-            for name, role in self.roles.items():
-                if not role.trains:
-                    self._accelerators[name] = frozen_accelerator
+        # One Accelerator per role, sharing the process-wide state: each then holds exactly one
+        # engine, which its backward, get_state_dict and save_state act on.
+        self._accelerators: dict[str, Any] = {
+            name: self.accelerator if name == self.primary else Accelerator() for name in self.roles
+        }
         self.engines: dict[str, Any] = {}
         self.optimizers: dict[str, Any] = {}
         self.schedulers: dict[str, Any] = {}
@@ -242,7 +239,11 @@ class Session:
         if name_or_path is None and config is None:
             raise ConfigError(f"role {name!r}: give a hub name or local path, or a model config")
         if config is None:
-            config = AutoConfig.from_pretrained(name_or_path, **_hub_kwargs(kwargs))
+            # Config attributes among kwargs (num_labels, ...) go to the config, the rest to the model.
+            hub = _hub_kwargs(kwargs)
+            rest = {k: v for k, v in kwargs.items() if k not in hub}
+            config, rest = AutoConfig.from_pretrained(name_or_path, return_unused_kwargs=True, **hub, **rest)
+            kwargs = {**hub, **rest}
         self._fill_hidden_size(name, config)
         with self.activate(name):
             if name_or_path is not None:
@@ -368,7 +369,7 @@ class Session:
             accelerator = self._accelerators[name]
             if self.role(name).trains:
                 return accelerator.get_state_dict(self.engines[name])
-            # Frozen engines share an Accelerator; gather directly rather than through it.
+            # accelerate's get_state_dict expects a trained engine; gather a frozen one directly.
             import deepspeed
 
             module = self.engines[name].module

@@ -100,3 +100,97 @@ def model_path(kind: str = "causal", seed: int = 0, **overrides) -> Path:
             model.save_pretrained(str(path))
             load_tokenizer().save_pretrained(str(path))
     return path
+
+
+def _train(model, loss_fn, batches, lr: float) -> list[float]:
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / len(batches))
+    losses = []
+    model.train()
+    for batch in batches:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _with_threads(fn):
+    # torchrun sets OMP_NUM_THREADS=1; the one-off build of a cached asset may use every core.
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def sft_model_path(seed: int = 0, steps: int = 300, **overrides) -> Path:
+    """The tiny causal LM fine-tuned on the bundled corpus (each line ends with eos): a policy
+    that writes sensible sentences, for PPO and DPO to start from. Built once, cached."""
+    tag = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    path = cache_dir() / f"sft-s{seed}-n{steps}{'-' + tag if tag else ''}"
+    with _lock(path.name):
+        if not (path / "config.json").exists():
+            import random
+
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            tok = load_tokenizer()
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_pretrained(model_path("causal", seed, **overrides))
+            lines = [line + tok.eos_token for line in corpus()]
+            rng = random.Random(seed)
+            batches = []
+            for _ in range(steps):
+                enc = tok(rng.sample(lines, 32), return_tensors="pt", padding=True)
+                enc["labels"] = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+                batches.append(enc)
+            losses = _with_threads(lambda: _train(model, lambda m, b: m(**b).loss, batches, lr=3e-3))
+            model.save_pretrained(str(path))
+            tok.save_pretrained(str(path))
+            (path / "train_losses.txt").write_text(f"first {losses[0]:.4f} last {losses[-1]:.4f}\n")
+    return path
+
+
+def reward_model_path(seed: int = 0, steps: int = 200) -> Path:
+    """The tiny sequence-classification reward model trained on bundled synthetic preferences
+    (Bradley-Terry loss, as TRL's RewardTrainer): positive continuations score above negative."""
+    path = cache_dir() / f"reward-trained-s{seed}-n{steps}"
+    with _lock(path.name):
+        if not (path / "config.json").exists():
+            import torch
+            import torch.nn.functional as F
+            from transformers import AutoModelForSequenceClassification
+
+            from . import synthetic
+
+            tok = load_tokenizer()
+            torch.manual_seed(seed)
+            model = AutoModelForSequenceClassification.from_pretrained(model_path("reward", seed))
+            pairs = synthetic.preference_pairs(32 * steps, seed=10_000 + seed)
+            batches = []
+            for i in range(steps):
+                rows = pairs[i * 32 : (i + 1) * 32]
+                texts = [r["prompt"] + r["chosen"] + tok.eos_token for r in rows]
+                texts += [r["prompt"] + r["rejected"] + tok.eos_token for r in rows]
+                batches.append(tok(texts, return_tensors="pt", padding=True))
+
+            def loss_fn(m, b):
+                r = m(**b).logits.squeeze(-1)
+                chosen, rejected = r.chunk(2)
+                return -F.logsigmoid(chosen - rejected).mean()
+
+            losses = _with_threads(lambda: _train(model, loss_fn, batches, lr=3e-3))
+            model.save_pretrained(str(path))
+            tok.save_pretrained(str(path))
+            (path / "train_losses.txt").write_text(f"first {losses[0]:.4f} last {losses[-1]:.4f}\n")
+    return path

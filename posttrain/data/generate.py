@@ -1,5 +1,6 @@
 """Regenerates tiny_corpus.txt and words.txt (run from the repo root); the outputs are committed."""
 import random
+
 rng = random.Random(1234)
 subjects = ["the cat", "the dog", "my friend", "the old man", "this movie", "the garden", "our teacher",
  "the little girl", "the city", "my brother", "the song", "the book", "the weather", "the team", "the river",
@@ -11,7 +12,7 @@ verbs = ["found", "saw", "took", "made", "left", "watched", "carried", "opened",
 objs = ["box", "ball", "letter", "door", "boat", "cake", "key", "lamp", "map", "coin"]
 places = ["in the park", "by the river", "near the school", "at home", "on the hill", "in the kitchen", "under the tree", "at night"]
 lines = []
-for i in range(3000):
+for _ in range(3000):
     s = rng.choice(subjects)
     k = rng.random()
     adjs = pos if rng.random() < 0.5 else neg

@@ -1,0 +1,513 @@
+"""PPO for RLHF with four roles, each under its own DeepSpeed plugin.
+
+TRL removed its PPOTrainer in 1.13. This trainer follows the formulation TRL implemented up to
+1.12 (``trl.experimental.ppo``, after "The N+ Implementation Details of RLHF with PPO", Huang et
+al. 2024): a per-token KL penalty (k1 or k3 estimator) with the score added at the last response
+token, optional reward whitening, GAE, whitened advantages, the clipped policy loss and the
+clipped value loss, and TRL's metric names. One difference, for separate placement: the policy and
+the value model are separate trained roles with separate optimizers, so gradient clipping applies
+to each model's norm rather than to their joint norm.
+
+Roles: ``policy`` and ``value`` train (ZeRO-2 by default); ``reference`` and ``reward`` are frozen
+(ZeRO-3 by default). The reward is a sequence-classification model, Python functions on the
+decoded text, or both (a weighted sum).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import synthetic, tiny
+from ..dsconfig import ConfigError
+from .common import (
+    Phases,
+    RunLog,
+    TrainConfig,
+    make_session,
+    mean_over_ranks,
+    optimizer_and_scheduler,
+    rank_batches,
+    resume_dir,
+    save_checkpoint,
+    seed_everything,
+)
+
+INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a response
+
+
+@dataclass
+class PPOConfig(TrainConfig):
+    """PPO settings; names follow TRL's PPOConfig (up to 1.12) where the concept is the same."""
+
+    # Models: hub names or local paths. None: the built-in tiny default.
+    model_name_or_path: str | None = None  # the policy (TRL: sft_model_path)
+    ref_model_name_or_path: str | None = None  # default: the policy's
+    reward_model_path: str | None = None  # a sequence-classification model; "none" to use only reward_funcs
+    value_model_path: str | None = None  # default: the reward model; any causal LM backbone also works
+    reward_funcs: list[str] = field(default_factory=list)  # "module:function" on decoded text
+    reward_weights: list[float] | None = None  # one per function; the reward model's weight is 1
+    # Prompts: a dataset with a "prompt" column (text or conversational messages).
+    dataset_name: str | None = None  # hub name or local json/jsonl/parquet/csv; None: bundled prompts
+    dataset_split: str = "train"
+    max_prompt_length: int = 64
+    num_prompts: int = 2048  # bundled prompts only
+    # PPO (TRL's names and defaults)
+    num_ppo_epochs: int = 4
+    num_mini_batches: int = 1
+    total_episodes: int | None = None
+    local_rollout_forward_batch_size: int = 64
+    response_length: int = 53
+    temperature: float = 0.7
+    stop_token: str | None = None  # "eos"
+    stop_token_id: int | None = None
+    missing_eos_penalty: float | None = None
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"  # "k1" | "k3"
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_rewards: bool = False
+    ds3_gather_for_generation: bool = True
+    num_sample_generations: int = 10  # times over the run that sample completions are logged
+    learning_rate: float = 3e-6
+
+    def __post_init__(self) -> None:
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ConfigError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
+        if self.stop_token not in (None, "eos"):
+            raise ConfigError(f"stop_token must be None or 'eos', got {self.stop_token!r}; use stop_token_id")
+
+
+# -- the math (TRL <= 1.12's helpers; TRL 1.16 no longer ships them) ---------------------------
+def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Index of the first True in each row, or the row length if there is none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Pad everything after the first stop token (the stop token itself stays)."""
+    trunc_idxs = first_true_indices(responses == stop_token_id).unsqueeze(-1)
+    idxs = torch.arange(responses.size(1), device=responses.device).view(1, -1)
+    return torch.masked_fill(responses, idxs > trunc_idxs, pad_token_id)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    if axis is not None:
+        return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
+    return (values * mask).sum() / mask.sum()
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n == 0:
+            raise ValueError("masked_var: the mask is empty")
+        if n == 1:
+            raise ValueError("masked_var: one element has no unbiased variance; raise the batch size")
+        variance = variance * n / (n - 1)
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimate between policy and reference: k1 = log p - log q; k3 = (r - 1) - log r."""
+    logr = ref_logprobs - logprobs
+    return -logr if estimator == "k1" else (logr.exp() - 1) - logr
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over response tokens; returns (advantages, returns)."""
+    lastgaelam = 0.0
+    advantages_reversed = []
+    length = rewards.shape[1]
+    for t in reversed(range(length)):
+        nextvalues = values[:, t + 1] if t < length - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    return advantages, advantages + values
+
+
+def policy_loss(
+    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate: mean over valid tokens of max(-A r, -A clip(r, 1 +- eps))."""
+    logprobs_diff = new_logprobs - old_logprobs
+    ratio = torch.exp(logprobs_diff)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask),
+                 "approxkl": 0.5 * (logprobs_diff**2).mean(), "ratio": ratio.mean()}
+    return loss, stats
+
+
+def value_loss(
+    vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped value loss: 0.5 * mean over valid tokens of max((v - R)^2, (clip(v) - R)^2)."""
+    vpredclipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
+    vf_losses1 = torch.square(vpred - returns)
+    vf_losses2 = torch.square(vpredclipped - returns)
+    loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), mask).detach()
+    return loss, clipfrac
+
+
+# -- model calls -----------------------------------------------------------------------------
+def _inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the response tokens (and the logits) at the sampling temperature."""
+    from trl.trainer.utils import selective_log_softmax
+
+    out = model(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False)
+    logits = out.logits[:, context_length - 1 : -1] / (temperature + 1e-7)
+    return selective_log_softmax(logits, query_responses[:, context_length:]), logits
+
+
+def token_scores(model: Any, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """A sequence-classification model's head at every position (TRL's ``get_reward``): returns
+    (per-token scores, score at the last non-pad token).
+
+    The model runs through its own (engine) forward and a hook captures the head's output: calling
+    the backbone and head separately, as TRL did, bypasses a ZeRO-3 engine's parameter gathering.
+    """
+    module = getattr(model, "module", model)
+    captured: list[torch.Tensor] = []
+    handle = module.score.register_forward_hook(lambda _m, _inp, out: captured.append(out))
+    try:
+        model(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False)
+    finally:
+        handle.remove()
+    logits = captured[0]
+    lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    return logits, logits[torch.arange(logits.size(0), device=logits.device), lengths].squeeze(-1)
+
+
+def load_reward_funcs(names: list[str]) -> list[Callable]:
+    funcs = []
+    for name in names:
+        module, _, attr = name.partition(":")
+        if not attr:
+            raise ConfigError(f"reward function {name!r}: write it as 'package.module:function'")
+        funcs.append(getattr(importlib.import_module(module), attr))
+    return funcs
+
+
+def load_prompts(cfg: PPOConfig, tokenizer: Any) -> list[str]:
+    """Prompt strings from a dataset's "prompt" column (chat template applied to conversational
+    rows), or the bundled prompts."""
+    if cfg.dataset_name is None:
+        return synthetic.prompts(cfg.num_prompts, seed=cfg.seed)
+    import datasets
+
+    path = Path(cfg.dataset_name)
+    builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+    if path.suffix in builders:
+        ds = datasets.load_dataset(builders[path.suffix], data_files=str(path), split=cfg.dataset_split)
+    else:
+        ds = datasets.load_dataset(cfg.dataset_name, split=cfg.dataset_split)
+    if "prompt" not in ds.column_names:
+        raise ConfigError(f"{cfg.dataset_name}: PPO needs a 'prompt' column; the columns are {ds.column_names}")
+    prompts = []
+    for i, p in enumerate(ds["prompt"]):
+        if not p:
+            raise ConfigError(f"{cfg.dataset_name}: row {i} has an empty 'prompt'")
+        if isinstance(p, list):  # conversational: a list of {"role", "content"} messages
+            p = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+        prompts.append(p)
+    return prompts
+
+
+# -- the trainer -----------------------------------------------------------------------------
+class PPOTrainer:
+    """PPO with per-role placement. ``train()`` returns the logged metrics, one dict per update."""
+
+    def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None) -> None:
+        from transformers import AutoModelForSequenceClassification
+
+        self.cfg = cfg
+        seed_everything(cfg.seed)
+        policy_path = cfg.model_name_or_path or str(tiny.sft_model_path())
+        reward_path = cfg.reward_model_path
+        if reward_path is None:
+            reward_path = str(tiny.reward_model_path()) if cfg.model_name_or_path is None else None
+        if reward_path == "none":
+            reward_path = None
+        self.reward_funcs = (reward_funcs or []) + load_reward_funcs(cfg.reward_funcs)
+        if reward_path is None and not self.reward_funcs:
+            raise ConfigError("PPO needs a reward: set reward_model_path and/or reward_funcs")
+        self.reward_weights = cfg.reward_weights or [1.0] * len(self.reward_funcs)
+        if len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(f"reward_weights has {len(self.reward_weights)} values for "
+                              f"{len(self.reward_funcs)} reward functions")
+        value_path = cfg.value_model_path or reward_path or policy_path
+
+        self.tokenizer = tiny.load_tokenizer(policy_path)
+        if self.tokenizer.pad_token_id is None:
+            raise ConfigError(f"{policy_path}: the tokenizer has no pad token; set one (e.g. a new '<pad>')")
+        self.stop_token_id = self.tokenizer.eos_token_id if cfg.stop_token == "eos" else cfg.stop_token_id
+        self.prompts = load_prompts(cfg, self.tokenizer)
+
+        world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+        # TRL's batch arithmetic: one update uses local_batch_size rollouts per process.
+        self.local_batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.num_mini_batches
+        self.batch_size = self.local_batch_size * world
+        self.local_mini_batch_size = self.local_batch_size // cfg.num_mini_batches
+        total_episodes = cfg.total_episodes or int(cfg.num_train_epochs * len(self.prompts))
+        self.num_updates = math.ceil(total_episodes / self.batch_size)
+        if cfg.max_steps > 0:
+            self.num_updates = min(self.num_updates, cfg.max_steps)
+        optimizer_steps = self.num_updates * cfg.num_ppo_epochs * cfg.num_mini_batches
+
+        frozen = ["reference"] + (["reward"] if reward_path else [])
+        self.session = s = make_session(cfg, ["policy", "value"], frozen, total_steps=optimizer_steps)
+        self.has_reward_model = reward_path is not None
+        torch.manual_seed(cfg.seed)
+        policy = s.load("policy", policy_path)
+        policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
+        value = s.load("value", value_path, model_cls=AutoModelForSequenceClassification, num_labels=1)
+        value.config.pad_token_id = self.tokenizer.pad_token_id
+        for name, model in (("policy", policy), ("value", value)):
+            opt, sched = optimizer_and_scheduler(model, cfg, optimizer_steps)
+            s.prepare(name, model, opt, sched)
+        s.prepare("reference", s.load("reference", cfg.ref_model_name_or_path or policy_path))
+        if reward_path:
+            s.prepare("reward", s.load("reward", reward_path, model_cls=AutoModelForSequenceClassification))
+        self.phases = Phases()
+        self.start = 0
+        ckpt = resume_dir(cfg)
+        if ckpt is not None:
+            self.start = s.load_state(ckpt / "state")["step"]
+
+    # -- rollout -----------------------------------------------------------------------------
+    def _queries(self, indices: list[int]) -> torch.Tensor:
+        enc = self.tokenizer([self.prompts[i] for i in indices], return_tensors="pt", padding=True,
+                             padding_side="left", truncation=True, max_length=self.cfg.max_prompt_length)
+        return enc["input_ids"].to(self.session.device)
+
+    @torch.no_grad()
+    def generate(self, queries: torch.Tensor) -> torch.Tensor:
+        """Sample responses; a ZeRO-3 policy is gathered once for the whole generation
+        (``ds3_gather_for_generation``), or generates with its hooks and synced ranks."""
+        from transformers import GenerationConfig
+        from trl.models.utils import unwrap_model_for_generation
+
+        cfg, s, pad = self.cfg, self.session, self.tokenizer.pad_token_id
+        gen = GenerationConfig(max_new_tokens=cfg.response_length,
+                               temperature=cfg.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
+                               pad_token_id=pad, eos_token_id=None)
+        zero3 = s.zero_stage("policy") == 3
+        synced = zero3 and not cfg.ds3_gather_for_generation and s.num_processes > 1
+        out = []
+        with s.activate("policy"), unwrap_model_for_generation(
+            s.engines["policy"], s._accelerators["policy"], gather_deepspeed3_params=cfg.ds3_gather_for_generation
+        ) as model:
+            for i in range(0, queries.shape[0], cfg.local_rollout_forward_batch_size):
+                q = queries[i : i + cfg.local_rollout_forward_batch_size]
+                mask = (q != pad).long()
+                seq = model.generate(input_ids=q, attention_mask=mask, generation_config=gen, synced_gpus=synced)
+                # Every chunk (and rank) gets the full response length, stopped sequences padded.
+                out.append(torch.nn.functional.pad(seq, (0, q.shape[1] + cfg.response_length - seq.shape[1]),
+                                                   value=pad))
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def rollout(self, queries: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Generate, then score: policy and reference log-probs, values, rewards, advantages."""
+        cfg, s = self.cfg, self.session
+        pad, ctx = self.tokenizer.pad_token_id, queries.shape[1]
+        with self.phases("generate"):
+            query_responses = self.generate(queries)
+        responses = query_responses[:, ctx:]
+        chunks = range(0, queries.shape[0], cfg.local_rollout_forward_batch_size)
+        bs = cfg.local_rollout_forward_batch_size
+
+        def by_chunk(fn):
+            return torch.cat([fn(query_responses[i : i + bs]) for i in chunks])
+
+        with self.phases("policy_forward"):
+            logprobs = by_chunk(lambda qr: lm_logprobs(s.engines["policy"], qr, ctx, pad, cfg.temperature)[0])
+            full_values = by_chunk(lambda qr: token_scores(s.engines["value"], qr, pad, ctx)[0])
+            values = full_values[:, ctx - 1 : -1].squeeze(-1)
+        post = responses
+        if self.stop_token_id is not None:
+            post = truncate_response(self.stop_token_id, pad, responses)
+        post_qr = torch.cat((queries, post), 1)
+        sequence_lengths = first_true_indices(post == pad) - 1
+        with self.phases("score"):
+            with s.activate("reference"):
+                ref_logprobs = by_chunk(lambda qr: lm_logprobs(s.engines["reference"], qr, ctx, pad, cfg.temperature)[0])
+            scores = torch.zeros(queries.shape[0], device=queries.device)
+            if self.has_reward_model:
+                with s.activate("reward"):
+                    scores += torch.cat([token_scores(s.engines["reward"], post_qr[i : i + bs], pad, ctx)[1]
+                                         for i in chunks]).float()
+            texts = self.tokenizer.batch_decode(post, skip_special_tokens=True)
+            for fn, w in zip(self.reward_funcs, self.reward_weights):
+                scores += w * torch.tensor(fn(completions=texts, prompts=self.tokenizer.batch_decode(
+                    queries, skip_special_tokens=True)), dtype=scores.dtype, device=scores.device)
+        return self.advantages(responses, post, logprobs, ref_logprobs, values, scores, sequence_lengths,
+                               query_responses=query_responses, texts=texts)
+
+    def advantages(self, responses, post, logprobs, ref_logprobs, values, scores, sequence_lengths,
+                   **extra) -> dict[str, torch.Tensor]:
+        """TRL's reward shaping and GAE on one rollout batch (see the module docstring)."""
+        cfg = self.cfg
+        if cfg.missing_eos_penalty is not None:
+            contain_eos = torch.any(post == self.tokenizer.eos_token_id, dim=-1)
+            scores = torch.where(contain_eos, scores, scores - cfg.missing_eos_penalty)
+        idxs = torch.arange(responses.shape[1], device=responses.device).repeat(responses.shape[0], 1)
+        padding_mask = idxs > sequence_lengths.unsqueeze(1)
+        logprobs = torch.masked_fill(logprobs, padding_mask, INVALID_LOGPROB)
+        ref_logprobs = torch.masked_fill(ref_logprobs, padding_mask, INVALID_LOGPROB)
+        sequence_lengths_p1 = sequence_lengths + 1
+        padding_mask_p1 = idxs > sequence_lengths_p1.unsqueeze(1)
+        values = torch.masked_fill(values, padding_mask_p1, 0)
+
+        kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
+        non_score_reward = -cfg.kl_coef * kl
+        rewards = non_score_reward.clone()
+        rows = torch.arange(rewards.size(0), device=rewards.device)
+        ends = torch.where(sequence_lengths_p1 < rewards.size(1), sequence_lengths_p1, sequence_lengths)
+        rewards[rows, ends] += scores
+        if cfg.whiten_rewards:
+            rewards = masked_whiten(rewards, mask=~padding_mask_p1, shift_mean=False)
+            rewards = torch.masked_fill(rewards, padding_mask_p1, 0)
+        advantages, returns = gae(rewards, values, cfg.gamma, cfg.lam)
+        advantages = masked_whiten(advantages, ~padding_mask)
+        advantages = torch.masked_fill(advantages, padding_mask, 0)
+        return dict(responses=responses, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values,
+                    scores=scores, kl=kl, non_score_reward=non_score_reward, advantages=advantages,
+                    returns=returns, padding_mask=padding_mask, padding_mask_p1=padding_mask_p1, **extra)
+
+    # -- optimisation ------------------------------------------------------------------------
+    def train_on(self, batch: dict[str, torch.Tensor], update: int) -> dict[str, float]:
+        """num_ppo_epochs passes over the rollouts in mini-batches of micro-batches; returns the
+        averaged statistics under TRL's names."""
+        cfg, s = self.cfg, self.session
+        pad = self.tokenizer.pad_token_id
+        qr = batch["query_responses"]
+        ctx = qr.shape[1] - batch["responses"].shape[1]
+        stats: dict[str, list[torch.Tensor]] = {k: [] for k in
+                                                ("approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        mb = cfg.per_device_train_batch_size
+        for epoch in range(cfg.num_ppo_epochs):
+            # A permutation that depends only on (seed, update, epoch, rank): resumable.
+            g = torch.Generator().manual_seed(hash((cfg.seed, update, epoch, s.process_index)) % (2**31))
+            order = torch.randperm(self.local_batch_size, generator=g).to(qr.device)
+            for start in range(0, self.local_batch_size, self.local_mini_batch_size):
+                mini = order[start : start + self.local_mini_batch_size]
+                for m in range(0, self.local_mini_batch_size, mb):
+                    idx = mini[m : m + mb]
+                    mask, mask_p1 = ~batch["padding_mask"][idx], ~batch["padding_mask_p1"][idx]
+                    new_logprobs, logits = lm_logprobs(s.engines["policy"], qr[idx], ctx, pad, cfg.temperature)
+                    new_logprobs = torch.masked_fill(new_logprobs, ~mask, INVALID_LOGPROB)
+                    pg_loss, pg = policy_loss(new_logprobs, batch["logprobs"][idx], batch["advantages"][idx],
+                                              mask, cfg.cliprange)
+                    s.backward("policy", pg_loss)
+                    s.step("policy")
+                    vpred = token_scores(s.engines["value"], qr[idx], pad, ctx)[0][:, ctx - 1 : -1].squeeze(-1)
+                    vpred = torch.masked_fill(vpred, ~mask_p1, 0)
+                    vf_loss, vf_clipfrac = value_loss(vpred, batch["values"][idx], batch["returns"][idx], mask_p1,
+                                                      cfg.cliprange_value)
+                    s.backward("value", cfg.vf_coef * vf_loss)
+                    s.step("value")
+                    with torch.no_grad():
+                        prob = torch.softmax(logits, dim=-1)
+                        entropy = torch.logsumexp(logits, dim=-1) - torch.sum(prob * logits, dim=-1)
+                    for k, v in (("approxkl", pg["approxkl"]), ("clipfrac", pg["clipfrac"]), ("pg_loss", pg_loss),
+                                 ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy.mean()),
+                                 ("ratio", pg["ratio"])):
+                        stats[k].append(v.detach().float())
+        ratios = torch.stack(stats["ratio"])
+        return {
+            "policy/approxkl_avg": torch.stack(stats["approxkl"]).mean().item(),
+            "policy/clipfrac_avg": torch.stack(stats["clipfrac"]).mean().item(),
+            "loss/policy_avg": torch.stack(stats["pg_loss"]).mean().item(),
+            "loss/value_avg": torch.stack(stats["vf_loss"]).mean().item(),
+            "val/clipfrac_avg": torch.stack(stats["vf_clipfrac"]).mean().item(),
+            "policy/entropy_avg": torch.stack(stats["entropy"]).mean().item(),
+            "val/ratio": ratios.mean().item(),
+            "val/ratio_var": ratios.var().item() if ratios.numel() > 1 else 0.0,
+        }
+
+    def train(self) -> list[dict]:
+        cfg, s = self.cfg, self.session
+        log = RunLog(s, cfg, self.num_updates, "ppo", start=self.start)
+        batches = rank_batches(len(self.prompts), self.local_batch_size, cfg.seed, s.process_index,
+                               s.num_processes, start=self.start)
+        sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
+        for update in range(self.start + 1, self.num_updates + 1):
+            tick = time.perf_counter()
+            queries = self._queries(next(batches))
+            batch = self.rollout(queries)
+            with self.phases("train"):
+                train_stats = self.train_on(batch, update)
+            metrics = {
+                "objective/kl": batch["kl"].sum(1).mean().item(),
+                "objective/entropy": (-batch["logprobs"]).sum(1).mean().item(),
+                "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
+                "objective/rlhf_reward": (batch["scores"] + batch["non_score_reward"].sum(1)).mean().item(),
+                "objective/scores": batch["scores"].mean().item(),
+                "val/num_eos_tokens": (batch["responses"] == self.tokenizer.eos_token_id).sum().item(),
+                **train_stats,
+            }
+            metrics = mean_over_ranks(s, metrics)
+            metrics.update(self.phases.pop())
+            metrics["time/update"] = time.perf_counter() - tick
+            metrics["lr"] = s.learning_rate("policy")
+            metrics["episode"] = update * self.batch_size
+            log.log(update, metrics)
+            if update % sample_every == 0 or update == self.num_updates:
+                self._log_samples(log, update, queries, batch["texts"], batch["scores"])
+            if cfg.save_steps and update % cfg.save_steps == 0:
+                save_checkpoint(s, cfg, update, {"policy": self.tokenizer}, {"episode": metrics["episode"]})
+        log.close()
+        return log.history
+
+    def _log_samples(self, log: RunLog, update: int, queries: torch.Tensor, texts: list[str],
+                     scores: torch.Tensor) -> None:
+        import json
+
+        prompts = self.tokenizer.batch_decode(queries[:4], skip_special_tokens=True)
+        rows = [{"update": update, "prompt": p, "completion": c, "score": round(float(sc), 4)}
+                for p, c, sc in zip(prompts, texts[:4], scores[:4].tolist())]
+        if s_main := self.session.is_main_process:
+            with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        if s_main:
+            log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))
+
+    def save(self, directory: str | None = None) -> None:
+        """The trained policy in Hugging Face format (``from_pretrained`` loads it)."""
+        self.session.save_pretrained("policy", directory or self.cfg.output_dir + "/policy", self.tokenizer)

@@ -1,0 +1,22 @@
+"""Runs PPO on the tiny default with JSON overrides; rank 0 writes the metric history."""
+
+import json
+import sys
+
+from posttrain.trainers.ppo import PPOConfig, PPOTrainer
+
+BASE = dict(learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=8, num_mini_batches=2,
+            num_ppo_epochs=2, response_length=8, temperature=1.0, stop_token="eos", kl_coef=0.05,
+            local_rollout_forward_batch_size=16, disable_tqdm=True, num_sample_generations=1)
+
+
+def main(out: str, overrides: str) -> None:
+    cfg = PPOConfig(**{**BASE, **json.loads(overrides)})
+    trainer = PPOTrainer(cfg)
+    history = trainer.train()
+    if trainer.session.is_main_process:
+        json.dump(history, open(out, "w"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

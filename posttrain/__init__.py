@@ -20,6 +20,12 @@ def _default_accelerator() -> None:
 
 _default_accelerator()
 
+import warnings as _warnings  # noqa: E402
+
+# Deprecations raised inside DeepSpeed/transformers on every step, not actionable by users.
+for _message in (r".*all_gather_into_tensor.* is deprecated", r".*is_gradient_checkpointing.* is deprecated"):
+    _warnings.filterwarnings("ignore", message=_message, category=FutureWarning)
+
 from .dsconfig import ConfigError  # noqa: E402
 from .roles import DEFAULT_MIX, MIXES, Role, roles_for, roles_from_yaml  # noqa: E402
 from .session import Session  # noqa: E402

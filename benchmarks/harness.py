@@ -1,0 +1,273 @@
+"""ZeRO-mix benchmark harness: one workload and shape, several mixes, each in a fresh process group.
+
+    python benchmarks/harness.py --workload dpo --shape 1b --micro-batch 4 --seq-len 512 --mixes all
+    posttrain bench ...                       (the same)
+    python benchmarks/harness.py --report DIR (re-render DIR's table and plot from its JSON)
+
+Every mix runs as its own ``torchrun`` (benchmarks/workloads.py), one after another; a run that
+runs out of memory, fails or times out becomes a row saying so. Rows from several invocations
+accumulate in ``DIR/results.json`` (default ``benchmarks/results/<date>-<machine>/``), and each
+invocation re-renders ``results.md`` and ``results.png`` and appends its command to ``commands.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from posttrain import memory  # noqa: E402
+
+WORKER = ROOT / "benchmarks" / "workloads.py"
+ALL_MIXES = ["zero2-zero3", "zero3", "zero2-replicated", "zero2-zero3-offload", "trl-zero2", "trl-zero3"]
+
+
+def machine_name(nproc: int) -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).replace("NVIDIA", "").strip().replace(" ", "-")
+        return f"{nproc}x{name}"
+    return f"{nproc}xcpu"
+
+
+def parse_shapes(workload: str, shape: str, overrides: list[str]) -> dict[str, str]:
+    names = memory.WORKLOADS[workload]
+    shapes = {}.fromkeys(names["trained"] + names["frozen"], shape)
+    for item in overrides:
+        role, _, value = item.partition("=")
+        if role not in shapes or not value:
+            raise SystemExit(f"--role-shape {item!r}: expected ROLE=SHAPE with ROLE one of {list(shapes)}")
+        shapes[role] = value
+    return shapes
+
+
+def case_name(spec: dict[str, Any]) -> str:
+    shapes = spec["shapes"]
+    main = shapes[memory.WORKLOADS[spec["workload"]]["trained"][0]]
+    odd = [f"{r}={s}" for r, s in shapes.items() if s != main]
+    tag = "+".join([main, *odd])
+    extra = f"-r{spec['response_len']}" if spec["workload"] == "ppo" else ""
+    return f"{spec['workload']}-{tag}-mb{spec['micro_batch']}-s{spec['seq_len']}{extra}"
+
+
+def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float) -> dict[str, Any]:
+    """One mix in a fresh process group; the row for it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for old in run_dir.glob("rank*.json"):
+        old.unlink()
+    (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKER), str(run_dir / "spec.json"), str(run_dir)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "TOKENIZERS_PARALLELISM": "false",
+           # Fewer fragmentation OOMs: what fails then is what the allocated peak says.
+           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+    start = time.perf_counter()
+    status = None
+    with open(run_dir / "log.txt", "w") as log:
+        # A new session, so that a timeout can end torchrun and every worker it started.
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc, status = -9, "timeout"
+    wall = time.perf_counter() - start
+    ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]
+    statuses = {r["status"] for r in ranks}
+    if status is None:
+        status = "oom" if "oom" in statuses else "error" if statuses - {"ok"} or rc != 0 or len(ranks) < nproc else "ok"
+    row: dict[str, Any] = {"case": case_name(spec), **{k: spec[k] for k in (
+        "workload", "shapes", "micro_batch", "seq_len", "response_len", "mix", "warmup", "steps")},
+        "world_size": nproc, "status": status, "wall_s": round(wall, 1)}
+    if status != "ok":
+        errors = [r.get("error", "") for r in ranks if r.get("status") != "ok"]
+        tail = (run_dir / "log.txt").read_text()[-1500:]
+        row["error"] = errors[0] if errors else f"exit {rc}: {tail}"
+    peaks = [r.get("peak_allocated_gib") for r in ranks]
+    if any(p is not None for p in peaks):
+        row["peak_allocated_gib"] = [round(p, 3) for p in peaks]
+        row["peak_reserved_gib"] = [round(r["peak_reserved_gib"], 3) for r in ranks]
+        row["device_total_gib"] = round(ranks[0]["device_total_gib"], 2)
+    ok = [r for r in ranks if r.get("status") == "ok"]
+    if status == "ok" and ok:
+        r0 = ok[0]
+        # Ranks step in lock-step; the slowest rank's median is the step time.
+        row["step_s"] = round(max(r["step_s"] for r in ok), 4)
+        row["phase_s"] = {k: round(max(r["phase_s"][k] for r in ok), 4) for k in r0["phase_s"]}
+        row["setup_s"] = round(max(r["setup_s"] for r in ok), 1)
+        row["tokens_per_s"] = round(r0["tokens_per_step"] * nproc / row["step_s"], 1)
+        row["losses"] = [round(x, 5) for x in r0["losses"]]
+        if r0.get("role_memory_gib"):
+            row["role_memory_gib"] = {k: round(max(r["role_memory_gib"][k] for r in ok), 3) for k in r0["role_memory_gib"]}
+            row["phase_peak_gib"] = {k: round(max(r["phase_peak_gib"][k] for r in ok), 3) for k in r0["phase_peak_gib"]}
+    return row
+
+
+def planned_peak(row: dict[str, Any]) -> float | None:
+    """The planner's peak for a row's configuration, in GiB."""
+    try:
+        p = memory.plan(row["workload"], row["shapes"], row["mix"], world_size=row["world_size"],
+                        micro_batch=row["micro_batch"], seq_len=row["seq_len"], response_len=row["response_len"],
+                        gpu_memory_gib=row.get("device_total_gib", 139.0))
+    except Exception:  # noqa: BLE001 - e.g. a hub model the planner cannot reach offline
+        return None
+    return p.peak / memory.GiB
+
+
+def render(out: Path) -> None:
+    """results.md and results.png from results.json."""
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    lines = ["| case | mix | status | step s | phases s | tokens/s | peak alloc GiB (max rank) | "
+             "peak reserved GiB | planned GiB | plan err | set-up s |", "|" + "---|" * 11]
+    for r in rows:
+        peak = max(r["peak_allocated_gib"]) if r.get("peak_allocated_gib") else None
+        plan = r.get("planned_gib")
+        err = f"{100 * (plan - peak) / peak:+.1f}%" if plan and peak and r["status"] == "ok" else ""
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in r.get("phase_s", {}).items())
+        f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
+        status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
+        lines.append(f"| {r['case']} | {r['mix']} | {status} | {f(r.get('step_s'), 3)} | {phases} | "
+                     f"{f(r.get('tokens_per_s'), 0)} | {f(peak)} | "
+                     f"{f(max(r['peak_reserved_gib']) if r.get('peak_reserved_gib') else None)} | {f(plan)} | {err} | "
+                     f"{f(r.get('setup_s'), 1)} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.5), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        for r in (r for r in rows if r["case"] == case):
+            total = r.get("device_total_gib")
+            if r["status"] == "ok" and r.get("peak_allocated_gib"):
+                x, y, marker = max(r["peak_allocated_gib"]), r["step_s"], "o"
+            elif r["status"] == "oom" and total:
+                x, y, marker = total, None, "x"
+            else:
+                continue
+            if y is None:  # OOM: drawn at the device's capacity, at the top of the axis
+                ax.axvline(total, color="red", lw=0.8, ls="--")
+                ax.annotate(f"{r['mix']}: OOM", (x, 0.95), xycoords=("data", "axes fraction"), color="red",
+                            fontsize=8, ha="right")
+                continue
+            ax.scatter([x], [y], marker=marker)
+            ax.annotate(r["mix"], (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+        ax.set_title(case, fontsize=9)
+        ax.set_xlabel("peak allocated GiB per GPU (max over ranks)")
+        ax.set_ylabel("median step s")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(out / "results.png", dpi=110)
+    plt.close(fig)
+
+
+def save(out: Path, rows: list[dict[str, Any]], command: str) -> None:
+    path = out / "results.json"
+    data = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    keep = {(r["case"], r["mix"]) for r in rows}
+    data["rows"] = [r for r in data["rows"] if (r["case"], r["mix"]) not in keep] + rows
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    if command:
+        with open(out / "commands.txt", "a") as f:
+            f.write(command + "\n")
+    render(out)
+
+
+def environment() -> dict[str, str]:
+    import importlib.metadata as md
+
+    env = {p: md.version(p) for p in ("torch", "transformers", "accelerate", "deepspeed", "trl")}
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip()
+    except OSError:
+        pass
+    return env
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="posttrain bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=list(memory.WORKLOADS), default="dpo")
+    ap.add_argument("--shape", default="tiny", help=f"a preset ({', '.join(memory.SHAPES)}), hub name or local path")
+    ap.add_argument("--role-shape", action="append", default=[], metavar="ROLE=SHAPE",
+                    help="a different shape for one role, e.g. value=1b")
+    ap.add_argument("--micro-batch", type=int, default=4, help="per GPU: pairs (dpo), prompts (ppo), sequences")
+    ap.add_argument("--seq-len", type=int, default=512, help="whole sequence; ppo: prompt + response")
+    ap.add_argument("--response-len", type=int, default=64, help="ppo: tokens generated per prompt")
+    ap.add_argument("--mixes", default="all", help=f"comma-separated, or all: {','.join(ALL_MIXES)}")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps (the median is reported)")
+    ap.add_argument("--nproc", type=int, default=2, help="processes (GPUs)")
+    ap.add_argument("--precision", choices=["bf16", "no"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mix")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole invocation; later mixes are skipped")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/<date>-<machine>")
+    ap.add_argument("--report", metavar="DIR", default=None, help="only re-render DIR's results.md/png")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.report:
+        render(Path(args.report))
+        return 0
+    if args.steps < 5:
+        print("note: fewer than 5 measured steps", file=sys.stderr)
+    mixes = ALL_MIXES if args.mixes == "all" else [m.strip() for m in args.mixes.split(",") if m.strip()]
+    for m in mixes:
+        memory.mix_configs(m)  # fail early on a typo
+    out = Path(args.out or ROOT / "benchmarks" / "results" /
+               f"{datetime.date.today().isoformat()}-{machine_name(args.nproc)}")
+    out.mkdir(parents=True, exist_ok=True)
+    base = dict(workload=args.workload, shapes=parse_shapes(args.workload, args.shape, args.role_shape),
+                micro_batch=args.micro_batch, seq_len=args.seq_len,
+                response_len=args.response_len if args.workload == "ppo" else 0,
+                warmup=args.warmup, steps=args.steps, precision=args.precision)
+    command = shlex.join(["python", "benchmarks/harness.py", *argv])
+    env = environment()
+    start, rows = time.perf_counter(), []
+    for mix in mixes:
+        spec = {**base, "mix": mix}
+        left = None if args.budget is None else args.budget - (time.perf_counter() - start)
+        if left is not None and left < 30:
+            row = {"case": case_name(spec), **spec, "world_size": args.nproc, "status": "skipped",
+                   "error": "time budget spent"}
+        else:
+            timeout = args.timeout if left is None else min(args.timeout, left)
+            row = run_one(spec, out / "runs" / f"{case_name(spec)}-{mix}", args.nproc, timeout)
+        row["planned_gib"] = None if row["status"] == "skipped" else planned_peak(row)
+        row["env"] = env
+        row["command"] = command
+        rows.append(row)
+        peak = max(row["peak_allocated_gib"]) if row.get("peak_allocated_gib") else None
+        print(f"[bench] {row['case']} {mix}: {row['status']} step {row.get('step_s')} s, peak {peak} GiB, "
+              f"planned {row['planned_gib'] and round(row['planned_gib'], 2)} GiB, wall {row.get('wall_s')} s"
+              + (f" :: {row['error'][:300]}" if row["status"] != "ok" else ""), flush=True)
+        save(out, [row], command if mix == mixes[0] else "")
+    print(f"[bench] results in {out}")
+    return 0 if all(r["status"] in ("ok", "oom") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

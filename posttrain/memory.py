@@ -1,0 +1,342 @@
+"""Memory planner: per-GPU memory of every role under a mix, and the fastest mix that fits.
+
+Model states (parameters, gradients, optimizer states) come from DeepSpeed's own estimators
+(``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``); frozen
+roles hold only 16-bit parameters (whole, or a 1/N shard plus a gathered working set). On top of
+the states sits the largest transient of any phase: saved activations while a role trains, a
+frozen forward's working set, or generation's KV cache. The activation coefficients are bytes per
+token per decoder layer for a Llama-shaped model under bf16 with SDPA attention, as autograd saves
+them (see ``train_activation_bytes``); they were checked against peaks measured on H200s
+(benchmarks/results), which a test keeps within 15%.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dsconfig import read_config, zero_stage
+from .roles import MIXES
+
+GiB = 2**30
+
+# Llama-shaped presets built from config with random weights (benchmarks and the planner).
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),
+    "125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12, vocab_size=32000),
+    # TinyLlama-1.1B's shape.
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, vocab_size=32000),
+    # Llama-3.2-3B's shape.
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    # Llama-3-8B's shape.
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+}
+
+# Which roles each workload holds, and what kind of model each role is.
+WORKLOADS: dict[str, dict[str, list[str]]] = {
+    "dpo": {"trained": ["policy"], "frozen": ["reference"]},
+    "ppo": {"trained": ["policy", "value"], "frozen": ["reference", "reward"]},
+    "distill": {"trained": ["student"], "frozen": ["teacher"]},
+}
+ROLE_KINDS = {"policy": "causal", "reference": "causal", "student": "causal", "teacher": "causal",
+              "value": "token", "reward": "sequence"}
+
+# TRL's placements (trl.models.utils.prepare_deepspeed under one plugin): the frozen models get a
+# copy of the trained role's config, at stage 0 unless that config is ZeRO-3.
+BASELINES: dict[str, tuple[str, str]] = {"trl-zero2": ("zero2_train", "stage0"), "trl-zero3": ("zero3_train", "zero3_train")}
+
+# posttrain's mixes from fastest to slowest, as measured on 2xH200 (benchmarks/results): a replicated
+# frozen model costs nothing to gather; a sharded one is gathered on every forward; an offloaded one
+# crosses PCIe on every forward; a ZeRO-3 policy also gathers to train and to generate.
+SPEED_ORDER = ["zero2-replicated", "zero2-zero3", "zero2-zero3-offload", "zero3"]
+
+# Bytes per token per decoder layer saved for backward (bf16, SDPA flash/efficient attention):
+# two RMSNorms (fp32 input 4h, bf16 normalised 2h, bf16 output fed to the projections 2h) = 16h;
+# attention q 2h, k and v 2kv each, its output 2h and o_proj's contiguous input 2h = 6h + 4kv;
+# MLP gate (SiLU input) 2f, SiLU output 2f, up 2f, down_proj input 2f = 8f.
+ACT_H, ACT_KV, ACT_F = 22, 4, 8
+# Causal-LM head per token and vocabulary entry while training: bf16 logits kept for the log-prob
+# backward, plus their gradient and the fp32 up-cast the loss works in.
+HEAD_TRAIN_V = 8
+# A frozen forward keeps no activations: the working set is the logits plus one layer's largest
+# intermediates (gate and up, bf16, and the SiLU product).
+HEAD_INFER_V = 4
+
+
+def model_config(spec: str, kind: str = "causal") -> Any:
+    """A transformers config: a preset from :data:`SHAPES`, or a hub name / local path."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if spec in SHAPES:
+        shape = {"tie_word_embeddings": False, **SHAPES[spec]}
+        cfg = LlamaConfig(max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
+    else:
+        cfg = AutoConfig.from_pretrained(spec)
+    if kind in ("token", "sequence"):
+        cfg.num_labels = 1
+        if getattr(cfg, "pad_token_id", None) is None:
+            cfg.pad_token_id = 0
+    return cfg
+
+
+def model_class(kind: str) -> Any:
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    return {"causal": AutoModelForCausalLM, "sequence": AutoModelForSequenceClassification,
+            "token": AutoModelForTokenClassification}[kind]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: int
+    largest_layer: int  # parameters of the largest module (DeepSpeed's ZeRO-3 working-set term)
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_dim: int
+    vocab: int
+    kind: str
+
+
+@functools.lru_cache(maxsize=64)
+def model_size(spec: str, kind: str = "causal") -> ModelSize:
+    """Count parameters exactly by building the model on the meta device (no memory, no init)."""
+    import torch
+
+    cfg = model_config(spec, kind)
+    with torch.device("meta"):
+        model = model_class(kind).from_config(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return ModelSize(params=params, largest_layer=largest, hidden=text.hidden_size,
+                     intermediate=text.intermediate_size, layers=text.num_hidden_layers,
+                     kv_dim=kv_heads * head_dim, vocab=text.vocab_size, kind=kind)
+
+
+def train_activation_bytes(m: ModelSize, tokens: int) -> int:
+    """Bytes saved for backward by a forward over ``tokens`` tokens, head included."""
+    per_layer = ACT_H * m.hidden + ACT_KV * m.kv_dim + ACT_F * m.intermediate
+    head = HEAD_TRAIN_V * m.vocab if m.kind == "causal" else 8 * m.hidden
+    return tokens * (m.layers * per_layer + 8 * m.hidden + head)
+
+
+def inference_bytes(m: ModelSize, tokens: int) -> int:
+    """Peak working memory of a forward without gradients over ``tokens`` tokens."""
+    layer = 2 * (2 * m.hidden + 3 * m.intermediate)
+    head = HEAD_INFER_V * m.vocab if m.kind == "causal" else 0
+    return tokens * (layer + head)
+
+
+def kv_cache_bytes(m: ModelSize, sequences: int, length: int) -> int:
+    """Generation's KV cache: keys and values, bf16, every layer."""
+    return sequences * length * m.layers * 2 * m.kv_dim * 2
+
+
+@dataclass(frozen=True)
+class Placement:
+    trains: bool
+    stage: int
+    offload_params: bool = False
+    reduce_bucket: int = 0  # ZeRO-2 gradient bucket (elements); ZeRO-3 derives it from the hidden size
+    overlap_comm: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.stage == 3:
+            return "zero3-offload" if self.offload_params else "zero3"
+        return "replicated" if self.stage == 0 else f"zero{self.stage}"
+
+
+def placement(config: str | dict, trains: bool) -> Placement:
+    if config == "stage0":
+        return Placement(trains, 0)
+    cfg = read_config(config)
+    zero = cfg.get("zero_optimization", {})
+    offload = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
+    bucket = zero.get("reduce_bucket_size", 5e8)
+    return Placement(trains, zero_stage(cfg), offload, int(bucket) if bucket != "auto" else 0,
+                     bool(zero.get("overlap_comm", False)))
+
+
+def mix_configs(mix: str) -> tuple[str, str]:
+    if mix in MIXES:
+        return MIXES[mix]
+    if mix in BASELINES:
+        return BASELINES[mix]
+    raise ValueError(f"unknown mix {mix!r}: choose one of {', '.join([*MIXES, *BASELINES])}")
+
+
+@dataclass
+class RolePlan:
+    name: str
+    size: ModelSize
+    place: Placement
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0  # the largest transient this role causes (training, forward or gathering)
+    kv_cache: float = 0.0
+
+    @property
+    def at_rest(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass
+class Plan:
+    workload: str
+    mix: str
+    world_size: int
+    gpu_memory: float
+    roles: list[RolePlan]
+    phases: dict[str, float] = field(default_factory=dict)  # transient bytes per phase
+
+    @property
+    def at_rest(self) -> float:
+        return sum(r.at_rest for r in self.roles)
+
+    @property
+    def peak(self) -> float:
+        return self.at_rest + max(self.phases.values(), default=0.0)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.gpu_memory
+
+
+def _states(r: RolePlan, world: int) -> None:
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    p, n, place = r.size.params, world, r.place
+    if place.trains and place.stage == 3:
+        _, gpu, largest = estimate_zero3_model_states_mem_needs(p, r.size.largest_layer, num_gpus_per_node=n,
+                                                                cpu_offload=False, zero_init=True)
+        # DeepSpeed's 18 bytes/param over N: 16-bit shard 2, gradients 16+32-bit 6, fp32 master and Adam 10.
+        r.params, r.grads, r.optimizer = largest + 2 * p / n, 6 * p / n, gpu - largest - 8 * p / n
+    elif place.trains:
+        _, gpu = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=n, cpu_offload=False)
+        r.params, r.grads, r.optimizer = 2 * p, 6 * p / n, gpu - 2 * p - 6 * p / n
+    elif place.stage == 3:
+        # Frozen: only the 16-bit shard stays (on the CPU when offloaded).
+        r.params = 0.0 if place.offload_params else 2 * p / n
+    else:
+        r.params = 2 * p
+
+
+def plan(
+    workload: str,
+    shapes: dict[str, str] | str,
+    mix: str,
+    *,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    response_len: int = 64,
+    gpu_memory_gib: float = 139.0,
+) -> Plan:
+    """Per-GPU memory of every role of ``workload`` under ``mix``.
+
+    ``micro_batch`` counts prompts (PPO), pairs (DPO, two sequences each) or sequences (distill)
+    per GPU; ``seq_len`` is the whole sequence (PPO: prompt plus ``response_len``)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
+    names = WORKLOADS[workload]
+    if isinstance(shapes, str):
+        shapes = {}.fromkeys(names["trained"] + names["frozen"], shapes)
+    train_cfg, frozen_cfg = mix_configs(mix)
+    roles: list[RolePlan] = []
+    for name in names["trained"] + names["frozen"]:
+        trains = name in names["trained"]
+        size = model_size(shapes[name], ROLE_KINDS[name])
+        r = RolePlan(name, size, placement(train_cfg if trains else frozen_cfg, trains))
+        _states(r, world_size)
+        roles.append(r)
+    by = {r.name: r for r in roles}
+    seqs = 2 * micro_batch if workload == "dpo" else micro_batch
+    tokens = seqs * seq_len
+
+    def train(r: RolePlan) -> float:
+        m, place = r.size, r.place
+        act = train_activation_bytes(m, tokens)
+        if place.stage == 3:
+            # Gathered parameters live while their module runs; the gradient bucket is h^2 elements.
+            extra = 4 * m.largest_layer + 2 * 2 * m.hidden**2
+        else:
+            # Gradients pass through bf16 bucket(s) of reduce_bucket_size (two with overlap_comm).
+            extra = 2 * place.reduce_bucket * (2 if place.overlap_comm else 1)
+        r.activations = max(r.activations, act + extra)
+        return act + extra
+
+    def forward(r: RolePlan) -> float:
+        m, place = r.size, r.place
+        gathered = 4 * m.largest_layer if place.stage == 3 else 0
+        work = inference_bytes(m, tokens) + gathered
+        r.activations = max(r.activations, work)
+        return work
+
+    phases: dict[str, float] = {}
+    if workload in ("dpo", "distill"):
+        student, teacher = (by["policy"], by["reference"]) if workload == "dpo" else (by["student"], by["teacher"])
+        phases["frozen_forward"] = forward(teacher)
+        # The frozen model's log-probs stay alive through the trained role's step (small).
+        phases["train"] = train(student)
+        if workload == "distill":
+            # The teacher's full logits (bf16) stay alive through the student's backward.
+            phases["train"] += 2 * tokens * teacher.size.vocab
+    else:
+        policy = by["policy"]
+        kv = kv_cache_bytes(policy.size, micro_batch, seq_len)
+        policy.kv_cache = kv
+        gen = kv + micro_batch * (seq_len - response_len) * 2 * (2 * policy.size.hidden + 3 * policy.size.intermediate)
+        if policy.place.stage == 3:
+            # TRL's unwrap_model_for_generation gathers the whole ZeRO-3 policy to generate.
+            gen += 2 * policy.size.params * (1 - 1 / world_size)
+        phases["generate"] = gen
+        phases["score"] = max(forward(by["reference"]), forward(by["reward"]))
+        phases["train"] = max(train(policy), train(by["value"]))
+    return Plan(workload, mix, world_size, gpu_memory_gib * GiB, roles, phases)
+
+
+def recommend(plans: list[Plan]) -> tuple[Plan | None, str]:
+    """The fastest posttrain mix that fits, and why."""
+    ranked = sorted((p for p in plans if p.mix in SPEED_ORDER), key=lambda p: SPEED_ORDER.index(p.mix))
+    skipped = []
+    for p in ranked:
+        if p.fits:
+            why = f"{p.mix} fits ({p.peak / GiB:.1f} of {p.gpu_memory / GiB:.0f} GiB per GPU)"
+            if skipped:
+                why += "; faster mixes do not: " + ", ".join(skipped)
+            else:
+                why += " and is the fastest placement (no frozen-model gathering)"
+            return p, why
+        skipped.append(f"{p.mix} needs {p.peak / GiB:.1f} GiB")
+    return None, "no mix fits: " + "; ".join(skipped) + ". Lower the micro batch or add GPUs."
+
+
+def format_plan(p: Plan) -> str:
+    """A table of one plan: GiB per GPU for every role and component."""
+    g = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
+    lines = [f"{p.workload} · mix {p.mix} · {p.world_size} GPUs · GiB per GPU",
+             f"{'role':10} {'place':13} {'params':>7} {'grads':>7} {'optim':>7} {'act':>7} {'kv':>7}"]
+    for r in p.roles:
+        lines.append(f"{r.name:10} {r.place.label:13} {g(r.params)} {g(r.grads)} {g(r.optimizer)} "
+                     f"{g(r.activations)} {g(r.kv_cache)}")
+    phases = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.phases.items())
+    lines.append(f"at rest {p.at_rest / GiB:.2f} + largest phase ({phases}) = peak {p.peak / GiB:.2f} GiB "
+                 f"of {p.gpu_memory / GiB:.0f}: {'fits' if p.fits else 'DOES NOT FIT'}")
+    return "\n".join(lines)

@@ -20,11 +20,11 @@ def default_mix(tmp_path_factory):
     return ppo(tmp_path_factory.mktemp("ppo"), "zero2-zero3", mix="zero2-zero3", **SHORT)
 
 
-@pytest.mark.parametrize("mix", ["zero2-replicated", "zero3"])
-def test_placement_invariance(tmp_path, default_mix, mix):
+@pytest.mark.parametrize("mix,gather", [("zero2-replicated", True), ("zero3", True), ("zero3", False)])
+def test_placement_invariance(tmp_path, default_mix, mix, gather):
     """Same seed, same data: the same rollouts and losses whether frozen models are ZeRO-3 or
-    replicated, or everything is ZeRO-3."""
-    other = ppo(tmp_path, mix, mix=mix, **SHORT)
+    replicated, or everything is ZeRO-3 (its policy gathered once for generation, or not)."""
+    other = ppo(tmp_path, mix, mix=mix, ds3_gather_for_generation=gather, **SHORT)
     assert len(other) == len(default_mix) == 2
     for a, b in zip(default_mix, other):
         for key in COMPARED:
@@ -48,6 +48,7 @@ def test_reward_function_path(tmp_path):
     # sentiment_score is in [-2, 2], weighted by 2.
     assert all(-4.0 <= s <= 4.0 for s in scores)
     assert len(hist) == 2
+    # With no reward model the value model starts from the policy's causal-LM backbone.
 
 
 def test_resume_gives_same_updates(tmp_path):

@@ -1,8 +1,10 @@
 """DPO: parity with trl.DPOTrainer for every loss type, placements, reference modes, resume, LoRA, data."""
 
 
+import json
+
 import pytest
-from conftest import run_json
+from conftest import ROOT, run_json, torchrun
 
 from posttrain import synthetic, tiny
 
@@ -95,3 +97,119 @@ def test_loss_and_metrics_match_trl(parity, name):
         assert ours[name][key] == pytest.approx(theirs[name][key], rel=1e-5, abs=1e-5), (name, key)
     # A non-trivial case: policy and reference differ, so rewards are not all zero.
     assert abs(ours[name]["rewards/margins"]) > 1e-3
+
+
+# -- training on the role layer ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dpo_train")
+    return run_json("dpo_train.py", tmp / "runs", tmp_path=tmp)
+
+
+def test_placements(runs):
+    assert runs["zero2-zero3"]["stages"] == {"policy": 2, "reference": 3}
+    assert runs["zero2-replicated"]["stages"] == {"policy": 2, "reference": 0}
+    assert runs["zero3"]["stages"] == {"policy": 3, "reference": 3}
+
+
+def test_placement_invariance(runs):
+    first = runs["zero2-zero3"]["losses"][:5]
+    assert len(first) == 5 and first[4] < first[0] - 0.02  # it trains, so agreement is not trivial
+    for mix in ("zero2-replicated", "zero3"):
+        assert runs[mix]["losses"][:5] == pytest.approx(first, abs=1e-4), mix
+
+
+def test_precomputed_reference_equals_live(runs):
+    assert runs["precomputed"]["losses"] == pytest.approx(runs["zero2-zero3"]["losses"], abs=1e-5)
+    # The reference engine was released after the precompute pass.
+    assert runs["precomputed"]["engines"] == ["policy"]
+
+
+def test_resume_gives_same_next_losses(runs):
+    assert runs["resumed"]["losses"] == pytest.approx(runs["zero2-zero3"]["losses"][3:], abs=1e-6)
+    assert [r["step"] for r in runs["resumed"]["rows"]] == [4, 5, 6]
+
+
+def test_lora_trains_without_reference_role(runs):
+    lora = runs["lora"]
+    assert lora["engines"] == ["policy"] and "reference" not in lora["stages"]
+    assert lora["losses"][0] == pytest.approx(0.6931, abs=1e-3)  # adapters start at zero: policy == reference
+    assert lora["losses"][-1] < lora["losses"][0] - 0.1
+    assert "adapter_model.safetensors" in runs["lora_files"]
+
+
+def test_eval_and_logging(runs):
+    r = runs["zero2-zero3"]
+    assert [e["step"] for e in r["evals"]] == [3, 6]
+    for key in METRICS + ["loss"]:
+        assert f"eval/{key}" in r["evals"][0]
+    assert r["evals"][-1]["eval/rewards/accuracies"] > 0.8
+    row = r["rows"][0]
+    assert {"loss", "rewards/margins", "grad_norm", "learning_rate", "epoch"} <= set(row)
+    assert runs["metrics_lines"] == 8  # 6 train rows + 2 eval rows in metrics.jsonl
+
+
+# -- data ----------------------------------------------------------------------------------------
+def test_local_files_and_formats(tmp_path):
+    from datasets import Dataset
+
+    from posttrain.preference import load_preference_dataset, prepare_preference_dataset, write_jsonl
+
+    tok = tiny.load_tokenizer()
+    rows = synthetic.preference_pairs(6, seed=5)
+    expected = prepare_preference_dataset(rows, tok)
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
+    (tmp_path / "p.json").write_text(json.dumps(rows))
+    for path in (write_jsonl(rows, tmp_path / "p.jsonl"), tmp_path / "p.parquet", tmp_path / "p.json"):
+        assert prepare_preference_dataset(load_preference_dataset(str(path)), tok) == expected, path
+    # Implicit prompt: chosen/rejected carry the shared prompt, TRL's extract_prompt splits it.
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
+    got = prepare_preference_dataset(implicit, tok)
+    assert [g["chosen_ids"][-1] for g in got] == [tok.eos_token_id] * 6
+    conv = prepare_preference_dataset(conversational(rows), tok)
+    assert tok.decode(conv[0]["prompt_ids"]).startswith("<|user|>")
+    assert tok.decode(conv[0]["prompt_ids"]).endswith("<|assistant|>")
+
+
+@pytest.mark.parametrize("column,value", [("chosen", ""), ("rejected", None), ("prompt", "  ")])
+def test_empty_field_names_row_and_column(column, value):
+    from posttrain.preference import prepare_preference_dataset
+
+    rows = synthetic.preference_pairs(5, seed=5)
+    rows[3][column] = value
+    with pytest.raises(ValueError, match=rf"row 3 has a missing or empty '{column}'"):
+        prepare_preference_dataset(rows, tiny.load_tokenizer())
+
+
+def test_empty_message_and_missing_column():
+    from posttrain.preference import prepare_preference_dataset
+
+    rows = conversational(synthetic.preference_pairs(4, seed=5))
+    rows[2]["rejected"] = [{"role": "assistant", "content": ""}]
+    with pytest.raises(ValueError, match="row 2 has a missing or empty 'rejected'"):
+        prepare_preference_dataset(rows, tiny.load_tokenizer())
+    with pytest.raises(ValueError, match="no column 'rejected'"):
+        prepare_preference_dataset([{"prompt": "a", "chosen": "b"}], tiny.load_tokenizer())
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"loss_type": ["dpo"]}, "unknown loss_type 'dpo'"),
+    ({"loss_type": ["exo_pair"]}, "needs label_smoothing > 0"),
+    ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "loss_weights has 1 values for 2"),
+    ({"loss_type": ["nca_pair"], "f_divergence_type": "js_divergence"}, "supports only"),
+])
+def test_config_errors(fields, message):
+    from posttrain.trainers.dpo import DPOConfig
+
+    with pytest.raises(ValueError, match=message):
+        DPOConfig(**fields)
+
+
+# -- the example -----------------------------------------------------------------------------------
+def test_example_learns_held_out_preferences(tmp_path):
+    out = torchrun(ROOT / "examples" / "dpo.py", "--config", "configs/dpo.yaml", "--output_dir", tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval/rewards/accuracies"] for r in rows if "eval/rewards/accuracies" in r]
+    assert evals[-1] > 0.8
+    assert "held-out eval/rewards/accuracies" in out
+    assert (tmp_path / "run" / "checkpoint-60" / "policy" / "model.safetensors").exists()

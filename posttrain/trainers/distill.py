@@ -146,11 +146,15 @@ class DistillTrainer:
         for rows, what in ((train_dataset, "train_dataset"), (eval_dataset or [], "eval_dataset")):
             if rows and not {"prompt", "completion"} <= set(rows[0]):
                 raise ConfigError(f"{what} rows need 'prompt' and 'completion' (TRL's prompt-completion format)")
+            if rows and not (isinstance(rows[0]["prompt"], str) and isinstance(rows[0]["completion"], str)):
+                raise ConfigError(f"{what}: prompt and completion must be text; apply the chat template to "
+                                  "conversational rows first (tokenizer.apply_chat_template(..., tokenize=False))")
         self.cfg = cfg
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.student_path = cfg.model_name_or_path or str(tiny.model_path())
         self.tokenizer = tokenizer or tiny.load_tokenizer(self.student_path)
         self.session = None
+        self.history: list[dict] = []
 
     # -- set-up ----------------------------------------------------------------------------
     def total_steps(self) -> int:
@@ -213,10 +217,10 @@ class DistillTrainer:
             completions.append(row)
         return completions
 
-    def _source(self, step: int) -> str:
-        # One draw per step from (seed, step), the same on every rank: a ZeRO-3 model must run the
-        # same forwards on all ranks, and a resumed run makes the same choices.
-        if random.Random(self.cfg.seed * 100003 + step).random() < self.cfg.lmbda:
+    def _source(self, micro_step: int) -> str:
+        # GKD's draw, once per micro-batch, but from (seed, micro-step) so that it is the same on
+        # every rank (a ZeRO-3 model must run the same forwards on all ranks) and on resume.
+        if random.Random(self.cfg.seed * 100003 + micro_step).random() < self.cfg.lmbda:
             return "student"
         return "teacher" if self.cfg.seq_kd else "data"
 
@@ -231,14 +235,16 @@ class DistillTrainer:
 
     def training_step(self, step: int, batches: Any, phases: Phases) -> dict[str, float]:
         s, cfg = self.session, self.cfg
-        source = self._source(step)
-        losses, lengths = [], []
-        for _ in range(cfg.gradient_accumulation_steps):
+        losses, lengths, sources = [], [], []
+        for k in range(cfg.gradient_accumulation_steps):
+            micro_step = (step - 1) * cfg.gradient_accumulation_steps + k
+            source = self._source(micro_step)
+            sources.append(source)
             rows = [self.train_dataset[i] for i in next(batches)]
             prompts, completions = self._encode(rows)
             if source != "data":
-                # Seeded per step and rank so that a resumed run samples the same sequences.
-                torch.manual_seed(cfg.seed + 7919 * step + s.process_index)
+                # Seeded per micro-step and rank so that a resumed run samples the same sequences.
+                torch.manual_seed(cfg.seed + 7919 * micro_step + s.process_index)
                 with phases("generate"):
                     completions = self.generate(source, prompts)
             batch = completion_batch(prompts, completions, self.tokenizer.pad_token_id, s.device)
@@ -254,7 +260,8 @@ class DistillTrainer:
         metrics = mean_over_ranks(s, {"loss": sum(losses) / len(losses),
                                       "completion_length": sum(lengths) / len(lengths)})
         return {**metrics, "grad_norm": s.grad_norm("student") or 0.0, "learning_rate": s.learning_rate("student"),
-                "on_policy": float(source == "student"), "seq_kd": float(source == "teacher"), **phases.pop()}
+                "on_policy": sources.count("student") / len(sources), "seq_kd": sources.count("teacher") / len(sources),
+                **phases.pop()}
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict[str, str]] | None = None) -> dict[str, float]:
@@ -266,7 +273,7 @@ class DistillTrainer:
         per_rank = len(rows) // s.num_processes
         if per_rank == 0:
             raise ConfigError(f"evaluation needs at least {s.num_processes} rows, one per process")
-        mine = rows[s.process_index * per_rank : (s.process_index + 1) * per_rank]
+        mine = [rows[i] for i in range(s.process_index * per_rank, (s.process_index + 1) * per_rank)]
         measures = {"forward_kl": (0.0, 1.0), "jsd": (0.5, 1.0), "reverse_kl": (1.0, 1.0),
                     "loss": (cfg.beta, cfg.temperature)}
         sums = dict.fromkeys(measures, 0.0)
@@ -309,7 +316,8 @@ class DistillTrainer:
             if cfg.save_steps and (step % cfg.save_steps == 0 or step == self.total):
                 save_checkpoint(s, cfg, step, {"student": self.tokenizer}, {"total": self.total})
         log.close()
-        return log.history
+        self.history = log.history
+        return self.history
 
     def save_model(self, directory: str | Path | None = None) -> Path:
         """The student in Hugging Face format (``from_pretrained`` loads it)."""

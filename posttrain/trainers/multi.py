@@ -94,6 +94,7 @@ class MultiTrainer:
             raise ConfigError(f"learning_rates names unknown model(s) {sorted(unknown)}: the models are {list(tasks)}")
         self.cfg, self.tasks = cfg, tasks
         self.session = None
+        self.history: list[dict] = []
 
     def total_steps(self) -> int:
         cfg = self.cfg
@@ -169,7 +170,8 @@ class MultiTrainer:
                 export = {name: task.tokenizer for name, task in self.tasks.items()}
                 save_checkpoint(s, cfg, step, export, {"total": self.total})
         log.close()
-        return log.history
+        self.history = log.history
+        return self.history
 
     @torch.no_grad()
     def evaluate(self, name: str, items: Sequence[Any]) -> float:
@@ -179,7 +181,7 @@ class MultiTrainer:
         per_rank = len(items) // s.num_processes
         if per_rank == 0:
             raise ConfigError(f"evaluation needs at least {s.num_processes} items, one per process")
-        mine = list(items[s.process_index * per_rank : (s.process_index + 1) * per_rank])
+        mine = [items[i] for i in range(s.process_index * per_rank, (s.process_index + 1) * per_rank)]
         engine, size = s.engines[name], self.cfg.per_device_eval_batch_size
         engine.eval()
         total = 0.0

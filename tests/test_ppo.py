@@ -42,8 +42,11 @@ def test_metrics_and_phases(default_mix, tmp_path_factory):
 
 
 def test_reward_function_path(tmp_path):
-    hist = ppo(tmp_path, "funcs", reward_model_path="none",
+    hist = ppo(tmp_path, "funcs", reward_model_path="none", report_to=["tensorboard"],
                reward_funcs=["posttrain.synthetic:sentiment_reward"], reward_weights=[2.0], **SHORT)
+    # The accelerate tracker wrote TensorBoard events beside metrics.jsonl.
+    assert list((tmp_path / "funcs").rglob("events.out.tfevents*"))
+    assert len((tmp_path / "funcs" / "metrics.jsonl").read_text().splitlines()) == 2
     scores = [h["objective/scores"] for h in hist]
     # sentiment_score is in [-2, 2], weighted by 2.
     assert all(-4.0 <= s <= 4.0 for s in scores)

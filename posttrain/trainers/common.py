@@ -162,7 +162,9 @@ class RunLog:
             (self.out / "config.json").write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
         self.history: list[dict] = []
         if cfg.report_to:
-            session.accelerator.init_trackers(name, config=_jsonable(asdict(cfg)))
+            # Trackers (TensorBoard's hparams) take scalars only.
+            scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(cfg).items()}
+            session.accelerator.init_trackers(name, config=scalars)
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, initial=start, desc=name, disable=not self.main or cfg.disable_tqdm,

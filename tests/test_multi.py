@@ -27,6 +27,10 @@ def test_a_step_moves_only_its_own_model(run):
     assert run["clf_step"]["classifier"] > 1e-4 and run["clf_step"]["lm"] == 0.0
 
 
+def test_own_clipping(run):
+    assert run["clipping"] == {"lm": 0.5, "classifier": 1.0}
+
+
 def test_own_optimizer_and_scheduler(run):
     # One step of a linear schedule over 4 steps, from each model's own learning rate.
     assert run["lrs"]["lm"] == pytest.approx(3e-3 * 3 / 4)

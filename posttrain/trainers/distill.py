@@ -52,7 +52,7 @@ class DistillConfig(TrainConfig):
     lmbda: float = 0.0  # fraction of steps trained on the student's own generations (on-policy)
     seq_kd: bool = False  # on the other steps, train on the teacher's generations instead of the data
     max_new_tokens: int = 16
-    max_length: int = 128  # prompt + completion tokens
+    max_length: int = 128  # prompt + completion tokens of a dataset row (generation adds max_new_tokens)
 
     def __post_init__(self) -> None:
         for name in ("beta", "lmbda"):
@@ -153,6 +153,8 @@ class DistillTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.student_path = cfg.model_name_or_path or str(tiny.model_path())
         self.tokenizer = tokenizer or tiny.load_tokenizer(self.student_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.session = None
         self.history: list[dict] = []
 
@@ -186,8 +188,9 @@ class DistillTrainer:
 
     # -- data ------------------------------------------------------------------------------
     def _encode(self, rows: list[dict[str, str]]) -> tuple[list[list[int]], list[list[int]]]:
-        tok = self.tokenizer
-        prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        tok, keep = self.tokenizer, self.cfg.max_length - 1
+        # The prompt as the tokenizer encodes text (with its BOS, if any), the completion bare + EOS.
+        prompts = [tok(r["prompt"])["input_ids"][-keep:] for r in rows]
         completions = []
         for p, r in zip(prompts, rows):
             ids = tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

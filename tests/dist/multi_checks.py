@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from posttrain import synthetic, tiny
+from posttrain import dsconfig, synthetic, tiny
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 
 
@@ -37,7 +37,9 @@ def tasks() -> dict[str, Task]:
 
 
 def trainer(tmp: Path, name: str, **kw) -> MultiTrainer:
-    cfg = MultiConfig(output_dir=str(tmp / name), role_configs={"lm": "zero2_train", "classifier": "zero3_train"},
+    # The LM's own clipping threshold; the classifier's comes from max_grad_norm (1.0).
+    lm_config = {**dsconfig.read_config("zero2_train"), "gradient_clipping": 0.5}
+    cfg = MultiConfig(output_dir=str(tmp / name), role_configs={"lm": lm_config, "classifier": "zero3_train"},
                       per_device_train_batch_size=4, learning_rate=3e-3, learning_rates={"classifier": 1e-3},
                       max_steps=4, disable_tqdm=True, **kw)
     return MultiTrainer(cfg, tasks())
@@ -63,6 +65,7 @@ def main(out: str, tmp: str) -> None:
     res["clf_full"] = sum(p.ds_numel for p in clf.parameters())
     res["clf_local"] = sum(p.ds_tensor.numel() for p in clf.parameters())
     res["lm_whole"] = all(not hasattr(p, "ds_id") and p.numel() > 0 for p in lm.parameters())
+    res["clipping"] = {name: s.engines[name].gradient_clipping() for name in t.tasks}
     res["accelerators_distinct"] = s._accelerators["lm"] is not s._accelerators["classifier"]
     before = state(t)
     t.train_step("lm")

@@ -7,9 +7,10 @@ pairs (written to jsonl and read back through `datasets`) and reports held-out r
     accelerate launch --config_file configs/accelerate/cpu_2proc.yaml examples/dpo.py
 
 The same script takes hub names or local paths (`--model_name_or_path`, `--dataset_name`) and
-placements (`--mix`, or `role_configs` in the YAML).
+placements (`--mix`, or `role_configs` in the YAML). Without `--config` it reads configs/dpo.yaml.
 """
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +42,15 @@ def datasets(script: ScriptArguments, synth: SyntheticArguments, cfg: DPOConfig)
     return train, test
 
 
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "dpo.yaml"
+
+
 def main() -> None:
-    script, synth, cfg = TrlParser((ScriptArguments, SyntheticArguments, DPOConfig)).parse_args_and_config()
+    argv = sys.argv[1:]
+    if "--config" not in argv and DEFAULT_CONFIG.exists():
+        argv = ["--config", str(DEFAULT_CONFIG), *argv]  # flags still override it
+    parser = TrlParser((ScriptArguments, SyntheticArguments, DPOConfig))
+    script, synth, cfg = parser.parse_args_and_config(argv)
     train, test = datasets(script, synth, cfg)
     trainer = DPOTrainer(cfg, train_dataset=train, eval_dataset=test)
     before = trainer.evaluate() if test is not None else {}

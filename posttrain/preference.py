@@ -29,6 +29,8 @@ def load_preference_dataset(name_or_path: str, split: str = "train", config: str
         if fmt is None:
             raise ValueError(f"{path}: unknown data file type {path.suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
         # A single local file has only the split "train" in `datasets`' eyes.
+        if split != "train":
+            raise ValueError(f"{path} is a single file: it has only the split 'train', not {split!r}")
         return load_dataset(fmt, data_files=str(path), split="train")
     if path.is_dir() and (path / "dataset_info.json").exists():
         return load_from_disk(str(path))

@@ -162,6 +162,8 @@ def test_local_files_and_formats(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(rows))
     for path in (write_jsonl(rows, tmp_path / "p.jsonl"), tmp_path / "p.parquet", tmp_path / "p.json"):
         assert prepare_preference_dataset(load_preference_dataset(str(path)), tok) == expected, path
+    with pytest.raises(ValueError, match="only the split 'train'"):
+        load_preference_dataset(str(tmp_path / "p.jsonl"), split="test")
     # Implicit prompt: chosen/rejected carry the shared prompt, TRL's extract_prompt splits it.
     implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
     got = prepare_preference_dataset(implicit, tok)
@@ -207,9 +209,12 @@ def test_config_errors(fields, message):
 
 # -- the example -----------------------------------------------------------------------------------
 def test_example_learns_held_out_preferences(tmp_path):
-    out = torchrun(ROOT / "examples" / "dpo.py", "--config", "configs/dpo.yaml", "--output_dir", tmp_path / "run")
+    out = torchrun(ROOT / "examples" / "dpo.py", "--config", "configs/dpo.yaml", "--output_dir", tmp_path / "run",
+                   "--report_to", "tensorboard")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/rewards/accuracies"] for r in rows if "eval/rewards/accuracies" in r]
     assert evals[-1] > 0.8
     assert "held-out eval/rewards/accuracies" in out
     assert (tmp_path / "run" / "checkpoint-60" / "policy" / "model.safetensors").exists()
+    assert list((tmp_path / "run").rglob("events.out.tfevents.*"))  # the accelerate tracker wrote
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()

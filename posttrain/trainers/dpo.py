@@ -316,6 +316,7 @@ class DPOTrainer:
                     if self.eval_rows is not None:
                         self._precompute(self.eval_rows)
                 self._release_reference()
+        self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
 
         model = self.session.load("policy", policy_path, **kwargs)
         self._no_dropout(model)
@@ -456,7 +457,11 @@ class DPOTrainer:
                 self.history.append({"step": self.step, **ev})
             if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
                 save_checkpoint(s, cfg, self.step, {"policy": self.tokenizer}, {"total_steps": self.total_steps})
-        log.close()
+        # Not log.close(): accelerate's end_training() also destroys the process group, and saving
+        # or evaluating after train() still needs it. Finish the trackers and the bar only.
+        log.bar.close()
+        for tracker in s.accelerator.trackers:
+            tracker.finish()
         return self.history
 
     @torch.no_grad()

@@ -231,35 +231,6 @@ def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tupl
     }
 
 
-# -- the tiny default ---------------------------------------------------------------------------------
-def tiny_sft_policy(steps: int = 300, seed: int = 0) -> Path:
-    """The built-in tiny model after a short causal-LM fine-tune on the bundled corpus (cached), so
-    that DPO starts from a sensible language model."""
-    if hasattr(tiny, "sft_model_path"):  # the shared builder, where tiny.py has one
-        return tiny.sft_model_path(seed=seed, steps=steps)
-    path = tiny.cache_dir() / f"causal-s{seed}-sft{steps}"
-    with tiny._lock(path.name):
-        if not (path / "config.json").exists():
-            from transformers import AutoModelForCausalLM
-
-            torch.manual_seed(seed)
-            tok = tiny.load_tokenizer()
-            model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=seed))
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-            lines = [line + tok.eos_token for line in tiny.corpus()]
-            g = torch.Generator().manual_seed(seed)
-            for _ in range(steps):
-                idx = torch.randint(len(lines), (32,), generator=g).tolist()
-                enc = tok([lines[i] for i in idx], return_tensors="pt", padding=True)
-                labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-                model(**enc, labels=labels).loss.backward()
-                opt.step()
-                opt.zero_grad()
-            model.save_pretrained(str(path))
-            tok.save_pretrained(str(path))
-    return path
-
-
 # -- the trainer --------------------------------------------------------------------------------------
 class DPOTrainer:
     """Direct Preference Optimization with the policy and reference on their own DeepSpeed plugins.
@@ -281,11 +252,11 @@ class DPOTrainer:
         self.cfg = cfg = args
         validate(cfg)
         seed_everything(cfg.seed)
-        policy_path = cfg.model_name_or_path or str(tiny_sft_policy())
+        # No model given: the built-in tiny default, briefly fine-tuned on its corpus (cached).
+        policy_path = cfg.model_name_or_path or str(tiny.sft_model_path())
         self.tokenizer = tokenizer or _load_tokenizer(policy_path, cfg)
         self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
         self.peft_config = peft_config if peft_config is not None else _lora_config(cfg)
-        self.live_reference = self.peft_config is None and not cfg.precompute_ref_log_probs
         frozen = [] if self.peft_config is not None else ["reference"]
 
         prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, truncation_mode=cfg.truncation_mode,

@@ -47,12 +47,19 @@ def write_jsonl(rows: Sequence[dict], path: str | os.PathLike) -> Path:
 
 
 def _empty(value: Any) -> bool:
+    """None, a blank string, an empty list, or a message/content part with blank text."""
     if value is None:
         return True
     if isinstance(value, str):
         return not value.strip()
     if isinstance(value, (list, tuple)):
-        return len(value) == 0 or any(_empty(m.get("content")) if isinstance(m, dict) else _empty(m) for m in value)
+        return len(value) == 0 or any(_empty(m) for m in value)
+    if isinstance(value, dict):
+        if value.get("tool_calls"):  # an assistant tool call may carry no text
+            return False
+        if "content" in value:
+            return _empty(value["content"])
+        return value.get("type") == "text" and _empty(value.get("text"))
     return False
 
 

@@ -136,6 +136,8 @@ def test_lora_trains_without_reference_role(runs):
     assert lora["losses"][0] == pytest.approx(0.6931, abs=1e-3)  # adapters start at zero: policy == reference
     assert lora["losses"][-1] < lora["losses"][0] - 0.1
     assert "adapter_model.safetensors" in runs["lora_files"]
+    # Precomputing with adapters disabled gives the same reference as disabling them live.
+    assert runs["lora_precomputed"]["losses"] == pytest.approx(lora["losses"], abs=1e-5)
 
 
 def test_eval_and_logging(runs):
@@ -188,6 +190,11 @@ def test_empty_message_and_missing_column():
 
     rows = conversational(synthetic.preference_pairs(4, seed=5))
     rows[2]["rejected"] = [{"role": "assistant", "content": ""}]
+    with pytest.raises(ValueError, match="row 2 has a missing or empty 'rejected'"):
+        prepare_preference_dataset(rows, tiny.load_tokenizer())
+    # Content parts (one schema for every row, as Arrow needs): a blank text part is empty too.
+    for i, row in enumerate(rows):
+        row["rejected"] = [{"role": "assistant", "content": [{"type": "text", "text": " " if i == 2 else "no"}]}]
     with pytest.raises(ValueError, match="row 2 has a missing or empty 'rejected'"):
         prepare_preference_dataset(rows, tiny.load_tokenizer())
     with pytest.raises(ValueError, match="no column 'rejected'"):

@@ -282,10 +282,7 @@ class DPOTrainer:
             self.reference = self.session.prepare("reference", ref)
             if cfg.precompute_ref_log_probs:
                 # One pass under the reference role, then its memory is given back before the policy loads.
-                with self.phases("precompute"):
-                    self._precompute(self.train_rows)
-                    if self.eval_rows is not None:
-                        self._precompute(self.eval_rows)
+                self._precompute_all()
                 self._release_reference()
         self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
 
@@ -297,6 +294,8 @@ class DPOTrainer:
             model = get_peft_model(model, self.peft_config)
         opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
         self.policy = self.session.prepare("policy", model, opt, sched)
+        if self.peft_config is not None and cfg.precompute_ref_log_probs:
+            self._precompute_all()  # the base model, adapters disabled: saves a forward per step
         self.step = 0
         self.history: list[dict] = []
 
@@ -333,6 +332,12 @@ class DPOTrainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.session.device) for k, v in batch.items()}
 
+    def _precompute_all(self) -> None:
+        with self.phases("precompute"):
+            self._precompute(self.train_rows)
+            if self.eval_rows is not None:
+                self._precompute(self.eval_rows)
+
     @torch.no_grad()
     def _precompute(self, rows: list[dict]) -> None:
         """Reference log-probs of every pair, stored in the rows (``ref_chosen_logps``/``ref_rejected_logps``)."""
@@ -340,7 +345,7 @@ class DPOTrainer:
         values = torch.zeros(len(rows), 2, dtype=torch.float64, device=self.session.device)
         for idx, valid in self._shard(len(rows), bs):
             batch = self._to_device(self.collate([_pair_only(rows[i]) for i in idx]))
-            chosen, rejected = sequence_logps(self.reference, batch, self.cfg.ld_alpha)["logps"].chunk(2)
+            chosen, rejected = self._reference_forward(batch)
             values[idx[:valid]] = torch.stack([chosen, rejected], 1)[:valid].double()
         if self.session.num_processes > 1:
             torch.distributed.all_reduce(values)  # each row was computed on exactly one rank
@@ -352,14 +357,17 @@ class DPOTrainer:
         if "ref_chosen_logps" in batch:
             dtype = torch.get_default_dtype()
             return batch["ref_chosen_logps"].to(dtype), batch["ref_rejected_logps"].to(dtype)
-        with torch.no_grad():
-            if self.peft_config is not None:
-                from trl.trainer.utils import use_adapter
+        return self._reference_forward(batch)
 
-                with use_adapter(self.policy.module, adapter_name=None):
-                    out = sequence_logps(self.policy, batch, self.cfg.ld_alpha)
-            else:
-                out = sequence_logps(self.reference, batch, self.cfg.ld_alpha)
+    @torch.no_grad()
+    def _reference_forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.peft_config is not None:
+            from trl.trainer.utils import use_adapter
+
+            with use_adapter(self.policy.module, adapter_name=None):
+                out = sequence_logps(self.policy, batch, self.cfg.ld_alpha)
+        else:
+            out = sequence_logps(self.reference, batch, self.cfg.ld_alpha)
         return out["logps"].chunk(2)
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:

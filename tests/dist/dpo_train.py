@@ -41,8 +41,9 @@ def main(out: str, tmp: str) -> None:
         _, res[mix] = run(tmp, mix, mix=mix)
     _, res["precomputed"] = run(tmp, "precomputed", precompute_ref_log_probs=True)
     _, res["resumed"] = run(tmp, "resumed", resume_from_checkpoint=str(ckpt))
-    trainer, res["lora"] = run(tmp, "lora", use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0,
-                               learning_rate=1e-2, max_steps=12, eval_dataset=EVAL, eval_steps=12)
+    lora = dict(use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, learning_rate=1e-2, max_steps=12)
+    _, res["lora_precomputed"] = run(tmp, "lora_precomputed", precompute_ref_log_probs=True, **lora)
+    trainer, res["lora"] = run(tmp, "lora", eval_dataset=EVAL, eval_steps=12, **lora)
     trainer.save_model(tmp / "lora" / "final")
     if main_process:
         res["lora_files"] = sorted(p.name for p in (tmp / "lora" / "final").iterdir())

@@ -11,8 +11,10 @@ per model comes from `role_configs` in the YAML.
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +43,8 @@ def sentiment(n: int, seed: int) -> list[tuple[str, float]]:
     return [(p["prompt"] + p[key], label) for p in pairs for key, label in (("chosen", 1.0), ("rejected", 0.0))]
 
 
-def classification(tok):
+def classification(tok: Any) -> tuple[Callable, Callable]:
+    """The classifier's collate (texts and 0/1 labels) and loss (BCE on its one logit)."""
     texts = text_collate(tok, lm_labels=False)
 
     def collate(items):

@@ -1,6 +1,7 @@
 """Distillation: the loss against TRL's own GKD loss (one process), and the trainer on two CPU
 processes: placement, placement-invariant losses, every sequence source, checkpoint and resume."""
 
+import json
 import os
 
 import pytest
@@ -128,3 +129,18 @@ def test_resume_gives_same_losses(run):
     assert run["resumed"]["losses"] == pytest.approx(run["mixed"]["losses"][2:], abs=1e-6)
     assert "model.safetensors" in run["student_export"] and "tokenizer.json" in run["student_export"]
 
+
+
+def test_example_divergence_falls(tmp_path):
+    from conftest import ROOT, torchrun
+
+    out = tmp_path / "run"
+    torchrun(ROOT / "examples" / "distill.py", "--config", ROOT / "configs" / "distill.yaml", "--output_dir", out,
+             "--max_steps", "30", "--eval_steps", "30", "--save_steps", "30", "--teacher_steps", "60",
+             "--heldout_lines", "100", "--disable_tqdm", "true")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["placement"] == {"student": 2, "teacher": 3}
+    assert summary["steps"] == 30 and summary["heldout_lines"] > 50
+    assert summary["forward_kl_fall_factor"] > 1.5
+    assert summary["jsd_after"] < summary["jsd_before"]
+    assert (out / "student" / "model.safetensors").exists()

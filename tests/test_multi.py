@@ -1,6 +1,7 @@
 """Disjoint multi-model training on two CPU processes: a ZeRO-2 LM and a ZeRO-3 classifier, each
 with its own optimizer, scheduler and engine."""
 
+import json
 import math
 
 import pytest
@@ -57,3 +58,19 @@ def test_config_errors():
         MultiTrainer(MultiConfig(), {})
     with pytest.raises(ConfigError, match=r"learning_rates names unknown model\(s\) \['critic'\]"):
         MultiTrainer(MultiConfig(learning_rates={"critic": 1e-3}), {"lm": Task("x", [], lambda items: {})})
+
+
+def test_example_both_losses_fall(tmp_path):
+    from conftest import ROOT, torchrun
+
+    out = tmp_path / "run"
+    torchrun(ROOT / "examples" / "multi_model.py", "--config", ROOT / "configs" / "multi_model.yaml",
+             "--output_dir", out, "--max_steps", "30", "--save_steps", "30", "--sentiment_pairs", "256",
+             "--disable_tqdm", "true")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["placement"] == {"lm": 2, "classifier": 3}
+    for name in ("lm", "classifier"):
+        r = summary[name]
+        assert r["heldout_loss_after"] < r["heldout_loss_before"], name
+        assert r["train_loss_last_tenth"] < r["train_loss_first_tenth"], name
+    assert (out / "checkpoint-30" / "classifier" / "model.safetensors").exists()

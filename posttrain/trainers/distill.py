@@ -48,7 +48,9 @@ class DistillConfig(TrainConfig):
     model_name_or_path: str | None = None  # the student; None: posttrain's tiny default
     teacher_model_name_or_path: str | None = None
     beta: float = 0.5  # 0: forward KL, 0.5: JSD, 1: reverse KL
-    temperature: float = 1.0  # softens both distributions in the loss, and samples generations
+    # Softens both distributions in the loss and samples generations, as TRL's DistillationTrainer
+    # does (GKDTrainer samples with it but scores at temperature 1).
+    temperature: float = 1.0
     lmbda: float = 0.0  # fraction of steps trained on the student's own generations (on-policy)
     seq_kd: bool = False  # on the other steps, train on the teacher's generations instead of the data
     max_new_tokens: int = 16

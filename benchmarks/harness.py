@@ -136,8 +136,10 @@ def render(out: Path) -> None:
              "peak reserved GiB | planned GiB | plan err | set-up s |", "|" + "---|" * 11]
     for r in rows:
         peak = max(r["peak_allocated_gib"]) if r.get("peak_allocated_gib") else None
-        plan = r.get("planned_gib")
+        plan = planned_peak(r) if r["status"] in ("ok", "oom") else None
         err = f"{100 * (plan - peak) / peak:+.1f}%" if plan and peak and r["status"] == "ok" else ""
+        if r["status"] == "oom" and plan and r.get("device_total_gib"):
+            err = "predicts OOM" if plan > r["device_total_gib"] else "predicted to fit"
         phases = ", ".join(f"{k} {v:.3f}" for k, v in r.get("phase_s", {}).items())
         f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
@@ -256,13 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             timeout = args.timeout if left is None else min(args.timeout, left)
             row = run_one(spec, out / "runs" / f"{case_name(spec)}-{mix}", args.nproc, timeout)
-        row["planned_gib"] = None if row["status"] == "skipped" else planned_peak(row)
+        planned = planned_peak(row) if row["status"] != "skipped" else None
         row["env"] = env
         row["command"] = command
         rows.append(row)
         peak = max(row["peak_allocated_gib"]) if row.get("peak_allocated_gib") else None
         print(f"[bench] {row['case']} {mix}: {row['status']} step {row.get('step_s')} s, peak {peak} GiB, "
-              f"planned {row['planned_gib'] and round(row['planned_gib'], 2)} GiB, wall {row.get('wall_s')} s"
+              f"planned {planned and round(planned, 2)} GiB, wall {row.get('wall_s')} s"
               + (f" :: {row['error'][:300]}" if row["status"] != "ok" else ""), flush=True)
         save(out, [row], command if mix == mixes[0] else "")
     print(f"[bench] results in {out}")

@@ -57,16 +57,22 @@ BASELINES: dict[str, tuple[str, str]] = {"trl-zero2": ("zero2_train", "stage0"),
 SPEED_ORDER = ["zero2-replicated", "zero2-zero3", "zero2-zero3-offload", "zero3"]
 
 # Bytes per token per decoder layer saved for backward (bf16, SDPA flash/efficient attention):
-# two RMSNorms (fp32 input 4h, bf16 normalised 2h, bf16 output fed to the projections 2h) = 16h;
-# attention q 2h, k and v 2kv each, its output 2h and o_proj's contiguous input 2h = 6h + 4kv;
-# MLP gate (SiLU input) 2f, SiLU output 2f, up 2f, down_proj input 2f = 8f.
-ACT_H, ACT_KV, ACT_F = 22, 4, 8
-# Causal-LM head per token and vocabulary entry while training: bf16 logits kept for the log-prob
-# backward, plus their gradient and the fp32 up-cast the loss works in.
-HEAD_TRAIN_V = 8
-# A frozen forward keeps no activations: the working set is the logits plus one layer's largest
-# intermediates (gate and up, bf16, and the SiLU product).
-HEAD_INFER_V = 4
+# two RMSNorms (fp32 input 4h, bf16 output fed to the projections 2h) = 12h; attention q 2h, k and v
+# 2kv each, its output 2h and o_proj's contiguous input 2h = 6h + 4kv; MLP gate (SiLU input) 2f,
+# SiLU output 2f, up 2f, down_proj input 2f = 8f. Checked against H200 peaks (1B: 2.0 MB/token).
+ACT_H, ACT_KV, ACT_F = 18, 4, 8
+# Causal-LM head per token and vocabulary entry while training: the bf16 logits, the contiguous
+# shifted copy the log-prob kernel keeps, and their gradient when backward starts.
+HEAD_TRAIN_V = 6
+# A frozen forward keeps no activations: its working set is the bf16 logits plus one layer's
+# intermediates.
+HEAD_INFER_V = 2
+# Optimizer step of a trained role, per parameter over N: the fp32 gradient partition (4) and
+# AdamW's foreach temporaries (4). Measured on H200: 8.1 bytes/param/N at 1.1B.
+STEP_BYTES = 8
+# DeepSpeed's ZeRO-3 default (posttrain's configs keep it): parameters a ZeRO-3 engine may keep
+# gathered while it trains; a frozen ZeRO-3 engine with parameters offloaded fetches as many.
+MAX_LIVE_PARAMETERS = int(1e9)
 
 
 def model_config(spec: str, kind: str = "causal") -> Any:
@@ -188,12 +194,13 @@ class RolePlan:
     params: float = 0.0
     grads: float = 0.0
     optimizer: float = 0.0
-    activations: float = 0.0  # the largest transient this role causes (training, forward or gathering)
+    activations: float = 0.0  # saved for backward while the role trains
     kv_cache: float = 0.0
+    resident_grads: float = 0.0  # the part of ``grads`` DeepSpeed keeps between steps
 
     @property
     def at_rest(self) -> float:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.resident_grads + self.optimizer
 
 
 @dataclass
@@ -219,6 +226,10 @@ class Plan:
 
 
 def _states(r: RolePlan, world: int) -> None:
+    """Memory a role holds between steps. For trained roles DeepSpeed's estimator gives the total
+    of its states; its gradient share (6 bytes/param/N) exists only from backward to the step, so
+    it counts in the train phase rather than at rest (seen on H200: a ZeRO-2 role holds 2P + 12P/N
+    between steps, a ZeRO-3 role 16P/N, the extra 2P/N being its bf16 gradient partition)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -226,11 +237,15 @@ def _states(r: RolePlan, world: int) -> None:
     if place.trains and place.stage == 3:
         _, gpu, largest = estimate_zero3_model_states_mem_needs(p, r.size.largest_layer, num_gpus_per_node=n,
                                                                 cpu_offload=False, zero_init=True)
-        # DeepSpeed's 18 bytes/param over N: 16-bit shard 2, gradients 16+32-bit 6, fp32 master and Adam 10.
-        r.params, r.grads, r.optimizer = largest + 2 * p / n, 6 * p / n, gpu - largest - 8 * p / n
+        # 18 bytes/param/N + the largest layer gathered: 16-bit shard 2, fp32 master and Adam 12,
+        # gradients 4 (the bf16 partition is kept, the rest is transient).
+        r.params, r.optimizer = 2 * p / n, 12 * p / n
+        r.grads = gpu - largest - r.params - r.optimizer
+        r.resident_grads = 2 * p / n
     elif place.trains:
         _, gpu = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=n, cpu_offload=False)
-        r.params, r.grads, r.optimizer = 2 * p, 6 * p / n, gpu - 2 * p - 6 * p / n
+        r.params, r.optimizer = 2 * p, 12 * p / n
+        r.grads = gpu - r.params - r.optimizer
     elif place.stage == 3:
         # Frozen: only the 16-bit shard stays (on the CPU when offloaded).
         r.params = 0.0 if place.offload_params else 2 * p / n
@@ -267,45 +282,49 @@ def plan(
         _states(r, world_size)
         roles.append(r)
     by = {r.name: r for r in roles}
+    n = world_size
     seqs = 2 * micro_batch if workload == "dpo" else micro_batch
     tokens = seqs * seq_len
 
     def train(r: RolePlan) -> float:
+        """The larger of forward+backward (activations saved, gradient buffers) and the step."""
         m, place = r.size, r.place
-        act = train_activation_bytes(m, tokens)
+        r.activations = train_activation_bytes(m, tokens)
         if place.stage == 3:
-            # Gathered parameters live while their module runs; the gradient bucket is h^2 elements.
-            extra = 4 * m.largest_layer + 2 * 2 * m.hidden**2
+            # Gathered parameters DeepSpeed keeps live for reuse by backward (max_live_parameters).
+            buffers = 2 * min(MAX_LIVE_PARAMETERS, m.params)
         else:
             # Gradients pass through bf16 bucket(s) of reduce_bucket_size (two with overlap_comm).
-            extra = 2 * place.reduce_bucket * (2 if place.overlap_comm else 1)
-        r.activations = max(r.activations, act + extra)
-        return act + extra
+            buffers = 2 * place.reduce_bucket * (2 if place.overlap_comm else 1)
+        return max(r.activations + buffers, STEP_BYTES * m.params / n)
 
     def forward(r: RolePlan) -> float:
         m, place = r.size, r.place
-        gathered = 4 * m.largest_layer if place.stage == 3 else 0
-        work = inference_bytes(m, tokens) + gathered
-        r.activations = max(r.activations, work)
-        return work
+        if place.stage == 3:
+            # Offloaded parameters are fetched up to max_live_parameters; otherwise the largest
+            # layer is gathered at a time (DeepSpeed's estimator term).
+            gathered = 2 * min(MAX_LIVE_PARAMETERS, m.params) if place.offload_params else 4 * m.largest_layer
+        else:
+            gathered = 0
+        return inference_bytes(m, tokens) + gathered
 
     phases: dict[str, float] = {}
     if workload in ("dpo", "distill"):
         student, teacher = (by["policy"], by["reference"]) if workload == "dpo" else (by["student"], by["teacher"])
         phases["frozen_forward"] = forward(teacher)
-        # The frozen model's log-probs stay alive through the trained role's step (small).
         phases["train"] = train(student)
         if workload == "distill":
-            # The teacher's full logits (bf16) stay alive through the student's backward.
-            phases["train"] += 2 * tokens * teacher.size.vocab
+            # The teacher's fp32 log-probs stay alive through the student's backward, which keeps
+            # its own fp32 log-softmax.
+            phases["train"] += 8 * tokens * teacher.size.vocab
     else:
         policy = by["policy"]
-        kv = kv_cache_bytes(policy.size, micro_batch, seq_len)
-        policy.kv_cache = kv
-        gen = kv + micro_batch * (seq_len - response_len) * 2 * (2 * policy.size.hidden + 3 * policy.size.intermediate)
+        policy.kv_cache = kv_cache_bytes(policy.size, micro_batch, seq_len)
+        prompt = micro_batch * (seq_len - response_len)
+        gen = policy.kv_cache + inference_bytes(policy.size, prompt) - HEAD_INFER_V * policy.size.vocab * prompt
         if policy.place.stage == 3:
-            # TRL's unwrap_model_for_generation gathers the whole ZeRO-3 policy to generate.
-            gen += 2 * policy.size.params * (1 - 1 / world_size)
+            # TRL's unwrap_model_for_generation gathers a full copy of the ZeRO-3 policy to generate.
+            gen += 2 * policy.size.params
         phases["generate"] = gen
         phases["score"] = max(forward(by["reference"]), forward(by["reward"]))
         phases["train"] = max(train(policy), train(by["value"]))

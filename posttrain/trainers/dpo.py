@@ -7,7 +7,6 @@ checks them against TRL's own code on the same model, batch and reference.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 from dataclasses import dataclass, field
@@ -274,7 +273,8 @@ class DPOTrainer:
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
         self.session = make_session(cfg, ["policy"], frozen, total_steps=self.total_steps)
         self.phases = Phases()
-        kwargs = dict(cfg.model_init_kwargs or {})
+        # TRL loads models in float32 unless told otherwise; mixed precision then casts inside DeepSpeed.
+        kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}
 
         if frozen:
             ref = self.session.load("reference", cfg.ref_model_name_or_path or policy_path, **kwargs)
@@ -284,7 +284,6 @@ class DPOTrainer:
                 # One pass under the reference role, then its memory is given back before the policy loads.
                 self._precompute_all()
                 self._release_reference()
-        self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
 
         model = self.session.load("policy", policy_path, **kwargs)
         self._no_dropout(model)
@@ -296,6 +295,7 @@ class DPOTrainer:
         self.policy = self.session.prepare("policy", model, opt, sched)
         if self.peft_config is not None and cfg.precompute_ref_log_probs:
             self._precompute_all()  # the base model, adapters disabled: saves a forward per step
+        self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
         self.step = 0
         self.history: list[dict] = []
 
@@ -309,8 +309,7 @@ class DPOTrainer:
     def _release_reference(self) -> None:
         # Workaround: Session has no release(); drop the engine and the frozen Accelerator's handle on it.
         engine = self.session.engines.pop("reference")
-        with contextlib.suppress(Exception):
-            engine.destroy()
+        engine.destroy()  # removes ZeRO-3's hooks on the module
         self.session._accelerators["reference"].free_memory()
         self.reference = None
         del engine

@@ -63,14 +63,14 @@ def case_name(spec: dict[str, Any]) -> str:
     return f"{spec['workload']}-{tag}-mb{spec['micro_batch']}-s{spec['seq_len']}{extra}"
 
 
-def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float) -> dict[str, Any]:
+def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, worker: Path = WORKER) -> dict[str, Any]:
     """One mix in a fresh process group; the row for it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in run_dir.glob("rank*.json"):
         old.unlink()
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), str(run_dir / "spec.json"), str(run_dir)]
+           str(worker), str(run_dir / "spec.json"), str(run_dir)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "TOKENIZERS_PARALLELISM": "false",
            # Fewer fragmentation OOMs: what fails then is what the allocated peak says.
@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", choices=["bf16", "no"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mix")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole invocation; later mixes are skipped")
+    ap.add_argument("--min-run", type=float, default=45, help="seconds of budget a mix needs to start")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/<date>-<machine>")
     ap.add_argument("--report", metavar="DIR", default=None, help="only re-render DIR's results.md/png")
     return ap
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     for mix in mixes:
         spec = {**base, "mix": mix}
         left = None if args.budget is None else args.budget - (time.perf_counter() - start)
-        if left is not None and left < 30:
+        if left is not None and left < args.min_run:
             row = {"case": case_name(spec), **spec, "world_size": args.nproc, "status": "skipped",
                    "error": "time budget spent"}
         else:

@@ -1,0 +1,109 @@
+"""The benchmark harness on two CPU processes (correctness, not speed), and its failure rows."""
+
+import json
+import math
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.workloads import is_oom  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["--workload", "ppo", "--shape", "tiny", "--micro-batch", "2", "--seq-len", "40", "--response-len", "8",
+            "--mixes", "zero2-zero3,trl-zero3", "--steps", "5", "--out", str(out), "--timeout", "240"]
+    rc = harness.main(argv)
+    return rc, out, json.loads((out / "results.json").read_text())["rows"]
+
+
+def test_every_mix_runs_in_its_own_group(ppo_run):
+    rc, _, rows = ppo_run
+    assert rc == 0
+    assert [r["mix"] for r in rows] == ["zero2-zero3", "trl-zero3"]
+    for r in rows:
+        assert r["status"] == "ok", r.get("error")
+        assert r["world_size"] == 2 and r["steps"] == 5
+        assert set(r["phase_s"]) == {"generate", "score", "train"}
+        # The phases happen inside the step, so they cannot take longer than it.
+        assert 0 < sum(r["phase_s"].values()) <= r["step_s"] * 1.05
+        assert r["tokens_per_s"] == pytest.approx(2 * 40 * 2 / r["step_s"], rel=0.01)
+        assert len(r["losses"]) == 5 and all(math.isfinite(x) for x in r["losses"])
+        assert r["setup_s"] > 0
+        assert "peak_allocated_gib" not in r  # no CUDA here: no memory numbers rather than zeros
+
+
+def test_outputs_and_command(ppo_run):
+    _, out, rows = ppo_run
+    table = (out / "results.md").read_text()
+    assert table.count("| ppo-tiny-mb2-s40-r8 |") == 2
+    assert (out / "commands.txt").read_text().strip().endswith(f"--out {out} --timeout 240")
+    assert rows[0]["command"].startswith("python benchmarks/harness.py --workload ppo")
+    pytest.importorskip("matplotlib")
+    assert (out / "results.png").stat().st_size > 1000
+
+
+FAKE_WORKER = """
+import json, os, sys, time
+spec, out = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+mode = json.load(open(spec))["mix"]
+if mode == "zero3":  # stands for a mix that hangs
+    time.sleep(120)
+res = {"rank": rank, "status": "oom" if rank == 0 else "ok", "peak_allocated_gib": 130.5,
+       "peak_reserved_gib": 131.0, "device_total_gib": 139.8, "error": "OutOfMemoryError: CUDA out of memory"}
+json.dump(res, open(os.path.join(out, f"rank{rank}.json"), "w"))
+time.sleep(1)
+os._exit(3 if rank == 0 else 0)
+"""
+
+
+def spec(mix):
+    return dict(workload="dpo", shapes={"policy": "tiny", "reference": "tiny"}, micro_batch=1, seq_len=8,
+                response_len=0, warmup=1, steps=5, precision=None, mix=mix)
+
+
+def test_oom_is_a_row_not_a_crash(tmp_path):
+    worker = tmp_path / "fake.py"
+    worker.write_text(textwrap.dedent(FAKE_WORKER))
+    row = harness.run_one(spec("zero2-replicated"), tmp_path / "run", 2, timeout=120, worker=worker)
+    assert row["status"] == "oom"
+    assert "out of memory" in row["error"]
+    assert row["peak_allocated_gib"] == [130.5, 130.5]
+
+
+def test_hung_mix_times_out(tmp_path):
+    worker = tmp_path / "fake.py"
+    worker.write_text(textwrap.dedent(FAKE_WORKER))
+    row = harness.run_one(spec("zero3"), tmp_path / "run", 1, timeout=10, worker=worker)
+    assert row["status"] == "timeout"
+    assert row["wall_s"] < 30
+
+
+def test_is_oom():
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("CUDA error: out of memory"))
+    assert is_oom(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not is_oom(ValueError("shapes do not match"))
+
+
+def test_rows_replace_same_case_and_mix(tmp_path):
+    row = {"case": "c", "mix": "zero3", "status": "skipped", "workload": "dpo"}
+    harness.save(tmp_path, [row], "cmd one")
+    harness.save(tmp_path, [{**row, "status": "timeout"}, {**row, "mix": "zero2-zero3"}], "cmd two")
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["mix"], r["status"]) for r in rows] == [("zero3", "timeout"), ("zero2-zero3", "skipped")]
+    assert (tmp_path / "commands.txt").read_text().splitlines() == ["cmd one", "cmd two"]
+
+
+def test_unknown_mix_fails_before_running(tmp_path):
+    with pytest.raises(ValueError, match="unknown mix 'zero9'"):
+        harness.main(["--mixes", "zero9", "--out", str(tmp_path)])

@@ -225,3 +225,19 @@ def test_example_learns_held_out_preferences(tmp_path):
     assert (tmp_path / "run" / "checkpoint-60" / "policy" / "model.safetensors").exists()
     assert list((tmp_path / "run").rglob("events.out.tfevents.*"))  # the accelerate tracker wrote
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+def test_example_under_accelerate_launch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
+           "examples/dpo.py", "--output_dir", str(tmp_path), "--max_steps", "10", "--eval_steps", "10",
+           "--save_steps", "10", "--logging_steps", "10"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    # Two processes: 10 steps x 16 pairs x 2 ranks of 512 pairs.
+    assert row["step"] == 10 and row["epoch"] == pytest.approx(0.625)

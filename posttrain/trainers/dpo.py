@@ -333,14 +333,14 @@ class DPOTrainer:
 
     def _precompute_all(self) -> None:
         with self.phases("precompute"):
-            self._precompute(self.train_rows)
+            cfg = self.cfg
+            self._precompute(self.train_rows, cfg.precompute_ref_batch_size or cfg.per_device_train_batch_size)
             if self.eval_rows is not None:
-                self._precompute(self.eval_rows)
+                self._precompute(self.eval_rows, cfg.precompute_ref_batch_size or cfg.per_device_eval_batch_size)
 
     @torch.no_grad()
-    def _precompute(self, rows: list[dict]) -> None:
+    def _precompute(self, rows: list[dict], bs: int) -> None:
         """Reference log-probs of every pair, stored in the rows (``ref_chosen_logps``/``ref_rejected_logps``)."""
-        bs = self.cfg.precompute_ref_batch_size or self.cfg.per_device_train_batch_size
         values = torch.zeros(len(rows), 2, dtype=torch.float64, device=self.session.device)
         for idx, valid in self._shard(len(rows), bs):
             batch = self._to_device(self.collate([_pair_only(rows[i]) for i in idx]))

@@ -50,6 +50,7 @@ class DPOConfig(TrainConfig):
     ref_model_name_or_path: str | None = None
     model_init_kwargs: dict[str, Any] | None = None
     disable_dropout: bool = True
+    gradient_checkpointing: bool = True  # TRL's DPO default: activations recomputed in backward
     # LoRA (names of trl.ModelConfig): the reference is then the base with adapters disabled.
     use_peft: bool = False
     lora_r: int = 16
@@ -287,6 +288,8 @@ class DPOTrainer:
 
         model = self.session.load("policy", policy_path, **kwargs)
         self._no_dropout(model)
+        if cfg.gradient_checkpointing:
+            _enable_checkpointing(model)
         if self.peft_config is not None:
             from peft import get_peft_model
 
@@ -474,6 +477,15 @@ class DPOTrainer:
     def save_model(self, directory: str | Path) -> None:
         """The policy in Hugging Face format (a LoRA policy saves its adapter)."""
         self.session.save_pretrained("policy", directory, tokenizer=self.tokenizer)
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    # transformers 5.24 renamed it activation checkpointing; the GPU image's 5.17 may only have the old name.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _pair_only(row: dict) -> dict:

@@ -122,6 +122,8 @@ def test_sequence_sources(run):
     # Generated completions are at most max_new_tokens long; different sources, different sequences.
     assert all(0 < n <= 6 for n in run["on_policy"]["length"] + run["seq_kd"]["length"])
     assert run["on_policy"]["losses"][1:] != run["seq_kd"]["losses"][1:]
+    z3 = run["zero3_on_policy"]
+    assert z3["on_policy"] == [1.0, 1.0] and all(0 < x < 10 for x in z3["losses"])
 
 
 def test_resume_gives_same_losses(run):

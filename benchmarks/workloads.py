@@ -90,7 +90,10 @@ class Bench:
         self.role_memory: dict[str, float] = {}
         self.phases = Phases()
         self.phase_peaks: dict[str, list[float]] = {}
-        self.vocab = memory.model_config(spec["shapes"][self.trained[0]]).vocab_size
+        # One tokenizer for all roles: a smaller preset takes the first trained role's vocabulary.
+        self.vocab = memory.shared_vocab(spec["shapes"], self.workload)
+        if self.vocab is None:
+            self.vocab = memory.model_config(spec["shapes"][self.trained[0]]).vocab_size
 
     # -- set-up ----------------------------------------------------------------------------
     def load_all(self) -> None:
@@ -104,7 +107,7 @@ class Bench:
     def _load(self, name: str) -> Any:
         s = self.session
         kind = memory.ROLE_KINDS[name]
-        cfg = memory.model_config(self.spec["shapes"][name], kind)
+        cfg = memory.model_config(self.spec["shapes"][name], kind, self.vocab)
         cls = memory.model_class(kind)
         torch.manual_seed(self.spec.get("seed", 0) + len(self.engines))
         if name in s.roles:

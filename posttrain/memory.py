@@ -59,8 +59,9 @@ SPEED_ORDER = ["zero2-replicated", "zero2-zero3", "zero2-zero3-offload", "zero3"
 # Bytes per token per decoder layer saved for backward (bf16, SDPA flash/efficient attention):
 # two RMSNorms (fp32 input 4h, bf16 output fed to the projections 2h) = 12h; attention q 2h, k and v
 # 2kv each, its output 2h and o_proj's contiguous input 2h = 6h + 4kv; MLP gate (SiLU input) 2f,
-# SiLU output 2f, up 2f, down_proj input 2f = 8f. Checked against H200 peaks (1B: 2.0 MB/token).
-ACT_H, ACT_KV, ACT_F = 18, 4, 8
+# SiLU output 2f, up 2f, down_proj input 2f = 8f; 2h more for residual/dropout bookkeeping. Checked
+# against H200 peaks: 2.0-2.1 MB/token at 1B (formula 2.1), 7.4 at 8B (formula 7.2).
+ACT_H, ACT_KV, ACT_F = 20, 4, 8
 # Causal-LM head per token and vocabulary entry while training: the bf16 logits, the contiguous
 # shifted copy the log-prob kernel keeps, and their gradient when backward starts.
 HEAD_TRAIN_V = 6
@@ -68,19 +69,30 @@ HEAD_TRAIN_V = 6
 # intermediates.
 HEAD_INFER_V = 2
 # Optimizer step of a trained role, per parameter over N: the fp32 gradient partition (4) and
-# AdamW's foreach temporaries (4). Measured on H200: 8.1 bytes/param/N at 1.1B.
+# AdamW's foreach temporaries (4). Measured on H200: 8.1 bytes/param/N at 1.1B and 8B under ZeRO-2;
+# ZeRO-3 steps one sub-group (sub_group_size, 1e9 parameters) at a time.
 STEP_BYTES = 8
+SUB_GROUP_SIZE = int(1e9)
+# ZeRO-2 reduces a parameter larger than its gradient bucket outside the bucket (8B: the 525M-entry
+# embedding and LM head): its bf16 gradient and fp32 averaging copies, 10 bytes per entry (4.9 GiB
+# measured at 8B on the rank that reduces it).
+OVERSIZED_GRAD_BYTES = 10
 # DeepSpeed's ZeRO-3 default (posttrain's configs keep it): parameters a ZeRO-3 engine may keep
 # gathered while it trains; a frozen ZeRO-3 engine with parameters offloaded fetches as many.
 MAX_LIVE_PARAMETERS = int(1e9)
 
 
-def model_config(spec: str, kind: str = "causal") -> Any:
-    """A transformers config: a preset from :data:`SHAPES`, or a hub name / local path."""
+def model_config(spec: str, kind: str = "causal", vocab_size: int | None = None) -> Any:
+    """A transformers config: a preset from :data:`SHAPES`, or a hub name / local path.
+
+    ``vocab_size`` gives a preset another vocabulary: models of one run share a tokenizer, so a
+    smaller value or reward model takes the policy's."""
     from transformers import AutoConfig, LlamaConfig
 
     if spec in SHAPES:
         shape = {"tie_word_embeddings": False, **SHAPES[spec]}
+        if vocab_size is not None:
+            shape["vocab_size"] = vocab_size
         cfg = LlamaConfig(max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
     else:
         cfg = AutoConfig.from_pretrained(spec)
@@ -114,12 +126,18 @@ class ModelSize:
     kind: str
 
 
+def shared_vocab(shapes: dict[str, str], workload: str) -> int | None:
+    """The vocabulary every role of a run uses: the first trained role's (presets only)."""
+    main = shapes[WORKLOADS[workload]["trained"][0]]
+    return SHAPES[main]["vocab_size"] if main in SHAPES else None
+
+
 @functools.lru_cache(maxsize=64)
-def model_size(spec: str, kind: str = "causal") -> ModelSize:
+def model_size(spec: str, kind: str = "causal", vocab_size: int | None = None) -> ModelSize:
     """Count parameters exactly by building the model on the meta device (no memory, no init)."""
     import torch
 
-    cfg = model_config(spec, kind)
+    cfg = model_config(spec, kind, vocab_size)
     with torch.device("meta"):
         model = model_class(kind).from_config(cfg)
     params = sum(p.numel() for p in model.parameters())
@@ -274,10 +292,11 @@ def plan(
     if isinstance(shapes, str):
         shapes = {}.fromkeys(names["trained"] + names["frozen"], shapes)
     train_cfg, frozen_cfg = mix_configs(mix)
+    vocab = shared_vocab(shapes, workload)
     roles: list[RolePlan] = []
     for name in names["trained"] + names["frozen"]:
         trains = name in names["trained"]
-        size = model_size(shapes[name], ROLE_KINDS[name])
+        size = model_size(shapes[name], ROLE_KINDS[name], vocab)
         r = RolePlan(name, size, placement(train_cfg if trains else frozen_cfg, trains))
         _states(r, world_size)
         roles.append(r)
@@ -293,10 +312,14 @@ def plan(
         if place.stage == 3:
             # Gathered parameters DeepSpeed keeps live for reuse by backward (max_live_parameters).
             buffers = 2 * min(MAX_LIVE_PARAMETERS, m.params)
+            step = STEP_BYTES * min(SUB_GROUP_SIZE, m.params / n)
         else:
             # Gradients pass through bf16 bucket(s) of reduce_bucket_size (two with overlap_comm).
             buffers = 2 * place.reduce_bucket * (2 if place.overlap_comm else 1)
-        return max(r.activations + buffers, STEP_BYTES * m.params / n)
+            if m.largest_layer > place.reduce_bucket:
+                buffers += OVERSIZED_GRAD_BYTES * m.largest_layer
+            step = STEP_BYTES * m.params / n
+        return max(r.activations + buffers, step)
 
     def forward(r: RolePlan) -> float:
         m, place = r.size, r.place

@@ -309,6 +309,25 @@ class Session:
     def unwrap(self, name: str) -> torch.nn.Module:
         return self.engines[name].module
 
+    def accelerator_for(self, name: str) -> Any:
+        """The Accelerator that holds the role's engine (for accelerate/TRL helpers that take one)."""
+        self.role(name)
+        return self._accelerators[name]
+
+    def release(self, name: str) -> None:
+        """Drop a frozen role's engine and free its memory (e.g. after precomputing its outputs)."""
+        if self.role(name).trains:
+            raise ConfigError(f"role {name!r} trains; only frozen roles can be released")
+        engine = self.engines.pop(name, None)
+        if engine is None:
+            return
+        engine.destroy()  # removes ZeRO-3's hooks from the module
+        self._accelerators[name].free_memory()
+        del engine
+        import gc
+
+        gc.collect()
+
     # -- training ----------------------------------------------------------------------------
     def backward(self, name: str, loss: torch.Tensor) -> None:
         """Backward through the role's engine (which scales by 1/accumulation steps)."""
@@ -364,7 +383,9 @@ class Session:
         return json.loads(extra.read_text()) if extra.exists() else {}
 
     def state_dict(self, name: str) -> dict:
-        """The role's full weights (gathered if it is ZeRO-3), read under its own config."""
+        """The role's full weights (gathered if it is ZeRO-3), read under its own config. Collective:
+        call it on every rank. For a trained ZeRO-3 role accelerate consolidates on the main
+        process only; the other ranks get None."""
         with self.activate(name):
             accelerator = self._accelerators[name]
             if self.role(name).trains:

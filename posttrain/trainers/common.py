@@ -45,7 +45,8 @@ class TrainConfig:
     save_steps: int | None = None
     report_to: list[str] = field(default_factory=list)
     mixed_precision: str | None = None  # "no" | "bf16" | "fp16"; None: accelerate's launch setting
-    # Placement: a mix name (roles.MIXES) and optional per-role DeepSpeed configs (name or path).
+    # Placement: a mix name (roles.MIXES) and optional per-role DeepSpeed configs (preset name or
+    # JSON path; a dict from Python). Set role_configs in the YAML: TrlParser cannot parse a dict flag.
     mix: str = DEFAULT_MIX
     role_configs: dict[str, str] = field(default_factory=dict)
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest" in output_dir
@@ -189,8 +190,10 @@ class RunLog:
 
     def close(self) -> None:
         self.bar.close()
-        if self.cfg.report_to:
-            self.session.accelerator.end_training()
+        # Not accelerator.end_training(): in accelerate 1.15 it also destroys the process group,
+        # which saving or evaluating after training still needs.
+        for tracker in self.session.accelerator.trackers:
+            tracker.finish()
 
 
 _BAR_KEYS = {"loss", "objective/scores", "objective/kl", "rewards/accuracies", "eval/rewards/accuracies",

@@ -7,7 +7,6 @@ checks them against TRL's own code on the same model, batch and reference.
 
 from __future__ import annotations
 
-import gc
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,13 +309,8 @@ class DPOTrainer:
             disable_dropout_in_model(model)
 
     def _release_reference(self) -> None:
-        # Workaround: Session has no release(); drop the engine and the frozen Accelerator's handle on it.
-        engine = self.session.engines.pop("reference")
-        engine.destroy()  # removes ZeRO-3's hooks on the module
-        self.session._accelerators["reference"].free_memory()
+        self.session.release("reference")
         self.reference = None
-        del engine
-        gc.collect()
 
     def _shard(self, n: int, batch_size: int) -> list[tuple[list[int], int]]:
         """This rank's share of ``range(n)`` as (indices, valid count) batches; every rank gets the same
@@ -438,11 +432,7 @@ class DPOTrainer:
                 self.history.append({"step": self.step, **ev})
             if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
                 save_checkpoint(s, cfg, self.step, {"policy": self.tokenizer}, {"total_steps": self.total_steps})
-        # Not log.close(): accelerate's end_training() also destroys the process group, and saving
-        # or evaluating after train() still needs it. Finish the trackers and the bar only.
-        log.bar.close()
-        for tracker in s.accelerator.trackers:
-            tracker.finish()
+        log.close()
         return self.history
 
     @torch.no_grad()

@@ -330,7 +330,7 @@ class PPOTrainer:
         synced = zero3 and not cfg.ds3_gather_for_generation and s.num_processes > 1
         out = []
         with s.activate("policy"), unwrap_model_for_generation(
-            s.engines["policy"], s._accelerators["policy"], gather_deepspeed3_params=cfg.ds3_gather_for_generation
+            s.engines["policy"], s.accelerator_for("policy"), gather_deepspeed3_params=cfg.ds3_gather_for_generation
         ) as model:
             for i in range(0, queries.shape[0], cfg.local_rollout_forward_batch_size):
                 q = queries[i : i + cfg.local_rollout_forward_batch_size]

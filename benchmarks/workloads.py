@@ -274,6 +274,9 @@ def main(spec_path: str, out_dir: str) -> None:
         # Other ranks may be blocked in a collective: exit at once so torchrun ends the group.
         print(f"rank {rank}: {result['status']}: {result['error'][:300]}", file=sys.stderr, flush=True)
         os._exit(3)
+    # The measurement is written; skip interpreter teardown, where DeepSpeed's and gloo's threads
+    # can abort the process (seen on CPU: "terminate called without an active exception").
+    os._exit(0)
 
 
 if __name__ == "__main__":

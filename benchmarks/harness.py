@@ -156,28 +156,34 @@ def render(out: Path) -> None:
     except ImportError:
         return
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.5), squeeze=False)
-    for ax, case in zip(axes[0], cases):
-        for r in (r for r in rows if r["case"] == case):
+    cols = min(2, len(cases))
+    fig, axes = plt.subplots((len(cases) + cols - 1) // cols, cols, figsize=(6.5 * cols, 4.8 * ((len(cases) + 1) // 2)),
+                             squeeze=False)
+    for ax in axes.flat[len(cases):]:
+        ax.axis("off")
+    for ax, case in zip(axes.flat, cases):
+        xmax = 0.0
+        for i, r in enumerate(r for r in rows if r["case"] == case):
             total = r.get("device_total_gib")
-            if r["status"] == "ok" and r.get("peak_allocated_gib"):
-                x, y, marker = max(r["peak_allocated_gib"]), r["step_s"], "o"
-            elif r["status"] == "oom" and total:
-                x, y, marker = total, None, "x"
-            else:
-                continue
-            if y is None:  # OOM: drawn at the device's capacity, at the top of the axis
-                ax.axvline(total, color="red", lw=0.8, ls="--")
-                ax.annotate(f"{r['mix']}: OOM", (x, 0.95), xycoords=("data", "axes fraction"), color="red",
-                            fontsize=8, ha="right")
-                continue
-            ax.scatter([x], [y], marker=marker)
-            ax.annotate(r["mix"], (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
-        ax.set_title(case, fontsize=9)
+            if r["status"] == "oom" and total:
+                # Out of memory: a dashed line at the device's capacity, named down its side.
+                ax.axvline(total, color="red", lw=0.9, ls="--")
+                ax.text(total, 0.5, f"{r['mix']}: out of memory ", color="red", fontsize=8, rotation=90,
+                        ha="right", va="center", transform=ax.get_xaxis_transform())
+                xmax = max(xmax, total)
+            elif r["status"] == "ok" and r.get("peak_allocated_gib"):
+                x, y = max(r["peak_allocated_gib"]), r["step_s"]
+                # One colour per mix across panels; TRL's baselines as squares.
+                ax.scatter([x], [y], color=f"C{ALL_MIXES.index(r['mix']) if r['mix'] in ALL_MIXES else i}",
+                           marker="s" if r["mix"].startswith("trl") else "o", s=45, label=r["mix"], alpha=0.85)
+                xmax = max(xmax, x)
+        ax.set_title(case, fontsize=10)
         ax.set_xlabel("peak allocated GiB per GPU (max over ranks)")
         ax.set_ylabel("median step s")
-        ax.set_xlim(left=0)
+        ax.set_xlim(0, xmax * 1.08 or 1)
         ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "results.png", dpi=110)
     plt.close(fig)

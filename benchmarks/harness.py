@@ -183,7 +183,8 @@ def render(out: Path) -> None:
         ax.set_xlim(0, xmax * 1.08 or 1)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "results.png", dpi=110)
     plt.close(fig)

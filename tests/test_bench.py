@@ -51,6 +51,15 @@ def test_outputs_and_command(ppo_run):
     assert (out / "results.png").stat().st_size > 1000
 
 
+def test_posttrain_bench_command_renders(ppo_run):
+    from posttrain import cli
+
+    _, out, _ = ppo_run
+    (out / "results.md").unlink()
+    assert cli.main(["bench", "--report", str(out)]) == 0
+    assert "| ppo-tiny-mb2-s40-r8 | trl-zero3 | ok |" in (out / "results.md").read_text()
+
+
 FAKE_WORKER = """
 import json, os, sys, time
 spec, out = sys.argv[1], sys.argv[2]

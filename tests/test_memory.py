@@ -1,0 +1,123 @@
+"""The memory planner: DeepSpeed's estimators for model states, the committed H200 peaks within
+15%, the out-of-memory case, the recommendation and ``posttrain plan``."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from posttrain import cli, memory
+
+RESULTS = sorted((Path(__file__).resolve().parent.parent / "benchmarks" / "results").glob("*/results.json"))
+GiB = memory.GiB
+
+
+def gpu_rows():
+    rows = [r for path in RESULTS for r in json.loads(path.read_text())["rows"] if r.get("device_total_gib")]
+    return rows
+
+
+def planned(r):
+    return memory.plan(r["workload"], r["shapes"], r["mix"], world_size=r["world_size"], micro_batch=r["micro_batch"],
+                       seq_len=r["seq_len"], response_len=r["response_len"], gpu_memory_gib=r["device_total_gib"])
+
+
+def test_committed_gpu_results_exist():
+    rows = gpu_rows()
+    cases = {r["case"] for r in rows if r["status"] == "ok"}
+    assert {"dpo-1b-mb4-s512", "ppo-1b-mb8-s512-r64", "dpo-8b-mb4-s512"} <= cases
+    assert len([r for r in rows if r["status"] == "ok"]) >= 18
+
+
+@pytest.mark.parametrize("row", [r for r in gpu_rows() if r["status"] == "ok"], ids=lambda r: f"{r['case']}-{r['mix']}")
+def test_planner_within_15_percent_of_measured_peak(row):
+    measured = max(row["peak_allocated_gib"])
+    predicted = planned(row).peak / GiB
+    assert abs(predicted - measured) / measured <= 0.15, (predicted, measured)
+
+
+@pytest.mark.parametrize("row", [r for r in gpu_rows() if r["status"] == "oom"], ids=lambda r: f"{r['case']}-{r['mix']}")
+def test_planner_predicts_each_measured_oom(row):
+    assert not planned(row).fits
+
+
+def test_replicated_ooms_where_default_fits():
+    by_case = {}
+    for r in gpu_rows():
+        by_case.setdefault(r["case"], {})[r["mix"]] = r["status"]
+    found = [c for c, m in by_case.items() if m.get("zero2-replicated") == "oom" and m.get("zero2-zero3") == "ok"]
+    assert found, "no committed case where the replicated-frozen mix runs out of memory and the default fits"
+
+
+def test_model_sizes():
+    assert memory.model_size("1b").params == pytest.approx(1.1e9, rel=0.01)
+    assert memory.model_size("8b").params == pytest.approx(8.03e9, rel=0.01)
+    # The largest module of the 8B shape is its 128256 x 4096 embedding (or LM head).
+    assert memory.model_size("8b").largest_layer == 128256 * 4096
+    # A reward model has no LM head; a smaller role can take the policy's vocabulary.
+    assert memory.model_size("8b", "sequence").params == pytest.approx(8.03e9 - 128256 * 4096, rel=0.001)
+    assert memory.model_size("1b", "token", 128256).vocab == 128256
+
+
+def test_model_states_come_from_deepspeed_estimators():
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    p = memory.plan("dpo", "8b", "zero2-zero3", world_size=2, micro_batch=1, seq_len=128)
+    policy, ref = p.roles
+    n = memory.model_size("8b").params
+    assert policy.params + policy.grads + policy.optimizer == pytest.approx(
+        estimate_zero2_model_states_mem_needs(n, num_gpus_per_node=2, cpu_offload=False)[1])
+    assert ref.params == pytest.approx(2 * n / 2) and ref.optimizer == 0
+    z3 = memory.plan("dpo", "8b", "zero3", world_size=4, micro_batch=1, seq_len=128).roles[0]
+    _, gpu, largest = estimate_zero3_model_states_mem_needs(n, 128256 * 4096, num_gpus_per_node=4, cpu_offload=False)
+    assert z3.params + z3.grads + z3.optimizer + largest == pytest.approx(gpu)
+
+
+def test_placements_order_memory():
+    """Sharding a frozen model saves (1 - 1/N) of it; offloading saves all of it; more GPUs save more."""
+    peaks = {m: memory.plan("ppo", "1b", m, world_size=2, micro_batch=8, seq_len=512).at_rest
+             for m in memory.SPEED_ORDER}
+    frozen = 2 * (memory.model_size("1b").params + memory.model_size("1b", "sequence").params)
+    assert peaks["zero2-replicated"] - peaks["zero2-zero3"] == pytest.approx(frozen / 2)
+    assert peaks["zero2-replicated"] - peaks["zero2-zero3-offload"] == pytest.approx(frozen)
+    four = memory.plan("ppo", "1b", "zero2-zero3", world_size=4, micro_batch=8, seq_len=512).at_rest
+    assert four < peaks["zero2-zero3"]
+    # Activations grow with the batch.
+    small = memory.plan("dpo", "1b", "zero2-zero3", world_size=2, micro_batch=1, seq_len=512)
+    big = memory.plan("dpo", "1b", "zero2-zero3", world_size=2, micro_batch=8, seq_len=512)
+    assert big.roles[0].activations == pytest.approx(8 * small.roles[0].activations)
+    assert big.phases["train"] > small.phases["train"]
+
+
+def test_recommendation():
+    shapes = {"policy": "8b", "reference": "8b", "reward": "8b", "value": "1b"}
+
+    def plans(mb, gib=139.8):
+        return [memory.plan("ppo", shapes, m, world_size=2, micro_batch=mb, seq_len=512, gpu_memory_gib=gib)
+                for m in memory.SPEED_ORDER]
+
+    best, why = memory.recommend(plans(4))
+    assert best.mix == "zero2-replicated" and "fastest" in why
+    best, why = memory.recommend(plans(11))
+    assert best.mix == "zero2-zero3" and "zero2-replicated needs" in why
+    best, why = memory.recommend(plans(4, gib=40))
+    assert best is None and "no mix fits" in why
+
+
+def test_plan_command(capsys):
+    rc = cli.main(["plan", "--workload", "dpo", "--shape", "1b", "--micro-batch", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for mix in memory.SPEED_ORDER:
+        assert f"mix {mix}" in out
+    assert "recommended: zero2-replicated" in out
+    assert cli.main(["plan", "--workload", "ppo", "--shape", "8b", "--gpu-memory", "40"]) == 1
+    assert "no mix fits" in capsys.readouterr().out
+
+
+def test_unknown_inputs():
+    with pytest.raises(ValueError, match="unknown mix"):
+        memory.plan("dpo", "1b", "zero5", world_size=2, micro_batch=1, seq_len=8)
+    with pytest.raises(ValueError, match="unknown workload"):
+        memory.plan("sft", "1b", "zero3", world_size=2, micro_batch=1, seq_len=8)

@@ -92,8 +92,6 @@ class Bench:
         self.phase_peaks: dict[str, list[float]] = {}
         # One tokenizer for all roles: a smaller preset takes the first trained role's vocabulary.
         self.vocab = memory.shared_vocab(spec["shapes"], self.workload)
-        if self.vocab is None:
-            self.vocab = memory.model_config(spec["shapes"][self.trained[0]]).vocab_size
 
     # -- set-up ----------------------------------------------------------------------------
     def load_all(self) -> None:

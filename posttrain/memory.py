@@ -85,17 +85,17 @@ MAX_LIVE_PARAMETERS = int(1e9)
 def model_config(spec: str, kind: str = "causal", vocab_size: int | None = None) -> Any:
     """A transformers config: a preset from :data:`SHAPES`, or a hub name / local path.
 
-    ``vocab_size`` gives a preset another vocabulary: models of one run share a tokenizer, so a
-    smaller value or reward model takes the policy's."""
+    ``vocab_size`` replaces the vocabulary: models of one run share a tokenizer, so a smaller value
+    or reward model takes the policy's."""
     from transformers import AutoConfig, LlamaConfig
 
     if spec in SHAPES:
         shape = {"tie_word_embeddings": False, **SHAPES[spec]}
-        if vocab_size is not None:
-            shape["vocab_size"] = vocab_size
         cfg = LlamaConfig(max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
     else:
         cfg = AutoConfig.from_pretrained(spec)
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
     if kind in ("token", "sequence"):
         cfg.num_labels = 1
         if getattr(cfg, "pad_token_id", None) is None:
@@ -126,10 +126,10 @@ class ModelSize:
     kind: str
 
 
-def shared_vocab(shapes: dict[str, str], workload: str) -> int | None:
-    """The vocabulary every role of a run uses: the first trained role's (presets only)."""
+def shared_vocab(shapes: dict[str, str], workload: str) -> int:
+    """The vocabulary every role of a run uses: the first trained role's."""
     main = shapes[WORKLOADS[workload]["trained"][0]]
-    return SHAPES[main]["vocab_size"] if main in SHAPES else None
+    return SHAPES[main]["vocab_size"] if main in SHAPES else int(model_config(main).vocab_size)
 
 
 @functools.lru_cache(maxsize=64)

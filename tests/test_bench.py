@@ -97,6 +97,20 @@ def test_hung_mix_times_out(tmp_path):
     assert row["wall_s"] < 30
 
 
+def test_distill_with_a_local_model_shape(tmp_path):
+    """A role's shape can come from a local path (its config; random weights), and distill runs."""
+    from posttrain import tiny
+
+    teacher = tiny.model_path(hidden_size=96, intermediate_size=256)
+    argv = ["--workload", "distill", "--shape", "tiny", "--role-shape", f"teacher={teacher}", "--micro-batch", "2",
+            "--seq-len", "32", "--mixes", "zero2-zero3", "--out", str(tmp_path)]
+    assert harness.main(argv) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["shapes"]["teacher"] == str(teacher)
+    assert set(row["phase_s"]) == {"teacher_forward", "student_forward_backward", "optimizer_step"}
+    assert all(math.isfinite(x) and x > 0 for x in row["losses"])
+
+
 def test_is_oom():
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert is_oom(RuntimeError("CUDA error: out of memory"))

@@ -212,7 +212,7 @@ class RolePlan:
     params: float = 0.0
     grads: float = 0.0
     optimizer: float = 0.0
-    activations: float = 0.0  # saved for backward while the role trains
+    activations: float = 0.0  # saved for backward (trained role) or a forward's working set (frozen)
     kv_cache: float = 0.0
     resident_grads: float = 0.0  # the part of ``grads`` DeepSpeed keeps between steps
 
@@ -329,7 +329,10 @@ def plan(
             gathered = 2 * min(MAX_LIVE_PARAMETERS, m.params) if place.offload_params else 4 * m.largest_layer
         else:
             gathered = 0
-        return inference_bytes(m, tokens) + gathered
+        work = inference_bytes(m, tokens) + gathered
+        if not place.trains:
+            r.activations = max(r.activations, work)
+        return work
 
     phases: dict[str, float] = {}
     if workload in ("dpo", "distill"):
@@ -360,11 +363,13 @@ def recommend(plans: list[Plan]) -> tuple[Plan | None, str]:
     skipped = []
     for p in ranked:
         if p.fits:
-            why = f"{p.mix} fits ({p.peak / GiB:.1f} of {p.gpu_memory / GiB:.0f} GiB per GPU)"
+            why = f"{p.mix} fits ({p.peak / GiB:.1f} of {p.gpu_memory / GiB:.1f} GiB per GPU)"
             if skipped:
                 why += "; faster mixes do not: " + ", ".join(skipped)
+            elif p.mix == SPEED_ORDER[0]:
+                why += " and is the fastest placement (frozen models replicated: nothing to gather)"
             else:
-                why += " and is the fastest placement (no frozen-model gathering)"
+                why += " and is the fastest of the mixes considered"
             return p, why
         skipped.append(f"{p.mix} needs {p.peak / GiB:.1f} GiB")
     return None, "no mix fits: " + "; ".join(skipped) + ". Lower the micro batch or add GPUs."
@@ -379,6 +384,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"{r.name:10} {r.place.label:13} {g(r.params)} {g(r.grads)} {g(r.optimizer)} "
                      f"{g(r.activations)} {g(r.kv_cache)}")
     phases = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.phases.items())
+    lines.append("(grads live from backward to the step; act: saved activations of a trained role, the forward's "
+                 "working set of a frozen one; both count in their phase, not at rest)")
     lines.append(f"at rest {p.at_rest / GiB:.2f} + largest phase ({phases}) = peak {p.peak / GiB:.2f} GiB "
-                 f"of {p.gpu_memory / GiB:.0f}: {'fits' if p.fits else 'DOES NOT FIT'}")
+                 f"of {p.gpu_memory / GiB:.1f}: {'fits' if p.fits else 'DOES NOT FIT'}")
     return "\n".join(lines)

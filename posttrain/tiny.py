@@ -120,16 +120,20 @@ def _train(model, loss_fn, batches, lr: float) -> list[float]:
     return losses
 
 
-def _with_threads(fn):
-    # torchrun sets OMP_NUM_THREADS=1; the one-off build of a cached asset may use every core.
+def _fit_and_save(model, loss_fn, batches, path: Path) -> None:
+    """Train a cached asset and save it with the tokenizer and its first and last loss."""
     import torch
 
+    # torchrun sets OMP_NUM_THREADS=1; the one-off build of a cached asset may use every core.
     before = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        return fn()
+        losses = _train(model, loss_fn, batches, lr=3e-3)
     finally:
         torch.set_num_threads(before)
+    model.save_pretrained(str(path))
+    load_tokenizer().save_pretrained(str(path))
+    (path / "train_losses.txt").write_text(f"first {losses[0]:.4f} last {losses[-1]:.4f}\n")
 
 
 def sft_model_path(seed: int = 0, steps: int = 300, **overrides) -> Path:
@@ -154,10 +158,7 @@ def sft_model_path(seed: int = 0, steps: int = 300, **overrides) -> Path:
                 enc = tok(rng.sample(lines, 32), return_tensors="pt", padding=True)
                 enc["labels"] = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
                 batches.append(enc)
-            losses = _with_threads(lambda: _train(model, lambda m, b: m(**b).loss, batches, lr=3e-3))
-            model.save_pretrained(str(path))
-            tok.save_pretrained(str(path))
-            (path / "train_losses.txt").write_text(f"first {losses[0]:.4f} last {losses[-1]:.4f}\n")
+            _fit_and_save(model, lambda m, b: m(**b).loss, batches, path)
     return path
 
 
@@ -189,8 +190,5 @@ def reward_model_path(seed: int = 0, steps: int = 200) -> Path:
                 chosen, rejected = r.chunk(2)
                 return -F.logsigmoid(chosen - rejected).mean()
 
-            losses = _with_threads(lambda: _train(model, loss_fn, batches, lr=3e-3))
-            model.save_pretrained(str(path))
-            tok.save_pretrained(str(path))
-            (path / "train_losses.txt").write_text(f"first {losses[0]:.4f} last {losses[-1]:.4f}\n")
+            _fit_and_save(model, loss_fn, batches, path)
     return path

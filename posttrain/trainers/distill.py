@@ -75,7 +75,10 @@ def generalized_jsd_loss(
 ) -> torch.Tensor:
     """TRL's GKD loss: ``beta·KL(teacher‖m) + (1-beta)·KL(student‖m)`` with the mixture
     ``m = beta·teacher + (1-beta)·student``; positions whose label is -100 are left out.
-    "batchmean" averages over the kept positions."""
+    "batchmean" averages over the kept positions.
+
+    Why a copy: TRL keeps this in ``trl.experimental.gkd``, which can change or vanish between
+    releases (TRL's PPO did in 1.13); tests/test_distill.py checks it against TRL's own function."""
     student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
     teacher_log_probs = F.log_softmax(teacher_logits / temperature, dim=-1)
     if beta == 0:  # forward KL(teacher || student)

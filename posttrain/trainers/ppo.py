@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -278,7 +279,7 @@ class PPOTrainer:
         self.stop_token_id = self.tokenizer.eos_token_id if cfg.stop_token == "eos" else cfg.stop_token_id
         self.prompts = load_prompts(cfg, self.tokenizer)
 
-        world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
         # TRL's batch arithmetic: one update uses local_batch_size rollouts per process.
         self.local_batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.num_mini_batches
         self.batch_size = self.local_batch_size * world
@@ -379,8 +380,9 @@ class PPOTrainer:
         return self.advantages(responses, post, logprobs, ref_logprobs, values, scores, sequence_lengths,
                                query_responses=query_responses, texts=texts)
 
-    def advantages(self, responses, post, logprobs, ref_logprobs, values, scores, sequence_lengths,
-                   **extra) -> dict[str, torch.Tensor]:
+    def advantages(self, responses: torch.Tensor, post: torch.Tensor, logprobs: torch.Tensor,
+                   ref_logprobs: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
+                   sequence_lengths: torch.Tensor, **extra: Any) -> dict[str, torch.Tensor]:
         """TRL's reward shaping and GAE on one rollout batch (see the module docstring)."""
         cfg = self.cfg
         if cfg.missing_eos_penalty is not None:
@@ -502,10 +504,9 @@ class PPOTrainer:
         prompts = self.tokenizer.batch_decode(queries[:4], skip_special_tokens=True)
         rows = [{"update": update, "prompt": p, "completion": c, "score": round(float(sc), 4)}
                 for p, c, sc in zip(prompts, texts[:4], scores[:4].tolist())]
-        if s_main := self.session.is_main_process:
+        if self.session.is_main_process:
             with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
-        if s_main:
             log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))
 
     def save(self, directory: str | None = None) -> None:

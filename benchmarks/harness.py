@@ -31,7 +31,8 @@ if str(ROOT) not in sys.path:
 from posttrain import memory  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "workloads.py"
-ALL_MIXES = ["zero2-zero3", "zero3", "zero2-replicated", "zero2-zero3-offload", "trl-zero2", "trl-zero3"]
+ALL_MIXES = ["zero2-zero3", "zero3", "zero2-replicated", "zero2-zero3-offload", "trl-zero2", "trl-zero3",
+             "zero2-zero3fast"]
 
 
 def machine_name(nproc: int) -> str:

@@ -25,6 +25,9 @@ class Role:
     # Frozen ZeRO-3 roles only: keep DeepSpeed's memory-efficient linear (it patches F.linear
     # process-wide and slows the trained model; see dsconfig.resolve).
     memory_efficient_linear: bool = field(default=False, repr=False)
+    # Frozen ZeRO-3 roles only: after DeepSpeed prepares the engine, posttrain.frozen takes over
+    # its gathering (one all-gather per layer, prefetched). Opt-in until measured on GPU.
+    fast_frozen: bool = False
 
 
 # mix name -> (config of trained roles, config of frozen roles)
@@ -37,7 +40,11 @@ MIXES: dict[str, tuple[str, str]] = {
     "zero2-replicated": ("zero2_train", "replicated_inference"),
     # Frozen models sharded and their parameters kept in CPU memory.
     "zero2-zero3-offload": ("zero2_train", "zero3_inference_offload"),
+    # zero2-zero3 with the frozen roles' forward taken over by posttrain.frozen (Role.fast_frozen).
+    "zero2-zero3fast": ("zero2_train", "zero3_inference"),
 }
+# Mixes whose frozen roles get Role(fast_frozen=True).
+FAST_FROZEN_MIXES = {"zero2-zero3fast"}
 DEFAULT_MIX = "zero2-zero3"
 
 
@@ -59,7 +66,7 @@ def roles_for(
         )
     train_cfg, frozen_cfg = MIXES[mix]
     return [Role(n, configs.get(n, train_cfg), trains=True) for n in trained] + [
-        Role(n, configs.get(n, frozen_cfg), trains=False) for n in frozen
+        Role(n, configs.get(n, frozen_cfg), trains=False, fast_frozen=mix in FAST_FROZEN_MIXES) for n in frozen
     ]
 
 

@@ -143,6 +143,7 @@ class Session:
             name: self.accelerator if name == self.primary else Accelerator() for name in self.roles
         }
         self.engines: dict[str, Any] = {}
+        self.fast_frozen: dict[str, Any] = {}  # role -> posttrain.frozen.FastFrozen
         self.optimizers: dict[str, Any] = {}
         self.schedulers: dict[str, Any] = {}
         self._active: list[str] = [self.primary]
@@ -286,6 +287,11 @@ class Session:
                     "to its DeepSpeed config"
                 )
             optimizer = DummyOptim(model.parameters())
+        if role.fast_frozen and (role.trains or dsconfig.zero_stage(cfg) != 3):
+            raise ConfigError(
+                f"role {name!r}: fast_frozen applies to frozen ZeRO-3 roles only; drop it or give the role "
+                "a ZeRO-3 inference config such as zero3_inference"
+            )
         if hasattr(model, "config"):
             self._fill_hidden_size(name, model.config)
         accelerator = self._accelerators[name]
@@ -303,6 +309,12 @@ class Session:
             engine.train()
         else:
             engine.eval()
+            # --- fast frozen ZeRO-3 (issue 7): posttrain.frozen replaces DeepSpeed's gathering.
+            if role.fast_frozen:
+                from .frozen import take_over
+
+                self.fast_frozen[name] = take_over(engine)
+            # ---
         self.engines[name] = engine
         return engine
 
@@ -321,6 +333,9 @@ class Session:
         engine = self.engines.pop(name, None)
         if engine is None:
             return
+        fast = self.fast_frozen.pop(name, None)
+        if fast is not None:
+            fast.remove()
         engine.destroy()  # removes ZeRO-3's hooks from the module
         self._accelerators[name].free_memory()
         del engine
@@ -393,6 +408,9 @@ class Session:
             # accelerate's get_state_dict expects a trained engine; gather a frozen one directly.
             import deepspeed
 
+            if name in self.fast_frozen:
+                with self.fast_frozen[name].gathered() as module:
+                    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
             module = self.engines[name].module
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
                 return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}

@@ -1,0 +1,63 @@
+"""The fast frozen ZeRO-3 path (posttrain.frozen) on two CPU processes, fp32."""
+
+import pytest
+from conftest import run_json
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("frozen")
+    return run_json("frozen_checks.py", str(tmp), tmp_path=tmp)
+
+
+def test_two_processes(res):
+    assert res["world"] == 2
+
+
+def test_logits_equal_stock_zero3_and_unsharded(res):
+    d = res["diffs"]
+    for i in (0, 1):  # the first forward gathers on demand, the second prefetches along its trace
+        assert d[f"fast_vs_plain_{i}"] < TOL and d[f"fast_vs_stock_{i}"] < TOL
+    assert res["prefetched"]
+
+
+def test_tied_embeddings(res):
+    assert res["tied_is_tied"] and res["tied_head_uses_embedding"]
+    # Stored once: one group fewer than units, and the full size counts the shared matrix once.
+    assert res["tied_groups"] == res["units"] - 1 and res["tied_full"] == res["tied_plain_numel"]
+    assert res["diffs"]["tied_vs_plain"] < TOL
+
+
+def test_greedy_generate_equals(res):
+    assert res["gen_equal"] and res["gen_tied_equal"]
+    d = res["diffs"]
+    assert max(d["gen_scores_fast_vs_plain"], d["gen_scores_fast_vs_stock"], d["gen_scores_tied_vs_plain"]) < TOL
+
+
+def test_memory_at_rest_is_one_nth(res):
+    assert res["fast_full"] == res["plain_numel"]
+    # Each rank's flat slices: a half of the model, plus at most one element of padding per group.
+    assert res["fast_full"] / 2 <= res["fast_local"] <= res["fast_full"] / 2 + res["groups"]
+    assert res["tied_full"] / 2 <= res["tied_local"] <= res["tied_full"] / 2 + res["tied_groups"]
+    # No full parameter and no DeepSpeed partition is kept between forwards.
+    assert res["rest_before"] and res["rest_after"] and res["rest_after_generate"] and res["rest_after_state_dict"]
+
+
+def test_at_most_running_and_prefetched_group_live(res):
+    assert 1 <= res["max_live_groups"] <= 2
+
+
+def test_policy_trains_beside_it(res):
+    losses = res["policy_losses"]
+    assert losses[-1] < losses[0] - 0.1
+    assert res["diffs"]["fast_vs_plain_after_training"] < TOL
+
+
+def test_state_dict_whole(res):
+    assert res["state_dict_keys_equal"] and res["diffs"]["state_dict_vs_plain"] < TOL
+
+
+def test_fast_frozen_refused_where_it_cannot_apply(res):
+    assert res["bad_error"] and "fast_frozen applies to frozen ZeRO-3 roles only" in res["bad_error"]

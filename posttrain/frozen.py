@@ -42,9 +42,6 @@ class _Group:
     """Parameters stored as one flat vector, 1/N of it per rank."""
 
     def __init__(self, params: list[nn.Parameter], process_group: Any) -> None:
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise TypeError(f"a fast-frozen group needs one dtype, got {sorted(map(str, dtypes))}")
         self.params = params
         self.pg = process_group
         self.world = dist.get_world_size(process_group)
@@ -155,10 +152,12 @@ class FastFrozen:
         for module, params in _units(model):
             fresh = [p for p in params if id(p) not in owner]
             unit = _Unit(module)
-            if fresh:
-                group = _Group(fresh, process_group or getattr(fresh[0], "ds_process_group", None))
+            # One flat vector per dtype (zero.Init casts floats to one dtype, so usually one).
+            for dtype in dict.fromkeys(p.dtype for p in fresh):
+                same = [p for p in fresh if p.dtype == dtype]
+                group = _Group(same, process_group or getattr(same[0], "ds_process_group", None))
                 self.groups.append(group)
-                owner.update({id(p): group for p in fresh})
+                owner.update({id(p): group for p in same})
             # The unit's own group first, then those of parameters it shares (tied weights).
             for p in params:
                 if owner[id(p)] not in unit.groups:

@@ -113,6 +113,7 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         row["setup_s"] = round(max(r["setup_s"] for r in ok), 1)
         row["tokens_per_s"] = round(r0["tokens_per_step"] * nproc / row["step_s"], 1)
         row["losses"] = [round(x, 5) for x in r0["losses"]]
+        row["step_times"] = [{k: round(v, 5) for k, v in t.items()} for t in r0["step_times"]]  # rank 0's
         if r0.get("role_memory_gib"):
             row["role_memory_gib"] = {k: round(max(r["role_memory_gib"][k] for r in ok), 3) for k in r0["role_memory_gib"]}
             row["phase_peak_gib"] = {k: round(max(r["phase_peak_gib"][k] for r in ok), 3) for k in r0["phase_peak_gib"]}

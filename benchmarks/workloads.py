@@ -240,8 +240,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if i >= spec["warmup"]:
             phase_times.append({k.removeprefix("time/"): v for k, v in times.items()})
             losses.append(metrics["loss"])
-    res["step_s"] = statistics.median(t.pop("step") for t in phase_times)
-    res["phase_s"] = {k: statistics.median(t[k] for t in phase_times) for k in phase_times[0]}
+    res["step_times"] = phase_times  # per measured step: the step and its phases
+    res["step_s"] = statistics.median(t["step"] for t in phase_times)
+    res["phase_s"] = {k: statistics.median(t[k] for t in phase_times) for k in phase_times[0] if k != "step"}
     res["tokens_per_step"] = bench.tokens_per_step()
     res["losses"] = losses
     res["phase_peak_gib"] = {k: max(v) for k, v in bench.phase_peaks.items()}

@@ -33,8 +33,11 @@ def test_every_mix_runs_in_its_own_group(ppo_run):
         assert r["status"] == "ok", r.get("error")
         assert r["world_size"] == 2 and r["steps"] == 5
         assert set(r["phase_s"]) == {"generate", "score", "train"}
-        # The phases happen inside the step, so they cannot take longer than it.
-        assert 0 < sum(r["phase_s"].values()) <= r["step_s"] * 1.05
+        # The phases happen inside the step, so in every step they cannot take longer than it
+        # (medians need not add up, so compare step by step).
+        assert len(r["step_times"]) == 5
+        for t in r["step_times"]:
+            assert 0 < sum(v for k, v in t.items() if k != "step") <= t["step"] + 1e-4  # rows round to 1e-5
         assert r["tokens_per_s"] == pytest.approx(2 * 40 * 2 / r["step_s"], rel=0.01)
         assert len(r["losses"]) == 5 and all(math.isfinite(x) for x in r["losses"])
         assert r["setup_s"] > 0

@@ -23,6 +23,11 @@ def test_logits_equal_stock_zero3_and_unsharded(res):
     assert res["prefetched"]
 
 
+def test_reward_model_and_release(res):
+    assert res["diffs"]["reward_vs_plain"] < TOL
+    assert res["released"] and res["hooks_left"] == 0
+
+
 def test_tied_embeddings(res):
     assert res["tied_is_tied"] and res["tied_head_uses_embedding"]
     # Stored once: one group fewer than units, and the full size counts the shared matrix once.

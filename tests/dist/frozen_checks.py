@@ -22,7 +22,7 @@ def greedy(model, ids, mask):
 
 
 def main(out: str, tmp: str) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path = tiny.model_path()
     tok = tiny.load_tokenizer(path)
@@ -33,6 +33,7 @@ def main(out: str, tmp: str) -> None:
              Role("stock", "zero3_inference"),
              Role("fast", "zero3_inference", fast_frozen=True),
              Role("tied", "zero3_inference", fast_frozen=True),
+             Role("reward", "zero3_inference", fast_frozen=True),
              Role("bad", "replicated_inference", fast_frozen=True)]
     s = Session(roles, micro_batch_size=4, max_grad_norm=1.0)
     rank, world = s.process_index, s.num_processes
@@ -130,6 +131,18 @@ def main(out: str, tmp: str) -> None:
     res["policy_losses"] = losses
     with torch.no_grad():
         diffs["fast_vs_plain_after_training"] = max_diff(fast(**b).logits, want)
+
+    # A sequence-classification model (PPO's reward role): its score head is a unit of its own.
+    rm_path = tiny.model_path("reward")
+    rm = s.prepare("reward", s.load("reward", rm_path, model_cls=AutoModelForSequenceClassification))
+    plain_rm = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    with torch.no_grad():
+        diffs["reward_vs_plain"] = max_diff(rm(**b).logits, plain_rm(**b).logits)
+    # Releasing a fast role removes its hooks and drops the engine.
+    module = rm.module
+    s.release("reward")
+    res["released"] = "reward" not in s.fast_frozen and "reward" not in s.engines
+    res["hooks_left"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
 
     # Full weights (save_pretrained's path) come back whole and equal.
     sd = s.state_dict("fast")

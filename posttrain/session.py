@@ -309,12 +309,10 @@ class Session:
             engine.train()
         else:
             engine.eval()
-            # --- fast frozen ZeRO-3 (issue 7): posttrain.frozen replaces DeepSpeed's gathering.
-            if role.fast_frozen:
+            if role.fast_frozen:  # posttrain.frozen replaces DeepSpeed's per-parameter gathering
                 from .frozen import take_over
 
                 self.fast_frozen[name] = take_over(engine)
-            # ---
         self.engines[name] = engine
         return engine
 

@@ -8,6 +8,7 @@ demo exercise the same loading code as a hub name or local path.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -96,10 +97,30 @@ def model_path(kind: str = "causal", seed: int = 0, **overrides) -> Path:
 
             torch.manual_seed(seed)
             cls = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
-            model = cls.from_config(model_config(kind, **overrides))
-            model.save_pretrained(str(path))
-            load_tokenizer().save_pretrained(str(path))
+            _save(cls.from_config(model_config(kind, **overrides)), path)
     return path
+
+
+def _save(model, path: Path, note: str | None = None) -> None:
+    """Save a cached asset with the tokenizer, whole or not at all (written aside, then renamed).
+
+    Not plain ``model.save_pretrained``: once torch.distributed is up, transformers writes only on
+    rank 0, and whichever rank takes the build lock first must write the asset.
+    """
+    from safetensors.torch import save_model
+
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(str(tmp))
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(str(tmp))
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    load_tokenizer().save_pretrained(str(tmp))
+    if note is not None:
+        (tmp / "train_losses.txt").write_text(note)
+    if path.exists():  # an incomplete earlier attempt
+        shutil.rmtree(path)
+    os.replace(tmp, path)
 
 
 def _train(model, loss_fn, batches, lr: float) -> list[float]:
@@ -131,9 +152,7 @@ def _fit_and_save(model, loss_fn, batches, path: Path) -> None:
         losses = _train(model, loss_fn, batches, lr=3e-3)
     finally:
         torch.set_num_threads(before)
-    model.save_pretrained(str(path))
-    load_tokenizer().save_pretrained(str(path))
-    (path / "train_losses.txt").write_text(f"first {losses[0]:.4f} last {losses[-1]:.4f}\n")
+    _save(model, path, note=f"first {losses[0]:.4f} last {losses[-1]:.4f}\n")
 
 
 def sft_model_path(seed: int = 0, steps: int = 300, **overrides) -> Path:

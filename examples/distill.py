@@ -10,13 +10,11 @@ run names both models (`--model_name_or_path`, `--teacher_model_name_or_path`; o
 """
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trl import TrlParser
-
 from posttrain import tiny
+from posttrain.trainers.common import parse_config
 from posttrain.trainers.distill import DistillConfig, DistillTrainer
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 
@@ -66,9 +64,7 @@ def tiny_teacher(args: TeacherArguments, lines: list[str], seed: int) -> tuple[P
 
 
 def main() -> None:
-    if not any(a == "--config" or a.startswith("--config=") for a in os.sys.argv[1:]):
-        os.sys.argv[1:1] = ["--config", str(DEFAULT_CONFIG)]
-    cfg, targs = TrlParser((DistillConfig, TeacherArguments)).parse_args_and_config()
+    cfg, targs = parse_config((DistillConfig, TeacherArguments), DEFAULT_CONFIG)
     lines = tiny.corpus()
     train_lines = lines[: -targs.heldout_lines]
     seen = set(train_lines)

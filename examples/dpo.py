@@ -10,14 +10,14 @@ The same script takes hub names or local paths (`--model_name_or_path`, `--datas
 placements (`--mix`, or `role_configs` in the YAML). Without `--config` it reads configs/dpo.yaml.
 """
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trl import ScriptArguments, TrlParser
+from trl import ScriptArguments
 
 from posttrain import synthetic
 from posttrain.preference import load_preference_dataset, write_jsonl
+from posttrain.trainers.common import parse_config
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 
@@ -46,11 +46,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "dpo.yaml"
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    if "--config" not in argv and DEFAULT_CONFIG.exists():
-        argv = ["--config", str(DEFAULT_CONFIG), *argv]  # flags still override it
-    parser = TrlParser((ScriptArguments, SyntheticArguments, DPOConfig))
-    script, synth, cfg = parser.parse_args_and_config(argv)
+    script, synth, cfg = parse_config((ScriptArguments, SyntheticArguments, DPOConfig), DEFAULT_CONFIG)
     train, test = datasets(script, synth, cfg)
     trainer = DPOTrainer(cfg, train_dataset=train, eval_dataset=test)
     before = trainer.evaluate() if test is not None else {}

@@ -10,7 +10,6 @@ per model comes from `role_configs` in the YAML.
 """
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +18,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
-from trl import TrlParser
 
 from posttrain import synthetic, tiny
-from posttrain.trainers.common import mean_over_ranks
+from posttrain.trainers.common import mean_over_ranks, parse_config
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "multi_model.yaml"
@@ -70,9 +68,7 @@ def accuracy(trainer: MultiTrainer, items: list[tuple[str, float]]) -> float:
 
 
 def main() -> None:
-    if not any(a == "--config" or a.startswith("--config=") for a in os.sys.argv[1:]):
-        os.sys.argv[1:1] = ["--config", str(DEFAULT_CONFIG)]
-    cfg, args = TrlParser((MultiConfig, TaskArguments)).parse_args_and_config()
+    cfg, args = parse_config((MultiConfig, TaskArguments), DEFAULT_CONFIG)
     tok = tiny.load_tokenizer(args.lm_model_name_or_path)
     lines = tiny.corpus()
     train_lines, heldout_lines = lines[: -args.heldout_lines], lines[-args.heldout_lines :]

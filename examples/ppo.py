@@ -9,21 +9,16 @@ a tiny reward model trained on bundled preferences for positive adjectives.
 """
 
 import json
-import os
 from pathlib import Path
 
-from trl import TrlParser
-
+from posttrain.trainers.common import parse_config
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "ppo.yaml"
 
 
 def main() -> None:
-    parser = TrlParser(PPOConfig)
-    if not any(a == "--config" or a.startswith("--config=") for a in os.sys.argv[1:]):
-        os.sys.argv[1:1] = ["--config", str(DEFAULT_CONFIG)]
-    (cfg,) = parser.parse_args_and_config()
+    (cfg,) = parse_config(PPOConfig, DEFAULT_CONFIG)
     trainer = PPOTrainer(cfg)
     history = trainer.train()
     trainer.save()

@@ -53,6 +53,20 @@ class TrainConfig:
     disable_tqdm: bool = False
 
 
+def parse_config(dataclass_types: Any, default_config: str | os.PathLike, argv: list[str] | None = None) -> tuple:
+    """An example's settings: TRL's ``TrlParser`` over a YAML (``--config``) plus flags, which
+    override it; without ``--config`` the example's own YAML is read."""
+    import sys
+
+    from trl import TrlParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", str(default_config), *argv]
+    types = dataclass_types if isinstance(dataclass_types, (list, tuple)) else [dataclass_types]
+    return tuple(TrlParser(types).parse_args_and_config(argv))
+
+
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:
     return Session(
         roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs),

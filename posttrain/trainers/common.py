@@ -182,9 +182,6 @@ class RunLog:
             session.accelerator.init_trackers(name, config=scalars)
         from tqdm.auto import tqdm
 
-        # No monitor thread: a daemon thread still alive at interpreter teardown can abort the
-        # process after the work is done.
-        tqdm.monitor_interval = 0
         self.bar = tqdm(total=total, initial=start, desc=name, disable=not self.main or cfg.disable_tqdm,
                         dynamic_ncols=True)
 

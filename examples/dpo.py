@@ -16,7 +16,7 @@ from pathlib import Path
 from trl import ScriptArguments
 
 from posttrain import synthetic
-from posttrain.preference import load_preference_dataset, write_jsonl
+from posttrain.preference import load_dataset_source, write_jsonl
 from posttrain.trainers.common import parse_config
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
@@ -33,10 +33,10 @@ def datasets(script: ScriptArguments, synth: SyntheticArguments, cfg: DPOConfig)
         data = Path(cfg.output_dir) / "data"
         train = write_jsonl(synthetic.preference_pairs(synth.synthetic_train_size, seed=0), data / "train.jsonl")
         test = write_jsonl(synthetic.preference_pairs(synth.synthetic_eval_size, seed=1), data / "test.jsonl")
-        return load_preference_dataset(str(train)), load_preference_dataset(str(test))
-    train = load_preference_dataset(script.dataset_name, script.dataset_train_split, script.dataset_config)
+        return load_dataset_source(str(train)), load_dataset_source(str(test))
+    train = load_dataset_source(script.dataset_name, script.dataset_train_split, script.dataset_config)
     try:
-        test = load_preference_dataset(script.dataset_name, script.dataset_test_split, script.dataset_config)
+        test = load_dataset_source(script.dataset_name, script.dataset_test_split, script.dataset_config)
     except (ValueError, KeyError):
         test = None  # a single file, or no test split
     return train, test

@@ -19,8 +19,9 @@ COLUMNS = ("prompt", "chosen", "rejected")
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load_preference_dataset(name_or_path: str, split: str = "train", config: str | None = None) -> Any:
-    """A ``datasets.Dataset`` from a hub name, a local json/jsonl/parquet/csv file or a dataset folder."""
+def load_dataset_source(name_or_path: str, split: str = "train", config: str | None = None) -> Any:
+    """A ``datasets.Dataset`` from a hub name, a local json/jsonl/parquet/csv file or a dataset folder
+    (any columns: PPO's prompt datasets load through it too)."""
     from datasets import load_dataset, load_from_disk
 
     path = Path(name_or_path)

@@ -155,7 +155,7 @@ def test_eval_and_logging(runs):
 def test_local_files_and_formats(tmp_path):
     from datasets import Dataset
 
-    from posttrain.preference import load_preference_dataset, prepare_preference_dataset, write_jsonl
+    from posttrain.preference import load_dataset_source, prepare_preference_dataset, write_jsonl
 
     tok = tiny.load_tokenizer()
     rows = synthetic.preference_pairs(6, seed=5)
@@ -163,9 +163,9 @@ def test_local_files_and_formats(tmp_path):
     Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
     (tmp_path / "p.json").write_text(json.dumps(rows))
     for path in (write_jsonl(rows, tmp_path / "p.jsonl"), tmp_path / "p.parquet", tmp_path / "p.json"):
-        assert prepare_preference_dataset(load_preference_dataset(str(path)), tok) == expected, path
+        assert prepare_preference_dataset(load_dataset_source(str(path)), tok) == expected, path
     with pytest.raises(ValueError, match="only the split 'train'"):
-        load_preference_dataset(str(tmp_path / "p.jsonl"), split="test")
+        load_dataset_source(str(tmp_path / "p.jsonl"), split="test")
     # Implicit prompt: chosen/rejected carry the shared prompt, TRL's extract_prompt splits it.
     implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
     got = prepare_preference_dataset(implicit, tok)

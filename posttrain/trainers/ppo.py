@@ -28,6 +28,7 @@ import torch
 
 from .. import synthetic, tiny
 from ..dsconfig import ConfigError
+from ..preference import load_dataset_source
 from .common import (
     Phases,
     RunLog,
@@ -229,14 +230,7 @@ def load_prompts(cfg: PPOConfig, tokenizer: Any) -> list[str]:
     rows), or the bundled prompts."""
     if cfg.dataset_name is None:
         return synthetic.prompts(cfg.num_prompts, seed=cfg.seed)
-    import datasets
-
-    path = Path(cfg.dataset_name)
-    builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-    if path.suffix in builders:
-        ds = datasets.load_dataset(builders[path.suffix], data_files=str(path), split=cfg.dataset_split)
-    else:
-        ds = datasets.load_dataset(cfg.dataset_name, split=cfg.dataset_split)
+    ds = load_dataset_source(cfg.dataset_name, split=cfg.dataset_split)
     if "prompt" not in ds.column_names:
         raise ConfigError(f"{cfg.dataset_name}: PPO needs a 'prompt' column; the columns are {ds.column_names}")
     prompts = []

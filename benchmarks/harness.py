@@ -32,7 +32,7 @@ from posttrain import memory  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "workloads.py"
 ALL_MIXES = ["zero2-zero3", "zero3", "zero2-replicated", "zero2-zero3-offload", "trl-zero2", "trl-zero3",
-             "zero2-zero3fast"]
+             "zero2-zero3-stock"]
 
 
 def machine_name(nproc: int) -> str:

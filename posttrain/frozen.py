@@ -16,10 +16,13 @@ partitioned by zero.Init) and replaces how its parameters are stored and gathere
   partitions are freed, so memory is not doubled;
 - before a unit runs, ONE ``all_gather_into_tensor`` rebuilds its full flat vector and the
   parameters become views into it; after the unit runs the buffer is dropped;
-- while unit i computes, the gather of the unit expected next (recorded on the previous forward)
-  is already in flight: an async collective runs on the communication library's own stream
-  (NCCL), and ``wait()`` orders the compute stream after it, so no extra stream or events are
-  needed; on CPU (gloo) the same calls are simply synchronous enough.
+- while unit i computes, the gathers of the units expected next (recorded on the previous forward)
+  are already in flight, as many as add up to one decoder layer's size (so the final norm and the
+  head are fetched during the last layer, not after it): an async collective runs on the
+  communication library's own stream (NCCL), and ``wait()`` orders the compute stream after it,
+  so no extra stream or events are needed; on CPU (gloo) the same calls are simply synchronous.
+- each parameter starts at a 128-byte boundary of the flat vector: views into it keep the
+  alignment that vectorised kernels and cuBLAS's fastest paths need.
 
 Hooks on the modules drive it, so ``engine(**batch)`` and ``engine.module.generate(...)`` work as
 before. A tied parameter (``lm_head.weight is embed_tokens.weight``) is stored once, in the group
@@ -37,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+_ALIGN_BYTES = 128
+
 
 class _Group:
     """Parameters stored as one flat vector, 1/N of it per rank."""
@@ -48,8 +53,14 @@ class _Group:
         self.rank = dist.get_rank(process_group)
         self.shapes = [tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape) for p in params]
         self.numels = [int(torch.Size(s).numel()) for s in self.shapes]
-        self.numel = sum(self.numels)
-        self.shard_numel = -(-self.numel // self.world)  # ceil: the last rank's slice is padded
+        align = max(1, _ALIGN_BYTES // params[0].element_size())
+        self.offsets, end = [], 0
+        for n in self.numels:
+            self.offsets.append(end)
+            end += -(-n // align) * align
+        self.numel = sum(self.numels)  # the parameters' elements (without alignment padding)
+        self.shard_numel = -(-end // self.world)  # ceil: the last rank's slice is padded
+        self.nbytes = self.shard_numel * self.world * params[0].element_size()
         self.shard: torch.Tensor | None = None
         self.full: torch.Tensor | None = None
         self.work: Any = None  # an in-flight async all-gather into ``full``
@@ -62,11 +73,12 @@ class _Group:
 
         zero = [p for p in self.params if hasattr(p, "ds_id")]
         with deepspeed.zero.GatheredParameters(zero, modifier_rank=None):
-            flat = torch.cat([p.data.reshape(-1) for p in self.params])
-            lo = self.rank * self.shard_numel
-            shard = flat[lo: lo + self.shard_numel]
-            pad = self.shard_numel - shard.numel()
-            self.shard = torch.cat([shard, shard.new_zeros(pad)]) if pad else shard.clone()
+            first = self.params[0].data
+            flat = first.new_zeros(self.shard_numel * self.world)
+            for p, offset, n in zip(self.params, self.offsets, self.numels):
+                flat[offset: offset + n].copy_(p.data.reshape(-1))
+            self.shard = flat[self.rank * self.shard_numel: (self.rank + 1) * self.shard_numel].clone()
+            del flat
         self.empty = self.shard.new_empty(0)
         for p in self.params:
             p.data = self.empty
@@ -89,10 +101,8 @@ class _Group:
             self.work.wait()  # on CUDA: the compute stream waits for NCCL's, the CPU does not
             self.work = None
         if self.users == 0:
-            offset = 0
-            for p, shape, n in zip(self.params, self.shapes, self.numels):
+            for p, shape, offset, n in zip(self.params, self.shapes, self.offsets, self.numels):
                 p.data = self.full[offset: offset + n].view(shape)
-                offset += n
         self.users += 1
 
     def release(self) -> None:
@@ -116,23 +126,28 @@ class _Group:
 @dataclass
 class _Unit:
     module: nn.Module
+    is_layer: bool
     groups: list[_Group] = field(default_factory=list)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
 
-def _units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, parameters it uses) for each decoder layer and each other parameter owner,
-    in registration order. Stops at a ModuleList's children: a layer is one unit."""
-    out: list[tuple[nn.Module, list[nn.Parameter]]] = []
+
+def _units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter], bool]]:
+    """(module, parameters it uses, is a layer) for each decoder layer and each other parameter
+    owner, in registration order. Stops at a ModuleList's children: a layer is one unit."""
+    out: list[tuple[nn.Module, list[nn.Parameter], bool]] = []
 
     def walk(module: nn.Module, whole: bool) -> None:
         if whole:
             params = list(module.parameters())
             if params:
-                out.append((module, params))
+                out.append((module, params, True))
             return
         own = [p for p in module._parameters.values() if p is not None]
         if own:
-            out.append((module, own))
+            out.append((module, own, False))
         layer_list = isinstance(module, nn.ModuleList)
         for child in module.children():
             walk(child, whole=layer_list)
@@ -149,9 +164,9 @@ class FastFrozen:
         self.units: list[_Unit] = []
         self.groups: list[_Group] = []
         owner: dict[int, _Group] = {}
-        for module, params in _units(model):
+        for module, params, is_layer in _units(model):
             fresh = [p for p in params if id(p) not in owner]
-            unit = _Unit(module)
+            unit = _Unit(module, is_layer)
             # One flat vector per dtype (zero.Init casts floats to one dtype, so usually one).
             for dtype in dict.fromkeys(p.dtype for p in fresh):
                 same = [p for p in fresh if p.dtype == dtype]
@@ -165,6 +180,9 @@ class FastFrozen:
             self.units.append(unit)
         for group in self.groups:
             group.build_shard()
+        # Gathers kept in flight ahead of the running unit: about one decoder layer's bytes.
+        layers = [u.nbytes for u in self.units if u.is_layer] or [u.nbytes for u in self.units]
+        self.lookahead_bytes = max(layers)
         # The order units ran in on the last complete forward: what to prefetch next.
         self.trace: list[int] = []
         self._current: list[int] = []
@@ -191,10 +209,20 @@ class FastFrozen:
             self._on_trace = self._on_trace and pos < len(self.trace) and self.trace[pos] == i
             for group in self.units[i].groups:
                 group.acquire()
-            if self._on_trace and pos + 1 < len(self.trace):
-                for group in self.units[self.trace[pos + 1]].groups:
-                    group.start()
+            if self._on_trace:
+                self._prefetch(pos + 1)
         return hook
+
+    def _prefetch(self, pos: int) -> None:
+        """Start the gathers of the units at trace positions ``pos``, ``pos + 1``, ... until the
+        bytes ahead of the running unit reach :attr:`lookahead_bytes` (at least one unit)."""
+        ahead = 0
+        while pos < len(self.trace) and ahead < self.lookahead_bytes:
+            for group in self.units[self.trace[pos]].groups:
+                if group.users == 0:  # not the running unit's own (a tied weight used twice)
+                    group.start()
+                    ahead += group.nbytes
+            pos += 1
 
     def _post(self, i: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:

@@ -312,11 +312,7 @@ class Session:
                     "to its DeepSpeed config"
                 )
             optimizer = DummyOptim(model.parameters())
-        if role.fast_frozen and (role.trains or dsconfig.zero_stage(cfg) != 3):
-            raise ConfigError(
-                f"role {name!r}: fast_frozen applies to frozen ZeRO-3 roles only; drop it or give the role "
-                "a ZeRO-3 inference config such as zero3_inference"
-            )
+        fast = self._fast_frozen(name)
         if hasattr(model, "config"):
             self._fill_hidden_size(name, model.config)
         accelerator = self._accelerators[name]
@@ -334,12 +330,38 @@ class Session:
             engine.train()
         else:
             engine.eval()
-            if role.fast_frozen:  # posttrain.frozen replaces DeepSpeed's per-parameter gathering
+            if fast:  # posttrain.frozen replaces DeepSpeed's per-parameter gathering
                 from .frozen import take_over
 
                 self.fast_frozen[name] = take_over(engine)
         self.engines[name] = engine
         return engine
+
+    def _fast_frozen(self, name: str) -> bool:
+        """Whether posttrain.frozen takes over the role's gathering (see Role.fast_frozen)."""
+        role, cfg = self.role(name), self.configs[name]
+        zero = cfg.get("zero_optimization", {})
+        offloaded = str(zero.get("offload_param", {}).get("device", "none")).lower() != "none"
+        applies = not role.trains and dsconfig.zero_stage(cfg) == 3 and not offloaded
+        if role.fast_frozen and not applies:
+            why = ("its parameters are offloaded (the fast path keeps its shards on the device)" if offloaded
+                   else "it applies to frozen ZeRO-3 roles only")
+            raise ConfigError(
+                f"role {name!r}: fast_frozen cannot apply: {why}; drop fast_frozen, or give the role a ZeRO-3 "
+                "inference config such as zero3_inference"
+            )
+        return applies if role.fast_frozen is None else role.fast_frozen
+
+    def numel_at_rest(self, name: str) -> tuple[int, int]:
+        """(elements this rank stores between forwards, elements of the whole model) for a
+        prepared role: about 1/N of them under ZeRO-3, all of them otherwise."""
+        if name in self.fast_frozen:
+            return self.fast_frozen[name].local_numel(), self.fast_frozen[name].full_numel()
+        params = list(self.engines[name].module.parameters())
+        if all(hasattr(p, "ds_tensor") for p in params):
+            return sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
+        n = sum(p.numel() for p in params)
+        return n, n
 
     def unwrap(self, name: str) -> torch.nn.Module:
         return self.engines[name].module

@@ -45,7 +45,9 @@ def test_replicated_ooms_where_default_fits():
     by_case = {}
     for r in gpu_rows():
         by_case.setdefault(r["case"], {})[r["mix"]] = r["status"]
-    found = [c for c, m in by_case.items() if m.get("zero2-replicated") == "oom" and m.get("zero2-zero3") == "ok"]
+    # zero2-zero3-stock places every model as the default does (it only gathers differently).
+    found = [c for c, m in by_case.items() if m.get("zero2-replicated") == "oom"
+             and "ok" in (m.get("zero2-zero3"), m.get("zero2-zero3-stock"))]
     assert found, "no committed case where the replicated-frozen mix runs out of memory and the default fits"
 
 

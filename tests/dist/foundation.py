@@ -62,8 +62,7 @@ def main(out: str, mode: str, ckpt: str) -> None:
     ref = s.prepare("reference", s.load("reference", path))
     res["ga_after_frozen"] = [s.accelerator.gradient_accumulation_steps, policy.gradient_accumulation_steps()]
     # Partitioning: each rank holds about 1/N of every ZeRO-3 parameter.
-    full = sum(p.ds_numel for p in ref.module.parameters())
-    local = sum(p.ds_tensor.numel() for p in ref.module.parameters())
+    local, full = s.numel_at_rest("reference")
     res["ref_full"], res["ref_local"] = full, local
     res["ref_data_empty"] = all(p.data.numel() == 0 for p in ref.module.parameters())
     res["policy_whole"] = all(not hasattr(p, "ds_id") and p.numel() > 0 for p in policy.module.parameters())

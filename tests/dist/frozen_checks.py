@@ -30,7 +30,7 @@ def main(out: str, tmp: str) -> None:
     # once so that every role and the plain copy load the same weights.
     tied_path = Path(tmp) / "tied"
     roles = [Role("policy", "zero2_train", trains=True),
-             Role("stock", "zero3_inference"),
+             Role("stock", "zero3_inference", fast_frozen=False),
              Role("fast", "zero3_inference", fast_frozen=True),
              Role("tied", "zero3_inference", fast_frozen=True),
              Role("reward", "zero3_inference", fast_frozen=True),
@@ -75,10 +75,11 @@ def main(out: str, tmp: str) -> None:
 
     res["rest_before"] = at_rest(fast) and at_rest(tied)
     # While it runs: how many groups are gathered at once (the running unit and one prefetched).
-    live = {"max": 0}
+    live = {"max": 0, "max_bytes": 0}
 
     def count(*_):
         live["max"] = max(live["max"], sum(g.full is not None for g in ff.groups))
+        live["max_bytes"] = max(live["max_bytes"], sum(g.nbytes for g in ff.groups if g.full is not None))
 
     # Pre-hooks registered after take_over's run after its gather: they see the running unit's
     # group and the one prefetched for the next unit.
@@ -98,7 +99,9 @@ def main(out: str, tmp: str) -> None:
         diffs["tied_vs_plain"] = max_diff(tied(**b).logits, plain_tied(**b).logits)
     for h in handles:
         h.remove()
-    res["max_live_groups"] = live["max"]
+    res["max_live_groups"], res["max_live_bytes"] = live["max"], live["max_bytes"]
+    res["largest_unit_bytes"], res["lookahead_bytes"] = max(u.nbytes for u in ff.units), ff.lookahead_bytes
+    res["params"] = sum(len(g.params) for g in ff.groups)
     res["prefetched"] = ff.trace == list(range(len(ff.units)))
     res["rest_after"] = at_rest(fast) and at_rest(tied)
 

@@ -62,8 +62,7 @@ def main(out: str, tmp: str) -> None:
     s = t.session
     lm, clf = s.engines["lm"].module, s.engines["classifier"].module
     res["world"], res["stages"] = s.num_processes, [s.zero_stage("lm"), s.zero_stage("classifier")]
-    res["clf_full"] = sum(p.ds_numel for p in clf.parameters())
-    res["clf_local"] = sum(p.ds_tensor.numel() for p in clf.parameters())
+    res["clf_local"], res["clf_full"] = s.numel_at_rest("classifier")
     res["lm_whole"] = all(not hasattr(p, "ds_id") and p.numel() > 0 for p in lm.parameters())
     res["clipping"] = {name: s.engines[name].gradient_clipping() for name in t.tasks}
     res["accelerators_distinct"] = s._accelerators["lm"] is not s._accelerators["classifier"]

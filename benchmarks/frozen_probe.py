@@ -1,5 +1,6 @@
-"""One reference model placed three ways in one process group, on identical weights: replicated,
-DeepSpeed's stock ZeRO-3, and ZeRO-3 with posttrain's fast frozen path (posttrain/frozen.py).
+"""One reference model placed four ways in one process group, on identical weights: replicated,
+DeepSpeed's stock ZeRO-3, and ZeRO-3 with posttrain's fast frozen path (posttrain/frozen.py) over
+each of its transports (copy engines reading peer-mapped memory, and NCCL).
 
     torchrun --standalone --nproc_per_node 2 benchmarks/frozen_probe.py --shape 1b --out DIR [--profile]
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -81,7 +83,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     roles = [Role("policy", "zero2_train", trains=True), Role("rep", "replicated_inference"),
-             Role("fast", "zero3_inference", fast_frozen=True), Role("stock", "zero3_inference", fast_frozen=False)]
+             Role("fast", "zero3_inference", fast_frozen=True), Role("fast_nccl", "zero3_inference", fast_frozen=True),
+             Role("stock", "zero3_inference", fast_frozen=False)]
     dtype = torch.bfloat16 if CUDA else torch.float32
     s = Session(roles, micro_batch_size=args.micro_batch, mixed_precision="bf16" if CUDA else "no", learning_rate=1e-6,
                 weight_decay=0.0, max_grad_norm=1.0)
@@ -136,17 +139,26 @@ def main() -> None:
     engines: dict[str, Any] = {}
     mem: dict[str, float] = {}
 
+    def used() -> int:  # device-wide, allocations outside PyTorch's caching allocator included
+        return torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0] if CUDA else 0
+
     def add(name: str) -> None:
         sync()
-        before = allocated()
+        before, before_used = allocated(), used()
+        if name == "fast_nccl":
+            os.environ["POSTTRAIN_FROZEN_TRANSPORT"] = "nccl"
         model = s.load(name, path, dtype=dtype)  # a ZeRO-3 role's is partitioned onto the GPU by zero.Init
         engines[name] = s.prepare(name, model)
+        os.environ.pop("POSTTRAIN_FROZEN_TRANSPORT", None)
         sync()
         mem[f"{name}_at_rest"] = (allocated() - before) / GiB
+        mem[f"{name}_at_rest_device"] = (used() - before_used) / GiB
 
     add("rep")
     add("fast")
     measure_policy("with_fast_zero3")
+    add("fast_nccl")
+    res["transports"] = {n: s.fast_frozen[n].transport for n in ("fast", "fast_nccl")}
 
     def forward(name: str) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
@@ -172,9 +184,25 @@ def main() -> None:
                 "max_abs_sequence": (a.sum(-1) - b.sum(-1)).abs().max().item(),
                 "bitwise_equal": bool(torch.equal(a, b))}
 
-    res["logps"] = {"fast_vs_rep": diff(got, want)}
+    forward("fast_nccl")()
+    res["logps"] = {"fast_vs_rep": diff(got, want), "fast_nccl_vs_fast": diff(forward("fast_nccl")(), got)}
+    # bf16's own spread: the replicated model on half the rows (other GEMM shapes, other kernels)
+    # against the same rows of the full batch.
+    half = ids.shape[0] // 2
+    with torch.no_grad():
+        from trl.trainer.utils import selective_log_softmax
 
-    times: dict[str, list[float]] = {"rep": [], "fast": []}
+        part = selective_log_softmax(engines["rep"](input_ids=ids[:half]).logits[:, :-1], ids[:half, 1:])
+    res["logps"]["rep_half_batch_vs_rep"] = diff(part, want[:half])
+    # Where a difference would come from: the weights and buffers each placement computes with.
+    fast_sd = s.state_dict("fast")
+    rep_sd = {k: v.detach().cpu() for k, v in engines["rep"].module.state_dict().items()}
+    res["weights_fast_vs_rep_max_abs"] = max((fast_sd[k].float() - v.float()).abs().max().item() for k, v in rep_sd.items())
+    res["buffers_fast_vs_rep_max_abs"] = {
+        n: (b.float() - dict(engines["rep"].module.named_buffers())[n].float()).abs().max().item()
+        for n, b in engines["fast"].module.named_buffers()}
+
+    times: dict[str, list[float]] = {"rep": [], "fast": [], "fast_nccl": []}
     for _ in range(args.repeat):  # interleaved, so drift in clocks affects both alike
         for name in times:
             times[name] += timed(forward(name), 1)
@@ -207,6 +235,7 @@ def main() -> None:
 
     res["forward_ms"] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     res["forward_ms"]["fast_over_rep"] = res["forward_ms"]["fast"] / res["forward_ms"]["rep"]
+    res["forward_ms"]["fast_nccl_over_rep"] = res["forward_ms"]["fast_nccl"] / res["forward_ms"]["rep"]
     res["forward_all_ms"] = {k: [round(1e3 * x, 2) for x in v] for k, v in times.items()}
     p = res["policy"]
     res["policy_ratios"] = {
@@ -222,12 +251,13 @@ def main() -> None:
                          "lookahead_gib": ff.lookahead_bytes / GiB,
                          "local_gib": ff.local_numel() * size / GiB, "full_gib": ff.full_numel() * size / GiB}
     res["memory_gib"] = mem
-    summary = torch.tensor([res["forward_ms"]["fast"], res["forward_ms"]["rep"]], device=dev)
+    summary = torch.tensor([res["forward_ms"][k] for k in ("fast", "rep", "fast_nccl")], device=dev)
     dist.all_reduce(summary, op=dist.ReduceOp.MAX)
-    res["forward_ms_max_rank"] = {"fast": summary[0].item(), "rep": summary[1].item()}
+    res["forward_ms_max_rank"] = dict(zip(("fast", "rep", "fast_nccl"), summary.tolist()))
     if rank == 0:
         (out / f"probe-{args.shape}.json").write_text(json.dumps(res, indent=1))
-        print(json.dumps({k: res[k] for k in ("forward_ms", "policy_ratios", "memory_gib", "logps")}, indent=1))
+        print(json.dumps({k: res[k] for k in ("transports", "forward_ms", "policy_ratios", "memory_gib", "logps")},
+                         indent=1))
     s.accelerator.wait_for_everyone()
 
 

@@ -5,7 +5,9 @@
     python benchmarks/harness.py --report DIR (re-render DIR's table and plot from its JSON)
 
 Every mix runs as its own ``torchrun`` (benchmarks/workloads.py), one after another; a run that
-runs out of memory, fails or times out becomes a row saying so. Rows from several invocations
+runs out of memory, fails or times out becomes a row saying so. ``--rounds K`` runs the mixes K
+times in alternating order (A B, B A, ...) and pools each mix's measured steps: on a shared host
+the speed drifts over minutes, and alternation spreads that drift over every mix alike. Rows from several invocations
 accumulate in ``DIR/results.json`` (default ``benchmarks/results/<date>-<machine>/``), and each
 invocation re-renders ``results.md`` and ``results.png`` and appends its command to ``commands.txt``.
 """
@@ -18,6 +20,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -117,6 +120,30 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         if r0.get("role_memory_gib"):
             row["role_memory_gib"] = {k: round(max(r["role_memory_gib"][k] for r in ok), 3) for k in r0["role_memory_gib"]}
             row["phase_peak_gib"] = {k: round(max(r["phase_peak_gib"][k] for r in ok), 3) for k in r0["phase_peak_gib"]}
+    return row
+
+
+def pool_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a mix run several times: medians over every measured step of every round
+    (rank 0's step times; ranks step in lock-step), the highest peaks, each round's own median."""
+    if len(rows) == 1:
+        return rows[0]
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        return {**failed[0], "rounds": len(rows)}
+    steps = [t for r in rows for t in r["step_times"]]
+    row = {**rows[0], "rounds": len(rows), "steps": len(steps), "step_times": steps,
+           "round_step_s": [r["step_s"] for r in rows], "wall_s": round(sum(r["wall_s"] for r in rows), 1)}
+    row["step_s"] = round(statistics.median(t["step"] for t in steps), 4)
+    row["phase_s"] = {k: round(statistics.median(t[k] for t in steps), 4) for k in rows[0]["phase_s"]}
+    row["tokens_per_s"] = round(rows[0]["tokens_per_s"] * rows[0]["step_s"] / row["step_s"], 1)
+    row["setup_s"] = round(statistics.median(r["setup_s"] for r in rows), 1)
+    for key in ("peak_allocated_gib", "peak_reserved_gib"):
+        if key in rows[0]:
+            row[key] = [max(vals) for vals in zip(*(r[key] for r in rows))]
+    for key in ("role_memory_gib", "phase_peak_gib"):
+        if key in rows[0]:
+            row[key] = {k: max(r[key][k] for r in rows) for k in rows[0][key]}
     return row
 
 
@@ -228,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mixes", default="all", help=f"comma-separated, or all: {','.join(ALL_MIXES)}")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5, help="measured steps (the median is reported)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the mixes this many times, alternating their order, "
+                    "and pool the measured steps")
     ap.add_argument("--nproc", type=int, default=2, help="processes (GPUs)")
     ap.add_argument("--precision", choices=["bf16", "no"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mix")
@@ -258,25 +287,35 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=args.warmup, steps=args.steps, precision=args.precision)
     command = shlex.join(["python", "benchmarks/harness.py", *argv])
     env = environment()
-    start, rows = time.perf_counter(), []
-    for mix in mixes:
-        spec = {**base, "mix": mix}
-        left = None if args.budget is None else args.budget - (time.perf_counter() - start)
-        if left is not None and left < args.min_run:
-            row = {"case": case_name(spec), **spec, "world_size": args.nproc, "status": "skipped",
-                   "error": "time budget spent"}
-        else:
-            timeout = args.timeout if left is None else min(args.timeout, left)
-            row = run_one(spec, out / "runs" / f"{case_name(spec)}-{mix}", args.nproc, timeout)
-        planned = planned_peak(row) if row["status"] != "skipped" else None
-        row["env"] = env
-        row["command"] = command
-        rows.append(row)
-        peak = max(row["peak_allocated_gib"]) if row.get("peak_allocated_gib") else None
-        print(f"[bench] {row['case']} {mix}: {row['status']} step {row.get('step_s')} s, peak {peak} GiB, "
-              f"planned {planned and round(planned, 2)} GiB, wall {row.get('wall_s')} s"
-              + (f" :: {row['error'][:300]}" if row["status"] != "ok" else ""), flush=True)
-        save(out, [row], command if mix == mixes[0] else "")
+    start = time.perf_counter()
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in mixes}
+    for k in range(args.rounds):
+        for mix in mixes if k % 2 == 0 else mixes[::-1]:
+            spec = {**base, "mix": mix}
+            left = None if args.budget is None else args.budget - (time.perf_counter() - start)
+            if left is not None and left < args.min_run:
+                row = {"case": case_name(spec), **spec, "world_size": args.nproc, "status": "skipped",
+                       "error": "time budget spent"}
+            else:
+                timeout = args.timeout if left is None else min(args.timeout, left)
+                tag = f"-round{k + 1}" if args.rounds > 1 else ""
+                row = run_one(spec, out / "runs" / f"{case_name(spec)}-{mix}{tag}", args.nproc, timeout)
+            planned = planned_peak(row) if row["status"] != "skipped" else None
+            row["env"] = env
+            row["command"] = command
+            if row["status"] != "skipped" or not runs[mix]:
+                runs[mix].append(row)
+            peak = max(row["peak_allocated_gib"]) if row.get("peak_allocated_gib") else None
+            print(f"[bench] {row['case']} {mix}{f' round {k + 1}' if args.rounds > 1 else ''}: {row['status']} "
+                  f"step {row.get('step_s')} s, peak {peak} GiB, planned {planned and round(planned, 2)} GiB, "
+                  f"wall {row.get('wall_s')} s" + (f" :: {row['error'][:300]}" if row["status"] != "ok" else ""),
+                  flush=True)
+            save(out, [pool_rounds(runs[mix])], command if k == 0 and mix == mixes[0] else "")
+    rows = [pool_rounds(r) for r in runs.values()]
+    if args.rounds > 1:
+        for r in rows:
+            print(f"[bench] {r['case']} {r['mix']} pooled over {r.get('rounds', 1)} rounds: step {r.get('step_s')} s "
+                  f"(rounds: {r.get('round_step_s')})", flush=True)
     print(f"[bench] results in {out}")
     return 0 if all(r["status"] in ("ok", "oom") for r in rows) else 1
 

@@ -2,7 +2,9 @@
 # Issue 7's measurements on 2xH200 (device kind nvidia-h200-x2), writing under ${OUT}.
 #   STAGE=probe1b : frozen_probe.py at 1B with a profile, then DPO 1B through the harness, the mixes
 #                   in two rounds of alternating order, 20 measured steps each.
-#   STAGE=more    : frozen_probe.py at 3B; DPO 3B; PPO 1B (time/score).
+#   STAGE=p2p     : after the copy-engine transport: the probe at 1B again (both transports), DPO 1B
+#                   in three rounds of alternating order, PPO 1B (time/score).
+#   STAGE=more    : frozen_probe.py at 3B; DPO 3B.
 set -u
 O=${OUT:-/tmp/out}
 P="torchrun --standalone --nproc_per_node 2 benchmarks/frozen_probe.py --out $O/p"
@@ -14,12 +16,17 @@ probe1b)
   $H $DPO1 --mixes zero2-zero3,zero2-replicated,zero2-zero3-stock --out "$O/r1" 2>&1 | grep '^\[bench\]'
   $H $DPO1 --mixes zero2-replicated,zero2-zero3 --out "$O/r2" 2>&1 | grep '^\[bench\]'
   ;;
-more)
-  $P --shape 3b --repeat 12 > "$O/probe-3b.log" 2>&1; tail -45 "$O/probe-3b.log"
-  $H --workload dpo --shape 3b --micro-batch 4 --seq-len 512 --steps 10 \
-     --mixes zero2-zero3,zero2-replicated,zero2-zero3-stock --out "$O/r3" 2>&1 | grep '^\[bench\]'
+p2p)
+  $P --shape 1b --profile > "$O/probe-1b.log" 2>&1; tail -60 "$O/probe-1b.log"
+  $H --workload dpo --shape 1b --micro-batch 4 --seq-len 512 --steps 12 --rounds 3 \
+     --mixes zero2-zero3,zero2-replicated --out "$O/r1" 2>&1 | grep '^\[bench\]'
   $H --workload ppo --shape 1b --micro-batch 8 --seq-len 512 --response-len 64 --steps 6 \
      --mixes zero2-zero3,zero2-replicated --out "$O/r4" 2>&1 | grep '^\[bench\]'
+  ;;
+more)
+  $P --shape 3b --repeat 12 > "$O/probe-3b.log" 2>&1; tail -60 "$O/probe-3b.log"
+  $H --workload dpo --shape 3b --micro-batch 4 --seq-len 512 --steps 10 \
+     --mixes zero2-zero3,zero2-replicated,zero2-zero3-stock --out "$O/r3" 2>&1 | grep '^\[bench\]'
   ;;
 esac
 # Everything but the trace in one archive (the device returns at most 8 files).

@@ -133,3 +133,19 @@ def test_rows_replace_same_case_and_mix(tmp_path):
 def test_unknown_mix_fails_before_running(tmp_path):
     with pytest.raises(ValueError, match="unknown mix 'zero9'"):
         harness.main(["--mixes", "zero9", "--out", str(tmp_path)])
+
+
+def test_rounds_pool_every_measured_step():
+    def row(steps, peak):
+        times = [{"step": s, "reference_forward": s / 4} for s in steps]
+        return {"case": "c", "mix": "m", "status": "ok", "step_s": sorted(steps)[len(steps) // 2], "steps": len(steps),
+                "step_times": times, "phase_s": {"reference_forward": 0.0}, "tokens_per_s": 1000 / sorted(steps)[len(steps) // 2],
+                "setup_s": 2.0, "wall_s": 10.0, "peak_allocated_gib": [peak, 1.0], "peak_reserved_gib": [peak, 1.0]}
+
+    pooled = harness.pool_rounds([row([1.0, 2.0, 3.0], 5.0), row([4.0, 5.0, 6.0], 7.0)])
+    assert pooled["rounds"] == 2 and pooled["steps"] == 6 and pooled["round_step_s"] == [2.0, 5.0]
+    assert pooled["step_s"] == 3.5 and pooled["phase_s"]["reference_forward"] == 3.5 / 4
+    assert pooled["peak_allocated_gib"] == [7.0, 1.0] and pooled["wall_s"] == 20.0
+    assert pooled["tokens_per_s"] == pytest.approx(1000 / 3.5, rel=1e-3)
+    failed = harness.pool_rounds([row([1.0], 1.0), {"case": "c", "mix": "m", "status": "oom", "error": "x"}])
+    assert failed["status"] == "oom" and failed["rounds"] == 2

@@ -4,7 +4,7 @@
 #                   in two rounds of alternating order, 20 measured steps each.
 #   STAGE=p2p     : after the copy-engine transport: the probe at 1B again (both transports), DPO 1B
 #                   in three rounds of alternating order, PPO 1B (time/score).
-#   STAGE=more    : frozen_probe.py at 3B; DPO 3B.
+#   STAGE=more    : after the rotary-buffer fix: the probe at 1B and 3B; DPO 3B in two rounds.
 set -u
 O=${OUT:-/tmp/out}
 P="torchrun --standalone --nproc_per_node 2 benchmarks/frozen_probe.py --out $O/p"
@@ -24,9 +24,10 @@ p2p)
      --mixes zero2-zero3,zero2-replicated --out "$O/r4" 2>&1 | grep '^\[bench\]'
   ;;
 more)
-  $P --shape 3b --repeat 12 > "$O/probe-3b.log" 2>&1; tail -60 "$O/probe-3b.log"
-  $H --workload dpo --shape 3b --micro-batch 4 --seq-len 512 --steps 10 \
-     --mixes zero2-zero3,zero2-replicated,zero2-zero3-stock --out "$O/r3" 2>&1 | grep '^\[bench\]'
+  $P --shape 1b --repeat 12 > "$O/probe-1b.log" 2>&1; tail -70 "$O/probe-1b.log"
+  $P --shape 3b --repeat 12 > "$O/probe-3b.log" 2>&1; tail -70 "$O/probe-3b.log"
+  $H --workload dpo --shape 3b --micro-batch 4 --seq-len 512 --steps 8 --rounds 2 \
+     --mixes zero2-zero3,zero2-replicated --out "$O/r3" 2>&1 | grep '^\[bench\]'
   ;;
 esac
 # Everything but the trace in one archive (the device returns at most 8 files).

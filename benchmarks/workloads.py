@@ -49,12 +49,16 @@ def is_oom(err: BaseException) -> bool:
 
 # Peak memory over the whole run: phases reset the allocator's peak to get their own.
 PEAK = {"allocated": 0.0, "reserved": 0.0}
+# Device bytes held outside PyTorch's caching allocator (Session.bytes_outside_allocator), which
+# every allocated/reserved figure adds back; constant once the models are prepared.
+OUTSIDE = {"bytes": 0}
 
 
 def fold_peak() -> None:
     if _cuda():
-        PEAK["allocated"] = max(PEAK["allocated"], torch.cuda.max_memory_allocated() / GiB)
-        PEAK["reserved"] = max(PEAK["reserved"], torch.cuda.max_memory_reserved() / GiB)
+        extra = OUTSIDE["bytes"] / GiB
+        PEAK["allocated"] = max(PEAK["allocated"], torch.cuda.max_memory_allocated() / GiB + extra)
+        PEAK["reserved"] = max(PEAK["reserved"], torch.cuda.max_memory_reserved() / GiB + extra)
 
 
 def _cuda() -> bool:
@@ -64,7 +68,9 @@ def _cuda() -> bool:
 def mem_now() -> dict[str, float] | None:
     if not _cuda():
         return None
-    return {"allocated": torch.cuda.memory_allocated() / GiB, "reserved": torch.cuda.memory_reserved() / GiB}
+    extra = OUTSIDE["bytes"] / GiB
+    return {"allocated": torch.cuda.memory_allocated() / GiB + extra,
+            "reserved": torch.cuda.memory_reserved() / GiB + extra}
 
 
 class Bench:
@@ -96,11 +102,12 @@ class Bench:
     # -- set-up ----------------------------------------------------------------------------
     def load_all(self) -> None:
         for name in self.trained + self.frozen:
-            before = torch.cuda.memory_allocated() if _cuda() else 0
+            before = torch.cuda.memory_allocated() + self.session.bytes_outside_allocator() if _cuda() else 0
             self.engines[name] = self._load(name)
             if _cuda():
                 torch.cuda.synchronize()
-                self.role_memory[name] = (torch.cuda.memory_allocated() - before) / GiB
+                OUTSIDE["bytes"] = self.session.bytes_outside_allocator()
+                self.role_memory[name] = (torch.cuda.memory_allocated() + OUTSIDE["bytes"] - before) / GiB
 
     def _load(self, name: str) -> Any:
         s = self.session
@@ -138,7 +145,7 @@ class Bench:
         with self.phases(name):
             yield
         if _cuda():
-            self.phase_peaks.setdefault(name, []).append(torch.cuda.max_memory_allocated() / GiB)
+            self.phase_peaks.setdefault(name, []).append(torch.cuda.max_memory_allocated() / GiB + OUTSIDE["bytes"] / GiB)
             fold_peak()
 
     def tokens(self, rows: int, length: int) -> torch.Tensor:

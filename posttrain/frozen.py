@@ -177,7 +177,11 @@ class _PeerMemory:
             total += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
         with contextlib.suppress(Exception):  # older PyTorch needs it, newer ones do it themselves
             symm_mem.enable_symm_mem_for_group(process_group.group_name)
+        before = torch.cuda.memory_allocated(device)
         self.local = symm_mem.empty(max(total, 1), dtype=torch.uint8, device=device)
+        # Some PyTorch versions allocate it outside the caching allocator, where
+        # torch.cuda.memory_allocated() does not see it: memory reports add it back.
+        self.outside_allocator = torch.cuda.memory_allocated(device) - before < total
         self.handle = symm_mem.rendezvous(self.local, process_group)
         self.remote = [self.handle.get_buffer(r, (max(total, 1),), torch.uint8) for r in range(groups[0].world)]
         self.stream = torch.cuda.Stream(device)
@@ -360,6 +364,10 @@ class FastFrozen:
 
     def full_numel(self) -> int:
         return sum(g.numel for g in self.groups)
+
+    def bytes_outside_allocator(self) -> int:
+        """Device memory this model holds that ``torch.cuda.memory_allocated()`` does not count."""
+        return self.peers.nbytes if self.peers is not None and self.peers.outside_allocator else 0
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[nn.Module]:

@@ -70,3 +70,10 @@ def test_state_dict_whole(res):
 
 def test_fast_frozen_refused_where_it_cannot_apply(res):
     assert res["bad_error"] and "it applies to frozen ZeRO-3 roles only" in res["bad_error"]
+
+
+def test_rotary_frequencies_recomputed_after_zero_init(tmp_path):
+    res = run_json("rotary_checks.py", tmp_path=tmp_path, nproc=1)
+    assert res["before"] > 1e-4  # zero.Init in bf16 rounded them (the bug being fixed)
+    assert res["fixed"] == 1 and res["after"] == 0.0 and res["original_after"] == 0.0
+    assert res["dtype"] == "torch.float32"

@@ -5,11 +5,13 @@
 #   STAGE=p2p     : after the copy-engine transport: the probe at 1B again (both transports), DPO 1B
 #                   in three rounds of alternating order, PPO 1B (time/score).
 #   STAGE=more    : after the rotary-buffer fix: the probe at 1B and 3B; DPO 3B in two rounds.
+#   STAGE=final   : DPO 1B and PPO 1B, two rounds each, into benchmarks/results/2026-11-30-2xH200-frozen.
 set -u
 O=${OUT:-/tmp/out}
 P="torchrun --standalone --nproc_per_node 2 benchmarks/frozen_probe.py --out $O/p"
 H="python benchmarks/harness.py --timeout 120"
 DPO1="--workload dpo --shape 1b --micro-batch 4 --seq-len 512 --steps 20"
+FINAL=benchmarks/results/2026-11-30-2xH200-frozen
 case "${STAGE:-probe1b}" in
 probe1b)
   $P --shape 1b --profile > "$O/probe-1b.log" 2>&1; tail -45 "$O/probe-1b.log"
@@ -28,6 +30,14 @@ more)
   $P --shape 3b --repeat 12 > "$O/probe-3b.log" 2>&1; tail -70 "$O/probe-3b.log"
   $H --workload dpo --shape 3b --micro-batch 4 --seq-len 512 --steps 8 --rounds 2 \
      --mixes zero2-zero3,zero2-replicated --out "$O/r3" 2>&1 | grep '^\[bench\]'
+  ;;
+final)
+  # Rows accumulate in the committed results directory (copied back from $O/final.tgz).
+  $H --workload dpo --shape 1b --micro-batch 4 --seq-len 512 --steps 12 --rounds 2 --budget 150 --min-run 25 \
+     --mixes zero2-zero3,zero2-replicated --out "$FINAL" 2>&1 | grep '^\[bench\]'
+  $H --workload ppo --shape 1b --micro-batch 8 --seq-len 512 --response-len 64 --steps 5 --rounds 2 --budget 230 \
+     --min-run 40 --mixes zero2-zero3,zero2-replicated --out "$FINAL" 2>&1 | grep '^\[bench\]'
+  rm -rf "$FINAL/runs"; tar czf "$O/final.tgz" "$FINAL"
   ;;
 esac
 # Everything but the trace in one archive (the device returns at most 8 files).

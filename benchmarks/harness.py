@@ -126,6 +126,8 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
 def pool_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One row for a mix run several times: medians over every measured step of every round
     (rank 0's step times; ranks step in lock-step), the highest peaks, each round's own median."""
+    if len(rows) > 1:  # rounds that --budget skipped or cut short add nothing
+        rows = [r for r in rows if r["status"] != "skipped"] or rows[:1]
     if len(rows) == 1:
         return rows[0]
     failed = [r for r in rows if r["status"] != "ok"]
@@ -300,11 +302,13 @@ def main(argv: list[str] | None = None) -> int:
                 timeout = args.timeout if left is None else min(args.timeout, left)
                 tag = f"-round{k + 1}" if args.rounds > 1 else ""
                 row = run_one(spec, out / "runs" / f"{case_name(spec)}-{mix}{tag}", args.nproc, timeout)
+                if row["status"] == "timeout" and timeout < args.timeout:
+                    # Cut short by --budget, not slower than --timeout: the mix did not fail.
+                    row["status"], row["error"] = "skipped", "time budget spent while it ran"
             planned = planned_peak(row) if row["status"] != "skipped" else None
             row["env"] = env
             row["command"] = command
-            if row["status"] != "skipped" or not runs[mix]:
-                runs[mix].append(row)
+            runs[mix].append(row)
             peak = max(row["peak_allocated_gib"]) if row.get("peak_allocated_gib") else None
             print(f"[bench] {row['case']} {mix}{f' round {k + 1}' if args.rounds > 1 else ''}: {row['status']} "
                   f"step {row.get('step_s')} s, peak {peak} GiB, planned {planned and round(planned, 2)} GiB, "

@@ -149,3 +149,7 @@ def test_rounds_pool_every_measured_step():
     assert pooled["tokens_per_s"] == pytest.approx(1000 / 3.5, rel=1e-3)
     failed = harness.pool_rounds([row([1.0], 1.0), {"case": "c", "mix": "m", "status": "oom", "error": "x"}])
     assert failed["status"] == "oom" and failed["rounds"] == 2
+    # A round the time budget skipped or cut short is left out; the completed ones stand.
+    skipped = {"case": "c", "mix": "m", "status": "skipped", "error": "time budget spent while it ran"}
+    assert harness.pool_rounds([row([1.0, 2.0, 3.0], 5.0), skipped]) == row([1.0, 2.0, 3.0], 5.0)
+    assert harness.pool_rounds([skipped, skipped])["status"] == "skipped"

@@ -14,13 +14,12 @@ partitioned by zero.Init) and replaces how its parameters are stored and gathere
 - a group's parameters are laid out as one flat vector, padded to a multiple of the world size and
   split evenly: each rank keeps only its 1/N slice at rest. DeepSpeed's own per-parameter
   partitions are freed, so memory is not doubled;
-- before a unit runs, ONE ``all_gather_into_tensor`` rebuilds its full flat vector and the
+- before a unit runs, ONE gather (see transports below) rebuilds its full flat vector and the
   parameters become views into it; after the unit runs the buffer is dropped;
 - while unit i computes, the gathers of the units expected next (recorded on the previous forward)
   are already in flight, as many as add up to one decoder layer's size (so the final norm and the
-  head are fetched during the last layer, not after it): an async collective runs on the
-  communication library's own stream (NCCL), and ``wait()`` orders the compute stream after it,
-  so no extra stream or events are needed; on CPU (gloo) the same calls are simply synchronous.
+  head are fetched during the last layer, not after it); ``wait()`` on a gather orders the compute
+  stream after it without blocking the CPU;
 - each parameter starts at a 128-byte boundary of the flat vector: views into it keep the
   alignment that vectorised kernels and cuBLAS's fastest paths need.
 
@@ -32,8 +31,11 @@ How a gather moves the bytes (``transport``):
   side stream, which the GPU's copy engines carry out. Nothing competes with the forward for SMs.
   Measured on 2xH200 (benchmarks/NOTES.md): NCCL's all-gather kernels could not run beside the
   layers' persistent GEMM kernels, so its "overlapped" gathers in effect ran between them;
+  On the PyTorch of the GPU image (2.11) that buffer is not counted by
+  ``torch.cuda.memory_allocated()``; :meth:`FastFrozen.bytes_outside_allocator` reports it;
 - ``"nccl"`` (every other case: several hosts, CPU/gloo): ``all_gather_into_tensor`` with
-  ``async_op``, which works everywhere. ``POSTTRAIN_FROZEN_TRANSPORT=nccl`` forces it.
+  ``async_op`` on the communication library's stream, which works everywhere.
+  ``POSTTRAIN_FROZEN_TRANSPORT=nccl`` forces it.
 
 Hooks on the modules drive it, so ``engine(**batch)`` and ``engine.module.generate(...)`` work as
 before. A tied parameter (``lm_head.weight is embed_tokens.weight``) is stored once, in the group

@@ -9,7 +9,8 @@ Rank 0 writes ``DIR/probe-<shape>.json`` with:
 - ``logps``: per-token log-probs of fast and stock against replicated on the same tokens (the
   harness cannot check this: its mixes build their models by different initialisation paths);
 - ``forward_ms``: the frozen forward (logits and per-token log-probs, as DPO's reference computes
-  them), the placements interleaved, medians;
+  them), the placements interleaved, medians; ``forward_after_train_step_ms``: the same, each
+  forward right after a policy training step, as in a DPO step;
 - ``policy``: the ZeRO-2 policy's generation and training step (forward, backward, AdamW) in the
   same process before any ZeRO-3 model exists, after the fast reference is prepared, and after
   the stock one is too: what a frozen ZeRO-3 model in the process costs the trained one;
@@ -212,6 +213,15 @@ def main() -> None:
     for _ in range(args.repeat):  # interleaved, so drift in clocks affects both alike
         for name in times:
             times[name] += timed(forward(name), 1)
+    # The same forwards as a DPO step runs them: each after a policy forward, backward and step
+    # (the harness's loop, where the allocator's pool and the streams are in another state).
+    in_loop: dict[str, list[float]] = {"rep": [], "fast": []}
+    for _ in range(max(4, args.repeat // 2)):
+        for name in in_loop:
+            train_step()
+            in_loop[name] += timed(forward(name), 1)
+    res["forward_after_train_step_ms"] = {k: 1e3 * statistics.median(v) for k, v in in_loop.items()}
+    res["forward_after_train_step_all_ms"] = {k: [round(1e3 * x, 2) for x in v] for k, v in in_loop.items()}
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile, record_function
@@ -272,7 +282,7 @@ def main() -> None:
     res["forward_ms_max_rank"] = dict(zip(("fast", "rep", "fast_nccl"), summary.tolist()))
     if rank == 0:
         (out / f"probe-{args.shape}.json").write_text(json.dumps(res, indent=1))
-        print(json.dumps({k: res[k] for k in ("transports", "forward_ms", "policy_ratios", "policy_ratios_of_fastest",
+        print(json.dumps({k: res[k] for k in ("transports", "forward_ms", "forward_after_train_step_ms", "policy_ratios", "policy_ratios_of_fastest",
                                               "memory_gib", "logps", "buffers_fast_vs_rep_max_abs")},
                          indent=1))
     s.accelerator.wait_for_everyone()

@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=5, help="measured steps (the median is reported)")
     ap.add_argument("--rounds", type=int, default=1, help="run the mixes this many times, alternating their order, "
                     "and pool the measured steps")
+    ap.add_argument("--profile-steps", type=int, default=0, help="after measuring, this many more steps under "
+                    "torch.profiler; rank 0's trace and kernel table land in the run's directory under runs/")
     ap.add_argument("--nproc", type=int, default=2, help="processes (GPUs)")
     ap.add_argument("--precision", choices=["bf16", "no"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mix")
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     base = dict(workload=args.workload, shapes=parse_shapes(args.workload, args.shape, args.role_shape),
                 micro_batch=args.micro_batch, seq_len=args.seq_len,
                 response_len=args.response_len if args.workload == "ppo" else 0,
-                warmup=args.warmup, steps=args.steps, precision=args.precision)
+                warmup=args.warmup, steps=args.steps, precision=args.precision, profile_steps=args.profile_steps)
     command = shlex.join(["python", "benchmarks/harness.py", *argv])
     env = environment()
     start = time.perf_counter()

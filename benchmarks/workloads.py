@@ -226,7 +226,32 @@ class Bench:
         return (2 if self.workload == "dpo" else 1) * mb * length
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
+def profile_steps(step: Any, n: int, out_dir: Path, rank: int) -> None:
+    """``n`` more steps under torch.profiler (not measured); rank 0 writes a gzipped Chrome trace
+    and its kernel table to ``out_dir``."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
+    with profile(activities=activities) as prof:
+        for i in range(n):
+            with record_function(f"step_{i}"):
+                step()
+            if _cuda():
+                torch.cuda.synchronize()
+    if rank == 0:
+        raw = out_dir / "trace-rank0.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(out_dir / "trace-rank0.json.gz", "wb") as z:
+            shutil.copyfileobj(f, z)
+        raw.unlink()
+        (out_dir / "kernels-rank0.txt").write_text(
+            prof.key_averages().table(sort_by="cuda_time_total" if _cuda() else "cpu_time_total", row_limit=40))
+
+
+def run(spec: dict[str, Any], out_dir: Path | None = None) -> dict[str, Any]:
     """Set up, warm up, measure; the per-rank result (times in seconds, memory in GiB)."""
     t0 = time.perf_counter()
     bench = Bench(spec)
@@ -254,6 +279,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     res["losses"] = losses
     res["phase_peak_gib"] = {k: max(v) for k, v in bench.phase_peaks.items()}
     res["world_size"] = bench.session.num_processes
+    if spec.get("profile_steps") and out_dir is not None:
+        profile_steps(step, spec["profile_steps"], out_dir, bench.session.process_index)
     return res
 
 
@@ -263,7 +290,7 @@ def main(spec_path: str, out_dir: str) -> None:
     out = Path(out_dir) / f"rank{rank}.json"
     result: dict[str, Any] = {"rank": rank, "status": "ok"}
     try:
-        result.update(run(spec))
+        result.update(run(spec, Path(out_dir)))
     except BaseException as err:  # noqa: BLE001 - every failure is reported, OOM as such
         result["status"] = "oom" if is_oom(err) else "error"
         result["error"] = f"{type(err).__name__}: {str(err)[:1500]}"

@@ -20,7 +20,8 @@ from benchmarks.workloads import is_oom  # noqa: E402
 def ppo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["--workload", "ppo", "--shape", "tiny", "--micro-batch", "2", "--seq-len", "40", "--response-len", "8",
-            "--mixes", "zero2-zero3,trl-zero3", "--steps", "5", "--out", str(out), "--timeout", "240"]
+            "--mixes", "zero2-zero3,trl-zero3", "--steps", "5", "--out", str(out), "--timeout", "240",
+            "--profile-steps", "1"]
     rc = harness.main(argv)
     return rc, out, json.loads((out / "results.json").read_text())["rows"]
 
@@ -48,7 +49,12 @@ def test_outputs_and_command(ppo_run):
     _, out, rows = ppo_run
     table = (out / "results.md").read_text()
     assert table.count("| ppo-tiny-mb2-s40-r8 |") == 2
-    assert (out / "commands.txt").read_text().strip().endswith(f"--out {out} --timeout 240")
+    assert (out / "commands.txt").read_text().strip().endswith(f"--out {out} --timeout 240 --profile-steps 1")
+    # --profile-steps: rank 0's trace of one more (unmeasured) step, beside each run's log.
+    for mix in ("zero2-zero3", "trl-zero3"):
+        run_dir = out / "runs" / f"ppo-tiny-mb2-s40-r8-{mix}"
+        assert (run_dir / "trace-rank0.json.gz").stat().st_size > 1000
+        assert "step_0" in (run_dir / "kernels-rank0.txt").read_text()
     assert rows[0]["command"].startswith("python benchmarks/harness.py --workload ppo")
     pytest.importorskip("matplotlib")
     assert (out / "results.png").stat().st_size > 1000

@@ -381,6 +381,28 @@ class FastFrozen:
         finally:
             self._rest()
 
+    @torch.no_grad()
+    def update_(self, fn: Any) -> None:
+        """Change the weights in place: ``fn(param)`` on every parameter, whole, one group at a
+        time; each rank then keeps its slice of the result. Collective; ``fn`` must compute the
+        same on every rank."""
+        for group in self.groups:
+            group.acquire()
+            try:
+                for p in group.params:
+                    fn(p)
+                if self.peers is not None:
+                    # Peers may still be copying this group's old slices out of this rank's buffer.
+                    torch.cuda.synchronize()
+                    dist.barrier(group=group.pg)
+                n = group.shard_numel
+                group.shard.copy_(group.full[group.rank * n: (group.rank + 1) * n])
+            finally:
+                group.release()
+        if self.peers is not None:
+            torch.cuda.synchronize()
+            dist.barrier(group=self.groups[0].pg)
+
     def remove(self) -> None:
         """Remove the hooks. Collective with "p2p": no rank frees its shards while another may
         still be copying from them."""

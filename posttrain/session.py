@@ -16,7 +16,7 @@ import atexit
 import contextlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -353,6 +353,52 @@ class Session:
                 "inference config such as zero3_inference"
             )
         return applies if role.fast_frozen is None else role.fast_frozen
+
+    @torch.no_grad()
+    def update_weights(self, name: str, fn: Callable[[str, torch.Tensor], None]) -> None:
+        """Change a frozen role's weights in place: ``fn(parameter_name, full_tensor)`` on every
+        parameter (tied ones once), whatever the role's placement. Collective: call it on every
+        rank, with an ``fn`` that computes the same on each."""
+        if self.role(name).trains:
+            raise ConfigError(f"role {name!r} trains: its weights change through its optimizer (or load_state)")
+        module = self.engines[name].module
+        names = {id(p): n for n, p in module.named_parameters()}
+        if name in self.fast_frozen:
+            self.fast_frozen[name].update_(lambda p: fn(names[id(p)], p.data))
+        elif self.zero_stage(name) == 3:
+            import deepspeed
+
+            # TRL's way (SyncRefModelCallback): rank 0 changes the gathered weights, DeepSpeed
+            # partitions its values again on exit.
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                if self.process_index == 0:
+                    for n, p in module.named_parameters():
+                        fn(n, p.data)
+        else:
+            for n, p in module.named_parameters():
+                fn(n, p.data)
+
+    @torch.no_grad()
+    def blend(self, target: str, source: str, alpha: float) -> None:
+        """``target = (1 - alpha) * target + alpha * source``, parameter by parameter: TR-DPO's
+        reference sync (trl's SyncRefModelCallback.sync_target_model), for any placement of the
+        two roles. Collective."""
+        import deepspeed
+
+        src_module = self.engines[source].module
+        sharded = self.zero_stage(source) == 3 and source not in self.fast_frozen
+        gathered = (deepspeed.zero.GatheredParameters(list(src_module.parameters()), modifier_rank=None)
+                    if sharded else contextlib.nullcontext())
+        with gathered:
+            src = dict(src_module.named_parameters())
+            want = [n for n, _ in self.engines[target].module.named_parameters()]
+            missing = [n for n in want if n not in src]
+            if missing or len(want) != len(src):
+                raise ConfigError(
+                    f"cannot blend role {source!r} into {target!r}: their parameters differ "
+                    f"(e.g. {(missing or sorted(set(src) - set(want)))[:3]}); both need the same architecture"
+                )
+            self.update_weights(target, lambda n, t: t.mul_(1.0 - alpha).add_(src[n].data.to(t.dtype), alpha=alpha))
 
     def numel_at_rest(self, name: str) -> tuple[int, int]:
         """(elements this rank stores between forwards, elements of the whole model) for a

@@ -206,6 +206,9 @@ def test_empty_message_and_missing_column():
     ({"loss_type": ["exo_pair"]}, "needs label_smoothing > 0"),
     ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "loss_weights has 1 values for 2"),
     ({"loss_type": ["nca_pair"], "f_divergence_type": "js_divergence"}, "supports only"),
+    ({"sync_ref_model": True, "use_peft": True}, "sync_ref_model needs a reference model of its own"),
+    ({"sync_ref_model": True, "precompute_ref_log_probs": True}, "precomputed reference log-probs would go stale"),
+    ({"sync_ref_model": True, "ref_model_sync_steps": 0}, "ref_model_sync_steps >= 1"),
 ])
 def test_config_errors(fields, message):
     from posttrain.trainers.dpo import DPOConfig
@@ -241,3 +244,36 @@ def test_example_under_accelerate_launch(tmp_path):
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     # Two processes: 10 steps x 16 pairs x 2 ranks of 512 pairs.
     assert row["step"] == 10 and row["epoch"] == pytest.approx(0.625)
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dpo_sync")
+    return run_json("dpo_sync.py", tmp / "runs", tmp_path=tmp)
+
+
+def test_blend_every_placement(synced):
+    b = synced["blend"]
+    assert b["fast_used"] == ["fast", "fast2"]
+    # target = 0.4 * reference + 0.6 * policy, exactly (fp32), into fast/stock ZeRO-3 and replicated
+    # targets, from a ZeRO-2 and a ZeRO-3 policy.
+    for key in ("fast<-policy", "stock<-policy", "rep<-policy", "fast2<-policy3"):
+        assert b[key] < 1e-6, key
+    assert b["fast_forward_vs_blended"] < 1e-5
+    assert "trains" in b["blend_trained_error"]
+
+
+def test_sync_ref_model_changes_the_reference_and_is_placement_invariant(synced):
+    ref = synced["zero2-zero3"]["losses"]
+    # The first sync (after step 2) moves the reference: step 3's loss differs from a run without it.
+    assert ref[:2] == pytest.approx(synced["no_sync"]["losses"][:2], abs=1e-6)
+    assert abs(ref[2] - synced["no_sync"]["losses"][2]) > 1e-4
+    for mix in ("zero2-replicated", "zero3"):
+        assert synced[mix]["losses"] == pytest.approx(ref, rel=1e-4, abs=1e-5), mix
+    sync_steps = [i + 1 for i, t in enumerate(synced["zero2-zero3"]["sync_times"]) if t > 0]
+    assert sync_steps == [2, 4, 6]
+
+
+def test_sync_ref_model_resumes_with_the_synced_reference(synced):
+    assert any(f.endswith(".safetensors") for f in synced["ckpt_reference_files"])
+    assert synced["resumed"]["losses"] == pytest.approx(synced["zero2-zero3"]["losses"][3:], abs=1e-6)

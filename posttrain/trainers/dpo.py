@@ -62,6 +62,11 @@ class DPOConfig(TrainConfig):
     truncation_mode: str = "keep_start"
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
+    # TR-DPO (arXiv 2404.09656; trl.DPOConfig's names): every ref_model_sync_steps optimizer steps,
+    # reference = ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference.
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     # Loss
     loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
     loss_weights: list[float] | None = None
@@ -98,6 +103,15 @@ def validate(cfg: DPOConfig) -> None:
         raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {cfg.truncation_mode!r}")
     if cfg.use_peft and cfg.ref_model_name_or_path:
         raise ValueError("use_peft takes its reference from the base model; drop ref_model_name_or_path")
+    if cfg.sync_ref_model:
+        if cfg.use_peft:
+            raise ValueError("sync_ref_model needs a reference model of its own, and use_peft has none (the "
+                             "reference is the base with adapters disabled): drop one of them")
+        if cfg.precompute_ref_log_probs:
+            raise ValueError("sync_ref_model changes the reference during training, so precomputed reference "
+                             "log-probs would go stale: drop precompute_ref_log_probs or sync_ref_model")
+        if cfg.ref_model_sync_steps < 1 or not 0.0 < cfg.ref_model_mixup_alpha <= 1.0:
+            raise ValueError("sync_ref_model needs ref_model_sync_steps >= 1 and 0 < ref_model_mixup_alpha <= 1")
 
 
 # -- the math (TRL 1.16's DPOTrainer._compute_loss) -----------------------------------------------
@@ -241,6 +255,9 @@ class DPOTrainer:
     Reference modes: a frozen model under the ``reference`` role (the mix's frozen config, ZeRO-3 by
     default); ``precompute_ref_log_probs`` (one pass under the reference role, then the engine is
     released); ``use_peft`` (LoRA policy; the reference is its base with adapters disabled, no role).
+    ``sync_ref_model`` (TR-DPO) blends the policy into the reference every ``ref_model_sync_steps``
+    steps, as TRL's SyncRefModelCallback does, whatever the two roles' placements
+    (``Session.blend``); checkpoints then carry the reference too, and a resumed run reloads it.
 
     >>> trainer = DPOTrainer(DPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
     >>> trainer.train()
@@ -392,6 +409,8 @@ class DPOTrainer:
         ckpt = resume_dir(cfg)
         if ckpt is not None:
             self.step = int(s.load_state(ckpt / "state")["step"])
+            if cfg.sync_ref_model:
+                self._load_reference(ckpt / "reference")
         ga = cfg.gradient_accumulation_steps
         batches = self._train_batches(self.step * ga)
         log = RunLog(s, cfg, self.total_steps, "dpo", start=self.step)
@@ -411,6 +430,9 @@ class DPOTrainer:
                     tokens[k][0] += a
                     tokens[k][1] += b
             self.step += 1
+            if cfg.sync_ref_model and self.step % cfg.ref_model_sync_steps == 0:
+                with self.phases("ref_sync"):
+                    s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
             row = {**sums, **{k: a / max(b, 1) for k, (a, b) in tokens.items()},
                    "grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
                    "epoch": self.step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
@@ -419,7 +441,8 @@ class DPOTrainer:
             last = self.step == self.total_steps
             if self.step % cfg.logging_steps == 0 or last:
                 # Losses and rewards average over the window; lr, epoch and grad norm are the latest.
-                mean = {k: sum(r[k] for r in window) / len(window) for k in window[0]}
+                keys = dict.fromkeys(k for r in window for k in r)  # time/ref_sync only in some steps
+                mean = {k: sum(r.get(k, 0.0) for r in window) / len(window) for k in keys}
                 mean.update({k: row[k] for k in ("grad_norm", "learning_rate", "epoch")})
                 metrics = mean_over_ranks(s, mean)
                 log.log(self.step, metrics, advance=False)
@@ -431,9 +454,29 @@ class DPOTrainer:
                 log.log(self.step, ev, advance=False)
                 self.history.append({"step": self.step, **ev})
             if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
-                save_checkpoint(s, cfg, self.step, {"policy": self.tokenizer}, {"total_steps": self.total_steps})
+                # A synced reference is training state: it is saved beside the policy.
+                export = {"policy": self.tokenizer, **({"reference": None} if cfg.sync_ref_model else {})}
+                save_checkpoint(s, cfg, self.step, export, {"total_steps": self.total_steps})
         log.close()
         return self.history
+
+    def _load_reference(self, directory: Path) -> None:
+        """The reference as a checkpoint saved it (TR-DPO changes it during training)."""
+        from safetensors.torch import load_file
+
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{directory}: no reference weights; the checkpoint predates sync_ref_model")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+
+        def copy(name: str, tensor: torch.Tensor) -> None:
+            if name not in state:
+                raise KeyError(f"{directory} has no {name!r}: not a checkpoint of this reference")
+            tensor.copy_(state[name])
+
+        self.session.update_weights("reference", copy)
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:

@@ -10,7 +10,8 @@ Rank 0 writes ``DIR/probe-<shape>.json`` with:
   harness cannot check this: its mixes build their models by different initialisation paths);
 - ``forward_ms``: the frozen forward (logits and per-token log-probs, as DPO's reference computes
   them), the placements interleaved, medians; ``forward_after_train_step_ms``: the same, each
-  forward right after a policy training step, as in a DPO step;
+  forward right after a policy training step, as in a DPO step; ``issue_over_forward``: the share
+  of a forward the CPU spends issuing it (near 1: CPU-bound, where hooks cost time directly);
 - ``policy``: the ZeRO-2 policy's generation and training step (forward, backward, AdamW) in the
   same process before any ZeRO-3 model exists, after the fast reference is prepared, and after
   the stock one is too: what a frozen ZeRO-3 model in the process costs the trained one;
@@ -213,6 +214,19 @@ def main() -> None:
     for _ in range(args.repeat):  # interleaved, so drift in clocks affects both alike
         for name in times:
             times[name] += timed(forward(name), 1)
+    # CPU-bound or GPU-bound: how long the CPU takes to issue a forward (the call returns before
+    # the GPU finishes) against the whole forward. Near 1 means the GPU waits for the CPU, where
+    # the fast path's hooks add directly to the time.
+    issue: dict[str, list[float]] = {"rep": [], "fast": []}
+    for _ in range(max(4, args.repeat // 2)):
+        for name in issue:
+            sync()
+            t = time.perf_counter()
+            forward(name)()
+            issued = time.perf_counter() - t
+            sync()
+            issue[name].append(issued / (time.perf_counter() - t))
+    res["issue_over_forward"] = {k: statistics.median(v) for k, v in issue.items()}
     # The same forwards as a DPO step runs them: each after a policy forward, backward and step
     # (the harness's loop, where the allocator's pool and the streams are in another state).
     in_loop: dict[str, list[float]] = {"rep": [], "fast": []}
@@ -282,7 +296,8 @@ def main() -> None:
     res["forward_ms_max_rank"] = dict(zip(("fast", "rep", "fast_nccl"), summary.tolist()))
     if rank == 0:
         (out / f"probe-{args.shape}.json").write_text(json.dumps(res, indent=1))
-        print(json.dumps({k: res[k] for k in ("transports", "forward_ms", "forward_after_train_step_ms", "policy_ratios", "policy_ratios_of_fastest",
+        print(json.dumps({k: res[k] for k in ("transports", "forward_ms", "forward_after_train_step_ms", "issue_over_forward",
+                                              "policy_ratios", "policy_ratios_of_fastest",
                                               "memory_gib", "logps", "buffers_fast_vs_rep_max_abs")},
                          indent=1))
     s.accelerator.wait_for_everyone()

@@ -58,6 +58,14 @@ from torch import nn
 _ALIGN_BYTES = 128
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 class _Group:
     """Parameters stored as one flat vector, 1/N of it per rank."""
 
@@ -73,6 +81,8 @@ class _Group:
         for n in self.numels:
             self.offsets.append(end)
             end += -(-n // align) * align
+        # (shape, contiguous strides, offset): one as_strided call per parameter makes its view.
+        self.layout = [(shape, _contiguous_strides(shape), offset) for shape, offset in zip(self.shapes, self.offsets)]
         self.numel = sum(self.numels)  # the parameters' elements (without alignment padding)
         self.shard_numel = -(-end // self.world)  # ceil: the last rank's slice is padded
         self.nbytes = self.shard_numel * self.world * params[0].element_size()
@@ -131,8 +141,9 @@ class _Group:
             self.work.wait()  # on CUDA: the compute stream waits for NCCL's, the CPU does not
             self.work = None
         if self.users == 0:
-            for p, shape, offset, n in zip(self.params, self.shapes, self.offsets, self.numels):
-                p.data = self.full[offset: offset + n].view(shape)
+            full = self.full
+            for p, (shape, stride, offset) in zip(self.params, self.layout):
+                p.data = full.as_strided(shape, stride, offset)
         self.users += 1
 
     def release(self) -> None:

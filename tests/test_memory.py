@@ -101,6 +101,7 @@ def test_recommendation():
 
     best, why = memory.recommend(plans(4))
     assert best.mix == "zero2-replicated" and "fastest" in why
+    assert "zero2-zero3 needs" in why  # the sharded alternative's memory, for the user to weigh
     best, why = memory.recommend(plans(11))
     assert best.mix == "zero2-zero3" and "zero2-replicated needs" in why
     best, why = memory.recommend(plans(4, gib=40))

@@ -54,11 +54,15 @@ PEAK = {"allocated": 0.0, "reserved": 0.0}
 OUTSIDE = {"bytes": 0}
 
 
+def gib(allocator_bytes: int) -> float:
+    """An allocator figure in GiB, with the bytes held outside the allocator added back."""
+    return (allocator_bytes + OUTSIDE["bytes"]) / GiB
+
+
 def fold_peak() -> None:
     if _cuda():
-        extra = OUTSIDE["bytes"] / GiB
-        PEAK["allocated"] = max(PEAK["allocated"], torch.cuda.max_memory_allocated() / GiB + extra)
-        PEAK["reserved"] = max(PEAK["reserved"], torch.cuda.max_memory_reserved() / GiB + extra)
+        PEAK["allocated"] = max(PEAK["allocated"], gib(torch.cuda.max_memory_allocated()))
+        PEAK["reserved"] = max(PEAK["reserved"], gib(torch.cuda.max_memory_reserved()))
 
 
 def _cuda() -> bool:
@@ -68,9 +72,7 @@ def _cuda() -> bool:
 def mem_now() -> dict[str, float] | None:
     if not _cuda():
         return None
-    extra = OUTSIDE["bytes"] / GiB
-    return {"allocated": torch.cuda.memory_allocated() / GiB + extra,
-            "reserved": torch.cuda.memory_reserved() / GiB + extra}
+    return {"allocated": gib(torch.cuda.memory_allocated()), "reserved": gib(torch.cuda.memory_reserved())}
 
 
 class Bench:
@@ -102,12 +104,12 @@ class Bench:
     # -- set-up ----------------------------------------------------------------------------
     def load_all(self) -> None:
         for name in self.trained + self.frozen:
-            before = torch.cuda.memory_allocated() + self.session.bytes_outside_allocator() if _cuda() else 0
+            before = gib(torch.cuda.memory_allocated()) if _cuda() else 0.0
             self.engines[name] = self._load(name)
             if _cuda():
                 torch.cuda.synchronize()
                 OUTSIDE["bytes"] = self.session.bytes_outside_allocator()
-                self.role_memory[name] = (torch.cuda.memory_allocated() + OUTSIDE["bytes"] - before) / GiB
+                self.role_memory[name] = gib(torch.cuda.memory_allocated()) - before
 
     def _load(self, name: str) -> Any:
         s = self.session
@@ -145,7 +147,7 @@ class Bench:
         with self.phases(name):
             yield
         if _cuda():
-            self.phase_peaks.setdefault(name, []).append(torch.cuda.max_memory_allocated() / GiB + OUTSIDE["bytes"] / GiB)
+            self.phase_peaks.setdefault(name, []).append(gib(torch.cuda.max_memory_allocated()))
             fold_peak()
 
     def tokens(self, rows: int, length: int) -> torch.Tensor:

@@ -85,7 +85,8 @@ class _Group:
         self.layout = [(shape, _contiguous_strides(shape), offset) for shape, offset in zip(self.shapes, self.offsets)]
         self.numel = sum(self.numels)  # the parameters' elements (without alignment padding)
         self.shard_numel = -(-end // self.world)  # ceil: the last rank's slice is padded
-        self.nbytes = self.shard_numel * self.world * params[0].element_size()
+        self.shard_nbytes = self.shard_numel * params[0].element_size()
+        self.nbytes = self.shard_nbytes * self.world
         self.shard: torch.Tensor | None = None
         self.remote: list[torch.Tensor] | None = None  # "p2p": every rank's shard, as mapped here
         self.stream: Any = None  # "p2p": the side stream the copies run on
@@ -186,8 +187,7 @@ class _PeerMemory:
         self.offsets, total = [], 0
         for g in groups:
             self.offsets.append(total)
-            nbytes = g.shard_numel * g.params[0].element_size()
-            total += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+            total += -(-g.shard_nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
         with contextlib.suppress(Exception):  # older PyTorch needs it, newer ones do it themselves
             symm_mem.enable_symm_mem_for_group(process_group.group_name)
         before = torch.cuda.memory_allocated(device)
@@ -201,8 +201,8 @@ class _PeerMemory:
         self.nbytes = total
 
     def view(self, buffer: torch.Tensor, index: int, group: _Group) -> torch.Tensor:
-        nbytes = group.shard_numel * group.params[0].element_size()
-        return buffer[self.offsets[index]: self.offsets[index] + nbytes].view(group.params[0].dtype)
+        start = self.offsets[index]
+        return buffer[start: start + group.shard_nbytes].view(group.params[0].dtype)
 
 
 def _peer_memory_or_none(groups: list[_Group], process_group: Any, device: torch.device,

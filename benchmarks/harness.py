@@ -135,7 +135,8 @@ def pool_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {**failed[0], "rounds": len(rows)}
     steps = [t for r in rows for t in r["step_times"]]
     row = {**rows[0], "rounds": len(rows), "steps": len(steps), "step_times": steps,
-           "round_step_s": [r["step_s"] for r in rows], "wall_s": round(sum(r["wall_s"] for r in rows), 1)}
+           "round_step_s": [r["step_s"] for r in rows], "round_phase_s": [r["phase_s"] for r in rows],
+           "wall_s": round(sum(r["wall_s"] for r in rows), 1)}
     row["step_s"] = round(statistics.median(t["step"] for t in steps), 4)
     row["phase_s"] = {k: round(statistics.median(t[k] for t in steps), 4) for k in rows[0]["phase_s"]}
     row["tokens_per_s"] = round(rows[0]["tokens_per_s"] * rows[0]["step_s"] / row["step_s"], 1)

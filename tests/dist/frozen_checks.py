@@ -59,7 +59,8 @@ def main(out: str, tmp: str) -> None:
     except ConfigError as err:
         res["bad_error"] = str(err)
 
-    # Memory at rest: only the local flat slices; no parameter holds data; DeepSpeed's partitions freed.
+    # Memory at rest: only the local flat slices; no parameter holds memory (each keeps its shape,
+    # a view of a freed flat vector); DeepSpeed's partitions freed.
     ff = s.fast_frozen["fast"]
     res["fast_local"], res["fast_full"] = ff.local_numel(), ff.full_numel()
     res["plain_numel"] = sum(p.numel() for p in plain.parameters())
@@ -71,15 +72,15 @@ def main(out: str, tmp: str) -> None:
     res["tied_groups"], res["tied_head_uses_embedding"] = len(tf.groups), tf.units[-1].groups == [tf.groups[0]]
 
     def at_rest(engine) -> bool:
-        return all(p.numel() == 0 and p.ds_tensor.numel() == 0 for p in engine.module.parameters())
+        return all(p.untyped_storage().nbytes() == 0 and p.ds_tensor.numel() == 0 for p in engine.module.parameters())
 
     res["rest_before"] = at_rest(fast) and at_rest(tied)
     # While it runs: how many groups are gathered at once (the running unit and one prefetched).
     live = {"max": 0, "max_bytes": 0}
 
     def count(*_):
-        live["max"] = max(live["max"], sum(g.full is not None for g in ff.groups))
-        live["max_bytes"] = max(live["max_bytes"], sum(g.nbytes for g in ff.groups if g.full is not None))
+        live["max"] = max(live["max"], sum(g.live for g in ff.groups))
+        live["max_bytes"] = max(live["max_bytes"], sum(g.nbytes for g in ff.groups if g.live))
 
     # Pre-hooks registered after take_over's run after its gather: they see the running unit's
     # group and the one prefetched for the next unit.

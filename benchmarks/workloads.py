@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script by torchrun
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import lower_quartiles  # noqa: E402
 from posttrain import memory  # noqa: E402
 from posttrain.roles import Role, roles_for  # noqa: E402
 from posttrain.session import Session  # noqa: E402
@@ -277,6 +278,7 @@ def run(spec: dict[str, Any], out_dir: Path | None = None) -> dict[str, Any]:
     res["step_times"] = phase_times  # per measured step: the step and its phases
     res["step_s"] = statistics.median(t["step"] for t in phase_times)
     res["phase_s"] = {k: statistics.median(t[k] for t in phase_times) for k in phase_times[0] if k != "step"}
+    res.update(lower_quartiles(phase_times))
     res["tokens_per_step"] = bench.tokens_per_step()
     res["losses"] = losses
     res["phase_peak_gib"] = {k: max(v) for k, v in bench.phase_peaks.items()}

@@ -49,9 +49,10 @@ views)
   rm -rf "$FINAL/runs"; tar czf "$O/final.tgz" "$FINAL"
   ;;
 views2)
-  # DPO 1B again in six shorter rounds (the host's slow stretches last tens of seconds: more,
-  # shorter, alternating runs expose both mixes to them more evenly), into the committed results.
-  $H --workload dpo --shape 1b --micro-batch 4 --seq-len 512 --steps 10 --rounds 6 --budget 540 --min-run 35 \
+  # After local parameters became views of the rank's own slice (a gather copies only the other
+  # ranks' bytes): the probe at 1B, then DPO 1B in four rounds into the committed results.
+  $P --shape 1b --repeat 12 > "$O/probe-1b.log" 2>&1; tail -40 "$O/probe-1b.log" | grep -A12 '"forward_ms"'
+  $H --workload dpo --shape 1b --micro-batch 4 --seq-len 512 --steps 10 --rounds 4 --budget 330 --min-run 35 \
      --mixes zero2-zero3,zero2-replicated --out "$FINAL" 2>&1 | grep '^\[bench\]'
   rm -rf "$FINAL/runs"; tar czf "$O/final.tgz" "$FINAL"
   ;;

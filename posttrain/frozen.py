@@ -67,15 +67,44 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _fetch_plan(offsets: list[int], numels: list[int], shard_numel: int, world: int, rank: int, align: int,
+                whole: bool) -> tuple[list[bool], int, int, list[tuple[int, int, int]]]:
+    """How ``rank`` gathers a flat vector split in ``world`` slices of ``shard_numel`` elements.
+
+    Returns: for each parameter, whether it lies wholly in this rank's slice (then it is a view of
+    it); ``(base, span)``: the flat-vector range the gather buffer covers; and the pieces
+    ``(source rank, start, end)`` of the flat vector the other parameters need. ``whole``: the
+    buffer covers the entire vector (an all-gather fills it), else only the needed pieces' span."""
+    lo, hi = rank * shard_numel, (rank + 1) * shard_numel
+    local = [lo <= o and o + n <= hi for o, n in zip(offsets, numels)]
+    needed: list[tuple[int, int]] = []  # merged ranges of the non-local parameters
+    for o, n, here in zip(offsets, numels, local):
+        if here or n == 0:
+            continue
+        if needed and o - needed[-1][1] < align:
+            needed[-1] = (needed[-1][0], o + n)
+        else:
+            needed.append((o, o + n))
+    pieces = [(r, max(a, r * shard_numel), min(b, (r + 1) * shard_numel))
+              for a, b in needed for r in range(world) if max(a, r * shard_numel) < min(b, (r + 1) * shard_numel)]
+    if whole:
+        return local, 0, shard_numel * world if world > 1 else 0, pieces
+    if not needed:
+        return local, 0, 0, pieces
+    return local, needed[0][0], needed[-1][1] - needed[0][0], pieces
+
+
 class _Group:
     """Parameters stored as one flat vector, 1/N of it per rank.
 
-    Each parameter is, permanently, a view into ``full``, the whole flat vector, whose storage is
-    allocated for a gather and resized to zero bytes at rest: what FSDP does with its unsharded
-    parameters. So a gather and a release cost one allocator call each, not a ``.data`` swap per
-    parameter (on a 1B model that was 19 of the 38 operator calls the fast path added per layer).
-    At rest a parameter keeps its shape but owns no memory: read it only inside a forward or
-    :meth:`FastFrozen.gathered`.
+    A parameter that lies wholly inside this rank's slice is, permanently, a view of that slice:
+    it is never copied. Every other parameter is, permanently, a view into ``full``, a buffer for
+    the part of the flat vector this rank does not hold, whose storage is allocated when a gather
+    starts and resized to zero bytes at rest (what FSDP does with its unsharded parameters). So a
+    gather moves only other ranks' bytes (plus the local part of the parameters that straddle the
+    slice's edges), and a gather and a release cost one allocator call each, not a ``.data`` swap
+    per parameter. Read the parameters only inside a forward or :meth:`FastFrozen.gathered`: at
+    rest the non-local ones keep their shape but own no memory.
     """
 
     def __init__(self, params: list[nn.Parameter], process_group: Any) -> None:
@@ -94,10 +123,13 @@ class _Group:
         self.shard_numel = -(-end // self.world)  # ceil: the last rank's slice is padded
         self.shard_nbytes = self.shard_numel * params[0].element_size()
         self.nbytes = self.shard_nbytes * self.world
+        self.align = align
         self.shard: torch.Tensor | None = None
-        self.full: torch.Tensor | None = None  # the whole flat vector; no storage at rest
-        self.slices: list[torch.Tensor] = []  # ``full`` cut into the N ranks' shards
-        self.live = False  # ``full`` has its storage (gathered, or a gather in flight)
+        self.full: torch.Tensor | None = None  # the fetched part of the flat vector; no storage at rest
+        self.base = 0  # the flat-vector position of full[0]
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # "p2p": (into full, from a rank's shard)
+        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full, shard) views of straddling parameters' local part
+        self.live = False  # gathered, or a gather in flight
         self.work: Any = None  # "nccl": the async all-gather into ``full`` not yet waited for
         self.users = 0  # units running that need this group (nested or re-entrant use)
         # "p2p": every rank's shard as mapped here, the side stream the copies run on, and two
@@ -111,8 +143,8 @@ class _Group:
 
     def build_shard(self, out: torch.Tensor | None = None) -> None:
         """Cut this rank's slice of the flat vector out of the (gathered) parameters, into ``out``
-        (a view of peer-mapped memory) or a tensor of its own; make the parameters views of
-        ``full`` and free its storage."""
+        (a view of peer-mapped memory) or a tensor of its own; make each parameter a view of the
+        slice or of ``full``, and free ``full``'s storage."""
         import deepspeed
 
         zero = [p for p in self.params if hasattr(p, "ds_id")]
@@ -124,33 +156,48 @@ class _Group:
             mine = flat[self.rank * self.shard_numel: (self.rank + 1) * self.shard_numel]
             self.shard = mine.clone() if out is None else out.copy_(mine)
             del flat, mine
-        self.full = self.shard.new_empty(self.shard_numel * self.world)
-        n = self.shard_numel
-        self.slices = [self.full[r * n: (r + 1) * n] for r in range(self.world)]
+        n, lo = self.shard_numel, self.rank * self.shard_numel
+        # NCCL gathers the whole vector (a collective: every rank takes part, whatever it needs);
+        # copies fetch only what this rank needs.
+        self.local, self.base, span, pieces = _fetch_plan(self.offsets, self.numels, n, self.world, self.rank,
+                                                          self.align, whole=self.remote is None)
+        self.full = self.shard.new_empty(span)
+        for r, a, b in pieces:
+            if self.remote is not None:
+                self.copies.append((self.full[a - self.base: b - self.base], self.remote[r][a - r * n: b - r * n]))
+            if r == self.rank:
+                self.back.append((self.full[a - self.base: b - self.base], self.shard[a - lo: b - lo]))
         empty = self.shard.new_empty(0)
-        for p, shape, offset in zip(self.params, self.shapes, self.offsets):
-            p.data = self.full.as_strided(shape, _contiguous_strides(shape), offset)
+        for p, shape, offset, here in zip(self.params, self.shapes, self.offsets, self.local):
+            stride = _contiguous_strides(shape)
+            if here:  # as_strided's offset counts from the start of the storage, not of the view
+                p.data = self.shard.as_strided(shape, stride, self.shard.storage_offset() + offset - lo)
+            else:
+                p.data = self.full.as_strided(shape, stride, offset - self.base)
             if hasattr(p, "ds_tensor"):
                 # DeepSpeed's partition of this parameter is not used again: free it, so the
                 # model is stored once. DeepSpeed gathers of it now fail loudly instead of
                 # returning stale values.
                 p.ds_tensor.data = empty
         self.storage = self.full.untyped_storage()
+        self.full_nbytes = self.storage.nbytes()
         self.storage.resize_(0)
         if self.remote is not None:
             self.ready, self.copied = torch.cuda.Event(), torch.cuda.Event()
 
     def start(self, compute: Any = None) -> None:
-        """Begin gathering the full flat vector, unless it is gathered or in flight. ``compute``:
-        the stream that will use it (default: the current one)."""
+        """Begin gathering what this rank does not hold, unless it is gathered or in flight.
+        ``compute``: the stream that will use it (default: the current one)."""
         if self.live:
             return
-        self.storage.resize_(self.nbytes)
         self.live = True
+        if self.full_nbytes == 0:  # every parameter is a view of the local slice
+            return
+        self.storage.resize_(self.full_nbytes)
         if self.remote is None:
             self.work = dist.all_gather_into_tensor(self.full, self.shard, group=self.pg, async_op=True)
             return
-        # Copies from every rank's mapped shard, on the side stream. It first waits for the
+        # Copies from the ranks' mapped shards, on the side stream. It first waits for the
         # compute stream, whose earlier work may still use the memory the allocator just handed
         # out; the compute stream waits for the copies in acquire() (or drop()), before it uses or
         # frees the memory, so the allocator needs no record_stream.
@@ -159,12 +206,18 @@ class _Group:
         self.stream.wait_event(self.ready)
         torch.cuda.set_stream(self.stream)  # cheaper than the torch.cuda.stream() context
         try:
-            for dst, src in zip(self.slices, self.remote):
+            for dst, src in self.copies:
                 dst.copy_(src, non_blocking=True)
             self.copied.record(self.stream)
         finally:
             torch.cuda.set_stream(compute)
         self.pending = True
+
+    def write_back(self) -> None:
+        """After the whole parameters changed in place: the local part of those that straddle
+        this rank's slice goes back into it (the others are views of the slice already)."""
+        for full, shard in self.back:
+            shard.copy_(full)
 
     def _wait(self, compute: Any = None) -> None:
         """Order ``compute`` (default: the current stream) after the gather; the CPU does not wait."""
@@ -191,7 +244,8 @@ class _Group:
         if not self.live:
             return
         self._wait()
-        self.storage.resize_(0)
+        if self.full_nbytes:
+            self.storage.resize_(0)
         self.live = False
         self.users = 0
 
@@ -406,6 +460,14 @@ class FastFrozen:
         """Device memory this model holds that ``torch.cuda.memory_allocated()`` does not count."""
         return self.peers.nbytes if self.peers is not None and self.peers.outside_allocator else 0
 
+    def at_rest(self) -> bool:
+        """No gathered buffer is allocated and no parameter references memory other than this
+        rank's slices (each non-local parameter is a view of freed storage)."""
+        shards = {g.shard.untyped_storage().data_ptr() for g in self.groups}
+        return not any(g.live for g in self.groups) and all(
+            p.untyped_storage().nbytes() == 0 or p.untyped_storage().data_ptr() in shards
+            for p in self.model.parameters())
+
     @contextlib.contextmanager
     def gathered(self) -> Iterator[nn.Module]:
         """Every parameter whole for the duration (collective: all ranks must enter)."""
@@ -424,17 +486,18 @@ class FastFrozen:
         for group in self.groups:
             group.acquire()
             try:
-                for p in group.params:
-                    fn(p)
                 if self.peers is not None:
-                    # Peers may still be copying this group's old slices out of this rank's buffer.
+                    # Local parameters are views of this rank's slice, which peers copy from:
+                    # every rank has its copies of the old values before any rank changes its slice.
                     torch.cuda.synchronize()
                     dist.barrier(group=group.pg)
-                n = group.shard_numel
-                group.shard.copy_(group.full[group.rank * n: (group.rank + 1) * n])
+                for p in group.params:
+                    fn(p)
+                group.write_back()
             finally:
                 group.release()
         if self.peers is not None:
+            # Every slice is rewritten before any rank copies from it again.
             torch.cuda.synchronize()
             dist.barrier(group=self.groups[0].pg)
 

@@ -77,3 +77,44 @@ def test_rotary_frequencies_recomputed_after_zero_init(tmp_path):
     assert res["before"] > 1e-4  # zero.Init in bf16 rounded them (the bug being fixed)
     assert res["fixed"] == 1 and res["after"] == 0.0 and res["original_after"] == 0.0
     assert res["dtype"] == "torch.float32"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_copy_plan_rebuilds_every_parameter(world):
+    """The copy-engine transport's plan (posttrain.frozen._fetch_plan), checked without GPUs: for
+    each rank, parameters inside its slice are read from the slice, every other one from a buffer
+    filled by the planned pieces of the other slices; all come out exact, and a rank copies of its
+    own slice only the parts of parameters straddling its edges (and padding between them)."""
+    import random
+
+    import torch
+
+    from posttrain.frozen import _fetch_plan
+
+    rng = random.Random(world)
+    align = 32
+    for case in range(30):
+        numels = [rng.choice([1, 7, 64, 1000, 4096, 11008]) for _ in range(rng.randint(1, 9))]
+        offsets, end = [], 0
+        for n in numels:
+            offsets.append(end)
+            end += -(-n // align) * align
+        shard = -(-end // world)
+        flat = torch.arange(shard * world, dtype=torch.float64)
+        slices = [flat[r * shard: (r + 1) * shard] for r in range(world)]
+        for rank in range(world):
+            local, base, span, pieces = _fetch_plan(offsets, numels, shard, world, rank, align, whole=False)
+            buf = torch.full((span,), -1.0, dtype=torch.float64)
+            for r, a, b in pieces:
+                assert r * shard <= a < b <= (r + 1) * shard
+                buf[a - base: b - base] = slices[r][a - r * shard: b - r * shard]
+            for o, n, here in zip(offsets, numels, local):
+                got = slices[rank][o - rank * shard: o - rank * shard + n] if here else buf[o - base: o - base + n]
+                assert torch.equal(got, flat[o: o + n]), (case, rank, o, n)
+            own = sum(b - a for r, a, b in pieces if r == rank)
+            straddling = sum(n for o, n, here in zip(offsets, numels, local)
+                             if not here and o < (rank + 1) * shard and o + n > rank * shard)
+            assert own <= straddling + align * len(pieces)  # plus alignment padding between merged pieces
+            assert span <= shard * world and (world > 1 or span == 0)
+            whole = _fetch_plan(offsets, numels, shard, world, rank, align, whole=True)
+            assert whole[1:3] == (0, shard * world if world > 1 else 0) and whole[0] == local

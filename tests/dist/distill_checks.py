@@ -39,7 +39,7 @@ def main(out: str, tmp: str) -> None:
             res["world"] = s.num_processes
             res["stages"] = [s.zero_stage("student"), s.zero_stage("teacher")]
             res["teacher_local"], res["teacher_full"] = s.numel_at_rest("teacher")
-            res["teacher_data_empty"] = all(p.untyped_storage().nbytes() == 0 for p in teacher.parameters())
+            res["teacher_data_empty"] = s.fast_frozen["teacher"].at_rest()
             res["student_whole"] = all(not hasattr(p, "ds_id") and p.numel() > 0 for p in student.parameters())
         res["eval"][mix] = t.evaluate()
         res["losses"][mix] = losses(t.train())

@@ -64,7 +64,7 @@ def main(out: str, mode: str, ckpt: str) -> None:
     # Partitioning: each rank holds about 1/N of every ZeRO-3 parameter.
     local, full = s.numel_at_rest("reference")
     res["ref_full"], res["ref_local"] = full, local
-    res["ref_data_empty"] = all(p.untyped_storage().nbytes() == 0 for p in ref.module.parameters())
+    res["ref_data_empty"] = s.fast_frozen["reference"].at_rest()
     res["policy_whole"] = all(not hasattr(p, "ds_id") and p.numel() > 0 for p in policy.module.parameters())
     res["policy_numel"] = sum(p.numel() for p in policy.module.parameters())
 

@@ -59,8 +59,8 @@ def main(out: str, tmp: str) -> None:
     except ConfigError as err:
         res["bad_error"] = str(err)
 
-    # Memory at rest: only the local flat slices; no parameter holds memory (each keeps its shape,
-    # a view of a freed flat vector); DeepSpeed's partitions freed.
+    # Memory at rest: only the local flat slices; no parameter holds other memory (each is a view
+    # of this rank's slice or of a freed buffer); DeepSpeed's partitions freed.
     ff = s.fast_frozen["fast"]
     res["fast_local"], res["fast_full"] = ff.local_numel(), ff.full_numel()
     res["plain_numel"] = sum(p.numel() for p in plain.parameters())
@@ -72,7 +72,8 @@ def main(out: str, tmp: str) -> None:
     res["tied_groups"], res["tied_head_uses_embedding"] = len(tf.groups), tf.units[-1].groups == [tf.groups[0]]
 
     def at_rest(engine) -> bool:
-        return all(p.untyped_storage().nbytes() == 0 and p.ds_tensor.numel() == 0 for p in engine.module.parameters())
+        name = next(k for k, v in s.engines.items() if v is engine)
+        return s.fast_frozen[name].at_rest() and all(p.ds_tensor.numel() == 0 for p in engine.module.parameters())
 
     res["rest_before"] = at_rest(fast) and at_rest(tied)
     # While it runs: how many groups are gathered at once (the running unit and one prefetched).

@@ -1,7 +1,9 @@
-"""CPU cost of the fast frozen path's hooks per unit: a 22-layer model too small for its compute to
-matter, one process, forwards timed with DeepSpeed's stock ZeRO-3, posttrain's fast path and a
-replicated copy. What the fast path adds over replicated, divided by its units, is the Python and
-dispatch work each layer's gather costs on the CPU (which is what a CPU-bound forward pays).
+"""CPU cost of the fast frozen path per unit: a 22-layer model too small for its compute to
+matter, forwards timed with DeepSpeed's stock ZeRO-3, posttrain's fast path and a replicated copy,
+and the operator calls each makes (a count the host's speed does not change). What the fast path
+adds over replicated, divided by its units, is the work each layer costs the CPU. With one process
+every parameter lies in the rank's own slice and nothing is gathered (the hooks alone); with two,
+gloo's all-gather is included.
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 1 benchmarks/frozen_hooks.py
 """

@@ -1,9 +1,12 @@
-"""Where the fast frozen forward's extra CPU time goes on a GPU host: the 1B reference forward
-timed replicated and fast, and fast with parts of its gather removed (results of the partial
-variants are wrong on purpose; only their time matters). One process is enough: on a host whose
-forward is CPU-bound, what each part costs the CPU shows directly in the forward's time.
+"""Where the fast frozen forward's extra time goes on a GPU host: the 1B reference forward timed
+replicated and fast, and fast with parts of its gather removed (results of the partial variants
+are wrong on purpose; only their time matters). Each rank times its own forwards.
 
-    torchrun --standalone --nproc_per_node 1 benchmarks/frozen_variants.py [--shape 1b]
+Run with one process before parameters in a rank's own slice became views of it (NOTES.md
+section 8), it isolated the cost of copying that slice; since then one process copies nothing, so
+run it with two to see the cost of copying the other rank's bytes.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/frozen_variants.py [--shape 1b] [--out FILE]
 """
 
 import argparse

@@ -371,8 +371,8 @@ def recommend(plans: list[Plan]) -> tuple[Plan | None, str]:
                 why += " and is the fastest placement (frozen models replicated: nothing to gather)"
                 sharded = next((q for q in ranked if q.mix == "zero2-zero3" and q.fits), None)
                 if sharded is not None:
-                    why += (f"; zero2-zero3 needs {sharded.peak / GiB:.1f} GiB and its step measured 0.93-1.00x "
-                            "this one's (DPO 1B and 3B, 2xH200), at more frozen-forward variance")
+                    why += (f"; zero2-zero3 needs {sharded.peak / GiB:.1f} GiB and its step measured 0.98-1.01x "
+                            "this one's (DPO 1B and 3B, 2xH200)")
             else:
                 why += " and is the fastest of the mixes considered"
             return p, why

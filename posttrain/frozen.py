@@ -14,9 +14,11 @@ partitioned by zero.Init) and replaces how its parameters are stored and gathere
 - a group's parameters are laid out as one flat vector, padded to a multiple of the world size and
   split evenly: each rank keeps only its 1/N slice at rest. DeepSpeed's own per-parameter
   partitions are freed, so memory is not doubled;
-- the parameters are views into the full flat vector, whose storage exists only while its unit
-  runs: before the unit runs, ONE gather (see transports below) allocates and fills it; after
-  the unit runs its storage is freed (resized to zero bytes, as FSDP does);
+- a parameter that lies wholly in this rank's slice is a permanent view of it and is never
+  copied; every other one is a permanent view into a buffer for the part of the flat vector the
+  rank does not hold, whose storage exists only while its unit runs: before the unit runs, ONE
+  gather (see transports below) allocates and fills it; after the unit runs its storage is freed
+  (resized to zero bytes, as FSDP does);
 - while unit i computes, the gathers of the units expected next (recorded on the previous forward)
   are already in flight, as many as add up to one decoder layer's size (so the final norm and the
   head are fetched during the last layer, not after it); ``wait()`` on a gather orders the compute

@@ -58,6 +58,12 @@ def test_at_most_running_and_prefetched_units_live(res):
     assert res["max_live_bytes"] <= 2 * res["largest_unit_bytes"] + res["lookahead_bytes"]
 
 
+def test_nothing_left_patched_process_wide(res):
+    """The policy's generation and steps run the same code with ZeRO-3 models in the process: their
+    loading (zero.Init), preparing and forwards leave no function, method or global hook changed."""
+    assert res["process_state_changed"] == []
+
+
 def test_policy_trains_beside_it(res):
     losses = res["policy_losses"]
     assert losses[-1] < losses[0] - 0.1

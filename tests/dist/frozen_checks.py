@@ -15,6 +15,29 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def process_state() -> dict:
+    """What a ZeRO-3 model could leave patched for the whole process (and so slow the policy's
+    generation and training): functions that zero.Init wraps while it is active, nn.Module's
+    methods, and the global module hooks."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.modules import module as m
+
+    names = ["empty", "zeros", "ones", "full", "arange", "randn", "rand", "tensor", "empty_like", "zeros_like",
+             "matmul", "cat"]
+    state = {f"torch.{n}": getattr(torch, n) for n in names}
+    state.update({f"F.{n}": getattr(F, n) for n in ("linear", "embedding", "scaled_dot_product_attention")})
+    state.update({f"Module.{n}": getattr(nn.Module, n) for n in ("__call__", "_call_impl", "__init__", "_apply",
+                                                                  "__getattr__", "__setattr__", "register_parameter")})
+    state["Linear.forward"] = nn.Linear.forward
+    state["Embedding.forward"] = nn.Embedding.forward
+    for hooks in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                  "_global_backward_hooks", "_global_module_registration_hooks",
+                  "_global_parameter_registration_hooks", "_global_buffer_registration_hooks"):
+        state[hooks] = tuple(getattr(m, hooks).values())
+    return state
+
+
 def greedy(model, ids, mask):
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                          output_scores=True, return_dict_in_generate=True)
@@ -47,6 +70,7 @@ def main(out: str, tmp: str) -> None:
     torch.manual_seed(0)
     policy = s.load("policy", path)
     policy = s.prepare("policy", policy, torch.optim.AdamW(policy.parameters(), lr=3e-3))
+    before = process_state()
     stock = s.prepare("stock", s.load("stock", path))
     fast = s.prepare("fast", s.load("fast", path))
     tied = s.prepare("tied", s.load("tied", tied_path))
@@ -102,6 +126,9 @@ def main(out: str, tmp: str) -> None:
     for h in handles:
         h.remove()
     res["max_live_groups"], res["max_live_bytes"] = live["max"], live["max_bytes"]
+    # Loading, preparing and running ZeRO-3 models (stock and fast) left nothing process-wide.
+    after = process_state()
+    res["process_state_changed"] = sorted(k for k in before if before[k] is not after[k] and before[k] != after[k])
     res["largest_unit_bytes"], res["lookahead_bytes"] = max(u.nbytes for u in ff.units), ff.lookahead_bytes
     res["params"] = sum(len(g.params) for g in ff.groups)
     res["prefetched"] = ff.trace == list(range(len(ff.units)))

@@ -404,6 +404,9 @@ class FastFrozen:
         for i, unit in enumerate(self.units):
             self._handles.append(unit.module.register_forward_pre_hook(self._pre(i)))
             self._handles.append(unit.module.register_forward_hook(self._post(i)))
+        # At rest the non-local parameters are views of freed storage: reading their values would
+        # crash the process (a null pointer), so a state dict taken then is refused with the fix.
+        self._handles.append(model.register_state_dict_pre_hook(self._refuse_at_rest))
 
     # -- hooks -------------------------------------------------------------------------------
     def _begin(self, module: nn.Module, args: Any) -> None:
@@ -445,6 +448,14 @@ class FastFrozen:
             for group in self.units[i].groups:
                 group.release()
         return hook
+
+    def _refuse_at_rest(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not all(g.live for g in self.groups):
+            raise RuntimeError(
+                "this frozen ZeRO-3 model keeps only its shards between forwards, so its parameters "
+                "cannot be read now: take its state dict with Session.state_dict(role) or "
+                "Session.save_pretrained(role, directory), or inside `with FastFrozen.gathered():` "
+                "(collective: on every rank)")
 
     def _rest(self) -> None:
         for group in self.groups:

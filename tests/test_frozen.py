@@ -74,6 +74,10 @@ def test_state_dict_whole(res):
     assert res["state_dict_keys_equal"] and res["diffs"]["state_dict_vs_plain"] < TOL
 
 
+def test_state_dict_at_rest_refused_with_the_fix(res):
+    assert "Session.state_dict(role)" in res["rest_state_dict_error"]
+
+
 def test_fast_frozen_refused_where_it_cannot_apply(res):
     assert res["bad_error"] and "it applies to frozen ZeRO-3 roles only" in res["bad_error"]
 

@@ -176,6 +176,12 @@ def main(out: str, tmp: str) -> None:
     res["released"] = "reward" not in s.fast_frozen and "reward" not in s.engines
     res["hooks_left"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
 
+    # A state dict taken at rest, outside gathered(), is refused with the fix (its values are not there).
+    try:
+        fast.module.state_dict()
+        res["rest_state_dict_error"] = None
+    except RuntimeError as err:
+        res["rest_state_dict_error"] = str(err)
     # Full weights (save_pretrained's path) come back whole and equal.
     sd = s.state_dict("fast")
     diffs["state_dict_vs_plain"] = max(max_diff(sd[k], v) for k, v in plain.state_dict().items())

@@ -73,6 +73,11 @@ def zero_stage(cfg: dict) -> int:
     return int(get(cfg, "zero_optimization.stage", 0))
 
 
+def params_offloaded(cfg: dict) -> bool:
+    """Whether ZeRO-3 keeps the parameters off the device (``offload_param.device`` cpu or nvme)."""
+    return str(get(cfg, "zero_optimization.offload_param.device", "none") or "none").lower() != "none"
+
+
 def is_inference_only(cfg: dict) -> bool:
     return not any(key in cfg for key in TRAINING_KEYS)
 

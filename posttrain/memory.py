@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dsconfig import read_config, zero_stage
+from .dsconfig import params_offloaded, read_config, zero_stage
 from .roles import MIXES
 
 GiB = 2**30
@@ -191,9 +191,8 @@ def placement(config: str | dict, trains: bool) -> Placement:
         return Placement(trains, 0)
     cfg = read_config(config)
     zero = cfg.get("zero_optimization", {})
-    offload = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
     bucket = zero.get("reduce_bucket_size", 5e8)
-    return Placement(trains, zero_stage(cfg), offload, int(bucket) if bucket != "auto" else 0,
+    return Placement(trains, zero_stage(cfg), params_offloaded(cfg), int(bucket) if bucket != "auto" else 0,
                      bool(zero.get("overlap_comm", False)))
 
 

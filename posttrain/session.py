@@ -342,8 +342,7 @@ class Session:
     def _fast_frozen(self, name: str) -> bool:
         """Whether posttrain.frozen takes over the role's gathering (see Role.fast_frozen)."""
         role, cfg = self.role(name), self.configs[name]
-        zero = cfg.get("zero_optimization", {})
-        offloaded = str(zero.get("offload_param", {}).get("device", "none")).lower() != "none"
+        offloaded = dsconfig.params_offloaded(cfg)
         applies = not role.trains and dsconfig.zero_stage(cfg) == 3 and not offloaded
         if role.fast_frozen and not applies:
             why = ("its parameters are offloaded (the fast path keeps its shards on the device)" if offloaded

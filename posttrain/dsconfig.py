@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
+# The presets ship inside the package (package-data), so a name resolves in an installed wheel too.
+CONFIG_DIR = Path(__file__).resolve().parent / "presets" / "deepspeed"
 
 # Keys that only make sense for a model that trains.
 TRAINING_KEYS = ("optimizer", "scheduler", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size")
@@ -142,7 +143,8 @@ def resolve(
     elif is_inference_only(cfg):
         raise ConfigError(
             f"{where} trains but its DeepSpeed config is inference-only (none of {', '.join(TRAINING_KEYS)}): "
-            "use a training config such as configs/deepspeed/zero2_train.json, or declare the role frozen"
+            f"use a training config such as the preset 'zero2_train' ({CONFIG_DIR / 'zero2_train.json'}), "
+            "or declare the role frozen"
         )
 
     for key, value in ZERO3_DEFAULTS.items():

@@ -17,7 +17,7 @@ from .dsconfig import ConfigError
 
 @dataclass
 class Role:
-    """A model role. ``config`` is a preset name under ``configs/deepspeed``, a JSON path, or a dict."""
+    """A model role. ``config`` is a preset name (``posttrain/presets/deepspeed/<name>.json``), a JSON path, or a dict."""
 
     name: str
     config: str | dict

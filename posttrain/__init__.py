@@ -2,6 +2,8 @@
 
 import os as _os
 
+from .cache import cache_dir, torch_extensions_dir
+
 
 def _default_accelerator() -> None:
     # DeepSpeed picks its accelerator at import; on a machine without CUDA it must be told "cpu"
@@ -11,11 +13,9 @@ def _default_accelerator() -> None:
 
         if not torch.cuda.is_available():
             _os.environ["DS_ACCELERATOR"] = "cpu"
-    # DeepSpeed JIT-compiles its CPU comm op once; keep the build beside the project.
-    _os.environ.setdefault(
-        "TORCH_EXTENSIONS_DIR",
-        _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), ".cache", "torch_extensions"),
-    )
+    # DeepSpeed JIT-compiles its CPU comm op once; build it into posttrain's cache (never into
+    # site-packages), unless the user chose TORCH_EXTENSIONS_DIR.
+    _os.environ["TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir())
 
 
 _default_accelerator()
@@ -30,5 +30,5 @@ from .dsconfig import ConfigError  # noqa: E402
 from .roles import DEFAULT_MIX, MIXES, Role, roles_for, roles_from_yaml  # noqa: E402
 from .session import Session  # noqa: E402
 
-__all__ = ["ConfigError", "DEFAULT_MIX", "MIXES", "Role", "Session", "roles_for", "roles_from_yaml"]
+__all__ = ["ConfigError", "cache_dir", "DEFAULT_MIX", "MIXES", "Role", "Session", "roles_for", "roles_from_yaml"]
 __version__ = "0.1.0"

@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from . import cache
+
 DATA = Path(__file__).resolve().parent / "data"
 SPECIAL = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -23,8 +25,8 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, nu
 
 
 def cache_dir() -> Path:
-    default = Path(__file__).resolve().parent.parent / ".cache" / "posttrain"
-    return Path(os.environ.get("POSTTRAIN_CACHE", default))
+    """Where the tiny default is built: posttrain's cache (``posttrain.cache.cache_dir``), never site-packages."""
+    return cache.cache_dir()
 
 
 def corpus() -> list[str]:

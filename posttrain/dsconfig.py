@@ -147,6 +147,7 @@ def resolve(
             "or declare the role frozen"
         )
 
+    check_leaf_modules(cfg, where)
     for key, value in ZERO3_DEFAULTS.items():
         _set_if_auto(cfg, f"zero_optimization.{key}", value)
     half = {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16"}
@@ -178,6 +179,28 @@ def resolve(
             )
     check_auto(cfg, role, allow=HIDDEN_SIZE_KEYS)
     return cfg
+
+
+def check_leaf_modules(cfg: dict, where: str) -> None:
+    """Refuse ZeRO-3 leaf modules by size on a GPU: they give wrong outputs there.
+
+    A positive ``stage3_module_granularity_threshold`` turns on DeepSpeed's
+    ``fast_sharding_for_leaf_module``, whose release drops a gathered parameter without recording
+    the compute stream's use of it (0.19.8); the caching allocator then hands that memory to the
+    next all-gather while the module's kernels are still queued. Measured: log-probs off by up to
+    6.4 nats on 4 H200s, and by 3 nats on 2 once the compute stream lags (benchmarks/NOTES.md,
+    benchmarks/ds_leaf_race.py). CPU devices are synchronous, so the key is harmless there.
+    """
+    import torch
+
+    zero = cfg.get("zero_optimization") or {}
+    threshold = zero.get("stage3_module_granularity_threshold", zero.get("module_granularity_threshold", 0))
+    if zero_stage(cfg) == 3 and isinstance(threshold, (int, float)) and threshold > 0 and torch.cuda.is_available():
+        raise ConfigError(
+            f"{where}: stage3_module_granularity_threshold={threshold} makes DeepSpeed 0.19's ZeRO-3 release "
+            "gathered parameters while the GPU may still read them (wrong outputs, see benchmarks/NOTES.md): "
+            "remove the key; for a fast frozen ZeRO-3 model keep posttrain's default fast_frozen path"
+        )
 
 
 def resolve_hidden_size(cfg: dict, hidden_size: int | None, role: str) -> None:

@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
 from posttrain import synthetic, tiny
-from posttrain.trainers.common import mean_over_ranks, parse_config
+from posttrain.scripts.args import demo_config, parse_config, run_script
+from posttrain.trainers.common import mean_over_ranks
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
-
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "multi_model.yaml"
 
 
 @dataclass
@@ -67,8 +66,9 @@ def accuracy(trainer: MultiTrainer, items: list[tuple[str, float]]) -> float:
     return mean_over_ranks(s, {"accuracy": correct})["accuracy"]
 
 
-def main() -> None:
-    cfg, args = parse_config((MultiConfig, TaskArguments), DEFAULT_CONFIG)
+def main(argv: list[str] | None = None) -> None:
+    cfg, args = parse_config((MultiConfig, TaskArguments), demo_config("multi_model"), argv,
+                             model_fields=("lm_model_name_or_path", "classifier_model_name_or_path"))
     tok = tiny.load_tokenizer(args.lm_model_name_or_path)
     lines = tiny.corpus()
     train_lines, heldout_lines = lines[: -args.heldout_lines], lines[-args.heldout_lines :]
@@ -109,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

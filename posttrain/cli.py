@@ -1,9 +1,12 @@
-"""``posttrain`` command line: ``posttrain bench`` (the ZeRO-mix benchmark) and ``posttrain plan``
-(the memory planner)."""
+"""``posttrain`` command line: the trainers (``posttrain dpo|ppo|distill|grpo|rloo``, each the
+module ``posttrain.scripts.<name>`` that examples/<name>.py runs too, with the same YAML and
+flags), ``posttrain bench`` (the ZeRO-mix benchmark) and ``posttrain plan`` (the memory planner)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -54,11 +57,33 @@ def _plan(argv: list[str]) -> int:
     return 0 if best else 1
 
 
+# Trainer commands: each runs posttrain.scripts.<name>.main(argv), as examples/<name>.py does.
+TRAINERS = ("dpo", "ppo", "distill", "grpo", "rloo")
+
+
+def _trainer(name: str, argv: list[str]) -> int:
+    from .scripts.args import run_script
+
+    module = f"posttrain.scripts.{name}"
+    if importlib.util.find_spec(module) is None:
+        print(f"posttrain {name} is not available in this version of posttrain ({module} is missing)",
+              file=sys.stderr)
+        return 2
+    return run_script(importlib.import_module(module).main, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": _bench, "plan": _plan}
+    commands = {"bench": _bench, "plan": _plan, **{t: (lambda a, t=t: _trainer(t, a)) for t in TRAINERS}}
     if not argv or argv[0] not in commands:
-        print("usage: posttrain {bench,plan} [options]   (posttrain COMMAND --help for each)", file=sys.stderr)
+        names = ",".join(commands)
+        print(f"usage: posttrain {{{names}}} [options]   (posttrain COMMAND --help for each)", file=sys.stderr)
+        if argv and not argv[0].startswith("-"):
+            import difflib
+
+            near = difflib.get_close_matches(argv[0], list(commands), n=1)
+            print(f"unknown command {argv[0]!r}" + (f": did you mean {near[0]!r}?" if near else ""),
+                  file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
 

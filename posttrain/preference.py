@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .dsconfig import ConfigError
+
 COLUMNS = ("prompt", "chosen", "rejected")
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -28,14 +30,67 @@ def load_dataset_source(name_or_path: str, split: str = "train", config: str | N
     if path.is_file():
         fmt = LOCAL_FORMATS.get(path.suffix)
         if fmt is None:
-            raise ValueError(f"{path}: unknown data file type {path.suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
+            raise ConfigError(f"{path}: unknown data file type {path.suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
         # A single local file has only the split "train" in `datasets`' eyes.
         if split != "train":
             raise ValueError(f"{path} is a single file: it has only the split 'train', not {split!r}")
-        return load_dataset(fmt, data_files=str(path), split="train")
-    if path.is_dir() and (path / "dataset_info.json").exists():
-        return load_from_disk(str(path))
-    return load_dataset(name_or_path, config, split=split)
+        if _blank(path):
+            raise ConfigError(f"{path} is empty: give a data file with at least one row")
+        try:
+            dataset = load_dataset(fmt, data_files=str(path), split="train")
+        except Exception as err:
+            if fmt == "json":  # `datasets` names neither the line nor the file's own error
+                _raise_json_error(path, err)
+            raise
+    elif path.is_dir() and (path / "dataset_info.json").exists():
+        dataset = load_from_disk(str(path))
+    else:
+        dataset = load_dataset(name_or_path, config, split=split)
+    if len(dataset) == 0:
+        raise ConfigError(f"{name_or_path} (split {split!r}) has no rows: give a dataset with at least one row")
+    return dataset
+
+
+def _blank(path: Path) -> bool:
+    """Whether a text file holds only whitespace (read up to its first other byte)."""
+    if path.suffix == ".parquet":
+        return path.stat().st_size == 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _raise_json_error(path: Path, err: Exception) -> None:
+    """Re-raise a failed JSON load as one sentence with the file, line and column; ``err`` itself
+    if the JSON is well-formed (the problem is elsewhere)."""
+    text = path.read_text()
+    try:
+        json.loads(text)  # one JSON document (a .json list of rows)
+        raise err
+    except json.JSONDecodeError as doc_err:
+        first = next((line for line in text.splitlines() if line.strip()), "")
+        if not _is_json(first) or first.strip() == text.strip():
+            raise ConfigError(f"{path}, line {doc_err.lineno}, column {doc_err.colno}: not valid JSON "
+                              f"({doc_err.msg}); fix the file there") from err
+    for number, line in enumerate(text.splitlines(), 1):  # JSON lines: one row per line
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as line_err:
+            raise ConfigError(f"{path}, line {number}: not valid JSON ({line_err.msg} at column {line_err.colno}); "
+                              "fix or remove that line") from err
+    raise err
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def write_jsonl(rows: Sequence[dict], path: str | os.PathLike) -> Path:
@@ -69,16 +124,17 @@ def check_rows(dataset: Any, name: str = "dataset") -> None:
     need = ("chosen", "rejected") if "prompt" not in dataset.column_names else COLUMNS
     missing = [c for c in need if c not in dataset.column_names]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"{name}: no column {missing[0]!r}; a preference dataset needs {', '.join(COLUMNS)} "
-            f"(or an implicit prompt in chosen/rejected), got columns {dataset.column_names}"
+            f"(or an implicit prompt in chosen/rejected), got columns {dataset.column_names}: rename its columns"
         )
     index = 0
     for batch in dataset.select_columns(list(need)).iter(batch_size=1000):
         for i in range(len(batch[need[0]])):
             for column in need:
                 if _empty(batch[column][i]):
-                    raise ValueError(f"{name}: row {index + i} has a missing or empty {column!r}")
+                    raise ConfigError(f"{name}: row {index + i} has a missing or empty {column!r}; "
+                                      "fill it in or drop the row")
         index += len(batch[need[0]])
 
 

@@ -56,6 +56,24 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def _single_process_env() -> None:
+    """``python script.py`` with no launcher: describe a world of one, as torchrun would, so that
+    accelerate and DeepSpeed build their process group (TRL scripts run that way on one GPU or CPU).
+    Without it DeepSpeed's engine fails with "Default process group has not been initialized"."""
+    dist = torch.distributed
+    if "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized()):
+        return
+    import socket
+
+    with socket.socket() as sock:  # a free port for the rendezvous of this one process
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    single = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in single.items():
+        os.environ.setdefault(key, value)
+
+
 def _destroy_process_group() -> None:
     """At exit: take the process group down in step on every rank.
 
@@ -123,6 +141,7 @@ class Session:
         self.micro_batch_size = micro_batch_size
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.mixed_precision = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        _single_process_env()
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
         self.configs: dict[str, dict] = {}
@@ -265,6 +284,7 @@ class Session:
         if name_or_path is None and config is None:
             raise ConfigError(f"role {name!r}: give a hub name or local path, or a model config")
         if config is None:
+            check_model_path(name_or_path, f"role {name!r}: model")
             # Config attributes among kwargs (num_labels, ...) go to the config, the rest to the model.
             hub = _hub_kwargs(kwargs)
             rest = {k: v for k, v in kwargs.items() if k not in hub}
@@ -552,6 +572,30 @@ def recompute_rotary_buffers(model: torch.nn.Module) -> int:
             buf.data = value.to(device=buf.device, dtype=torch.float32)
         fixed += 1
     return fixed
+
+
+def check_model_path(name_or_path: str | os.PathLike, what: str = "model") -> None:
+    """Refuse, before the hub is asked, a model that is neither a local directory nor a hub id
+    (the hub's own message, "Repo id must be in the form ...", does not say that the path is missing)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ConfigError(f"{what} {text!r} is a file: give the directory that holds its config.json and weights")
+    try:
+        validate_repo_id(text)
+        hub_id = text.count("/") <= 1 and not text.startswith((".", "~"))
+    except HFValidationError:
+        hub_id = False
+    if not hub_id:
+        raise ConfigError(f"{what} {text!r} does not exist: it is neither a local directory nor a hub id "
+                          "(owner/name); check the path")
+    if path.parent != Path(".") and path.parent.is_dir():
+        # "runs/my-sft" is also a well-formed hub id, but its parent folder exists here.
+        raise ConfigError(f"{what} {text!r} does not exist: {path.parent} has no folder {path.name!r}; check the path")
 
 
 def _hub_kwargs(kwargs: dict) -> dict:

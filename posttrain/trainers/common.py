@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..dsconfig import ConfigError
 from ..roles import DEFAULT_MIX, roles_for
 from ..session import Session
 
@@ -27,7 +28,7 @@ class TrainConfig:
 
     output_dir: str = "runs/posttrain"
     seed: int = 42
-    learning_rate: float = 1e-5
+    learning_rate: float = 5e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -38,8 +39,10 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     lr_scheduler_type: str = "linear"
     warmup_steps: int = 0
-    num_train_epochs: float = 1.0
+    num_train_epochs: float = 3.0
     max_steps: int = -1
+    # TRL's is 10 (DPOConfig keeps it); the other trainers log every optimizer step, which their
+    # run summaries and tests read. Pass --logging_steps 10 for TRL's cadence.
     logging_steps: int = 1
     eval_steps: int | None = None
     save_steps: int | None = None
@@ -51,20 +54,60 @@ class TrainConfig:
     role_configs: dict[str, str] = field(default_factory=dict)
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest" in output_dir
     disable_tqdm: bool = False
+    # TrainingArguments' flags, as TRL users pass them. bf16/fp16 set mixed_precision. Evaluation
+    # runs when a trainer is given eval data; the scripts give it none under eval_strategy "no"
+    # (TRL's scripts do the same) and every eval_steps steps otherwise.
+    bf16: bool = False
+    fp16: bool = False
+    eval_strategy: str = "no"  # "no" | "steps" | "epoch"
+    push_to_hub: bool = False  # the scripts upload the final model with huggingface_hub
+    hub_model_id: str | None = None  # default: the output dir's name under your account
+    hub_private_repo: bool | None = None
+
+    def __post_init__(self) -> None:
+        validate_train_config(self)
 
 
-def parse_config(dataclass_types: Any, default_config: str | os.PathLike, argv: list[str] | None = None) -> tuple:
-    """An example's settings: TRL's ``TrlParser`` over a YAML (``--config``) plus flags, which
-    override it; without ``--config`` the example's own YAML is read."""
-    import sys
+def validate_train_config(cfg: TrainConfig) -> None:
+    """Bad values are refused here, before any process group or model, each with the flag to fix;
+    bf16/fp16 are folded into mixed_precision and eval_steps defaults to logging_steps (TRL's rule)."""
+    at_least_one = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                    "logging_steps")
+    for name in at_least_one:
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be a whole number >= 1, got {getattr(cfg, name)!r}: set --{name} 1 or more")
+    for name in ("eval_steps", "save_steps"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be >= 1 or unset, got {value}: set --{name} to a positive number of steps")
+    for name in ("learning_rate", "weight_decay", "adam_epsilon", "warmup_steps"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}: set --{name} to 0 or more")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}: AdamW's default is 0.9 / 0.999")
+    if cfg.max_grad_norm is not None and cfg.max_grad_norm < 0:
+        raise ConfigError(f"max_grad_norm must be >= 0, got {cfg.max_grad_norm}: set --max_grad_norm 0 to turn clipping off")
+    if cfg.max_steps <= 0 and not cfg.num_train_epochs > 0:
+        raise ConfigError(f"num_train_epochs is {cfg.num_train_epochs} and max_steps is unset: set one of them")
+    if cfg.eval_strategy not in ("no", "steps", "epoch"):
+        raise ConfigError(f"eval_strategy must be 'no', 'steps' or 'epoch', got {cfg.eval_strategy!r}")
+    if cfg.eval_strategy == "steps" and cfg.eval_steps is None:
+        cfg.eval_steps = cfg.logging_steps
+    if cfg.bf16 and cfg.fp16:
+        raise ConfigError("bf16 and fp16 are both set: keep one of --bf16 / --fp16")
+    precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
+    if precision and cfg.mixed_precision not in (None, precision):
+        raise ConfigError(f"--{precision} contradicts mixed_precision {cfg.mixed_precision!r}: keep one of them")
+    cfg.mixed_precision = precision or cfg.mixed_precision
+    if cfg.mixed_precision not in (None, "no", "bf16", "fp16"):
+        raise ConfigError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {cfg.mixed_precision!r}")
+    from transformers import SchedulerType
 
-    from trl import TrlParser
+    schedulers = [t.value for t in SchedulerType]
+    if cfg.lr_scheduler_type not in schedulers:
+        raise ConfigError(f"unknown lr_scheduler_type {cfg.lr_scheduler_type!r}: choose from {', '.join(schedulers)}")
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
-        argv = ["--config", str(default_config), *argv]
-    types = dataclass_types if isinstance(dataclass_types, (list, tuple)) else [dataclass_types]
-    return tuple(TrlParser(types).parse_args_and_config(argv))
 
 
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:

@@ -57,6 +57,7 @@ class DistillConfig(TrainConfig):
     max_length: int = 128  # prompt + completion tokens of a dataset row (generation adds max_new_tokens)
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # TrainConfig's checks
         for name in ("beta", "lmbda"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

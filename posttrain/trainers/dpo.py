@@ -79,6 +79,7 @@ class DPOConfig(TrainConfig):
     discopop_tau: float = 0.05
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # TrainConfig's checks
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
         validate(self)

@@ -84,6 +84,7 @@ class PPOConfig(TrainConfig):
     learning_rate: float = 3e-6
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # TrainConfig's checks
         if self.kl_estimator not in ("k1", "k3"):
             raise ConfigError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
         if self.stop_token not in (None, "eos"):

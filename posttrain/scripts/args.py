@@ -1,0 +1,187 @@
+"""Settings for the scripts, parsed in one place: a YAML (``--config``) plus flags, TRL's way.
+
+Which YAML applies:
+
+- ``--config FILE``: that file; flags override it.
+- no ``--config`` and no model named: the script's demo settings (``posttrain/scripts/demo/<name>.yaml``,
+  also reachable as ``configs/<name>.yaml`` in a clone), tuned for the built-in tiny default.
+- no ``--config`` and a model named (``--model_name_or_path``): the dataclasses' defaults, which are
+  TRL's where the concept is the same, plus flags. A user's model never gets the demo's settings.
+
+Unknown flags and YAML keys are refused with the nearest known name. The effective settings are
+printed once (rank 0) and the trainer writes them to ``<output_dir>/config.json``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from ..dsconfig import ConfigError
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+
+
+def demo_config(name: str) -> Path:
+    """The demo settings of script ``name`` (shipped in the package)."""
+    return DEMO_DIR / f"{name}.yaml"
+
+
+def parse_config(
+    dataclass_types: Any,
+    demo: str | os.PathLike | None = None,
+    argv: Sequence[str] | None = None,
+    model_fields: Sequence[str] = ("model_name_or_path",),
+    prog: str | None = None,
+) -> tuple:
+    """Instances of ``dataclass_types`` from ``--config`` (or the demo YAML when none of
+    ``model_fields`` is set) and flags; see the module docstring for which YAML applies."""
+    types = list(dataclass_types) if isinstance(dataclass_types, (list, tuple)) else [dataclass_types]
+    argv = _split_config_flag(list(sys.argv[1:] if argv is None else argv))
+    config = argv.pop(argv.index("--config") + 1) if "--config" in argv else None
+    if "--config" in argv:
+        argv.remove("--config")
+    source = f"--config {config}" if config else "defaults (TRL's where the concept is the same) and flags"
+    outputs = _parse(types, config, argv, prog)
+    if config is None and demo is not None and not any(getattr(o, f, None) for o in outputs for f in model_fields):
+        # The built-in tiny default: its demo settings, under the same flags.
+        outputs = _parse(types, str(demo), argv, prog)
+        source = f"the built-in tiny default's demo settings ({_shown_path(demo)}) and flags"
+    check_model_paths(outputs)
+    if _is_main_process():
+        print(describe(outputs, source, prog), flush=True)
+    return outputs
+
+
+def _split_config_flag(argv: list[str]) -> list[str]:
+    out = []
+    for a in argv:
+        out.extend(a.split("=", 1) if a.startswith("--config=") else [a])
+    return out
+
+
+def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -> tuple:
+    import yaml
+    from trl import TrlParser
+
+    parser = TrlParser(types, prog=prog)
+    known = {s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")}
+    if config is not None:
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError(f"--config {config}: no such file; give the path of a YAML file of settings")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{config} must be a YAML mapping of setting: value, got a {type(values).__name__}")
+        for key, value in (values.pop("env", None) or {}).items():  # TrlParser's `env:` block
+            os.environ[key] = str(value)
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"{config}: unknown setting {key!r}{_nearest(key, known)}")
+        parser.set_defaults_with_config(**_coerce(parser, values))
+    *outputs, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    flags = [a for a in rest if a.startswith("-")]
+    if rest:
+        bad = (flags or rest)[0]
+        name = bad.lstrip("-").split("=", 1)[0]
+        if flags:
+            raise ConfigError(f"unknown flag {bad.split('=', 1)[0]}{_nearest(name, known, prefix='--')}")
+        raise ConfigError(f"unexpected argument {bad!r}: settings are given as --name value")
+    return tuple(outputs)
+
+
+def _nearest(name: str, known: set[str], prefix: str = "") -> str:
+    """The sentence's end: the closest known name (difflib) or where the list is."""
+    match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    if match:
+        return f": did you mean {prefix}{match[0]}?"
+    return "; --help lists every setting"
+
+
+def _coerce(parser: Any, values: dict) -> dict:
+    """YAML leaves ``1e-3`` (no dot) a string; convert such scalars with the flag's own type, as
+    argparse does for the command line, so a YAML and a flag give the same value."""
+    types = {a.dest: a.type for a in parser._actions if callable(a.type)}
+    out = {}
+    for key, value in values.items():
+        convert = types.get(key)
+        if isinstance(value, str) and convert in (int, float):
+            try:
+                value = convert(value)
+            except ValueError as err:
+                raise ConfigError(f"{key}: {value!r} is not a {convert.__name__}") from err
+        out[key] = value
+    return out
+
+
+# Shown whatever their value: what a reader checks first.
+KEY_SETTINGS = ("model_name_or_path", "dataset_name", "learning_rate", "per_device_train_batch_size",
+                "gradient_accumulation_steps", "max_steps", "num_train_epochs", "mixed_precision", "mix")
+
+
+def describe(outputs: Sequence[Any], source: str, prog: str | None = None) -> str:
+    """A compact view of the settings: where they come from, the key ones, and every other value
+    that differs from its dataclass default (the trainer writes all of them to <output_dir>/config.json)."""
+    values, changed, output_dir = {}, [], None
+    for obj in outputs:
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            output_dir = value if f.name == "output_dir" else output_dir
+            default = f.default if f.default is not MISSING else (
+                f.default_factory() if f.default_factory is not MISSING else MISSING)
+            values[f.name] = value
+            if value != default and f.name not in KEY_SETTINGS:
+                changed.append(f"{f.name}={value}")
+    key = [f"{k}={values[k]}" for k in KEY_SETTINGS if k in values and values[k] is not None]
+    head = f"{prog or 'posttrain'}: settings from {source}"
+    if output_dir:
+        head += f"; all of them go to {output_dir}/config.json"
+    body = textwrap.fill(" ".join(key + changed), width=108, initial_indent="  ", subsequent_indent="  ",
+                         break_on_hyphens=False)
+    return f"{head}\n{body}"
+
+
+def _shown_path(path: str | os.PathLike) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def check_model_paths(outputs: Sequence[Any]) -> None:
+    """Every model setting (``*model_name_or_path``, ``*model_path``) names an existing directory
+    or a well-formed hub id, checked before any tokenizer or process group is built."""
+    from ..session import check_model_path
+
+    for obj in outputs:
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if f.name.endswith(("model_name_or_path", "model_path")) and isinstance(value, str) and value != "none":
+                check_model_path(value, f"--{f.name}")
+
+
+def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | None = None) -> int:
+    """Run a script's ``main``: bad settings or data end it with their one sentence on stderr and
+    exit status 2, not a traceback."""
+    try:
+        main(None if argv is None else list(argv))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def note(text: str) -> None:
+    """A line for the user, from rank 0 only."""
+    if _is_main_process():
+        print(text, flush=True)

@@ -1,0 +1,52 @@
+"""A script's training and held-out data from ``--dataset_name``, TRL's way: the train split, and
+for evaluation the dataset's test split or, with ``--test_split_size``, part of the train split."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from trl import ScriptArguments
+
+from ..dsconfig import ConfigError
+from ..preference import load_dataset_source
+from ..trainers.common import TrainConfig
+from .args import note
+
+
+def load_train_eval(script: ScriptArguments, test_split_size: float, cfg: TrainConfig,
+                    check: Callable[[Any, str], None] | None = None) -> tuple[Any, Any]:
+    """(train, eval) ``datasets.Dataset``s; eval is None under ``eval_strategy: no`` (TRL's scripts
+    pass none then) or when there is nothing to evaluate on, which is said in one line. ``check``
+    validates each split's rows (it gets the dataset and a name for messages)."""
+    name = script.dataset_name
+    train = load_dataset_source(name, script.dataset_train_split, script.dataset_config)
+    if check is not None:
+        check(train, f"{name} (split {script.dataset_train_split!r})")
+    if cfg.eval_strategy == "no":
+        if test_split_size or cfg.eval_steps:
+            note("no evaluation will run: eval_strategy is 'no'; add --eval_strategy steps to evaluate")
+        return train, None
+    if test_split_size:
+        size = int(test_split_size) if test_split_size >= 1 else test_split_size
+        split = train.train_test_split(test_size=size, seed=cfg.seed)  # `datasets`' own split
+        return split["train"], split["test"]
+    try:
+        test = load_dataset_source(name, script.dataset_test_split, script.dataset_config)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError):  # a single file, or a hub dataset without that split
+        note(f"no evaluation will run: {name} has no {script.dataset_test_split!r} split; hold out part of the "
+             "training data with --test_split_size 0.1, or pass --eval_strategy no")
+        return train, None
+    if check is not None:
+        check(test, f"{name} (split {script.dataset_test_split!r})")
+    return train, test
+
+
+def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
+    """``eval_strategy: epoch`` as a number of optimizer steps (one pass over ``rows`` training rows)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return max(1, rows // (cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps))

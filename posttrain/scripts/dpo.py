@@ -1,0 +1,70 @@
+"""``posttrain dpo`` (and examples/dpo.py): DPO with the policy and the reference on their own
+DeepSpeed plugins.
+
+With no model it trains the built-in tiny default on bundled synthetic preference pairs under the
+demo settings (posttrain/scripts/demo/dpo.yaml) and reports held-out reward accuracy. With
+``--model_name_or_path`` and ``--dataset_name`` (a hub name or a local json/jsonl/parquet/csv file)
+TRL's DPOConfig defaults apply, as in ``trl dpo``; ``--config FILE`` gives settings of your own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trl import ScriptArguments
+
+from .. import preference, synthetic
+from ..trainers.dpo import DPOConfig, DPOTrainer
+from .args import demo_config, parse_config, run_script
+from .data import eval_steps_per_epoch, load_train_eval
+from .hub import push_to_hub
+
+
+@dataclass
+class DataArguments:
+    """Beside TRL's ScriptArguments (dataset_name, dataset_train_split, dataset_test_split, ...)."""
+
+    # Hold out this fraction of the training split (or this many rows, if >= 1) for evaluation, when
+    # the dataset has no test split (a single file has only "train").
+    test_split_size: float = 0.0
+    synthetic_train_size: int = 512  # bundled pairs (no dataset_name)
+    synthetic_eval_size: int = 128
+
+
+def load_datasets(script: ScriptArguments, data: DataArguments, cfg: DPOConfig) -> tuple[Any, Any]:
+    """(train, eval) datasets; eval is None under ``eval_strategy: no`` (TRL's scripts pass none then)."""
+    if script.dataset_name is None:
+        # Bundled pairs; the held-out split is another seed.
+        folder = Path(cfg.output_dir) / "data"
+        train = preference.write_jsonl(synthetic.preference_pairs(data.synthetic_train_size, seed=0),
+                                       folder / "train.jsonl")
+        test = preference.write_jsonl(synthetic.preference_pairs(data.synthetic_eval_size, seed=1),
+                                      folder / "test.jsonl")
+        train, test = preference.load_dataset_source(str(train)), preference.load_dataset_source(str(test))
+        return train, (test if cfg.eval_strategy != "no" else None)
+    return load_train_eval(script, data.test_split_size, cfg, check=preference.check_rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    script, data, cfg = parse_config((ScriptArguments, DataArguments, DPOConfig), demo_config("dpo"), argv,
+                                     prog="posttrain dpo")
+    train, test = load_datasets(script, data, cfg)
+    trainer = DPOTrainer(cfg, train_dataset=train, eval_dataset=test)
+    if test is not None and cfg.eval_strategy == "epoch":
+        cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
+    before = trainer.evaluate() if test is not None else {}
+    trainer.train()
+    if trainer.session.is_main_process and before:
+        after = next(r for r in reversed(trainer.history) if "eval/rewards/accuracies" in r)
+        print(f"held-out eval/rewards/accuracies: {before['eval/rewards/accuracies']:.3f} -> "
+              f"{after['eval/rewards/accuracies']:.3f} (eval/loss {before['eval/loss']:.4f} -> {after['eval/loss']:.4f})")
+    final = Path(cfg.output_dir) / "final"
+    trainer.save_model(final)
+    if cfg.push_to_hub and trainer.session.is_main_process:
+        print(f"pushed to {push_to_hub(cfg, final)}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_script(main))

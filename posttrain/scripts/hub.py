@@ -1,0 +1,32 @@
+"""``--push_to_hub``: the final model to the Hugging Face Hub with ``huggingface_hub``, as
+``transformers.Trainer.push_to_hub`` does (create the repo if needed, upload the folder)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..trainers.common import TrainConfig
+
+# What the run's output dir adds beside the model: the model card and learning curves, when written.
+RUN_FILES = ["README.md", "*.png"]
+
+
+def hub_repo_id(cfg: TrainConfig) -> str:
+    """``hub_model_id``, or the output dir's name (Trainer's default)."""
+    return cfg.hub_model_id or Path(cfg.output_dir).resolve().name
+
+
+def push_to_hub(cfg: TrainConfig, model_dir: str | os.PathLike, commit_message: str = "End of training") -> str:
+    """Upload ``model_dir`` (a ``from_pretrained`` folder) as the repo's root, plus the run's model
+    card and plots from the output dir; returns the repo's URL. Call it on the main process only."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    repo = api.create_repo(hub_repo_id(cfg), private=cfg.hub_private_repo, exist_ok=True)
+    repo_id = repo.repo_id
+    api.upload_folder(repo_id=repo_id, folder_path=str(model_dir), commit_message=commit_message)
+    if any(any(Path(cfg.output_dir).glob(p)) for p in RUN_FILES):
+        api.upload_folder(repo_id=repo_id, folder_path=cfg.output_dir, allow_patterns=RUN_FILES,
+                          commit_message=f"{commit_message}: model card")
+    return str(repo)

@@ -1,0 +1,773 @@
+"""GRPO (TRL 1.16's ``GRPOTrainer``) with every model role under its own DeepSpeed plugin.
+
+Roles: ``policy`` trains (ZeRO-2 by default); ``reference`` is frozen (ZeRO-3 by default) and does
+not exist at all when ``beta == 0``; every sequence-classification reward model is a frozen role of
+its own (``reward``, ``reward_1``, ...). Completions come from ``posttrain.rollout.Rollout``
+(``generation_backend``: the fast ``posttrain`` engine or Hugging Face ``generate``).
+
+The math follows TRL 1.16 line by line (``_generate_and_score_completions`` and ``_compute_loss``):
+group-relative advantages (``scale_rewards`` group/batch/none, ``multi_objective_aggregation``),
+every ``loss_type`` TRL accepts (grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo) with its
+normaliser, token- or sequence-level importance sampling, ``epsilon``/``epsilon_high``/``delta``
+clipping, the k3 KL to the reference (times the importance ratio with ``use_bias_correction_kl``),
+``top_entropy_quantile`` and ``mask_truncated_completions``. The loss is a pure function
+(:func:`grpo_loss`) so that the tests compare it with TRL's own trainer on identical inputs.
+
+One generation batch (``per_device_train_batch_size * steps_per_generation`` completions per
+process) is sampled, scored, shuffled and split into ``steps_per_generation`` micro-batches, which
+are trained ``num_iterations`` times; the log-probs of the sampling policy are kept (``old``) when
+the batch outlives one optimizer step, as TRL does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import synthetic, tiny
+from ..dsconfig import ConfigError
+from ..preference import load_dataset_source
+from .common import (
+    Phases,
+    RunLog,
+    TrainConfig,
+    epoch_order,
+    make_session,
+    mean_over_ranks,
+    optimizer_and_scheduler,
+    resume_dir,
+    save_checkpoint,
+    seed_everything,
+)
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style min(r A, clip(r) A)
+
+
+@dataclass
+class GRPOConfig(TrainConfig):
+    """GRPO settings; names and defaults follow TRL 1.16's ``GRPOConfig`` where the concept is the same."""
+
+    # Models: hub names or local paths. None: the built-in tiny default.
+    model_name_or_path: str | None = None
+    ref_model_name_or_path: str | None = None  # default: the policy's
+    # Rewards, as in TRL: "pkg.module:function" (a Python function on the decoded completions) or a
+    # path/hub name of a sequence-classification reward model (a frozen role). None: the bundled
+    # sentiment reward on the tiny default.
+    reward_funcs: list[str] | None = None
+    reward_weights: list[float] | None = None
+    multi_objective_aggregation: str = "sum_then_normalize"  # | "normalize_then_sum"
+    # Prompts: a dataset with a "prompt" column, TRL's standard (text) or conversational (messages) format.
+    dataset_name: str | None = None  # hub name or local json/jsonl/parquet/csv; None: bundled prompts
+    dataset_split: str = "train"
+    max_prompt_length: int | None = 512  # prompts are truncated from the left
+    num_prompts: int = 2048  # bundled prompts only
+    chat_template_kwargs: dict | None = None
+    learning_rate: float = 1e-6
+    disable_dropout: bool = False
+    # Generation
+    num_generations: int = 8
+    max_completion_length: int = 512
+    generation_batch_size: int | None = None
+    steps_per_generation: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    generation_backend: str = "posttrain"  # "posttrain" (the rollout engine) | "hf" (transformers' generate)
+    ds3_gather_for_generation: bool = True
+    # The objective
+    beta: float = 0.0
+    num_iterations: int = 1
+    epsilon: float = 0.2
+    delta: float | None = None
+    epsilon_high: float | None = None
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    importance_sampling_level: str = "token"  # | "sequence" (GSPO)
+    scale_rewards: str = "group"  # | "batch" | "none"
+    loss_type: str = "dapo"
+    mask_truncated_completions: bool = False
+    top_entropy_quantile: float = 1.0
+    use_bias_correction_kl: bool = True
+    # TR-DPO's reference sync (TRL's names and defaults), any placement (Session.blend)
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
+    log_completions: bool = False  # write samples.jsonl every logging step
+    num_completions_to_print: int | None = 4
+
+    _loss_types = LOSS_TYPES  # (RLOO has its own one)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        checks = [
+            (self.loss_type in self._loss_types,
+             f"loss_type must be one of {', '.join(self._loss_types)}; got {self.loss_type!r}"),
+            (self.importance_sampling_level in ("token", "sequence"),
+             f"importance_sampling_level must be 'token' or 'sequence'; got {self.importance_sampling_level!r}"),
+            (self.scale_rewards in ("group", "batch", "none"),
+             f"scale_rewards must be 'group', 'batch' or 'none'; got {self.scale_rewards!r}"),
+            (self.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+             "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum'"),
+            (self.generation_backend in ("posttrain", "hf"),
+             f"generation_backend must be 'posttrain' or 'hf'; got {self.generation_backend!r}"),
+            (self.num_generations >= 2, "GRPO needs num_generations >= 2 to compare completions of one prompt"),
+            (0.0 < self.top_entropy_quantile <= 1.0, "top_entropy_quantile must be in (0, 1]"),
+            (self.num_iterations >= 1, "num_iterations must be >= 1"),
+            (not (self.generation_batch_size is not None and self.steps_per_generation is not None),
+             "set generation_batch_size or steps_per_generation, not both"),
+            (not self.sync_ref_model or self.beta != 0.0,
+             "sync_ref_model needs a reference model, and beta: 0 loads none: set beta > 0 or drop sync_ref_model"),
+            (not self.sync_ref_model or (self.ref_model_sync_steps >= 1 and 0.0 < self.ref_model_mixup_alpha <= 1.0),
+             "sync_ref_model needs ref_model_sync_steps >= 1 and 0 < ref_model_mixup_alpha <= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        # TRL's batch arithmetic: a generation batch is steps_per_generation micro-batches per process.
+        per_step = self.per_device_train_batch_size * world
+        if self.generation_batch_size is None:
+            self.steps_per_generation = self.steps_per_generation or self.gradient_accumulation_steps
+            self.generation_batch_size = per_step * self.steps_per_generation
+        elif self.generation_batch_size % per_step:
+            raise ConfigError(f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
+                              f"per_device_train_batch_size x processes ({per_step})")
+        else:
+            self.steps_per_generation = self.generation_batch_size // per_step
+        if self.generation_batch_size % self.num_generations:
+            raise ConfigError(f"the generation batch ({self.generation_batch_size} completions = "
+                              f"per_device_train_batch_size x processes x steps_per_generation) must be a multiple of "
+                              f"num_generations ({self.num_generations}): every prompt's group has to be complete")
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def epsilon_up(self) -> float:
+        return self.epsilon_high if self.epsilon_high is not None else self.epsilon
+
+
+# -- advantages ----------------------------------------------------------------------------------
+def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str = "group", aggregation: str = "sum_then_normalize") -> dict[str, torch.Tensor]:
+    """TRL 1.16's GRPO advantages over the whole generation batch (all processes), grouped by prompt
+    (``num_generations`` consecutive rows). A row where every reward function returned None (NaN)
+    is left out of the statistics and gets advantage 0. Returns advantages, the weighted rewards and
+    whether each row's std was zero."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+        if scale_rewards in ("group", "none"):
+            std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+        else:  # "batch"
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = rewards - mean
+        if scale_rewards != "none":
+            advantages = advantages / (std + 1e-4)
+    else:  # normalize_then_sum: each reward normalised within its group, then weighted, then batch-normalised
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True)
+        reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
+        rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    return {"advantages": torch.nan_to_num(advantages, nan=0.0),
+            "is_std_zero": torch.isclose(std, torch.zeros_like(std))}
+
+
+def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The logged reward: the weighted sum of the reward functions, NaN where none applied."""
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
+# -- the loss ------------------------------------------------------------------------------------
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float,
+                      all_entropies: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens whose entropy is at least the ``threshold`` quantile of every valid token's entropy
+    (``all_entropies``: those of every process; default this process's)."""
+    pool = entropies[mask.bool()].float() if all_entropies is None else all_entropies
+    if pool.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    cut = torch.quantile(pool, threshold)
+    return ((entropies * mask.float()) >= cut) & mask.bool()
+
+
+def grpo_loss(
+    cfg: GRPOConfig,
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor | None,
+    ref_per_token_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    entropy_mask: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    num_processes: int = 1,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` on given log-probs: returns the loss of one
+    micro-batch (already divided for gradient accumulation, as TRL's is) and the statistics it logs,
+    as (sum, count) pairs (``means``) and per-sequence values (``per_seq``) for the caller to reduce
+    over processes. ``num_items_in_batch``: valid tokens of the whole generation batch, all processes
+    (dapo, cispo, vespo)."""
+    from trl import GRPOTrainer
+
+    ga, mask = cfg.gradient_accumulation_steps, mask.to(per_token_logps.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    log_ratio = per_token_logps - old
+    if cfg.importance_sampling_level == "token":
+        log_weights = log_ratio
+    else:  # GSPO: one weight per sequence, the mean log-ratio
+        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_weights)
+
+    if cfg.beta != 0.0:  # k3 estimator of KL(policy || reference)
+        diff = ref_per_token_logps - per_token_logps
+        per_token_kl = torch.exp(diff) - diff - 1
+        if cfg.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    lo, hi = cfg.epsilon_low, cfg.epsilon_up
+    if cfg.loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=hi).detach() * advantages * per_token_logps
+    elif cfg.loss_type in _CLIPPED_LOSSES:
+        coef_2 = torch.clamp(coef_1, 1 - lo, 1 + hi)
+        if cfg.delta is not None:  # two-sided clipping (INTELLECT-2)
+            coef_1 = torch.clamp(coef_1, max=cfg.delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    elif cfg.loss_type == "sapo":
+        temps = torch.where(advantages > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        per_token_loss = -(torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * advantages
+    else:  # vespo: TRL's gamma weights of the sequence ratio scale the policy gradient
+        phi_seq = GRPOTrainer.get_gamma_weights(
+            advantages=advantages, log_ratio_per_token=log_ratio, mask=mask, importance_sampling_ratio=None,
+            k_pos=cfg.vespo_k_pos, lambda_pos=cfg.vespo_lambda_pos, k_neg=cfg.vespo_k_neg,
+            lambda_neg=cfg.vespo_lambda_neg)
+        per_token_loss = -phi_seq * advantages * per_token_logps
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if cfg.beta != 0.0:
+        per_token_loss = per_token_loss + cfg.beta * per_token_kl
+
+    if cfg.loss_type in ("grpo", "sapo"):
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
+    elif cfg.loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
+    elif cfg.loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * cfg.max_completion_length) / ga
+    elif cfg.loss_type in ("cispo", "dapo", "vespo"):
+        # num_items_in_batch spans the generation batch: rescale it to one accumulation window
+        items = torch.as_tensor(num_items_in_batch, dtype=per_token_logps.dtype).clamp(min=1.0)
+        loss = (per_token_loss * mask).sum() / (items / num_processes * ga / cfg.steps_per_generation)
+    else:  # luspo
+        loss = (per_token_loss * mask).sum(-1).mean() / ga
+
+    with torch.no_grad():
+        def masked_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if x.shape[1] == 1:  # sequence level: one value per sequence
+                return x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+            return (x * mask).sum(), mask.sum()
+
+        def seq_mean(x: torch.Tensor) -> torch.Tensor:
+            return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+        means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        per_seq: dict[str, torch.Tensor] = {}
+        if cfg.beta != 0.0:
+            means["kl"] = masked_sum(per_token_kl)
+        if cfg.loss_type in _CLIPPED_LOSSES:
+            low = ((coef_1 < 1 - lo) & (advantages < 0)).float()
+            high = ((coef_1 > 1 + hi) & (advantages > 0)).float()
+            means["clip_ratio/low_mean"] = masked_sum(low)
+            means["clip_ratio/high_mean"] = masked_sum(high)
+            means["clip_ratio/region_mean"] = masked_sum(torch.maximum(low, high))
+            per_seq["clip_ratio/low_min"] = seq_mean(low)
+            per_seq["clip_ratio/high_max"] = seq_mean(high)
+        elif cfg.loss_type == "cispo":
+            means["cispo_clip_ratio"] = masked_sum(((coef_1 > hi) & (advantages > 0)).float())
+        elif cfg.loss_type == "vespo":
+            means["vespo/phi_seq_mean"] = masked_sum(phi_seq)
+    return loss, {"means": means, "per_seq": per_seq}
+
+
+def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                     temperature: float, compute_entropy: bool = False,
+                     batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of the last ``logits_to_keep`` tokens at the sampling
+    temperature, 0 where the attention mask is 0 (as TRL's fused LM head gives them). Runs the
+    model's (engine's) own forward so ZeRO-3 gathering applies; positions follow the attention mask,
+    as in generation."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    batch_size = batch_size or input_ids.size(0)
+    logps, entropies = [], []
+    for i in range(0, input_ids.size(0), batch_size):
+        ids, am = input_ids[i : i + batch_size], attention_mask[i : i + batch_size]
+        position_ids = (am.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids, use_cache=False,
+                       logits_to_keep=logits_to_keep + 1).logits
+        logits = logits[:, :-1].float() / temperature
+        valid = am[:, -logits_to_keep:].bool()
+        logps.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]).masked_fill(~valid, 0.0))
+        if compute_entropy:
+            entropies.append(entropy_from_logits(logits).masked_fill(~valid, 0.0))
+    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
+
+
+def reduce_loss_stats(stats: list[dict[str, Any]], sum_over_ranks: Any = None, gather: Any = None) -> dict[str, float]:
+    """TRL's logged loss statistics from :func:`grpo_loss`'s parts: token-weighted means over every
+    process (``sum_over_ranks``: an all-reduce sum), ``clip_ratio/low_min`` and ``high_max`` over
+    every process's sequences (``gather``: an all-gather). One dict per micro-batch in ``stats``
+    (the caller adds ``means["entropy"]``);
+    the result is their mean, as TRL averages its per-micro-batch values over a logging step."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    sum_over_ranks = sum_over_ranks or (lambda t: t)
+    gather = gather or (lambda t: t)
+    rows: list[dict[str, float]] = []
+    for st in stats:
+        keys = sorted(st["means"])
+        row: dict[str, float] = {}
+        parts = torch.stack([torch.stack([st["means"][k][0].float(), st["means"][k][1].float()]) for k in keys])
+        totals = sum_over_ranks(parts)
+        for k, (s, n) in zip(keys, totals.tolist()):
+            row[k] = s / max(n, 1.0)
+        for k, v in sorted(st["per_seq"].items()):
+            row[k] = (nanmin if k.endswith("min") else nanmax)(gather(v.float())).item()
+        rows.append(row)
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+
+
+def _load_weights_into(session: Any, role: str, directory: Path) -> None:
+    """Overwrite a role's weights with a checkpoint's safetensors (a synced reference on resume)."""
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no {role} weights in the checkpoint")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+
+    def copy(name: str, tensor: torch.Tensor) -> None:
+        if name not in state:
+            raise KeyError(f"{directory} has no {name!r}: not a checkpoint of this {role}")
+        tensor.copy_(state[name])
+
+    session.update_weights(role, copy)
+
+
+# -- the trainer ---------------------------------------------------------------------------------
+class GRPOTrainer:
+    """GRPO with per-role placement. ``train()`` returns the logged metrics, one dict per optimizer
+    step (TRL's names: ``reward``, ``reward_std``, ``rewards/<func>/mean``, ``kl``, ``entropy``,
+    ``clip_ratio/...``, ``completions/...``) plus ``time/<phase>``."""
+
+    algorithm = "grpo"
+
+    def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None) -> None:
+        from transformers import AutoModelForSequenceClassification
+
+        from .. import rewards
+        from ..rollout import Rollout, SamplingParams
+
+        self.cfg = cfg
+        seed_everything(cfg.seed)
+        policy_path = cfg.model_name_or_path or str(tiny.sft_model_path())
+        self.tokenizer = tok = tiny.load_tokenizer(policy_path)
+        if tok.pad_token_id is None:
+            raise ConfigError(f"{policy_path}: the tokenizer has no pad token; set one (e.g. tokenizer.pad_token = "
+                              "tokenizer.eos_token) and save it with the model")
+        self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+
+        # Rewards, in the order given (reward_weights follow it): functions and reward-model roles.
+        names = cfg.reward_funcs
+        if names is None:
+            if cfg.model_name_or_path is not None and not reward_funcs:
+                raise ConfigError("GRPO needs a reward: set reward_funcs (\"pkg.module:function\" or a reward "
+                                  "model's path)")
+            names = [] if reward_funcs else ["posttrain.synthetic:sentiment_reward"]
+        self.sources: list[tuple[str, Any, Any]] = [("func", f, rewards.func_name(f)) for f in reward_funcs or []]
+        model_paths: list[str] = []
+        for name in names:
+            if rewards.is_function_name(name):
+                (fn,) = rewards.load_reward_funcs([name])
+                self.sources.append(("func", fn, rewards.func_name(fn)))
+            else:
+                role = "reward" if not model_paths else f"reward_{len(model_paths)}"
+                model_paths.append(name)
+                self.sources.append(("model", role, name))
+        if not self.sources:
+            raise ConfigError("GRPO needs a reward: set reward_funcs")
+        self.reward_weights = torch.tensor(rewards.check_reward_weights(cfg.reward_weights, len(self.sources),
+                                                                        "rewards (functions and models)"))
+        self.reward_names = [n if kind == "func" else Path(str(n)).name for kind, _, n in self.sources]
+
+        self.rows = train_rows if train_rows is not None else load_prompt_rows(cfg)
+        self.prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows]
+        max_prompt_len = max(len(p) for p in self.prompt_ids)
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_gen_size = cfg.per_device_train_batch_size * cfg.steps_per_generation
+        self.prompts_per_generation = cfg.generation_batch_size // cfg.num_generations
+        if self.prompts_per_generation > len(self.rows):
+            raise ConfigError(f"a generation batch needs {self.prompts_per_generation} prompts and the dataset has "
+                              f"{len(self.rows)}: lower per_device_train_batch_size or steps_per_generation")
+        self.micro_per_generation = cfg.steps_per_generation * cfg.num_iterations
+        if cfg.max_steps > 0:
+            self.total_steps = cfg.max_steps
+        else:  # TRL's epoch: every prompt num_generations times, each generation batch num_iterations times
+            completions = cfg.num_train_epochs * len(self.rows) * cfg.num_generations * cfg.num_iterations
+            self.total_steps = max(1, math.ceil(completions / (cfg.per_device_train_batch_size * world
+                                                               * cfg.gradient_accumulation_steps)))
+        if cfg.save_steps and (cfg.save_steps * cfg.gradient_accumulation_steps) % self.micro_per_generation:
+            raise ConfigError(
+                f"save_steps ({cfg.save_steps}) must end on a generation boundary: a generation batch lasts "
+                f"{self.micro_per_generation} micro-batches (steps_per_generation x num_iterations) and a step "
+                f"{cfg.gradient_accumulation_steps}; pick save_steps so that save_steps x gradient_accumulation_steps "
+                f"is a multiple of {self.micro_per_generation}")
+
+        frozen = (["reference"] if cfg.beta != 0.0 else []) + [r for k, r, _ in self.sources if k == "model"]
+        self.session = s = make_session(cfg, ["policy"], frozen, total_steps=self.total_steps)
+        torch.manual_seed(cfg.seed)
+        policy = s.load("policy", policy_path)
+        policy.generation_config.pad_token_id = tok.pad_token_id
+        if cfg.disable_dropout:
+            from trl.trainer.utils import disable_dropout_in_model
+
+            disable_dropout_in_model(policy)
+        opt, sched = optimizer_and_scheduler(policy, cfg, self.total_steps)
+        s.prepare("policy", policy, opt, sched)
+        if cfg.beta != 0.0:
+            s.prepare("reference", s.load("reference", cfg.ref_model_name_or_path or policy_path))
+        policy_vocab = policy.get_input_embeddings().num_embeddings
+        self.reward_inputs: dict[str, Any] = {}
+        for kind, role, path in self.sources:
+            if kind == "model":
+                rin = rewards.reward_model_input(path, tok, policy_vocab)
+                model = s.load(role, path, model_cls=AutoModelForSequenceClassification, num_labels=1)
+                model.config.pad_token_id = tok.pad_token_id
+                rin.prepare(model)
+                s.prepare(role, model)
+                self.reward_inputs[role] = rin
+
+        self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
+                                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                       stop_token_ids=self.eos_ids)
+        self.rollout = Rollout(s, "policy", self.sampling, max_batch=self.local_gen_size,
+                               max_prompt_len=max_prompt_len, backend=cfg.generation_backend,
+                               ds3_gather_for_generation=cfg.ds3_gather_for_generation)
+        self.phases = Phases()
+        self.step = 0
+        self.num_tokens = 0.0
+        self.history: list[dict] = []
+
+    # -- one generation batch ------------------------------------------------------------------
+    def _generation_rows(self, cycle: int) -> list[int]:
+        """This process's rows of generation batch ``cycle``: the global batch is
+        ``prompts_per_generation`` prompts of the epoch's order, each ``num_generations`` times in a
+        row (a group), split across processes in order, so the data does not depend on placement."""
+        cfg, s = self.cfg, self.session
+        per_epoch = max(1, len(self.rows) // self.prompts_per_generation)
+        epoch, k = divmod(cycle, per_epoch)
+        order = epoch_order(len(self.rows), cfg.seed, epoch)
+        prompts = order[k * self.prompts_per_generation : (k + 1) * self.prompts_per_generation]
+        expanded = [i for i in prompts for _ in range(cfg.num_generations)]
+        return expanded[s.process_index * self.local_gen_size : (s.process_index + 1) * self.local_gen_size]
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        return self.session.accelerator.gather(t) if self.session.num_processes > 1 else t
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.session.num_processes > 1:
+            t = t.clone()
+            torch.distributed.all_reduce(t)
+        return t
+
+    def needs_old_logps(self) -> bool:
+        """TRL keeps the sampling policy's log-probs only when a generation batch outlives one
+        optimizer step (else the detached current ones are equal)."""
+        cfg = self.cfg
+        return cfg.gradient_accumulation_steps % (cfg.steps_per_generation * cfg.num_iterations) != 0
+
+    @torch.no_grad()
+    def generate_and_score(self, cycle: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        """Sample, score and compute advantages for generation batch ``cycle``; returns its
+        ``steps_per_generation`` shuffled micro-batches and the generation's metrics."""
+        cfg, s, tok = self.cfg, self.session, self.tokenizer
+        dev = s.device
+        idx = self._generation_rows(cycle)
+        ids = [self.prompt_ids[i] for i in idx]
+        width = max(len(p) for p in ids)
+        prompt_ids = torch.full((len(ids), width), tok.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for r, p in enumerate(ids):
+            prompt_ids[r, width - len(p):] = torch.tensor(p)
+            prompt_mask[r, width - len(p):] = 1
+        prompt_ids, prompt_mask = prompt_ids.to(dev), prompt_mask.to(dev)
+        with self.phases("generate"):
+            out = self.rollout.generate(prompt_ids, prompt_mask)
+        completion_ids, completion_mask = out.completion_ids.to(dev), out.completion_mask.to(dev).long()
+        lengths = completion_mask.sum(1)
+        last = completion_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        terminal = torch.tensor(self.eos_ids + [tok.pad_token_id], device=dev)
+        truncated = ~torch.isin(last, terminal) | (lengths == 0)
+        if cfg.mask_truncated_completions:
+            completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+        n = completion_ids.shape[1]
+        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+                 "completion_mask": completion_mask}
+        bs = cfg.per_device_train_batch_size
+        with self.phases("policy_forward"):
+            old = None
+            if self.needs_old_logps():
+                old, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
+                                          batch_size=bs)
+        with self.phases("score"):
+            ref = None
+            if cfg.beta != 0.0:
+                with s.activate("reference"):
+                    ref, _ = completion_logps(s.engines["reference"], input_ids, attention_mask, n,
+                                              cfg.temperature, batch_size=bs)
+            rows = [self.rows[i] for i in idx]
+            prompts = [r["prompt"] for r in rows]
+            texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
+            per_func = self.score(rows, prompts, texts, input_ids, attention_mask, completion_ids, completion_mask)
+        all_per_func = self._gather(per_func)
+        adv = self.advantages(all_per_func, old, ref, completion_mask)
+        local = slice(s.process_index * len(idx), (s.process_index + 1) * len(idx))
+        batch["advantages"] = adv["advantages"][local]
+        batch["num_items_in_batch"] = self._sum(completion_mask.sum().float())
+        if old is not None:
+            batch["old_per_token_logps"] = old
+        if ref is not None:
+            batch["ref_per_token_logps"] = ref
+
+        metrics = self.generation_metrics(all_per_func, adv, prompt_mask, lengths, truncated)
+        metrics.update(adv.get("metrics", {}))
+        self.samples = (prompts, texts, self.weighted(per_func))
+        # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + cycle * 1009 + s.process_index)
+        perm = torch.randperm(len(idx), generator=g).to(dev)
+        micro = []
+        for j in range(cfg.steps_per_generation):
+            sel = perm[j * bs : (j + 1) * bs]
+            micro.append({k: (v[sel] if v.dim() and v.shape[0] == len(idx) else v) for k, v in batch.items()})
+        return micro, metrics
+
+    def weighted(self, per_func: torch.Tensor) -> torch.Tensor:
+        return weighted_rewards(per_func, self.reward_weights.to(per_func.device))
+
+    def score(self, rows: list[dict], prompts: list, texts: list[str], input_ids: torch.Tensor,
+              attention_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+        """``(local batch, n_rewards)``: each reward function on the decoded completions (TRL's
+        calling convention and the dataset's other columns) and each reward model (on the policy's
+        ids when it shares the vocabulary, else re-encoded with its own tokenizer)."""
+        from .. import rewards
+
+        s = self.session
+        out = torch.zeros(len(texts), len(self.sources), dtype=torch.float32, device=s.device)
+        completions = rewards.as_completions(prompts, texts)
+        ids_list = [c[m.bool()].tolist() for c, m in zip(completion_ids, completion_mask)]
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        for j, (kind, what, _) in enumerate(self.sources):
+            if kind == "func":
+                out[:, j] = rewards.call_reward_funcs([what], prompts, completions, ids_list, s.device, **columns)[:, 0]
+                continue
+            rin = self.reward_inputs[what]
+            with s.activate(what):
+                if rin.shares_policy_ids:
+                    out[:, j] = rewards.sequence_scores(s.engines[what], input_ids, attention_mask,
+                                                        rin.vocab_size).float()
+                else:
+                    out[:, j] = rewards.score_texts(s.engines[what], rin, prompts, texts, s.device,
+                                                    batch_size=self.cfg.per_device_train_batch_size)
+        return out
+
+    def advantages(self, rewards_per_func: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
+                   completion_mask: torch.Tensor) -> dict[str, Any]:
+        cfg = self.cfg
+        return group_advantages(rewards_per_func, self.reward_weights.to(rewards_per_func.device),
+                                cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation)
+
+    def generation_metrics(self, all_per_func: torch.Tensor, adv: dict[str, Any], prompt_mask: torch.Tensor,
+                           lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+        """TRL's per-generation metrics, over every process's completions."""
+        from trl.trainer.utils import nanstd
+
+        m: dict[str, float] = {}
+        for j, name in enumerate(self.reward_names):
+            m[f"rewards/{name}/mean"] = torch.nanmean(all_per_func[:, j]).item()
+            m[f"rewards/{name}/std"] = nanstd(all_per_func[:, j]).item()
+        rewards = self.weighted(all_per_func)
+        m["reward"] = torch.nanmean(rewards).item()
+        m["reward_std"] = nanstd(rewards).item()
+        m["frac_reward_zero_std"] = adv["is_std_zero"].float().mean().item()
+        all_lengths = self._gather(lengths).float()
+        all_truncated = self._gather(truncated)
+        self.num_tokens += self._sum(prompt_mask.sum().float()).item() + all_lengths.sum().item()
+        m["num_tokens"] = self.num_tokens
+        m["completions/mean_length"] = all_lengths.mean().item()
+        m["completions/min_length"] = all_lengths.min().item()
+        m["completions/max_length"] = all_lengths.max().item()
+        m["completions/clipped_ratio"] = all_truncated.float().mean().item()
+        term = all_lengths[~all_truncated]
+        term = term if term.numel() else torch.zeros(1)
+        m["completions/mean_terminated_length"] = term.mean().item()
+        m["completions/min_terminated_length"] = term.min().item()
+        m["completions/max_terminated_length"] = term.max().item()
+        return m
+
+    # -- the loss on one micro-batch ---------------------------------------------------------------
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        cfg, s = self.cfg, self.session
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        mask = batch["completion_mask"]
+        logps, entropies = completion_logps(s.engines["policy"], input_ids, attention_mask, mask.shape[1],
+                                            cfg.temperature, compute_entropy=True)
+        entropy_mask = None
+        if cfg.top_entropy_quantile < 1.0:
+            local = entropies.detach()[mask.bool()].float()
+            pool = local
+            if s.num_processes > 1:  # the quantile over every process's tokens, as TRL takes it
+                padded = s.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)
+                pool = s.accelerator.gather(padded)
+                pool = pool[pool != -1e9]
+            entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile, pool)
+        loss, stats = grpo_loss(cfg, logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
+                                batch["advantages"], mask, entropy_mask, batch["num_items_in_batch"],
+                                s.num_processes)
+        stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
+        return loss, stats
+
+    def backward_scale(self) -> float:
+        """The DeepSpeed engine divides every loss by the accumulation steps; TRL's GRPO loss
+        already is, so it is scaled back (RLOO's is not, as in TRL)."""
+        return float(self.cfg.gradient_accumulation_steps)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        cfg, s = self.cfg, self.session
+        ga = cfg.gradient_accumulation_steps
+        ckpt = resume_dir(cfg)
+        if ckpt is not None:
+            state = s.load_state(ckpt / "state")
+            self.step, self.num_tokens = int(state["step"]), float(state.get("num_tokens", 0.0))
+            if cfg.sync_ref_model:
+                _load_weights_into(s, "reference", ckpt / "reference")
+        log = RunLog(s, cfg, self.total_steps, self.algorithm, start=self.step)
+        micro = self.step * ga
+        buffer: list[dict[str, torch.Tensor]] = []
+        gen_metrics: list[dict[str, float]] = []  # of the generations sampled during this step
+        latest: dict[str, float] = {}
+        while self.step < self.total_steps:
+            tick = time.perf_counter()
+            loss_sum, stats = 0.0, []
+            for _ in range(ga):
+                if micro % self.micro_per_generation == 0 or not buffer:
+                    buffer, metrics = self.generate_and_score(micro // self.micro_per_generation)
+                    gen_metrics.append(metrics)
+                batch = buffer[micro % cfg.steps_per_generation]
+                with self.phases("train"):
+                    loss, st = self.compute_loss(batch)
+                    s.backward("policy", loss * self.backward_scale())
+                    s.step("policy")
+                loss_sum += loss.item() * self.backward_scale() / ga
+                stats.append(st)
+                micro += 1
+            self.step += 1
+            if cfg.sync_ref_model and self.step % cfg.ref_model_sync_steps == 0:
+                with self.phases("ref_sync"):
+                    s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
+            row = reduce_loss_stats(stats, self._sum, self._gather)
+            row["loss"] = mean_over_ranks(s, {"loss": loss_sum})["loss"]
+            # A step that reused the previous generation batch reports that batch's metrics.
+            gen_metrics = gen_metrics or [latest]
+            keys = dict.fromkeys(k for m in gen_metrics for k in m)
+            row.update({k: sum(m[k] for m in gen_metrics) / len(gen_metrics) for k in keys})
+            latest, gen_metrics = gen_metrics[-1], []
+            row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                        **self.phases.pop(), "time/step": time.perf_counter() - tick})
+            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                log.log(self.step, row, advance=False)
+                if cfg.log_completions:
+                    self._log_samples()
+            log.bar.update(1)
+            if cfg.save_steps and self.step % cfg.save_steps == 0:
+                export = {"policy": self.tokenizer, **({"reference": None} if cfg.sync_ref_model else {})}
+                save_checkpoint(s, cfg, self.step, export, {"num_tokens": self.num_tokens})
+        log.close()
+        self.history = log.history
+        return log.history
+
+    def _log_samples(self) -> None:
+        prompts, texts, scores = self.samples
+        k = self.cfg.num_completions_to_print or len(texts)
+        rows = [{"step": self.step, "prompt": p if isinstance(p, str) else p[-1]["content"], "completion": c,
+                 "reward": round(float(r), 4)} for p, c, r in zip(prompts[:k], texts[:k], scores[:k].tolist())]
+        if self.session.is_main_process:
+            with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def save(self, directory: str | None = None) -> None:
+        """The trained policy in Hugging Face format (``from_pretrained`` loads it)."""
+        self.session.save_pretrained("policy", directory or self.cfg.output_dir + "/policy", self.tokenizer)
+
+
+# -- prompts -------------------------------------------------------------------------------------
+def load_prompt_rows(cfg: GRPOConfig) -> list[dict]:
+    """Rows with a "prompt" (TRL's standard text or conversational messages) and any other
+    columns (passed to reward functions); the bundled prompts when no dataset is named."""
+    if cfg.dataset_name is None:
+        return [{"prompt": p} for p in synthetic.prompts(cfg.num_prompts, seed=cfg.seed)]
+    ds = load_dataset_source(cfg.dataset_name, split=cfg.dataset_split)
+    if "prompt" not in ds.column_names:
+        raise ConfigError(f"{cfg.dataset_name}: GRPO needs a 'prompt' column (text or a list of messages); "
+                          f"the columns are {ds.column_names}")
+    rows = ds.to_list()
+    for i, r in enumerate(rows):
+        if not r["prompt"]:
+            raise ConfigError(f"{cfg.dataset_name}: row {i} has an empty 'prompt'")
+    return rows
+
+
+def tokenize_prompt(prompt: Any, tokenizer: Any, cfg: GRPOConfig) -> list[int]:
+    """A prompt's ids as TRL builds them: the chat template with the generation prompt for
+    conversational prompts (``maybe_apply_chat_template``), the tokenizer's own special tokens for
+    text; kept to the last ``max_prompt_length`` tokens."""
+    from trl.data_utils import is_conversational, maybe_apply_chat_template
+
+    example = {"prompt": prompt}
+    if is_conversational(example):
+        text = maybe_apply_chat_template(example, tokenizer, **(cfg.chat_template_kwargs or {}))["prompt"]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise ConfigError(f"prompt {prompt!r} tokenizes to nothing")
+    return ids[-cfg.max_prompt_length:] if cfg.max_prompt_length else ids

@@ -1,0 +1,126 @@
+"""RLOO (TRL 1.16's ``RLOOTrainer``) on per-role plugins: GRPO's loop, roles and generation with
+RLOO's objective.
+
+What differs from GRPO (``trainers/grpo.py``), as in TRL: the KL to the reference is folded into
+the reward (the sequence sum of the first-order log-ratio, times ``beta``); the advantage is the
+reward minus the mean reward of the other completions of the same prompt (leave-one-out),
+optionally normalised over the generation batch (``normalize_advantages``) after clipping rewards
+to ``reward_clip_range``; the loss is PPO's clipped objective on the sequence-level ratio of
+summed log-probs, averaged over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..dsconfig import ConfigError
+from .grpo import GRPOConfig, GRPOTrainer, completion_logps
+
+
+@dataclass
+class RLOOConfig(GRPOConfig):
+    """RLOO settings; names and defaults follow TRL 1.16's ``RLOOConfig`` (which GRPO's fields it
+    shares keep GRPO's meaning; the GRPO-only loss options are refused)."""
+
+    beta: float = 0.05
+    normalize_advantages: bool = False
+    reward_clip_range: list[float] | None = None  # [min, max]
+    loss_type: str = "rloo"  # RLOO's one loss (TRL's RLOOConfig has no loss_type)
+
+    _loss_types = ("rloo",)
+
+    def __post_init__(self) -> None:
+        if self.importance_sampling_level != "token" or self.top_entropy_quantile != 1.0 or self.delta is not None:
+            raise ConfigError("importance_sampling_level, top_entropy_quantile and delta are GRPO options; "
+                              "TRL's RLOO does not have them: drop them or use GRPO")
+        if self.reward_clip_range is not None:
+            if len(self.reward_clip_range) != 2 or self.reward_clip_range[0] > self.reward_clip_range[1]:
+                raise ConfigError(f"reward_clip_range must be [min, max]; got {self.reward_clip_range}")
+            self.reward_clip_range = tuple(float(x) for x in self.reward_clip_range)
+        super().__post_init__()
+
+
+def rloo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                    kl: torch.Tensor | None = None, beta: float = 0.0, normalize_advantages: bool = False,
+                    reward_clip_range: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+    """TRL 1.16's RLOO advantages over the whole generation batch (all processes): weighted rewards,
+    clipped, minus ``beta`` times each sequence's summed log-ratio ``kl``, minus the leave-one-out
+    mean of the scorable siblings; rows no reward function scored get 0."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    if reward_clip_range:
+        rewards = rewards.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
+    if beta != 0.0 and kl is not None:
+        rewards = rewards - beta * kl
+    grouped = rewards.view(-1, num_generations)
+    std = nanstd(grouped, dim=1)
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baselines = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scorable - 1)
+    advantages = rewards - baselines.view(-1)
+    if normalize_advantages:
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+    return {"advantages": torch.nan_to_num(advantages, nan=0.0),
+            "is_std_zero": torch.isclose(std, torch.zeros_like(std))}
+
+
+def rloo_loss(cfg: RLOOConfig, per_token_logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """TRL 1.16's ``RLOOTrainer._compute_loss`` on given log-probs: the clipped objective on the
+    ratio of summed completion log-probs (``old_logps``: the sampling policy's sums), averaged
+    over sequences (the engine divides by the accumulation steps, as HF's Trainer does for TRL)."""
+    logps = (per_token_logps * mask).sum(1)
+    coef_1 = torch.exp(logps - old_logps)
+    coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_up)
+    loss = (-torch.min(coef_1 * advantages, coef_2 * advantages)).mean()
+    with torch.no_grad():
+        low = ((coef_1 < 1 - cfg.epsilon_low) & (advantages < 0)).float()
+        high = ((coef_1 > 1 + cfg.epsilon_up) & (advantages > 0)).float()
+        n = torch.tensor(float(low.numel()), device=low.device)
+        means = {"clip_ratio/low_mean": (low.sum(), n), "clip_ratio/high_mean": (high.sum(), n),
+                 "clip_ratio/region_mean": (torch.maximum(low, high).sum(), n)}
+    return loss, {"means": means, "per_seq": {"clip_ratio/low_min": low, "clip_ratio/high_max": high}}
+
+
+class RLOOTrainer(GRPOTrainer):
+    """RLOO with per-role placement; ``train()`` returns the logged metrics (TRL's names)."""
+
+    algorithm = "rloo"
+
+    def needs_old_logps(self) -> bool:
+        return True  # the KL in the reward and the sequence ratio both use them (TRL always computes them)
+
+    def advantages(self, rewards_per_func: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
+                   completion_mask: torch.Tensor) -> dict[str, Any]:
+        cfg, mask = self.cfg, completion_mask.float()
+        kl, metrics = None, {}
+        if cfg.beta != 0.0:
+            # First-order log-ratio, as TRL's RLOO (and the RLOO paper): summed per sequence.
+            per_token_kl = (old - ref) * mask
+            kl = self._gather(per_token_kl.sum(-1))
+            totals = self._sum(torch.stack([per_token_kl.sum(), mask.sum()]))
+            metrics["kl"] = (totals[0] / totals[1].clamp(min=1.0)).item()
+        out = rloo_advantages(rewards_per_func, self.reward_weights.to(rewards_per_func.device), cfg.num_generations,
+                              kl, cfg.beta, cfg.normalize_advantages, cfg.reward_clip_range)
+        out["metrics"] = metrics
+        return out
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        cfg, s = self.cfg, self.session
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        mask = batch["completion_mask"]
+        logps, entropies = completion_logps(s.engines["policy"], input_ids, attention_mask, mask.shape[1],
+                                            cfg.temperature, compute_entropy=True)
+        old_logps = (batch["old_per_token_logps"] * mask).sum(1)
+        loss, stats = rloo_loss(cfg, logps, old_logps, batch["advantages"], mask)
+        stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
+        return loss, stats
+
+    def backward_scale(self) -> float:
+        return 1.0  # TRL's RLOO loss is a plain mean; the engine divides by the accumulation steps

@@ -492,27 +492,46 @@ class Session:
     # -- saving ------------------------------------------------------------------------------
     def save_state(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
         """A resumable checkpoint: each trained role's engine (weights, optimizer), its scheduler
-        and RNG states, plus ``extra`` (the trainer's counters) as JSON."""
+        and every rank's RNG states, then ``trainer_state.json`` (``extra``, the trainer's
+        counters). That file is written last, once every rank has written its part, so its
+        presence marks a complete state; the call returns when it is on disk."""
         directory = Path(directory)
         for name, role in self.roles.items():
             if role.trains and name in self.engines:
                 with self.activate(name):
                     self._accelerators[name].save_state(str(directory / name))
-        if self.is_main_process and extra is not None:
-            (directory / "trainer_state.json").write_text(json.dumps(extra, indent=1))
+        self.accelerator.wait_for_everyone()
+        if self.is_main_process:
+            tmp = directory / "trainer_state.json.tmp"
+            tmp.write_text(json.dumps(extra or {}, indent=1))
+            os.replace(tmp, directory / "trainer_state.json")
         self.accelerator.wait_for_everyone()
 
     def load_state(self, directory: str | os.PathLike) -> dict:
-        """Restore what :meth:`save_state` wrote; returns its ``extra``."""
+        """Restore what :meth:`save_state` wrote; returns its ``extra``. An incomplete state is
+        refused: accelerate would skip a missing RNG file with only an info log, and the run would
+        silently diverge from the one saved."""
+        from accelerate.utils import RNG_STATE_NAME
+
         directory = Path(directory)
+        if not (directory / "trainer_state.json").is_file():
+            raise ConfigError(f"{directory} is incomplete (no trainer_state.json, written last by save_state): "
+                              "its save did not finish; resume from an earlier checkpoint")
         for name, role in self.roles.items():
             if role.trains and name in self.engines:
                 if not (directory / name).is_dir():
-                    raise FileNotFoundError(f"{directory} has no state for role {name!r}")
+                    raise ConfigError(f"{directory} has no state for role {name!r}: it was saved by another set "
+                                      "of roles; resume with the roles it was saved with")
+                # Every rank checks every rank's file, so all ranks agree before any collective.
+                missing = [i for i in range(self.num_processes)
+                           if not (directory / name / f"{RNG_STATE_NAME}_{i}.pkl").is_file()]
+                if missing:
+                    raise ConfigError(f"{directory / name} lacks the RNG state of rank(s) {missing}: it was saved by "
+                                      "fewer processes or its save did not finish; resume from a complete checkpoint "
+                                      "with the same number of processes")
                 with self.activate(name):
                     self._accelerators[name].load_state(str(directory / name))
-        extra = directory / "trainer_state.json"
-        return json.loads(extra.read_text()) if extra.exists() else {}
+        return json.loads((directory / "trainer_state.json").read_text())
 
     def state_dict(self, name: str) -> dict:
         """The role's full weights (gathered if it is ZeRO-3), read under its own config. Collective:

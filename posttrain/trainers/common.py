@@ -8,6 +8,8 @@ import math
 import os
 import random
 import re
+import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,6 +55,10 @@ class TrainConfig:
     mix: str = DEFAULT_MIX
     role_configs: dict[str, str] = field(default_factory=dict)
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest" in output_dir
+    # A reused output_dir (metrics.jsonl or checkpoints in it) is refused unless this is set (it then
+    # clears them) or the run resumes. TrainingArguments' names and meanings.
+    overwrite_output_dir: bool = False
+    save_total_limit: int | None = None  # keep only the newest N checkpoints; None keeps all
     disable_tqdm: bool = False
     # TrainingArguments' flags, as TRL users pass them. bf16/fp16 set mixed_precision. Evaluation
     # runs when a trainer is given eval data; the scripts give it none under eval_strategy "no"
@@ -111,6 +117,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
 
 
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:
+    prepare_output_dir(cfg)  # before any model loads: a reused dir or a missing checkpoint fails fast
     return Session(
         roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs),
         micro_batch_size=cfg.per_device_train_batch_size,
@@ -218,6 +225,10 @@ class RunLog:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
+            # A resumed run continues the files at its checkpoint's step: rows the dead run wrote
+            # after it are dropped (they are written again).
+            truncate_jsonl(self.out / "metrics.jsonl", start)
+            truncate_jsonl(self.out / "samples.jsonl", start)
         self.history: list[dict] = []
         if cfg.report_to:
             # Trackers (TensorBoard's hparams) take scalars only.
@@ -257,6 +268,24 @@ _BAR_KEYS = {"loss", "objective/scores", "objective/kl", "rewards/accuracies", "
              "loss/policy_avg", "train/loss", "eval/loss"}
 
 
+def truncate_jsonl(path: Path, step: int) -> int:
+    """Keep the rows of a metrics/samples file logged at ``step`` or before (by their "step" or
+    "update" key); returns how many were dropped."""
+    if not path.exists():
+        return 0
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in rows if _row_step(json.loads(line)) <= step]
+    if len(kept) != len(rows):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return len(rows) - len(kept)
+
+
+def _row_step(row: dict) -> int:
+    return int(row.get("step", row.get("update", 0)))
+
+
 def _round(v: Any) -> Any:
     return round(v, 7) if isinstance(v, float) and math.isfinite(v) else v
 
@@ -265,34 +294,140 @@ def _jsonable(d: dict) -> dict:
     return {k: (v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v)) for k, v in d.items()}
 
 
-# -- checkpoints -----------------------------------------------------------------------------
+# -- output dir, checkpoints and resume ------------------------------------------------------
+# A checkpoint is written as checkpoint-N.tmp and renamed to checkpoint-N once every rank has
+# written its part, so a checkpoint-N folder is always complete; a .tmp one is a save that died.
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+_PARTIAL = re.compile(r"checkpoint-(\d+)\.tmp")
+_RUN_FILES = ("metrics.jsonl", "samples.jsonl")  # what a run appends to (and overwrite clears)
+
+
 def checkpoint_dir(cfg: TrainConfig, step: int) -> Path:
     return Path(cfg.output_dir) / f"checkpoint-{step}"
 
 
+def is_complete_checkpoint(path: Path) -> bool:
+    """Renamed into place, with the trainer state that :meth:`Session.save_state` writes last."""
+    return bool(_CHECKPOINT.fullmatch(path.name)) and (path / "state" / "trainer_state.json").is_file()
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints in ``output_dir``, oldest step first."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if is_complete_checkpoint(p)]
+    return sorted(found, key=lambda p: int(_CHECKPOINT.fullmatch(p.name).group(1)))
+
+
+def partial_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Half-written checkpoints: saves that did not finish on every rank."""
+    return sorted(p for p in Path(output_dir).glob("checkpoint-*.tmp") if _PARTIAL.fullmatch(p.name))
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if (p / "state" / "trainer_state.json").exists()]
-    if not found:
-        return None
-    return max(found, key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
+    """The complete checkpoint with the highest step (half-written ones never count)."""
+    found = checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def _is_main_rank() -> bool:
+    # Read from the launcher's environment: this runs before the session (and process group) exists.
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _say(message: str) -> None:
+    if _is_main_rank():
+        print(f"[posttrain] {message}", file=sys.stderr, flush=True)
+
+
+def prepare_output_dir(cfg: TrainConfig) -> None:
+    """Decide where the run starts, the same way on every rank, before any model loads.
+
+    - Half-written checkpoints (``checkpoint-N.tmp``) are reported and removed (rank 0).
+    - ``resume_from_checkpoint: latest`` becomes the newest complete checkpoint's path, said on
+      rank 0; with none it raises, as ``transformers.Trainer`` does for ``True``.
+    - Otherwise an output dir that already holds a run (metrics or checkpoints) is refused unless
+      ``overwrite_output_dir``, which clears them (rank 0).
+    """
+    out = Path(cfg.output_dir)
+    if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
+        raise ConfigError(f"save_total_limit must be >= 1 or unset (keep every checkpoint), got {cfg.save_total_limit}")
+    for partial in partial_checkpoints(out):
+        _say(f"removing {partial}: a half-written checkpoint (its save did not finish on every rank)")
+        if _is_main_rank():
+            shutil.rmtree(partial, ignore_errors=True)
+    if cfg.resume_from_checkpoint:
+        if cfg.resume_from_checkpoint == "latest":
+            latest = latest_checkpoint(out)
+            if latest is None:
+                raise ConfigError(f"resume_from_checkpoint is 'latest' but {out} holds no complete checkpoint: "
+                                  "unset resume_from_checkpoint to start from scratch, or give a checkpoint's path")
+            cfg.resume_from_checkpoint = str(latest)
+        path = resume_dir(cfg)
+        _say(f"resuming from {path} (step {_checkpoint_step(path)})")
+        return
+    used = [name for name in _RUN_FILES if (out / name).exists()] + [p.name for p in checkpoints(out)]
+    if not used:
+        return
+    if not cfg.overwrite_output_dir:
+        raise ConfigError(
+            f"output_dir {out} already holds a run ({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}): "
+            "pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir true to replace it, "
+            "or choose another --output_dir"
+        )
+    _say(f"overwrite_output_dir: clearing {', '.join(used)} in {out}")
+    if _is_main_rank():
+        for name in used:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+
+
+def _checkpoint_step(path: Path) -> int:
+    return int(json.loads((path / "state" / "trainer_state.json").read_text()).get("step", 0))
 
 
 def resume_dir(cfg: TrainConfig) -> Path | None:
+    """The checkpoint this run resumes from (None: from scratch); "latest" is resolved as in
+    :func:`prepare_output_dir`. A half-written or missing checkpoint is refused."""
     if not cfg.resume_from_checkpoint:
         return None
     if cfg.resume_from_checkpoint == "latest":
-        return latest_checkpoint(cfg.output_dir)
+        path = latest_checkpoint(cfg.output_dir)
+        if path is None:
+            raise ConfigError(f"resume_from_checkpoint is 'latest' but {cfg.output_dir} holds no complete checkpoint: "
+                              "unset resume_from_checkpoint to start from scratch, or give a checkpoint's path")
+        return path
     path = Path(cfg.resume_from_checkpoint)
+    if _PARTIAL.fullmatch(path.name) or (path.is_dir() and not (path / "state" / "trainer_state.json").is_file()):
+        good = latest_checkpoint(path.parent)
+        raise ConfigError(f"{path} is a half-written checkpoint (its save did not finish): resume from "
+                          f"{good or 'an earlier checkpoint'}, or use resume_from_checkpoint: latest")
     if not (path / "state").is_dir():
-        raise FileNotFoundError(f"{path} is not a posttrain checkpoint (no state/ inside)")
+        raise ConfigError(f"{path} is not a posttrain checkpoint (no state/ inside): give a checkpoint-N folder "
+                          "of an output dir, or resume_from_checkpoint: latest")
     return path
 
 
 def save_checkpoint(session: Session, cfg: TrainConfig, step: int, export: dict[str, Any], extra: dict) -> Path:
     """``checkpoint-N/``: each exported role in Hugging Face format (``<role>/``, loadable with
-    ``from_pretrained``) and ``state/`` (engines, optimizers, schedulers, RNG, trainer counters)."""
-    path = checkpoint_dir(cfg, step)
+    ``from_pretrained``) and ``state/`` (engines, optimizers, schedulers, RNG, trainer counters).
+
+    Written as ``checkpoint-N.tmp`` and renamed by rank 0 after every rank has written its part
+    (the output dir is shared by all ranks, as accelerate's ``save_state`` also assumes), then the
+    oldest checkpoints beyond ``save_total_limit`` are deleted.
+    """
+    final = checkpoint_dir(cfg, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if session.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    session.accelerator.wait_for_everyone()
     for role, tokenizer in export.items():
-        session.save_pretrained(role, path / role, tokenizer=tokenizer)
-    session.save_state(path / "state", extra={"step": step, **extra})
-    return path
+        session.save_pretrained(role, tmp / role, tokenizer=tokenizer)
+    session.save_state(tmp / "state", extra={"step": step, **extra})  # returns once every rank has written
+    if session.is_main_process:
+        if final.exists():  # from an earlier run past the checkpoint this one resumed from
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if cfg.save_total_limit:
+            for old in checkpoints(cfg.output_dir)[: -cfg.save_total_limit]:
+                shutil.rmtree(old)
+    session.accelerator.wait_for_everyone()
+    return final

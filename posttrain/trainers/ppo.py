@@ -15,7 +15,6 @@ decoded text, or both (a weighted sum).
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import synthetic, tiny
+from .. import rewards, synthetic, tiny
 from ..dsconfig import ConfigError
 from ..preference import load_dataset_source
 from .common import (
@@ -216,32 +215,48 @@ def token_scores(model: Any, query_responses: torch.Tensor, pad_token_id: int, c
     return logits, logits[torch.arange(logits.size(0), device=logits.device), lengths].squeeze(-1)
 
 
-def load_reward_funcs(names: list[str]) -> list[Callable]:
-    funcs = []
-    for name in names:
-        module, _, attr = name.partition(":")
-        if not attr:
-            raise ConfigError(f"reward function {name!r}: write it as 'package.module:function'")
-        funcs.append(getattr(importlib.import_module(module), attr))
-    return funcs
-
-
-def load_prompts(cfg: PPOConfig, tokenizer: Any) -> list[str]:
-    """Prompt strings from a dataset's "prompt" column (chat template applied to conversational
-    rows), or the bundled prompts."""
+def load_prompts(cfg: PPOConfig) -> list[str | list[dict]]:
+    """The dataset's "prompt" column as given (text, or conversational messages), or the
+    bundled prompts. Reward functions and a reward model with its own tokenizer read these."""
     if cfg.dataset_name is None:
         return synthetic.prompts(cfg.num_prompts, seed=cfg.seed)
     ds = load_dataset_source(cfg.dataset_name, split=cfg.dataset_split)
     if "prompt" not in ds.column_names:
         raise ConfigError(f"{cfg.dataset_name}: PPO needs a 'prompt' column; the columns are {ds.column_names}")
-    prompts = []
     for i, p in enumerate(ds["prompt"]):
         if not p:
             raise ConfigError(f"{cfg.dataset_name}: row {i} has an empty 'prompt'")
-        if isinstance(p, list):  # conversational: a list of {"role", "content"} messages
-            p = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-        prompts.append(p)
-    return prompts
+    return list(ds["prompt"])
+
+
+def policy_text(prompt: str | list[dict], tokenizer: Any) -> str:
+    """What the policy reads: the text, or its chat template over conversational messages."""
+    if isinstance(prompt, list):  # conversational: a list of {"role", "content"} messages
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) -> dict[str, float]:
+    """TRL's per-rollout metrics on this rank's batch. The entropy estimate sums -log p over the
+    response's tokens only: padded positions hold INVALID_LOGPROB and would count -1 each."""
+    valid = ~batch["padding_mask"]
+    return {
+        "objective/kl": batch["kl"].sum(1).mean().item(),
+        "objective/entropy": (-batch["logprobs"] * valid).sum(1).mean().item(),
+        "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
+        "objective/rlhf_reward": (batch["scores"] + batch["non_score_reward"].sum(1)).mean().item(),
+        "objective/scores": batch["scores"].mean().item(),
+        "val/num_eos_tokens": (batch["responses"] == eos_token_id).sum().item(),
+    }
+
+
+def gather_ranks(session: Any, values: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``values`` (same shape on each), concatenated in rank order."""
+    if session.num_processes == 1:
+        return values
+    parts = [torch.empty_like(values) for _ in range(session.num_processes)]
+    torch.distributed.all_gather(parts, values.contiguous())
+    return torch.cat(parts)
 
 
 # -- the trainer -----------------------------------------------------------------------------
@@ -249,7 +264,7 @@ class PPOTrainer:
     """PPO with per-role placement. ``train()`` returns the logged metrics, one dict per update."""
 
     def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None) -> None:
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoConfig, AutoModelForSequenceClassification
 
         self.cfg = cfg
         seed_everything(cfg.seed)
@@ -259,20 +274,30 @@ class PPOTrainer:
             reward_path = str(tiny.reward_model_path()) if cfg.model_name_or_path is None else None
         if reward_path == "none":
             reward_path = None
-        self.reward_funcs = (reward_funcs or []) + load_reward_funcs(cfg.reward_funcs)
+        self.reward_funcs = (reward_funcs or []) + rewards.load_reward_funcs(cfg.reward_funcs)
         if reward_path is None and not self.reward_funcs:
             raise ConfigError("PPO needs a reward: set reward_model_path and/or reward_funcs")
-        self.reward_weights = cfg.reward_weights or [1.0] * len(self.reward_funcs)
-        if len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(f"reward_weights has {len(self.reward_weights)} values for "
-                              f"{len(self.reward_funcs)} reward functions")
-        value_path = cfg.value_model_path or reward_path or policy_path
+        self.reward_weights = rewards.check_reward_weights(cfg.reward_weights, len(self.reward_funcs))
 
         self.tokenizer = tiny.load_tokenizer(policy_path)
         if self.tokenizer.pad_token_id is None:
             raise ConfigError(f"{policy_path}: the tokenizer has no pad token; set one (e.g. a new '<pad>')")
         self.stop_token_id = self.tokenizer.eos_token_id if cfg.stop_token == "eos" else cfg.stop_token_id
-        self.prompts = load_prompts(cfg, self.tokenizer)
+        # How the reward model reads the policy's output, decided (or refused) before anything loads.
+        policy_vocab = AutoConfig.from_pretrained(policy_path).get_text_config().vocab_size
+        self.reward_input = None
+        if reward_path:
+            self.reward_input = rewards.reward_model_input(reward_path, self.tokenizer, policy_vocab)
+        # The value model scores every token of the policy's ids, so it needs the policy's vocabulary:
+        # the default is the reward model when it has it, else the policy's own backbone.
+        value_path = cfg.value_model_path or (
+            reward_path if self.reward_input and self.reward_input.shares_policy_ids else policy_path)
+        if cfg.value_model_path and not rewards.reward_model_input(value_path, self.tokenizer, policy_vocab).shares_policy_ids:
+            raise ConfigError(f"value model {value_path} has another vocabulary than the policy's, but it reads the "
+                              "policy's token ids: give value_model_path a model with the policy's tokenizer "
+                              "(or leave it unset to start from the policy)")
+        self.raw_prompts = load_prompts(cfg)
+        self.prompts = [policy_text(p, self.tokenizer) for p in self.raw_prompts]
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         # TRL's batch arithmetic: one update uses local_batch_size rollouts per process.
@@ -298,7 +323,9 @@ class PPOTrainer:
             s.prepare(name, model, opt, sched)
         s.prepare("reference", s.load("reference", cfg.ref_model_name_or_path or policy_path))
         if reward_path:
-            s.prepare("reward", s.load("reward", reward_path, model_cls=AutoModelForSequenceClassification))
+            reward = s.load("reward", reward_path, model_cls=AutoModelForSequenceClassification)
+            self.reward_input.prepare(reward)
+            s.prepare("reward", reward)
         self.phases = Phases()
         self.start = 0
         ckpt = resume_dir(cfg)
@@ -338,8 +365,9 @@ class PPOTrainer:
         return torch.cat(out)
 
     @torch.no_grad()
-    def rollout(self, queries: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Generate, then score: policy and reference log-probs, values, rewards, advantages."""
+    def rollout(self, queries: torch.Tensor, prompts: list | None = None) -> dict[str, torch.Tensor]:
+        """Generate, then score: policy and reference log-probs, values, rewards, advantages.
+        ``prompts`` are the dataset's (text or messages) for the rewards; default: the decoded queries."""
         cfg, s = self.cfg, self.session
         pad, ctx = self.tokenizer.pad_token_id, queries.shape[1]
         with self.phases("generate"):
@@ -364,14 +392,22 @@ class PPOTrainer:
             with s.activate("reference"):
                 ref_logprobs = by_chunk(lambda qr: lm_logprobs(s.engines["reference"], qr, ctx, pad, cfg.temperature)[0])
             scores = torch.zeros(queries.shape[0], device=queries.device)
+            texts = self.tokenizer.batch_decode(post, skip_special_tokens=True)
+            if prompts is None:
+                prompts = self.tokenizer.batch_decode(queries, skip_special_tokens=True)
             if self.has_reward_model:
                 with s.activate("reward"):
-                    scores += torch.cat([token_scores(s.engines["reward"], post_qr[i : i + bs], pad, ctx)[1]
-                                         for i in chunks]).float()
-            texts = self.tokenizer.batch_decode(post, skip_special_tokens=True)
-            for fn, w in zip(self.reward_funcs, self.reward_weights):
-                scores += w * torch.tensor(fn(completions=texts, prompts=self.tokenizer.batch_decode(
-                    queries, skip_special_tokens=True)), dtype=scores.dtype, device=scores.device)
+                    if self.reward_input.shares_policy_ids:
+                        scores += torch.cat([token_scores(s.engines["reward"], post_qr[i : i + bs], pad, ctx)[1]
+                                             for i in chunks]).float()
+                    else:  # its own tokenizer: decoded completions re-encoded (TRL's GRPOTrainer)
+                        scores += rewards.score_texts(s.engines["reward"], self.reward_input, prompts, texts,
+                                                      scores.device, bs)
+            if self.reward_funcs:
+                completion_ids = [row[row != pad].tolist() for row in post]
+                per_func = rewards.call_reward_funcs(self.reward_funcs, prompts, rewards.as_completions(prompts, texts),
+                                                     completion_ids, device=scores.device)
+                scores += rewards.weighted_sum(per_func, self.reward_weights).to(scores.dtype)
         return self.advantages(responses, post, logprobs, ref_logprobs, values, scores, sequence_lengths,
                                query_responses=query_responses, texts=texts)
 
@@ -446,7 +482,8 @@ class PPOTrainer:
                                  ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy.mean()),
                                  ("ratio", pg["ratio"])):
                         stats[k].append(v.detach().float())
-        ratios = torch.stack(stats["ratio"])
+        # TRL's val/ratio_var: the variance over every rank's values, not a mean of per-rank variances.
+        ratios = gather_ranks(s, torch.stack(stats["ratio"]))
         return {
             "policy/approxkl_avg": torch.stack(stats["approxkl"]).mean().item(),
             "policy/clipfrac_avg": torch.stack(stats["clipfrac"]).mean().item(),
@@ -466,19 +503,12 @@ class PPOTrainer:
         sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
         for update in range(self.start + 1, self.num_updates + 1):
             tick = time.perf_counter()
-            queries = self._queries(next(batches))
-            batch = self.rollout(queries)
+            indices = next(batches)
+            queries = self._queries(indices)
+            batch = self.rollout(queries, prompts=[self.raw_prompts[i] for i in indices])
             with self.phases("train"):
                 train_stats = self.train_on(batch, update)
-            metrics = {
-                "objective/kl": batch["kl"].sum(1).mean().item(),
-                "objective/entropy": (-batch["logprobs"]).sum(1).mean().item(),
-                "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
-                "objective/rlhf_reward": (batch["scores"] + batch["non_score_reward"].sum(1)).mean().item(),
-                "objective/scores": batch["scores"].mean().item(),
-                "val/num_eos_tokens": (batch["responses"] == self.tokenizer.eos_token_id).sum().item(),
-                **train_stats,
-            }
+            metrics = {**rollout_metrics(batch, self.tokenizer.eos_token_id), **train_stats}
             metrics = mean_over_ranks(s, metrics)
             metrics.update(self.phases.pop())
             metrics["time/update"] = time.perf_counter() - tick

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import LogitsProcessor
 
 from .dsconfig import ConfigError
 
@@ -512,18 +513,35 @@ class ShadowModel:
                 chunk, size = [], 0
 
 
+class _GumbelSampling(LogitsProcessor):
+    """A transformers logits processor that turns greedy search into the engine's sampler:
+    temperature, top-k, top-p, then Gumbel noise keyed like the engine's."""
+
+    def __init__(self, sampling: SamplingParams, key: int, prompt_len: int) -> None:
+        self.sampling, self.key, self.prompt_len = sampling, key, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = torch.tensor(input_ids.shape[1] - self.prompt_len, device=scores.device)
+        key = torch.tensor(self.key, device=scores.device)
+        pick = filter_logits(scores.float() / self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
+        return pick + gumbel_noise(key, step, scores.size(0), scores.size(1), scores.device)
+
+
 # -- the API ----------------------------------------------------------------------------------------
 class Rollout:
     """Built once per run for a trained (or frozen) role of a Session; ``generate`` samples.
 
     ``max_batch``/``max_prompt_len``: the largest rollout (the cache and graph are sized for it).
+    ``ds3_gather_for_generation`` (TRL's name): a ZeRO-3 model is gathered whole for generation;
+    False generates through DeepSpeed's per-layer hooks (less memory, slow; always ``generate``).
     ``sampling``: the run's settings; ``generate(..., sampling=...)`` may change temperature and
     the other knobs per call (the engine recompiles its step for new knobs; keep them fixed in a run)
     and take up to the built ``max_new_tokens``. ``seed``: default the run's torch seed (see the
     module docstring)."""
 
     def __init__(self, session: Any, role: str, sampling: SamplingParams, *, max_batch: int, max_prompt_len: int,
-                 backend: str = "posttrain", model: nn.Module | None = None) -> None:
+                 backend: str = "posttrain", ds3_gather_for_generation: bool = True,
+                 model: nn.Module | None = None) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"generation_backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_prompt_len < 1:
@@ -532,6 +550,7 @@ class Rollout:
         self.max_batch, self.max_prompt_len = max_batch, max_prompt_len
         # ``model``: a bare module without a session (benchmarks, tests): no ZeRO, this process only.
         self._bare = model
+        self.gather = ds3_gather_for_generation
         self.stats: dict[str, Any] = {"backend": backend, "fallback": None, "captures": 0, "recaptures": 0,
                                       "capture_s": 0.0, "kv_cache_bytes": 0}
         self.backend = backend
@@ -541,6 +560,8 @@ class Rollout:
         if backend == "posttrain":
             module = self._module()
             reason = unsupported_reason(module, max_prompt_len + sampling.max_new_tokens)
+            if reason is None and self._zero3() and not self.gather:
+                reason = "ds3_gather_for_generation=False: the engine needs the whole weights on each rank"
             if reason is not None:
                 self._fall_back(reason)
 
@@ -582,10 +603,17 @@ class Rollout:
         if prompt_ids.shape != prompt_mask.shape or prompt_ids.dim() != 2:
             raise ConfigError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} "
                               "must be the same [batch, length] shape")
+        b, p = prompt_ids.shape
+        if b > self.max_batch or p > self.max_prompt_len:  # checked before any collective gather
+            raise ConfigError(f"a rollout of {b} prompts x {p} tokens exceeds this Rollout's max_batch="
+                              f"{self.max_batch} x max_prompt_len={self.max_prompt_len}; build it larger")
+        if sampling.max_new_tokens > self.sampling.max_new_tokens and self.backend == "posttrain":
+            raise ConfigError(f"max_new_tokens={sampling.max_new_tokens} exceeds the {self.sampling.max_new_tokens} "
+                              "this Rollout was built for (its cache is sized for it); build it with the largest")
         key = self._seed_key()
         self.rollouts += 1
         if self.backend == "hf":
-            completion, logprobs = self._hf_generate(prompt_ids, prompt_mask, sampling)
+            completion, logprobs = self._hf_generate(prompt_ids, prompt_mask, sampling, key)
         else:
             completion, logprobs = self._engine_generate(prompt_ids, prompt_mask, sampling, key)
         completion, mask, logprobs = finish(completion, logprobs, sampling)
@@ -597,9 +625,6 @@ class Rollout:
         model = self._engine_model()
         knobs = replace(sampling, max_new_tokens=self.sampling.max_new_tokens)
         if self.engine is None or self.engine.runner.model is not model or self.engine.sampling != knobs:
-            if knobs.max_new_tokens < sampling.max_new_tokens:
-                raise ConfigError(f"max_new_tokens={sampling.max_new_tokens} exceeds the "
-                                  f"{self.sampling.max_new_tokens} the Rollout was built for")
             old = self.engine
             self.engine = DecodeEngine(model, knobs, self.max_batch, self.max_prompt_len)
             if old is not None:  # new knobs: a new graph, counted as captures
@@ -622,6 +647,8 @@ class Rollout:
             if zero3 and self.role in s.fast_frozen:
                 # posttrain.frozen gathers layer by layer on every forward: ranks run in lock-step.
                 yield s.engines[self.role].module, s.num_processes > 1
+            elif zero3 and not self.gather:  # DeepSpeed's hooks gather layer by layer, ranks in lock-step
+                yield s.engines[self.role].module, s.num_processes > 1
             elif zero3:
                 from trl.models.utils import unwrap_model_for_generation
 
@@ -632,20 +659,20 @@ class Rollout:
                 with nullcontext():
                     yield s.engines[self.role].module, False
 
-    def _hf_generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hf_generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams,
+                     key: int) -> tuple[torch.Tensor, torch.Tensor]:
         from transformers import GenerationConfig
 
         n = sampling.max_new_tokens
-        knobs: dict[str, Any] = {"do_sample": sampling.do_sample}
-        if sampling.do_sample:
-            knobs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-        gen = GenerationConfig(max_new_tokens=n, min_new_tokens=sampling.min_new_tokens or None,
+        # Sampling is our Gumbel-max processor after transformers' own (min_new_tokens), then the
+        # argmax of greedy search: the same samples as the engine for the same key and logits.
+        gen = GenerationConfig(max_new_tokens=n, min_new_tokens=sampling.min_new_tokens or None, do_sample=False,
                                pad_token_id=sampling.pad_token_id, eos_token_id=sampling.stop_token_ids or None,
-                               return_dict_in_generate=True, output_logits=True, **knobs)
+                               return_dict_in_generate=True, output_logits=True)
+        processors = [_GumbelSampling(sampling, key, prompt_ids.shape[1])] if sampling.do_sample else []
         with torch.no_grad(), self._hf_model() as (model, synced):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
-                                 synced_gpus=synced)
+                                 synced_gpus=synced, logits_processor=processors)
         completion = out.sequences[:, prompt_ids.shape[1]:]
         logits = torch.stack(out.logits, 1)[: completion.shape[0]]
         logprobs = token_logprobs(logits, completion, sampling.temperature)

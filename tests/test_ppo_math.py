@@ -86,3 +86,16 @@ def test_truncation_and_lengths():
     post = truncate_response(eos, pad, responses)
     assert post.tolist() == [[5, 6, 1, 0, 0], [5, 6, 7, 8, 9]]
     assert (first_true_indices(post == pad) - 1).tolist() == [2, 4]
+
+
+def test_entropy_metric_counts_only_response_tokens():
+    from posttrain.trainers.ppo import INVALID_LOGPROB, rollout_metrics
+
+    # Row 0: 2 response tokens then 2 padded positions; row 1: 4 tokens.
+    logprobs = torch.tensor([[-1.0, -2.0, INVALID_LOGPROB, INVALID_LOGPROB], [-0.5, -0.5, -0.5, -0.5]])
+    padding = torch.tensor([[False, False, True, True], [False, False, False, False]])
+    zeros = torch.zeros(2, 4)
+    batch = dict(logprobs=logprobs, padding_mask=padding, kl=zeros, non_score_reward=zeros, scores=torch.zeros(2),
+                 responses=torch.zeros(2, 4, dtype=torch.long))
+    # (3 + 2) / 2; unmasked it would be (3 - 2 + 2) / 2, lower by the mean padded positions per row.
+    assert rollout_metrics(batch, eos_token_id=1)["objective/entropy"] == pytest.approx(2.5)

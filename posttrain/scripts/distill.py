@@ -60,7 +60,8 @@ def tiny_teacher(args: TeacherArguments, lines: list[str], seed: int) -> tuple[P
     tok = tiny.load_tokenizer()
     cfg = MultiConfig(output_dir=str(path.parent / f"{path.name}-run"), learning_rate=args.teacher_learning_rate,
                       warmup_steps=args.teacher_steps // 10, max_steps=args.teacher_steps, seed=seed,
-                      per_device_train_batch_size=args.teacher_batch_size)
+                      per_device_train_batch_size=args.teacher_batch_size,
+                      overwrite_output_dir=True)  # a build that died midway starts over
     start = tiny.model_path("causal", seed=seed + 1, **args.teacher_shape)
     trainer = MultiTrainer(cfg, {"teacher": Task(start, lines, text_collate(tok), tokenizer=tok)})
     history = trainer.train()

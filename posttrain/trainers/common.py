@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..dsconfig import ConfigError
+from ..modelcard import write_model_card
 from ..roles import DEFAULT_MIX, roles_for
 from ..session import Session
 
@@ -219,7 +220,7 @@ class RunLog:
     """Progress bar, ``metrics.jsonl`` in the output dir, and accelerate trackers."""
 
     def __init__(self, session: Session, cfg: TrainConfig, total: int, name: str, start: int = 0) -> None:
-        self.session, self.cfg = session, cfg
+        self.session, self.cfg, self.name = session, cfg, name
         self.out = Path(cfg.output_dir)
         self.main = session.is_main_process
         if self.main:
@@ -262,6 +263,8 @@ class RunLog:
         # which saving or evaluating after training still needs.
         for tracker in self.session.accelerator.trackers:
             tracker.finish()
+        if self.main:  # as TRL's trainers do: a model card (and the learning curves) in the output dir
+            write_model_card(self.out, self.cfg, self.name, self.session)
 
 
 _BAR_KEYS = {"loss", "objective/scores", "objective/kl", "rewards/accuracies", "eval/rewards/accuracies",

@@ -1,0 +1,354 @@
+"""A run's model card (``README.md``) and learning curves (``learning_curves.png``), as TRL's
+trainers write a card into their output dir.
+
+TRL's ``trl.trainer.utils.generate_model_card`` renders a fixed template that says the model was
+trained with TRL and links the base model as a hub name (``[None](https://huggingface.co/None)``
+for a local one). posttrain renders its own template with the same parts: huggingface_hub's
+``ModelCardData`` header, TRL's tags, the method's paper and citation (read from TRL's trainer
+classes), a quick start and the framework versions; and adds what a posttrain run knows: each
+role's DeepSpeed placement, the config, the final metrics and the curves from ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import textwrap
+from dataclasses import asdict, is_dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+CARD_FILE = "README.md"
+CURVES_FILE = "learning_curves.png"
+
+# Each method's name, tags and paper as TRL 1.16's trainer class carries them (``_name``,
+# ``_tag_names``, ``_paper``; tests/test_modelcard.py checks they still match). Copied rather than
+# read at run time: importing DPOTrainer or GKDTrainer costs seconds at the end of every run.
+# TRL removed PPOTrainer in 1.13; its entry is what that trainer's card carried up to 1.12.
+METHODS: dict[str, dict[str, Any]] = {
+    "dpo": {
+        "name": "DPO",
+        "tags": ["trl", "dpo"],
+        "paper": {
+            "title": "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
+            "id": "2305.18290",
+            "citation": textwrap.dedent("""\
+                @inproceedings{rafailov2023direct,
+                    title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},
+                    author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and Stefano Ermon and Chelsea Finn},
+                    year         = 2023,
+                    booktitle    = {Advances in Neural Information Processing Systems 36: Annual Conference on Neural Information Processing Systems 2023, NeurIPS 2023, New Orleans, LA, USA, December 10 - 16, 2023},
+                    url          = {http://papers.nips.cc/paper_files/paper/2023/hash/a85b405ed65c6477a4fe8302b5e06ce7-Abstract-Conference.html},
+                    editor       = {Alice Oh and Tristan Naumann and Amir Globerson and Kate Saenko and Moritz Hardt and Sergey Levine},
+                }"""),
+        },
+    },
+    "grpo": {
+        "name": "GRPO",
+        "tags": ["trl", "grpo"],
+        "paper": {
+            "title": "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+            "id": "2402.03300",
+            "citation": textwrap.dedent("""\
+                @article{shao2024deepseekmath,
+                    title        = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},
+                    author       = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},
+                    year         = 2024,
+                    eprint       = {arXiv:2402.03300},
+                }"""),
+        },
+    },
+    "distill": {  # the GKD loss (generalized JSD, on-policy fraction): trl.experimental.gkd.GKDTrainer
+        "name": "GKD",
+        "tags": ["trl", "gkd"],
+        "paper": {
+            "title": "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
+            "id": "2306.13649",
+            "citation": textwrap.dedent("""\
+                @inproceedings{agarwal2024on-policy,
+                    title        = {{On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes}},
+                    author       = {Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and Piotr Stanczyk and Sabela Ramos Garea and Matthieu Geist and Olivier Bachem},
+                    year         = 2024,
+                    booktitle    = {The Twelfth International Conference on Learning Representations, {ICLR} 2024, Vienna, Austria, May 7-11, 2024},
+                    publisher    = {OpenReview.net},
+                    url          = {https://openreview.net/forum?id=3zKtaqxLhW},
+                }"""),
+        },
+    },
+    "ppo": {
+        "name": "PPO",
+        "tags": ["trl", "ppo"],
+        "paper": {
+            "title": "Fine-Tuning Language Models from Human Preferences",
+            "id": "1909.08593",
+            "citation": textwrap.dedent("""\
+                @article{mziegler2019fine-tuning,
+                    title        = {{Fine-Tuning Language Models from Human Preferences}},
+                    author       = {Daniel M. Ziegler and Nisan Stiennon and Jeffrey Wu and Tom B. Brown and Alec Radford and Dario Amodei and Paul F. Christiano and Geoffrey Irving},
+                    year         = 2019,
+                    eprint       = {arXiv:1909.08593}
+                }"""),
+        },
+    },
+    "multi": {"name": "multi-model training", "tags": ["multi-model"], "paper": {}},
+}
+
+# The main per-step curves, by metric name without an "eval/" or "train/" prefix (TRL's names);
+# a train curve and its eval counterpart share a panel. Any "<model>/loss" (multi-model runs) too.
+CURVES = ("loss", "rewards/accuracies", "rewards/margins", "objective/scores", "objective/rlhf_reward",
+          "objective/kl", "loss/policy_avg", "loss/value_avg", "reward", "kl", "forward_kl")
+MAX_PANELS = 9
+
+_TEMPLATE = """\
+---
+{{ card_data }}
+---
+
+# Model Card for {{ model_name }}
+
+This model is a fine-tuned version of {{ base_model_text }}{% if dataset_text %} on {{ dataset_text }}{% endif %}.
+It has been trained with posttrain's {{ trainer_name }} trainer (TRL's data formats and {{ trainer_name }} \
+math, each model role under its own DeepSpeed plugin).
+{% if quick_start %}
+## Quick start
+
+```python
+from transformers import pipeline
+
+question = "If you had a time machine, but could only go to the past or the future once and never return, which would you choose and why?"
+generator = pipeline("text-generation", model="{{ hub_model_id }}", device_map="auto")
+output = generator([{"role": "user", "content": question}], max_new_tokens=128, return_full_text=False)[0]
+print(output["generated_text"])
+```
+{% endif %}
+## Training procedure
+
+This model was trained with {{ trainer_name }}{% if paper_id %}, a method introduced in \
+[{{ paper_title }}](https://huggingface.co/papers/{{ paper_id }}){% endif %}.
+{% if roles %}
+| role | trains | DeepSpeed config | ZeRO stage |
+|---|---|---|---|
+{% for r in roles %}| {{ r.name }} | {{ r.trains }} | {{ r.config }} | {{ r.stage }} |
+{% endfor %}{% endif %}
+### Final metrics
+{% if metrics %}
+| metric | value | step |
+|---|---|---|
+{% for m in metrics %}| {{ m.name }} | {{ m.value }} | {{ m.step }} |
+{% endfor %}{% else %}
+No metrics were logged.
+{% endif %}{% if curves %}
+### Learning curves
+
+![learning curves]({{ curves }})
+{% endif %}
+### Configuration
+
+```yaml
+{{ config_yaml }}```
+
+### Framework versions
+
+{% for name, version in versions %}- {{ name }}: {{ version }}
+{% endfor %}
+## Citations
+{% if trainer_citation %}
+Cite {{ trainer_name }} as:
+
+```bibtex
+{{ trainer_citation }}
+```
+{% endif %}
+Cite TRL as:
+
+```bibtex
+{% raw %}@software{vonwerra2020trl,
+  title   = {{TRL: Transformers Reinforcement Learning}},
+  author  = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan and Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallouédec, Quentin},
+  license = {Apache-2.0},
+  url     = {https://github.com/huggingface/trl},
+  year    = {2020}
+}{% endraw %}
+```
+"""
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` (an empty list when there is none)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def final_metrics(rows: list[dict]) -> dict[str, tuple[float, int]]:
+    """Each metric's last logged finite value and its step (time/* and counters left out)."""
+    out: dict[str, tuple[float, int]] = {}
+    for row in rows:
+        step = int(row.get("step", row.get("update", 0)))
+        for key, value in row.items():
+            if key in ("step", "update") or key.startswith("time/") or not _is_number(value):
+                continue
+            out[key] = (float(value), step)
+    return out
+
+
+def curve_panels(keys: list[str] | set[str]) -> list[tuple[str, list[str]]]:
+    """(title, metric names) per panel: the main curves present, each with its eval counterpart."""
+    panels: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        base = re.sub(r"^(eval|train)/", "", key)
+        if base in CURVES or base.endswith("/loss"):
+            panels.setdefault(base, []).append(key)
+    order = {name: i for i, name in enumerate(CURVES)}
+    ranked = sorted(panels.items(), key=lambda item: (order.get(item[0], len(CURVES)), item[0]))
+    return [(title, sorted(names, key=lambda k: k.startswith("eval/"))) for title, names in ranked[:MAX_PANELS]]
+
+
+def plot_learning_curves(rows: list[dict], path: str | Path) -> Path | None:
+    """A PNG of the main curves in ``rows``; None (with a one-line message) without matplotlib or
+    without any curve to draw."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: leaves the process-wide backend alone
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        print("[posttrain] matplotlib is not installed: no learning-curve plot "
+              "(pip install 'posttrain[bench]' or matplotlib)", file=sys.stderr)
+        return None
+    panels = curve_panels({k for row in rows for k, v in row.items() if _is_number(v)})
+    if not panels:
+        return None
+    cols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(4.2 * cols, 3.0 * nrows), layout="constrained")
+    axes = list(fig.subplots(nrows, cols, squeeze=False).flat)
+    for ax, (title, names) in zip(axes, panels):
+        for name in names:
+            points = [(int(r.get("step", r.get("update", 0))), float(r[name])) for r in rows if _is_number(r.get(name))]
+            steps, values = zip(*points)
+            ax.plot(steps, values, label="eval" if name.startswith("eval/") else "train",
+                    marker="o" if name.startswith("eval/") or len(points) < 20 else None, markersize=3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if len(names) > 1:
+            ax.legend(fontsize=8)
+    for ax in axes[len(panels):]:
+        ax.set_axis_off()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def write_model_card(
+    output_dir: str | Path,
+    cfg: Any,
+    method: str,
+    session: Any = None,
+    base_model: str | None = None,
+    dataset_name: str | None = None,
+) -> Path:
+    """Write ``README.md`` and ``learning_curves.png`` into ``output_dir`` from ``cfg`` (a trainer
+    config dataclass) and the run's ``metrics.jsonl``; returns the card's path.
+
+    ``base_model`` defaults to ``cfg.model_name_or_path`` and ``dataset_name`` to
+    ``cfg.dataset_name`` (None: posttrain's built-in tiny default / bundled data). ``session``
+    adds each role's DeepSpeed placement. Call it on the main process only.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from . import dsconfig
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    info = METHODS.get(method, {"name": method, "tags": [method], "paper": {}})
+    base_model = base_model or getattr(cfg, "model_name_or_path", None)
+    if dataset_name is None and getattr(cfg, "dataset_name", None):
+        dataset_name = cfg.dataset_name
+    # Without a dataset field, what the trainer got is unknown (the DPO trainer takes rows).
+    bundled_data = dataset_name is None and hasattr(cfg, "dataset_name")
+
+    rows = read_metrics(out / "metrics.jsonl")
+    curves = plot_learning_curves(rows, out / CURVES_FILE)
+    if curves is None:
+        (out / CURVES_FILE).unlink(missing_ok=True)  # an older run's plot would not match this card
+    metrics = [{"name": k, "value": f"{v:.4g}", "step": step} for k, (v, step) in final_metrics(rows).items()]
+
+    roles = []
+    if session is not None:
+        for name, role in session.roles.items():
+            resolved = session.configs[name]
+            stage = str(dsconfig.zero_stage(resolved))
+            if dsconfig.params_offloaded(resolved):
+                stage += " (parameters offloaded)"
+            label = f"`{role.config}`" if isinstance(role.config, (str, Path)) else "a dict given in code"
+            roles.append({"name": name, "trains": "yes" if role.trains else "no", "config": label, "stage": stage})
+
+    model_name = Path(cfg.hub_model_id).name if getattr(cfg, "hub_model_id", None) else out.resolve().name
+    hub_base = base_model if _is_hub_id(base_model) else None
+    hub_dataset = dataset_name if _is_hub_id(dataset_name) else None
+    card_data = ModelCardData(base_model=hub_base, datasets=hub_dataset, library_name="transformers",
+                              model_name=model_name, tags=["generated_from_trainer", *info["tags"], "posttrain"])
+    trained = [r.name for r in session.roles.values() if r.trains] if session is not None else []
+    card = ModelCard.from_template(
+        card_data,
+        template_str=_TEMPLATE,
+        model_name=model_name,
+        base_model_text=_source_text(base_model, "https://huggingface.co", "posttrain's built-in tiny default"),
+        dataset_text=_source_text(dataset_name, "https://huggingface.co/datasets",
+                                  "posttrain's bundled synthetic data" if bundled_data else None),
+        trainer_name=info["name"],
+        paper_title=info["paper"].get("title"),
+        paper_id=info["paper"].get("id"),
+        trainer_citation=info["paper"].get("citation"),
+        hub_model_id=getattr(cfg, "hub_model_id", None) or model_name,  # TRL's default: the output dir's name
+        quick_start=method != "multi" and (not trained or trained[0] in ("policy", "student")),
+        roles=roles,
+        metrics=metrics,
+        curves=CURVES_FILE if curves is not None else None,
+        config_yaml=_config_yaml(cfg),
+        versions=[(name, _version(dist)) for name, dist in _FRAMEWORKS],
+    )
+    path = out / CARD_FILE
+    card.save(path)
+    return path
+
+
+_FRAMEWORKS = (("posttrain", "posttrain"), ("TRL", "trl"), ("Transformers", "transformers"), ("Pytorch", "torch"),
+               ("Datasets", "datasets"), ("Tokenizers", "tokenizers"), ("Accelerate", "accelerate"),
+               ("DeepSpeed", "deepspeed"))
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_hub_id(name: str | None) -> bool:
+    """A hub repo id (``org/name`` or ``name``), not a local path or data file."""
+    if not name or Path(name).expanduser().exists():
+        return False
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not re.search(r"\.(jsonl?|csv|parquet|txt)$", name)
+
+
+def _source_text(name: str | None, hub_url: str, default: str | None) -> str | None:
+    if not name:
+        return default
+    return f"[{name}]({hub_url}/{name})" if _is_hub_id(name) else f"`{name}`"
+
+
+def _config_yaml(cfg: Any) -> str:
+    import yaml
+
+    values = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+    return yaml.safe_dump(json.loads(json.dumps(values, default=str)), sort_keys=False)

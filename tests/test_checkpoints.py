@@ -69,6 +69,9 @@ def test_resume_latest_takes_the_newest_complete_checkpoint(tmp_path, capsys):
     assert "removing" in err and "checkpoint-12.tmp: a half-written checkpoint" in err
     assert f"resuming from {out / 'checkpoint-10'} (step 10)" in err
     assert not partial.exists() and resume_dir(cfg) == out / "checkpoint-10"
+    true = TrainConfig(output_dir=str(out), resume_from_checkpoint="true")  # as Trainer.train(resume_from_checkpoint=True)
+    prepare_output_dir(true)
+    assert true.resume_from_checkpoint == str(out / "checkpoint-10")
     # An explicit half-written or foreign path is refused with the way out.
     with pytest.raises(ConfigError, match="half-written checkpoint .* resume from .*checkpoint-10"):
         resume_dir(TrainConfig(output_dir=str(out), resume_from_checkpoint=str(fake_checkpoint(out, 14, False))))
@@ -80,7 +83,9 @@ def test_resume_latest_takes_the_newest_complete_checkpoint(tmp_path, capsys):
 
 def test_truncate_jsonl(tmp_path):
     write_rows(tmp_path / "metrics.jsonl", [1, 2, 3, 4])  # a dead run's rows 3 and 4 past its checkpoint at 2
-    assert truncate_jsonl(tmp_path / "metrics.jsonl", 2) == 2
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # cut short when the run was killed
+    assert truncate_jsonl(tmp_path / "metrics.jsonl", 2) == 3
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     write_rows(tmp_path / "samples.jsonl", [1, 3], key="update")
     assert truncate_jsonl(tmp_path / "samples.jsonl", 2) == 1

@@ -273,11 +273,11 @@ _BAR_KEYS = {"loss", "objective/scores", "objective/kl", "rewards/accuracies", "
 
 def truncate_jsonl(path: Path, step: int) -> int:
     """Keep the rows of a metrics/samples file logged at ``step`` or before (by their "step" or
-    "update" key); returns how many were dropped."""
+    "update" key); returns how many were dropped, a line cut short by a killed run among them."""
     if not path.exists():
         return 0
     rows = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in rows if _row_step(json.loads(line)) <= step]
+    kept = [line for line in rows if _row_step(line) <= step]
     if len(kept) != len(rows):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
@@ -285,7 +285,11 @@ def truncate_jsonl(path: Path, step: int) -> int:
     return len(rows) - len(kept)
 
 
-def _row_step(row: dict) -> int:
+def _row_step(line: str) -> float:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return math.inf  # half-written
     return int(row.get("step", row.get("update", 0)))
 
 
@@ -357,6 +361,8 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
         _say(f"removing {partial}: a half-written checkpoint (its save did not finish on every rank)")
         if _is_main_rank():
             shutil.rmtree(partial, ignore_errors=True)
+    if str(cfg.resume_from_checkpoint).lower() == "true":  # Trainer.train(resume_from_checkpoint=True)'s meaning
+        cfg.resume_from_checkpoint = "latest"
     if cfg.resume_from_checkpoint:
         if cfg.resume_from_checkpoint == "latest":
             latest = latest_checkpoint(out)
@@ -392,7 +398,7 @@ def resume_dir(cfg: TrainConfig) -> Path | None:
     :func:`prepare_output_dir`. A half-written or missing checkpoint is refused."""
     if not cfg.resume_from_checkpoint:
         return None
-    if cfg.resume_from_checkpoint == "latest":
+    if cfg.resume_from_checkpoint == "latest" or str(cfg.resume_from_checkpoint).lower() == "true":
         path = latest_checkpoint(cfg.output_dir)
         if path is None:
             raise ConfigError(f"resume_from_checkpoint is 'latest' but {cfg.output_dir} holds no complete checkpoint: "

@@ -609,12 +609,12 @@ def check_model_path(name_or_path: str | os.PathLike, what: str = "model") -> No
         hub_id = text.count("/") <= 1 and not text.startswith((".", "~"))
     except HFValidationError:
         hub_id = False
-    if not hub_id:
-        raise ConfigError(f"{what} {text!r} does not exist: it is neither a local directory nor a hub id "
-                          "(owner/name); check the path")
     if path.parent != Path(".") and path.parent.is_dir():
         # "runs/my-sft" is also a well-formed hub id, but its parent folder exists here.
         raise ConfigError(f"{what} {text!r} does not exist: {path.parent} has no folder {path.name!r}; check the path")
+    if not hub_id:
+        raise ConfigError(f"{what} {text!r} does not exist: it is neither a local directory nor a hub id "
+                          "(owner/name); check the path")
 
 
 def _hub_kwargs(kwargs: dict) -> dict:

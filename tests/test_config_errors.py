@@ -112,3 +112,82 @@ def test_roles_need_a_trainer_and_unique_names():
         Session([Role("reference", "zero3_inference")])
     with pytest.raises(ConfigError, match="unique"):
         Session([Role("policy", "zero2_train", trains=True), Role("policy", "zero3_inference")])
+
+
+# -- a script's bad input: one sentence naming the fix -------------------------------------------
+def _dpo_cli(tmp_path, *argv):
+    """`posttrain dpo` in-process: every error below is raised before any process group exists."""
+    from posttrain import cli
+
+    return cli.main(["dpo", "--output_dir", str(tmp_path / "run"), *map(str, argv)])
+
+
+def _error(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path, capsys):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n\n{"prompt": "a", "chosen": oops}\n')
+    assert _dpo_cli(tmp_path, "--model_name_or_path", tmp_path, "--dataset_name", data) == 2
+    assert _error(capsys) == (f"error: {data}, line 3: not valid JSON (Expecting value at column 27); "
+                              "fix or remove that line")
+    doc = tmp_path / "pairs.json"
+    doc.write_text('[{"prompt": "a",\n  "chosen": }]')
+    with pytest.raises(ConfigError, match=r"pairs.json, line 2, column 13: not valid JSON"):
+        from posttrain.preference import load_dataset_source
+
+        load_dataset_source(str(doc))
+
+
+def test_empty_dataset_file(tmp_path, capsys):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n  \n")
+    assert _dpo_cli(tmp_path, "--model_name_or_path", tmp_path, "--dataset_name", data) == 2
+    assert _error(capsys) == f"error: {data} is empty: give a data file with at least one row"
+
+
+def test_row_missing_a_column(tmp_path, capsys):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n{"prompt": "a", "chosen": " b"}\n')
+    assert _dpo_cli(tmp_path, "--model_name_or_path", tmp_path, "--dataset_name", data) == 2
+    assert _error(capsys) == (f"error: {data} (split 'train'): row 1 has a missing or empty 'rejected'; "
+                              "fill it in or drop the row")
+    data.write_text('{"prompt": "a", "chosen": " b"}\n')
+    assert _dpo_cli(tmp_path, "--model_name_or_path", tmp_path, "--dataset_name", data) == 2
+    assert _error(capsys) == (f"error: {data} (split 'train'): no column 'rejected'; a preference dataset needs "
+                              "prompt, chosen, rejected (or an implicit prompt in chosen/rejected), got columns "
+                              "['prompt', 'chosen']: rename its columns")
+
+
+def test_model_path_that_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "sft-model"
+    assert _dpo_cli(tmp_path, "--model_name_or_path", missing) == 2
+    assert _error(capsys) == (f"error: --model_name_or_path '{missing}' does not exist: {tmp_path} has no folder "
+                              "'sft-model'; check the path")
+    from posttrain.session import check_model_path
+
+    with pytest.raises(ConfigError, match=r"'\./nowhere/model' does not exist: it is neither a local directory "
+                                          r"nor a hub id \(owner/name\); check the path"):
+        check_model_path("./nowhere/model")
+    check_model_path("Qwen/Qwen2.5-0.5B")  # a well-formed hub id is left to the hub
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("per_device_train_batch_size", 0, "per_device_train_batch_size must be a whole number >= 1, got 0: "
+                                       "set --per_device_train_batch_size 1 or more"),
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be a whole number >= 1"),
+    ("learning_rate", -1e-5, "learning_rate must be >= 0, got -1e-05: set --learning_rate to 0 or more"),
+    ("save_steps", 0, "save_steps must be >= 1 or unset"),
+    ("eval_strategy", "sometimes", "eval_strategy must be 'no', 'steps' or 'epoch'"),
+    ("lr_scheduler_type", "cosine_annealing", "unknown lr_scheduler_type 'cosine_annealing': choose from linear"),
+])
+def test_train_config_values(tmp_path, capsys, flag, value, message):
+    from posttrain.trainers.dpo import DPOConfig
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        DPOConfig(**{flag: value})
+    assert _dpo_cli(tmp_path, f"--{flag}={value}") == 2
+    assert message in _error(capsys)

@@ -70,7 +70,8 @@ def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -
     import yaml
     from trl import TrlParser
 
-    parser = TrlParser(types, prog=prog)
+    # No prefix matching: a mistyped flag (--total_episode) must not silently set another one.
+    parser = TrlParser(types, prog=prog, allow_abbrev=False)
     known = {s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")}
     if config is not None:
         path = Path(config)

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     evals = [h for h in history if "eval/forward_kl" in h]
     summary = {
-        "heldout_rows": len(eval_rows or []),
+        "heldout_lines": len(eval_rows or []),  # held-out rows (lines of the bundled text)
         "teacher": cfg.teacher_model_name_or_path,
         "teacher_lm_loss": teacher_losses,
         "placement": {"student": trainer.session.zero_stage("student"),

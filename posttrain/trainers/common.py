@@ -106,7 +106,9 @@ def validate_train_config(cfg: TrainConfig) -> None:
     precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
     if precision and cfg.mixed_precision not in (None, precision):
         raise ConfigError(f"--{precision} contradicts mixed_precision {cfg.mixed_precision!r}: keep one of them")
-    cfg.mixed_precision = precision or cfg.mixed_precision
+    # Resolved here, so config.json records the precision the run uses (accelerate launch's setting
+    # when none is given, which the Session would read the same way).
+    cfg.mixed_precision = precision or cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if cfg.mixed_precision not in (None, "no", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {cfg.mixed_precision!r}")
     from transformers import SchedulerType

@@ -44,7 +44,7 @@ class DistillConfig(TrainConfig):
     """Distillation settings; names follow TRL's GKDConfig / DistillationConfig."""
 
     output_dir: str = "runs/distill"
-    learning_rate: float = 5e-4
+    learning_rate: float = 1e-6  # TRL's DistillationConfig (the demo YAML sets its own)
     model_name_or_path: str | None = None  # the student; None: posttrain's tiny default
     teacher_model_name_or_path: str | None = None
     beta: float = 0.5  # 0: forward KL, 0.5: JSD, 1: reverse KL
@@ -53,7 +53,7 @@ class DistillConfig(TrainConfig):
     temperature: float = 1.0
     lmbda: float = 0.0  # fraction of steps trained on the student's own generations (on-policy)
     seq_kd: bool = False  # on the other steps, train on the teacher's generations instead of the data
-    max_new_tokens: int = 16
+    max_new_tokens: int = 128  # TRL's GKDConfig
     max_length: int = 128  # prompt + completion tokens of a dataset row (generation adds max_new_tokens)
 
     def __post_init__(self) -> None:

@@ -336,6 +336,14 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
 
 
+def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, terminal_ids: list[int]) -> torch.Tensor:
+    """Completions that hit ``max_completion_length`` without ending: TRL's test, the last kept
+    token is not EOS (or pad)."""
+    lengths = completion_mask.sum(1)
+    last = completion_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    return ~torch.isin(last, torch.tensor(terminal_ids, device=last.device)) | (lengths == 0)
+
+
 def reduce_loss_stats(stats: list[dict[str, Any]], sum_over_ranks: Any = None, gather: Any = None) -> dict[str, float]:
     """TRL's logged loss statistics from :func:`grpo_loss`'s parts: token-weighted means over every
     process (``sum_over_ranks``: an all-reduce sum), ``clip_ratio/low_min`` and ``high_max`` over
@@ -531,9 +539,7 @@ class GRPOTrainer:
             out = self.rollout.generate(prompt_ids, prompt_mask)
         completion_ids, completion_mask = out.completion_ids.to(dev), out.completion_mask.to(dev).long()
         lengths = completion_mask.sum(1)
-        last = completion_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        terminal = torch.tensor(self.eos_ids + [tok.pad_token_id], device=dev)
-        truncated = ~torch.isin(last, terminal) | (lengths == 0)
+        truncated = truncated_rows(completion_ids, completion_mask, self.eos_ids + [tok.pad_token_id])
         if cfg.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
         input_ids = torch.cat([prompt_ids, completion_ids], 1)

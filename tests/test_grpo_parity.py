@@ -1,0 +1,182 @@
+"""GRPO against TRL 1.16's own GRPOTrainer, in this process (fp32, CPU, no DeepSpeed): advantages
+for every scale_rewards/aggregation, and for every loss_type at both importance-sampling levels the
+loss, its logged metrics and its gradient, on identical prompts, completions, masks, advantages,
+old and reference log-probs."""
+
+import pytest
+import torch
+
+from posttrain import rewards, tiny
+from posttrain.trainers.grpo import (
+    LOSS_TYPES,
+    GRPOConfig,
+    completion_logps,
+    group_advantages,
+    grpo_loss,
+    high_entropy_mask,
+    reduce_loss_stats,
+    truncated_rows,
+)
+
+G, N, TEMPERATURE = 4, 6, 0.9
+TOL = 1e-5
+
+
+def token_reward(completion_ids, **_):
+    return [float(sum(ids) % 7) - 3.0 for ids in completion_ids]
+
+
+def sparse_reward(completion_ids, **_):
+    # None (not scored) for some rows: TRL leaves them out of the group statistics.
+    return [None if len(ids) % 3 == 0 else float(len(ids)) for ids in completion_ids]
+
+
+def fixed_rollout(tok):
+    """Two prompts of different lengths, four completions each: some end with EOS, some are cut
+    at max_completion_length."""
+    eos = tok.eos_token_id
+    g = torch.Generator().manual_seed(3)
+    prompts = ["the cat is", "my old friend felt"]
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    lengths = [3, 6, 2, 6, 4, 5, 6, 1]
+    completion_ids = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(10, 400, (n,), generator=g).tolist()
+        if not (n == N and i % 2):  # rows 1 and 3 stay truncated (no EOS at the end)
+            ids[-1] = eos
+        completion_ids.append(ids)
+    rows = [{"prompt": prompts[i // G]} for i in range(2 * G)]
+    return rows, [prompt_ids[i // G] for i in range(2 * G)], completion_ids
+
+
+@pytest.fixture(scope="module")
+def trl(tmp_path_factory):
+    """TRL's trainer on the tiny default, built once (beta 0: TRL then builds no reference model;
+    the loss reads the reference log-probs from its inputs and beta from the trainer, set per case)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    tok = tiny.load_tokenizer()
+    args = TRLConfig(output_dir=str(tmp_path_factory.mktemp("trl_grpo")), use_cpu=True, bf16=False, report_to=[],
+                     per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=N,
+                     temperature=TEMPERATURE, save_strategy="no", reward_weights=[1.0, 0.5])
+    model = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32)
+    trainer = TRLTrainer(model=model, reward_funcs=[token_reward, sparse_reward], args=args,
+                         train_dataset=Dataset.from_dict({"prompt": ["x"] * 8}), processing_class=tok)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    rows, prompt_ids, completion_ids = fixed_rollout(tok)
+    texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
+    trainer._generate = lambda prompts: (prompt_ids, completion_ids, None, texts, None, {}, None, [])
+    return trainer, rows, completion_ids
+
+
+@pytest.fixture(scope="module")
+def ours_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32).train()
+
+
+def set_trl(trainer, **fields):
+    """Give TRL's trainer a case's settings where its __init__ would have put them."""
+    for k, v in fields.items():
+        setattr(trainer.args, k, v)
+    a = trainer.args
+    trainer.loss_type, trainer.importance_sampling_level, trainer.beta = a.loss_type, a.importance_sampling_level, a.beta
+    trainer.scale_rewards, trainer.multi_objective_aggregation = a.scale_rewards, a.multi_objective_aggregation
+    trainer.mask_truncated_completions, trainer.top_entropy_quantile = a.mask_truncated_completions, a.top_entropy_quantile
+    trainer.epsilon_low = a.epsilon
+    trainer.epsilon_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
+    trainer._metrics["train"].clear()
+
+
+def our_cfg(**fields) -> GRPOConfig:
+    return GRPOConfig(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=N,
+                      temperature=TEMPERATURE, **fields)
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trl(trl, scale, aggregation):
+    trainer, rows, completion_ids = trl
+    set_trl(trainer, scale_rewards=scale, multi_objective_aggregation=aggregation, mask_truncated_completions=True)
+    out = trainer._generate_and_score_completions([dict(r) for r in rows])
+    per_func = rewards.call_reward_funcs([token_reward, sparse_reward], [r["prompt"] for r in rows],
+                                         [""] * len(rows), completion_ids)
+    ours = group_advantages(per_func, torch.tensor([1.0, 0.5]), G, scale, aggregation)
+    assert torch.allclose(ours["advantages"], out["advantages"], atol=TOL), (ours["advantages"], out["advantages"])
+    metrics = trainer._metrics["train"]
+    assert ours["is_std_zero"].float().mean().item() == pytest.approx(metrics["frac_reward_zero_std"][-1])
+    # mask_truncated_completions: the same rows are dropped from the loss.
+    tok = trainer.processing_class
+    mask = out["completion_mask"]
+    ids = out["completion_ids"]
+    plain = torch.zeros_like(mask)
+    for i, c in enumerate(completion_ids):
+        plain[i, : len(c)] = 1
+    truncated = truncated_rows(ids, plain, [tok.eos_token_id, tok.pad_token_id])
+    assert truncated.tolist() == [len(c) == N and c[-1] != tok.eos_token_id for c in completion_ids]
+    assert torch.equal(mask, plain * (~truncated).unsqueeze(1).long())
+
+
+CASES = [(lt, level, {}) for lt in LOSS_TYPES for level in ("token", "sequence")] + [
+    ("grpo", "token", {"delta": 1.05, "epsilon_high": 0.28}),
+    ("dapo", "token", {"top_entropy_quantile": 0.5}),
+    ("bnpo", "sequence", {"use_bias_correction_kl": False}),
+    ("grpo", "token", {"beta": 0.0}),
+    ("cispo", "token", {"epsilon_high": 1.02}),
+]
+
+
+@pytest.mark.parametrize("loss_type,level,extra", CASES,
+                         ids=[f"{lt}-{lvl}{'-' + '-'.join(x) if x else ''}" for lt, lvl, x in CASES])
+def test_loss_metrics_and_gradient_equal_trl(trl, ours_model, loss_type, level, extra):
+    trainer, rows, _ = trl
+    fields = {"loss_type": loss_type, "importance_sampling_level": level, "beta": 0.04, "epsilon": 0.05, **extra}
+    set_trl(trainer, scale_rewards="group", multi_objective_aggregation="sum_then_normalize",
+            mask_truncated_completions=False, top_entropy_quantile=1.0, delta=None, epsilon_high=None,
+            use_bias_correction_kl=True, beta=0.0)
+    batch = trainer._generate_and_score_completions([dict(r) for r in rows])  # at beta 0: no reference needed
+    set_trl(trainer, **fields)
+    mask = batch["completion_mask"]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], mask], 1)
+    ours_model.zero_grad()
+    with torch.no_grad():  # old and reference log-probs near the current ones, so some ratios clip
+        current, _ = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE)
+        g = torch.Generator().manual_seed(11)
+        old = (current + 0.08 * torch.randn(current.shape, generator=g)) * mask
+        ref = (current + 0.3 * torch.randn(current.shape, generator=g)) * mask
+    advantages = torch.tensor([1.3, -0.4, 0.2, -1.1, 0.9, -0.7, 0.05, -0.3])
+    inputs = {**batch, "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref}
+
+    trainer.model.zero_grad()
+    theirs = trainer._compute_loss(trainer.model, inputs)
+    theirs.backward()
+    their_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    cfg = our_cfg(**fields)
+    logps, entropies = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE, compute_entropy=True)
+    entropy_mask = None
+    if cfg.top_entropy_quantile < 1.0:
+        entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile)
+    loss, stats = grpo_loss(cfg, logps, old, ref if cfg.beta else None, advantages, mask, entropy_mask,
+                            batch["num_items_in_batch"], 1)
+    stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
+    loss.backward()
+    ours = reduce_loss_stats([stats])
+
+    assert loss.item() == pytest.approx(theirs.item(), abs=TOL, rel=TOL)
+    logged = {k for k in their_metrics if k not in ("num_tokens",) and not k.startswith(("rewards/", "completions/"))
+              and k not in ("reward", "reward_std", "frac_reward_zero_std")}
+    assert logged == set(ours), (logged, set(ours))
+    for k in logged:
+        assert ours[k] == pytest.approx(their_metrics[k], abs=TOL), k
+    if cfg.loss_type in ("grpo", "dapo") and level == "token" and not extra:
+        assert any(ours[k] > 0 for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")), "no clipping exercised"
+    theirs_grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+    ours_grad = torch.cat([p.grad.flatten() for p in ours_model.parameters()])
+    assert torch.allclose(ours_grad, theirs_grad, atol=TOL, rtol=1e-4), (ours_grad - theirs_grad).abs().max()

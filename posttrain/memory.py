@@ -167,8 +167,23 @@ def inference_bytes(m: ModelSize, tokens: int) -> int:
 
 
 def kv_cache_bytes(m: ModelSize, sequences: int, length: int) -> int:
-    """Generation's KV cache: keys and values, bf16, every layer."""
+    """Generation's KV cache: keys and values, bf16, every layer
+    (2 * layers * kv_heads * head_dim * batch * (prompt + response) * 2 bytes)."""
     return sequences * length * m.layers * 2 * m.kv_dim * 2
+
+
+# posttrain.rollout's CUDA graph pool: the decode step's intermediates for one token, dominated
+# by its float32 [batch, vocab] sampling tensors (logits, log-softmax, filtered, noised). An upper
+# estimate, bytes per row per vocabulary entry; benchmarks/rollout_bench.py measures the pool
+# (torch.cuda.memory_reserved() across capture).
+GRAPH_POOL_BYTES_PER_ROW_VOCAB = 32
+
+
+def rollout_engine_bytes(m: ModelSize, sequences: int, length: int, policy_stage: int) -> int:
+    """What posttrain.rollout keeps for a whole run: its KV cache, its graph pool and, for a ZeRO-3
+    policy, the persistent bf16 copy the weights are gathered into once per rollout."""
+    pool = GRAPH_POOL_BYTES_PER_ROW_VOCAB * sequences * m.vocab
+    return kv_cache_bytes(m, sequences, length) + pool + (2 * m.params if policy_stage == 3 else 0)
 
 
 @dataclass(frozen=True)
@@ -215,10 +230,11 @@ class RolePlan:
     activations: float = 0.0  # saved for backward (trained role) or a forward's working set (frozen)
     kv_cache: float = 0.0
     resident_grads: float = 0.0  # the part of ``grads`` DeepSpeed keeps between steps
+    rollout: float = 0.0  # posttrain.rollout's cache, graph pool and ZeRO-3 copy, kept for the run
 
     @property
     def at_rest(self) -> float:
-        return self.params + self.resident_grads + self.optimizer
+        return self.params + self.resident_grads + self.optimizer + self.rollout
 
 
 @dataclass
@@ -281,11 +297,15 @@ def plan(
     seq_len: int,
     response_len: int = 64,
     gpu_memory_gib: float = 139.0,
+    generation_backend: str = "posttrain",
 ) -> Plan:
     """Per-GPU memory of every role of ``workload`` under ``mix``.
 
     ``micro_batch`` counts prompts (PPO), pairs (DPO, two sequences each) or sequences (distill)
-    per GPU; ``seq_len`` is the whole sequence (PPO: prompt plus ``response_len``)."""
+    per GPU; ``seq_len`` is the whole sequence (PPO: prompt plus ``response_len``).
+    ``generation_backend`` (PPO): "posttrain" keeps its KV cache, graph pool and a ZeRO-3 policy's
+    gathered copy for the whole run (at rest); "hf" (transformers' generate) holds them only while
+    it generates."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -347,10 +367,14 @@ def plan(
         policy = by["policy"]
         policy.kv_cache = kv_cache_bytes(policy.size, micro_batch, seq_len)
         prompt = micro_batch * (seq_len - response_len)
-        gen = policy.kv_cache + inference_bytes(policy.size, prompt) - HEAD_INFER_V * policy.size.vocab * prompt
-        if policy.place.stage == 3:
-            # TRL's unwrap_model_for_generation gathers a full copy of the ZeRO-3 policy to generate.
-            gen += 2 * policy.size.params
+        gen = inference_bytes(policy.size, prompt) - HEAD_INFER_V * policy.size.vocab * prompt
+        if generation_backend == "hf":
+            gen += policy.kv_cache
+            if policy.place.stage == 3:
+                # TRL's unwrap_model_for_generation gathers a full copy of the ZeRO-3 policy to generate.
+                gen += 2 * policy.size.params
+        else:
+            policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage)
         phases["generate"] = gen
         phases["score"] = max(forward(by["reference"]), forward(by["reward"]))
         phases["train"] = max(train(policy), train(by["value"]))

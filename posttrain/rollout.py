@@ -103,13 +103,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float | torch.Tensor, use_top_p: bool | None = None
+                  ) -> torch.Tensor:
     """transformers' TopKLogitsWarper then TopPLogitsWarper (keep at least one token), without
-    data-dependent shapes: removed entries become -inf."""
+    data-dependent shapes: removed entries become -inf. ``top_p`` may be a 0-d tensor (a graph
+    input); ``use_top_p`` then says whether to sort at all."""
     if top_k > 0 and top_k < scaled.size(-1):
         kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
+    if use_top_p if use_top_p is not None else top_p < 1.0:
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=False)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         remove_sorted = cumulative <= (1 - top_p)
@@ -144,19 +146,29 @@ def gumbel_noise(key: torch.Tensor, step: torch.Tensor, rows: int, vocab: int, d
     return -torch.log(-torch.log(u))
 
 
-def choose_tokens(logits: torch.Tensor, sampling: SamplingParams, step: torch.Tensor, key: torch.Tensor,
-                  stop_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *,
+                  temperature: float | torch.Tensor, do_sample: bool | torch.Tensor, top_k: int = 0,
+                  top_p: float | torch.Tensor = 1.0, use_top_p: bool | None = None,
+                  min_new_tokens: int | torch.Tensor = 0, stop_ids: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-prob, from raw logits [B, V]. ``step`` (0-d int64 tensor) is
-    the index of the token being chosen; stop tokens are barred while step < min_new_tokens."""
-    scaled = logits.float() / sampling.temperature
+    the index of the token being chosen; stop tokens are barred while step < min_new_tokens.
+    Temperature, do_sample, top_p and min_new_tokens may be 0-d tensors: the engine's graph reads
+    them, so changing them needs no recompile; top_k, whether to sort for top-p and the stop
+    tokens are fixed per graph."""
+    scaled = logits.float() / temperature
     logp = torch.log_softmax(scaled, dim=-1)
     pick = scaled
-    if stop_ids is not None and sampling.min_new_tokens > 0:
+    if stop_ids is not None:
         barred = torch.zeros(scaled.size(-1), dtype=torch.bool, device=scaled.device).index_fill(0, stop_ids, True)
-        pick = pick.masked_fill(barred & (step < sampling.min_new_tokens), float("-inf"))
-    if sampling.do_sample:
-        pick = filter_logits(pick, sampling.top_k, sampling.top_p)
-        pick = pick + gumbel_noise(key, step, pick.size(0), pick.size(1), pick.device)
+        pick = pick.masked_fill(barred & (step < min_new_tokens), float("-inf"))
+    if isinstance(do_sample, bool):
+        if do_sample:  # greedy ignores top-k/top-p, as transformers does (argmax is kept by both)
+            pick = filter_logits(pick, top_k, top_p, use_top_p)
+            pick = pick + gumbel_noise(key, step, pick.size(0), pick.size(1), pick.device)
+    else:
+        pick = filter_logits(pick, top_k, top_p, use_top_p)
+        pick = pick + gumbel_noise(key, step, pick.size(0), pick.size(1), pick.device) * do_sample
     tokens = pick.argmax(dim=-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -342,6 +354,12 @@ class DecodeEngine:
         self.logprobs = torch.zeros(b, n, dtype=torch.float32, device=dev)
         self.stop_ids = (torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
                          if sampling.stop_token_ids else None)
+        # Knobs the graph reads (change them with set_knobs, no recompile); the rest is in graph_key.
+        self.temperature = torch.ones((), dtype=torch.float32, device=dev)
+        self.do_sample = torch.ones((), dtype=torch.float32, device=dev)
+        self.top_p = torch.ones((), dtype=torch.float32, device=dev)
+        self.min_new = torch.zeros((), dtype=torch.long, device=dev)
+        self.set_knobs(sampling)
         self.cols = torch.arange(self.length, device=dev)
         self.graph: Any = None
         self.pool: Any = None
@@ -349,6 +367,26 @@ class DecodeEngine:
         self.captures = self.recaptures = 0
         self.capture_s = 0.0
         self._step_fn = self._step
+
+    @staticmethod
+    def graph_key(sampling: SamplingParams) -> tuple:
+        """What a compiled step is specialised on; other knobs are buffers."""
+        return (sampling.top_k, sampling.top_p < 1.0, tuple(sampling.stop_token_ids), sampling.pad_token_id)
+
+    def set_knobs(self, sampling: SamplingParams) -> None:
+        if self.graph_key(sampling) != self.graph_key(self.sampling):
+            raise ValueError("set_knobs: top_k, top-p on/off, stop tokens and pad are fixed per engine")
+        self.temperature.fill_(sampling.temperature)
+        self.do_sample.fill_(1.0 if sampling.do_sample else 0.0)
+        self.top_p.fill_(sampling.top_p)
+        self.min_new.fill_(sampling.min_new_tokens)
+        self.sampling = sampling
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.sampling
+        return choose_tokens(logits, self.step_idx, self.key, temperature=self.temperature, do_sample=self.do_sample,
+                             top_k=s.top_k, top_p=self.top_p, use_top_p=s.top_p < 1.0, min_new_tokens=self.min_new,
+                             stop_ids=self.stop_ids)
 
     # -- the step: a fixed-shape function of the buffers above --------------------------------
     def _record(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
@@ -365,7 +403,7 @@ class DecodeEngine:
         slot = self.step_idx + (self.prompt_len - 1)  # the cache slot of the token fed in
         allowed = self.key_valid & (self.cols <= slot)
         logits = self.runner.decode_logits(self.last, self.position, slot, allowed, self.length)
-        tokens, logprobs = choose_tokens(logits, self.sampling, self.step_idx, self.key, self.stop_ids)
+        tokens, logprobs = self._choose(logits)
         self._record(tokens, logprobs)
         self.position.add_(1)
         self.step_idx.add_(1)
@@ -428,7 +466,7 @@ class DecodeEngine:
         self.done[b:].fill_(True)
         self.step_idx.zero_()
         logits = self.runner.prefill(ids.masked_fill(mask == 0, 0), positions, mask)
-        tokens, logprobs = choose_tokens(logits, self.sampling, self.step_idx, self.key, self.stop_ids)
+        tokens, logprobs = self._choose(logits)
         self._record(tokens, logprobs)
         self.position.copy_(positions[:, -1:] + 1)
         self.step_idx.fill_(1)
@@ -565,6 +603,11 @@ class Rollout:
             if reason is not None:
                 self._fall_back(reason)
 
+    def metrics(self) -> dict[str, float]:
+        """Per-step metrics: graph captures so far, recaptures (0 after warm-up), capture seconds."""
+        return {"rollout/captures": self.stats["captures"], "rollout/recaptures": self.stats["recaptures"],
+                "rollout/capture_s": self.stats["capture_s"]}
+
     # -- where the weights are ---------------------------------------------------------------------
     def _module(self) -> nn.Module:
         if self._bare is not None:
@@ -624,7 +667,11 @@ class Rollout:
                          key: int) -> tuple[torch.Tensor, torch.Tensor]:
         model = self._engine_model()
         knobs = replace(sampling, max_new_tokens=self.sampling.max_new_tokens)
-        if self.engine is None or self.engine.runner.model is not model or self.engine.sampling != knobs:
+        same = (self.engine is not None and self.engine.runner.model is model
+                and DecodeEngine.graph_key(self.engine.sampling) == DecodeEngine.graph_key(knobs))
+        if same:
+            self.engine.set_knobs(knobs)  # temperature, do_sample, top_p, min_new_tokens: buffers
+        else:
             old = self.engine
             self.engine = DecodeEngine(model, knobs, self.max_batch, self.max_prompt_len)
             if old is not None:  # new knobs: a new graph, counted as captures

@@ -19,7 +19,8 @@ def gpu_rows():
 
 def planned(r):
     return memory.plan(r["workload"], r["shapes"], r["mix"], world_size=r["world_size"], micro_batch=r["micro_batch"],
-                       seq_len=r["seq_len"], response_len=r["response_len"], gpu_memory_gib=r["device_total_gib"])
+                       seq_len=r["seq_len"], response_len=r["response_len"], gpu_memory_gib=r["device_total_gib"],
+                       generation_backend=r.get("generation_backend") or "hf")  # rows before the engine: hf
 
 
 def test_committed_gpu_results_exist():

@@ -113,6 +113,21 @@ def test_same_seed_same_samples(models, tok, prompts):
     assert torch.equal(first, a) and not torch.equal(first, second)
 
 
+def test_knobs_change_without_a_new_engine(models, tok, prompts):
+    """Temperature, do_sample, top_p and min_new_tokens are buffers of the step: one engine (one
+    graph on CUDA) serves greedy and sampled rollouts."""
+    model, (ids, mask) = models["llama"], prompts
+    r = rollout(model, tok, top_p=0.95)
+    sampled = r.generate(ids, mask)
+    engine = r.engine
+    greedy = r.generate(ids, mask, SamplingParams(max_new_tokens=N, pad_token_id=tok.pad_token_id, do_sample=False,
+                                                  top_p=0.9, temperature=0.5))
+    assert r.engine is engine
+    want = rollout(model, tok, do_sample=False, temperature=0.5).generate(ids, mask)
+    assert torch.equal(greedy.sequences, want.sequences) and not torch.equal(greedy.sequences, sampled.sequences)
+    assert torch.allclose(greedy.logprobs, want.logprobs)
+
+
 def test_top_k_1_is_greedy(models, tok, prompts):
     model, (ids, mask) = models["qwen2"], prompts
     greedy = rollout(model, tok, do_sample=False).generate(ids, mask)
@@ -163,8 +178,7 @@ def test_sampling_frequencies_follow_the_distribution():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
     rows = 40000
     logits = (probs.log() * 0.5).expand(rows, -1)  # at temperature 0.5 the distribution is `probs`
-    sampling = SamplingParams(max_new_tokens=1, pad_token_id=0, temperature=0.5)
-    tokens, logp = choose_tokens(logits, sampling, torch.tensor(0), torch.tensor(12345), None)
+    tokens, logp = choose_tokens(logits, torch.tensor(0), torch.tensor(12345), temperature=0.5, do_sample=True)
     freq = torch.bincount(tokens, minlength=5).float() / rows
     assert (freq - probs).abs().max().item() < 0.01
     assert torch.allclose(logp, probs.log()[tokens], atol=1e-6)

@@ -54,6 +54,7 @@ class DistillConfig(TrainConfig):
     lmbda: float = 0.0  # fraction of steps trained on the student's own generations (on-policy)
     seq_kd: bool = False  # on the other steps, train on the teacher's generations instead of the data
     max_new_tokens: int = 128  # TRL's GKDConfig
+    generation_backend: str = "posttrain"  # "posttrain" (posttrain.rollout's engine) | "hf" (transformers' generate)
     max_length: int = 128  # prompt + completion tokens of a dataset row (generation adds max_new_tokens)
 
     def __post_init__(self) -> None:
@@ -64,6 +65,8 @@ class DistillConfig(TrainConfig):
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
+        if self.generation_backend not in ("posttrain", "hf"):
+            raise ConfigError(f"generation_backend must be 'posttrain' or 'hf', got {self.generation_backend!r}")
 
 
 def generalized_jsd_loss(
@@ -162,6 +165,7 @@ class DistillTrainer:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.session = None
+        self.rollouts: dict[str, Any] = {}  # role -> posttrain.rollout.Rollout
         self.history: list[dict] = []
 
     # -- set-up ----------------------------------------------------------------------------
@@ -205,26 +209,24 @@ class DistillTrainer:
 
     @torch.no_grad()
     def generate(self, role: str, prompts: list[list[int]]) -> list[list[int]]:
-        """Sample completions from ``role``'s model, each cut after its first end-of-sequence token.
-        A ZeRO-3 model gathers its layers on every forward, so all ranks generate in lock-step."""
-        s, tok = self.session, self.tokenizer
-        engine = s.engines[role]
+        """Sample completions from ``role``'s model with posttrain.rollout (``generation_backend``),
+        each cut after its first end-of-sequence token. Collective for a ZeRO-3 model (gathered
+        once per rollout, or in lock-step with ``generate``)."""
+        from ..rollout import Rollout, SamplingParams
+
+        s, tok, cfg = self.session, self.tokenizer, self.cfg
+        if role not in self.rollouts:
+            sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id,
+                                      temperature=cfg.temperature, stop_token_ids=[tok.eos_token_id])
+            # Prompts are cut to max_length - 1 tokens (_encode); a micro-batch at a time.
+            self.rollouts[role] = Rollout(s, role, sampling, max_batch=cfg.per_device_train_batch_size,
+                                          max_prompt_len=max(1, cfg.max_length - 1), backend=cfg.generation_backend)
         width = max(len(p) for p in prompts)
         # Left padding: every prompt ends where generation starts.
         ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=s.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=s.device)
-        with s.activate(role):
-            out = engine.module.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature, top_k=0,
-                top_p=1.0, max_new_tokens=self.cfg.max_new_tokens, pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id, synced_gpus=s.zero_stage(role) == 3 and s.num_processes > 1,
-            )
-        completions = []
-        for row in out[:, width:].tolist():
-            if tok.eos_token_id in row:
-                row = row[: row.index(tok.eos_token_id) + 1]
-            completions.append(row)
-        return completions
+        out = self.rollouts[role].generate(ids, mask)
+        return [row[:n] for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1).tolist())]
 
     def _source(self, micro_step: int) -> str:
         # GKD's draw, once per micro-batch, but from (seed, micro-step) so that it is the same on
@@ -270,6 +272,7 @@ class DistillTrainer:
                                       "completion_length": sum(lengths) / len(lengths)})
         return {**metrics, "grad_norm": s.grad_norm("student") or 0.0, "learning_rate": s.learning_rate("student"),
                 "on_policy": sources.count("student") / len(sources), "seq_kd": sources.count("teacher") / len(sources),
+                **{f"{k}/{role}": v for role, r in self.rollouts.items() for k, v in r.metrics().items()},
                 **phases.pop()}
 
     @torch.no_grad()

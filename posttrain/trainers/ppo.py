@@ -79,6 +79,7 @@ class PPOConfig(TrainConfig):
     lam: float = 0.95
     whiten_rewards: bool = False
     ds3_gather_for_generation: bool = True
+    generation_backend: str = "posttrain"  # "posttrain" (posttrain.rollout's engine) | "hf" (transformers' generate)
     num_sample_generations: int = 10  # times over the run that sample completions are logged
     learning_rate: float = 3e-6
 
@@ -88,6 +89,8 @@ class PPOConfig(TrainConfig):
             raise ConfigError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
         if self.stop_token not in (None, "eos"):
             raise ConfigError(f"stop_token must be None or 'eos', got {self.stop_token!r}; use stop_token_id")
+        if self.generation_backend not in ("posttrain", "hf"):
+            raise ConfigError(f"generation_backend must be 'posttrain' or 'hf', got {self.generation_backend!r}")
 
 
 # -- the math (TRL <= 1.12's helpers; TRL 1.16 no longer ships them) ---------------------------
@@ -327,6 +330,7 @@ class PPOTrainer:
             self.reward_input.prepare(reward)
             s.prepare("reward", reward)
         self.phases = Phases()
+        self.rollout_engine = None  # posttrain.rollout.Rollout, built on the first generation
         self.start = 0
         ckpt = resume_dir(cfg)
         if ckpt is not None:
@@ -340,28 +344,25 @@ class PPOTrainer:
 
     @torch.no_grad()
     def generate(self, queries: torch.Tensor) -> torch.Tensor:
-        """Sample responses; a ZeRO-3 policy is gathered once for the whole generation
-        (``ds3_gather_for_generation``), or generates with its hooks and synced ranks."""
-        from transformers import GenerationConfig
-        from trl.models.utils import unwrap_model_for_generation
+        """Sample responses with posttrain.rollout (``generation_backend``), chunk by chunk; a ZeRO-3
+        policy is gathered once per rollout (``ds3_gather_for_generation``), or generates with its
+        hooks and synced ranks. Responses are never cut here: the stop token is applied afterwards
+        (TRL's truncate_response), so every row gets the full response length."""
+        from ..rollout import Rollout, SamplingParams
 
-        cfg, s, pad = self.cfg, self.session, self.tokenizer.pad_token_id
-        gen = GenerationConfig(max_new_tokens=cfg.response_length,
-                               temperature=cfg.temperature + 1e-7, top_k=0, top_p=1.0, do_sample=True,
-                               pad_token_id=pad, eos_token_id=None)
-        zero3 = s.zero_stage("policy") == 3
-        synced = zero3 and not cfg.ds3_gather_for_generation and s.num_processes > 1
+        cfg, pad = self.cfg, self.tokenizer.pad_token_id
+        if self.rollout_engine is None:
+            sampling = SamplingParams(max_new_tokens=cfg.response_length, pad_token_id=pad,
+                                      temperature=cfg.temperature + 1e-7, top_k=0, top_p=1.0)
+            self.rollout_engine = Rollout(
+                self.session, "policy", sampling, max_batch=min(cfg.local_rollout_forward_batch_size,
+                                                                self.local_batch_size),
+                max_prompt_len=cfg.max_prompt_length, backend=cfg.generation_backend,
+                ds3_gather_for_generation=cfg.ds3_gather_for_generation)
         out = []
-        with s.activate("policy"), unwrap_model_for_generation(
-            s.engines["policy"], s.accelerator_for("policy"), gather_deepspeed3_params=cfg.ds3_gather_for_generation
-        ) as model:
-            for i in range(0, queries.shape[0], cfg.local_rollout_forward_batch_size):
-                q = queries[i : i + cfg.local_rollout_forward_batch_size]
-                mask = (q != pad).long()
-                seq = model.generate(input_ids=q, attention_mask=mask, generation_config=gen, synced_gpus=synced)
-                # Every chunk (and rank) gets the full response length, stopped sequences padded.
-                out.append(torch.nn.functional.pad(seq, (0, q.shape[1] + cfg.response_length - seq.shape[1]),
-                                                   value=pad))
+        for i in range(0, queries.shape[0], cfg.local_rollout_forward_batch_size):
+            q = queries[i : i + cfg.local_rollout_forward_batch_size]
+            out.append(self.rollout_engine.generate(q, (q != pad).long()).sequences)
         return torch.cat(out)
 
     @torch.no_grad()
@@ -511,6 +512,7 @@ class PPOTrainer:
             metrics = {**rollout_metrics(batch, self.tokenizer.eos_token_id), **train_stats}
             metrics = mean_over_ranks(s, metrics)
             metrics.update(self.phases.pop())
+            metrics.update(self.rollout_engine.metrics())
             metrics["time/update"] = time.perf_counter() - tick
             metrics["lr"] = s.learning_rate("policy")
             metrics["episode"] = update * self.batch_size

@@ -64,6 +64,8 @@ def case_name(spec: dict[str, Any]) -> str:
     odd = [f"{r}={s}" for r, s in shapes.items() if s != main]
     tag = "+".join([main, *odd])
     extra = f"-r{spec['response_len']}" if spec["workload"] == "ppo" else ""
+    if spec.get("generation_backend") == "hf":  # beside the default backend's rows in one results dir
+        extra += "-hf"
     return f"{spec['workload']}-{tag}-mb{spec['micro_batch']}-s{spec['seq_len']}{extra}"
 
 
@@ -97,6 +99,7 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         status = "oom" if "oom" in statuses else "error" if statuses - {"ok"} or rc != 0 or len(ranks) < nproc else "ok"
     row: dict[str, Any] = {"case": case_name(spec), **{k: spec[k] for k in (
         "workload", "shapes", "micro_batch", "seq_len", "response_len", "mix", "warmup", "steps")},
+        "generation_backend": spec.get("generation_backend"),
         "world_size": nproc, "status": status, "wall_s": round(wall, 1)}
     if status != "ok":
         errors = [r.get("error", "") for r in ranks if r.get("status") != "ok"]
@@ -119,6 +122,8 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         row["tokens_per_s"] = round(r0["tokens_per_step"] * nproc / row["step_s"], 1)
         row["losses"] = [round(x, 5) for x in r0["losses"]]
         row["step_times"] = [{k: round(v, 5) for k, v in t.items()} for t in r0["step_times"]]  # rank 0's
+        if r0.get("rollout"):
+            row["rollout"] = r0["rollout"]
         if r0.get("role_memory_gib"):
             row["role_memory_gib"] = {k: round(max(r["role_memory_gib"][k] for r in ok), 3) for k in r0["role_memory_gib"]}
             row["phase_peak_gib"] = {k: round(max(r["phase_peak_gib"][k] for r in ok), 3) for k in r0["phase_peak_gib"]}
@@ -173,7 +178,8 @@ def planned_peak(row: dict[str, Any]) -> float | None:
     try:
         p = memory.plan(row["workload"], row["shapes"], row["mix"], world_size=row["world_size"],
                         micro_batch=row["micro_batch"], seq_len=row["seq_len"], response_len=row["response_len"],
-                        gpu_memory_gib=row.get("device_total_gib", 139.0))
+                        gpu_memory_gib=row.get("device_total_gib", 139.0),
+                        generation_backend=row.get("generation_backend") or "hf")
     except Exception:  # noqa: BLE001 - e.g. a hub model the planner cannot reach offline
         return None
     return p.peak / memory.GiB
@@ -275,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=4, help="per GPU: pairs (dpo), prompts (ppo), sequences")
     ap.add_argument("--seq-len", type=int, default=512, help="whole sequence; ppo: prompt + response")
     ap.add_argument("--response-len", type=int, default=64, help="ppo: tokens generated per prompt")
+    ap.add_argument("--generation-backend", choices=["posttrain", "hf"], default="posttrain",
+                    help="ppo: posttrain.rollout's engine, or transformers' generate")
     ap.add_argument("--mixes", default="all", help=f"comma-separated, or all: {','.join(ALL_MIXES)}")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5, help="measured steps (the median is reported)")
@@ -309,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     base = dict(workload=args.workload, shapes=parse_shapes(args.workload, args.shape, args.role_shape),
                 micro_batch=args.micro_batch, seq_len=args.seq_len,
                 response_len=args.response_len if args.workload == "ppo" else 0,
+                generation_backend=args.generation_backend if args.workload == "ppo" else None,
                 warmup=args.warmup, steps=args.steps, precision=args.precision, profile_steps=args.profile_steps)
     command = shlex.join(["python", "benchmarks/harness.py", *argv])
     env = environment()

@@ -99,6 +99,7 @@ class Bench:
         self.role_memory: dict[str, float] = {}
         self.phases = Phases()
         self.phase_peaks: dict[str, list[float]] = {}
+        self.rollout: Any = None  # posttrain.rollout.Rollout of the ppo workload
         # One tokenizer for all roles: a smaller preset takes the first trained role's vocabulary.
         self.vocab = memory.shared_vocab(spec["shapes"], self.workload)
 
@@ -178,18 +179,22 @@ class Bench:
         return {"loss": float(loss)}
 
     def ppo_step(self) -> dict[str, float]:
-        from trl.models.utils import unwrap_model_for_generation
         from trl.trainer.utils import selective_log_softmax
+
+        from posttrain.rollout import Rollout, SamplingParams
 
         s = self.session
         mb, length, resp = self.spec["micro_batch"], self.spec["seq_len"], self.spec["response_len"]
         prompts = self.tokens(mb, length - resp)
         policy = self.engines["policy"]
+        if self.rollout is None:
+            # PPO's sampling (temperature 1, no top-k/top-p, no stop token: every row full length);
+            # "hf" is transformers' generate with TRL's ZeRO-3 gathering, "posttrain" the engine.
+            sampling = SamplingParams(max_new_tokens=resp, pad_token_id=0, temperature=1.0, top_k=0, top_p=1.0)
+            self.rollout = Rollout(s, "policy", sampling, max_batch=mb, max_prompt_len=length - resp,
+                                   backend=self.spec.get("generation_backend") or "posttrain")
         with self.phase("generate"), torch.no_grad():
-            # TRL's generation path; under a ZeRO-3 policy it gathers the whole model first.
-            with s.activate("policy"), unwrap_model_for_generation(policy, s.accelerator) as model:
-                seqs = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                                      max_new_tokens=resp, min_new_tokens=resp, do_sample=True, pad_token_id=0)
+            seqs = self.rollout.generate(prompts, torch.ones_like(prompts)).sequences
         if seqs.shape[1] != length:
             raise RuntimeError(f"generation returned {seqs.shape[1]} tokens per row, expected {length}")
         targets = seqs[:, 1:]
@@ -283,6 +288,8 @@ def run(spec: dict[str, Any], out_dir: Path | None = None) -> dict[str, Any]:
     res["losses"] = losses
     res["phase_peak_gib"] = {k: max(v) for k, v in bench.phase_peaks.items()}
     res["world_size"] = bench.session.num_processes
+    if bench.rollout is not None:
+        res["rollout"] = bench.rollout.stats  # backend, fallback, captures, recaptures, capture_s
     if spec.get("profile_steps") and out_dir is not None:
         profile_steps(step, spec["profile_steps"], out_dir, bench.session.process_index)
     return res

@@ -75,11 +75,15 @@ def session_run(installed) -> dict:
 
 
 def test_wheel_ships_presets_and_data(installed):
-    names = zipfile.ZipFile(installed["wheel"]).namelist()
-    assert [n for n in names if n.startswith("posttrain/presets/deepspeed/")] == [
+    names = set(zipfile.ZipFile(installed["wheel"]).namelist())
+    assert sorted(n for n in names if n.startswith("posttrain/presets/deepspeed/")) == [
         f"posttrain/presets/deepspeed/{p}.json" for p in PRESETS
     ]
-    assert "posttrain/data/tiny_corpus.txt" in names and "posttrain/data/words.txt" in names
+    # Every bundled data file, subfolders included (the tiny default's prebuilt assets).
+    data = {f"posttrain/{p.relative_to(ROOT / 'posttrain').as_posix()}" for p in (ROOT / "posttrain" / "data").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+    assert {"posttrain/data/tiny_corpus.txt", "posttrain/data/words.txt"} <= data
+    assert data <= names, sorted(data - names)
 
 
 def test_installed_package_resolves_presets_and_caches_outside_site_packages(installed):

@@ -71,7 +71,9 @@ def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -
     from trl import TrlParser
 
     # No prefix matching: a mistyped flag (--total_episode) must not silently set another one.
-    parser = TrlParser(types, prog=prog, allow_abbrev=False)
+    parser = TrlParser(types, prog=prog, allow_abbrev=False, description=(
+        "--config FILE: a YAML of settings, which the flags below override. Without it, a run with no model "
+        "takes the built-in tiny default's demo settings, a run with your model the defaults shown."))
     known = {s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")}
     if config is not None:
         path = Path(config)

@@ -186,7 +186,7 @@ def prepare_preference_dataset(
     if max_length is not None and truncation_mode == "keep_start":
         rows = [r for r in rows if len(r["prompt_ids"]) < max_length]
     if not rows:
-        raise ValueError(f"{name}: no usable rows (is max_length={max_length} shorter than every prompt?)")
+        raise ConfigError(f"{name}: no usable rows, every prompt fills max_length={max_length}: raise --max_length")
     return rows
 
 

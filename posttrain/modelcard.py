@@ -273,7 +273,12 @@ def write_model_card(
     bundled_data = dataset_name is None and hasattr(cfg, "dataset_name")
 
     rows = read_metrics(out / "metrics.jsonl")
-    curves = plot_learning_curves(rows, out / CURVES_FILE)
+    try:
+        curves = plot_learning_curves(rows, out / CURVES_FILE)
+    except Exception as err:  # a plotting failure must not end the run: its final model is saved after this
+        print(f"[posttrain] learning-curve plot skipped ({type(err).__name__}: {err}); the card is written without it",
+              file=sys.stderr)
+        curves = None
     if curves is None:
         (out / CURVES_FILE).unlink(missing_ok=True)  # an older run's plot would not match this card
     metrics = [{"name": k, "value": f"{v:.4g}", "step": step} for k, (v, step) in final_metrics(rows).items()]

@@ -322,6 +322,31 @@ class DecoderRunner:
         return self.model.lm_head(base.norm(x))[:, 0]
 
 
+class _Clock:
+    """Milliseconds between laps, on the device's clock (CUDA events) or the host's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.last = self._mark()
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        now = self._mark()
+        if self.cuda:
+            now.synchronize()
+            ms = self.last.elapsed_time(now)
+        else:
+            ms = (now - self.last) * 1e3
+        self.last = now
+        return ms
+
+
 # -- the engine -------------------------------------------------------------------------------------
 class DecodeEngine:
     """Static buffers, the decode step over them and (on CUDA) its compiled, captured graph.
@@ -366,6 +391,9 @@ class DecodeEngine:
         self.ptrs: list[int] = []
         self.captures = self.recaptures = 0
         self.capture_s = 0.0
+        self.graph_pool_bytes = 0  # torch.cuda.memory_reserved() growth across the captures
+        self.profile = False  # time prefill and decode separately (syncs; benchmarks only)
+        self.timings: dict[str, float] = {}
         self._step_fn = self._step
 
     @staticmethod
@@ -423,14 +451,17 @@ class DecodeEngine:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(3):  # compile, autotune and allocate outside the capture
-                self.step_idx.zero_()
+                self.step_idx.fill_(1)  # writes cache slot prompt_len, which decoding rewrites first
                 self._step_fn()
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
         with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
             self._step_fn()
+        self.graph_pool_bytes += torch.cuda.memory_reserved() - reserved
         for t, s in zip((self.last, self.position, self.step_idx, self.done), saved):
             t.copy_(s)
         if self.graph is not None:
@@ -465,6 +496,7 @@ class DecodeEngine:
         self.done.fill_(False)
         self.done[b:].fill_(True)
         self.step_idx.zero_()
+        clock = _Clock(dev) if self.profile else None
         logits = self.runner.prefill(ids.masked_fill(mask == 0, 0), positions, mask)
         tokens, logprobs = self._choose(logits)
         self._record(tokens, logprobs)
@@ -476,6 +508,8 @@ class DecodeEngine:
             elif self._param_ptrs() != self.ptrs:  # a parameter's storage moved: re-point the graph
                 logger.info("rollout: a parameter's storage moved since capture; recapturing")
                 self._capture()
+        if clock is not None:
+            self.timings["prefill_ms"] = clock.lap()
         written = max_new_tokens
         for t in range(1, max_new_tokens):
             # Every sync_every tokens (one host sync) see whether every row is done.
@@ -486,6 +520,9 @@ class DecodeEngine:
                 self.graph.replay()
             else:
                 self._step_fn()
+        if clock is not None:
+            self.timings["decode_ms"] = clock.lap()
+            self.timings["decode_tokens"] = written - 1
         tokens = self.tokens[:b, :max_new_tokens].clone()
         logprobs = self.logprobs[:b, :max_new_tokens].clone()
         tokens[:, written:] = pad  # columns not decoded (all rows were done): padding
@@ -680,7 +717,7 @@ class Rollout:
             self.stats["kv_cache_bytes"] = self.engine.runner.cache_nbytes
         tokens, logprobs = self.engine.generate(prompt_ids, prompt_mask, key, sampling.max_new_tokens)
         self.stats.update(captures=self.engine.captures, recaptures=self.engine.recaptures,
-                          capture_s=round(self.engine.capture_s, 3))
+                          capture_s=round(self.engine.capture_s, 3), graph_pool_bytes=self.engine.graph_pool_bytes)
         return tokens, logprobs
 
     @contextmanager

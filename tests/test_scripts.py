@@ -80,6 +80,12 @@ def test_cli_commands(capsys):
     assert ppo.total_episodes == 4096 and ppo.output_dir == "runs/ppo"
 
 
+def test_distill_with_your_student_needs_a_teacher(tmp_path, capsys):
+    assert cli.main(["distill", "--model_name_or_path", str(tmp_path), "--output_dir", str(tmp_path / "run")]) == 2
+    assert "error: distilling into your own student needs a teacher with its vocabulary: set " \
+           "--teacher_model_name_or_path" in capsys.readouterr().err
+
+
 def rows(n):
     return [{"prompt": f"p{i}", "chosen": " good", "rejected": " bad"} for i in range(n)]
 

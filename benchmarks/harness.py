@@ -127,7 +127,26 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         if r0.get("role_memory_gib"):
             row["role_memory_gib"] = {k: round(max(r["role_memory_gib"][k] for r in ok), 3) for k in r0["role_memory_gib"]}
             row["phase_peak_gib"] = {k: round(max(r["phase_peak_gib"][k] for r in ok), 3) for k in r0["phase_peak_gib"]}
+        row.update(canary_verdict(ok))
     return row
+
+
+def canary_verdict(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The canary's fields of a row (benchmarks/canary.py): each frozen role's max abs difference
+    from its unsharded weights over every rank (a wrong gather may show on one rank only), the
+    largest of them, and the status: ``wrong`` beyond the tolerance, ``unchecked`` if the canary
+    could not run."""
+    errors = [r["canary_error"] for r in ranks if "canary_error" in r]
+    if errors or any("canary" not in r for r in ranks):
+        return {"status": "unchecked", "error": f"canary: {errors[0] if errors else 'no result'}"}
+    per_role = {k: max(r["canary"][k] for r in ranks) for k in ranks[0]["canary"]}
+    worst = max(per_role.values(), default=0.0)
+    tolerance = ranks[0]["canary_tolerance"]
+    out: dict[str, Any] = {"canary": per_role, "canary_max_abs_diff": worst, "canary_tolerance": tolerance}
+    if worst > tolerance:
+        bad = ", ".join(f"{k} {v:.3g}" for k, v in per_role.items() if v > tolerance)
+        out.update(status="wrong", error=f"frozen outputs differ from the unsharded weights' beyond {tolerance}: {bad}")
+    return out
 
 
 def lower_quartiles(step_times: list[dict[str, float]]) -> dict[str, Any]:
@@ -185,11 +204,18 @@ def planned_peak(row: dict[str, Any]) -> float | None:
     return p.peak / memory.GiB
 
 
+def canary_cell(row: dict[str, Any]) -> str:
+    """The canary's largest difference (and its tolerance) for the table; rows from before it: blank."""
+    if "canary_max_abs_diff" not in row:
+        return ""
+    return f"{row['canary_max_abs_diff']:.2g} (tol {row['canary_tolerance']:g})"
+
+
 def render(out: Path) -> None:
     """results.md and results.png from results.json."""
     rows = json.loads((out / "results.json").read_text())["rows"]
     lines = ["| case | mix | status | step s | phases s | tokens/s | peak alloc GiB (max rank) | "
-             "peak reserved GiB | planned GiB | plan err | set-up s |", "|" + "---|" * 11]
+             "peak reserved GiB | planned GiB | plan err | set-up s | canary max abs diff |", "|" + "---|" * 12]
     for r in rows:
         peak = max(r["peak_allocated_gib"]) if r.get("peak_allocated_gib") else None
         plan = planned_peak(r) if r["status"] in ("ok", "oom") else None
@@ -204,7 +230,7 @@ def render(out: Path) -> None:
         lines.append(f"| {r['case']} | {r['mix']} | {status} | {f(r.get('step_s'), 3)} | {phases} | "
                      f"{f(r.get('tokens_per_s'), 0)} | {f(peak)} | "
                      f"{f(max(r['peak_reserved_gib']) if r.get('peak_reserved_gib') else None)} | {f(plan)} | {err} | "
-                     f"{f(r.get('setup_s'), 1)} |")
+                     f"{f(r.get('setup_s'), 1)} | {canary_cell(r)} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

@@ -259,6 +259,35 @@ def profile_steps(step: Any, n: int, out_dir: Path, rank: int) -> None:
             prof.key_averages().table(sort_by="cuda_time_total" if _cuda() else "cpu_time_total", row_limit=40))
 
 
+def frozen_canary(bench: Bench) -> dict[str, Any]:
+    """The correctness canary (benchmarks/canary.py): each frozen role's outputs on rows of the
+    run's length against its weights run unsharded. After the measured steps, so it changes no
+    timing, and its memory is left out of the run's peak. A canary that cannot run leaves the row
+    ``unchecked`` rather than losing its measurements.
+
+    ``spec["canary_perturb"]`` (tests): add this to every weight of the frozen roles after the
+    unsharded copy is taken, as a wrong gather would change what the forward sees."""
+    from benchmarks import canary
+
+    fold_peak()
+    ids = bench.tokens(min(2, bench.spec["micro_batch"]), bench.spec["seq_len"])
+    diffs: dict[str, float] = {}
+    scale = float(bench.spec.get("canary_perturb") or 0.0)
+    try:
+        for name in bench.frozen:
+            perturb = None
+            if scale:
+                perturb = lambda name=name: bench.session.update_weights(name, lambda _, t: t.add_(scale))  # noqa: E731
+            diffs[name] = canary.check(bench.engines[name], ids, bench.session.fast_frozen.get(name), perturb)
+    except Exception as err:  # noqa: BLE001 - reported in the row
+        return {"canary_error": f"{type(err).__name__}: {str(err)[:500]}"}
+    finally:
+        if _cuda():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return {"canary": diffs, "canary_tolerance": canary.TOLERANCE[bench.dtype]}
+
+
 def run(spec: dict[str, Any], out_dir: Path | None = None) -> dict[str, Any]:
     """Set up, warm up, measure; the per-rank result (times in seconds, memory in GiB)."""
     t0 = time.perf_counter()
@@ -292,6 +321,7 @@ def run(spec: dict[str, Any], out_dir: Path | None = None) -> dict[str, Any]:
         res["rollout"] = bench.rollout.stats  # backend, fallback, captures, recaptures, capture_s
     if spec.get("profile_steps") and out_dir is not None:
         profile_steps(step, spec["profile_steps"], out_dir, bench.session.process_index)
+    res.update(frozen_canary(bench))
     return res
 
 

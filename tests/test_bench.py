@@ -43,6 +43,10 @@ def test_every_mix_runs_in_its_own_group(ppo_run):
         assert len(r["losses"]) == 5 and all(math.isfinite(x) for x in r["losses"])
         assert r["setup_s"] > 0
         assert "peak_allocated_gib" not in r  # no CUDA here: no memory numbers rather than zeros
+        # The canary checked both frozen roles (fast ZeRO-3 and TRL's ZeRO-3) against their
+        # unsharded weights: equal to fp32 rounding.
+        assert set(r["canary"]) == {"reference", "reward"} and r["canary_tolerance"] == 1e-3
+        assert r["canary_max_abs_diff"] < 1e-5
 
 
 def test_outputs_and_command(ppo_run):
@@ -118,6 +122,63 @@ def test_distill_with_a_local_model_shape(tmp_path):
     assert row["status"] == "ok" and row["shapes"]["teacher"] == str(teacher)
     assert set(row["phase_s"]) == {"teacher_forward", "student_forward_backward", "optimizer_step"}
     assert all(math.isfinite(x) and x > 0 for x in row["losses"])
+
+
+def test_canary_marks_a_perturbed_frozen_model_wrong(tmp_path):
+    """The frozen reference's weights change after the canary's unsharded copy is taken (what a
+    wrong gather does to the forward): the row is `wrong`, and the table says so."""
+    spec = dict(workload="dpo", shapes={"policy": "tiny", "reference": "tiny"}, micro_batch=2, seq_len=24,
+                response_len=0, warmup=0, steps=1, precision=None, profile_steps=0, mix="zero2-zero3",
+                canary_perturb=0.01)
+    row = harness.run_one(spec, tmp_path / "run", 2, timeout=300)
+    assert row["status"] == "wrong", row.get("error")
+    assert row["canary"]["reference"] > 10 * row["canary_tolerance"]
+    assert "differ from the unsharded weights" in row["error"] and "step_s" in row  # measurements kept
+    harness.save(tmp_path, [{**row, "case": "perturbed", "mix": "zero2-zero3"}], "")
+    assert "| perturbed | zero2-zero3 | **wrong** |" in (tmp_path / "results.md").read_text()
+
+
+def test_canary_verdict_takes_every_rank():
+    def rank(ref, **extra):
+        return {"canary": {"reference": ref, "reward": 0.0}, "canary_tolerance": 0.1, **extra}
+
+    ok = harness.canary_verdict([rank(0.0), rank(0.05)])
+    assert "status" not in ok and ok["canary"] == {"reference": 0.05, "reward": 0.0}
+    # One rank off is enough.
+    wrong = harness.canary_verdict([rank(0.0), rank(2.2)])
+    assert wrong["status"] == "wrong" and wrong["canary_max_abs_diff"] == 2.2 and "reference 2.2" in wrong["error"]
+    unchecked = harness.canary_verdict([rank(0.0), {"canary_error": "RuntimeError: no unit holds x"}])
+    assert unchecked["status"] == "unchecked" and "no unit holds" in unchecked["error"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_host_copy_runs_unit_by_unit_and_equals_the_model(tied):
+    """The canary's unsharded copy of a replicated model (no process group needed): same outputs,
+    tied weights copied once, and between forwards its parameters are in host memory."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.canary import HostCopy, outputs
+    from posttrain import tiny
+
+    torch.manual_seed(0)
+    cfg = tiny.model_config()
+    cfg.tie_word_embeddings = tied
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tied
+    ids = torch.randint(3, model.config.vocab_size, (2, 16))
+    copy = HostCopy(model, torch.device("cpu"))
+    seen = []
+    handle = copy.units[1][0].register_forward_pre_hook(lambda m, a: seen.append(m.self_attn.q_proj.weight))
+    with torch.no_grad():
+        want = outputs(model(input_ids=ids), ids)
+    got = outputs(copy(input_ids=ids), ids)
+    handle.remove()
+    assert torch.equal(got, want)
+    # During its unit's forward the weight is a device copy, not the host parameter it restores after.
+    host = copy.units[1][1][0][2]
+    assert seen and seen[0] is not host and copy.units[1][0].self_attn.q_proj.weight is host
+    names = {n for n, _ in copy.model.named_parameters()}
+    assert ("lm_head.weight" in names) is not tied  # tied: one parameter, as in the model
 
 
 def test_is_oom():

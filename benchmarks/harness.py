@@ -186,9 +186,11 @@ def pool_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("peak_allocated_gib", "peak_reserved_gib"):
         if key in rows[0]:
             row[key] = [max(vals) for vals in zip(*(r[key] for r in rows))]
-    for key in ("role_memory_gib", "phase_peak_gib"):
+    for key in ("role_memory_gib", "phase_peak_gib", "canary"):
         if key in rows[0]:
             row[key] = {k: max(r[key][k] for r in rows) for k in rows[0][key]}
+    if "canary_max_abs_diff" in rows[0]:
+        row["canary_max_abs_diff"] = max(r["canary_max_abs_diff"] for r in rows)
     return row
 
 

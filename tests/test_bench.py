@@ -220,3 +220,7 @@ def test_rounds_pool_every_measured_step():
     skipped = {"case": "c", "mix": "m", "status": "skipped", "error": "time budget spent while it ran"}
     assert harness.pool_rounds([row([1.0, 2.0, 3.0], 5.0), skipped]) == row([1.0, 2.0, 3.0], 5.0)
     assert harness.pool_rounds([skipped, skipped])["status"] == "skipped"
+    # The canary: the largest difference of any round.
+    a, b = (dict(row([1.0], 1.0), canary={"reference": d}, canary_max_abs_diff=d) for d in (0.0, 0.02))
+    pooled = harness.pool_rounds([a, b])
+    assert pooled["canary"] == {"reference": 0.02} and pooled["canary_max_abs_diff"] == 0.02

@@ -48,9 +48,13 @@ class TrainConfig:
     # run summaries and tests read. Pass --logging_steps 10 for TRL's cadence.
     logging_steps: int = 1
     eval_steps: int | None = None
+    # TRL saves every 500 steps; here a checkpoint holds every trained role's engine and optimizer
+    # state (PPO: policy and value), so it is asked for. The final model is always saved.
     save_steps: int | None = None
     report_to: list[str] = field(default_factory=list)
-    mixed_precision: str | None = None  # "no" | "bf16" | "fp16"; None: accelerate's launch setting
+    # "no" | "bf16" | "fp16"; None: accelerate launch's setting, else fp32. TRL turns bf16 on by
+    # default; here the same command also runs on CPU, so precision is chosen: --bf16 on GPUs.
+    mixed_precision: str | None = None
     # Placement: a mix name (roles.MIXES) and optional per-role DeepSpeed configs (preset name or
     # JSON path; a dict from Python). Set role_configs in the YAML: TrlParser cannot parse a dict flag.
     mix: str = DEFAULT_MIX

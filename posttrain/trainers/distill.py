@@ -47,11 +47,14 @@ class DistillConfig(TrainConfig):
     learning_rate: float = 1e-6  # TRL's DistillationConfig (the demo YAML sets its own)
     model_name_or_path: str | None = None  # the student; None: posttrain's tiny default
     teacher_model_name_or_path: str | None = None
-    beta: float = 0.5  # 0: forward KL, 0.5: JSD, 1: reverse KL
+    beta: float = 0.5  # 0: forward KL, 0.5: JSD, 1: reverse KL (GKDConfig's 0.5; DistillationConfig's is 1)
     # Softens both distributions in the loss and samples generations, as TRL's DistillationTrainer
     # does (GKDTrainer samples with it but scores at temperature 1).
     temperature: float = 1.0
-    lmbda: float = 0.0  # fraction of steps trained on the student's own generations (on-policy)
+    # Fraction of steps trained on the student's own generations (on-policy). GKDConfig's is 0.5 and
+    # TRL's DistillationTrainer always generates; 0 trains on the data's completions unless asked,
+    # since generation is most of a step's time.
+    lmbda: float = 0.0
     seq_kd: bool = False  # on the other steps, train on the teacher's generations instead of the data
     max_new_tokens: int = 128  # TRL's GKDConfig
     generation_backend: str = "posttrain"  # "posttrain" (posttrain.rollout's engine) | "hf" (transformers' generate)

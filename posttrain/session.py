@@ -56,6 +56,17 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def _skip_shm_comm_op() -> None:
+    """On CPU DeepSpeed JIT-compiles its shared-memory all-reduce (``deepspeed_shm_comm``, 30 s to
+    minutes, once per machine) when its comm backend starts. Only tensor-parallel inference uses it
+    (``inference_all_reduce``, which falls back to torch.distributed without it); ZeRO's
+    collectives are plain torch.distributed (gloo), so posttrain marks it unavailable through
+    DeepSpeed's own table of buildable ops, read by ``deepspeed.comm.torch.build_shm_op``."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def _single_process_env() -> None:
     """``python script.py`` with no launcher: describe a world of one, as torchrun would, so that
     accelerate and DeepSpeed build their process group (TRL scripts run that way on one GPU or CPU).
@@ -169,6 +180,8 @@ class Session:
         plugins = {name: DeepSpeedPlugin(hf_ds_config=cfg) for name, cfg in self.configs.items()}
         # Without gloo on CPU every rank believes it is rank 0 of 1 and runs silently alone.
         handlers = [InitProcessGroupKwargs(backend="gloo")] if on_cpu() else []
+        if on_cpu():
+            _skip_shm_comm_op()
         self.accelerator = Accelerator(
             deepspeed_plugins=plugins,
             mixed_precision=self.mixed_precision,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -133,6 +134,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> d
     sampling = SamplingParams(max_new_tokens=n, pad_token_id=0, temperature=1.0, top_k=0, top_p=1.0)
     rollout = Rollout(None, "policy", sampling, max_batch=b, max_prompt_len=p, model=model)
     res["backend"], res["fallback"] = rollout.stats["backend"], rollout.stats["fallback"]
+    res["compile"] = args.compile
     outs: dict[str, Any] = {}
 
     def engine() -> None:
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 timed calls per measure instead of 5")
     ap.add_argument("--hf-static", action="store_true", help="also time generate(cache_implementation='static')")
     ap.add_argument("--out", default="rollout_bench.json")
+    ap.add_argument("--compile", choices=["layer", "step", "none"], default="layer",
+                    help="what torch.compile covers before capture (POSTTRAIN_ROLLOUT_COMPILE)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no graphs, eager step)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import transformers
 
+    os.environ["POSTTRAIN_ROLLOUT_COMPILE"] = args.compile
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "none"
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),

@@ -58,6 +58,7 @@ from .dsconfig import ConfigError
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("posttrain", "hf")
+COMPILE_MODES = ("layer", "step", "none")
 # Architectures whose decoder this engine runs (module layout of transformers' Llama family).
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -251,6 +252,7 @@ class DecoderRunner:
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in base.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in base.layers]
         self.max_batch, self.max_len = max_batch, max_len
+        self.layer_fn = self.decode_layer  # torch.compile'd by the engine on CUDA
 
     @property
     def cache_nbytes(self) -> int:
@@ -304,22 +306,28 @@ class DecoderRunner:
         b = ids.shape[0]
         x = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(x, positions)
-        groups = self.heads // self.kv_heads
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=ids.device).masked_fill(~allowed, float("-inf"))
         bias = bias.view(b, 1, 1, length)
         for i, layer in enumerate(base.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
             keys, values = self.keys[i][:b, :, :length], self.values[i][:b, :, :length]
-            keys.index_copy_(2, slot.view(1), k)
-            values.index_copy_(2, slot.view(1), v)
-            # Grouped-query attention for one query: the query heads of a group share one read of
-            # their key/value head (no repeat_interleave copy of the cache per token).
-            qg = q.view(b, self.kv_heads, groups, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling + bias
-            probs = scores.softmax(dim=-1).to(values.dtype)
-            out = torch.matmul(probs, values).view(b, self.heads, 1, self.head_dim)
-            x = self._mlp_block(layer, x, out)
+            x = self.layer_fn(layer, x, cos, sin, keys, values, slot, bias)
         return self.model.lm_head(base.norm(x))[:, 0]
+
+    def decode_layer(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """One decoder layer for one token per row. Every layer has the same shapes, so compiled
+        once (``layer_fn``) it serves them all: the compile costs one layer, not the whole model."""
+        b = x.shape[0]
+        q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+        keys.index_copy_(2, slot.view(1), k)
+        values.index_copy_(2, slot.view(1), v)
+        # Grouped-query attention for one query: the query heads of a group share one read of
+        # their key/value head (no repeat_interleave copy of the cache per token).
+        qg = q.view(b, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling + bias
+        probs = scores.softmax(dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values).view(b, self.heads, 1, self.head_dim)
+        return self._mlp_block(layer, x, out)
 
 
 class _Clock:
@@ -365,7 +373,14 @@ class DecodeEngine:
         dev = self.runner.device
         self.device = dev
         self.use_graphs = (dev.type == "cuda") if use_graphs is None else use_graphs
-        self.compile = self.use_graphs and os.environ.get("POSTTRAIN_ROLLOUT_COMPILE", "1") != "0"
+        # What torch.compile covers before capture (POSTTRAIN_ROLLOUT_COMPILE): "layer" (default) one
+        # decoder layer, reused by every layer, plus the sampler: a compile of seconds; "step" the
+        # whole step (cross-layer fusion, a compile as long as the model is deep); "none" eager
+        # kernels captured as they are.
+        self.compile_mode = os.environ.get("POSTTRAIN_ROLLOUT_COMPILE", "layer") if self.use_graphs else "none"
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"POSTTRAIN_ROLLOUT_COMPILE={self.compile_mode!r}: use one of {COMPILE_MODES}")
+        self._compiled = False
         self.sync_every = sync_every
         b, n = max_batch, self.max_new
         # The step's static inputs and outputs (their addresses are baked into the graph).
@@ -444,8 +459,14 @@ class DecodeEngine:
         """Compile the step (first time) and capture it as a CUDA graph. The state buffers are
         scribbled on by warm-up; every rollout rewrites them before replaying."""
         tick = time.perf_counter()
-        if self.compile and self._step_fn is self._step:
-            self._step_fn = torch.compile(self._step, fullgraph=True, dynamic=False)
+        if not self._compiled:
+            self._compiled = True
+            options = dict(fullgraph=True, dynamic=False)  # inductor's default mode: no cudagraphs inside
+            if self.compile_mode == "step":
+                self._step_fn = torch.compile(self._step, **options)
+            elif self.compile_mode == "layer":
+                self.runner.layer_fn = torch.compile(self.runner.decode_layer, **options)
+                self._choose = torch.compile(self._choose, **options)
         saved = [t.clone() for t in (self.last, self.position, self.step_idx, self.done)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -717,7 +738,8 @@ class Rollout:
             self.stats["kv_cache_bytes"] = self.engine.runner.cache_nbytes
         tokens, logprobs = self.engine.generate(prompt_ids, prompt_mask, key, sampling.max_new_tokens)
         self.stats.update(captures=self.engine.captures, recaptures=self.engine.recaptures,
-                          capture_s=round(self.engine.capture_s, 3), graph_pool_bytes=self.engine.graph_pool_bytes)
+                          capture_s=round(self.engine.capture_s, 3), graph_pool_bytes=self.engine.graph_pool_bytes,
+                          compile=self.engine.compile_mode)
         return tokens, logprobs
 
     @contextmanager

@@ -367,16 +367,9 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
         _say(f"removing {partial}: a half-written checkpoint (its save did not finish on every rank)")
         if _is_main_rank():
             shutil.rmtree(partial, ignore_errors=True)
-    if str(cfg.resume_from_checkpoint).lower() == "true":  # Trainer.train(resume_from_checkpoint=True)'s meaning
-        cfg.resume_from_checkpoint = "latest"
     if cfg.resume_from_checkpoint:
-        if cfg.resume_from_checkpoint == "latest":
-            latest = latest_checkpoint(out)
-            if latest is None:
-                raise ConfigError(f"resume_from_checkpoint is 'latest' but {out} holds no complete checkpoint: "
-                                  "unset resume_from_checkpoint to start from scratch, or give a checkpoint's path")
-            cfg.resume_from_checkpoint = str(latest)
         path = resume_dir(cfg)
+        cfg.resume_from_checkpoint = str(path)  # the trainer (and config.json) see the checkpoint taken
         _say(f"resuming from {path} (step {_checkpoint_step(path)})")
         return
     used = [name for name in _RUN_FILES if (out / name).exists()] + [p.name for p in checkpoints(out)]
@@ -391,8 +384,10 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     _say(f"overwrite_output_dir: clearing {', '.join(used)} in {out}")
     if _is_main_rank():
         for name in used:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
+            else:
+                (out / name).unlink()
 
 
 def _checkpoint_step(path: Path) -> int:
@@ -400,11 +395,12 @@ def _checkpoint_step(path: Path) -> int:
 
 
 def resume_dir(cfg: TrainConfig) -> Path | None:
-    """The checkpoint this run resumes from (None: from scratch); "latest" is resolved as in
-    :func:`prepare_output_dir`. A half-written or missing checkpoint is refused."""
+    """The checkpoint this run resumes from (None: from scratch). "latest" (or "true", as
+    ``Trainer.train(resume_from_checkpoint=True)``) is the newest complete one in output_dir; with
+    none it raises, as Trainer does. A half-written or missing checkpoint is refused."""
     if not cfg.resume_from_checkpoint:
         return None
-    if cfg.resume_from_checkpoint == "latest" or str(cfg.resume_from_checkpoint).lower() == "true":
+    if str(cfg.resume_from_checkpoint).lower() in ("latest", "true"):
         path = latest_checkpoint(cfg.output_dir)
         if path is None:
             raise ConfigError(f"resume_from_checkpoint is 'latest' but {cfg.output_dir} holds no complete checkpoint: "

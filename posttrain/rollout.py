@@ -403,7 +403,8 @@ class DecodeEngine:
         self.cols = torch.arange(self.length, device=dev)
         self.graph: Any = None
         self.pool: Any = None
-        self.ptrs: list[int] = []
+        self.ptrs: list[int] = []  # the parameters' addresses the last rollout (and graph) read
+        self.storage_moves = 0
         self.captures = self.recaptures = 0
         self.capture_s = 0.0
         self.graph_pool_bytes = 0  # torch.cuda.memory_reserved() growth across the captures
@@ -523,12 +524,19 @@ class DecodeEngine:
         self._record(tokens, logprobs)
         self.position.copy_(positions[:, -1:] + 1)
         self.step_idx.fill_(1)
-        if self.use_graphs:
-            if self.graph is None:
+        ptrs = self._param_ptrs()
+        if self.ptrs and ptrs != self.ptrs:
+            # A parameter's storage moved (the weights were replaced, not written in place): a
+            # graph would read the old addresses, so it is captured again (an eager step just
+            # reads the new ones). Counted either way.
+            self.storage_moves += 1
+            logger.info("rollout: a parameter's storage moved since the last rollout%s",
+                        "; recapturing" if self.graph is not None else "")
+            if self.graph is not None:
                 self._capture()
-            elif self._param_ptrs() != self.ptrs:  # a parameter's storage moved: re-point the graph
-                logger.info("rollout: a parameter's storage moved since capture; recapturing")
-                self._capture()
+        self.ptrs = ptrs
+        if self.use_graphs and self.graph is None:
+            self._capture()
         if clock is not None:
             self.timings["prefill_ms"] = clock.lap()
         written = max_new_tokens
@@ -739,7 +747,7 @@ class Rollout:
         tokens, logprobs = self.engine.generate(prompt_ids, prompt_mask, key, sampling.max_new_tokens)
         self.stats.update(captures=self.engine.captures, recaptures=self.engine.recaptures,
                           capture_s=round(self.engine.capture_s, 3), graph_pool_bytes=self.engine.graph_pool_bytes,
-                          compile=self.engine.compile_mode)
+                          compile=self.engine.compile_mode, storage_moves=self.engine.storage_moves)
         return tokens, logprobs
 
     @contextmanager

@@ -90,7 +90,7 @@ def main(out: str) -> None:
                 step(s, name, o.sequences)
     res["zero2_ptrs_unchanged"] = ptrs(module2) == before
     res["zero2_weights_changed"] = any(not torch.equal(v, p) for v, p in zip(values, module2.parameters()))
-    res["zero2_recaptures"] = rollouts["p2"].stats["recaptures"]
+    res["zero2_storage_moves"] = rollouts["p2"].stats["storage_moves"]
     shadow_params = {p.untyped_storage().data_ptr() for p in rollouts["p3"].shadow.module.parameters()}
     res["zero3_shadow_ptr_stable"] = (shadow_ptrs[0] == shadow_ptrs[1]
                                       and shadow_params == {rollouts["p3"].shadow.flat.untyped_storage().data_ptr()})

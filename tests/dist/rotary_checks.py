@@ -8,10 +8,11 @@ import deepspeed
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from posttrain.session import recompute_rotary_buffers
+from posttrain.session import _skip_shm_comm_op, recompute_rotary_buffers
 
 
 def main(out: str) -> None:
+    _skip_shm_comm_op()  # as a Session does on CPU: no JIT compile of DeepSpeed's shm comm op
     deepspeed.init_distributed("gloo")
     cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
                       vocab_size=128)

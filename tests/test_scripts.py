@@ -158,3 +158,4 @@ def test_one_plain_process_without_a_launcher(tmp_path):
     assert (saved["max_steps"], saved["learning_rate"], saved["eval_strategy"], saved["eval_steps"]) == (2, 1e-3, "steps", 2)
     assert (out / "final" / "model.safetensors").exists()
     assert (out / "checkpoint-2" / "policy" / "model.safetensors").exists()
+    assert "bundled synthetic preference pairs" in (out / "README.md").read_text()  # the card names the data

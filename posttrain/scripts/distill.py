@@ -21,6 +21,7 @@ from trl import ScriptArguments
 
 from .. import tiny
 from ..dsconfig import ConfigError
+from ..modelcard import write_model_card
 from ..trainers.distill import DistillConfig, DistillTrainer
 from ..trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 from .args import demo_config, parse_config, run_script
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     final = trainer.save_model()
     if not trainer.session.is_main_process:
         return
+    # The card written at the end of training cannot know the data (the trainer takes rows): name it.
+    write_model_card(cfg.output_dir, cfg, "distill", trainer.session,
+                     dataset_name=script.dataset_name or "lines of posttrain's bundled text")
     evals = [h for h in history if "eval/forward_kl" in h]
     summary = {
         "heldout_lines": len(eval_rows or []),  # held-out rows (lines of the bundled text)

@@ -16,6 +16,7 @@ from typing import Any
 from trl import ScriptArguments
 
 from .. import preference, synthetic
+from ..modelcard import write_model_card
 from ..trainers.dpo import DPOConfig, DPOTrainer
 from .args import demo_config, parse_config, run_script
 from .data import eval_steps_per_epoch, load_train_eval
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> None:
         after = next(r for r in reversed(trainer.history) if "eval/rewards/accuracies" in r)
         print(f"held-out eval/rewards/accuracies: {before['eval/rewards/accuracies']:.3f} -> "
               f"{after['eval/rewards/accuracies']:.3f} (eval/loss {before['eval/loss']:.4f} -> {after['eval/loss']:.4f})")
+    if trainer.session.is_main_process:
+        # The card written at the end of training cannot know the data (the trainer takes rows): name it.
+        write_model_card(cfg.output_dir, cfg, "dpo", trainer.session,
+                         dataset_name=script.dataset_name or "posttrain's bundled synthetic preference pairs")
     final = Path(cfg.output_dir) / "final"
     trainer.save_model(final)
     if cfg.push_to_hub and trainer.session.is_main_process:

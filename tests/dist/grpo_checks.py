@@ -1,0 +1,58 @@
+"""One 2-process launch for the GRPO/RLOO checks (tests/test_grpo_dist.py reads its JSON):
+
+- the same short GRPO run (a reward function and the tiny reward model as a frozen role, a
+  reference synced into every step, generation batches reused over two steps so old log-probs
+  are kept) under zero2-zero3, zero2-replicated and zero3;
+- that run resumed from its step-2 checkpoint;
+- beta 0: the roles of the session (no reference);
+- a learning run on the bundled reward (GRPO) and short RLOO runs under two placements.
+"""
+
+import json
+import sys
+
+from posttrain import tiny
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+SHORT = dict(learning_rate=3e-3, lr_scheduler_type="constant", per_device_train_batch_size=8, num_generations=4,
+             max_completion_length=6, steps_per_generation=2, max_steps=4, beta=0.04, sync_ref_model=True,
+             ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, epsilon=0.05, save_steps=2, disable_tqdm=True,
+             seed=7, reward_weights=[1.0, 0.25], overwrite_output_dir=True)
+LEARN = dict(learning_rate=2e-4, lr_scheduler_type="constant", per_device_train_batch_size=16, num_generations=8,
+             max_completion_length=8, max_steps=40, disable_tqdm=True, seed=42, overwrite_output_dir=True)
+
+
+def run(config_cls, trainer_cls, **fields) -> tuple[list[dict], list[str], dict]:
+    trainer = trainer_cls(config_cls(**fields))
+    history = trainer.train()
+    return history, sorted(trainer.session.roles), dict(trainer.rollout.stats)
+
+
+def main(out: str, tmp: str) -> None:
+    rewards = ["posttrain.synthetic:sentiment_reward", str(tiny.reward_model_path())]
+    res: dict = {"placements": {}, "roles": {}}
+    for mix in ("zero2-zero3", "zero2-replicated", "zero3"):
+        hist, roles, stats = run(GRPOConfig, GRPOTrainer, mix=mix, output_dir=f"{tmp}/{mix}", reward_funcs=rewards,
+                                 **SHORT)
+        res["placements"][mix] = hist
+        res["roles"][mix] = roles
+        res.setdefault("rollout", {})[mix] = stats
+    resume = {**SHORT, "overwrite_output_dir": False}
+    res["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, mix="zero2-zero3", output_dir=f"{tmp}/zero2-zero3",
+                               reward_funcs=rewards, resume_from_checkpoint=f"{tmp}/zero2-zero3/checkpoint-2",
+                               **resume)
+    res["learn"], res["roles"]["beta0"], _ = run(GRPOConfig, GRPOTrainer, output_dir=f"{tmp}/learn", beta=0.0,
+                                                 **LEARN)
+    rloo = dict(SHORT, sync_ref_model=False, reward_weights=None)
+    for mix in ("zero2-zero3", "zero2-replicated"):
+        res.setdefault("rloo", {})[mix], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/rloo-{mix}",
+                                                    **rloo)
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        json.dump(res, open(out, "w"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -32,6 +32,8 @@ def test_frozen_logits_equal_unsharded(res, kind, tied):
     stage3_module_granularity_threshold (exact on CPU; wrong on 4 GPUs), on every rank, on the
     first forward and on the second (which prefetches)."""
     assert res["tied_is_tied"]
+    leaves = res["leaf_modules"]
+    assert leaves["stock"] == 0 and leaves["stock_threshold"] > 0 and leaves["stock_threshold_tied"] > 0
     for i in (0, 1):
         assert res["diffs"][f"{kind}{tied}_{i}"] < TOL
 
@@ -57,7 +59,7 @@ def test_dpo_placement_invariance(res):
 
 def test_ppo_placement_invariance(res):
     first = res["ppo"]["zero2-zero3"]
-    assert len(first) == 2 and first[1]["objective/kl"] > 1e-3  # the policy moved from the reference
+    assert len(first) == 2 and first[1]["objective/kl"] > 1e-4  # the policy moved from the reference
     for mix in MIXES[1:]:
         for a, b in zip(first, res["ppo"][mix], strict=True):
             for key, value in a.items():

@@ -84,6 +84,12 @@ def model_checks(tmp: Path) -> dict:
     # The layouts really are uneven: DeepSpeed pads per-parameter partitions whose size the world
     # does not divide, and the fast path's slices cut through parameters, which then come from
     # two or more ranks.
+    from deepspeed.utils import z3_leaf_module
+
+    # The threshold took effect: DeepSpeed made modules leaves (gathered whole, its
+    # fast_sharding_for_leaf_module path); without the key none are.
+    res["leaf_modules"] = {k: sum(map(z3_leaf_module, s.engines[k].module.modules()))
+                           for k in ("stock", "stock_threshold", "stock_threshold_tied")}
     stock = s.engines["stock"].module
     res["stock_uneven_params"] = sum(int(p.ds_numel % world != 0) for p in stock.parameters())
     ff = s.fast_frozen["fast"]

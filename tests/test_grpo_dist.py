@@ -22,11 +22,11 @@ def close(a: dict, b: dict, keys: list[str], tol: float) -> None:
             assert b[k] == pytest.approx(a[k], abs=tol, rel=tol), (a["step"], k, a[k], b[k])
 
 
-@pytest.mark.parametrize("mix", ["zero2-replicated", "zero3"])
+@pytest.mark.parametrize("mix", ["zero2-replicated", "zero3", "hf"])
 def test_placement_invariance(checks, mix):
     """The same samples, rewards (function and reward-model role), KL to a reference synced every
     step, clipped ratios and losses whatever the placement: policy ZeRO-2 or ZeRO-3, frozen roles
-    ZeRO-3 or replicated."""
+    ZeRO-3 or replicated; "hf": the default mix generating with transformers' generate."""
     base, other = checks["placements"]["zero2-zero3"], checks["placements"][mix]
     assert len(base) == len(other) == 4
     for a, b in zip(base, other):
@@ -43,6 +43,7 @@ def test_the_runs_exercise_kl_clipping_and_reuse(checks):
     assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] != rows[1]["reward"]
     assert all(r["time/ref_sync"] > 0 for r in rows)
     assert checks["rollout"]["zero3"]["backend"] == "posttrain"  # the ZeRO-3 policy gathered for the engine
+    assert checks["rollout"]["hf"]["backend"] == "hf"
 
 
 def test_resume_equals_uninterrupted(checks):

@@ -2,7 +2,7 @@
 
 - the same short GRPO run (a reward function and the tiny reward model as a frozen role, a
   reference synced into every step, generation batches reused over two steps so old log-probs
-  are kept) under zero2-zero3, zero2-replicated and zero3;
+  are kept) under zero2-zero3, zero2-replicated and zero3, and with the hf generation backend;
 - that run resumed from its step-2 checkpoint;
 - beta 0: the roles of the session (no reference);
 - a learning run on the bundled reward (GRPO) and short RLOO runs under two placements.
@@ -38,6 +38,9 @@ def main(out: str, tmp: str) -> None:
         res["placements"][mix] = hist
         res["roles"][mix] = roles
         res.setdefault("rollout", {})[mix] = stats
+    # transformers' generate instead of the engine: the same samples for the same seed.
+    res["placements"]["hf"], res["roles"]["hf"], res["rollout"]["hf"] = run(GRPOConfig, GRPOTrainer, output_dir=f"{tmp}/hf",
+                                                           reward_funcs=rewards, generation_backend="hf", **SHORT)
     resume = {**SHORT, "overwrite_output_dir": False}
     res["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, mix="zero2-zero3", output_dir=f"{tmp}/zero2-zero3",
                                reward_funcs=rewards, resume_from_checkpoint=f"{tmp}/zero2-zero3/checkpoint-2",

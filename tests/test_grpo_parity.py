@@ -180,3 +180,58 @@ def test_loss_metrics_and_gradient_equal_trl(trl, ours_model, loss_type, level, 
     theirs_grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
     ours_grad = torch.cat([p.grad.flatten() for p in ours_model.parameters()])
     assert torch.allclose(ours_grad, theirs_grad, atol=TOL, rtol=1e-4), (ours_grad - theirs_grad).abs().max()
+
+
+def test_prompt_ids_equal_trl_standard_and_conversational(trl):
+    """TRL's standard (text) and conversational (messages, chat template with the generation
+    prompt) prompt formats give the ids TRL's trainer generates from."""
+    from posttrain.trainers.grpo import tokenize_prompt
+
+    trainer, _, _ = trl
+    cfg = our_cfg(max_prompt_length=None)
+    text = ["the cat is", "a"]
+    chat = [[{"role": "system", "content": "be kind"}, {"role": "user", "content": "the dog felt"}],
+            [{"role": "user", "content": "hello"}]]
+    for prompts in (text, chat):
+        theirs, _, _ = trainer._tokenize_prompts(prompts)
+        assert [tokenize_prompt(p, trainer.processing_class, cfg) for p in prompts] == [list(t) for t in theirs]
+    assert tokenize_prompt("the cat is very", trainer.processing_class, our_cfg(max_prompt_length=2)) == \
+        tokenize_prompt("the cat is very", trainer.processing_class, cfg)[-2:]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"loss_type": "ppo"}, "loss_type must be one of"),
+    ({"importance_sampling_level": "batch"}, "importance_sampling_level"),
+    ({"num_generations": 3}, "multiple of num_generations"),
+    ({"num_generations": 1, "per_device_train_batch_size": 1}, "num_generations >= 2"),
+    ({"sync_ref_model": True, "beta": 0.0}, "beta: 0 loads none"),
+    ({"generation_backend": "vllm"}, "generation_backend"),
+    ({"generation_batch_size": 12}, "multiple of per_device_train_batch_size"),
+])
+def test_bad_settings_name_the_fix(fields, message):
+    from posttrain.dsconfig import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(**{"per_device_train_batch_size": 8, "num_generations": 4, **fields})
+
+
+def test_rloo_settings():
+    from posttrain.dsconfig import ConfigError
+    from posttrain.trainers.rloo import RLOOConfig
+
+    assert RLOOConfig(per_device_train_batch_size=8, num_generations=4).beta == 0.05  # TRL's RLOO default
+    with pytest.raises(ConfigError, match="GRPO options"):
+        RLOOConfig(per_device_train_batch_size=8, num_generations=4, importance_sampling_level="sequence")
+    with pytest.raises(ConfigError, match="reward_clip_range"):
+        RLOOConfig(per_device_train_batch_size=8, num_generations=4, reward_clip_range=[2.0, -1.0])
+
+
+def test_checkpoints_only_on_generation_boundaries(tmp_path):
+    """A checkpoint holds no generation batch, so it must fall where a new one is sampled."""
+    from posttrain.dsconfig import ConfigError
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    cfg = GRPOConfig(per_device_train_batch_size=8, num_generations=4, steps_per_generation=2, save_steps=1,
+                     output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="generation boundary"):
+        GRPOTrainer(cfg)

@@ -132,17 +132,26 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> d
         res["hf_static_s"], res["hf_static_all_s"], _ = timed(run, repeats)
 
     sampling = SamplingParams(max_new_tokens=n, pad_token_id=0, temperature=1.0, top_k=0, top_p=1.0)
-    rollout = Rollout(None, "policy", sampling, max_batch=b, max_prompt_len=p, model=model)
-    res["backend"], res["fallback"] = rollout.stats["backend"], rollout.stats["fallback"]
-    res["compile"] = args.compile
+    modes = [m.strip() for m in args.compile.split(",") if m.strip()]
     outs: dict[str, Any] = {}
+    holder: dict[str, Any] = {}
+    res["variants"] = {}
 
-    def engine() -> None:
+    def engine(mode: str) -> None:
+        """Build, compile and capture an engine with POSTTRAIN_ROLLOUT_COMPILE=mode; time it."""
+        holder.pop("rollout", None)  # the previous variant's cache and graph pool
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        os.environ["POSTTRAIN_ROLLOUT_COMPILE"] = mode
+        rollout = holder["rollout"] = Rollout(None, "policy", sampling, max_batch=b, max_prompt_len=p, model=model)
+        v: dict[str, Any] = {"backend": rollout.stats["backend"], "fallback": rollout.stats["fallback"]}
+        res["variants"][mode] = v
         torch.manual_seed(0)
-        res["engine_first_s"], _, outs["first"] = timed(lambda: rollout.generate(ids, mask), 1)
-        res["capture_s"] = rollout.stats["capture_s"]
-        res["graph_pool_bytes"] = rollout.stats.get("graph_pool_bytes", 0)
-        res["kv_cache_bytes"] = rollout.stats["kv_cache_bytes"]
+        v["engine_first_s"], _, outs["first"] = timed(lambda: rollout.generate(ids, mask), 1)
+        v["compile"] = rollout.stats.get("compile")  # "none" if compiling failed (then logged)
+        v["capture_s"] = rollout.stats["capture_s"]
+        v["graph_pool_bytes"] = rollout.stats.get("graph_pool_bytes", 0)
+        v["kv_cache_bytes"] = rollout.stats["kv_cache_bytes"]
         timed(lambda: rollout.generate(ids, mask), 1)  # warm-up after capture
         eng = rollout.engine
         eng.profile = True
@@ -154,18 +163,21 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> d
             decode.append(eng.timings["decode_ms"] / max(1, eng.timings["decode_tokens"]))
             return out
 
-        res["engine_s"], res["engine_all_s"], outs["sampled"] = timed(one, repeats + 2)
+        v["engine_s"], v["engine_all_s"], outs["sampled"] = timed(one, repeats + 2)
         eng.profile = False
-        res["prefill_ms"] = statistics.median(prefill)
-        res["decode_ms_per_token"] = statistics.median(decode)
-        res["decode_ms_per_token_all"] = [round(x, 3) for x in decode]
-        res["ratio_to_floor"] = res["decode_ms_per_token"] / res["floor_ms_per_token"]
-        res["captures"], res["recaptures"] = rollout.stats["captures"], rollout.stats["recaptures"]
+        v["prefill_ms"] = statistics.median(prefill)
+        v["decode_ms_per_token"] = statistics.median(decode)
+        v["decode_ms_per_token_all"] = [round(x, 3) for x in decode]
+        v["ratio_to_floor"] = v["decode_ms_per_token"] / res["floor_ms_per_token"]
+        v["captures"], v["recaptures"] = rollout.stats["captures"], rollout.stats["recaptures"]
+        if mode == modes[0]:
+            res.update(v)  # the first variant's figures are the row's; the checks below use it
 
     def logprobs() -> None:
         res["logprob_max_abs_diff"] = forward_logprob_diff(model, outs["sampled"], p)
 
     def greedy() -> None:
+        rollout = holder["rollout"]
         captures = rollout.stats["captures"]
         out = rollout.generate(ids, mask, replace(sampling, do_sample=False))
         res["greedy_new_captures"] = rollout.stats["captures"] - captures
@@ -177,6 +189,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> d
         outs["greedy"] = out
 
     def live_weights() -> None:
+        rollout = holder["rollout"]
         captures = rollout.stats["captures"]
         with torch.no_grad():
             for q in model.parameters():
@@ -192,12 +205,15 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> d
     stage("hf_eager", hf_eager)
     if args.hf_static:
         stage("hf_static", hf_static)
-    stage("engine", engine)
-    if "engine" not in res["errors"]:
+    stage(f"engine_{modes[0]}", lambda: engine(modes[0]))
+    if f"engine_{modes[0]}" not in res["errors"]:
         stage("logprobs", logprobs)
         stage("greedy", greedy)
         if "greedy" not in res["errors"]:
             stage("live_weights", live_weights)
+    for mode in modes[1:]:  # timing only (the weights were scaled by live_weights: no matter for speed)
+        stage(f"engine_{mode}", lambda mode=mode: engine(mode))
+    holder.clear()
     res["total_s"] = round(time.perf_counter() - t0, 1)
     return res  # the model and engine are freed with this frame
 
@@ -221,10 +237,21 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("greedy rows identical to generate", "greedy_rows_identical", "{}"),
             ("greedy first divergence (per row)", "greedy_first_divergence", "{}"),
             ("after in-place change: outputs changed / new captures / logprob diff", None, None)]
+    for mode in dict.fromkeys(m for r in rows for m in r.get("variants", {})):
+        spec += [(f"[{mode}] decode ms/token, x floor", f"variant:{mode}", None),
+                 (f"[{mode}] first rollout s / capture s", f"variant-first:{mode}", None)]
     for label, key, fmt in spec:
         cells = []
         for r in rows:
-            if label.startswith("captures"):
+            if key and key.startswith("variant"):
+                v = r.get("variants", {}).get(key.split(":", 1)[1])
+                if not v or "decode_ms_per_token" not in v:
+                    cells.append("-")
+                elif key.startswith("variant:"):
+                    cells.append(f"{v['decode_ms_per_token']:.3f}, {v['ratio_to_floor']:.2f}x")
+                else:
+                    cells.append(f"{v['engine_first_s']:.1f} / {v['capture_s']:.1f} ({v['compile']})")
+            elif label.startswith("captures"):
                 cells.append(f"{r.get('captures', '-')} / {r.get('recaptures', '-')}")
             elif label.startswith("after"):
                 cells.append(f"{r.get('after_change_outputs_changed', '-')} / {r.get('after_change_new_captures', '-')}"
@@ -245,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 timed calls per measure instead of 5")
     ap.add_argument("--hf-static", action="store_true", help="also time generate(cache_implementation='static')")
     ap.add_argument("--out", default="rollout_bench.json")
-    ap.add_argument("--compile", choices=["layer", "step", "none"], default="layer",
-                    help="what torch.compile covers before capture (POSTTRAIN_ROLLOUT_COMPILE)")
+    ap.add_argument("--compile", default="layer",
+                    help="what torch.compile covers before capture (POSTTRAIN_ROLLOUT_COMPILE): layer, step or none; "
+                         "a comma-separated list times each (the first also gets the correctness checks)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no graphs, eager step)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -254,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import transformers
 
-    os.environ["POSTTRAIN_ROLLOUT_COMPILE"] = args.compile
+    bad = [m for m in args.compile.split(",") if m.strip() not in ("layer", "step", "none")]
+    if bad:
+        ap.error(f"--compile: unknown {bad}; use layer, step or none")
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "none"
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),

@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import time
+import types
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -456,6 +457,16 @@ class DecodeEngine:
     def _param_ptrs(self) -> list[int]:
         return [p.data_ptr() for p in self.runner.model.parameters()]
 
+    def _warm_up(self) -> None:
+        """Run the step a few times on a side stream: compile, autotune and allocate outside capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(3):
+                self.step_idx.fill_(1)  # writes cache slot prompt_len, which decoding rewrites first
+                self._step_fn()
+        torch.cuda.current_stream().wait_stream(side)
+
     def _capture(self) -> None:
         """Compile the step (first time) and capture it as a CUDA graph. The state buffers are
         scribbled on by warm-up; every rollout rewrites them before replaying."""
@@ -469,23 +480,35 @@ class DecodeEngine:
                 self.runner.layer_fn = torch.compile(self.runner.decode_layer, **options)
                 self._choose = torch.compile(self._choose, **options)
         saved = [t.clone() for t in (self.last, self.position, self.step_idx, self.done)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(3):  # compile, autotune and allocate outside the capture
-                self.step_idx.fill_(1)  # writes cache slot prompt_len, which decoding rewrites first
-                self._step_fn()
-        torch.cuda.current_stream().wait_stream(side)
+        try:
+            self._warm_up()
+        except Exception as err:  # noqa: BLE001 - e.g. a module dynamo cannot trace in one graph
+            logger.warning("rollout: torch.compile of the decode step failed (%s: %s); capturing the eager step",
+                           type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
+            self.compile_mode = "none"
+            self._step_fn, self.runner.layer_fn = self._step, self.runner.decode_layer
+            self._choose = types.MethodType(DecodeEngine._choose, self)
+            self._warm_up()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         reserved = torch.cuda.memory_reserved()
-        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
-            self._step_fn()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+                self._step_fn()
+        except Exception as err:  # noqa: BLE001 - an op that cannot be captured: run the step without a graph
+            logger.warning("rollout: CUDA graph capture of the decode step failed (%s: %s); decoding without a "
+                           "graph", type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
+            torch.cuda.synchronize()
+            graph, self.use_graphs = None, False
         self.graph_pool_bytes += torch.cuda.memory_reserved() - reserved
         for t, s in zip((self.last, self.position, self.step_idx, self.done), saved):
             t.copy_(s)
+        if graph is None:
+            self.graph = None
+            self.capture_s += time.perf_counter() - tick
+            return
         if self.graph is not None:
             self.recaptures += 1
         self.graph = graph

@@ -137,9 +137,9 @@ class HostCopy:
 def outputs(model_out: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """What the canary compares: next-token log-probs (fp32) of a causal LM, else the scores."""
     logits = model_out.logits
-    if logits.dim() == 3:
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    if logits.dim() == 3:  # row by row: one row's fp32 log-softmax at a time (8B: 0.26 GB at 512 tokens)
+        return torch.stack([torch.log_softmax(row[:-1].float(), dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+                            for row, ids in zip(logits, input_ids)])
     return logits.float()
 
 

@@ -260,9 +260,10 @@ def profile_steps(step: Any, n: int, out_dir: Path, rank: int) -> None:
 
 
 def frozen_canary(bench: Bench) -> dict[str, Any]:
-    """The correctness canary (benchmarks/canary.py): each frozen role's outputs on rows of the
-    run's length against its weights run unsharded. After the measured steps, so it changes no
-    timing, and its memory is left out of the run's peak. A canary that cannot run leaves the row
+    """The correctness canary (benchmarks/canary.py): each frozen role's outputs on a batch of the
+    run's shape (micro batch x sequence length, where the forward's speed, and so any race in its
+    gathering, is as in the steps) against its weights run unsharded. After the measured steps, so
+    it changes no timing, and its memory is left out of the run's peak. A canary that cannot run leaves the row
     ``unchecked`` rather than losing its measurements.
 
     ``spec["canary_perturb"]`` (tests): add this to every weight of the frozen roles after the
@@ -270,7 +271,7 @@ def frozen_canary(bench: Bench) -> dict[str, Any]:
     from benchmarks import canary
 
     fold_peak()
-    ids = bench.tokens(min(2, bench.spec["micro_batch"]), bench.spec["seq_len"])
+    ids = bench.tokens(bench.spec["micro_batch"], bench.spec["seq_len"])
     diffs: dict[str, float] = {}
     scale = float(bench.spec.get("canary_perturb") or 0.0)
     try:

@@ -142,7 +142,9 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> d
         holder.pop("rollout", None)  # the previous variant's cache and graph pool
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        os.environ["POSTTRAIN_ROLLOUT_COMPILE"] = mode
+        compile_mode, _, fuse = mode.partition("+")
+        os.environ["POSTTRAIN_ROLLOUT_COMPILE"] = compile_mode
+        os.environ["POSTTRAIN_ROLLOUT_FUSE"] = "1" if fuse == "fuse" else "0"
         rollout = holder["rollout"] = Rollout(None, "policy", sampling, max_batch=b, max_prompt_len=p, model=model)
         v: dict[str, Any] = {"backend": rollout.stats["backend"], "fallback": rollout.stats["fallback"]}
         res["variants"][mode] = v
@@ -152,6 +154,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> d
         v["capture_s"] = rollout.stats["capture_s"]
         v["graph_pool_bytes"] = rollout.stats.get("graph_pool_bytes", 0)
         v["kv_cache_bytes"] = rollout.stats["kv_cache_bytes"]
+        v["fused_weight_bytes"] = rollout.stats.get("fused_weight_bytes", 0)
         timed(lambda: rollout.generate(ids, mask), 1)  # warm-up after capture
         eng = rollout.engine
         eng.profile = True
@@ -273,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-static", action="store_true", help="also time generate(cache_implementation='static')")
     ap.add_argument("--out", default="rollout_bench.json")
     ap.add_argument("--compile", default="layer",
-                    help="what torch.compile covers before capture (POSTTRAIN_ROLLOUT_COMPILE): layer, step or none; "
-                         "a comma-separated list times each (the first also gets the correctness checks)")
+                    help="what torch.compile covers before capture (POSTTRAIN_ROLLOUT_COMPILE): layer, step or none, "
+                         "each optionally +fuse (POSTTRAIN_ROLLOUT_FUSE=1: fused q|k|v and gate|up weights); a "
+                         "comma-separated list times each (the first also gets the correctness checks)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no graphs, eager step)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -282,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import transformers
 
-    bad = [m for m in args.compile.split(",") if m.strip() not in ("layer", "step", "none")]
+    known = [f"{m}{f}" for m in ("layer", "step", "none") for f in ("", "+fuse")]
+    bad = [m for m in args.compile.split(",") if m.strip() not in known]
     if bad:
-        ap.error(f"--compile: unknown {bad}; use layer, step or none")
+        ap.error(f"--compile: unknown {bad}; use {', '.join(known)}")
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "none"
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),

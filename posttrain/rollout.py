@@ -78,6 +78,9 @@ class SamplingParams:
     do_sample: bool = True  # False: greedy
 
     def __post_init__(self) -> None:
+        # None means "off", as in TRL's configs (top_k: None in some versions).
+        self.top_k = 0 if self.top_k is None else int(self.top_k)
+        self.top_p = 1.0 if self.top_p is None else float(self.top_p)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.temperature <= 0:
@@ -238,7 +241,7 @@ class DecoderRunner:
     Holds the cache ([max_batch, kv_heads, max_len, head_dim] per layer, model dtype) and reads the
     model's modules on every call (their parameters are the live weights)."""
 
-    def __init__(self, model: nn.Module, max_batch: int, max_len: int) -> None:
+    def __init__(self, model: nn.Module, max_batch: int, max_len: int, fuse: bool = False) -> None:
         self.model = model
         base = model.model
         attn = base.layers[0].self_attn
@@ -254,17 +257,61 @@ class DecoderRunner:
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in base.layers]
         self.max_batch, self.max_len = max_batch, max_len
         self.layer_fn = self.decode_layer  # torch.compile'd by the engine on CUDA
+        # Optional fused decode weights: q|k|v and gate|up concatenated, so a token needs 4 GEMMs
+        # per layer instead of 7 (fewer, larger kernels for skinny batches). Copies of the live
+        # weights, refreshed by refresh_fused() before every rollout: costs their memory.
+        self.fused: list[dict[str, torch.Tensor | None]] = []
+        if fuse:
+            for layer in base.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+                entry: dict[str, torch.Tensor | None] = {
+                    "qkv": self._empty_cat([m.weight for m in projs]),
+                    "qkv_bias": self._empty_cat([m.bias for m in projs]) if projs[0].bias is not None else None,
+                    "gate_up": None}
+                if all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) and \
+                        mlp.gate_proj.bias is None:
+                    entry["gate_up"] = self._empty_cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                self.fused.append(entry)
+            self.refresh_fused()
+
+    @staticmethod
+    def _empty_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+        return torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+
+    @torch.no_grad()
+    def refresh_fused(self) -> None:
+        """Copy the live weights into the fused buffers (in place: the graph keeps their addresses)."""
+        for layer, entry in zip(self.model.model.layers, self.fused):
+            attn, mlp = layer.self_attn, layer.mlp
+            projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+            torch.cat([m.weight for m in projs], out=entry["qkv"])
+            if entry["qkv_bias"] is not None:
+                torch.cat([m.bias for m in projs], out=entry["qkv_bias"])
+            if entry["gate_up"] is not None:
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], out=entry["gate_up"])
+
+    @property
+    def fused_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for e in self.fused for t in e.values() if t is not None)
 
     @property
     def cache_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def _qkv(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             qkv: torch.Tensor | None = None, qkv_bias: torch.Tensor | None = None):
         attn = layer.self_attn
         b, t, _ = h.shape
-        q = attn.q_proj(h).view(b, t, -1, self.head_dim)
-        k = attn.k_proj(h).view(b, t, -1, self.head_dim)
-        v = attn.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if qkv is None:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        else:
+            q, k, v = F.linear(h, qkv, qkv_bias).split(
+                [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], dim=-1)
+        q = q.view(b, t, -1, self.head_dim)
+        k = k.view(b, t, -1, self.head_dim)
+        v = v.reshape(b, t, -1, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -273,10 +320,15 @@ class DecoderRunner:
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
 
-    def _mlp_block(self, layer: nn.Module, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _mlp_block(self, layer: nn.Module, x: torch.Tensor, attn_out: torch.Tensor,
+                   gate_up: torch.Tensor | None = None) -> torch.Tensor:
         b, t = attn_out.shape[0], attn_out.shape[2]
         x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        h = layer.post_attention_layernorm(x)
+        if gate_up is None:
+            return x + layer.mlp(h)
+        gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Run the prompts [b, P] (left-padded; ``key_mask`` [b, P] 1 on real tokens) into cache slots
@@ -311,15 +363,19 @@ class DecoderRunner:
         bias = bias.view(b, 1, 1, length)
         for i, layer in enumerate(base.layers):
             keys, values = self.keys[i][:b, :, :length], self.values[i][:b, :, :length]
-            x = self.layer_fn(layer, x, cos, sin, keys, values, slot, bias)
+            fused = self.fused[i] if self.fused else {}
+            x = self.layer_fn(layer, x, cos, sin, keys, values, slot, bias, fused.get("qkv"), fused.get("qkv_bias"),
+                              fused.get("gate_up"))
         return self.model.lm_head(base.norm(x))[:, 0]
 
     def decode_layer(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+                     keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor,
+                     qkv: torch.Tensor | None = None, qkv_bias: torch.Tensor | None = None,
+                     gate_up: torch.Tensor | None = None) -> torch.Tensor:
         """One decoder layer for one token per row. Every layer has the same shapes, so compiled
         once (``layer_fn``) it serves them all: the compile costs one layer, not the whole model."""
         b = x.shape[0]
-        q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+        q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin, qkv, qkv_bias)
         keys.index_copy_(2, slot.view(1), k)
         values.index_copy_(2, slot.view(1), v)
         # Grouped-query attention for one query: the query heads of a group share one read of
@@ -328,7 +384,7 @@ class DecoderRunner:
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling + bias
         probs = scores.softmax(dim=-1).to(values.dtype)
         out = torch.matmul(probs, values).view(b, self.heads, 1, self.head_dim)
-        return self._mlp_block(layer, x, out)
+        return self._mlp_block(layer, x, out, gate_up)
 
 
 class _Clock:
@@ -370,7 +426,9 @@ class DecodeEngine:
         self.max_batch, self.prompt_len = max_batch, max_prompt_len
         self.max_new = sampling.max_new_tokens
         self.length = max_prompt_len + self.max_new
-        self.runner = DecoderRunner(model, max_batch, self.length)
+        # POSTTRAIN_ROLLOUT_FUSE=1: fused q|k|v and gate|up decode weights (see DecoderRunner).
+        self.runner = DecoderRunner(model, max_batch, self.length,
+                                    fuse=os.environ.get("POSTTRAIN_ROLLOUT_FUSE", "0") == "1")
         dev = self.runner.device
         self.device = dev
         self.use_graphs = (dev.type == "cuda") if use_graphs is None else use_graphs
@@ -542,6 +600,8 @@ class DecodeEngine:
         self.done[b:].fill_(True)
         self.step_idx.zero_()
         clock = _Clock(dev) if self.profile else None
+        if self.runner.fused:
+            self.runner.refresh_fused()
         logits = self.runner.prefill(ids.masked_fill(mask == 0, 0), positions, mask)
         tokens, logprobs = self._choose(logits)
         self._record(tokens, logprobs)
@@ -767,6 +827,7 @@ class Rollout:
                 self.engine.captures, self.engine.recaptures = old.captures, old.recaptures
                 self.engine.capture_s = old.capture_s
             self.stats["kv_cache_bytes"] = self.engine.runner.cache_nbytes
+            self.stats["fused_weight_bytes"] = self.engine.runner.fused_nbytes
         tokens, logprobs = self.engine.generate(prompt_ids, prompt_mask, key, sampling.max_new_tokens)
         self.stats.update(captures=self.engine.captures, recaptures=self.engine.recaptures,
                           capture_s=round(self.engine.capture_s, 3), graph_pool_bytes=self.engine.graph_pool_bytes,

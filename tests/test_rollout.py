@@ -166,6 +166,21 @@ def test_planner_counts_the_engine():
         assert hf.phases["generate"] - fast.phases["generate"] == kv + (2 * size.params if stage == 3 else 0)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_projections_give_the_same_tokens(kind, models, tok, prompts, monkeypatch):
+    """POSTTRAIN_ROLLOUT_FUSE=1 (q|k|v and gate|up copies, refreshed per rollout) decodes the same."""
+    model, (ids, mask) = models[kind], prompts
+    torch.manual_seed(4)
+    plain = rollout(model, tok).generate(ids, mask)
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_FUSE", "1")
+    r = rollout(model, tok)
+    torch.manual_seed(4)
+    fused = r.generate(ids, mask)
+    assert r.stats["fused_weight_bytes"] > 0
+    assert torch.equal(plain.sequences, fused.sequences)
+    assert (plain.logprobs - fused.logprobs).abs().max().item() < 1e-5
+
+
 def test_top_k_1_is_greedy(models, tok, prompts):
     model, (ids, mask) = models["qwen2"], prompts
     greedy = rollout(model, tok, do_sample=False).generate(ids, mask)

@@ -411,6 +411,11 @@ def format_plan(p: Plan) -> str:
     for r in p.roles:
         lines.append(f"{r.name:10} {r.place.label:13} {g(r.params)} {g(r.grads)} {g(r.optimizer)} "
                      f"{g(r.activations)} {g(r.kv_cache)}")
+    for r in p.roles:
+        if r.rollout:
+            lines.append(f"({r.name}: posttrain.rollout keeps {r.rollout / GiB:.2f} GiB for the run, counted at rest: "
+                         "KV cache, graph pool" + (", the gathered ZeRO-3 copy" if r.place.stage == 3 else "")
+                         + "; generation_backend hf holds the cache only while generating)")
     phases = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.phases.items())
     lines.append("(grads live from backward to the step; act: saved activations of a trained role, the forward's "
                  "working set of a frozen one; both count in their phase, not at rest)")

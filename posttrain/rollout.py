@@ -14,9 +14,15 @@ Two backends behind one API (:class:`Rollout`):
     (temperature, top-k, top-p, min_new_tokens by masking stop tokens; greedy = argmax; sampling =
     Gumbel-max with noise from a counter-based hash, so it needs no generator state and is
     capturable), writing the token and its log-prob into output buffers;
-  * on CUDA the step is compiled by ``torch.compile`` (inductor, no cudagraphs mode) and captured by
-    hand as one CUDA graph, replayed per token, with a host sync only every ``sync_every`` tokens to
-    stop early once every row is done; on CPU the same step runs eagerly, so CPU tests exercise it.
+  * on CUDA, ``torch.compile`` (inductor, no cudagraphs mode) compiles one decoder layer, reused by
+    every layer since they share shapes (a compile of seconds, not of the whole depth), and the
+    sampler (``POSTTRAIN_ROLLOUT_COMPILE=step`` compiles the whole step instead, ``none`` nothing);
+    the step is then captured by hand as one CUDA graph, replayed per token, with a host sync only
+    every ``sync_every`` tokens to stop early once every row is done (none without stop tokens).
+    A compile or capture that fails falls back (compiled -> eager graph -> no graph) with a log
+    line. On CPU the same step runs eagerly, so CPU tests exercise it.
+  * one bucket: the batch padded to ``max_batch`` and the prompts to ``max_prompt_len`` (decoding
+    reads every weight once per token whatever the batch; each bucket would cost a compile).
 
 Why not transformers' ``StaticCache`` and the model's own forward: the cache and forward signatures
 changed within 5.x (``past_key_values``/``cache_position`` in 5.17, ``cache`` and an internal

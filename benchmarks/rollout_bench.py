@@ -15,11 +15,16 @@ sampling at temperature 1 with top_k 0 (PPO's), per shape (1b: batch 8, 8b: batc
   rollouts' graph: no new capture); after every weight is changed in place, outputs change, the
   log-probs still match a forward of the new weights, and nothing is recaptured.
 
-Runtime on one H200, estimated: ``--shapes 1b,8b --quick`` about 3-4 minutes (model init ~20 s,
-engine compile ~30-60 s per shape, generate eager ~1-2 s per call); ``--hf-static`` adds ~40 s
-(1b) and ~60 s (8b). Writes JSON to ``--out`` and prints a table.
+Runtime on one H200, estimated: ``--shapes 1b,8b --quick`` about 3 minutes (model init 5-20 s,
+generate eager ~5-8 s per shape, engine compile of one layer + sampler ~10-20 s per shape, rollouts
+and checks ~10 s); each extra ``--compile`` variant adds ~15 s (``layer+fuse``) or ~30-60 s
+(``step``: the whole depth compiled) per shape; ``--hf-static`` adds ~40 s (1b) and ~60 s (8b).
+Writes JSON to ``--out`` after each shape and prints a table; exit status 1 if any stage failed
+(its error is in the JSON, the other stages still ran).
 
-    python benchmarks/rollout_bench.py --shapes 1b,8b --quick --out rollout_bench.json
+    python benchmarks/rollout_bench.py --shapes 1b,8b --quick --compile layer,layer+fuse,step \
+        --out rollout_bench.json                                            # ~5-6 min
+    python benchmarks/rollout_bench.py --shapes 1b,8b --quick --hf-static --out rollout_bench_static.json
 """
 
 from __future__ import annotations

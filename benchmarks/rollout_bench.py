@@ -87,14 +87,22 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> list[int]:
 
 
 @torch.no_grad()
-def forward_logprob_diff(model: Any, out: Any, prompt_len: int) -> float:
-    """Max |returned log-prob - log-prob of a forward over the produced sequences| on kept tokens."""
+def forward_check(model: Any, out: Any) -> tuple[float, float]:
+    """Over the kept completion tokens: max |returned log-prob - log-prob of a forward over the
+    produced sequences|, and the fraction of tokens equal to the forward's argmax (for greedy
+    output: agreement given the same prefix, which random weights' near-ties do not cascade)."""
     n = out.completion_ids.shape[1]
     seq = out.sequences
     logits = model(input_ids=seq, attention_mask=torch.ones_like(seq), logits_to_keep=n + 1).logits[:, :-1]
-    lp = torch.log_softmax(logits.float(), -1).gather(-1, out.completion_ids.unsqueeze(-1))[..., 0]
+    logp = torch.log_softmax(logits.float(), -1)
+    lp = logp.gather(-1, out.completion_ids.unsqueeze(-1))[..., 0]
     keep = out.completion_mask.bool()
-    return (lp - out.logprobs).abs()[keep].max().item()
+    agree = (logp.argmax(-1) == out.completion_ids)[keep].float().mean().item()
+    return (lp - out.logprobs).abs()[keep].max().item(), agree
+
+
+def forward_logprob_diff(model: Any, out: Any, prompt_len: int) -> float:
+    return forward_check(model, out)[0]
 
 
 def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -193,7 +201,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> d
         div = first_divergence(out.completion_ids, ref)
         res["greedy_first_divergence"] = div
         res["greedy_rows_identical"] = sum(d == n for d in div)
-        res["greedy_logprob_max_abs_diff"] = forward_logprob_diff(model, out, p)
+        res["greedy_logprob_max_abs_diff"], res["greedy_argmax_agreement"] = forward_check(model, out)
         outs["greedy"] = out
 
     def live_weights() -> None:
@@ -244,6 +252,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("max |logprob - forward|", "logprob_max_abs_diff", "{:.4f}"),
             ("greedy rows identical to generate", "greedy_rows_identical", "{}"),
             ("greedy first divergence (per row)", "greedy_first_divergence", "{}"),
+            ("greedy tokens = forward argmax (same prefix)", "greedy_argmax_agreement", "{:.4f}"),
             ("after in-place change: outputs changed / new captures / logprob diff", None, None)]
     for mode in dict.fromkeys(m for r in rows for m in r.get("variants", {})):
         spec += [(f"[{mode}] decode ms/token, x floor", f"variant:{mode}", None),

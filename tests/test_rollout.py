@@ -268,6 +268,8 @@ def test_bad_input_names_the_fix(models, tok, prompts):
         rollout(models["llama"], tok, max_prompt_len=3).generate(ids, mask)
     with pytest.raises(ConfigError, match="do_sample=False"):
         SamplingParams(max_new_tokens=4, pad_token_id=0, temperature=0.0)
+    off = SamplingParams(max_new_tokens=4, pad_token_id=0, top_k=None, top_p=None)  # TRL configs' "off"
+    assert (off.top_k, off.top_p) == (0, 1.0)
 
 
 # -- two processes: DeepSpeed ZeRO-2 storage and a ZeRO-3 policy ------------------------------------

@@ -43,6 +43,10 @@ WORKLOADS: dict[str, dict[str, list[str]]] = {
     "dpo": {"trained": ["policy"], "frozen": ["reference"]},
     "ppo": {"trained": ["policy", "value"], "frozen": ["reference", "reward"]},
     "distill": {"trained": ["student"], "frozen": ["teacher"]},
+    # GRPO/RLOO with a reference (beta > 0) and Python reward functions; reward models are more
+    # frozen roles (benchmarks/grpo_e2e.py runs the trainers themselves).
+    "grpo": {"trained": ["policy"], "frozen": ["reference"]},
+    "rloo": {"trained": ["policy"], "frozen": ["reference"]},
 }
 ROLE_KINDS = {"policy": "causal", "reference": "causal", "student": "causal", "teacher": "causal",
               "value": "token", "reward": "sequence"}
@@ -376,8 +380,8 @@ def plan(
         else:
             policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage)
         phases["generate"] = gen
-        phases["score"] = max(forward(by["reference"]), forward(by["reward"]))
-        phases["train"] = max(train(policy), train(by["value"]))
+        phases["score"] = max(forward(by[name]) for name in names["frozen"])
+        phases["train"] = max(train(by[name]) for name in names["trained"])
     return Plan(workload, mix, world_size, gpu_memory_gib * GiB, roles, phases)
 
 

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mix in [m.strip() for m in args.mixes.split(",") if m.strip()]:
         spec = {**base, "mix": mix}
-        name = f"{harness.case_name(spec)}-r{args.response_len}-g{args.num_generations}"
+        name = f"{harness.case_name(spec)}-g{args.num_generations}"
         row = harness.run_one(spec, out / "runs" / f"{name}-{mix}", args.nproc, args.timeout, worker=WORKER)
         row.update(case=name, env=env, command=command, num_generations=args.num_generations, beta=args.beta)
         peak = max(row["peak_allocated_gib"]) if row.get("peak_allocated_gib") else None

@@ -34,6 +34,8 @@ if str(ROOT) not in sys.path:
 from posttrain import memory  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "workloads.py"
+# GRPO/RLOO run the trainers end to end (posttrain's, or TRL's own for the trl-* rows).
+E2E_WORKER = ROOT / "benchmarks" / "grpo_e2e.py"
 ALL_MIXES = ["zero2-zero3", "zero3", "zero2-replicated", "zero2-zero3-offload", "trl-zero2", "trl-zero3",
              "zero2-zero3-stock"]
 
@@ -63,7 +65,7 @@ def case_name(spec: dict[str, Any]) -> str:
     main = shapes[memory.WORKLOADS[spec["workload"]]["trained"][0]]
     odd = [f"{r}={s}" for r, s in shapes.items() if s != main]
     tag = "+".join([main, *odd])
-    extra = f"-r{spec['response_len']}" if spec["workload"] == "ppo" else ""
+    extra = f"-r{spec['response_len']}" if spec["workload"] in ("ppo", "grpo", "rloo") else ""
     if spec.get("generation_backend") == "hf":  # beside the default backend's rows in one results dir
         extra += "-hf"
     return f"{spec['workload']}-{tag}-mb{spec['micro_batch']}-s{spec['seq_len']}{extra}"
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = dict(workload=args.workload, shapes=parse_shapes(args.workload, args.shape, args.role_shape),
                 micro_batch=args.micro_batch, seq_len=args.seq_len,
-                response_len=args.response_len if args.workload == "ppo" else 0,
+                response_len=args.response_len if args.workload in ("ppo", "grpo", "rloo") else 0,
                 generation_backend=args.generation_backend if args.workload == "ppo" else None,
                 warmup=args.warmup, steps=args.steps, precision=args.precision, profile_steps=args.profile_steps)
     command = shlex.join(["python", "benchmarks/harness.py", *argv])
@@ -361,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 timeout = args.timeout if left is None else min(args.timeout, left)
                 tag = f"-round{k + 1}" if args.rounds > 1 else ""
-                row = run_one(spec, out / "runs" / f"{case_name(spec)}-{mix}{tag}", args.nproc, timeout)
+                worker = E2E_WORKER if args.workload in ("grpo", "rloo") else WORKER
+                row = run_one(spec, out / "runs" / f"{case_name(spec)}-{mix}{tag}", args.nproc, timeout, worker)
                 if row["status"] == "timeout" and timeout < args.timeout:
                     # Cut short by --budget, not slower than --timeout: the mix did not fail.
                     row["status"], row["error"] = "skipped", "time budget spent while it ran"

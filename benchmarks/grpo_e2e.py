@@ -62,8 +62,10 @@ def model_dir(shape: str, dtype: torch.dtype) -> Path:
             torch.manual_seed(0)
             cfg = memory.model_config(shape)
             cfg.eos_token_id = tiny.load_tokenizer().eos_token_id
-            model = memory.model_class("causal").from_config(cfg, dtype=dtype)
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init is fast there
+                model = memory.model_class("causal").from_config(cfg, dtype=dtype)
             model.save_pretrained(str(path))
+            del model
             tiny.load_tokenizer().save_pretrained(str(path))
     return path
 

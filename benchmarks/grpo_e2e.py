@@ -66,6 +66,9 @@ def model_dir(shape: str, dtype: torch.dtype) -> Path:
                 model = memory.model_class("causal").from_config(cfg, dtype=dtype)
             model.save_pretrained(str(path))
             del model
+            if torch.cuda.is_available():  # the run's peak is the trainer's, not this
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
             tiny.load_tokenizer().save_pretrained(str(path))
     return path
 

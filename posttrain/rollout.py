@@ -50,7 +50,6 @@ import logging
 import math
 import os
 import time
-import types
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -242,7 +241,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderRunner:
-    """The Llama-family decoder over a preallocated KV cache: ``prefill`` and ``decode_logits``.
+    """The Llama-family decoder over a preallocated KV cache: ``prefill``, then ``decode_inputs``, ``decode_layers`` and ``head`` per token.
 
     Holds the cache ([max_batch, kv_heads, max_len, head_dim] per layer, model dtype) and reads the
     model's modules on every call (their parameters are the live weights)."""
@@ -357,22 +356,29 @@ class DecoderRunner:
             x = self._mlp_block(layer, x, out)
         return self.model.lm_head(base.norm(x[:, -1:]))[:, 0]
 
-    def decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
-                      allowed: torch.Tensor, length: int) -> torch.Tensor:
-        """One token per row: ``ids``/``positions`` [b, 1], written to cache ``slot`` (0-d tensor);
-        attends to cache positions < ``length`` where ``allowed`` [b, length] is True."""
+    def decode_inputs(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Embeddings, rotary cos/sin and the additive attention mask [b, 1, 1, length] of one
+        token per row (``allowed`` [b, length]: the cache positions it may attend to)."""
         base = self.model.model
-        b = ids.shape[0]
         x = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(x, positions)
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=ids.device).masked_fill(~allowed, float("-inf"))
-        bias = bias.view(b, 1, 1, length)
-        for i, layer in enumerate(base.layers):
+        return x, cos, sin, bias.view(allowed.shape[0], 1, 1, allowed.shape[1])
+
+    def decode_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
+                      bias: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer for one token per row, written to cache ``slot`` (0-d tensor)."""
+        b, length = x.shape[0], bias.shape[-1]
+        for i, layer in enumerate(self.model.model.layers):
             keys, values = self.keys[i][:b, :, :length], self.values[i][:b, :, :length]
             fused = self.fused[i] if self.fused else {}
             x = self.layer_fn(layer, x, cos, sin, keys, values, slot, bias, fused.get("qkv"), fused.get("qkv_bias"),
                               fused.get("gate_up"))
-        return self.model.lm_head(base.norm(x))[:, 0]
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(x))[:, 0]
 
     def decode_layer(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor,
@@ -464,6 +470,7 @@ class DecodeEngine:
         self.do_sample = torch.ones((), dtype=torch.float32, device=dev)
         self.top_p = torch.ones((), dtype=torch.float32, device=dev)
         self.min_new = torch.zeros((), dtype=torch.long, device=dev)
+        self.top_k, self.use_top_p = sampling.top_k, sampling.top_p < 1.0  # in the graph key
         self.set_knobs(sampling)
         self.cols = torch.arange(self.length, device=dev)
         self.graph: Any = None
@@ -475,7 +482,8 @@ class DecodeEngine:
         self.graph_pool_bytes = 0  # torch.cuda.memory_reserved() growth across the captures
         self.profile = False  # time prefill and decode separately (syncs; benchmarks only)
         self.timings: dict[str, float] = {}
-        self._step_fn = self._step
+        # The step's parts; "layer" compiles each (the layers share one compiled function).
+        self._step_fn, self._inputs_fn, self._finish_fn = self._step, self._inputs, self._finish
 
     @staticmethod
     def graph_key(sampling: SamplingParams) -> tuple:
@@ -492,9 +500,9 @@ class DecodeEngine:
         self.sampling = sampling
 
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.sampling
+        # Reads only constants fixed per engine and tensors: new knobs do not recompile.
         return choose_tokens(logits, self.step_idx, self.key, temperature=self.temperature, do_sample=self.do_sample,
-                             top_k=s.top_k, top_p=self.top_p, use_top_p=s.top_p < 1.0, min_new_tokens=self.min_new,
+                             top_k=self.top_k, top_p=self.top_p, use_top_p=self.use_top_p, min_new_tokens=self.min_new,
                              stop_ids=self.stop_ids)
 
     # -- the step: a fixed-shape function of the buffers above --------------------------------
@@ -509,10 +517,18 @@ class DecodeEngine:
         self.last.copy_(tokens.unsqueeze(1))
 
     def _step(self) -> None:
-        slot = self.step_idx + (self.prompt_len - 1)  # the cache slot of the token fed in
+        x, cos, sin, bias, slot = self._inputs_fn()
+        self._finish_fn(self.runner.decode_layers(x, cos, sin, slot, bias))
+
+    def _inputs(self) -> tuple[torch.Tensor, ...]:
+        """The step's prologue: embeddings, rotary, attention mask and cache slot of the fed token."""
+        slot = self.step_idx + (self.prompt_len - 1)
         allowed = self.key_valid & (self.cols <= slot)
-        logits = self.runner.decode_logits(self.last, self.position, slot, allowed, self.length)
-        tokens, logprobs = self._choose(logits)
+        return (*self.runner.decode_inputs(self.last, self.position, allowed), slot)
+
+    def _finish(self, x: torch.Tensor) -> None:
+        """The step's epilogue: norm, head, sampling, outputs, counters."""
+        tokens, logprobs = self._choose(self.runner.head(x))
         self._record(tokens, logprobs)
         self.position.add_(1)
         self.step_idx.add_(1)
@@ -542,7 +558,8 @@ class DecodeEngine:
                 self._step_fn = torch.compile(self._step, **options)
             elif self.compile_mode == "layer":
                 self.runner.layer_fn = torch.compile(self.runner.decode_layer, **options)
-                self._choose = torch.compile(self._choose, **options)
+                self._inputs_fn = torch.compile(self._inputs, **options)
+                self._finish_fn = torch.compile(self._finish, **options)
         saved = [t.clone() for t in (self.last, self.position, self.step_idx, self.done)]
         try:
             self._warm_up()
@@ -551,7 +568,7 @@ class DecodeEngine:
                            type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
             self.compile_mode = "none"
             self._step_fn, self.runner.layer_fn = self._step, self.runner.decode_layer
-            self._choose = types.MethodType(DecodeEngine._choose, self)
+            self._inputs_fn, self._finish_fn = self._inputs, self._finish
             self._warm_up()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

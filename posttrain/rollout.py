@@ -537,6 +537,19 @@ class DecodeEngine:
     def _param_ptrs(self) -> list[int]:
         return [p.data_ptr() for p in self.runner.model.parameters()]
 
+    def compile_parts(self, mode: str, backend: str = "inductor") -> None:
+        """``torch.compile`` what ``mode`` covers ("layer": prologue, one decoder layer reused by
+        all, epilogue; "step": the whole step; "none": nothing). fullgraph: a graph break raises
+        (then _capture falls back to the eager step). Inductor's default mode: no cudagraphs inside."""
+        self._compiled = True
+        options: dict[str, Any] = dict(fullgraph=True, dynamic=False, backend=backend)
+        if mode == "step":
+            self._step_fn = torch.compile(self._step, **options)
+        elif mode == "layer":
+            self.runner.layer_fn = torch.compile(self.runner.decode_layer, **options)
+            self._inputs_fn = torch.compile(self._inputs, **options)
+            self._finish_fn = torch.compile(self._finish, **options)
+
     def _warm_up(self) -> None:
         """Run the step a few times on a side stream: compile, autotune and allocate outside capture."""
         side = torch.cuda.Stream()
@@ -552,14 +565,7 @@ class DecodeEngine:
         scribbled on by warm-up; every rollout rewrites them before replaying."""
         tick = time.perf_counter()
         if not self._compiled:
-            self._compiled = True
-            options = dict(fullgraph=True, dynamic=False)  # inductor's default mode: no cudagraphs inside
-            if self.compile_mode == "step":
-                self._step_fn = torch.compile(self._step, **options)
-            elif self.compile_mode == "layer":
-                self.runner.layer_fn = torch.compile(self.runner.decode_layer, **options)
-                self._inputs_fn = torch.compile(self._inputs, **options)
-                self._finish_fn = torch.compile(self._finish, **options)
+            self.compile_parts(self.compile_mode)
         saved = [t.clone() for t in (self.last, self.position, self.step_idx, self.done)]
         try:
             self._warm_up()

@@ -181,6 +181,31 @@ def test_fused_projections_give_the_same_tokens(kind, models, tok, prompts, monk
     assert (plain.logprobs - fused.logprobs).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("mode,graphs", [("layer", 3), ("step", 1)])
+def test_what_cuda_compiles_traces_in_whole_graphs(mode, graphs, models, tok, prompts):
+    """What is compiled before CUDA capture traces without a graph break (fullgraph), is one graph
+    per part whatever the depth (layer mode: the layers share one), is not recompiled by new
+    knobs, and decodes what the eager step does. aot_eager: dynamo and AOTAutograd's tracing
+    without code generation, which is cheap on CPU."""
+    from torch._dynamo.utils import counters
+
+    model, (ids, mask) = models["llama"], prompts
+    r = rollout(model, tok, top_p=0.9, stop_token_ids=[tok.eos_token_id], min_new_tokens=2)
+    torch.manual_seed(1)
+    eager = r.generate(ids, mask)
+    torch._dynamo.reset()
+    counters.clear()
+    r.engine.compile_parts(mode, backend="aot_eager")
+    torch.manual_seed(1)
+    compiled = r.generate(ids, mask)
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert (eager.logprobs - compiled.logprobs).abs().max().item() < 1e-5
+    r.generate(ids, mask, SamplingParams(max_new_tokens=N, pad_token_id=tok.pad_token_id, do_sample=False,
+                                         top_p=0.5, temperature=0.7, stop_token_ids=[tok.eos_token_id]))
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
+
+
 def test_top_k_1_is_greedy(models, tok, prompts):
     model, (ids, mask) = models["qwen2"], prompts
     greedy = rollout(model, tok, do_sample=False).generate(ids, mask)

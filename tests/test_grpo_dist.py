@@ -83,4 +83,7 @@ def test_rloo_placement_invariance(checks):
     assert len(base) == len(other) == 4
     for a, b in zip(base, other):
         close(a, b, ["loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "grad_norm"], 1e-4)
-    assert base[2]["kl"] > 0 and base[1]["clip_ratio/region_mean"] > 0
+    # One generation batch (steps_per_generation 2 x num_iterations 2) serves all four steps; the
+    # policy moves away from the sampler's old log-probs over them.
+    assert len({r["reward"] for r in base}) == 1
+    assert any(r["clip_ratio/region_mean"] > 0 for r in base[1:])

@@ -5,7 +5,7 @@
   are kept) under zero2-zero3, zero2-replicated and zero3, and with the hf generation backend;
 - that run resumed from its step-2 checkpoint;
 - beta 0: the roles of the session (no reference);
-- a learning run on the bundled reward (GRPO) and short RLOO runs under two placements.
+- a learning run on the bundled reward (GRPO) and short RLOO runs (num_iterations 2) under two placements.
 """
 
 import json
@@ -47,7 +47,8 @@ def main(out: str, tmp: str) -> None:
                                **resume)
     res["learn"], res["roles"]["beta0"], _ = run(GRPOConfig, GRPOTrainer, output_dir=f"{tmp}/learn", beta=0.0,
                                                  **LEARN)
-    rloo = dict(SHORT, sync_ref_model=False, reward_weights=None)
+    # RLOO with num_iterations 2: each generation batch trained twice (steps 1-4 share one batch).
+    rloo = dict(SHORT, sync_ref_model=False, reward_weights=None, num_iterations=2, save_steps=None)
     for mix in ("zero2-zero3", "zero2-replicated"):
         res.setdefault("rloo", {})[mix], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/rloo-{mix}",
                                                     **rloo)

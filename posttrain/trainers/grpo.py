@@ -127,8 +127,6 @@ class GRPOConfig(TrainConfig):
             (self.num_generations >= 2, "GRPO needs num_generations >= 2 to compare completions of one prompt"),
             (0.0 < self.top_entropy_quantile <= 1.0, "top_entropy_quantile must be in (0, 1]"),
             (self.num_iterations >= 1, "num_iterations must be >= 1"),
-            (not (self.generation_batch_size is not None and self.steps_per_generation is not None),
-             "set generation_batch_size or steps_per_generation, not both"),
             (not self.sync_ref_model or self.beta != 0.0,
              "sync_ref_model needs a reference model, and beta: 0 loads none: set beta > 0 or drop sync_ref_model"),
             (not self.sync_ref_model or (self.ref_model_sync_steps >= 1 and 0.0 < self.ref_model_mixup_alpha <= 1.0),
@@ -139,7 +137,12 @@ class GRPOConfig(TrainConfig):
                 raise ConfigError(message)
         # TRL's batch arithmetic: a generation batch is steps_per_generation micro-batches per process.
         per_step = self.per_device_train_batch_size * world
-        if self.generation_batch_size is None:
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            # Both given (or a config this method already completed, saved and read back): they must agree.
+            if self.generation_batch_size != per_step * self.steps_per_generation:
+                raise ConfigError("set generation_batch_size or steps_per_generation, not both (they disagree: "
+                                  f"{self.generation_batch_size} != {per_step} x {self.steps_per_generation})")
+        elif self.generation_batch_size is None:
             self.steps_per_generation = self.steps_per_generation or self.gradient_accumulation_steps
             self.generation_batch_size = per_step * self.steps_per_generation
         elif self.generation_batch_size % per_step:

@@ -75,9 +75,14 @@ def trl(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours_model():
+    """The policy as GRPOTrainer prepares it: with TRL's fused LM head (``fused=True`` below); the
+    plain path (the reference's) is exercised where old/reference log-probs are computed."""
     from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
 
-    return AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32).train()
+    model = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32).train()
+    add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+    return model
 
 
 def set_trl(trainer, **fields):
@@ -159,7 +164,10 @@ def test_loss_metrics_and_gradient_equal_trl(trl, ours_model, loss_type, level, 
     their_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
     cfg = our_cfg(**fields)
-    logps, entropies = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE, compute_entropy=True)
+    logps, entropies = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE, compute_entropy=True,
+                                        fused=True)
+    plain, _ = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE)
+    assert torch.allclose(plain, logps, atol=TOL)  # the two paths agree
     entropy_mask = None
     if cfg.top_entropy_quantile < 1.0:
         entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile)

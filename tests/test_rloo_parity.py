@@ -14,8 +14,10 @@ from posttrain.trainers.rloo import RLOOConfig, rloo_advantages, rloo_loss
 @pytest.fixture(scope="module")
 def models():
     from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
 
     policy = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32).train()
+    add_fused_lm_head(policy, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))  # as RLOOTrainer's policy
     reference = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=1), dtype=torch.float32).eval()
     return policy, reference
 
@@ -93,7 +95,8 @@ def test_loss_metrics_and_gradient_equal_trl(trl, models):
     attention = torch.cat([out["prompt_mask"], mask], 1)
     cfg = RLOOConfig(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=N,
                      temperature=TEMPERATURE)
-    logps, entropies = completion_logps(policy, ids, attention, mask.shape[1], TEMPERATURE, compute_entropy=True)
+    logps, entropies = completion_logps(policy, ids, attention, mask.shape[1], TEMPERATURE, compute_entropy=True,
+                                        fused=True)
     loss, stats = rloo_loss(cfg, logps, old_logps, advantages, mask)
     stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
     loss.backward()

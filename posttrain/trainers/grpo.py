@@ -316,12 +316,18 @@ def grpo_loss(
 
 
 def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                     temperature: float, compute_entropy: bool = False,
-                     batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     temperature: float, compute_entropy: bool = False, batch_size: int | None = None,
+                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the last ``logits_to_keep`` tokens at the sampling
     temperature, 0 where the attention mask is 0 (as TRL's fused LM head gives them). Runs the
     model's (engine's) own forward so ZeRO-3 gathering applies; positions follow the attention mask,
-    as in generation."""
+    as in generation.
+
+    ``fused``: the model carries TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, with
+    this temperature), which projects and scores the completion's positions in tiles instead of
+    materialising float32 logits over the vocabulary (GBs at 8B with a 128k vocabulary); it
+    gathers a ZeRO-3 head itself. Without it, the logits of the last ``logits_to_keep + 1``
+    positions are computed (frozen models: posttrain.frozen gathers through module hooks only)."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     batch_size = batch_size or input_ids.size(0)
@@ -329,10 +335,19 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     for i in range(0, input_ids.size(0), batch_size):
         ids, am = input_ids[i : i + batch_size], attention_mask[i : i + batch_size]
         position_ids = (am.cumsum(1) - 1).clamp(min=0)
+        valid = am[:, -logits_to_keep:].bool()
+        if fused:
+            labels = ids.masked_fill(am == 0, -100)
+            labels[:, :-logits_to_keep] = -100  # only the completion is scored
+            out = model(input_ids=ids, attention_mask=am, position_ids=position_ids, labels=labels,
+                        fused_lm_head=True)
+            logps.append(out.log_probs[:, -logits_to_keep:])
+            if compute_entropy:
+                entropies.append(out.entropy[:, -logits_to_keep:])
+            continue
         logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids, use_cache=False,
                        logits_to_keep=logits_to_keep + 1).logits
         logits = logits[:, :-1].float() / temperature
-        valid = am[:, -logits_to_keep:].bool()
         logps.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]).masked_fill(~valid, 0.0))
         if compute_entropy:
             entropies.append(entropy_from_logits(logits).masked_fill(~valid, 0.0))
@@ -469,6 +484,11 @@ class GRPOTrainer:
             from trl.trainer.utils import disable_dropout_in_model
 
             disable_dropout_in_model(policy)
+        from trl.trainer.utils import add_fused_lm_head
+
+        # The policy's log-probs and entropies without float32 logits over the vocabulary (TRL does
+        # the same); generation still calls the original forward.
+        add_fused_lm_head(policy, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
         opt, sched = optimizer_and_scheduler(policy, cfg, self.total_steps)
         s.prepare("policy", policy, opt, sched)
         if cfg.beta != 0.0:
@@ -555,7 +575,7 @@ class GRPOTrainer:
             old = None
             if self.needs_old_logps():
                 old, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
-                                          batch_size=bs)
+                                          batch_size=bs, fused=True)
         with self.phases("score"):
             ref = None
             if cfg.beta != 0.0:
@@ -658,7 +678,7 @@ class GRPOTrainer:
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         mask = batch["completion_mask"]
         logps, entropies = completion_logps(s.engines["policy"], input_ids, attention_mask, mask.shape[1],
-                                            cfg.temperature, compute_entropy=True)
+                                            cfg.temperature, compute_entropy=True, fused=True)
         entropy_mask = None
         if cfg.top_entropy_quantile < 1.0:
             local = entropies.detach()[mask.bool()].float()

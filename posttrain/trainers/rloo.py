@@ -116,7 +116,7 @@ class RLOOTrainer(GRPOTrainer):
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         mask = batch["completion_mask"]
         logps, entropies = completion_logps(s.engines["policy"], input_ids, attention_mask, mask.shape[1],
-                                            cfg.temperature, compute_entropy=True)
+                                            cfg.temperature, compute_entropy=True, fused=True)
         old_logps = (batch["old_per_token_logps"] * mask).sum(1)
         loss, stats = rloo_loss(cfg, logps, old_logps, batch["advantages"], mask)
         stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())

@@ -122,7 +122,6 @@ def validate_train_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"unknown lr_scheduler_type {cfg.lr_scheduler_type!r}: choose from {', '.join(schedulers)}")
 
 
-
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:
     prepare_output_dir(cfg)  # before any model loads: a reused dir or a missing checkpoint fails fast
     return Session(

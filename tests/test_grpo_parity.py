@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from posttrain import rewards, tiny
+from posttrain.trainers.common import enable_gradient_checkpointing
 from posttrain.trainers.grpo import (
     LOSS_TYPES,
     GRPOConfig,
@@ -65,6 +66,9 @@ def trl(tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32)
     trainer = TRLTrainer(model=model, reward_funcs=[token_reward, sparse_reward], args=args,
                          train_dataset=Dataset.from_dict({"prompt": ["x"] * 8}), processing_class=tok)
+    # TRL's default (gradient_checkpointing=True), enabled as its train() would; ours_model matches it.
+    assert trainer.args.activation_checkpointing
+    trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=trainer.args.activation_checkpointing_kwargs)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     rows, prompt_ids, completion_ids = fixed_rollout(tok)
@@ -81,6 +85,7 @@ def ours_model():
     from trl.trainer.utils import add_fused_lm_head
 
     model = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32).train()
+    enable_gradient_checkpointing(model)  # GRPOConfig's default, as TRL's (the trl fixture enables it too)
     add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
     return model
 

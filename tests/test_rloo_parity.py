@@ -7,6 +7,7 @@ import torch
 from test_grpo_parity import TEMPERATURE, TOL, G, N, fixed_rollout, sparse_reward, token_reward
 
 from posttrain import rewards, tiny
+from posttrain.trainers.common import enable_gradient_checkpointing
 from posttrain.trainers.grpo import completion_logps, reduce_loss_stats
 from posttrain.trainers.rloo import RLOOConfig, rloo_advantages, rloo_loss
 
@@ -17,6 +18,7 @@ def models():
     from trl.trainer.utils import add_fused_lm_head
 
     policy = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32).train()
+    enable_gradient_checkpointing(policy)  # RLOOConfig's default, as TRL's (the trl fixture enables it too)
     add_fused_lm_head(policy, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))  # as RLOOTrainer's policy
     reference = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=1), dtype=torch.float32).eval()
     return policy, reference
@@ -42,6 +44,9 @@ def trl(tmp_path_factory):
     reference = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=1), dtype=torch.float32).eval()
     add_fused_lm_head(reference, temperature=TEMPERATURE)  # what TRL's __init__ does to its reference
     trainer.ref_model = reference
+    # TRL's default (gradient_checkpointing=True), enabled as its train() would; the policy fixture matches it.
+    assert trainer.args.activation_checkpointing
+    trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=trainer.args.activation_checkpointing_kwargs)
     trainer.model.train()
     rows, prompt_ids, completion_ids = fixed_rollout(tok)
     texts = tok.batch_decode(completion_ids, skip_special_tokens=True)

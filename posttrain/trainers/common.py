@@ -151,6 +151,18 @@ def optimizer_and_scheduler(model: torch.nn.Module, cfg: TrainConfig, total_step
     return opt, sched
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute a trained model's activations in backward (TRL's default for DPO, GRPO and RLOO).
+    It acts only in a forward with gradients in train mode; no_grad passes (generation, old or
+    reference log-probs) run the layers as they are."""
+    # transformers 5.24 renamed it activation checkpointing; the GPU image's 5.17 may only have the old name.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)

@@ -20,6 +20,7 @@ from .common import (
     Phases,
     RunLog,
     TrainConfig,
+    enable_gradient_checkpointing,
     make_session,
     mean_over_ranks,
     optimizer_and_scheduler,
@@ -306,7 +307,7 @@ class DPOTrainer:
         model = self.session.load("policy", policy_path, **kwargs)
         self._no_dropout(model)
         if cfg.gradient_checkpointing:
-            _enable_checkpointing(model)
+            enable_gradient_checkpointing(model)
         if self.peft_config is not None:
             from peft import get_peft_model
 
@@ -511,15 +512,6 @@ class DPOTrainer:
     def save_model(self, directory: str | Path) -> None:
         """The policy in Hugging Face format (a LoRA policy saves its adapter)."""
         self.session.save_pretrained("policy", directory, tokenizer=self.tokenizer)
-
-
-def _enable_checkpointing(model: torch.nn.Module) -> None:
-    # transformers 5.24 renamed it activation checkpointing; the GPU image's 5.17 may only have the old name.
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _pair_only(row: dict) -> dict:

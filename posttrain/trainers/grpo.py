@@ -38,6 +38,7 @@ from .common import (
     Phases,
     RunLog,
     TrainConfig,
+    enable_gradient_checkpointing,
     epoch_order,
     make_session,
     mean_over_ranks,
@@ -72,6 +73,7 @@ class GRPOConfig(TrainConfig):
     chat_template_kwargs: dict | None = None
     learning_rate: float = 1e-6
     disable_dropout: bool = False
+    gradient_checkpointing: bool = True  # TRL's GRPO/RLOO default: activations recomputed in backward
     # Generation
     num_generations: int = 8
     max_completion_length: int = 512
@@ -484,6 +486,8 @@ class GRPOTrainer:
             from trl.trainer.utils import disable_dropout_in_model
 
             disable_dropout_in_model(policy)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(policy)
         from trl.trainer.utils import add_fused_lm_head
 
         # The policy's log-probs and entropies without float32 logits over the vocabulary (TRL does

@@ -38,6 +38,8 @@ def _plan(argv: list[str]) -> int:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--response-len", type=int, default=64)
+    ap.add_argument("--generation-backend", choices=["posttrain", "hf"], default="posttrain",
+                    help="online workloads: posttrain.rollout (KV cache and graph held for the run) or generate")
     args = ap.parse_args(argv)
     names = memory.WORKLOADS[args.workload]
     shapes = {}.fromkeys(names["trained"] + names["frozen"], args.shape)
@@ -48,7 +50,8 @@ def _plan(argv: list[str]) -> int:
         shapes[role] = value
     mixes = list(MIXES) if args.mix == "all" else [args.mix]
     plans = [memory.plan(args.workload, shapes, m, world_size=args.world_size, micro_batch=args.micro_batch,
-                         seq_len=args.seq_len, response_len=args.response_len, gpu_memory_gib=args.gpu_memory)
+                         seq_len=args.seq_len, response_len=args.response_len,
+                         generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory)
              for m in mixes]
     for p in plans:
         print(memory.format_plan(p) + "\n")

@@ -676,13 +676,18 @@ class GRPOTrainer:
         return m
 
     # -- the loss on one micro-batch ---------------------------------------------------------------
-    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        cfg, s = self.cfg, self.session
+    def policy_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's per-token log-probs and entropies of the batch's completions (with grad)."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        return completion_logps(self.session.engines["policy"], input_ids, attention_mask,
+                                batch["completion_mask"].shape[1], self.cfg.temperature, compute_entropy=True,
+                                fused=True)
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        cfg, s = self.cfg, self.session
         mask = batch["completion_mask"]
-        logps, entropies = completion_logps(s.engines["policy"], input_ids, attention_mask, mask.shape[1],
-                                            cfg.temperature, compute_entropy=True, fused=True)
+        logps, entropies = self.policy_logps(batch)
         entropy_mask = None
         if cfg.top_entropy_quantile < 1.0:
             local = entropies.detach()[mask.bool()].float()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..dsconfig import ConfigError
-from .grpo import GRPOConfig, GRPOTrainer, completion_logps
+from .grpo import GRPOConfig, GRPOTrainer
 
 
 @dataclass
@@ -111,12 +111,9 @@ class RLOOTrainer(GRPOTrainer):
         return out
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        cfg, s = self.cfg, self.session
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        cfg = self.cfg
         mask = batch["completion_mask"]
-        logps, entropies = completion_logps(s.engines["policy"], input_ids, attention_mask, mask.shape[1],
-                                            cfg.temperature, compute_entropy=True, fused=True)
+        logps, entropies = self.policy_logps(batch)
         old_logps = (batch["old_per_token_logps"] * mask).sum(1)
         loss, stats = rloo_loss(cfg, logps, old_logps, batch["advantages"], mask)
         stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())

@@ -410,6 +410,27 @@ class Session:
             for n, p in module.named_parameters():
                 fn(n, p.data)
 
+    def load_weights(self, name: str, directory: str | os.PathLike) -> None:
+        """Overwrite a frozen role's weights with a ``save_pretrained`` folder's safetensors (a
+        reference that TR-DPO or GRPO's ``sync_ref_model`` changed, saved in a checkpoint).
+        Collective, like :meth:`update_weights`."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{directory}: no {name} weights; the checkpoint predates sync_ref_model")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+
+        def copy(param: str, tensor: torch.Tensor) -> None:
+            if param not in state:
+                raise KeyError(f"{directory} has no {param!r}: not a checkpoint of this {name}")
+            tensor.copy_(state[param])
+
+        self.update_weights(name, copy)
+
     @torch.no_grad()
     def blend(self, target: str, source: str, alpha: float) -> None:
         """``target = (1 - alpha) * target + alpha * source``, parameter by parameter: TR-DPO's

@@ -412,7 +412,7 @@ class DPOTrainer:
         if ckpt is not None:
             self.step = int(s.load_state(ckpt / "state")["step"])
             if cfg.sync_ref_model:
-                self._load_reference(ckpt / "reference")
+                s.load_weights("reference", ckpt / "reference")
         ga = cfg.gradient_accumulation_steps
         batches = self._train_batches(self.step * ga)
         log = RunLog(s, cfg, self.total_steps, "dpo", start=self.step)
@@ -461,24 +461,6 @@ class DPOTrainer:
                 save_checkpoint(s, cfg, self.step, export, {"total_steps": self.total_steps})
         log.close()
         return self.history
-
-    def _load_reference(self, directory: Path) -> None:
-        """The reference as a checkpoint saved it (TR-DPO changes it during training)."""
-        from safetensors.torch import load_file
-
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{directory}: no reference weights; the checkpoint predates sync_ref_model")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(f))
-
-        def copy(name: str, tensor: torch.Tensor) -> None:
-            if name not in state:
-                raise KeyError(f"{directory} has no {name!r}: not a checkpoint of this reference")
-            tensor.copy_(state[name])
-
-        self.session.update_weights("reference", copy)
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:

@@ -388,25 +388,6 @@ def reduce_loss_stats(stats: list[dict[str, Any]], sum_over_ranks: Any = None, g
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
 
-def _load_weights_into(session: Any, role: str, directory: Path) -> None:
-    """Overwrite a role's weights with a checkpoint's safetensors (a synced reference on resume)."""
-    from safetensors.torch import load_file
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{directory}: no {role} weights in the checkpoint")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-
-    def copy(name: str, tensor: torch.Tensor) -> None:
-        if name not in state:
-            raise KeyError(f"{directory} has no {name!r}: not a checkpoint of this {role}")
-        tensor.copy_(state[name])
-
-    session.update_weights(role, copy)
-
-
 # -- the trainer ---------------------------------------------------------------------------------
 class GRPOTrainer:
     """GRPO with per-role placement. ``train()`` returns the logged metrics, one dict per optimizer
@@ -717,7 +698,7 @@ class GRPOTrainer:
             state = s.load_state(ckpt / "state")
             self.step, self.num_tokens = int(state["step"]), float(state.get("num_tokens", 0.0))
             if cfg.sync_ref_model:
-                _load_weights_into(s, "reference", ckpt / "reference")
+                s.load_weights("reference", ckpt / "reference")
         log = RunLog(s, cfg, self.total_steps, self.algorithm, start=self.step)
         micro = self.step * ga
         buffer: list[dict[str, torch.Tensor]] = []

@@ -145,8 +145,9 @@ def load_reward_func(spec: str) -> RewardFunc:
             raise ConfigError(f"reward function {spec!r}: {module_name} has no {attr!r}; its functions are "
                               f"{public[:20]}")
     if not callable(fn) or inspect.isclass(fn):
-        raise ConfigError(f"reward function {spec!r} is a {type(fn).__name__}, not a function: name a function "
-                          "that takes completions and returns one reward each")
+        what = f"the class {fn.__name__}" if inspect.isclass(fn) else f"of type {type(fn).__name__}"
+        raise ConfigError(f"reward function {spec!r} is not a function ({what}): name a function that takes "
+                          "completions and returns one reward each")
     return fn
 
 

@@ -78,9 +78,9 @@ def test_load_reward_funcs_and_errors(tmp_path, monkeypatch):
     sys.modules.pop("broken_rewards", None)
     with pytest.raises(ConfigError, match="posttrain.synthetic has no 'nope'.*sentiment_reward"):
         rewards.load_reward_funcs(["posttrain.synthetic:nope"])
-    with pytest.raises(ConfigError, match="'posttrain.synthetic' is a module, not a function"):
+    with pytest.raises(ConfigError, match="'posttrain.synthetic' is not a function \\(of type module\\)"):
         rewards.load_reward_funcs(["posttrain.synthetic"])  # module.function spelling: posttrain's 'synthetic'
-    with pytest.raises(ConfigError, match="not a function"):
+    with pytest.raises(ConfigError, match="is not a function \\(of type list\\)"):
         rewards.load_reward_funcs(["posttrain.tiny:SPECIAL"])
     assert rewards.is_function_name("pkg.mod:fn") and not rewards.is_function_name("org/reward-model")
 

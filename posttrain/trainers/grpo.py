@@ -137,7 +137,7 @@ class GRPOConfig(TrainConfig):
             (self.max_completion_length >= 1,
              f"max_completion_length must be >= 1 (new tokens per completion); got {self.max_completion_length}"),
             (self.max_prompt_length is None or self.max_prompt_length >= 1,
-             f"max_prompt_length must be >= 1, or null for no truncation (TRL's None); got {self.max_prompt_length}"),
+             f"max_prompt_length must be >= 1, or null for no truncation; got {self.max_prompt_length}"),
             (self.beta >= 0.0, f"beta (the KL coefficient) must be >= 0; got {self.beta}"),
             (self.temperature > 0.0,
              f"temperature must be > 0 (sampling; the loss divides logits by it); got {self.temperature}"),

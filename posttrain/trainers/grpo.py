@@ -346,7 +346,12 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     this temperature), which projects and scores the completion's positions in tiles instead of
     materialising float32 logits over the vocabulary (GBs at 8B with a 128k vocabulary); it
     gathers a ZeRO-3 head itself. Without it, the logits of the last ``logits_to_keep + 1``
-    positions are computed (frozen models: posttrain.frozen gathers through module hooks only)."""
+    positions are computed (frozen models: posttrain.frozen gathers through module hooks only).
+
+    Where posttrain differs from TRL: ``position_ids`` come from the attention mask, so a left-padded
+    prompt starts at position 0. TRL 1.16 passes none; with learned absolute positions (GPT-2) its
+    log-probs then depend on how much padding the batch's other prompts impose (and so on the number
+    of ranks); rotary models are unaffected either way (tests/test_grpo_positions.py)."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     batch_size = batch_size or input_ids.size(0)

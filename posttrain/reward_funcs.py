@@ -128,8 +128,9 @@ def load_reward_func(spec: str) -> RewardFunc:
     except ModuleNotFoundError as e:
         if e.name is not None and module_name.startswith(e.name) and module_name[len(e.name):][:1] in ("", "."):
             raise ConfigError(
-                f"reward function {spec!r}: there is no module {e.name!r} in the current directory or on the import "
-                f"path: check the spelling, or run from the folder holding it (or add that folder to PYTHONPATH)"
+                f"reward function {spec!r}: importing {module_name!r} failed: there is no module {e.name!r} in the "
+                "current directory or on the import path; check the spelling, or run from the folder holding it (or "
+                "add that folder to PYTHONPATH)"
             ) from e
         raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: {e}. "
                           "Install what it needs, or put the folder holding it on PYTHONPATH.") from e

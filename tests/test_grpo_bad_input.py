@@ -72,9 +72,9 @@ SPEC_CASES = [
      "built-in reward functions (accuracy_reward, reasoning_accuracy_reward, think_format_reward, "
      "get_soft_overlong_punishment), a Python reference 'module.function', or a reward model's folder or hub id "
      "(org/name)"),
-    ("no_such_module.fn", "reward function 'no_such_module.fn': there is no module 'no_such_module' in the current "
-     "directory or on the import path: check the spelling, or run from the folder holding it (or add that folder to "
-     "PYTHONPATH)"),
+    ("no_such_module.fn", "reward function 'no_such_module.fn': importing 'no_such_module' failed: there is no module "
+     "'no_such_module' in the current directory or on the import path; check the spelling, or run from the folder "
+     "holding it (or add that folder to PYTHONPATH)"),
     ("my_rewards.nope", "reward function 'my_rewards.nope': my_rewards has no 'nope'; its functions are ['brevity']"),
     ("my_rewards:SCALE", "reward function 'my_rewards:SCALE' is not a function (of type int): name a function that "
      "takes completions and returns one reward each"),
@@ -176,8 +176,9 @@ def test_the_script_loads_nothing_and_keeps_the_output_dir(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     for argv, sentence in [
         (["--reward_funcs", "my_rewardz.brevity"],
-         "reward function 'my_rewardz.brevity': there is no module 'my_rewardz' in the current directory or on the "
-         "import path: check the spelling, or run from the folder holding it (or add that folder to PYTHONPATH)"),
+         "reward function 'my_rewardz.brevity': importing 'my_rewardz' failed: there is no module 'my_rewardz' in the "
+         "current directory or on the import path; check the spelling, or run from the folder holding it (or add that "
+         "folder to PYTHONPATH)"),
         (["--max_completion_length", "0"], "max_completion_length must be >= 1 (new tokens per completion); got 0"),
     ]:
         rc = run_script(grpo.main, ["--output_dir", str(out), "--overwrite_output_dir", "true", *argv])

@@ -110,7 +110,10 @@ def test_reuse_steps_log_what_trl_logs(checks, tmp_path):
     args = TRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=8,
                      num_generations=4, max_completion_length=6, steps_per_generation=2, max_steps=2,
                      logging_steps=1, save_strategy="no", disable_tqdm=True)
-    trainer = TRLTrainer(model=str(tiny.sft_model_path()), reward_funcs=[synthetic.sentiment_reward], args=args,
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path())
+    trainer = TRLTrainer(model=model, reward_funcs=[synthetic.sentiment_reward], args=args,
                          train_dataset=Dataset.from_dict({"prompt": synthetic.prompts(16, seed=0)}),
                          processing_class=tiny.load_tokenizer())
     trainer.train()

@@ -34,7 +34,7 @@ import torch
 from .. import synthetic, tiny
 from ..dsconfig import ConfigError
 from ..preference import load_dataset_source
-from ..reward_funcs import RewardWarnings
+from ..reward_funcs import RewardFuncError, RewardWarnings
 from .common import (
     Phases,
     RunLog,
@@ -673,8 +673,20 @@ class GRPOTrainer:
         kwargs.update(trainer_state=self.trainer_state, log_extra=self._log_extra, log_metric=self._log_metric)
         funcs = [(j, what) for j, (kind, what, _) in enumerate(self.sources) if kind == "func"]
         if funcs:
-            per_func = rewards.call_reward_funcs([f for _, f in funcs], prompts, completions, completion_ids,
-                                                 s.device, **kwargs)
+            failure = None
+            try:
+                per_func = rewards.call_reward_funcs([f for _, f in funcs], prompts, completions, completion_ids,
+                                                     s.device, **kwargs)
+            except RewardFuncError as err:
+                failure = err
+            if s.num_processes > 1:  # every rank stops with the failing rank's sentence, none waits in a gather
+                from accelerate.utils import gather_object
+
+                said = [m for m in gather_object([str(failure) if failure else ""]) if m]
+                if said and failure is None:
+                    raise RewardFuncError(said[0])
+            if failure is not None:
+                raise failure
             for col, (j, _) in enumerate(funcs):
                 out[:, j] = per_func[:, col]
         for j, (kind, role, _) in enumerate(self.sources):

@@ -122,6 +122,9 @@ def load_reward_func(spec: str) -> RewardFunc:
         module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"reward function {spec!r}: write it as 'module.function' (or 'module:function')")
+    if module_name.endswith(".py"):
+        raise ConfigError(f"reward function {spec!r}: name the module, not its file: "
+                          f"'{module_name[:-3].replace('/', '.')}.{attr}'")
     _importable_cwd()
     try:
         module = importlib.import_module(module_name)

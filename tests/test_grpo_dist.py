@@ -146,3 +146,9 @@ def test_summary_reads_the_rows_that_sampled():
     rows = [{"step": 1, "reward": 0.0}, {"step": 2}, {"step": 3, "reward": 1.0}, {"step": 4}]
     out = summarize(rows, GRPOConfig(per_device_train_batch_size=8, num_generations=4), 1.0)
     assert (out["steps"], out["reward_first_tenth"], out["reward_last_tenth"]) == (4, 0.0, 1.0)
+
+
+def test_a_reward_function_failing_on_one_rank_stops_both(checks):
+    sentence = checks["failure"][1]
+    assert sentence.startswith("reward function 'judge_down_on_rank_1' raised ConnectionError: the judge is down (at ")
+    assert checks["failure"] == [sentence, sentence]

@@ -212,10 +212,11 @@ def check_rewards(name: str, values: Any, n: int) -> list[float]:
     """One float per completion (None as NaN) from what a reward function returned, or one
     sentence naming it and what to return."""
     what = f"return a list of {n} rewards (floats, or None for a completion it does not score)"
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) and not (
-            hasattr(values, "__len__") and hasattr(values, "__iter__")):
-        raise RewardFuncError(f"reward function {name!r} returned a {type(values).__name__}, not a list: {what}")
-    values = list(values.tolist() if hasattr(values, "tolist") else values)
+    kind = type(values).__name__
+    if hasattr(values, "tolist"):  # a numpy array or tensor (a 0-d one gives a number: refused below)
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise RewardFuncError(f"reward function {name!r} returned a {kind}, not a list: {what}")
     if len(values) != n:
         raise RewardFuncError(f"reward function {name!r} returned {len(values)} rewards for {n} completions: {what}")
     out = []

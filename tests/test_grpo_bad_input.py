@@ -124,6 +124,14 @@ def too_many(completions, **_):
     return [1.0] * (len(completions) + 1)
 
 
+def a_scalar_tensor(completions, **_):
+    return torch.tensor(0.5)
+
+
+def a_generator(completions, **_):
+    return (1.0 for _ in completions)
+
+
 def raises(completions, answer, **_):
     return [float(a["score"]) for a in answer]
 
@@ -137,6 +145,8 @@ CALL_CASES = [
     (strings, f"reward function 'strings' returned a str ('good') for completion 0: {RETURN}"),
     (one_float, f"reward function 'one_float' returned a float, not a list: {RETURN}"),
     (too_many, f"reward function 'too_many' returned 3 rewards for 2 completions: {RETURN}"),
+    (a_scalar_tensor, f"reward function 'a_scalar_tensor' returned a Tensor, not a list: {RETURN}"),
+    (a_generator, f"reward function 'a_generator' returned a generator, not a list: {RETURN}"),
     (raises, "reward function 'raises' raised TypeError: string indices must be integers, not 'str' "
      f"(at {__file__}:{raises.__code__.co_firstlineno + 1})"),
     (async_raises, "reward function 'async_raises' raised RuntimeError: the judge is down "
@@ -152,11 +162,16 @@ def test_what_reward_functions_return(fn, sentence):
 
 
 def test_none_nan_and_numbers_are_rewards():
-    def mixed(completions, **_):
-        return [None, True, torch.tensor(2.5)]
+    import numpy as np
 
-    out = call_reward_funcs([mixed], ["p"] * 3, ["a"] * 3)
-    assert torch.isnan(out[0, 0]) and out[1:, 0].tolist() == [1.0, 2.5]
+    def mixed(completions, **_):
+        return [None, True, torch.tensor(2.5), np.float32(-1.0)]
+
+    def array(completions, **_):
+        return np.array([0.5] * len(completions))
+
+    out = call_reward_funcs([mixed, array], ["p"] * 4, ["a"] * 4)
+    assert torch.isnan(out[0, 0]) and out[1:, 0].tolist() == [1.0, 2.5, -1.0] and out[:, 1].tolist() == [0.5] * 4
 
 
 def test_the_script_loads_nothing_and_keeps_the_output_dir(tmp_path, monkeypatch, capsys):

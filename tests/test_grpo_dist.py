@@ -152,3 +152,12 @@ def test_a_reward_function_failing_on_one_rank_stops_both(checks):
     sentence = checks["failure"][1]
     assert sentence.startswith("reward function 'judge_down_on_rank_1' raised ConnectionError: the judge is down (at ")
     assert checks["failure"] == [sentence, sentence]
+
+
+def test_num_tokens_is_cumulative_with_a_generation_per_micro_step(checks):
+    """Two generations per optimizer step: the logged num_tokens is the count after both (TRL's
+    state.num_input_tokens_seen), not the mean of the two cumulative counts."""
+    rows, total = checks["ga2"]["history"], checks["ga2"]["num_tokens"]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["num_tokens"] == total
+    # Each generation adds at least its completions' tokens: 32 rows x mean length.
+    assert rows[1]["num_tokens"] - rows[0]["num_tokens"] >= 2 * 32 * rows[1]["completions/mean_length"] - 1e-6

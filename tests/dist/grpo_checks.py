@@ -6,6 +6,7 @@
 - that run resumed from its step-2 checkpoint;
 - beta 0: the roles of the session (no reference);
 - a learning run on the bundled reward (GRPO) and short RLOO runs (num_iterations 2) under two placements;
+- two generations per step (gradient accumulation 2, steps_per_generation 1);
 - a reward function that raises on rank 1 only.
 """
 
@@ -53,6 +54,11 @@ def main(out: str, tmp: str) -> None:
     for mix in ("zero2-zero3", "zero2-replicated"):
         res.setdefault("rloo", {})[mix], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/rloo-{mix}",
                                                     **rloo)
+    # Gradient accumulation with one generation per micro-step: num_tokens is the cumulative count.
+    trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 2, "gradient_accumulation_steps": 2,
+                                        "steps_per_generation": 1}, output_dir=f"{tmp}/ga2"))
+    res["ga2"] = {"history": trainer.train(), "num_tokens": trainer.num_tokens}
+
     import torch.distributed as dist
     from accelerate.utils import gather_object
 

@@ -241,3 +241,27 @@ def test_async_functions_run_together_on_one_loop():
         assert out.tolist() == [[1.0, 2.0], [1.0, 2.0]]
     assert order[:3] == ["slow start", "fast", "slow end"]  # fast ran while slow awaited
     assert len({id(loop) for loop in loops}) == 1
+
+
+def test_rloo_rewards_equal_trl(trl_trainer, tmp_path):
+    """TRL's RLOOTrainer computes rewards as its GRPOTrainer does (its own _calculate_rewards);
+    posttrain's RLOO shares GRPO's scoring: the same rewards from the same completions."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import RLOOConfig as TRLConfig
+    from trl import RLOOTrainer as TRLTrainer
+
+    _, rows, prompt_ids, completion_ids, _ = trl_trainer
+    tok = tiny.load_tokenizer()
+    args = TRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=2 * G,
+                     num_generations=G, max_completion_length=N, save_strategy="no", beta=0.0)
+    trainer = TRLTrainer(model=AutoModelForCausalLM.from_pretrained(tiny.sft_model_path()), args=args,
+                         reward_funcs=[ids_reward, async_len_reward, str(tiny.reward_model_path())],
+                         train_dataset=Dataset.from_dict({"prompt": ["x"] * 8}), processing_class=tok)
+    prompts = [r["prompt"] for r in rows]
+    texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
+    theirs = trainer._calculate_rewards([dict(r) for r in rows], prompts, texts, completion_ids)
+    cfg = GRPOConfig(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=N)
+    t, _ = ours_stub(cfg, [dict(r) for r in rows], prompt_ids, completion_ids, tok)
+    ours = t.score([dict(r) for r in rows], prompts, texts, completion_ids)
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours, theirs)

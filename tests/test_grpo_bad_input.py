@@ -204,3 +204,22 @@ def test_the_script_loads_nothing_and_keeps_the_output_dir(tmp_path, monkeypatch
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
     assert (out / "checkpoint-1").is_dir() and sorted(p.name for p in out.iterdir()) == ["checkpoint-1",
                                                                                         "metrics.jsonl"]
+
+
+def test_a_hub_id_that_is_not_there(monkeypatch):
+    """A spec spelled as a hub id (org/name) is looked up once; failing, one sentence."""
+    from transformers import PretrainedConfig
+
+    calls = []
+
+    def missing(spec, **_):
+        calls.append(spec)
+        raise OSError("someorg/rm is not a local folder and is not a valid model identifier\nmore detail")
+
+    monkeypatch.setattr(PretrainedConfig, "get_config_dict", missing)
+    with pytest.raises(ConfigError) as err:
+        rewards.resolve_reward_specs(["someorg/rm"])
+    assert str(err.value) == ("reward model someorg/rm: not a local folder and not found on the Hub (someorg/rm is not "
+                              "a local folder and is not a valid model identifier); check the name, or give a local "
+                              "folder")
+    assert calls == ["someorg/rm"]

@@ -84,7 +84,11 @@ def spec_kind(spec: str) -> str:
     from the spelling alone. Raises for a bare name that is neither (a typo of a built-in name)."""
     if spec in BUILTIN:
         return "function"
-    if Path(spec).expanduser().exists():
+    local = Path(spec).expanduser()
+    if local.is_file() and local.suffix == ".py":
+        raise ConfigError(f"reward function {spec!r} is a file: name a function in it, as "
+                          f"'{local.stem}.function' (run from its folder)")
+    if local.exists():
         return "model"
     if ":" in spec or _DOTTED.fullmatch(spec):
         return "function"

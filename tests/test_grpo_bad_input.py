@@ -80,6 +80,8 @@ SPEC_CASES = [
      "takes completions and returns one reward each"),
     ("my_rewards.Scorer", "reward function 'my_rewards.Scorer' is not a function (the class Scorer): name a function "
      "that takes completions and returns one reward each"),
+    ("my_rewards.py", "reward function 'my_rewards.py' is a file: name a function in it, as 'my_rewards.function' "
+     "(run from its folder)"),
     ("my_rewards.py:brevity", "reward function 'my_rewards.py:brevity': name the module, not its file: "
      "'my_rewards.brevity'"),
     ("./reward-modle", "reward model ./reward-modle: no such folder; check the path (or give a reward function as "

@@ -1,18 +1,17 @@
-"""Reward sources shared by the RL trainers (PPO, GRPO, RLOO): Python reward functions and
-sequence-classification reward models, following TRL 1.16's GRPOTrainer.
+"""Reward sources shared by the RL trainers (PPO, GRPO, RLOO): reward specs and
+sequence-classification reward models, following TRL 1.16's GRPOTrainer. Reward functions
+themselves (names, calling convention, checks) are in :mod:`posttrain.reward_funcs`.
 
-- Reward functions are named ``"pkg.module:function"`` and called TRL's way:
-  ``fn(prompts=..., completions=..., completion_ids=..., **columns)`` returning one float (or
-  None) per completion. :func:`load_reward_funcs` imports them; :func:`call_reward_funcs` runs
-  them into a ``(batch, n_funcs)`` tensor; :func:`weighted_sum` combines columns as TRL does.
-- A reward model reads the policy's output one of two ways, decided once by
-  :func:`reward_model_input` from the files saved with it:
+- :func:`resolve_reward_specs` sorts a ``reward_funcs`` list into functions and reward models by
+  spelling, and checks each (import, folder, config, one label) before anything loads.
+- A reward model reads the policy's output as :func:`reward_model_input` decides:
 
-  * ``shares_policy_ids``: its tokenizer has the policy's vocabulary (or it has none and its
-    embedding has the policy's size), so the policy's token ids are scored directly;
-  * otherwise TRL's way: completions are decoded and prompt + completion re-encoded with the
-    reward model's tokenizer (its chat template for conversational prompts),
-    :func:`encode_for_reward` then :func:`sequence_scores`.
+  * GRPO/RLOO (``reencode=True``), always TRL's way: completions are decoded (special tokens
+    skipped) and prompt + completion re-encoded with the reward model's tokenizer (its chat
+    template for conversational prompts), :func:`encode_for_reward` then :func:`sequence_scores`;
+  * PPO (``reencode=False``, as TRL's PPOTrainer up to 1.12 did): when the reward model's
+    tokenizer has the policy's vocabulary (``shares_policy_ids``) it scores the policy's token
+    ids directly; otherwise as above.
 
   A combination that cannot be scored (no tokenizer and another vocabulary size, ids beyond the
   reward model's embedding) is refused with the fix, instead of scoring the wrong tokens or
@@ -21,63 +20,101 @@ sequence-classification reward models, following TRL 1.16's GRPOTrainer.
 
 from __future__ import annotations
 
-import importlib
 import logging
-import math
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import reward_funcs
 from .dsconfig import ConfigError
 
 logger = logging.getLogger(__name__)
 
-RewardFunc = Callable[..., list]
 # Files any saved Hugging Face tokenizer leaves in its folder.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 
 
-# -- reward functions --------------------------------------------------------------------------
+# -- reward specs -------------------------------------------------------------------------------
+# Reward functions live in posttrain.reward_funcs; these names are its API as the trainers use it.
+call_reward_funcs = reward_funcs.call_reward_funcs
+check_columns = reward_funcs.check_columns
+func_name = reward_funcs.func_name
+load_reward_funcs = reward_funcs.load_reward_funcs
+weighted_sum = reward_funcs.weighted_sum
+
+
+@dataclass
+class RewardSpec:
+    """One entry of ``reward_funcs``, resolved: a function (``func``) or a reward model (``path``)."""
+
+    spec: str
+    func: Any = None
+    path: str | None = None
+
+    @property
+    def is_model(self) -> bool:
+        return self.path is not None
+
+
 def is_function_name(name: str) -> bool:
-    """True for ``"pkg.module:function"``; False for a model (hub name or existing local path),
-    so one ``reward_funcs`` list can mix both as in TRL (where strings are model names)."""
-    return ":" in name and not Path(name).exists()
+    """True for a reward function spec (a TRL built-in name, ``module.function`` or
+    ``module:function``); False for a model (an existing path or a hub id). Decided by the
+    spelling alone: nothing is looked up."""
+    return reward_funcs.spec_kind(name) == "function"
 
 
-def load_reward_funcs(names: Sequence[str]) -> list[RewardFunc]:
-    """Import each ``"pkg.module:function"``; a failure names the reward function and the
-    import's own error."""
-    funcs = []
-    for name in names:
-        module_name, _, attr = name.partition(":")
-        if not module_name or not attr:
-            raise ConfigError(f"reward function {name!r}: write it as 'package.module:function'")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as e:  # the module's own import error (a missing dependency, a syntax error...)
-            raise ConfigError(
-                f"reward function {name!r}: importing {module_name!r} failed with {type(e).__name__}: {e}. "
-                "Install what it needs, or put the folder holding it on PYTHONPATH."
-            ) from e
-        fn = getattr(module, attr, None)
-        if fn is None:
-            public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-            raise ConfigError(f"reward function {name!r}: {module_name} has no {attr!r}; "
-                              f"its callables are {public[:20]}")
-        if not callable(fn):
-            raise ConfigError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
-        funcs.append(fn)
-    return funcs
+def resolve_reward_specs(specs: Sequence[str]) -> list[RewardSpec]:
+    """Every ``reward_funcs`` entry checked before anything loads: functions imported, reward
+    models' folders (or hub ids) and configs read. A failure is one sentence naming the fix."""
+    out = []
+    for spec in specs:
+        if reward_funcs.spec_kind(spec) == "function":
+            out.append(RewardSpec(spec, func=reward_funcs.load_reward_func(spec)))
+        else:
+            check_reward_model(spec)
+            out.append(RewardSpec(spec, path=spec))
+    return out
 
 
-def func_name(fn: Callable) -> str:
-    """The display name TRL logs a reward function under (``rewards/<name>/mean``)."""
-    from trl.trainer.utils import get_callable_name
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
-    return get_callable_name(fn)
+
+def _looks_local(spec: str) -> bool:
+    """A path rather than a hub id: absolute, relative with ./ or ~, several folders deep, or
+    under a folder that exists here."""
+    if spec.startswith(("/", "./", "../", "~", ".\\")) or "\\" in spec or not _HUB_ID.fullmatch(spec):
+        return True
+    return Path(spec.split("/")[0]).is_dir()
+
+
+def check_reward_model(spec: str) -> None:
+    """A reward model's folder or hub id that can load as a one-score classifier (TRL loads it
+    with ``num_labels=1``); a typo'd path never reaches the hub."""
+    from transformers import PretrainedConfig
+
+    local = Path(spec).expanduser()
+    if local.exists():
+        if not local.is_dir() or not (local / "config.json").exists():
+            raise ConfigError(f"reward model {spec}: {'a file' if not local.is_dir() else 'a folder without config.json'}"
+                              ", not a saved model: give the folder model.save_pretrained() wrote")
+    elif _looks_local(spec):
+        raise ConfigError(f"reward model {spec}: no such folder; check the path (or give a reward function as "
+                          "'module.function')")
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(spec)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"reward model {spec}: not a local folder and not found on the Hub ({first}); check the "
+                          "name, or give a local folder") from e
+    labels = raw.get("num_labels", len(raw["id2label"]) if "id2label" in raw else 1)
+    if labels != 1:
+        raise ConfigError(f"reward model {spec} has {labels} labels (num_labels in its config.json); a reward model "
+                          "gives one score per completion (TRL loads it with num_labels=1): use one trained with a "
+                          "single output, as TRL's RewardTrainer does")
 
 
 def check_reward_weights(weights: Sequence[float] | None, n: int, what: str = "reward functions") -> list[float]:
@@ -88,30 +125,6 @@ def check_reward_weights(weights: Sequence[float] | None, n: int, what: str = "r
         raise ConfigError(f"reward_weights has {len(weights)} values for {n} {what}: give one weight each "
                           "(or leave reward_weights unset for 1.0 each)")
     return [float(w) for w in weights]
-
-
-def call_reward_funcs(
-    funcs: Sequence[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]] | None = None,
-    device: torch.device | str = "cpu", **columns: Any,
-) -> torch.Tensor:
-    """Run each function on the batch (TRL's keyword arguments: ``prompts``, ``completions``,
-    ``completion_ids`` and the dataset's other columns); returns float32 ``(batch, len(funcs))``,
-    None as NaN."""
-    out = torch.zeros(len(prompts), len(funcs), dtype=torch.float32, device=device)
-    for i, fn in enumerate(funcs):
-        values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        values = [math.nan if v is None else float(v) for v in values]
-        if len(values) != len(prompts):
-            raise ValueError(f"reward function {func_name(fn)!r} returned {len(values)} rewards for "
-                             f"{len(prompts)} completions: return one per completion")
-        out[:, i] = torch.tensor(values, dtype=torch.float32, device=device)
-    return out
-
-
-def weighted_sum(per_func: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
-    """TRL's combination: sum over columns of weight * reward, NaN (a None) counted as absent."""
-    w = torch.tensor(list(weights), dtype=per_func.dtype, device=per_func.device)
-    return (per_func * w.unsqueeze(0)).nansum(dim=1)
 
 
 def as_completions(prompts: list, texts: list[str]) -> list:
@@ -167,11 +180,14 @@ def load_reward_tokenizer(path: str) -> Any | None:
     return tok
 
 
-def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int | None = None) -> RewardModelInput:
+def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int | None = None,
+                       reencode: bool = False) -> RewardModelInput:
     """Decide how the reward model at ``path`` scores the policy's completions (see the module
     docstring); refuses a combination that cannot work, naming the fix.
 
     ``policy_vocab_size`` is the policy's embedding size (default ``len(policy_tokenizer)``).
+    ``reencode``: always read text (TRL's GRPO/RLOO); a reward model saved without a tokenizer
+    and with the policy's vocabulary size then re-encodes with the policy's tokenizer.
     """
     from transformers import AutoConfig
 
@@ -182,6 +198,11 @@ def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int 
     policy_ids = len(policy_tokenizer)  # ids the policy's tokenizer can produce: 0 .. len - 1
     policy_vocab_size = policy_vocab_size or policy_ids
     if tokenizer is None:
+        if vocab_size == policy_vocab_size and reencode:
+            logger.warning("reward model %s has no tokenizer saved; its vocabulary has the policy's size (%d), so "
+                           "completions are re-encoded with the policy's tokenizer. Save its tokenizer beside it to "
+                           "be sure.", path, vocab_size)
+            return RewardModelInput(path, shares_policy_ids=False, tokenizer=policy_tokenizer, vocab_size=vocab_size)
         if vocab_size == policy_vocab_size:
             logger.warning("reward model %s has no tokenizer saved; its vocabulary has the policy's size (%d), so "
                            "it reads the policy's token ids. Save its tokenizer beside it to be checked.",
@@ -197,13 +218,14 @@ def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int 
             f"reward model {path}: its tokenizer has {len(tokenizer)} tokens but its embedding only {vocab_size} rows; "
             "resize the model's embeddings to the tokenizer (model.resize_token_embeddings(len(tokenizer))) and save both."
         )
-    if tokenizer.get_vocab() == policy_tokenizer.get_vocab():  # so len(tokenizer) == policy_ids <= vocab_size
+    if not reencode and tokenizer.get_vocab() == policy_tokenizer.get_vocab():  # len(tokenizer) == policy_ids
         return RewardModelInput(path, shares_policy_ids=True, tokenizer=tokenizer, vocab_size=vocab_size)
     logger.info("reward model %s has its own tokenizer: completions are decoded and re-encoded with it", path)
     return RewardModelInput(path, shares_policy_ids=False, tokenizer=tokenizer, vocab_size=vocab_size)
 
 
-def reward_texts(prompts: list, completions: list[str], tokenizer: Any) -> list[str]:
+def reward_texts(prompts: list, completions: list[str], tokenizer: Any,
+                 chat_template_kwargs: dict | None = None) -> list[str]:
     """Prompt + completion as the reward model reads them: its chat template over the messages
     for conversational prompts (the completion as the assistant's turn), else plain
     concatenation (TRL's GRPOTrainer)."""
@@ -213,16 +235,17 @@ def reward_texts(prompts: list, completions: list[str], tokenizer: Any) -> list[
         if getattr(tokenizer, "chat_template", None) is None:
             raise ConfigError("the reward model's tokenizer has no chat template, needed for conversational "
                               "prompts: set tokenizer.chat_template and save it with the reward model")
-        return [apply_chat_template({"messages": p + [{"role": "assistant", "content": c}]}, tokenizer)["text"]
+        return [apply_chat_template({"messages": p + [{"role": "assistant", "content": c}]}, tokenizer,
+                                    **(chat_template_kwargs or {}))["text"]
                 for p, c in zip(prompts, completions, strict=True)]
     return [p + c for p, c in zip(prompts, completions, strict=True)]
 
 
 def encode_for_reward(prompts: list, completions: list[str], tokenizer: Any, device: torch.device | str = "cpu",
-                      max_length: int | None = None) -> dict[str, torch.Tensor]:
+                      max_length: int | None = None, chat_template_kwargs: dict | None = None) -> dict[str, torch.Tensor]:
     """Re-encode with the reward model's tokenizer: right padding, no added special tokens
     (the chat template already has them), as TRL does."""
-    enc = tokenizer(text=reward_texts(prompts, completions, tokenizer), return_tensors="pt", padding=True,
+    enc = tokenizer(text=reward_texts(prompts, completions, tokenizer, chat_template_kwargs), return_tensors="pt", padding=True,
                     padding_side="right", add_special_tokens=False, truncation=max_length is not None,
                     max_length=max_length)
     return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
@@ -258,12 +281,13 @@ def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 def score_texts(model: Any, rin: RewardModelInput, prompts: list, completions: list[str],
-                device: torch.device | str, batch_size: int = 64, max_length: int | None = None) -> torch.Tensor:
+                device: torch.device | str, batch_size: int = 64, max_length: int | None = None,
+                chat_template_kwargs: dict | None = None) -> torch.Tensor:
     """Scores from a reward model that reads text (``not rin.shares_policy_ids``): re-encode,
     then :func:`sequence_scores`, ``batch_size`` rows at a time. Returns float32 ``(batch,)``."""
     out = []
     for i in range(0, len(prompts), batch_size):
         enc = encode_for_reward(prompts[i : i + batch_size], completions[i : i + batch_size], rin.tokenizer,
-                                device, max_length)
+                                device, max_length, chat_template_kwargs)
         out.append(sequence_scores(model, enc["input_ids"], enc["attention_mask"], rin.vocab_size).float())
     return torch.cat(out) if out else torch.zeros(0, device=device)

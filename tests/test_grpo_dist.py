@@ -40,7 +40,8 @@ def test_the_runs_exercise_kl_clipping_and_reuse(checks):
     rows = checks["placements"]["zero2-zero3"]
     assert rows[1]["kl"] > 0 and rows[3]["kl"] > 0
     assert rows[1]["clip_ratio/region_mean"] > 0
-    assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] != rows[1]["reward"]
+    # Steps 2 and 4 sampled nothing: no reward or completion metrics (as TRL, see below).
+    assert "reward" in rows[0] and "reward" not in rows[1] and rows[2]["reward"] != rows[0]["reward"]
     assert all(r["time/ref_sync"] > 0 for r in rows)
     assert checks["rollout"]["zero3"]["backend"] == "posttrain"  # the ZeRO-3 policy gathered for the engine
     assert checks["rollout"]["hf"]["backend"] == "hf"
@@ -83,7 +84,80 @@ def test_rloo_placement_invariance(checks):
     assert len(base) == len(other) == 4
     for a, b in zip(base, other):
         close(a, b, ["loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "grad_norm"], 1e-4)
-    # One generation batch (steps_per_generation 2 x num_iterations 2) serves all four steps; the
-    # policy moves away from the sampler's old log-probs over them.
-    assert len({r["reward"] for r in base}) == 1
+    # One generation batch (steps_per_generation 2 x num_iterations 2) serves all four steps (only
+    # the first logs its rewards, as TRL); the policy moves away from the sampler's old log-probs.
+    assert [("reward" in r, "num_tokens" in r) for r in base] == [(True, True)] + [(False, False)] * 3
     assert any(r["clip_ratio/region_mean"] > 0 for r in base[1:])
+
+
+GENERATION_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "num_tokens")
+
+
+def generation_keys(row: dict) -> set[str]:
+    return {k for k in row if k in GENERATION_KEYS or k.startswith(("rewards/", "completions/"))}
+
+
+def test_reuse_steps_log_what_trl_logs(checks, tmp_path):
+    """TRL 1.16's GRPOTrainer, two steps on one generation batch (steps_per_generation 2): the
+    second step logs no reward, completion or num_tokens metrics (its _metrics hold only what was
+    appended since the last log). posttrain's rows have the same generation keys, step by step."""
+    from datasets import Dataset
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    from posttrain import synthetic, tiny
+
+    args = TRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=8,
+                     num_generations=4, max_completion_length=6, steps_per_generation=2, max_steps=2,
+                     logging_steps=1, save_strategy="no", disable_tqdm=True)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path())
+    trainer = TRLTrainer(model=model, reward_funcs=[synthetic.sentiment_reward], args=args,
+                         train_dataset=Dataset.from_dict({"prompt": synthetic.prompts(16, seed=0)}),
+                         processing_class=tiny.load_tokenizer())
+    trainer.train()
+    theirs = [generation_keys(r) for r in trainer.state.log_history if "loss" in r]
+    ours = [generation_keys(r) for r in checks["placements"]["zero2-zero3"][:2]]
+    rename = {"rewards/reward-trained-s0-n200/mean", "rewards/reward-trained-s0-n200/std"}  # our second reward
+    assert theirs[1] == ours[1] == set()
+    assert theirs[0] == ours[0] - rename and "num_tokens" in theirs[0]
+
+
+def test_window_metrics_as_trl_log():
+    """A logging window's generation metrics (TRL's log(): the mean of what was appended, NaN left
+    out; num_tokens replaced, so the latest cumulative count, also with several generations per
+    step)."""
+    import math
+
+    from posttrain.trainers.grpo import average_generation_metrics
+
+    gens = [{"reward": 1.0, "rewards/f/mean": math.nan, "num_tokens": 100.0},
+            {"reward": 2.0, "rewards/f/mean": 3.0, "num_tokens": 250.0}]
+    assert average_generation_metrics(gens) == {"reward": 1.5, "rewards/f/mean": 3.0, "num_tokens": 250.0}
+    assert math.isnan(average_generation_metrics([{"reward": math.nan}])["reward"])
+    assert average_generation_metrics([]) == {}
+
+
+def test_summary_reads_the_rows_that_sampled():
+    from posttrain.scripts.grpo import summarize
+    from posttrain.trainers.grpo import GRPOConfig
+
+    rows = [{"step": 1, "reward": 0.0}, {"step": 2}, {"step": 3, "reward": 1.0}, {"step": 4}]
+    out = summarize(rows, GRPOConfig(per_device_train_batch_size=8, num_generations=4), 1.0)
+    assert (out["steps"], out["reward_first_tenth"], out["reward_last_tenth"]) == (4, 0.0, 1.0)
+
+
+def test_a_reward_function_failing_on_one_rank_stops_both(checks):
+    sentence = checks["failure"][1]
+    assert sentence.startswith("reward function 'judge_down_on_rank_1' raised ConnectionError: the judge is down (at ")
+    assert checks["failure"] == [sentence, sentence]
+
+
+def test_num_tokens_is_cumulative_with_a_generation_per_micro_step(checks):
+    """Two generations per optimizer step: the logged num_tokens is the count after both (TRL's
+    state.num_input_tokens_seen), not the mean of the two cumulative counts."""
+    rows, total = checks["ga2"]["history"], checks["ga2"]["num_tokens"]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["num_tokens"] == total
+    # Each generation adds at least its completions' tokens: 32 rows x mean length.
+    assert rows[1]["num_tokens"] - rows[0]["num_tokens"] >= 2 * 32 * rows[1]["completions/mean_length"] - 1e-6

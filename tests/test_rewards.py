@@ -78,9 +78,9 @@ def test_load_reward_funcs_and_errors(tmp_path, monkeypatch):
     sys.modules.pop("broken_rewards", None)
     with pytest.raises(ConfigError, match="posttrain.synthetic has no 'nope'.*sentiment_reward"):
         rewards.load_reward_funcs(["posttrain.synthetic:nope"])
-    with pytest.raises(ConfigError, match="package.module:function"):
-        rewards.load_reward_funcs(["posttrain.synthetic"])
-    with pytest.raises(ConfigError, match="not a function"):
+    with pytest.raises(ConfigError, match="'posttrain.synthetic' is not a function \\(of type module\\)"):
+        rewards.load_reward_funcs(["posttrain.synthetic"])  # module.function spelling: posttrain's 'synthetic'
+    with pytest.raises(ConfigError, match="is not a function \\(of type list\\)"):
         rewards.load_reward_funcs(["posttrain.tiny:SPECIAL"])
     assert rewards.is_function_name("pkg.mod:fn") and not rewards.is_function_name("org/reward-model")
 
@@ -102,7 +102,7 @@ def test_weights_and_calling_convention():
     assert per_func.tolist()[0][0] == 2.0 and torch.isnan(per_func[0, 1]) and seen == {"answer": ["1", "2"], "n_ids": 2}
     # None counts as absent (TRL's nansum): row 0 = 0.5 * 2, row 1 = 0.5 * 3 + 2 * 1.
     assert rewards.weighted_sum(per_func, [0.5, 2.0]).tolist() == [1.0, 3.5]
-    with pytest.raises(ValueError, match="'partial' returned 2 rewards for 3 completions"):
+    with pytest.raises(ConfigError, match="'partial' returned 2 rewards for 3 completions"):
         rewards.call_reward_funcs([partial], ["a", "b", "c"], ["x", "y", "z"])
     conv = [[{"role": "user", "content": "hi"}]]
     assert rewards.as_completions(conv, ["yo"]) == [[{"role": "assistant", "content": "yo"}]]

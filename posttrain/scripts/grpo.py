@@ -10,6 +10,7 @@ bundled reward function counts positive adjectives) under the demo settings
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..trainers.grpo import GRPOConfig, GRPOTrainer
@@ -20,12 +21,15 @@ PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
 
 
 def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
-    """The run's summary: mean reward over the first and last tenth of the steps, time per phase."""
-    tenth = max(1, len(history) // 10)
-    first = sum(h["reward"] for h in history[:tenth]) / tenth
-    last = sum(h["reward"] for h in history[-tenth:]) / tenth
+    """The run's summary: mean reward over the first and last tenth of the logged rows that
+    sampled (a row of steps that reused an earlier generation batch has no reward, as in TRL),
+    time per phase."""
+    scored = [h["reward"] for h in history if isinstance(h.get("reward"), float) and math.isfinite(h["reward"])]
+    tenth = max(1, len(scored) // 10)
+    first = sum(scored[:tenth]) / tenth if scored else math.nan
+    last = sum(scored[-tenth:]) / tenth if scored else math.nan
     phases = {k: round(sum(h.get(k, 0.0) for h in history), 1) for k in PHASES}
-    return {"steps": len(history), "reward_first_tenth": round(first, 3), "reward_last_tenth": round(last, 3),
+    return {"steps": history[-1]["step"] if history else 0, "reward_first_tenth": round(first, 3), "reward_last_tenth": round(last, 3),
             "reward_rise": round(last - first, 3), "seconds_per_phase": phases, "seconds": round(seconds, 1),
             "mix": cfg.mix, "output_dir": cfg.output_dir}
 

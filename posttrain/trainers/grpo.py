@@ -34,6 +34,7 @@ import torch
 from .. import synthetic, tiny
 from ..dsconfig import ConfigError
 from ..preference import load_dataset_source
+from ..reward_funcs import RewardFuncError, RewardWarnings
 from .common import (
     Phases,
     RunLog,
@@ -58,11 +59,14 @@ class GRPOConfig(TrainConfig):
 
     # Models: hub names or local paths. None: the built-in tiny default.
     model_name_or_path: str | None = None
-    ref_model_name_or_path: str | None = None  # default: the policy's
-    # Rewards, as in TRL: "pkg.module:function" (a Python function on the decoded completions) or a
-    # path/hub name of a sequence-classification reward model (a frozen role). None: the bundled
-    # sentiment reward on the tiny default.
+    ref_model_name_or_path: str | None = None  # default: the policy's; only with beta > 0
+    # Rewards, in TRL's spellings (posttrain.reward_funcs): one of TRL's built-in reward functions by
+    # name (accuracy_reward, think_format_reward, ...), a Python reference "module.function" (or
+    # "module:function"; the current directory is importable), or a path/hub id of a
+    # sequence-classification reward model (a frozen role). None: the bundled sentiment reward on
+    # the tiny default.
     reward_funcs: list[str] | None = None
+    reward_model_name_or_path: str | None = None  # TRL's scripts' flag: a reward model put before reward_funcs
     reward_weights: list[float] | None = None
     multi_objective_aggregation: str = "sum_then_normalize"  # | "normalize_then_sum"
     # Prompts: a dataset with a "prompt" column, TRL's standard (text) or conversational (messages) format.
@@ -110,6 +114,7 @@ class GRPOConfig(TrainConfig):
     num_completions_to_print: int | None = 4
 
     _loss_types = LOSS_TYPES  # (RLOO has its own one)
+    _algorithm = "GRPO"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -126,7 +131,19 @@ class GRPOConfig(TrainConfig):
              "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum'"),
             (self.generation_backend in ("posttrain", "hf"),
              f"generation_backend must be 'posttrain' or 'hf'; got {self.generation_backend!r}"),
-            (self.num_generations >= 2, "GRPO needs num_generations >= 2 to compare completions of one prompt"),
+            (self.num_generations >= 2,
+             f"{self._algorithm} needs num_generations >= 2 to compare completions of one prompt; got "
+             f"{self.num_generations}"),
+            (self.max_completion_length >= 1,
+             f"max_completion_length must be >= 1 (new tokens per completion); got {self.max_completion_length}"),
+            (self.max_prompt_length is None or self.max_prompt_length >= 1,
+             f"max_prompt_length must be >= 1, or null for no truncation; got {self.max_prompt_length}"),
+            (self.beta >= 0.0, f"beta (the KL coefficient) must be >= 0; got {self.beta}"),
+            (self.temperature > 0.0,
+             f"temperature must be > 0 (sampling; the loss divides logits by it); got {self.temperature}"),
+            (self.ref_model_name_or_path is None or self.beta != 0.0,
+             f"ref_model_name_or_path is set but beta is 0, which uses no reference model: set beta > 0 to use "
+             f"{self.ref_model_name_or_path}, or drop ref_model_name_or_path"),
             (0.0 < self.top_entropy_quantile <= 1.0, "top_entropy_quantile must be in (0, 1]"),
             (self.num_iterations >= 1, "num_iterations must be >= 1"),
             (not self.sync_ref_model or self.beta != 0.0,
@@ -329,7 +346,12 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     this temperature), which projects and scores the completion's positions in tiles instead of
     materialising float32 logits over the vocabulary (GBs at 8B with a 128k vocabulary); it
     gathers a ZeRO-3 head itself. Without it, the logits of the last ``logits_to_keep + 1``
-    positions are computed (frozen models: posttrain.frozen gathers through module hooks only)."""
+    positions are computed (frozen models: posttrain.frozen gathers through module hooks only).
+
+    Where posttrain differs from TRL: ``position_ids`` come from the attention mask, so a left-padded
+    prompt starts at position 0. TRL 1.16 passes none; with learned absolute positions (GPT-2) its
+    log-probs then depend on how much padding the batch's other prompts impose (and so on the number
+    of ranks); rotary models are unaffected either way (tests/test_grpo_positions.py)."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     batch_size = batch_size or input_ids.size(0)
@@ -388,6 +410,21 @@ def reduce_loss_stats(stats: list[dict[str, Any]], sum_over_ranks: Any = None, g
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
 
+def average_generation_metrics(gens: list[dict[str, float]]) -> dict[str, float]:
+    """The generation metrics of a logging window as TRL's ``log()`` reports them: each key's
+    mean over the window's generations, NaN values left out (NaN when none is left), except
+    ``num_tokens``, the latest cumulative count (TRL replaces it instead of appending). No
+    generation in the window: no keys."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in gens for k in m):
+        if key == "num_tokens":
+            out[key] = [m[key] for m in gens if key in m][-1]
+            continue
+        valid = [m[key] for m in gens if key in m and not math.isnan(m[key])]
+        out[key] = sum(valid) / len(valid) if valid else math.nan
+    return out
+
+
 # -- the trainer ---------------------------------------------------------------------------------
 class GRPOTrainer:
     """GRPO with per-role placement. ``train()`` returns the logged metrics, one dict per optimizer
@@ -411,23 +448,22 @@ class GRPOTrainer:
                               "tokenizer.eos_token) and save it with the model")
         self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
 
-        # Rewards, in the order given (reward_weights follow it): functions and reward-model roles.
-        names = cfg.reward_funcs
-        if names is None:
+        # Rewards, in the order given (reward_weights follow it): functions and reward-model roles,
+        # every spec resolved and checked before anything loads or the output dir is touched.
+        names = ([cfg.reward_model_name_or_path] if cfg.reward_model_name_or_path else []) + list(cfg.reward_funcs or [])
+        if not names:
             if cfg.model_name_or_path is not None and not reward_funcs:
-                raise ConfigError("GRPO needs a reward: set reward_funcs (\"pkg.module:function\" or a reward "
-                                  "model's path)")
+                raise ConfigError("GRPO needs a reward: set reward_funcs (one of TRL's reward names, "
+                                  "\"module.function\", or a reward model's path)")
             names = [] if reward_funcs else ["posttrain.synthetic:sentiment_reward"]
         self.sources: list[tuple[str, Any, Any]] = [("func", f, rewards.func_name(f)) for f in reward_funcs or []]
-        model_paths: list[str] = []
-        for name in names:
-            if rewards.is_function_name(name):
-                (fn,) = rewards.load_reward_funcs([name])
-                self.sources.append(("func", fn, rewards.func_name(fn)))
+        n_models = 0
+        for spec in rewards.resolve_reward_specs(names):
+            if spec.is_model:
+                self.sources.append(("model", "reward" if not n_models else f"reward_{n_models}", spec.path))
+                n_models += 1
             else:
-                role = "reward" if not model_paths else f"reward_{len(model_paths)}"
-                model_paths.append(name)
-                self.sources.append(("model", role, name))
+                self.sources.append(("func", spec.func, rewards.func_name(spec.func)))
         if not self.sources:
             raise ConfigError("GRPO needs a reward: set reward_funcs")
         self.reward_weights = torch.tensor(rewards.check_reward_weights(cfg.reward_weights, len(self.sources),
@@ -435,6 +471,10 @@ class GRPOTrainer:
         self.reward_names = [n if kind == "func" else Path(str(n)).name for kind, _, n in self.sources]
 
         self.rows = train_rows if train_rows is not None else load_prompt_rows(cfg)
+        columns = [k for k in self.rows[0] if k != "prompt"] if self.rows else []
+        for kind, fn, _ in self.sources:
+            if kind == "func":
+                rewards.check_columns(fn, columns)
         self.prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows]
         max_prompt_len = max(len(p) for p in self.prompt_ids)
 
@@ -458,6 +498,15 @@ class GRPOTrainer:
                 f"{cfg.gradient_accumulation_steps}; pick save_steps so that save_steps x gradient_accumulation_steps "
                 f"is a multiple of {self.micro_per_generation}")
 
+        # How each reward model reads completions (TRL's way: decoded and re-encoded with its own
+        # tokenizer), decided from its files before anything loads.
+        from transformers import AutoConfig
+
+        policy_vocab = AutoConfig.from_pretrained(policy_path).get_text_config().vocab_size
+        self.reward_inputs: dict[str, Any] = {
+            role: rewards.reward_model_input(path, tok, policy_vocab, reencode=True)
+            for kind, role, path in self.sources if kind == "model"}
+
         frozen = (["reference"] if cfg.beta != 0.0 else []) + [r for k, r, _ in self.sources if k == "model"]
         self.session = s = make_session(cfg, ["policy"], frozen, total_steps=self.total_steps)
         torch.manual_seed(cfg.seed)
@@ -478,16 +527,12 @@ class GRPOTrainer:
         s.prepare("policy", policy, opt, sched)
         if cfg.beta != 0.0:
             s.prepare("reference", s.load("reference", cfg.ref_model_name_or_path or policy_path))
-        policy_vocab = policy.get_input_embeddings().num_embeddings
-        self.reward_inputs: dict[str, Any] = {}
         for kind, role, path in self.sources:
             if kind == "model":
-                rin = rewards.reward_model_input(path, tok, policy_vocab)
+                rin = self.reward_inputs[role]
                 model = s.load(role, path, model_cls=AutoModelForSequenceClassification, num_labels=1)
-                model.config.pad_token_id = tok.pad_token_id
-                rin.prepare(model)
+                rin.prepare(model)  # its pad id is its tokenizer's (TRL's), for its own pooling
                 s.prepare(role, model)
-                self.reward_inputs[role] = rin
 
         self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
                                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
@@ -499,6 +544,16 @@ class GRPOTrainer:
         self.step = 0
         self.num_tokens = 0.0
         self.history: list[dict] = []
+        # What TRL hands reward functions beside the data: the trainer's state and two loggers.
+        from transformers import TrainerState
+
+        self.trainer_state = TrainerState(max_steps=self.total_steps, num_train_epochs=cfg.num_train_epochs,
+                                          logging_steps=cfg.logging_steps, save_steps=cfg.save_steps or 0,
+                                          train_batch_size=cfg.per_device_train_batch_size)
+        self.trainer_state.is_world_process_zero = s.is_main_process
+        self._extra_columns: dict[str, list] = {}
+        self._pending_metrics: dict[str, list[float]] = {}
+        self.reward_warnings = RewardWarnings(self.reward_names, s.is_main_process)
 
     # -- one generation batch ------------------------------------------------------------------
     def _generation_rows(self, cycle: int) -> list[int]:
@@ -548,6 +603,8 @@ class GRPOTrainer:
         completion_ids, completion_mask = out.completion_ids.to(dev), out.completion_mask.to(dev).long()
         lengths = completion_mask.sum(1)
         truncated = truncated_rows(completion_ids, completion_mask, self.eos_ids + [tok.pad_token_id])
+        # What was generated, up to and with EOS: what rewards read, even where the loss masks it out (TRL).
+        generated = [c[m.bool()].tolist() for c, m in zip(completion_ids, completion_mask)]
         if cfg.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
         input_ids = torch.cat([prompt_ids, completion_ids], 1)
@@ -569,9 +626,13 @@ class GRPOTrainer:
                                               cfg.temperature, batch_size=bs)
             rows = [self.rows[i] for i in idx]
             prompts = [r["prompt"] for r in rows]
-            texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
-            per_func = self.score(rows, prompts, texts, input_ids, attention_mask, completion_ids, completion_mask)
+            texts = tok.batch_decode(generated, skip_special_tokens=True)
+            self.trainer_state.global_step = self.step
+            self.trainer_state.epoch = cycle * self.prompts_per_generation / len(self.rows)
+            self.trainer_state.num_input_tokens_seen = int(self.num_tokens)
+            per_func = self.score(rows, prompts, texts, generated)
         all_per_func = self._gather(per_func)
+        self.reward_warnings.check(all_per_func)
         adv = self.advantages(all_per_func, old, ref, completion_mask)
         local = slice(s.process_index * len(idx), (s.process_index + 1) * len(idx))
         batch["advantages"] = adv["advantages"][local]
@@ -583,7 +644,9 @@ class GRPOTrainer:
 
         metrics = self.generation_metrics(all_per_func, adv, prompt_mask, lengths, truncated)
         metrics.update(adv.get("metrics", {}))
-        self.samples = (prompts, texts, self.weighted(per_func))
+        metrics.update(self._flush_logged_metrics())
+        self.samples = (prompts, texts, self.weighted(per_func), dict(self._extra_columns))
+        self._extra_columns.clear()
         # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + cycle * 1009 + s.process_index)
         perm = torch.randperm(len(idx), generator=g).to(dev)
@@ -596,30 +659,68 @@ class GRPOTrainer:
     def weighted(self, per_func: torch.Tensor) -> torch.Tensor:
         return weighted_rewards(per_func, self.reward_weights.to(per_func.device))
 
-    def score(self, rows: list[dict], prompts: list, texts: list[str], input_ids: torch.Tensor,
-              attention_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-        """``(local batch, n_rewards)``: each reward function on the decoded completions (TRL's
-        calling convention and the dataset's other columns) and each reward model (on the policy's
-        ids when it shares the vocabulary, else re-encoded with its own tokenizer)."""
+    def score(self, rows: list[dict], prompts: list, texts: list[str], completion_ids: list[list[int]]) -> torch.Tensor:
+        """``(local batch, n_rewards)``, as TRL's ``_calculate_rewards``: the reward functions with
+        TRL's keyword arguments (``completion_ids``: the generated ids, unmasked; the dataset's other
+        columns; ``trainer_state``, ``log_extra``, ``log_metric``), and each reward model on
+        prompt + decoded completion re-encoded with its own tokenizer and chat template."""
         from .. import rewards
 
-        s = self.session
+        s, cfg = self.session, self.cfg
         out = torch.zeros(len(texts), len(self.sources), dtype=torch.float32, device=s.device)
         completions = rewards.as_completions(prompts, texts)
-        ids_list = [c[m.bool()].tolist() for c, m in zip(completion_ids, completion_mask)]
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
-        for j, (kind, what, _) in enumerate(self.sources):
-            if kind == "func":
-                out[:, j] = rewards.call_reward_funcs([what], prompts, completions, ids_list, s.device, **columns)[:, 0]
-                continue
-            rin = self.reward_inputs[what]
-            with s.activate(what):
-                if rin.shares_policy_ids:
-                    out[:, j] = rewards.sequence_scores(s.engines[what], input_ids, attention_mask,
-                                                        rin.vocab_size).float()
-                else:
-                    out[:, j] = rewards.score_texts(s.engines[what], rin, prompts, texts, s.device,
-                                                    batch_size=self.cfg.per_device_train_batch_size)
+        kwargs = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        kwargs.update(trainer_state=self.trainer_state, log_extra=self._log_extra, log_metric=self._log_metric)
+        funcs = [(j, what) for j, (kind, what, _) in enumerate(self.sources) if kind == "func"]
+        if funcs:
+            failure = None
+            try:
+                per_func = rewards.call_reward_funcs([f for _, f in funcs], prompts, completions, completion_ids,
+                                                     s.device, **kwargs)
+            except RewardFuncError as err:
+                failure = err
+            if s.num_processes > 1:  # every rank stops with the failing rank's sentence, none waits in a gather
+                from accelerate.utils import gather_object
+
+                said = [m for m in gather_object([str(failure) if failure else ""]) if m]
+                if said and failure is None:
+                    raise RewardFuncError(said[0])
+            if failure is not None:
+                raise failure
+            for col, (j, _) in enumerate(funcs):
+                out[:, j] = per_func[:, col]
+        for j, (kind, role, _) in enumerate(self.sources):
+            if kind == "model":
+                with s.activate(role):
+                    out[:, j] = rewards.score_texts(s.engines[role], self.reward_inputs[role], prompts, texts,
+                                                    s.device, batch_size=cfg.per_device_train_batch_size,
+                                                    chat_template_kwargs=cfg.chat_template_kwargs)
+        return out
+
+    def _log_extra(self, column: str, values: list) -> None:
+        """TRL's ``log_extra``: a column for the logged samples (samples.jsonl)."""
+        self._extra_columns.setdefault(column, []).extend(values)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``: a scalar averaged over every process into this generation's metrics."""
+        self._pending_metrics.setdefault(name, []).append(float(value))
+
+    def _flush_logged_metrics(self) -> dict[str, float]:
+        """The metrics reward functions logged on this generation batch, averaged over every
+        process's calls (TRL's sorted union of names, then a (sum, count) reduction)."""
+        s = self.session
+        names = list(self._pending_metrics)
+        if s.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            names = gather_object(names)
+        out = {}
+        for name in sorted(set(names)):
+            values = self._pending_metrics.get(name, [])
+            total, count = self._sum(torch.tensor([sum(values), len(values)], dtype=torch.float64,
+                                                  device=s.device)).tolist()
+            out[name] = total / count if count else math.nan
+        self._pending_metrics.clear()
         return out
 
     def advantages(self, rewards_per_func: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
@@ -702,11 +803,15 @@ class GRPOTrainer:
         log = RunLog(s, cfg, self.total_steps, self.algorithm, start=self.step)
         micro = self.step * ga
         buffer: list[dict[str, torch.Tensor]] = []
-        gen_metrics: list[dict[str, float]] = []  # of the generations sampled during this step
-        latest: dict[str, float] = {}
+        # What a logged row averages, as TRL's _metrics between two log() calls: the generations
+        # sampled in the window (none when every step reused an earlier batch: then no reward or
+        # completion metrics, as in TRL), every micro-batch's loss statistics, every step's loss.
+        gen_metrics: list[dict[str, float]] = []
+        stats: list[dict[str, Any]] = []
+        losses: list[float] = []
+        window_start = time.perf_counter()
         while self.step < self.total_steps:
-            tick = time.perf_counter()
-            loss_sum, stats = 0.0, []
+            loss_sum = 0.0
             for _ in range(ga):
                 if micro % self.micro_per_generation == 0 or not buffer:
                     buffer, metrics = self.generate_and_score(micro // self.micro_per_generation)
@@ -720,22 +825,20 @@ class GRPOTrainer:
                 stats.append(st)
                 micro += 1
             self.step += 1
+            losses.append(loss_sum)
             if cfg.sync_ref_model and self.step % cfg.ref_model_sync_steps == 0:
                 with self.phases("ref_sync"):
                     s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
-            row = reduce_loss_stats(stats, self._sum, self._gather)
-            row["loss"] = mean_over_ranks(s, {"loss": loss_sum})["loss"]
-            # A step that reused the previous generation batch reports that batch's metrics.
-            gen_metrics = gen_metrics or [latest]
-            keys = dict.fromkeys(k for m in gen_metrics for k in m)
-            row.update({k: sum(m[k] for m in gen_metrics) / len(gen_metrics) for k in keys})
-            latest, gen_metrics = gen_metrics[-1], []
-            row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
-                        **self.phases.pop(), "time/step": time.perf_counter() - tick})
             if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                row = reduce_loss_stats(stats, self._sum, self._gather)
+                row["loss"] = mean_over_ranks(s, {"loss": sum(losses) / len(losses)})["loss"]
+                row.update(average_generation_metrics(gen_metrics))
+                row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                            **self.phases.pop(), "time/step": (time.perf_counter() - window_start) / len(losses)})
                 log.log(self.step, row, advance=False)
                 if cfg.log_completions:
                     self._log_samples()
+                gen_metrics, stats, losses, window_start = [], [], [], time.perf_counter()
             log.bar.update(1)
             if cfg.save_steps and self.step % cfg.save_steps == 0:
                 export = {"policy": self.tokenizer, **({"reference": None} if cfg.sync_ref_model else {})}
@@ -745,10 +848,13 @@ class GRPOTrainer:
         return log.history
 
     def _log_samples(self) -> None:
-        prompts, texts, scores = self.samples
+        prompts, texts, scores, extra = self.samples
         k = self.cfg.num_completions_to_print or len(texts)
         rows = [{"step": self.step, "prompt": p if isinstance(p, str) else p[-1]["content"], "completion": c,
                  "reward": round(float(r), 4)} for p, c, r in zip(prompts[:k], texts[:k], scores[:k].tolist())]
+        for column, values in extra.items():  # columns reward functions added with log_extra
+            for row, v in zip(rows, values):
+                row[column] = v
         if self.session.is_main_process:
             with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -31,6 +31,7 @@ class RLOOConfig(GRPOConfig):
     loss_type: str = "rloo"  # RLOO's one loss (TRL's RLOOConfig has no loss_type)
 
     _loss_types = ("rloo",)
+    _algorithm = "RLOO"
 
     def __post_init__(self) -> None:
         if self.importance_sampling_level != "token" or self.top_entropy_quantile != 1.0 or self.delta is not None:

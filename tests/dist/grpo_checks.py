@@ -5,7 +5,9 @@
   are kept) under zero2-zero3, zero2-replicated and zero3, and with the hf generation backend;
 - that run resumed from its step-2 checkpoint;
 - beta 0: the roles of the session (no reference);
-- a learning run on the bundled reward (GRPO) and short RLOO runs (num_iterations 2) under two placements.
+- a learning run on the bundled reward (GRPO) and short RLOO runs (num_iterations 2) under two placements;
+- two generations per step (gradient accumulation 2, steps_per_generation 1);
+- a reward function that raises on rank 1 only.
 """
 
 import json
@@ -52,8 +54,30 @@ def main(out: str, tmp: str) -> None:
     for mix in ("zero2-zero3", "zero2-replicated"):
         res.setdefault("rloo", {})[mix], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/rloo-{mix}",
                                                     **rloo)
-    import torch.distributed as dist
+    # Gradient accumulation with one generation per micro-step: num_tokens is the cumulative count.
+    trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 2, "gradient_accumulation_steps": 2,
+                                        "steps_per_generation": 1}, output_dir=f"{tmp}/ga2"))
+    res["ga2"] = {"history": trainer.train(), "num_tokens": trainer.num_tokens}
 
+    import torch.distributed as dist
+    from accelerate.utils import gather_object
+
+    from posttrain.reward_funcs import RewardFuncError
+
+    def judge_down_on_rank_1(completions, **_):
+        if dist.get_rank() == 1:
+            raise ConnectionError("the judge is down")
+        return [0.0] * len(completions)
+
+    # A reward function failing on one rank: every rank stops with its sentence (none hangs in a gather).
+    trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 1}, output_dir=f"{tmp}/fail"),
+                          reward_funcs=[judge_down_on_rank_1])
+    try:
+        trainer.train()
+        said = "no error"
+    except RewardFuncError as err:
+        said = str(err)
+    res["failure"] = gather_object([said])
     if dist.get_rank() == 0:
         json.dump(res, open(out, "w"))
 

@@ -1,0 +1,312 @@
+"""Reward functions in TRL 1.16's convention: how a spec names one, how it is called, and what
+it may return.
+
+- A spec is one of TRL's built-in names (its ``grpo``/``rloo`` scripts' registry:
+  ``accuracy_reward``, ``reasoning_accuracy_reward``, ``think_format_reward``,
+  ``get_soft_overlong_punishment``), a Python reference ``module.function`` (TRL's spelling) or
+  ``module:function``; the current directory is importable, as TRL's scripts make it.
+  :func:`spec_kind` tells a function spec from a reward model's path or hub id by its spelling
+  alone, so a Python reference never reaches the hub.
+- :func:`call_reward_funcs` calls them as ``GRPOTrainer._calculate_rewards`` does: keyword
+  arguments ``prompts``, ``completions``, ``completion_ids`` and the caller's others (dataset
+  columns, ``trainer_state``, ``log_extra``, ``log_metric``); synchronous ones in order, then the
+  ``async`` ones together on one event loop per process. What a function returns is checked:
+  a list of one number (or None, read as NaN) per completion, else one sentence naming it.
+- :class:`RewardWarnings`: what TRL leaves silent or repeats every batch (a function scoring
+  nothing, infinite rewards, completions no function scored), said once per run on rank 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import importlib
+import inspect
+import logging
+import math
+import numbers
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .dsconfig import ConfigError
+
+logger = logging.getLogger(__name__)
+
+RewardFunc = Callable[..., list]
+# TRL 1.16's scripts (trl/scripts/grpo.py and rloo.py): name -> the function (or factory call) they use.
+BUILTIN: dict[str, Callable[[], RewardFunc]] = {
+    "accuracy_reward": lambda: _trl_reward("accuracy_reward"),
+    "reasoning_accuracy_reward": lambda: _trl_reward("reasoning_accuracy_reward"),
+    "think_format_reward": lambda: _trl_reward("think_format_reward"),
+    "get_soft_overlong_punishment": lambda: _trl_reward("get_soft_overlong_punishment")(
+        max_completion_len=1280, soft_punish_cache=256),
+}
+_NEEDS_MATH_VERIFY = ("accuracy_reward", "reasoning_accuracy_reward")
+# Keyword arguments the trainer itself passes (TRL's): never a dataset column a function needs.
+TRAINER_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                  "environments")
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+class RewardFuncError(ConfigError):
+    """A reward function failed or returned something that is not one reward per completion."""
+
+
+def _trl_reward(name: str) -> RewardFunc:
+    import trl.rewards
+
+    return getattr(trl.rewards, name)
+
+
+def func_name(fn: Callable) -> str:
+    """The name TRL logs a reward function under (``rewards/<name>/mean``)."""
+    from trl.trainer.utils import get_callable_name
+
+    return get_callable_name(fn)
+
+
+def is_async(fn: Callable) -> bool:
+    from trl.trainer.utils import is_async_callable
+
+    return is_async_callable(fn)
+
+
+# -- specs --------------------------------------------------------------------------------------
+def spec_kind(spec: str) -> str:
+    """``"function"`` (a built-in name or a Python reference) or ``"model"`` (a path or hub id),
+    from the spelling alone. Raises for a bare name that is neither (a typo of a built-in name)."""
+    if spec in BUILTIN:
+        return "function"
+    local = Path(spec).expanduser()
+    if local.is_file() and local.suffix == ".py":
+        raise ConfigError(f"reward function {spec!r} is a file: name a function in it, as "
+                          f"'{local.stem}.function' (run from its folder)")
+    if local.exists():
+        return "model"
+    if ":" in spec or _DOTTED.fullmatch(spec):
+        return "function"
+    if spec.isidentifier():
+        near = difflib.get_close_matches(spec, list(BUILTIN), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ConfigError(
+            f"unknown reward function {spec!r}: {hint}use one of TRL's built-in reward functions "
+            f"({', '.join(BUILTIN)}), a Python reference 'module.function', or a reward model's folder or hub id "
+            "(org/name)")
+    return "model"
+
+
+def _importable_cwd() -> None:
+    """TRL's scripts put the current directory first on the import path for reward modules."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def load_reward_func(spec: str) -> RewardFunc:
+    """The function a spec names (see the module docstring); a failure is one sentence naming
+    the fix."""
+    if spec in BUILTIN:
+        if spec in _NEEDS_MATH_VERIFY:
+            from trl.import_utils import is_math_verify_available
+
+            if not is_math_verify_available():
+                raise ConfigError(f"reward function {spec!r} (TRL's) needs the math_verify package: "
+                                  "pip install math-verify")
+        return BUILTIN[spec]()
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+    else:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"reward function {spec!r}: write it as 'module.function' (or 'module:function')")
+    if module_name.endswith(".py"):
+        raise ConfigError(f"reward function {spec!r}: name the module, not its file: "
+                          f"'{module_name[:-3].replace('/', '.')}.{attr}'")
+    _importable_cwd()
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module_name.startswith(e.name) and module_name[len(e.name):][:1] in ("", "."):
+            raise ConfigError(
+                f"reward function {spec!r}: importing {module_name!r} failed: there is no module {e.name!r} in the "
+                "current directory or on the import path; check the spelling, or run from the folder holding it (or "
+                "add that folder to PYTHONPATH)"
+            ) from e
+        raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: {e}. "
+                          "Install what it needs, or put the folder holding it on PYTHONPATH.") from e
+    except Exception as e:  # the module's own error (a syntax error, a failing top-level statement...)
+        raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: {e}. "
+                          "Install what it needs, or put the folder holding it on PYTHONPATH.") from e
+    fn: Any = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                            and not inspect.isclass(v))
+            raise ConfigError(f"reward function {spec!r}: {module_name} has no {attr!r}; its functions are "
+                              f"{public[:20]}")
+    if not callable(fn) or inspect.isclass(fn):
+        what = f"the class {fn.__name__}" if inspect.isclass(fn) else f"of type {type(fn).__name__}"
+        raise ConfigError(f"reward function {spec!r} is not a function ({what}): name a function that takes "
+                          "completions and returns one reward each")
+    return fn
+
+
+def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
+    """:func:`load_reward_func` for each spec; a model spec among them is refused (callers that
+    mix models, as GRPO does, sort them with :func:`spec_kind` first)."""
+    funcs = []
+    for spec in specs:
+        if spec_kind(spec) != "function":
+            raise ConfigError(f"reward function {spec!r}: write it as 'module.function' (or 'module:function') "
+                              f"or one of TRL's built-in names ({', '.join(BUILTIN)})")
+        funcs.append(load_reward_func(spec))
+    return funcs
+
+
+def check_columns(fn: Callable, columns: Sequence[str]) -> None:
+    """Refuse, before anything loads, a function whose required arguments are neither passed by
+    the trainer nor a dataset column (TRL would fail on the first batch with a TypeError)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins, some C callables: nothing to check
+        return
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and p.name not in TRAINER_KWARGS and p.name not in columns]
+    if missing:
+        raise ConfigError(f"reward function {func_name(fn)!r} needs the dataset column(s) {missing}, which the "
+                          f"dataset does not have (its columns: {sorted(columns)}): use a dataset with them")
+
+
+# -- calling ------------------------------------------------------------------------------------
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop per process on a daemon thread, as TRL's GRPOTrainer keeps for its async
+    reward functions (so a client an async function creates stays on one loop)."""
+    global _LOOP
+    if _LOOP is None:
+        from trl.trainer.utils import start_event_loop_in_daemon
+
+        _, loop, ready = start_event_loop_in_daemon(name="posttrain-reward-loop")
+        ready.wait()
+        _LOOP = loop
+    return _LOOP
+
+
+def _where(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _raised(name: str, err: Exception) -> RewardFuncError:
+    return RewardFuncError(f"reward function {name!r} raised {type(err).__name__}: {err}{_where(err)}")
+
+
+def check_rewards(name: str, values: Any, n: int) -> list[float]:
+    """One float per completion (None as NaN) from what a reward function returned, or one
+    sentence naming it and what to return."""
+    what = f"return a list of {n} rewards (floats, or None for a completion it does not score)"
+    kind = type(values).__name__
+    if hasattr(values, "tolist"):  # a numpy array or tensor (a 0-d one gives a number: refused below)
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise RewardFuncError(f"reward function {name!r} returned a {kind}, not a list: {what}")
+    if len(values) != n:
+        raise RewardFuncError(f"reward function {name!r} returned {len(values)} rewards for {n} completions: {what}")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+        elif isinstance(v, numbers.Real):  # int, float, bool, numpy scalars
+            out.append(float(v))
+        elif isinstance(v, torch.Tensor) and v.numel() == 1:
+            out.append(float(v.item()))
+        else:
+            raise RewardFuncError(f"reward function {name!r} returned a {type(v).__name__} ({v!r:.40}) for completion "
+                                  f"{i}: {what}")
+    return out
+
+
+def call_reward_funcs(
+    funcs: Sequence[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]] | None = None,
+    device: torch.device | str = "cpu", **kwargs: Any,
+) -> torch.Tensor:
+    """Run each function on the batch with TRL's keyword arguments (``prompts``, ``completions``,
+    ``completion_ids``, then ``kwargs``: the dataset's other columns and, from a trainer,
+    ``trainer_state``, ``log_extra``, ``log_metric``); returns float32 ``(batch, len(funcs))``,
+    None as NaN."""
+    n = len(prompts)
+    out = torch.zeros(n, len(funcs), dtype=torch.float32, device=device)
+    call = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **kwargs}
+    pending = []
+    for i, fn in enumerate(funcs):
+        if is_async(fn):
+            pending.append((i, fn))
+            continue
+        try:
+            values = fn(**call)
+        except RewardFuncError:
+            raise
+        except Exception as e:
+            raise _raised(func_name(fn), e) from e
+        out[:, i] = torch.tensor(check_rewards(func_name(fn), values, n), dtype=torch.float32, device=device)
+    if pending:
+        async def run_all() -> list:
+            return await asyncio.gather(*(fn(**call) for _, fn in pending), return_exceptions=True)
+
+        results = asyncio.run_coroutine_threadsafe(run_all(), _event_loop()).result()
+        for (i, fn), values in zip(pending, results, strict=True):
+            if isinstance(values, Exception):
+                raise _raised(func_name(fn), values) from values
+            out[:, i] = torch.tensor(check_rewards(func_name(fn), values, n), dtype=torch.float32, device=device)
+    return out
+
+
+def weighted_sum(per_func: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
+    """TRL's combination: sum over columns of weight * reward, NaN (a None) counted as absent."""
+    w = torch.tensor(list(weights), dtype=per_func.dtype, device=per_func.device)
+    return (per_func * w.unsqueeze(0)).nansum(dim=1)
+
+
+class RewardWarnings:
+    """Warnings about the rewards of whole generation batches (every process's rows), each said
+    once per run on the main process: a reward that scored no completion of a batch (it then adds
+    nothing: TRL's nansum), an infinite reward (the group's advantages become NaN, then 0, or
+    overflow), and completions no reward scored (TRL warns too; they get advantage 0)."""
+
+    def __init__(self, names: Sequence[str], main_process: bool = True) -> None:
+        self.names, self.main, self.said = list(names), main_process, set()
+
+    def _once(self, key: tuple, message: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            if self.main:
+                logger.warning(message)
+
+    def check(self, per_func: torch.Tensor) -> None:
+        nan = torch.isnan(per_func)
+        for j, name in enumerate(self.names):
+            if nan[:, j].all():
+                self._once(("none", name), f"reward {name!r} returned None (or NaN) for every completion of a "
+                           f"generation batch ({per_func.shape[0]} completions): it adds nothing to their rewards")
+            if torch.isinf(per_func[:, j]).any():
+                self._once(("inf", name), f"reward {name!r} returned an infinite reward: the rewards and advantages of "
+                           "its group become inf or NaN (NaN advantages are set to 0); return finite values")
+        unscored = nan.all(dim=1)
+        if unscored.all():
+            self._once(("all",), "every reward returned None (or NaN) for every completion of a generation batch: "
+                       "every advantage is 0 and the policy learns nothing from it")
+        elif unscored.any():
+            self._once(("rows",), f"{int(unscored.sum())} of {per_func.shape[0]} completions got None from every reward "
+                       "(TRL warns the same): they are left out of the group statistics and get advantage 0; make at "
+                       "least one reward score every completion")

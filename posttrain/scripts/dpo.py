@@ -18,7 +18,7 @@ from trl import ScriptArguments
 from .. import preference, synthetic
 from ..modelcard import write_model_card
 from ..trainers.dpo import DPOConfig, DPOTrainer
-from .args import demo_config, parse_config, run_script
+from .args import demo_config, parse_config, require_dataset, run_script
 from .data import eval_steps_per_epoch, load_train_eval
 from .hub import push_to_hub
 
@@ -51,6 +51,7 @@ def load_datasets(script: ScriptArguments, data: DataArguments, cfg: DPOConfig) 
 def main(argv: list[str] | None = None) -> None:
     script, data, cfg = parse_config((ScriptArguments, DataArguments, DPOConfig), demo_config("dpo"), argv,
                                      prog="posttrain dpo")
+    require_dataset([script, cfg])
     train, test = load_datasets(script, data, cfg)
     trainer = DPOTrainer(cfg, train_dataset=train, eval_dataset=test)
     if test is not None and cfg.eval_strategy == "epoch":

@@ -5,6 +5,7 @@ sentence names the fix; nothing here asks the hub about a name that is plainly a
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import struct
@@ -108,7 +109,8 @@ def check_data_path(name: str, what: str = "--dataset_name") -> None:
     if path.exists():
         return
     if looks_local(name) or (path.parent != Path(".") and path.parent.is_dir()):
-        where = f"{path.parent} has no {path.name!r}" if path.parent.is_dir() else f"{path.parent} does not exist"
+        where = ("no such file in the current directory" if path.parent == Path(".") else
+                 f"{path.parent} has no {path.name!r}" if path.parent.is_dir() else f"{path.parent} does not exist")
         raise ConfigError(f"{what} {name!r} does not exist ({where}): give a json/jsonl/parquet/csv file, a dataset "
                           "folder or a hub dataset name")
 
@@ -134,7 +136,7 @@ def check_placement(mix: str, role_configs: Mapping | None) -> None:
     from .roles import MIXES
 
     if mix not in MIXES:
-        near = [m for m in MIXES if m.lower() == str(mix).lower().replace("_", "-")]
+        near = difflib.get_close_matches(str(mix).lower().replace("_", "-"), list(MIXES), n=1, cutoff=0.6)
         hint = f"did you mean {near[0]}? " if near else ""
         raise ConfigError(f"unknown mix {mix!r}: {hint}choose one of {', '.join(MIXES)}, or map each role to a "
                           "config in role_configs")
@@ -143,8 +145,11 @@ def check_placement(mix: str, role_configs: Mapping | None) -> None:
     if not isinstance(role_configs, Mapping):
         raise ConfigError(f"role_configs must map a role name to a DeepSpeed config (preset name or JSON path), got "
                           f"{role_configs!r}: set it in the YAML as role_configs: {{reference: zero3_inference}}")
-    for config in role_configs.values():
-        dsconfig.read_config(config)
+    for role, config in role_configs.items():
+        try:
+            dsconfig.read_config(config)
+        except ConfigError as err:
+            raise ConfigError(f"role_configs {role}: {err}") from None
 
 
 def check_output_dir(output_dir: str | os.PathLike) -> None:

@@ -226,6 +226,10 @@ def report_error(err: Exception) -> int:
     cause rather than "To enable traceback see ..."; elsewhere it goes to stderr. Returns 2."""
     message = f"error: {err}"
     rank = int(os.environ.get("RANK", "0"))
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # After an error the ranks are not in step: no exit barrier (posttrain.session's atexit one).
+        torch.distributed.destroy_process_group()
     if rank != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(OTHER_RANKS_WAIT_S)
         message = f"error (rank {rank}): {err}"

@@ -5,7 +5,6 @@ sentence names the fix; nothing here asks the hub about a name that is plainly a
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import struct
@@ -133,13 +132,9 @@ def check_placement(mix: str, role_configs: Mapping | None) -> None:
     """The mix exists and every role config reads (a preset name or a JSON file); which roles a
     run has is checked by ``roles_for`` once the trainer knows them."""
     from . import dsconfig
-    from .roles import MIXES
+    from .roles import check_mix
 
-    if mix not in MIXES:
-        near = difflib.get_close_matches(str(mix).lower().replace("_", "-"), list(MIXES), n=1, cutoff=0.6)
-        hint = f"did you mean {near[0]}? " if near else ""
-        raise ConfigError(f"unknown mix {mix!r}: {hint}choose one of {', '.join(MIXES)}, or map each role to a "
-                          "config in role_configs")
+    check_mix(mix)
     if role_configs is None:
         return
     if not isinstance(role_configs, Mapping):

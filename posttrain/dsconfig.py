@@ -39,8 +39,8 @@ def config_path(name: str) -> Path:
 
         names = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
         near = difflib.get_close_matches(path.stem, names, n=1, cutoff=0.6)
-        hint = f"did you mean {near[0]}? " if near else ""
-        raise ConfigError(f"DeepSpeed config {name!r} not found: {hint}give a path to a JSON file or one of: "
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ConfigError(f"DeepSpeed config {name!r} not found{hint}: give a path to a JSON file or one of: "
                           f"{', '.join(names)}")
     return path
 

@@ -79,7 +79,7 @@ def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -
         "takes the built-in tiny default's demo settings, a run with your model the defaults shown."))
     known = {s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")}
     # argparse takes "-1e-3" for a flag ("expected one argument"): its pattern for negative numbers
-    # misses exponents before Python 3.13, whose pattern this is. No flag here looks like a number.
+    # misses exponents before Python 3.14 (gh-124693), whose pattern this is. No flag here looks like a number.
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
     if config is not None:
         path = Path(config)

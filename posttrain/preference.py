@@ -50,7 +50,12 @@ def load_dataset_source(name_or_path: str, split: str = "train", config: str | N
         dataset = load_from_disk(str(path))
     else:
         check_data_path(name_or_path, "dataset")  # a missing local file must not reach the hub
-        dataset = load_dataset(name_or_path, config, split=split)
+        try:
+            dataset = load_dataset(name_or_path, config, split=split)
+        except (FileNotFoundError, ConnectionError) as err:  # no such hub dataset, or no network
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"dataset {name_or_path!r} could not be loaded ({first}): check the name, or give a "
+                              "local json/jsonl/parquet/csv file") from None
     if len(dataset) == 0:
         raise ConfigError(f"{name_or_path} (split {split!r}) has no rows: give a dataset with at least one row")
     return dataset

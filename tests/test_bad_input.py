@@ -267,3 +267,18 @@ def test_two_ranks_one_sentence(a, tmp_path):
     assert "error (rank 1)" not in combined, combined
     assert not [line for line in combined.splitlines() if "/posttrain/" in line and 'File "' in line], combined
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_hub_dataset_not_found(monkeypatch):
+    """A well-formed hub name is asked for; that it is not there is one sentence, not a traceback."""
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
+    def missing(name, *a, **k):
+        raise DatasetNotFoundError(f"Dataset '{name}' doesn't exist on the Hub or cannot be accessed.")
+
+    monkeypatch.setattr(datasets, "load_dataset", missing)
+    with pytest.raises(ConfigError, match=r"^dataset 'my-org/prefs' could not be loaded \(Dataset 'my-org/prefs' "
+                                          r"doesn't exist on the Hub or cannot be accessed.\): check the name, or give "
+                                          r"a local json/jsonl/parquet/csv file$"):
+        preference.load_dataset_source("my-org/prefs")

@@ -32,7 +32,7 @@ def a(tmp_path_factory):
     """Paths the cases use: model folders broken in one way each, data files, a finished run."""
     root = tmp_path_factory.mktemp("bad")
     sft = tiny.sft_model_path()
-    paths = {"root": root, "sft": sft}
+    paths = {"root": root, "sft": sft, "reward": tiny.reward_model_path()}
     for name in ("no_template", "no_config", "truncated", "garbage", "sharded"):
         shutil.copytree(sft, root / name)
         paths[name] = root / name
@@ -83,6 +83,11 @@ CASES = [
      "train_dataset is conversational (lists of messages) but the tokenizer of {no_template} has no chat template: "
      "use a chat model's tokenizer, set tokenizer.chat_template and save it with the model, or give the data as "
      "plain text"),
+    ("no chat template, ppo",
+     "ppo --output_dir {out} --model_name_or_path {no_template} --reward_model_path {reward} --dataset_name {conv}",
+     "{conv} is conversational (lists of messages) but the tokenizer of {no_template} has no chat template: use a "
+     "chat model's tokenizer, set tokenizer.chat_template and save it with the model, or give the data as plain "
+     "text"),
     ("unknown role", "dpo --output_dir {out} --model_name_or_path {sft} --dataset_name {bad_role}",
      "train_dataset: row 1, 'prompt', message 0 has the unknown role 'usr': use one of system, user, assistant, "
      "tool, developer, ipython, function"),

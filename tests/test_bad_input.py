@@ -47,6 +47,8 @@ def a(tmp_path_factory):
     for name, rows in {"conv": [pair("hi")], "bad_role": [pair("hi"), pair("yo", role="usr")],
                        "no_role": [{"prompt": [{"content": "hi"}], "chosen": "a", "rejected": "b"}]}.items():
         paths[name] = preference.write_jsonl(rows, root / f"{name}.jsonl")
+    paths["prompts"] = preference.write_jsonl([{"prompt": [{"role": "user", "content": "hi"}]}] * 8,
+                                              root / "prompts.jsonl")
     paths["no_column"] = preference.write_jsonl([{"question": "a", "answer": "b"}],
                                                 root / "no_column.jsonl")
     (root / "roles.yaml").write_text("role_configs:\n  reference: zero3_inferense\n")
@@ -134,6 +136,22 @@ CASES = [
     ("output dir is a file", "rloo --output_dir {conv}",
      "output_dir '{conv}' is a file: choose a folder with --output_dir"),
 ]
+# posttrain/scripts/grpo.py and trainers/grpo.py call require_dataset / check_conversation once the
+# lead merges the two lines this branch's report gives; until then these fail (strict: a pass is
+# reported, so the marks go when the lines land).
+PENDING = pytest.mark.xfail(strict=True, reason="needs require_dataset in scripts/grpo.py, check_conversation in "
+                                               "trainers/grpo.py")
+GRPO_CASES = [
+    pytest.param("grpo model without data", "grpo --output_dir {out} --model_name_or_path {sft}", NO_DATA,
+                 marks=PENDING),
+    pytest.param("rloo model without data", "rloo --output_dir {out} --model_name_or_path {sft}", NO_DATA,
+                 marks=PENDING),
+    pytest.param("no chat template, grpo", "grpo --output_dir {out} --model_name_or_path {no_template} "
+                 "--dataset_name {prompts} --reward_funcs posttrain.synthetic:sentiment_reward",
+                 "{prompts} is conversational (lists of messages) but the tokenizer of {no_template} has no chat "
+                 "template: use a chat model's tokenizer, set tokenizer.chat_template and save it with the model, or "
+                 "give the data as plain text", marks=PENDING),
+]
 
 
 def no_model_loads(monkeypatch):
@@ -154,7 +172,8 @@ def _error(capsys) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("case,command,sentence", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case,command,sentence", CASES + GRPO_CASES,
+                         ids=[c[0] for c in CASES] + [c.values[0] for c in GRPO_CASES])
 def test_bad_input_sentence(a, tmp_path, capsys, monkeypatch, case, command, sentence):
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     monkeypatch.chdir(tmp_path)

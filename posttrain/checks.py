@@ -76,6 +76,21 @@ def check_model_folder(path: Path, what: str = "model", weights: bool = True) ->
             check_safetensors(file)
 
 
+def check_reward_model(name_or_path: str | os.PathLike, what: str = "reward model") -> None:
+    """A local reward model scores with one logit (``num_labels`` 1, what TRL's RewardTrainer saves).
+    Two labels (transformers' default, so also any causal LM) would give a score head of another
+    shape, or a random one; a hub id is checked when it loads."""
+    path = Path(str(name_or_path)).expanduser()
+    if not (path / "config.json").is_file():
+        return
+    config = json.loads((path / "config.json").read_text())
+    labels = len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
+    if labels != 1:
+        raise ConfigError(f"{what} {str(name_or_path)!r} has {labels} labels in its config.json; a reward model "
+                          "scores with one logit: give a sequence-classification model trained with num_labels=1 (as TRL's "
+                          "RewardTrainer saves it)")
+
+
 def check_safetensors(file: str | os.PathLike) -> None:
     """A safetensors file is whole: its header (8-byte length, then JSON) parses and the last
     tensor ends exactly at the end of the file. A copy cut short fails here, not in the load."""

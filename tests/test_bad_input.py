@@ -125,6 +125,10 @@ CASES = [
      "ppo --output_dir {out} --model_name_or_path {sft} --dataset_name {conv} --reward_model_path ./rm-typo",
      "--reward_model_path './rm-typo' does not exist: it is neither a local directory nor a hub id (owner/name); "
      "check the path"),
+    ("reward model with two labels",
+     "ppo --output_dir {out} --model_name_or_path {sft} --dataset_name {conv} --reward_model_path {sft}",
+     "--reward_model_path '{sft}' has 2 labels in its config.json; a reward model scores with one logit: give a "
+     "sequence-classification model trained with num_labels=1 (as TRL's RewardTrainer saves it)"),
     ("reference path typo", "dpo --output_dir {out} --ref_model_name_or_path {root}/sft-typo",
      "--ref_model_name_or_path '{root}/sft-typo' does not exist: {root} has no folder 'sft-typo'; check the path"),
     ("resume from a model folder", "dpo --output_dir {out} --resume_from_checkpoint {sft}",

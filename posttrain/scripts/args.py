@@ -175,6 +175,8 @@ def check_model_paths(outputs: Sequence[Any]) -> None:
             value = getattr(obj, f.name)
             if f.name.endswith(("model_name_or_path", "model_path")) and isinstance(value, str) and value != "none":
                 checks.check_model_path(value, f"--{f.name}")
+                if f.name == "reward_model_path":
+                    checks.check_reward_model(value, f"--{f.name}")
 
 
 def check_inputs(outputs: Sequence[Any]) -> None:

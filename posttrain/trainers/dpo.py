@@ -110,10 +110,10 @@ def validate(cfg: DPOConfig) -> None:
     if cfg.sync_ref_model:
         if cfg.use_peft:
             raise ConfigError("sync_ref_model needs a reference model of its own, and use_peft has none (the "
-                             "reference is the base with adapters disabled): drop one of them")
+                              "reference is the base with adapters disabled): drop one of them")
         if cfg.precompute_ref_log_probs:
             raise ConfigError("sync_ref_model changes the reference during training, so precomputed reference "
-                             "log-probs would go stale: drop precompute_ref_log_probs or sync_ref_model")
+                              "log-probs would go stale: drop precompute_ref_log_probs or sync_ref_model")
         if cfg.ref_model_sync_steps < 1 or not 0.0 < cfg.ref_model_mixup_alpha <= 1.0:
             raise ConfigError("sync_ref_model needs ref_model_sync_steps >= 1 and 0 < ref_model_mixup_alpha <= 1")
 

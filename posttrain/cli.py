@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from . import memory
+from .dsconfig import ConfigError
 from .roles import MIXES
 
 
@@ -27,6 +28,14 @@ def _bench(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
+    try:
+        return _plan_checked(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _plan_checked(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="posttrain plan", description="Per-GPU memory per role and mix; "
                                  "recommends the fastest mix that fits.")
     ap.add_argument("--workload", choices=list(memory.WORKLOADS), default="dpo")
@@ -41,14 +50,22 @@ def _plan(argv: list[str]) -> int:
     ap.add_argument("--generation-backend", choices=["posttrain", "hf"], default="posttrain",
                     help="online workloads: posttrain.rollout (KV cache and graph held for the run) or generate")
     args = ap.parse_args(argv)
+    for name in ("world_size", "micro_batch", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
+    if args.response_len < 0 or args.gpu_memory <= 0:
+        raise ConfigError("--response-len must be 0 or more and --gpu-memory (GiB per GPU) more than 0")
     names = memory.WORKLOADS[args.workload]
-    shapes = {}.fromkeys(names["trained"] + names["frozen"], args.shape)
+    shape = memory.resolve_shape(args.shape)
+    shapes = {}.fromkeys(names["trained"] + names["frozen"], shape)
     for item in args.role_shape:
         role, _, value = item.partition("=")
         if role not in shapes or not value:
-            ap.error(f"--role-shape {item!r}: expected ROLE=SHAPE with ROLE one of {list(shapes)}")
-        shapes[role] = value
+            raise ConfigError(f"--role-shape {item!r}: expected ROLE=SHAPE with ROLE one of {', '.join(shapes)}")
+        shapes[role] = memory.resolve_shape(value, f"--role-shape {role}")
     mixes = list(MIXES) if args.mix == "all" else [args.mix]
+    for mix in mixes:
+        memory.mix_configs(mix)  # an unknown mix: its sentence, before any model is sized
     plans = [memory.plan(args.workload, shapes, m, world_size=args.world_size, micro_batch=args.micro_batch,
                          seq_len=args.seq_len, response_len=args.response_len,
                          generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory)

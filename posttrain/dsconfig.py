@@ -35,8 +35,13 @@ def config_path(name: str) -> Path:
     if path.suffix != ".json" and not path.exists():
         path = CONFIG_DIR / f"{name}.json"
     if not path.exists():
-        presets = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.json")))
-        raise ConfigError(f"DeepSpeed config {name!r} not found: give a path to a JSON file or one of: {presets}")
+        import difflib
+
+        names = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+        near = difflib.get_close_matches(path.stem, names, n=1, cutoff=0.6)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ConfigError(f"DeepSpeed config {name!r} not found{hint}: give a path to a JSON file or one of: "
+                          f"{', '.join(names)}")
     return path
 
 

@@ -13,10 +13,11 @@ them (see ``train_activation_bytes``); they were checked against peaks measured 
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dsconfig import params_offloaded, read_config, zero_stage
+from .dsconfig import ConfigError, params_offloaded, read_config, zero_stage
 from .roles import MIXES
 
 GiB = 2**30
@@ -87,6 +88,24 @@ OVERSIZED_GRAD_BYTES = 10
 MAX_LIVE_PARAMETERS = int(1e9)
 
 
+def resolve_shape(spec: str, what: str = "--shape") -> str:
+    """A preset's name in any case ("1B" is "1b"), or a model folder or hub id, checked before the
+    hub is asked: a size that is not a preset, or a local path that does not exist, is refused."""
+    from .checks import check_model_path
+
+    if spec.lower() in SHAPES:
+        return spec.lower()
+    presets = ", ".join(SHAPES)
+    if re.fullmatch(r"[\d.]+[kmbt]?", spec.lower()):
+        raise ConfigError(f"{what} {spec!r} is not a preset: choose one of {presets} (any case), or give a model "
+                          "folder or hub id")
+    try:
+        check_model_path(spec, what, weights=False)
+    except ConfigError as err:
+        raise ConfigError(f"{err}, or choose a preset: {presets}") from None
+    return spec
+
+
 def model_config(spec: str, kind: str = "causal", vocab_size: int | None = None) -> Any:
     """A transformers config: a preset from :data:`SHAPES`, or a hub name / local path.
 
@@ -98,7 +117,12 @@ def model_config(spec: str, kind: str = "causal", vocab_size: int | None = None)
         shape = {"tie_word_embeddings": False, **SHAPES[spec]}
         cfg = LlamaConfig(max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
     else:
-        cfg = AutoConfig.from_pretrained(spec)
+        try:
+            cfg = AutoConfig.from_pretrained(spec)
+        except (OSError, ValueError) as err:  # no such repo, no network, a config transformers cannot read
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"cannot read the model config of {spec!r} ({first}): give a preset "
+                              f"({', '.join(SHAPES)}), a local model folder or a reachable hub id") from None
     if vocab_size is not None:
         cfg.vocab_size = vocab_size
     if kind in ("token", "sequence"):
@@ -220,7 +244,7 @@ def mix_configs(mix: str) -> tuple[str, str]:
         return MIXES[mix]
     if mix in BASELINES:
         return BASELINES[mix]
-    raise ValueError(f"unknown mix {mix!r}: choose one of {', '.join([*MIXES, *BASELINES])}")
+    raise ConfigError(f"unknown mix {mix!r}: choose one of {', '.join([*MIXES, *BASELINES])}, or all")
 
 
 @dataclass

@@ -15,9 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .checks import check_data_path
 from .dsconfig import ConfigError
 
 COLUMNS = ("prompt", "chosen", "rejected")
+# Message roles that chat templates render (OpenAI's and the common models' templates; "ipython" is
+# Llama 3's tool output). Another role is a typo that a template would drop or mis-render silently.
+ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -45,7 +49,13 @@ def load_dataset_source(name_or_path: str, split: str = "train", config: str | N
     elif path.is_dir() and (path / "dataset_info.json").exists():
         dataset = load_from_disk(str(path))
     else:
-        dataset = load_dataset(name_or_path, config, split=split)
+        check_data_path(name_or_path, "dataset")  # a missing local file must not reach the hub
+        try:
+            dataset = load_dataset(name_or_path, config, split=split)
+        except (FileNotFoundError, ConnectionError) as err:  # no such hub dataset, or no network
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"dataset {name_or_path!r} could not be loaded ({first}): check the name, or give a "
+                              "local json/jsonl/parquet/csv file") from None
     if len(dataset) == 0:
         raise ConfigError(f"{name_or_path} (split {split!r}) has no rows: give a dataset with at least one row")
     return dataset
@@ -138,6 +148,43 @@ def check_rows(dataset: Any, name: str = "dataset") -> None:
         index += len(batch[need[0]])
 
 
+def check_conversation(dataset: Any, columns: Sequence[str], tokenizer: Any, name: str = "dataset") -> None:
+    """Conversational columns (lists of ``{"role", "content"}`` messages, TRL's format) need a
+    tokenizer with a chat template, and every message a role a template renders; raises on the
+    first problem, naming the row. Text columns pass."""
+    if isinstance(dataset, (list, tuple)):
+        batches = [{c: [r.get(c) for r in dataset] for c in columns}]
+    else:
+        present = [c for c in columns if c in dataset.column_names]
+        batches = dataset.select_columns(present).iter(batch_size=1000) if present else []
+    index, conversational = 0, False
+    for batch in batches:
+        size = len(next(iter(batch.values()), []))
+        for column, values in batch.items():
+            for i, value in enumerate(values):
+                if isinstance(value, (list, tuple)) and value and isinstance(value[0], dict):
+                    conversational = True
+                    _check_messages(value, f"{name}: row {index + i}, {column!r}")
+        if conversational and not getattr(tokenizer, "chat_template", None):
+            source = getattr(tokenizer, "name_or_path", "") or "the model"
+            raise ConfigError(f"{name} is conversational (lists of messages) but the tokenizer of {source} has no chat "
+                              "template: use a chat model's tokenizer, set tokenizer.chat_template and save it with the "
+                              "model, or give the data as plain text")
+        index += size
+
+
+def _check_messages(messages: Sequence[Any], where: str) -> None:
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") is None:  # a dataset fills a missing key with None
+            raise ConfigError(f"{where}, message {j} has no 'role': each message is {{\"role\": ..., \"content\": ...}}")
+        if message["role"] not in ROLES:
+            raise ConfigError(f"{where}, message {j} has the unknown role {message['role']!r}: use one of "
+                              f"{', '.join(ROLES)}")
+        if message.get("content") is None and not message.get("tool_calls"):
+            raise ConfigError(f"{where}, message {j} has no 'content': each message is {{\"role\": ..., "
+                              "\"content\": ...}")
+
+
 def tokenize_row(row: dict, tokenizer: Any) -> dict[str, list[int]]:
     """``prompt_ids``/``chosen_ids``/``rejected_ids`` exactly as ``trl.DPOTrainer`` builds them."""
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
@@ -174,6 +221,7 @@ def prepare_preference_dataset(
 
         dataset = Dataset.from_list(list(dataset))
     check_rows(dataset, name)
+    check_conversation(dataset, COLUMNS, tokenizer, name)
     # keep_in_memory: every rank maps on its own without racing on shared cache files.
     if "prompt" not in dataset.column_names:
         dataset = dataset.map(extract_prompt, keep_in_memory=True, num_proc=num_proc)

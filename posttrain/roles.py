@@ -6,6 +6,7 @@ another. A YAML file can name a mix, map roles to configs, or both (the map over
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,15 @@ STOCK_GATHER_MIXES = {"zero2-zero3-stock"}
 DEFAULT_MIX = "zero2-zero3"
 
 
+def check_mix(mix: str) -> None:
+    """Refuse a mix that does not exist, with the nearest name."""
+    if mix not in MIXES:
+        near = difflib.get_close_matches(str(mix).lower().replace("_", "-"), list(MIXES), n=1, cutoff=0.6)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ConfigError(f"unknown mix {mix!r}{hint}: choose one of {', '.join(MIXES)}, or map each role to a "
+                          "config in role_configs")
+
+
 def roles_for(
     trained: Iterable[str],
     frozen: Iterable[str] = (),
@@ -57,8 +67,7 @@ def roles_for(
     configs: Mapping[str, str | dict] | None = None,
 ) -> list[Role]:
     """Roles for a trainer: ``mix`` gives each its config, ``configs`` overrides per role."""
-    if mix not in MIXES:
-        raise ConfigError(f"unknown mix {mix!r}: choose one of {', '.join(MIXES)}, or map each role to a config")
+    check_mix(mix)
     trained, frozen = list(trained), list(frozen)
     configs = dict(configs or {})
     unknown = set(configs) - set(trained) - set(frozen)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import dsconfig
+from .checks import check_model_path
 from .dsconfig import ConfigError
 from .roles import Role
 
@@ -625,30 +626,6 @@ def recompute_rotary_buffers(model: torch.nn.Module) -> int:
             buf.data = value.to(device=buf.device, dtype=torch.float32)
         fixed += 1
     return fixed
-
-
-def check_model_path(name_or_path: str | os.PathLike, what: str = "model") -> None:
-    """Refuse, before the hub is asked, a model that is neither a local directory nor a hub id
-    (the hub's own message, "Repo id must be in the form ...", does not say that the path is missing)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    text = str(name_or_path)
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return
-    if path.exists():
-        raise ConfigError(f"{what} {text!r} is a file: give the directory that holds its config.json and weights")
-    try:
-        validate_repo_id(text)
-        hub_id = text.count("/") <= 1 and not text.startswith((".", "~"))
-    except HFValidationError:
-        hub_id = False
-    if path.parent != Path(".") and path.parent.is_dir():
-        # "runs/my-sft" is also a well-formed hub id, but its parent folder exists here.
-        raise ConfigError(f"{what} {text!r} does not exist: {path.parent} has no folder {path.name!r}; check the path")
-    if not hub_id:
-        raise ConfigError(f"{what} {text!r} does not exist: it is neither a local directory nor a hub id "
-                          "(owner/name); check the path")
 
 
 def _hub_kwargs(kwargs: dict) -> dict:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from posttrain import ConfigError, Role, Session, dsconfig, roles_for, roles_from_yaml
+from posttrain import ConfigError, Role, Session, dsconfig, roles_for, roles_from_yaml, tiny
 
 KW = dict(micro_batch_size=4, gradient_accumulation_steps=2, world_size=2, mixed_precision="no")
 
@@ -131,7 +131,7 @@ def _error(capsys) -> str:
 def test_malformed_jsonl_line_names_file_and_line(tmp_path, capsys):
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n\n{"prompt": "a", "chosen": oops}\n')
-    assert _dpo_cli(tmp_path, "--model_name_or_path", tmp_path, "--dataset_name", data) == 2
+    assert _dpo_cli(tmp_path, "--model_name_or_path", tiny.sft_model_path(), "--dataset_name", data) == 2
     assert _error(capsys) == (f"error: {data}, line 3: not valid JSON (Expecting value at column 27); "
                               "fix or remove that line")
     doc = tmp_path / "pairs.json"
@@ -145,18 +145,18 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, capsys):
 def test_empty_dataset_file(tmp_path, capsys):
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n  \n")
-    assert _dpo_cli(tmp_path, "--model_name_or_path", tmp_path, "--dataset_name", data) == 2
+    assert _dpo_cli(tmp_path, "--model_name_or_path", tiny.sft_model_path(), "--dataset_name", data) == 2
     assert _error(capsys) == f"error: {data} is empty: give a data file with at least one row"
 
 
 def test_row_missing_a_column(tmp_path, capsys):
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n{"prompt": "a", "chosen": " b"}\n')
-    assert _dpo_cli(tmp_path, "--model_name_or_path", tmp_path, "--dataset_name", data) == 2
+    assert _dpo_cli(tmp_path, "--model_name_or_path", tiny.sft_model_path(), "--dataset_name", data) == 2
     assert _error(capsys) == (f"error: {data} (split 'train'): row 1 has a missing or empty 'rejected'; "
                               "fill it in or drop the row")
     data.write_text('{"prompt": "a", "chosen": " b"}\n')
-    assert _dpo_cli(tmp_path, "--model_name_or_path", tmp_path, "--dataset_name", data) == 2
+    assert _dpo_cli(tmp_path, "--model_name_or_path", tiny.sft_model_path(), "--dataset_name", data) == 2
     assert _error(capsys) == (f"error: {data} (split 'train'): no column 'rejected'; a preference dataset needs "
                               "prompt, chosen, rejected (or an implicit prompt in chosen/rejected), got columns "
                               "['prompt', 'chosen']: rename its columns")

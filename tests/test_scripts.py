@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 from trl import ScriptArguments
 
-from posttrain import ConfigError, cli
+from posttrain import ConfigError, cli, tiny
 from posttrain.scripts import hub
 from posttrain.scripts.args import demo_config, parse_config
 from posttrain.scripts.data import load_train_eval
@@ -81,7 +81,7 @@ def test_cli_commands(capsys):
 
 
 def test_distill_with_your_student_needs_a_teacher(tmp_path, capsys):
-    assert cli.main(["distill", "--model_name_or_path", str(tmp_path), "--output_dir", str(tmp_path / "run")]) == 2
+    assert cli.main(["distill", "--model_name_or_path", str(tiny.sft_model_path()), "--output_dir", str(tmp_path / "run")]) == 2
     assert "error: distilling into your own student needs a teacher with its vocabulary: set " \
            "--teacher_model_name_or_path" in capsys.readouterr().err
 

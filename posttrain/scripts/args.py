@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
+from .. import checks
 from ..dsconfig import ConfigError
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
@@ -53,7 +56,7 @@ def parse_config(
         # The built-in tiny default: its demo settings, under the same flags.
         outputs = _parse(types, str(demo), argv, prog)
         source = f"the built-in tiny default's demo settings ({_shown_path(demo)}) and flags"
-    check_model_paths(outputs)
+    check_inputs(outputs)
     if _is_main_process():
         print(describe(outputs, source, prog), flush=True)
     return outputs
@@ -75,6 +78,9 @@ def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -
         "--config FILE: a YAML of settings, which the flags below override. Without it, a run with no model "
         "takes the built-in tiny default's demo settings, a run with your model the defaults shown."))
     known = {s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")}
+    # argparse takes "-1e-3" for a flag ("expected one argument"): its pattern for negative numbers
+    # misses exponents before Python 3.14 (gh-124693), whose pattern this is. No flag here looks like a number.
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
     if config is not None:
         path = Path(config)
         if not path.is_file():
@@ -162,26 +168,95 @@ def _is_main_process() -> bool:
 
 
 def check_model_paths(outputs: Sequence[Any]) -> None:
-    """Every model setting (``*model_name_or_path``, ``*model_path``) names an existing directory
-    or a well-formed hub id, checked before any tokenizer or process group is built."""
-    from ..session import check_model_path
-
+    """Every model setting (``*model_name_or_path``, ``*model_path``) names a model folder (a config
+    and whole weights) or a well-formed hub id, checked before any tokenizer or process group is built."""
     for obj in outputs:
         for f in fields(obj):
             value = getattr(obj, f.name)
             if f.name.endswith(("model_name_or_path", "model_path")) and isinstance(value, str) and value != "none":
-                check_model_path(value, f"--{f.name}")
+                checks.check_model_path(value, f"--{f.name}")
+                if f.name == "reward_model_path":
+                    checks.check_reward_model(value, f"--{f.name}")
+
+
+def check_inputs(outputs: Sequence[Any]) -> None:
+    """What the run is given, before anything is written or loaded: model paths, a dataset that is
+    a local path, the placement (mix, role configs), the checkpoint to resume from and a writable
+    output dir (posttrain.checks; the trainers repeat the last three for Python callers)."""
+    check_model_paths(outputs)
+    values = {f.name: getattr(o, f.name) for o in outputs for f in fields(o)}
+    if isinstance(values.get("dataset_name"), str):
+        checks.check_data_path(values["dataset_name"])
+    if "mix" in values:
+        checks.check_placement(values["mix"], values.get("role_configs"))
+    if "output_dir" in values:
+        checks.check_output_dir(values["output_dir"])
+        checks.check_resume_path(values.get("resume_from_checkpoint"), values["output_dir"])
+
+
+def require_dataset(outputs: Sequence[Any], model_fields: Sequence[str] = ("model_name_or_path",)) -> None:
+    """A run on your own model needs your data: without ``--dataset_name`` it would train on the
+    bundled synthetic data made for the tiny default."""
+    values = {f.name: getattr(o, f.name) for o in outputs for f in fields(o)}
+    named = [f for f in model_fields if values.get(f)]
+    if named and not values.get("dataset_name"):
+        raise ConfigError(f"--{named[0]} is set but --dataset_name is not: give your data with --dataset_name (a hub "
+                          "name or a json/jsonl/parquet/csv file), or drop --model_name_or_path to run the built-in "
+                          "tiny default on its bundled data")
 
 
 def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | None = None) -> int:
-    """Run a script's ``main``: bad settings or data end it with their one sentence on stderr and
-    exit status 2, not a traceback."""
+    """Run a script's ``main``: bad settings or data end it with their one sentence and exit status
+    2, not a traceback (:func:`report_error`)."""
     try:
         main(None if argv is None else list(argv))
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return report_error(err)
     return 0
+
+
+# How long a rank other than 0 waits before it reports a bad input itself. Every rank checks the
+# same input, so rank 0 fails too and its launcher stops the others when it sees that (torchrun and
+# accelerate poll every 0.1 s); a rank still alive after this failed alone and must speak.
+OTHER_RANKS_WAIT_S = 10.0
+
+
+def report_error(err: Exception) -> int:
+    """The sentence once: rank 0 says it, other ranks only if rank 0 did not fail (see above).
+    Under torchrun or accelerate launch it goes into the launcher's error file instead of stderr,
+    so the launcher's failure block (which always follows a failed rank) ends with it as the root
+    cause rather than "To enable traceback see ..."; elsewhere it goes to stderr. Returns 2."""
+    message = f"error: {err}"
+    rank = int(os.environ.get("RANK", "0"))
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # After an error the ranks are not in step: no exit barrier (posttrain.session's atexit one).
+        torch.distributed.destroy_process_group()
+    if rank != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(OTHER_RANKS_WAIT_S)
+        message = f"error (rank {rank}): {err}"
+    if not _write_launcher_error_file(message):
+        print(message, file=sys.stderr, flush=True)
+    return 2
+
+
+def _write_launcher_error_file(message: str) -> bool:
+    """Write ``message`` where torch.distributed.elastic's agent reads a failed worker's error
+    (``TORCHELASTIC_ERROR_FILE``, in the format of its ``ErrorHandler.record_exception``); False
+    when there is no such file (no elastic launcher) or it cannot be written."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                          "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        return False
+    return True
 
 
 def note(text: str) -> None:

@@ -24,7 +24,7 @@ from ..dsconfig import ConfigError
 from ..modelcard import write_model_card
 from ..trainers.distill import DistillConfig, DistillTrainer
 from ..trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
-from .args import demo_config, parse_config, run_script
+from .args import demo_config, parse_config, require_dataset, run_script
 from .data import eval_steps_per_epoch, load_train_eval
 from .hub import push_to_hub
 
@@ -98,11 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     script, cfg, targs = parse_config((ScriptArguments, DistillConfig, TeacherArguments), demo_config("distill"),
                                       argv, model_fields=("model_name_or_path", "teacher_model_name_or_path"),
                                       prog="posttrain distill")
+    if cfg.teacher_model_name_or_path is None and cfg.model_name_or_path is not None:
+        raise ConfigError("distilling into your own student needs a teacher with its vocabulary: set "
+                          "--teacher_model_name_or_path (the built-in tiny teacher fits only the tiny student)")
+    require_dataset([script, cfg])
     teacher_losses = None
     if cfg.teacher_model_name_or_path is None:
-        if cfg.model_name_or_path is not None:
-            raise ConfigError("distilling into your own student needs a teacher with its vocabulary: set "
-                              "--teacher_model_name_or_path (the built-in tiny teacher fits only the tiny student)")
         path, teacher_losses = tiny_teacher(targs, tiny.corpus()[: -targs.heldout_lines], cfg.seed)
         cfg.teacher_model_name_or_path = str(path)
     train_rows, eval_rows = load_rows(script, targs, cfg)

@@ -18,7 +18,7 @@ from trl import ScriptArguments
 from .. import preference, synthetic
 from ..modelcard import write_model_card
 from ..trainers.dpo import DPOConfig, DPOTrainer
-from .args import demo_config, parse_config, run_script
+from .args import demo_config, parse_config, require_dataset, run_script
 from .data import eval_steps_per_epoch, load_train_eval
 from .hub import push_to_hub
 
@@ -37,13 +37,12 @@ class DataArguments:
 def load_datasets(script: ScriptArguments, data: DataArguments, cfg: DPOConfig) -> tuple[Any, Any]:
     """(train, eval) datasets; eval is None under ``eval_strategy: no`` (TRL's scripts pass none then)."""
     if script.dataset_name is None:
-        # Bundled pairs; the held-out split is another seed.
-        folder = Path(cfg.output_dir) / "data"
-        train = preference.write_jsonl(synthetic.preference_pairs(data.synthetic_train_size, seed=0),
-                                       folder / "train.jsonl")
-        test = preference.write_jsonl(synthetic.preference_pairs(data.synthetic_eval_size, seed=1),
-                                      folder / "test.jsonl")
-        train, test = preference.load_dataset_source(str(train)), preference.load_dataset_source(str(test))
+        # Bundled pairs, in memory (nothing is written before the trainer has checked the output dir);
+        # the held-out split is another seed.
+        from datasets import Dataset
+
+        train = Dataset.from_list(synthetic.preference_pairs(data.synthetic_train_size, seed=0))
+        test = Dataset.from_list(synthetic.preference_pairs(data.synthetic_eval_size, seed=1))
         return train, (test if cfg.eval_strategy != "no" else None)
     return load_train_eval(script, data.test_split_size, cfg, check=preference.check_rows)
 
@@ -51,6 +50,7 @@ def load_datasets(script: ScriptArguments, data: DataArguments, cfg: DPOConfig) 
 def main(argv: list[str] | None = None) -> None:
     script, data, cfg = parse_config((ScriptArguments, DataArguments, DPOConfig), demo_config("dpo"), argv,
                                      prog="posttrain dpo")
+    require_dataset([script, cfg])
     train, test = load_datasets(script, data, cfg)
     trainer = DPOTrainer(cfg, train_dataset=train, eval_dataset=test)
     if test is not None and cfg.eval_strategy == "epoch":

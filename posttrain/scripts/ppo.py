@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from ..trainers.ppo import PPOConfig, PPOTrainer
-from .args import demo_config, parse_config, run_script
+from .args import demo_config, parse_config, require_dataset, run_script
 from .hub import push_to_hub
 
 
@@ -31,6 +31,7 @@ def summarize(history: list[dict], cfg: PPOConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     (cfg,) = parse_config(PPOConfig, demo_config("ppo"), argv, prog="posttrain ppo")
+    require_dataset([cfg])
     trainer = PPOTrainer(cfg)
     history = trainer.train()
     final = Path(cfg.output_dir) / "policy"

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import checks
 from ..dsconfig import ConfigError
 from ..modelcard import write_model_card
 from ..roles import DEFAULT_MIX, roles_for
@@ -123,9 +124,14 @@ def validate_train_config(cfg: TrainConfig) -> None:
 
 
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:
+    # Everything the run is given is checked before prepare_output_dir clears anything.
+    checks.check_placement(cfg.mix, cfg.role_configs)
+    roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs)
+    checks.check_output_dir(cfg.output_dir)
+    checks.check_resume_path(cfg.resume_from_checkpoint, cfg.output_dir)
     prepare_output_dir(cfg)  # before any model loads: a reused dir or a missing checkpoint fails fast
     return Session(
-        roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs),
+        roles,
         micro_batch_size=cfg.per_device_train_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_grad_norm=cfg.max_grad_norm,

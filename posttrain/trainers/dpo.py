@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import preference, tiny
+from ..dsconfig import ConfigError
 from .common import (
     Phases,
     RunLog,
@@ -90,30 +91,31 @@ def validate(cfg: DPOConfig) -> None:
     """TRL's checks on the loss settings, raised before any model is loaded."""
     unknown = [t for t in cfg.loss_type if t not in LOSS_TYPES]
     if unknown:
-        raise ValueError(f"unknown loss_type {unknown[0]!r}: choose from {', '.join(LOSS_TYPES)}")
+        raise ConfigError(f"unknown loss_type {unknown[0]!r}: choose from {', '.join(LOSS_TYPES)}")
     if cfg.loss_weights is not None and len(cfg.loss_weights) != len(cfg.loss_type):
-        raise ValueError(f"loss_weights has {len(cfg.loss_weights)} values for {len(cfg.loss_type)} loss types")
+        raise ConfigError(f"loss_weights has {len(cfg.loss_weights)} values for {len(cfg.loss_type)} loss types: give one "
+                          "weight per loss type")
     if cfg.f_divergence_type not in F_DIVERGENCES:
-        raise ValueError(f"unknown f_divergence_type {cfg.f_divergence_type!r}: choose from {', '.join(F_DIVERGENCES)}")
+        raise ConfigError(f"unknown f_divergence_type {cfg.f_divergence_type!r}: choose from {', '.join(F_DIVERGENCES)}")
     if cfg.f_divergence_type != "reverse_kl" and not set(cfg.loss_type) <= F_DIVERGENCE_LOSS_TYPES:
-        raise ValueError(f"f_divergence_type={cfg.f_divergence_type!r} supports only {sorted(F_DIVERGENCE_LOSS_TYPES)}")
+        raise ConfigError(f"f_divergence_type={cfg.f_divergence_type!r} supports only {sorted(F_DIVERGENCE_LOSS_TYPES)}")
     if "exo_pair" in cfg.loss_type and cfg.label_smoothing == 0.0:
-        raise ValueError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper uses 1e-3)")
+        raise ConfigError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper uses 1e-3)")
     if cfg.use_weighting and {"aot", "aot_unpaired"} & set(cfg.loss_type):
-        raise ValueError("use_weighting does not apply to 'aot'/'aot_unpaired': they sort the pairs")
+        raise ConfigError("use_weighting does not apply to 'aot'/'aot_unpaired': they sort the pairs")
     if cfg.truncation_mode not in ("keep_start", "keep_end"):
-        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {cfg.truncation_mode!r}")
+        raise ConfigError(f"truncation_mode must be 'keep_start' or 'keep_end', got {cfg.truncation_mode!r}")
     if cfg.use_peft and cfg.ref_model_name_or_path:
-        raise ValueError("use_peft takes its reference from the base model; drop ref_model_name_or_path")
+        raise ConfigError("use_peft takes its reference from the base model; drop ref_model_name_or_path")
     if cfg.sync_ref_model:
         if cfg.use_peft:
-            raise ValueError("sync_ref_model needs a reference model of its own, and use_peft has none (the "
-                             "reference is the base with adapters disabled): drop one of them")
+            raise ConfigError("sync_ref_model needs a reference model of its own, and use_peft has none (the "
+                              "reference is the base with adapters disabled): drop one of them")
         if cfg.precompute_ref_log_probs:
-            raise ValueError("sync_ref_model changes the reference during training, so precomputed reference "
-                             "log-probs would go stale: drop precompute_ref_log_probs or sync_ref_model")
+            raise ConfigError("sync_ref_model changes the reference during training, so precomputed reference "
+                              "log-probs would go stale: drop precompute_ref_log_probs or sync_ref_model")
         if cfg.ref_model_sync_steps < 1 or not 0.0 < cfg.ref_model_mixup_alpha <= 1.0:
-            raise ValueError("sync_ref_model needs ref_model_sync_steps >= 1 and 0 < ref_model_mixup_alpha <= 1")
+            raise ConfigError("sync_ref_model needs ref_model_sync_steps >= 1 and 0 < ref_model_mixup_alpha <= 1")
 
 
 # -- the math (TRL 1.16's DPOTrainer._compute_loss) -----------------------------------------------
@@ -286,8 +288,9 @@ class DPOTrainer:
         world = _world_size()
         global_batch = cfg.per_device_train_batch_size * world
         if len(self.train_rows) < global_batch:
-            raise ValueError(f"train_dataset has {len(self.train_rows)} usable rows, fewer than one global batch "
-                             f"({cfg.per_device_train_batch_size} per device x {world} processes)")
+            raise ConfigError(f"train_dataset has {len(self.train_rows)} usable rows, fewer than one global batch "
+                              f"({cfg.per_device_train_batch_size} per device x {world} processes): lower "
+                              "--per_device_train_batch_size or give more rows")
         per_epoch = max(1, len(self.train_rows) // global_batch // cfg.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
         self.session = make_session(cfg, ["policy"], frozen, total_steps=self.total_steps)

@@ -27,7 +27,7 @@ import torch
 
 from .. import rewards, synthetic, tiny
 from ..dsconfig import ConfigError
-from ..preference import load_dataset_source
+from ..preference import check_conversation, load_dataset_source
 from .common import (
     Phases,
     RunLog,
@@ -300,6 +300,8 @@ class PPOTrainer:
                               "policy's token ids: give value_model_path a model with the policy's tokenizer "
                               "(or leave it unset to start from the policy)")
         self.raw_prompts = load_prompts(cfg)
+        check_conversation([{"prompt": p} for p in self.raw_prompts], ("prompt",), self.tokenizer,
+                           cfg.dataset_name or "prompts")  # before any model loads
         self.prompts = [policy_text(p, self.tokenizer) for p in self.raw_prompts]
 
         world = int(os.environ.get("WORLD_SIZE", "1"))

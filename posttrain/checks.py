@@ -1,0 +1,179 @@
+"""What a run is given, checked before anything is written or loaded: model folders (a config and
+weights whose safetensors headers are whole), data files, the checkpoint to resume from, the
+placement (mix and role configs) and a writable output dir. Each failure is a ConfigError whose one
+sentence names the fix; nothing here asks the hub about a name that is plainly a local path."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+from .dsconfig import ConfigError
+
+# Suffixes that make a name a file, never a hub id (a hub lookup of "prefs.jsonl" retries for 30 s).
+FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".safetensors", ".bin", ".pt", ".yaml", ".yml")
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def looks_local(text: str) -> bool:
+    """A path, not a hub id: absolute, ``./``, ``../``, ``~``, more than one ``/``, or a file suffix."""
+    return (text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text
+            or text.lower().endswith(FILE_SUFFIXES))
+
+
+def check_model_path(name_or_path: str | os.PathLike, what: str = "model", weights: bool = True) -> None:
+    """A local model folder must hold a config and (``weights``) readable weights; a name that is
+    not a local folder must be a well-formed hub id that does not look like a path (else the hub
+    would be asked, and retried, for a typo)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        check_model_folder(path, what, weights)
+        return
+    if path.exists():
+        raise ConfigError(f"{what} {text!r} is a file: give the directory that holds its config.json and weights")
+    if path.parent != Path(".") and path.parent.is_dir():
+        # "runs/my-sft" is also a well-formed hub id, but its parent folder exists here.
+        raise ConfigError(f"{what} {text!r} does not exist: {path.parent} has no folder {path.name!r}; check the path")
+    try:
+        validate_repo_id(text)
+        hub_id = not looks_local(text)
+    except HFValidationError:
+        hub_id = False
+    if not hub_id:
+        raise ConfigError(f"{what} {text!r} does not exist: it is neither a local directory nor a hub id "
+                          "(owner/name); check the path")
+
+
+def check_model_folder(path: Path, what: str = "model", weights: bool = True) -> None:
+    """``save_pretrained``'s output: config.json (or a PEFT adapter's adapter_config.json) and whole
+    weight files (each safetensors header read, not the tensors)."""
+    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        raise ConfigError(f"{what} {str(path)!r} has no config.json: give the folder that save_pretrained wrote "
+                          "(config.json beside the weights)")
+    if not weights:
+        return
+    weights = sorted({p for pattern in WEIGHT_PATTERNS for p in path.glob(pattern)})
+    if not weights:
+        raise ConfigError(f"{what} {str(path)!r} has no weights (model.safetensors or pytorch_model.bin): give the "
+                          "folder that save_pretrained wrote, or copy the weights into it")
+    for index in (p for p in weights if p.name.endswith(".index.json")):
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{index} is not a weight index (no weight_map): re-save the model") from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ConfigError(f"{what} {str(path)!r} lacks {len(missing)} of its {len(shards)} weight shards "
+                              f"({missing[0]}, ...): copy the missing files, or re-save the model")
+    for file in weights:
+        if file.suffix == ".safetensors":
+            check_safetensors(file)
+
+
+def check_reward_model(name_or_path: str | os.PathLike, what: str = "reward model") -> None:
+    """A local reward model scores with one logit (``num_labels`` 1, what TRL's RewardTrainer saves).
+    Two labels (transformers' default, so also any causal LM) would give a score head of another
+    shape, or a random one; a hub id is checked when it loads."""
+    path = Path(str(name_or_path)).expanduser()
+    if not (path / "config.json").is_file():
+        return
+    config = json.loads((path / "config.json").read_text())
+    labels = len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
+    if labels != 1:
+        raise ConfigError(f"{what} {str(name_or_path)!r} has {labels} labels in its config.json; a reward model "
+                          "scores with one logit: give a sequence-classification model trained with num_labels=1 (as TRL's "
+                          "RewardTrainer saves it)")
+
+
+def check_safetensors(file: str | os.PathLike) -> None:
+    """A safetensors file is whole: its header (8-byte length, then JSON) parses and the last
+    tensor ends exactly at the end of the file. A copy cut short fails here, not in the load."""
+    file = Path(file)
+    size = file.stat().st_size
+    fix = "copy it again or re-save the model"
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"{file} is truncated ({size} bytes, no safetensors header): {fix}")
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            raise ConfigError(f"{file} is truncated (its header says {length} bytes, the file has {size}): {fix}")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError):
+            raise ConfigError(f"{file} is not a safetensors file (its header is not JSON): {fix}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{file} is not a safetensors file (its header is not a mapping): {fix}")
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+               and "data_offsets" in t), default=0)
+    if 8 + length + end != size:
+        raise ConfigError(f"{file} is truncated or corrupt ({size} bytes; its header says "
+                          f"{8 + length + end}): {fix}")
+
+
+def check_data_path(name: str, what: str = "--dataset_name") -> None:
+    """A dataset name that is plainly a local path must exist (``datasets`` would ask the hub)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return
+    if looks_local(name) or (path.parent != Path(".") and path.parent.is_dir()):
+        where = ("no such file in the current directory" if path.parent == Path(".") else
+                 f"{path.parent} has no {path.name!r}" if path.parent.is_dir() else f"{path.parent} does not exist")
+        raise ConfigError(f"{what} {name!r} does not exist ({where}): give a json/jsonl/parquet/csv file, a dataset "
+                          "folder or a hub dataset name")
+
+
+def check_resume_path(value: str | None, output_dir: str) -> None:
+    """``resume_from_checkpoint`` names a checkpoint of a run (``checkpoint-N/``, or latest), not a
+    model folder; what a checkpoint must hold is checked when the run starts from it."""
+    if not value or str(value).lower() in ("latest", "true"):
+        return
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(f"resume_from_checkpoint {value!r} does not exist: give a checkpoint-N folder of an output "
+                          f"dir, or latest (the newest in {output_dir})")
+    if not (path / "state").exists() and (path / "config.json").is_file():
+        raise ConfigError(f"resume_from_checkpoint {value!r} is a model folder, not a checkpoint: to start from these "
+                          "weights pass --model_name_or_path instead; to continue a run give its checkpoint-N folder")
+
+
+def check_placement(mix: str, role_configs: Mapping | None) -> None:
+    """The mix exists and every role config reads (a preset name or a JSON file); which roles a
+    run has is checked by ``roles_for`` once the trainer knows them."""
+    from . import dsconfig
+    from .roles import check_mix
+
+    check_mix(mix)
+    if role_configs is None:
+        return
+    if not isinstance(role_configs, Mapping):
+        raise ConfigError(f"role_configs must map a role name to a DeepSpeed config (preset name or JSON path), got "
+                          f"{role_configs!r}: set it in the YAML as role_configs: {{reference: zero3_inference}}")
+    for role, config in role_configs.items():
+        try:
+            dsconfig.read_config(config)
+        except ConfigError as err:
+            raise ConfigError(f"role_configs {role}: {err}") from None
+
+
+def check_output_dir(output_dir: str | os.PathLike) -> None:
+    """The output dir (or, if it does not exist yet, its nearest existing parent) is a writable
+    folder: a read-only one would otherwise fail only after the models load."""
+    path = Path(output_dir).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir {str(output_dir)!r} is a file: choose a folder with --output_dir")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir {str(output_dir)!r} cannot be created: {existing} is a file; choose another "
+                          "--output_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        raise ConfigError(f"output_dir {str(output_dir)!r} {what}; choose a writable --output_dir")

@@ -140,21 +140,14 @@ CASES = [
     ("output dir is a file", "rloo --output_dir {conv}",
      "output_dir '{conv}' is a file: choose a folder with --output_dir"),
 ]
-# posttrain/scripts/grpo.py and trainers/grpo.py call require_dataset / check_conversation once the
-# lead merges the two lines this branch's report gives; until then these fail (strict: a pass is
-# reported, so the marks go when the lines land).
-PENDING = pytest.mark.xfail(strict=True, reason="needs require_dataset in scripts/grpo.py, check_conversation in "
-                                               "trainers/grpo.py")
 GRPO_CASES = [
-    pytest.param("grpo model without data", "grpo --output_dir {out} --model_name_or_path {sft}", NO_DATA,
-                 marks=PENDING),
-    pytest.param("rloo model without data", "rloo --output_dir {out} --model_name_or_path {sft}", NO_DATA,
-                 marks=PENDING),
+    pytest.param("grpo model without data", "grpo --output_dir {out} --model_name_or_path {sft}", NO_DATA),
+    pytest.param("rloo model without data", "rloo --output_dir {out} --model_name_or_path {sft}", NO_DATA),
     pytest.param("no chat template, grpo", "grpo --output_dir {out} --model_name_or_path {no_template} "
                  "--dataset_name {prompts} --reward_funcs posttrain.synthetic:sentiment_reward",
                  "{prompts} is conversational (lists of messages) but the tokenizer of {no_template} has no chat "
                  "template: use a chat model's tokenizer, set tokenizer.chat_template and save it with the model, or "
-                 "give the data as plain text", marks=PENDING),
+                 "give the data as plain text"),
 ]
 
 

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from ..trainers.grpo import GRPOConfig, GRPOTrainer
-from .args import demo_config, parse_config, run_script
+from .args import demo_config, parse_config, require_dataset, run_script
 from .hub import push_to_hub
 
 PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
@@ -39,6 +39,7 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
     import time
 
     (cfg,) = parse_config(config_cls, demo_config(name), argv, prog=f"posttrain {name}")
+    require_dataset([cfg])
     start = time.perf_counter()
     trainer = trainer_cls(cfg)
     history = trainer.train()

@@ -33,7 +33,7 @@ import torch
 
 from .. import synthetic, tiny
 from ..dsconfig import ConfigError
-from ..preference import load_dataset_source
+from ..preference import check_conversation, load_dataset_source
 from ..reward_funcs import RewardFuncError, RewardWarnings
 from .common import (
     Phases,
@@ -471,6 +471,7 @@ class GRPOTrainer:
         self.reward_names = [n if kind == "func" else Path(str(n)).name for kind, _, n in self.sources]
 
         self.rows = train_rows if train_rows is not None else load_prompt_rows(cfg)
+        check_conversation(self.rows, ("prompt",), tok, cfg.dataset_name or "train_rows")
         columns = [k for k in self.rows[0] if k != "prompt"] if self.rows else []
         for kind, fn, _ in self.sources:
             if kind == "func":

@@ -17,6 +17,7 @@ from trl import ScriptArguments
 
 from .. import preference, synthetic
 from ..modelcard import write_model_card
+from ..trainers.common import lock_output_dir
 from ..trainers.dpo import DPOConfig, DPOTrainer
 from .args import demo_config, parse_config, run_script
 from .data import eval_steps_per_epoch, load_train_eval
@@ -37,7 +38,9 @@ class DataArguments:
 def load_datasets(script: ScriptArguments, data: DataArguments, cfg: DPOConfig) -> tuple[Any, Any]:
     """(train, eval) datasets; eval is None under ``eval_strategy: no`` (TRL's scripts pass none then)."""
     if script.dataset_name is None:
-        # Bundled pairs; the held-out split is another seed.
+        # Bundled pairs, written into the output dir: held first (one run at a time writes there).
+        # The held-out split is another seed.
+        lock_output_dir(cfg.output_dir)
         folder = Path(cfg.output_dir) / "data"
         train = preference.write_jsonl(synthetic.preference_pairs(data.synthetic_train_size, seed=0),
                                        folder / "train.jsonl")
@@ -65,8 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         # The card written at the end of training cannot know the data (the trainer takes rows): name it.
         write_model_card(cfg.output_dir, cfg, "dpo", trainer.session,
                          dataset_name=script.dataset_name or "posttrain's bundled synthetic preference pairs")
-    final = Path(cfg.output_dir) / "final"
-    trainer.save_model(final)
+    final = trainer.save_model()  # the output dir itself, as TRL
     if cfg.push_to_hub and trainer.session.is_main_process:
         print(f"pushed to {push_to_hub(cfg, final)}")
 

@@ -3,6 +3,7 @@ run killed with kill -9 does not leave stuck), cleared only after every check, t
 at its top; and launching the installed command on several processes."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,6 +78,12 @@ def test_a_run_killed_with_kill_9_leaves_no_stale_lock(holder):
     prepare_output_dir(TrainConfig(output_dir=str(out)))
     assert (out / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on ")
     prepare_output_dir(TrainConfig(output_dir=str(out)))  # the same process again (a second trainer): fine
+    # The dir removed and made again while this process still runs: the new one is locked too.
+    shutil.rmtree(out)
+    prepare_output_dir(TrainConfig(output_dir=str(out)))
+    other = subprocess.run([sys.executable, "-c", HOLD, str(out)], env=_env(), capture_output=True, text=True,
+                           timeout=120)
+    assert other.returncode != 0 and f"in use by another run (pid {os.getpid()} on " in other.stderr
 
 
 def test_only_rank_0_locks(tmp_path, monkeypatch):

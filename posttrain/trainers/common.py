@@ -389,7 +389,9 @@ def lock_output_dir(output_dir: str | os.PathLike) -> None:
         return
     out = Path(output_dir).resolve()
     if out in _held_locks:
-        return
+        if _same_file(_held_locks[out], out / LOCK_FILE):
+            return
+        os.close(_held_locks.pop(out))  # the dir was removed and made again: lock the new one
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -406,6 +408,13 @@ def lock_output_dir(output_dir: str | os.PathLike) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
     _held_locks[out] = fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
 
 
 def prepare_output_dir(cfg: TrainConfig) -> None:

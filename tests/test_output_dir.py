@@ -61,13 +61,14 @@ def test_a_second_run_is_refused_and_nothing_is_cleared(holder):
 def test_the_installed_command_exits_2_with_one_sentence(holder):
     out, proc = holder
     run = subprocess.run([sys.executable, "-m", "posttrain.cli", "dpo", "--output_dir", str(out),
-                          "--overwrite_output_dir", "true"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          "--overwrite_output_dir", "true", "--synthetic_train_size", "32", "--synthetic_eval_size", "32"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 2, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in run.stderr
     assert errors[0].startswith(f"error: output_dir {out.resolve()} is in use by another run (pid {proc.pid} on ")
-    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # the bundled data was not written either
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing written or cleared
 
 
 def test_a_run_killed_with_kill_9_leaves_no_stale_lock(holder):

@@ -10,14 +10,12 @@ TRL's DPOConfig defaults apply, as in ``trl dpo``; ``--config FILE`` gives setti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from trl import ScriptArguments
 
 from .. import preference, synthetic
 from ..modelcard import write_model_card
-from ..trainers.common import lock_output_dir
 from ..trainers.dpo import DPOConfig, DPOTrainer
 from .args import demo_config, parse_config, run_script
 from .data import eval_steps_per_epoch, load_train_eval
@@ -38,15 +36,12 @@ class DataArguments:
 def load_datasets(script: ScriptArguments, data: DataArguments, cfg: DPOConfig) -> tuple[Any, Any]:
     """(train, eval) datasets; eval is None under ``eval_strategy: no`` (TRL's scripts pass none then)."""
     if script.dataset_name is None:
-        # Bundled pairs, written into the output dir: held first (one run at a time writes there).
-        # The held-out split is another seed.
-        lock_output_dir(cfg.output_dir)
-        folder = Path(cfg.output_dir) / "data"
-        train = preference.write_jsonl(synthetic.preference_pairs(data.synthetic_train_size, seed=0),
-                                       folder / "train.jsonl")
-        test = preference.write_jsonl(synthetic.preference_pairs(data.synthetic_eval_size, seed=1),
-                                      folder / "test.jsonl")
-        train, test = preference.load_dataset_source(str(train)), preference.load_dataset_source(str(test))
+        # Bundled pairs, built in memory: nothing is written before the output dir is checked and
+        # held (every rank builds the same rows). The held-out split is another seed.
+        from datasets import Dataset
+
+        train = Dataset.from_list(synthetic.preference_pairs(data.synthetic_train_size, seed=0))
+        test = Dataset.from_list(synthetic.preference_pairs(data.synthetic_eval_size, seed=1))
         return train, (test if cfg.eval_strategy != "no" else None)
     return load_train_eval(script, data.test_split_size, cfg, check=preference.check_rows)
 

@@ -43,7 +43,8 @@ def check_launch(env: Mapping[str, str] | None = None, argv: list[str] | None = 
     ``accelerate launch`` (1.15) runs its plain launcher: it starts ONE process and only exports
     ``MASTER_ADDR``/``MASTER_PORT`` for the N asked for (``prepare_simple_launcher_cmd_env``); it
     never sets ``WORLD_SIZE``, which every multi-process launcher (torchrun, accelerate's DeepSpeed
-    and multi-GPU launchers) does. That process would train alone and exit 0.
+    and multi-GPU launchers) does. That process would train alone and exit 0. (A MASTER_ADDR
+    exported by hand into a one-process accelerate launch looks the same: the sentence says so.)
     """
     env = os.environ if env is None else env
     argv = sys.argv if argv is None else argv
@@ -55,7 +56,7 @@ def check_launch(env: Mapping[str, str] | None = None, argv: list[str] | None = 
         "accelerate launch started 1 process where several were asked (with no accelerate config, "
         "--use_deepspeed or several GPUs it starts only one): launch with "
         f"`accelerate launch --config_file $(posttrain accelerate-config cpu_2proc) --num_processes N {target}` "
-        f"or `torchrun --nproc_per_node N {target}`"
+        f"or `torchrun --nproc_per_node N {target}` (for one process, leave MASTER_ADDR unset)"
     )
 
 

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     history = trainer.train()
     after = {name: trainer.evaluate(name, items) for name, items in heldout.items()}
     acc_after = accuracy(trainer, heldout_sent)
+    saved = trainer.save_model()  # each model in its own folder: <output_dir>/lm, <output_dir>/classifier
     if trainer.session.is_main_process:
         tenth = max(1, len(history) // 10)
         summary = {"placement": {name: trainer.session.zero_stage(name) for name in tasks}, "steps": len(history)}
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['train_loss_last_tenth']:.3f}   held-out loss {r['heldout_loss_before']:.3f} -> "
                   f"{r['heldout_loss_after']:.3f}")
         print(f"  classifier held-out accuracy {acc_before:.3f} -> {acc_after:.3f}")
-        print(f"  metrics in {cfg.output_dir}/metrics.jsonl, checkpoints in {cfg.output_dir}/checkpoint-*")
+        print(f"  models saved to {', '.join(str(p) for p in saved.values())}; metrics in {cfg.output_dir}/metrics.jsonl")
 
 
 if __name__ == "__main__":

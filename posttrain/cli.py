@@ -1,6 +1,9 @@
 """``posttrain`` command line: the trainers (``posttrain dpo|ppo|distill|grpo|rloo``, each the
 module ``posttrain.scripts.<name>`` that examples/<name>.py runs too, with the same YAML and
-flags), ``posttrain bench`` (the ZeRO-mix benchmark) and ``posttrain plan`` (the memory planner)."""
+flags), ``posttrain bench`` (the ZeRO-mix benchmark), ``posttrain plan`` (the memory planner) and
+``posttrain accelerate-config NAME`` (the path of a shipped accelerate config, for launching the
+trainers on several processes: ``accelerate launch --config_file $(posttrain accelerate-config
+cpu_2proc) $(which posttrain) grpo``; or ``torchrun --nproc_per_node 2 $(which posttrain) grpo``)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 
 from . import memory
 from .dsconfig import ConfigError
+from .launch import accelerate_config_command
 from .roles import MIXES
 
 
@@ -94,7 +98,8 @@ def _trainer(name: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": _bench, "plan": _plan, **{t: (lambda a, t=t: _trainer(t, a)) for t in TRAINERS}}
+    commands = {"bench": _bench, "plan": _plan, "accelerate-config": accelerate_config_command,
+                **{t: (lambda a, t=t: _trainer(t, a)) for t in TRAINERS}}
     if not argv or argv[0] not in commands:
         names = ",".join(commands)
         print(f"usage: posttrain {{{names}}} [options]   (posttrain COMMAND --help for each)", file=sys.stderr)

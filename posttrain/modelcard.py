@@ -119,10 +119,16 @@ math, each model role under its own DeepSpeed plugin).
 from transformers import pipeline
 
 question = "If you had a time machine, but could only go to the past or the future once and never return, which would you choose and why?"
-generator = pipeline("text-generation", model="{{ hub_model_id }}", device_map="auto")
+generator = pipeline("text-generation", model="{{ quick_start_model }}", device_map="auto")
 output = generator([{"role": "user", "content": question}], max_new_tokens=128, return_full_text=False)[0]
 print(output["generated_text"])
 ```
+{% endif %}{% if model_folders %}
+## The models
+
+In Hugging Face format in this folder: {% if quick_start %}the trained {{ top_model }} at its top \
+(`from_pretrained` of the folder loads it) and {% endif %}\
+{% for name in model_folders %}the trained {{ name }} in `{{ name }}/`{% if not loop.last %}, {% endif %}{% endfor %}.
 {% endif %}
 ## Training procedure
 
@@ -310,8 +316,12 @@ def write_model_card(
         paper_title=info["paper"].get("title"),
         paper_id=info["paper"].get("id"),
         trainer_citation=info["paper"].get("citation"),
-        hub_model_id=getattr(cfg, "hub_model_id", None) or model_name,  # TRL's default: the output dir's name
+        quick_start_model=_quick_start_model(cfg, out),
         quick_start=method != "multi" and (not trained or trained[0] in ("policy", "student")),
+        # Trained models saved in folders of their own: every one of a multi-model run (disjoint
+        # models), else those beside the top model (PPO's value model).
+        model_folders=trained if method == "multi" else trained[1:],
+        top_model=trained[0] if trained else "model",
         roles=roles,
         metrics=metrics,
         curves=CURVES_FILE if curves is not None else None,
@@ -321,6 +331,16 @@ def write_model_card(
     path = out / CARD_FILE
     card.save(path)
     return path
+
+
+def _quick_start_model(cfg: Any, out: Path) -> str:
+    """What the quick start loads: the hub repo when the run pushes there (TRL's default name: the
+    output dir's), else the output dir, where the trained model is saved."""
+    if getattr(cfg, "hub_model_id", None):
+        return cfg.hub_model_id
+    if getattr(cfg, "push_to_hub", False):
+        return out.resolve().name
+    return str(out)
 
 
 _FRAMEWORKS = (("posttrain", "posttrain"), ("TRL", "trl"), ("Transformers", "transformers"), ("Pytorch", "torch"),

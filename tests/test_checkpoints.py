@@ -42,7 +42,7 @@ def test_reused_output_dir_is_refused_unless_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     prepare_output_dir(TrainConfig(output_dir=str(out)))  # empty: fine
-    (out / "config.json").write_text("{}")
+    (out / "posttrain_config.json").write_text("{}")
     prepare_output_dir(TrainConfig(output_dir=str(out)))  # settings alone are not a run
     write_rows(out / "metrics.jsonl", [5, 8])
     fake_checkpoint(out, 8)
@@ -50,7 +50,7 @@ def test_reused_output_dir_is_refused_unless_overwritten(tmp_path, capsys):
                                           r"--resume_from_checkpoint latest .* --overwrite_output_dir true"):
         prepare_output_dir(TrainConfig(output_dir=str(out)))
     prepare_output_dir(TrainConfig(output_dir=str(out), overwrite_output_dir=True))
-    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".posttrain.lock", "posttrain_config.json"]
     assert "clearing metrics.jsonl, checkpoint-8" in capsys.readouterr().err
 
 
@@ -148,6 +148,17 @@ def test_save_total_limit_keeps_the_newest(runs):
     out = runs["tmp"] / "full"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
     AutoModelForCausalLM.from_pretrained(out / "checkpoint-4" / "policy")  # Hugging Face format
+
+
+def test_final_save_puts_the_policy_at_the_top_and_the_value_model_beside_it(runs):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    out = runs["tmp"] / "full"
+    assert runs["full"]["saved"] == str(out)
+    AutoModelForCausalLM.from_pretrained(out)  # TRL's layout: the output dir is the model
+    AutoTokenizer.from_pretrained(out)
+    assert AutoModelForSequenceClassification.from_pretrained(out / "value").config.num_labels == 1
+    assert json.loads((out / "posttrain_config.json").read_text())["output_dir"] == str(out)
 
 
 # -- PPO checks carried by the "full" launch ----------------------------------------------------

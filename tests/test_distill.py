@@ -145,4 +145,4 @@ def test_example_divergence_falls(tmp_path):
     assert summary["steps"] == 30 and summary["heldout_lines"] > 50
     assert summary["forward_kl_fall_factor"] > 1.5
     assert summary["jsd_after"] < summary["jsd_before"]
-    assert (out / "student" / "model.safetensors").exists()
+    assert (out / "model.safetensors").exists()  # the trained student at the top, as TRL

@@ -227,7 +227,7 @@ def test_example_learns_held_out_preferences(tmp_path):
     assert "held-out eval/rewards/accuracies" in out
     assert (tmp_path / "run" / "checkpoint-60" / "policy" / "model.safetensors").exists()
     assert list((tmp_path / "run").rglob("events.out.tfevents.*"))  # the accelerate tracker wrote
-    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "model.safetensors").exists()  # the trained policy at the top, as TRL
 
 
 def test_example_under_accelerate_launch(tmp_path):

@@ -68,6 +68,24 @@ def test_learns_the_bundled_reward(checks):
     assert last - first > 0.7, (first, last)
 
 
+def test_the_trained_policy_is_the_output_dir_and_the_cards_quick_start_runs(checks, capsys):
+    """TRL's layout: from_pretrained(output_dir) loads the policy, the run's settings do not take
+    config.json, and the model card's own quick-start code (pipeline(model=output_dir)) runs."""
+    import re
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    out = Path(checks["learn_dir"])
+    AutoModelForCausalLM.from_pretrained(out)
+    assert (out / "posttrain_config.json").is_file()
+    card = (out / "README.md").read_text()
+    (code,) = re.findall(r"## Quick start\n\n```python\n(.*?)```", card, re.S)
+    assert f'model="{out}"' in code
+    exec(compile(code, "quick_start", "exec"), {})
+    assert capsys.readouterr().out.strip()  # it generated
+
+
 def test_trl_metric_names_and_phases(checks):
     row = checks["placements"]["zero2-zero3"][0]  # a step that generated
     for key in ["reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean",

@@ -86,6 +86,20 @@ def test_local_model_and_bundled_data(tmp_path):
     assert "trained with PPO, a method introduced in [Fine-Tuning Language Models from Human Preferences]" in card.text
 
 
+def test_quick_start_loads_the_output_dir_or_the_hub_repo(tmp_path):
+    """The trained model is saved at the top of the output dir, so the quick start loads that dir;
+    a run that pushes (or names its hub repo) loads the repo, as TRL's card does."""
+    out = tmp_path / "my-run"
+
+    def quick_start(**fields) -> str:
+        text = modelcard.write_model_card(out, DPOConfig(output_dir=str(out), **fields), "dpo").read_text()
+        return re.search(r'pipeline\("text-generation", model="([^"]+)"', text).group(1)
+
+    assert quick_start() == str(out)
+    assert quick_start(push_to_hub=True) == "my-run"
+    assert quick_start(hub_model_id="me/dpo-tiny") == "me/dpo-tiny"
+
+
 def test_without_matplotlib(tmp_path, monkeypatch, capsys):
     _metrics(tmp_path / "metrics.jsonl")
     (tmp_path / "learning_curves.png").write_bytes(b"an older run's plot")
@@ -109,6 +123,8 @@ def test_trainer_writes_card_and_curves(ppo_run):
     assert f"fine-tuned version of `{tiny.sft_model_path()}` on `{ppo_run.parent / 'prompts.jsonl'}`" in text
     assert "trained with PPO" in text
     assert "| policy | yes | `zero2_train` | 2 |" in text and "| reference | no | `zero3_inference` | 3 |" in text
+    assert f'model="{ppo_run}"' in text
+    assert "the trained policy at its top (`from_pretrained` of the folder loads it) and the trained value in `value/`." in text
     rows = modelcard.read_metrics(ppo_run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     final = _final_rows(text)

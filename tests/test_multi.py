@@ -74,3 +74,6 @@ def test_example_both_losses_fall(tmp_path):
         assert r["heldout_loss_after"] < r["heldout_loss_before"], name
         assert r["train_loss_last_tenth"] < r["train_loss_first_tenth"], name
     assert (out / "checkpoint-30" / "classifier" / "model.safetensors").exists()
+    # Disjoint models: each in its own folder, none at the top.
+    assert (out / "lm" / "model.safetensors").exists() and (out / "classifier" / "model.safetensors").exists()
+    assert not (out / "config.json").exists()

@@ -22,6 +22,7 @@ from posttrain import cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted(p.stem for p in (ROOT / "posttrain" / "presets" / "deepspeed").glob("*.json"))
+ACCELERATE_CONFIGS = sorted(p.name for p in (ROOT / "posttrain" / "presets" / "accelerate").glob("*.yaml"))
 
 
 def _run(cmd: list, cwd: Path, env: dict, timeout: int = 300) -> str:
@@ -79,6 +80,9 @@ def test_wheel_ships_presets_and_data(installed):
     assert sorted(n for n in names if n.startswith("posttrain/presets/deepspeed/")) == [
         f"posttrain/presets/deepspeed/{p}.json" for p in PRESETS
     ]
+    assert sorted(n for n in names if n.startswith("posttrain/presets/accelerate/")) == [
+        f"posttrain/presets/accelerate/{p}" for p in ACCELERATE_CONFIGS
+    ]
     # Every bundled data file, subfolders included (the tiny default's prebuilt assets).
     data = {f"posttrain/{p.relative_to(ROOT / 'posttrain').as_posix()}" for p in (ROOT / "posttrain" / "data").rglob("*")
             if p.is_file() and "__pycache__" not in p.parts}
@@ -131,6 +135,34 @@ def test_two_process_session_from_the_wheel(installed, session_run):
     assert session_run["loss_after"] < session_run["loss_before"]  # the step moved the policy
     # The partitioned reference holds the same weights the policy started from.
     assert session_run["reference_loss"] == pytest.approx(session_run["loss_before"], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def launched(installed) -> dict:
+    """The README's launch of the installed command on two processes:
+    ``accelerate launch --config_file $(posttrain accelerate-config cpu_2proc) $(which posttrain) dpo``."""
+    posttrain = installed["venv"] / "bin" / "posttrain"
+    config = _run([posttrain, "accelerate-config", "cpu_2proc"], cwd=installed["cwd"], env=installed["env"]).strip()
+    out = installed["cwd"] / "dpo-run"
+    env = {**installed["env"], "POSTTRAIN_CACHE": str(cache.cache_dir()),
+           "TORCH_EXTENSIONS_DIR": str(cache.torch_extensions_dir())}
+    _run([installed["python"], "-m", "accelerate.commands.launch", "--config_file", config, posttrain, "dpo",
+          "--output_dir", out, "--max_steps", "1", "--synthetic_train_size", "64", "--eval_strategy", "no",
+          "--logging_steps", "1", "--disable_tqdm", "true"],
+         cwd=installed["cwd"], env=env, timeout=600)
+    return {"config": Path(config), "out": out}
+
+
+def test_installed_command_on_two_processes_and_its_model_at_the_top(installed, launched):
+    from transformers import AutoModelForCausalLM
+
+    assert launched["config"].is_relative_to(installed["site"])
+    out = launched["out"]
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["epoch"] == pytest.approx(16 * 2 / 64)  # 16 pairs a step on each of 2 ranks
+    AutoModelForCausalLM.from_pretrained(out)  # TRL's layout: the output dir is the trained model
+    assert json.loads((out / "posttrain_config.json").read_text())["max_steps"] == 1
+    assert f'pipeline("text-generation", model="{out}"' in (out / "README.md").read_text()
 
 
 def test_nothing_written_into_site_packages(installed, session_run):

@@ -121,22 +121,23 @@ def test_push_to_hub_uploads_the_final_model(tmp_path, monkeypatch):
             full = repo_id if "/" in repo_id else f"alice/{repo_id}"  # the Hub puts a bare name under the user
             return RepoUrl(f"https://huggingface.co/{full}")
 
-        def upload_folder(self, repo_id, folder_path, commit_message, allow_patterns=None):
-            calls.append(("upload_folder", repo_id, folder_path, allow_patterns))
+        def upload_folder(self, repo_id, folder_path, commit_message, allow_patterns=None, ignore_patterns=None):
+            calls.append(("upload_folder", repo_id, folder_path, allow_patterns, ignore_patterns))
 
     monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
     out = tmp_path / "my-run"
-    (out / "final").mkdir(parents=True)
+    out.mkdir()
     (out / "README.md").write_text("card")
     cfg = DPOConfig(output_dir=str(out), push_to_hub=True, hub_private_repo=True)
-    url = hub.push_to_hub(cfg, out / "final")
+    url = hub.push_to_hub(cfg, out)  # the model is at the top of the output dir: one upload, card included
     assert url == "https://huggingface.co/alice/my-run"
     assert calls == [("create_repo", "my-run", True, True),
-                     ("upload_folder", "alice/my-run", str(out / "final"), None),
-                     ("upload_folder", "alice/my-run", str(out), hub.RUN_FILES)]
+                     ("upload_folder", "alice/my-run", str(out), None, ["_*", "checkpoint-*", ".posttrain.lock"])]
     calls.clear()
-    hub.push_to_hub(DPOConfig(output_dir=str(out), hub_model_id="me/dpo"), out / "final")
-    assert calls[0][1] == "me/dpo"
+    (out / "elsewhere").mkdir()
+    hub.push_to_hub(DPOConfig(output_dir=str(out), hub_model_id="me/dpo"), out / "elsewhere")
+    assert calls[1:] == [("upload_folder", "me/dpo", str(out / "elsewhere"), None, hub.IGNORED),
+                         ("upload_folder", "me/dpo", str(out), hub.RUN_FILES, None)]
 
 
 def test_one_plain_process_without_a_launcher(tmp_path):
@@ -154,8 +155,8 @@ def test_one_plain_process_without_a_launcher(tmp_path):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics if "loss" in r] == [1, 2]
     assert any("eval/rewards/accuracies" in r for r in metrics)
-    saved = json.loads((out / "config.json").read_text())  # the effective settings
+    saved = json.loads((out / "posttrain_config.json").read_text())  # the effective settings
     assert (saved["max_steps"], saved["learning_rate"], saved["eval_strategy"], saved["eval_steps"]) == (2, 1e-3, "steps", 2)
-    assert (out / "final" / "model.safetensors").exists()
+    assert (out / "model.safetensors").exists()  # the trained policy at the top, as TRL
     assert (out / "checkpoint-2" / "policy" / "model.safetensors").exists()
     assert "bundled synthetic preference pairs" in (out / "README.md").read_text()  # the card names the data

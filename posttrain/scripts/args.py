@@ -9,7 +9,7 @@ Which YAML applies:
   TRL's where the concept is the same, plus flags. A user's model never gets the demo's settings.
 
 Unknown flags and YAML keys are refused with the nearest known name. The effective settings are
-printed once (rank 0) and the trainer writes them to ``<output_dir>/config.json``.
+printed once (rank 0) and the trainer writes them to ``<output_dir>/posttrain_config.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 from .. import checks
 from ..dsconfig import ConfigError
+from ..launch import check_launch
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
@@ -136,7 +137,7 @@ KEY_SETTINGS = ("model_name_or_path", "dataset_name", "learning_rate", "per_devi
 
 def describe(outputs: Sequence[Any], source: str, prog: str | None = None) -> str:
     """A compact view of the settings: where they come from, the key ones, and every other value
-    that differs from its dataclass default (the trainer writes all of them to <output_dir>/config.json)."""
+    that differs from its dataclass default (the trainer writes all of them to <output_dir>/posttrain_config.json)."""
     values, changed, output_dir = {}, [], None
     for obj in outputs:
         for f in fields(obj):
@@ -150,7 +151,7 @@ def describe(outputs: Sequence[Any], source: str, prog: str | None = None) -> st
     key = [f"{k}={values[k]}" for k in KEY_SETTINGS if k in values and values[k] is not None]
     head = f"{prog or 'posttrain'}: settings from {source}"
     if output_dir:
-        head += f"; all of them go to {output_dir}/config.json"
+        head += f"; all of them go to {output_dir}/posttrain_config.json"
     body = textwrap.fill(" ".join(key + changed), width=108, initial_indent="  ", subsequent_indent="  ",
                          break_on_hyphens=False)
     return f"{head}\n{body}"
@@ -209,6 +210,7 @@ def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | No
     """Run a script's ``main``: bad settings or data end it with their one sentence and exit status
     2, not a traceback (:func:`report_error`)."""
     try:
+        check_launch()  # before anything: a multi-process launch that started one process
         main(None if argv is None else list(argv))
     except ConfigError as err:
         return report_error(err)

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  held-out {name:10s} {before['eval/' + name]:.4f} -> {after['eval/' + name]:.4f} "
                   f"(falls {before['eval/' + name] / after['eval/' + name]:.1f}x)")
     Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"  student saved to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
+    print(f"  student saved to {final} (from_pretrained loads it); metrics in {cfg.output_dir}/metrics.jsonl")
     if cfg.push_to_hub:
         print(f"pushed to {push_to_hub(cfg, final)}")
 

@@ -10,7 +10,6 @@ TRL's DPOConfig defaults apply, as in ``trl dpo``; ``--config FILE`` gives setti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from trl import ScriptArguments
@@ -37,8 +36,8 @@ class DataArguments:
 def load_datasets(script: ScriptArguments, data: DataArguments, cfg: DPOConfig) -> tuple[Any, Any]:
     """(train, eval) datasets; eval is None under ``eval_strategy: no`` (TRL's scripts pass none then)."""
     if script.dataset_name is None:
-        # Bundled pairs, in memory (nothing is written before the trainer has checked the output dir);
-        # the held-out split is another seed.
+        # Bundled pairs, built in memory: nothing is written before the output dir is checked and
+        # held (every rank builds the same rows). The held-out split is another seed.
         from datasets import Dataset
 
         train = Dataset.from_list(synthetic.preference_pairs(data.synthetic_train_size, seed=0))
@@ -65,8 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         # The card written at the end of training cannot know the data (the trainer takes rows): name it.
         write_model_card(cfg.output_dir, cfg, "dpo", trainer.session,
                          dataset_name=script.dataset_name or "posttrain's bundled synthetic preference pairs")
-    final = Path(cfg.output_dir) / "final"
-    trainer.save_model(final)
+    final = trainer.save_model()  # the output dir itself, as TRL
     if cfg.push_to_hub and trainer.session.is_main_process:
         print(f"pushed to {push_to_hub(cfg, final)}")
 

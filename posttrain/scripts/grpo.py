@@ -43,8 +43,7 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
     start = time.perf_counter()
     trainer = trainer_cls(cfg)
     history = trainer.train()
-    final = Path(cfg.output_dir) / "policy"
-    trainer.save(str(final))
+    final = trainer.save()  # the output dir itself, as TRL
     if not trainer.session.is_main_process:
         return
     if history:
@@ -57,7 +56,7 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
               f"{summary['seconds']} s)")
         print("  time per phase (s): " + ", ".join(f"{k.split('/')[1]} {v}"
                                                   for k, v in summary["seconds_per_phase"].items()))
-        print(f"  policy saved to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
+        print(f"  policy saved to {final} (from_pretrained loads it); metrics in {cfg.output_dir}/metrics.jsonl")
     if cfg.push_to_hub:
         print(f"pushed to {push_to_hub(cfg, final)}")
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..trainers.common import TrainConfig
+from ..trainers.common import LOCK_FILE, TrainConfig
 
 # What the run's output dir adds beside the model: the model card and learning curves, when written.
 RUN_FILES = ["README.md", "*.png"]
+# Left out of an upload of the output dir (the model is at its top): Trainer.push_to_hub's
+# patterns (checkpoints, private files) and the run's lock.
+IGNORED = ["_*", "checkpoint-*", LOCK_FILE]
 
 
 def hub_repo_id(cfg: TrainConfig) -> str:
@@ -18,15 +21,18 @@ def hub_repo_id(cfg: TrainConfig) -> str:
 
 
 def push_to_hub(cfg: TrainConfig, model_dir: str | os.PathLike, commit_message: str = "End of training") -> str:
-    """Upload ``model_dir`` (a ``from_pretrained`` folder) as the repo's root, plus the run's model
-    card and plots from the output dir; returns the repo's URL. Call it on the main process only."""
+    """Upload ``model_dir`` (a ``from_pretrained`` folder: the output dir itself after training)
+    as the repo's root, checkpoints left out, plus the run's model card and plots from the output
+    dir when the model is elsewhere; returns the repo's URL. Call it on the main process only."""
     from huggingface_hub import HfApi
 
     api = HfApi()
     repo = api.create_repo(hub_repo_id(cfg), private=cfg.hub_private_repo, exist_ok=True)
     repo_id = repo.repo_id
-    api.upload_folder(repo_id=repo_id, folder_path=str(model_dir), commit_message=commit_message)
-    if any(any(Path(cfg.output_dir).glob(p)) for p in RUN_FILES):
+    api.upload_folder(repo_id=repo_id, folder_path=str(model_dir), commit_message=commit_message,
+                      ignore_patterns=IGNORED)
+    elsewhere = Path(model_dir).resolve() != Path(cfg.output_dir).resolve()
+    if elsewhere and any(any(Path(cfg.output_dir).glob(p)) for p in RUN_FILES):
         api.upload_folder(repo_id=repo_id, folder_path=cfg.output_dir, allow_patterns=RUN_FILES,
                           commit_message=f"{commit_message}: model card")
     return str(repo)

@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     require_dataset([cfg])
     trainer = PPOTrainer(cfg)
     history = trainer.train()
-    final = Path(cfg.output_dir) / "policy"
-    trainer.save(str(final))
+    final = trainer.save()  # the output dir itself, as TRL; the value model in value/
     if not trainer.session.is_main_process:
         return
     if history:
@@ -46,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{summary['score_last_tenth']:+.3f}  (rise {summary['score_rise']:+.3f})")
         print("  time per phase (s): " + ", ".join(f"{k.split('/')[1]} {v}"
                                                   for k, v in summary["seconds_per_phase"].items()))
-        print(f"  policy saved to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
+        print(f"  policy saved to {final} (from_pretrained loads it), value model to {final / 'value'}; "
+              f"metrics in {cfg.output_dir}/metrics.jsonl")
     if cfg.push_to_hub:
         print(f"pushed to {push_to_hub(cfg, final)}")
 

@@ -3,12 +3,14 @@ checkpoints and resume. Each trainer keeps its own algorithm in its own file."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import random
 import re
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -111,7 +113,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
     precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
     if precision and cfg.mixed_precision not in (None, precision):
         raise ConfigError(f"--{precision} contradicts mixed_precision {cfg.mixed_precision!r}: keep one of them")
-    # Resolved here, so config.json records the precision the run uses (accelerate launch's setting
+    # Resolved here, so posttrain_config.json records the precision the run uses (accelerate launch's setting
     # when none is given, which the Session would read the same way).
     cfg.mixed_precision = precision or cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if cfg.mixed_precision not in (None, "no", "bf16", "fp16"):
@@ -248,7 +250,8 @@ class RunLog:
         self.main = session.is_main_process
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
+            # Not config.json: the trained model is saved beside it, in output_dir itself (as TRL).
+            (self.out / SETTINGS_FILE).write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
             # A resumed run continues the files at its checkpoint's step: rows the dead run wrote
             # after it are dropped (they are written again).
             truncate_jsonl(self.out / "metrics.jsonl", start)
@@ -325,11 +328,19 @@ def _jsonable(d: dict) -> dict:
 
 
 # -- output dir, checkpoints and resume ------------------------------------------------------
+# The output dir holds the trained model at its top (as TRL: ``from_pretrained(output_dir)``;
+# other trained roles, such as PPO's value model, in ``<role>/`` beside it), the run's settings
+# (SETTINGS_FILE), metrics, the model card and ``checkpoint-N/``.
 # A checkpoint is written as checkpoint-N.tmp and renamed to checkpoint-N once every rank has
 # written its part, so a checkpoint-N folder is always complete; a .tmp one is a save that died.
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _PARTIAL = re.compile(r"checkpoint-(\d+)\.tmp")
 _RUN_FILES = ("metrics.jsonl", "samples.jsonl")  # what a run appends to (and overwrite clears)
+# A model's files at the top: a reused dir that holds one is refused (saving would replace it).
+_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "model.safetensors.index.json")
+SETTINGS_FILE = "posttrain_config.json"  # the run's settings; config.json is the saved model's
+LOCK_FILE = ".posttrain.lock"
+_held_locks: dict[Path, int] = {}  # output dir -> the open lock file this process holds until it exits
 
 
 def checkpoint_dir(cfg: TrainConfig, step: int) -> Path:
@@ -368,39 +379,93 @@ def _say(message: str) -> None:
         print(f"[posttrain] {message}", file=sys.stderr, flush=True)
 
 
+def lock_output_dir(output_dir: str | os.PathLike) -> None:
+    """Hold ``output_dir`` for this run: one run at a time writes into an output dir.
+
+    Rank 0 takes an exclusive ``flock`` on ``output_dir/.posttrain.lock`` (creating the dir) and
+    keeps it until its process exits; the file says who holds it (pid, host, start time). A
+    second run's rank 0 gets one sentence naming the holder (``ConfigError``: exit status 2) and
+    its launcher stops the other ranks. The kernel releases the lock when the holder dies, even by
+    ``kill -9``, so a killed run never leaves the dir stuck; the file left behind is just
+    rewritten. Calling it again in the same process (a second trainer into the same dir) is a
+    no-op. The output dir is shared by every rank (checkpoints assume it), so rank 0's lock covers
+    the run; on a network file system the lock is only as good as its ``flock`` support.
+    """
+    if not _is_main_rank():
+        return
+    out = Path(output_dir).resolve()
+    if out in _held_locks:
+        if _same_file(_held_locks[out], out / LOCK_FILE):
+            return
+        os.close(_held_locks.pop(out))  # the dir was removed and made again: lock the new one
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ConfigError(f"output_dir {out} cannot be written ({err.strerror}): choose a writable --output_dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 512).decode(errors="replace").strip() or "a process that has not said who it is"
+        os.close(fd)
+        raise ConfigError(f"output_dir {out} is in use by another run ({holder}): wait for it to end or stop it, "
+                          "or choose another --output_dir") from None
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
+    _held_locks[out] = fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
 def prepare_output_dir(cfg: TrainConfig) -> None:
     """Decide where the run starts, the same way on every rank, before any model loads.
 
-    - Half-written checkpoints (``checkpoint-N.tmp``) are reported and removed (rank 0).
-    - ``resume_from_checkpoint: latest`` becomes the newest complete checkpoint's path, said on
-      rank 0; with none it raises, as ``transformers.Trainer`` does for ``True``.
-    - Otherwise an output dir that already holds a run (metrics or checkpoints) is refused unless
-      ``overwrite_output_dir``, which clears them (rank 0).
+    Call it only once every setting of the run is validated (``make_session`` does): it is the
+    first thing that writes. In order:
+
+    1. The output dir is locked (:func:`lock_output_dir`): a dir another run is using is refused
+       before anything in it is touched.
+    2. Checks that need no writing: ``save_total_limit``, and the checkpoint to resume from
+       (``resume_from_checkpoint: latest`` becomes the newest complete checkpoint's path, said on
+       rank 0; with none it raises, as ``transformers.Trainer`` does for ``True``; a half-written
+       or missing one is refused). Otherwise an output dir that already holds a run (metrics,
+       checkpoints, or a saved model at its top) is refused unless ``overwrite_output_dir``.
+    3. Only then, on rank 0: half-written checkpoints (``checkpoint-N.tmp``) are reported and
+       removed, and ``overwrite_output_dir`` clears the old run's metrics and checkpoints (a saved
+       model is left in place: it may be the model this run loads; the final save replaces it).
     """
     out = Path(cfg.output_dir)
+    lock_output_dir(out)
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
         raise ConfigError(f"save_total_limit must be >= 1 or unset (keep every checkpoint), got {cfg.save_total_limit}")
-    for partial in partial_checkpoints(out):
-        _say(f"removing {partial}: a half-written checkpoint (its save did not finish on every rank)")
-        if _is_main_rank():
-            shutil.rmtree(partial, ignore_errors=True)
-    if cfg.resume_from_checkpoint:
-        path = resume_dir(cfg)
-        cfg.resume_from_checkpoint = str(path)  # the trainer (and config.json) see the checkpoint taken
-        _say(f"resuming from {path} (step {_checkpoint_step(path)})")
-        return
-    used = [name for name in _RUN_FILES if (out / name).exists()] + [p.name for p in checkpoints(out)]
-    if not used:
-        return
-    if not cfg.overwrite_output_dir:
+    resume = resume_dir(cfg) if cfg.resume_from_checkpoint else None
+    used = [name for name in (*_RUN_FILES, *_MODEL_FILES) if (out / name).exists()] + [p.name for p in checkpoints(out)]
+    if resume is None and used and not cfg.overwrite_output_dir:
         raise ConfigError(
             f"output_dir {out} already holds a run ({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}): "
             "pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir true to replace it, "
             "or choose another --output_dir"
         )
-    _say(f"overwrite_output_dir: clearing {', '.join(used)} in {out}")
+    for partial in partial_checkpoints(out):
+        _say(f"removing {partial}: a half-written checkpoint (its save did not finish on every rank)")
+        if _is_main_rank():
+            shutil.rmtree(partial, ignore_errors=True)
+    if resume is not None:
+        cfg.resume_from_checkpoint = str(resume)  # the trainer (and posttrain_config.json) see the checkpoint taken
+        _say(f"resuming from {resume} (step {_checkpoint_step(resume)})")
+        return
+    cleared = [name for name in used if name not in _MODEL_FILES]
+    if not cleared:
+        return
+    _say(f"overwrite_output_dir: clearing {', '.join(cleared)} in {out}")
     if _is_main_rank():
-        for name in used:
+        for name in cleared:
             if (out / name).is_dir():
                 shutil.rmtree(out / name)
             else:
@@ -459,3 +524,20 @@ def save_checkpoint(session: Session, cfg: TrainConfig, step: int, export: dict[
                 shutil.rmtree(old)
     session.accelerator.wait_for_everyone()
     return final
+
+
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def save_trained_model(session: Session, role: str, directory: str | os.PathLike, tokenizer: Any = None) -> Path:
+    """A trained role's final model in Hugging Face format in ``directory``: the output dir itself
+    for the model a run trains (TRL's layout, so ``from_pretrained(output_dir)`` loads it), and
+    ``output_dir/<role>`` for any other trained role. A LoRA role saves its adapter. An adapter an
+    earlier run left there would make ``from_pretrained`` load it instead of a full model saved
+    over it, so a full save removes it first."""
+    path = Path(directory)
+    if session.is_main_process and not hasattr(session.unwrap(role), "peft_config"):
+        for name in _ADAPTER_FILES:
+            (path / name).unlink(missing_ok=True)
+    session.save_pretrained(role, path, tokenizer=tokenizer)
+    return path

@@ -35,6 +35,7 @@ from .common import (
     rank_batches,
     resume_dir,
     save_checkpoint,
+    save_trained_model,
     seed_everything,
 )
 
@@ -335,7 +336,6 @@ class DistillTrainer:
         return self.history
 
     def save_model(self, directory: str | Path | None = None) -> Path:
-        """The student in Hugging Face format (``from_pretrained`` loads it)."""
-        path = Path(directory or Path(self.cfg.output_dir) / "student")
-        self.session.save_pretrained("student", path, tokenizer=self.tokenizer)
-        return path
+        """The student in Hugging Face format, in the output dir itself by default (TRL's layout:
+        ``from_pretrained(output_dir)`` loads it); returns where."""
+        return save_trained_model(self.session, "student", directory or self.cfg.output_dir, tokenizer=self.tokenizer)

@@ -28,6 +28,7 @@ from .common import (
     rank_batches,
     resume_dir,
     save_checkpoint,
+    save_trained_model,
     seed_everything,
 )
 
@@ -494,9 +495,10 @@ class DPOTrainer:
             out[f"{prefix}/{k}"] = (sums[len(keys) + 1 + 2 * j] / sums[len(keys) + 2 + 2 * j].clamp(min=1)).item()
         return out
 
-    def save_model(self, directory: str | Path) -> None:
-        """The policy in Hugging Face format (a LoRA policy saves its adapter)."""
-        self.session.save_pretrained("policy", directory, tokenizer=self.tokenizer)
+    def save_model(self, directory: str | Path | None = None) -> Path:
+        """The policy in Hugging Face format (a LoRA policy saves its adapter), in the output dir
+        itself by default (TRL's layout: ``from_pretrained(output_dir)`` loads it); returns where."""
+        return save_trained_model(self.session, "policy", directory or self.cfg.output_dir, tokenizer=self.tokenizer)
 
 
 def _pair_only(row: dict) -> dict:

@@ -46,6 +46,7 @@ from .common import (
     optimizer_and_scheduler,
     resume_dir,
     save_checkpoint,
+    save_trained_model,
     seed_everything,
 )
 
@@ -860,9 +861,10 @@ class GRPOTrainer:
             with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
 
-    def save(self, directory: str | None = None) -> None:
-        """The trained policy in Hugging Face format (``from_pretrained`` loads it)."""
-        self.session.save_pretrained("policy", directory or self.cfg.output_dir + "/policy", self.tokenizer)
+    def save(self, directory: str | os.PathLike | None = None) -> Path:
+        """The trained policy in Hugging Face format, in the output dir itself by default (TRL's
+        layout: ``from_pretrained(output_dir)`` loads it); returns where."""
+        return save_trained_model(self.session, "policy", directory or self.cfg.output_dir, self.tokenizer)
 
 
 # -- prompts -------------------------------------------------------------------------------------

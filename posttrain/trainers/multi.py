@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from .common import (
     rank_batches,
     resume_dir,
     save_checkpoint,
+    save_trained_model,
     seed_everything,
 )
 
@@ -172,6 +174,14 @@ class MultiTrainer:
         log.close()
         self.history = log.history
         return self.history
+
+    def save_model(self, directory: str | os.PathLike | None = None) -> dict[str, Path]:
+        """Every model in Hugging Face format in its own folder, ``<output_dir>/<name>/`` (the
+        models are disjoint: none is *the* model of the run, so none goes at the top as a single
+        trained model does); returns name -> folder."""
+        root = Path(directory or self.cfg.output_dir)
+        return {name: save_trained_model(self.session, name, root / name, tokenizer=task.tokenizer)
+                for name, task in self.tasks.items()}
 
     @torch.no_grad()
     def evaluate(self, name: str, items: Sequence[Any]) -> float:

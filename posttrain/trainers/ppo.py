@@ -38,6 +38,7 @@ from .common import (
     rank_batches,
     resume_dir,
     save_checkpoint,
+    save_trained_model,
     seed_everything,
 )
 
@@ -538,6 +539,10 @@ class PPOTrainer:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
             log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))
 
-    def save(self, directory: str | None = None) -> None:
-        """The trained policy in Hugging Face format (``from_pretrained`` loads it)."""
-        self.session.save_pretrained("policy", directory or self.cfg.output_dir + "/policy", self.tokenizer)
+    def save(self, directory: str | os.PathLike | None = None) -> Path:
+        """The trained policy in Hugging Face format, in the output dir itself by default (TRL's
+        layout: ``from_pretrained(output_dir)`` loads it), and the trained value model beside it in
+        ``value/`` (``AutoModelForSequenceClassification``); returns the policy's folder."""
+        path = save_trained_model(self.session, "policy", directory or self.cfg.output_dir, self.tokenizer)
+        save_trained_model(self.session, "value", path / "value", self.tokenizer)
+        return path

@@ -75,6 +75,7 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
     if mode == "full":
         trainer = run(output_dir=str(tmp / "full"), save_total_limit=1)
         res["history"] = trainer.history
+        res["saved"] = str(trainer.save())  # the policy at the top of the output dir, the value model in value/
         s = trainer.session
         # Rank 0 holds [0, 0], rank 1 [1, 1]: the variance over all four is 1/3, each rank's own is 0.
         values = torch.full((2,), float(s.process_index), dtype=torch.float64)

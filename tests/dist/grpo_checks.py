@@ -5,7 +5,7 @@
   are kept) under zero2-zero3, zero2-replicated and zero3, and with the hf generation backend;
 - that run resumed from its step-2 checkpoint;
 - beta 0: the roles of the session (no reference);
-- a learning run on the bundled reward (GRPO) and short RLOO runs (num_iterations 2) under two placements;
+- a learning run on the bundled reward (GRPO), its policy saved, and short RLOO runs (num_iterations 2) under two placements;
 - two generations per step (gradient accumulation 2, steps_per_generation 1);
 - a reward function that raises on rank 1 only.
 """
@@ -25,9 +25,11 @@ LEARN = dict(learning_rate=2e-4, lr_scheduler_type="constant", per_device_train_
              max_completion_length=8, max_steps=40, disable_tqdm=True, seed=42, overwrite_output_dir=True)
 
 
-def run(config_cls, trainer_cls, **fields) -> tuple[list[dict], list[str], dict]:
+def run(config_cls, trainer_cls, save=False, **fields) -> tuple[list[dict], list[str], dict]:
     trainer = trainer_cls(config_cls(**fields))
     history = trainer.train()
+    if save:
+        trainer.save()  # the output dir itself, as TRL
     return history, sorted(trainer.session.roles), dict(trainer.rollout.stats)
 
 
@@ -48,7 +50,8 @@ def main(out: str, tmp: str) -> None:
                                reward_funcs=rewards, resume_from_checkpoint=f"{tmp}/zero2-zero3/checkpoint-2",
                                **resume)
     res["learn"], res["roles"]["beta0"], _ = run(GRPOConfig, GRPOTrainer, output_dir=f"{tmp}/learn", beta=0.0,
-                                                 **LEARN)
+                                                 save=True, **LEARN)
+    res["learn_dir"] = f"{tmp}/learn"
     # RLOO with num_iterations 2: each generation batch trained twice (steps 1-4 share one batch).
     rloo = dict(SHORT, sync_ref_model=False, reward_weights=None, num_iterations=2, save_steps=None)
     for mix in ("zero2-zero3", "zero2-replicated"):

@@ -109,10 +109,12 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
     s.step = stamped
     _sync()
     stamps.append(time.perf_counter())
-    history = trainer.train()
+    history = [h for h in trainer.train() if "loss" in h][spec["warmup"]:]
+    # posttrain's own phase times (time/reference, time/backward, ...), medians of the measured steps.
+    phases = sorted({k for h in history for k in h if k.startswith("time/")})
     return {"placements": {n: s.zero_stage(n) for n in s.roles}, "master_weights": s.master_weights("policy"),
-            "one_rank_changes": s.one_rank_changes,
-            "losses": [h["loss"] for h in history if "loss" in h]}
+            "one_rank_changes": s.one_rank_changes, "losses": [h["loss"] for h in history],
+            "phase_s": {k.removeprefix("time/"): statistics.median(h.get(k, 0.0) for h in history) for k in phases}}
 
 
 def child(side: str, spec: dict[str, Any], out: Path) -> dict[str, Any]:

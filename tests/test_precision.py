@@ -147,5 +147,6 @@ def test_dpo_race_tiny(tmp_path):
         assert row["status"] == "ok" and len(row["step_times"]) == 2 and row["step_s"] > 0, side
     assert rows["posttrain-bf16"]["master_weights"] == "bf16" and rows["posttrain-fp32"]["master_weights"] == "fp32"
     assert rows["posttrain-bf16"]["placements"] == {"policy": 2, "reference": 0}
+    assert {"reference", "policy_forward", "backward"} <= set(rows["posttrain-fp32"]["phase_s"])
     summary = lines[-1]
     assert set(summary["summary"]) == set(rows) and summary["planned_fp32_extra_gib"] > 0

@@ -123,6 +123,15 @@ def test_one_process_path(runs):
     assert bf16["losses"] == runs["bf16_copy"]["losses"] and bf16["grad_norms"] == runs["bf16_copy"]["grad_norms"]
 
 
+def test_one_process_simplification_changes_no_number(runs):
+    """fp32: the default mix simplified (replicated reference, no overlap/reduce-scatter) against
+    the same configs named in role_configs, which run as given (ZeRO-3 reference, the preset's ZeRO-2)."""
+    simplified, named = runs["fp32_simplified"], runs["fp32_as_named"]
+    assert simplified["stages"] == {"policy": 2, "reference": 0} and named["stages"] == {"policy": 2, "reference": 3}
+    assert simplified["losses"][-1] < simplified["losses"][0] - 0.1
+    assert simplified["losses"] == pytest.approx(named["losses"], abs=1e-6)
+
+
 def test_bf16_states_match_trl_bf16(runs):
     ours, trl, fp32 = runs["bf16"]["losses"], runs["trl_bf16"]["losses"], runs["fp32"]["losses"]
     assert len(ours) == len(trl) == 6 and ours[-1] < ours[0] - 0.1  # it learns

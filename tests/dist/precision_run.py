@@ -51,6 +51,16 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
         session_module.share_bf16_master = original
 
 
+def placement_run(tmp: Path, rows: list, name: str, **fields) -> list[float]:
+    """fp32 (no mixed precision) losses under the default mix, simplified or as named."""
+    base = {**settings(tmp, name), "bf16": False}
+    cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
+                    **{**base, **fields})
+    trainer = DPOTrainer(cfg, train_dataset=rows)
+    stages = {n: trainer.session.zero_stage(n) for n in trainer.session.roles}
+    return {"losses": [h["loss"] for h in trainer.train() if "loss" in h], "stages": stages}
+
+
 def trl_run(tmp: Path, rows: list) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -80,6 +90,10 @@ def main(out: str, tmp: str) -> None:
     res.update({"bf16": posttrain_run(tmp_path, rows, "bf16"),
                 "bf16_copy": posttrain_run(tmp_path, rows, "bf16", share=False),
                 "fp32": posttrain_run(tmp_path, rows, "fp32")})
+    # The one-process simplification against the same placements named explicitly (kept as given).
+    res["fp32_simplified"] = placement_run(tmp_path, rows, "simplified")
+    res["fp32_as_named"] = placement_run(tmp_path, rows, "named",
+                                         role_configs={"policy": "zero2_train", "reference": "zero3_inference"})
     Path(out).write_text(json.dumps(res))
 
 

@@ -123,6 +123,10 @@ def test_one_process_path(runs):
     assert bf16["losses"] == runs["bf16_copy"]["losses"] and bf16["grad_norms"] == runs["bf16_copy"]["grad_norms"]
 
 
+def test_shared_master_resumes_exactly(runs):
+    assert len(runs["resume"]["full"]) == 3 and runs["resume"]["resumed"] == runs["resume"]["full"]
+
+
 def test_one_process_simplification_changes_no_number(runs):
     """fp32: the default mix simplified (replicated reference, no overlap/reduce-scatter) against
     the same configs named in role_configs, which run as given (ZeRO-3 reference, the preset's ZeRO-2)."""

@@ -61,6 +61,24 @@ def placement_run(tmp: Path, rows: list, name: str, **fields) -> list[float]:
     return {"losses": [h["loss"] for h in trainer.train() if "loss" in h], "stages": stages}
 
 
+def resume_run(tmp: Path) -> dict:
+    """bf16 states with the shared master: 6 steps saved at 3, and a run resumed from that
+    checkpoint (copied into a fresh output dir), whose last 3 losses must equal the first's."""
+    import shutil
+
+    rows = synthetic.preference_pairs(16, seed=3)
+
+    def cfg(name: str, **kw) -> DPOConfig:
+        return DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), master_weights="bf16", save_steps=3,
+                         **{**settings(tmp, name), **kw})
+
+    full = [h["loss"] for h in DPOTrainer(cfg("resume-full"), train_dataset=rows).train() if "loss" in h]
+    (tmp / "resume-part").mkdir()
+    shutil.copytree(tmp / "resume-full" / "checkpoint-3", tmp / "resume-part" / "checkpoint-3")
+    resumed = DPOTrainer(cfg("resume-part", resume_from_checkpoint="latest"), train_dataset=rows).train()
+    return {"full": full[3:], "resumed": [h["loss"] for h in resumed if "loss" in h]}
+
+
 def trl_run(tmp: Path, rows: list) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -94,6 +112,7 @@ def main(out: str, tmp: str) -> None:
     res["fp32_simplified"] = placement_run(tmp_path, rows, "simplified")
     res["fp32_as_named"] = placement_run(tmp_path, rows, "named",
                                          role_configs={"policy": "zero2_train", "reference": "zero3_inference"})
+    res["resume"] = resume_run(tmp_path)
     Path(out).write_text(json.dumps(res))
 
 

@@ -148,13 +148,14 @@ def child(side: str, spec: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def planned(spec: dict[str, Any]) -> dict[str, float]:
-    """The planner's per-GPU figures for posttrain's two rows (its DPO plan counts activations
-    without gradient checkpointing; the difference between the rows is the optimizer states')."""
+    """The planner's per-GPU figures for posttrain's two rows (gradient checkpointing on, as run)."""
     from posttrain import memory
 
     plans = {mw: memory.plan("dpo", spec["shape"], "zero2-zero3", world_size=1, micro_batch=spec["pairs"],
-                             seq_len=spec["seq_len"], master_weights=mw) for mw in ("fp32", "bf16")}
-    return {"planned_at_rest_fp32_gib": plans["fp32"].at_rest / GiB, "planned_at_rest_bf16_gib": plans["bf16"].at_rest / GiB,
+                             seq_len=spec["seq_len"], master_weights=mw, gradient_checkpointing=True)
+             for mw in ("fp32", "bf16")}
+    return {**{f"planned_peak_{mw}_gib": p.peak / GiB for mw, p in plans.items()},
+            **{f"planned_at_rest_{mw}_gib": p.at_rest / GiB for mw, p in plans.items()},
             "planned_fp32_extra_gib": (plans["fp32"].peak - plans["bf16"].peak) / GiB}
 
 

@@ -43,6 +43,8 @@ def _plan(argv: list[str]) -> int:
     ap.add_argument("--master-weights", choices=["fp32", "bf16", "both"], default="both",
                     help="trained roles' optimizer precision: fp32 master weights and Adam states (16 bytes per "
                          "parameter, the default), bf16 (8, TRL's with a bf16 model), or both")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="trained roles recompute activations in backward (the DPO/GRPO/RLOO trainers' default)")
     args = ap.parse_args(argv)
     names = memory.WORKLOADS[args.workload]
     shapes = {}.fromkeys(names["trained"] + names["frozen"], args.shape)
@@ -57,6 +59,7 @@ def _plan(argv: list[str]) -> int:
     for precision in precisions:
         plans = [memory.plan(args.workload, shapes, m, world_size=args.world_size, micro_batch=args.micro_batch,
                              seq_len=args.seq_len, response_len=args.response_len, master_weights=precision,
+                             gradient_checkpointing=args.gradient_checkpointing,
                              generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory)
                  for m in mixes]
         print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")

@@ -159,11 +159,15 @@ def model_size(spec: str, kind: str = "causal", vocab_size: int | None = None) -
                      kv_dim=kv_heads * head_dim, vocab=text.vocab_size, kind=kind)
 
 
-def train_activation_bytes(m: ModelSize, tokens: int) -> int:
-    """Bytes saved for backward by a forward over ``tokens`` tokens, head included."""
+def train_activation_bytes(m: ModelSize, tokens: int, checkpointing: bool = False) -> int:
+    """Bytes saved for backward by a forward over ``tokens`` tokens, head included. With gradient
+    checkpointing each decoder layer keeps only its bf16 input (2h per token) and one layer's
+    activations exist at a time, while backward recomputes it (an estimate from the same
+    coefficients, not yet checked against a GPU peak)."""
     per_layer = ACT_H * m.hidden + ACT_KV * m.kv_dim + ACT_F * m.intermediate
     head = HEAD_TRAIN_V * m.vocab if m.kind == "causal" else 8 * m.hidden
-    return tokens * (m.layers * per_layer + 8 * m.hidden + head)
+    layers = m.layers * 2 * m.hidden + per_layer if checkpointing else m.layers * per_layer
+    return tokens * (layers + 8 * m.hidden + head)
 
 
 def inference_bytes(m: ModelSize, tokens: int) -> int:
@@ -325,6 +329,7 @@ def plan(
     gpu_memory_gib: float = 139.0,
     generation_backend: str = "posttrain",
     master_weights: str = "fp32",
+    gradient_checkpointing: bool = False,
 ) -> Plan:
     """Per-GPU memory of every role of ``workload`` under ``mix``.
 
@@ -334,7 +339,8 @@ def plan(
     gathered copy for the whole run (at rest); "hf" (transformers' generate) holds them only while
     it generates. ``master_weights`` ("fp32" or "bf16") is the trained roles' optimizer precision,
     as the trainers' setting of that name; in a world of one the mix's configs are counted as the
-    Session simplifies them (frozen ZeRO-3 roles replicated, one gradient bucket)."""
+    Session simplifies them (frozen ZeRO-3 roles replicated, one gradient bucket).
+    ``gradient_checkpointing``: trained roles recompute their layers' activations in backward."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -361,7 +367,7 @@ def plan(
         """The larger of forward+backward (activations saved, gradient buffers) and the step."""
         m, place = r.size, r.place
         step_bytes = STEP_BYTES_BF16 if place.master_weights == "bf16" else STEP_BYTES
-        r.activations = train_activation_bytes(m, tokens)
+        r.activations = train_activation_bytes(m, tokens, gradient_checkpointing)
         if place.stage == 3:
             # Gathered parameters DeepSpeed keeps live for reuse by backward (max_live_parameters).
             buffers = 2 * min(MAX_LIVE_PARAMETERS, m.params)

@@ -187,3 +187,13 @@ def test_plan_command_counts_both_precisions(capsys):
     cli.main(["plan", "--workload", "dpo", "--shape", "1b", "--master-weights", "bf16"])
     out = capsys.readouterr().out
     assert "== master_weights bf16" in out and "master_weights fp32" not in out
+
+
+def test_gradient_checkpointing_keeps_one_layer():
+    m = memory.model_size("1b")
+    full, ckpt = memory.train_activation_bytes(m, 4096), memory.train_activation_bytes(m, 4096, checkpointing=True)
+    per_layer = memory.ACT_H * m.hidden + memory.ACT_KV * m.kv_dim + memory.ACT_F * m.intermediate
+    assert full - ckpt == 4096 * (m.layers - 1) * per_layer - 4096 * m.layers * 2 * m.hidden
+    plan = memory.plan("dpo", "1b", "zero2-zero3", world_size=1, micro_batch=4, seq_len=512, gradient_checkpointing=True)
+    assert plan.roles[0].activations == ckpt
+    assert cli.main(["plan", "--workload", "dpo", "--world-size", "1", "--gradient-checkpointing"]) == 0

@@ -53,6 +53,11 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--response-len", type=int, default=64)
     ap.add_argument("--generation-backend", choices=["posttrain", "hf"], default="posttrain",
                     help="online workloads: posttrain.rollout (KV cache and graph held for the run) or generate")
+    ap.add_argument("--master-weights", choices=["fp32", "bf16", "both"], default="both",
+                    help="trained roles' optimizer precision: fp32 master weights and Adam states (16 bytes per "
+                         "parameter, the default), bf16 (8, TRL's with a bf16 model), or both")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="trained roles recompute activations in backward (the DPO/GRPO/RLOO trainers' default)")
     args = ap.parse_args(argv)
     for name in ("world_size", "micro_batch", "seq_len"):
         if getattr(args, name) < 1:
@@ -70,15 +75,23 @@ def _plan_checked(argv: list[str]) -> int:
     mixes = list(MIXES) if args.mix == "all" else [args.mix]
     for mix in mixes:
         memory.mix_configs(mix)  # an unknown mix: its sentence, before any model is sized
-    plans = [memory.plan(args.workload, shapes, m, world_size=args.world_size, micro_batch=args.micro_batch,
-                         seq_len=args.seq_len, response_len=args.response_len,
-                         generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory)
-             for m in mixes]
-    for p in plans:
-        print(memory.format_plan(p) + "\n")
-    best, why = memory.recommend(plans)
-    print(f"recommended: {best.mix if best else 'none'} — {why}")
-    return 0 if best else 1
+    precisions = ["fp32", "bf16"] if args.master_weights == "both" else [args.master_weights]
+    best_of: dict[str, memory.Plan | None] = {}
+    for precision in precisions:
+        plans = [memory.plan(args.workload, shapes, m, world_size=args.world_size, micro_batch=args.micro_batch,
+                             seq_len=args.seq_len, response_len=args.response_len, master_weights=precision,
+                             gradient_checkpointing=args.gradient_checkpointing,
+                             generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory)
+                 for m in mixes]
+        print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
+        for p in plans:
+            print(memory.format_plan(p) + "\n")
+        best_of[precision], why = memory.recommend(plans)
+        print(f"recommended: {best_of[precision].mix if best_of[precision] else 'none'} — {why}"
+              + (f" (master_weights {precision})" if len(precisions) > 1 else "") + "\n")
+    if len(precisions) > 1:
+        print(memory.precision_summary(best_of))
+    return 0 if any(best_of.values()) else 1
 
 
 # Trainer commands: each runs posttrain.scripts.<name>.main(argv), as examples/<name>.py does.

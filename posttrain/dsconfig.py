@@ -24,6 +24,15 @@ TRAINING_KEYS = ("optimizer", "scheduler", "gradient_accumulation_steps", "gradi
 ZERO3_DEFAULTS = {"stage3_max_live_parameters": int(1e9), "stage3_max_reuse_distance": int(1e9)}
 HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
+# Precision of a trained role's optimizer: "fp32" keeps fp32 master weights and fp32 Adam states
+# beside the bf16 model (DeepSpeed's default under bf16, 16 bytes per parameter with gradients);
+# "bf16" updates bf16 master weights with bf16 gradients and Adam states (8 bytes: what TRL's
+# trainers do with a bf16 model and no DeepSpeed). DeepSpeed 0.19.8 accepts the bf16 keys at ZeRO
+# stages 1-3 only (runtime/config.py), and bf16 master weights without bf16 optimizer states only
+# with ZeRO-Offload and DeepSpeedCPUAdam (base_optimizer._configure_master_weights).
+MASTER_WEIGHTS = ("fp32", "bf16")
+BF16_STATE_KEYS = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
 
 class ConfigError(ValueError):
     """A DeepSpeed or role configuration that cannot work; the message names the fix."""
@@ -82,6 +91,74 @@ def zero_stage(cfg: dict) -> int:
 def params_offloaded(cfg: dict) -> bool:
     """Whether ZeRO-3 keeps the parameters off the device (``offload_param.device`` cpu or nvme)."""
     return str(get(cfg, "zero_optimization.offload_param.device", "none") or "none").lower() != "none"
+
+
+def master_weights(cfg: dict) -> str:
+    """"bf16" when the config keeps bf16 master weights (and so bf16 optimizer states), else "fp32"."""
+    return "bf16" if get(cfg, "bf16.bf16_master_weights_and_grads", False) else "fp32"
+
+
+def with_master_weights(cfg: dict, precision: str, where: str) -> dict:
+    """A trained role's config with the optimizer precision asked for (a copy)."""
+    if precision not in MASTER_WEIGHTS:
+        raise ConfigError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}, got {precision!r}")
+    cfg = copy.deepcopy(cfg)
+    have = master_weights(cfg)
+    if precision == "fp32" and have == "bf16":
+        raise ConfigError(f"{where}: its DeepSpeed config sets bf16_master_weights_and_grads but master_weights is "
+                          "fp32: set master_weights: bf16, or remove the bf16_* keys from the config")
+    if precision == "bf16":
+        bf16 = cfg.get("bf16")
+        cfg["bf16"] = {**(bf16 if isinstance(bf16, dict) else {"enabled": "auto"}), **BF16_STATE_KEYS}
+    return cfg
+
+
+def check_master_weights(cfg: dict, where: str, mixed_precision: str) -> None:
+    """Refuse, with the fix, the bf16-state configs DeepSpeed would reject with an assert."""
+    bf16 = cfg.get("bf16") if isinstance(cfg.get("bf16"), dict) else {}
+    master, states = bool(bf16.get("bf16_master_weights_and_grads")), bool(bf16.get("bf16_optimizer_states"))
+    if not (master or states):
+        return
+    offload = str(get(cfg, "zero_optimization.offload_optimizer.device", "none") or "none").lower() != "none"
+    if mixed_precision != "bf16":
+        raise ConfigError(f"{where}: bf16 master weights and optimizer states need bf16 mixed precision, but it is "
+                          f"{mixed_precision!r}: pass --bf16 true (mixed_precision: bf16), or keep master_weights fp32")
+    if zero_stage(cfg) not in (1, 2, 3):
+        raise ConfigError(f"{where}: DeepSpeed keeps bf16 master weights only under ZeRO stages 1-3, and this config "
+                          f"is stage {zero_stage(cfg)}: use zero2_train_bf16_states, or keep master_weights fp32")
+    if not (master and states) or offload:
+        raise ConfigError(f"{where}: DeepSpeed 0.19 takes bf16 master weights on the device only together with "
+                          "bf16_optimizer_states and without offload_optimizer (otherwise it requires DeepSpeedCPUAdam): "
+                          "set both bf16_master_weights_and_grads and bf16_optimizer_states and drop offload_optimizer, "
+                          "or keep master_weights fp32")
+
+
+def one_rank(cfg: dict, trains: bool) -> tuple[dict, str | None]:
+    """The cheapest equivalent of a role's config in a world of one process, and what changed.
+
+    - A frozen ZeRO-3 role (parameters not offloaded): its one shard is the whole model, so
+      gathering it before every layer is pointless: the replicated placement (stage 0) holds the
+      same bytes with nothing to gather.
+    - A trained ZeRO-1/2 role: ``overlap_comm`` off (stage_1_and_2.py: with it on, every bucket
+      reduced through the reduce-scatter path runs ``allreduce_and_copy``, which synchronizes the
+      whole device, and the gradient bucket is double-buffered) and ``reduce_scatter`` off (each
+      bucket becomes one in-place all-reduce of a world of one, instead of per-parameter offsets
+      and a flatten/unflatten copy pair). Numerics are unchanged: averaging over one rank is
+      the identity.
+    """
+    stage = zero_stage(cfg)
+    if not trains and stage == 3 and not params_offloaded(cfg):
+        out = {k: copy.deepcopy(v) for k, v in cfg.items() if k != "zero_optimization"}
+        out["zero_optimization"] = {"stage": 0}
+        return out, "replicated (stage 0): a ZeRO-3 shard of one rank is the whole model"
+    zero = cfg.get("zero_optimization") or {}
+    if trains and stage in (1, 2):
+        changes = {k: False for k in ("overlap_comm", "reduce_scatter") if zero.get(k, k == "reduce_scatter")}
+        if changes:
+            out = copy.deepcopy(cfg)
+            out["zero_optimization"].update(changes)
+            return out, f"ZeRO-{stage} with {', '.join(f'{k}=false' for k in changes)} (nothing to overlap or scatter)"
+    return cfg, None
 
 
 def is_inference_only(cfg: dict) -> bool:
@@ -153,6 +230,7 @@ def resolve(
         )
 
     check_leaf_modules(cfg, where)
+    check_master_weights(cfg, where, mixed_precision)
     for key, value in ZERO3_DEFAULTS.items():
         _set_if_auto(cfg, f"zero_optimization.{key}", value)
     half = {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16"}

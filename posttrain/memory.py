@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dsconfig import ConfigError, params_offloaded, read_config, zero_stage
-from .roles import MIXES
+from .dsconfig import ConfigError, master_weights, one_rank, params_offloaded, read_config, zero_stage
+from .roles import MIXES, STOCK_GATHER_MIXES, trained_config
 
 GiB = 2**30
 
@@ -78,6 +78,9 @@ HEAD_INFER_V = 2
 # AdamW's foreach temporaries (4). Measured on H200: 8.1 bytes/param/N at 1.1B and 8B under ZeRO-2;
 # ZeRO-3 steps one sub-group (sub_group_size, 1e9 parameters) at a time.
 STEP_BYTES = 8
+# The same with bf16 master weights (master_weights: bf16): the gradient partition the optimizer
+# reads is bf16 (2) and so are AdamW's temporaries (2). Derived from the fp32 figure, not measured.
+STEP_BYTES_BF16 = 4
 SUB_GROUP_SIZE = int(1e9)
 # ZeRO-2 reduces a parameter larger than its gradient bucket outside the bucket (8B: the 525M-entry
 # embedding and LM head): its bf16 gradient and fp32 averaging copies, 10 bytes per entry (4.9 GiB
@@ -180,11 +183,15 @@ def model_size(spec: str, kind: str = "causal", vocab_size: int | None = None) -
                      kv_dim=kv_heads * head_dim, vocab=text.vocab_size, kind=kind)
 
 
-def train_activation_bytes(m: ModelSize, tokens: int) -> int:
-    """Bytes saved for backward by a forward over ``tokens`` tokens, head included."""
+def train_activation_bytes(m: ModelSize, tokens: int, checkpointing: bool = False) -> int:
+    """Bytes saved for backward by a forward over ``tokens`` tokens, head included. With gradient
+    checkpointing each decoder layer keeps only its bf16 input (2h per token) and one layer's
+    activations exist at a time, while backward recomputes it (an estimate from the same
+    coefficients, not yet checked against a GPU peak)."""
     per_layer = ACT_H * m.hidden + ACT_KV * m.kv_dim + ACT_F * m.intermediate
     head = HEAD_TRAIN_V * m.vocab if m.kind == "causal" else 8 * m.hidden
-    return tokens * (m.layers * per_layer + 8 * m.hidden + head)
+    layers = m.layers * 2 * m.hidden + per_layer if checkpointing else m.layers * per_layer
+    return tokens * (layers + 8 * m.hidden + head)
 
 
 def inference_bytes(m: ModelSize, tokens: int) -> int:
@@ -221,6 +228,7 @@ class Placement:
     offload_params: bool = False
     reduce_bucket: int = 0  # ZeRO-2 gradient bucket (elements); ZeRO-3 derives it from the hidden size
     overlap_comm: bool = False
+    master_weights: str = "fp32"  # a trained role's optimizer precision (dsconfig.master_weights)
 
     @property
     def label(self) -> str:
@@ -229,14 +237,18 @@ class Placement:
         return "replicated" if self.stage == 0 else f"zero{self.stage}"
 
 
-def placement(config: str | dict, trains: bool) -> Placement:
+def placement(config: str | dict, trains: bool, one_process: bool = False) -> Placement:
+    """A role's placement as the Session runs it: with ``one_process`` (a mix's config in a world
+    of one) it is first simplified the way the Session does (dsconfig.one_rank)."""
     if config == "stage0":
         return Placement(trains, 0)
     cfg = read_config(config)
+    if one_process:
+        cfg, _ = one_rank(cfg, trains)
     zero = cfg.get("zero_optimization", {})
     bucket = zero.get("reduce_bucket_size", 5e8)
     return Placement(trains, zero_stage(cfg), params_offloaded(cfg), int(bucket) if bucket != "auto" else 0,
-                     bool(zero.get("overlap_comm", False)))
+                     bool(zero.get("overlap_comm", False)), master_weights(cfg) if trains else "fp32")
 
 
 def mix_configs(mix: str) -> tuple[str, str]:
@@ -296,7 +308,21 @@ def _states(r: RolePlan, world: int) -> None:
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     p, n, place = r.size.params, world, r.place
-    if place.trains and place.stage == 3:
+    if place.trains and place.master_weights == "bf16":
+        # bf16 master weights, gradient partition and Adam states (DeepSpeed's estimators assume
+        # fp32 ones). ZeRO-3 updates its bf16 partition in place (stage3.py shares the storage
+        # when the dtypes match): 2 (weights) + 4 (Adam) + 2 (gradient partition) per param / N.
+        # ZeRO-1/2 clone the bf16 partition into a master copy, 2 more per param / N, except in a
+        # world of one, where Session.prepare lets the optimizer update the weights themselves
+        # (session.share_bf16_master).
+        adam, grad_partition = 4 * p / n, 2 * p / n
+        if place.stage == 3:
+            r.params, r.optimizer = 2 * p / n, adam
+            r.grads, r.resident_grads = grad_partition, 2 * p / n
+        else:
+            r.params, r.optimizer = 2 * p, adam + (0 if n == 1 else 2 * p / n)
+            r.grads = 2 * p + grad_partition
+    elif place.trains and place.stage == 3:
         _, gpu, largest = estimate_zero3_model_states_mem_needs(p, r.size.largest_layer, num_gpus_per_node=n,
                                                                 cpu_offload=False, zero_init=True)
         # 18 bytes/param/N + the largest layer gathered: 16-bit shard 2, fp32 master and Adam 12,
@@ -326,6 +352,8 @@ def plan(
     response_len: int = 64,
     gpu_memory_gib: float = 139.0,
     generation_backend: str = "posttrain",
+    master_weights: str = "fp32",
+    gradient_checkpointing: bool = False,
 ) -> Plan:
     """Per-GPU memory of every role of ``workload`` under ``mix``.
 
@@ -333,7 +361,10 @@ def plan(
     per GPU; ``seq_len`` is the whole sequence (PPO: prompt plus ``response_len``).
     ``generation_backend`` (PPO): "posttrain" keeps its KV cache, graph pool and a ZeRO-3 policy's
     gathered copy for the whole run (at rest); "hf" (transformers' generate) holds them only while
-    it generates."""
+    it generates. ``master_weights`` ("fp32" or "bf16") is the trained roles' optimizer precision,
+    as the trainers' setting of that name; in a world of one the mix's configs are counted as the
+    Session simplifies them (frozen ZeRO-3 roles replicated, one gradient bucket).
+    ``gradient_checkpointing``: trained roles recompute their layers' activations in backward."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -342,10 +373,13 @@ def plan(
     train_cfg, frozen_cfg = mix_configs(mix)
     vocab = shared_vocab(shapes, workload)
     roles: list[RolePlan] = []
+    # The Session simplifies a mix's placements in a world of one (not TRL's, nor the stock mix's).
+    one_process = world_size == 1 and mix in MIXES and mix not in STOCK_GATHER_MIXES
     for name in names["trained"] + names["frozen"]:
         trains = name in names["trained"]
         size = model_size(shapes[name], ROLE_KINDS[name], vocab)
-        r = RolePlan(name, size, placement(train_cfg if trains else frozen_cfg, trains))
+        config = trained_config(train_cfg, master_weights, name) if trains else frozen_cfg
+        r = RolePlan(name, size, placement(config, trains, one_process))
         _states(r, world_size)
         roles.append(r)
     by = {r.name: r for r in roles}
@@ -356,17 +390,18 @@ def plan(
     def train(r: RolePlan) -> float:
         """The larger of forward+backward (activations saved, gradient buffers) and the step."""
         m, place = r.size, r.place
-        r.activations = train_activation_bytes(m, tokens)
+        step_bytes = STEP_BYTES_BF16 if place.master_weights == "bf16" else STEP_BYTES
+        r.activations = train_activation_bytes(m, tokens, gradient_checkpointing)
         if place.stage == 3:
             # Gathered parameters DeepSpeed keeps live for reuse by backward (max_live_parameters).
             buffers = 2 * min(MAX_LIVE_PARAMETERS, m.params)
-            step = STEP_BYTES * min(SUB_GROUP_SIZE, m.params / n)
+            step = step_bytes * min(SUB_GROUP_SIZE, m.params / n)
         else:
             # Gradients pass through bf16 bucket(s) of reduce_bucket_size (two with overlap_comm).
             buffers = 2 * place.reduce_bucket * (2 if place.overlap_comm else 1)
             if m.largest_layer > place.reduce_bucket:
                 buffers += OVERSIZED_GRAD_BYTES * m.largest_layer
-            step = STEP_BYTES * m.params / n
+            step = step_bytes * m.params / n
         return max(r.activations + buffers, step)
 
     def forward(r: RolePlan) -> float:
@@ -431,10 +466,31 @@ def recommend(plans: list[Plan]) -> tuple[Plan | None, str]:
     return None, "no mix fits: " + "; ".join(skipped) + ". Lower the micro batch or add GPUs."
 
 
+MASTER_WEIGHTS_TEXT = {
+    "fp32": "fp32 master weights and Adam states beside the bf16 weights (the default)",
+    "bf16": "bf16 master weights, gradients and Adam states (TRL's footprint with a bf16 model)",
+}
+
+
+def precision_summary(best: dict[str, Plan | None]) -> str:
+    """One line: which optimizer precision fits, and what fp32 master weights cost over bf16."""
+    fp32, bf16 = best.get("fp32"), best.get("bf16")
+    if fp32 is not None:
+        line = f"master_weights fp32 fits ({fp32.mix}, {fp32.peak / GiB:.1f} GiB): keep it (the safer numerics)"
+        if bf16 is not None:
+            line += f"; bf16 would need {bf16.peak / GiB:.1f} GiB ({bf16.mix})"
+        return line
+    if bf16 is not None:
+        return (f"only master_weights bf16 fits ({bf16.mix}, {bf16.peak / GiB:.1f} GiB): "
+                "set master_weights: bf16 (with mixed_precision bf16)")
+    return "neither master_weights fp32 nor bf16 fits"
+
+
 def format_plan(p: Plan) -> str:
     """A table of one plan: GiB per GPU for every role and component."""
     g = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
-    lines = [f"{p.workload} · mix {p.mix} · {p.world_size} GPUs · GiB per GPU",
+    trained = {r.place.master_weights for r in p.roles if r.place.trains}
+    lines = [f"{p.workload} · mix {p.mix} · {p.world_size} GPUs · master weights {'/'.join(sorted(trained))} · GiB per GPU",
              f"{'role':10} {'place':13} {'params':>7} {'grads':>7} {'optim':>7} {'act':>7} {'kv':>7}"]
     for r in p.roles:
         lines.append(f"{r.name:10} {r.place.label:13} {g(r.params)} {g(r.grads)} {g(r.optimizer)} "

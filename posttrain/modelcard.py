@@ -135,9 +135,9 @@ In Hugging Face format in this folder: {% if quick_start %}the trained {{ top_mo
 This model was trained with {{ trainer_name }}{% if paper_id %}, a method introduced in \
 [{{ paper_title }}](https://huggingface.co/papers/{{ paper_id }}){% endif %}.
 {% if roles %}
-| role | trains | DeepSpeed config | ZeRO stage |
-|---|---|---|---|
-{% for r in roles %}| {{ r.name }} | {{ r.trains }} | {{ r.config }} | {{ r.stage }} |
+| role | trains | DeepSpeed config | ZeRO stage | master weights and Adam states |
+|---|---|---|---|---|
+{% for r in roles %}| {{ r.name }} | {{ r.trains }} | {{ r.config }} | {{ r.stage }} | {{ r.master }} |
 {% endfor %}{% endif %}
 ### Final metrics
 {% if metrics %}
@@ -297,7 +297,12 @@ def write_model_card(
             if dsconfig.params_offloaded(resolved):
                 stage += " (parameters offloaded)"
             label = f"`{role.config}`" if isinstance(role.config, (str, Path)) else "a dict given in code"
-            roles.append({"name": name, "trains": "yes" if role.trains else "no", "config": label, "stage": stage})
+            if name in getattr(session, "one_rank_changes", {}) and dsconfig.zero_stage(resolved) == 0:
+                label += " (one process: replicated)"
+            # What ran, read from the resolved config: fp32 or bf16 master weights and Adam states.
+            master = dsconfig.master_weights(resolved) if role.trains else "–"
+            roles.append({"name": name, "trains": "yes" if role.trains else "no", "config": label, "stage": stage,
+                          "master": master})
 
     model_name = Path(cfg.hub_model_id).name if getattr(cfg, "hub_model_id", None) else out.resolve().name
     hub_base = base_model if _is_hub_id(base_model) else None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from .dsconfig import ConfigError
+from .dsconfig import ConfigError, read_config, with_master_weights
 
 
 @dataclass
@@ -31,6 +31,9 @@ class Role:
     # forward 3x its replicated time). None: on wherever it applies (frozen, ZeRO-3, parameters
     # not offloaded); False: DeepSpeed's own gathering; True: required (an error where it cannot).
     fast_frozen: bool | None = None
+    # The config came from a mix, not from the user: in a world of one process the Session may
+    # swap it for its cheapest equivalent (dsconfig.one_rank). A config given by name is kept.
+    from_mix: bool = field(default=False, repr=False)
 
 
 # mix name -> (config of trained roles, config of frozen roles)
@@ -49,6 +52,17 @@ MIXES: dict[str, tuple[str, str]] = {
 # Mixes whose frozen roles keep DeepSpeed's gathering: Role(fast_frozen=False).
 STOCK_GATHER_MIXES = {"zero2-zero3-stock"}
 DEFAULT_MIX = "zero2-zero3"
+# The trained presets with bf16 master weights and optimizer states (master_weights: bf16).
+BF16_STATE_PRESETS = {"zero2_train": "zero2_train_bf16_states", "zero3_train": "zero3_train_bf16_states"}
+
+
+def trained_config(config: str | dict, master_weights: str, role: str) -> str | dict:
+    """A trained role's config at the optimizer precision asked for: a shipped preset maps to its
+    ``_bf16_states`` twin; any other config gets DeepSpeed's two bf16 keys added (as a dict)."""
+    if master_weights == "bf16" and isinstance(config, str) and config in BF16_STATE_PRESETS:
+        return BF16_STATE_PRESETS[config]
+    checked = with_master_weights(read_config(config), master_weights, f"role {role!r}")
+    return config if master_weights == "fp32" else checked
 
 
 def check_mix(mix: str) -> None:
@@ -65,8 +79,10 @@ def roles_for(
     frozen: Iterable[str] = (),
     mix: str = DEFAULT_MIX,
     configs: Mapping[str, str | dict] | None = None,
+    master_weights: str = "fp32",
 ) -> list[Role]:
-    """Roles for a trainer: ``mix`` gives each its config, ``configs`` overrides per role."""
+    """Roles for a trainer: ``mix`` gives each its config, ``configs`` overrides per role;
+    ``master_weights`` ("fp32" or "bf16") is the optimizer precision of every trained role."""
     check_mix(mix)
     trained, frozen = list(trained), list(frozen)
     configs = dict(configs or {})
@@ -76,8 +92,11 @@ def roles_for(
             f"config given for unknown role(s) {sorted(unknown)}: this run's roles are {trained + frozen}"
         )
     train_cfg, frozen_cfg = MIXES[mix]
-    return [Role(n, configs.get(n, train_cfg), trains=True) for n in trained] + [
-        Role(n, configs.get(n, frozen_cfg), trains=False, fast_frozen=False if mix in STOCK_GATHER_MIXES else None)
+    stock = mix in STOCK_GATHER_MIXES  # kept as named: it exists to compare DeepSpeed's own gathering
+    return [Role(n, trained_config(configs.get(n, train_cfg), master_weights, n), trains=True,
+                 from_mix=n not in configs and not stock) for n in trained] + [
+        Role(n, configs.get(n, frozen_cfg), trains=False, fast_frozen=False if stock else None,
+             from_mix=n not in configs and not stock)
         for n in frozen
     ]
 
@@ -85,7 +104,7 @@ def roles_for(
 def roles_from_yaml(
     source: str | Path | Mapping, trained: Iterable[str], frozen: Iterable[str] = ()
 ) -> list[Role]:
-    """Read ``mix:`` and/or ``roles: {name: config}`` from a YAML file (or its parsed mapping)."""
+    """Read ``mix:``, ``roles: {name: config}`` and ``master_weights:`` from a YAML file (or its parsed mapping)."""
     if isinstance(source, Mapping):
         data = dict(source)
     else:
@@ -98,4 +117,5 @@ def roles_from_yaml(
     roles = data.get("roles") or {}
     if not isinstance(roles, Mapping):
         raise ConfigError(f"{source}: 'roles' must map a role name to a DeepSpeed config")
-    return roles_for(trained, frozen, mix=data.get("mix") or DEFAULT_MIX, configs=roles)
+    return roles_for(trained, frozen, mix=data.get("mix") or DEFAULT_MIX, configs=roles,
+                     master_weights=data.get("master_weights") or "fp32")

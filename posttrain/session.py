@@ -157,9 +157,15 @@ class Session:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
         self.configs: dict[str, dict] = {}
+        self.one_rank_changes: dict[str, str] = {}  # role -> what the one-process path changed
         for role in self.roles.values():
+            raw = dsconfig.read_config(role.config)
+            if world_size == 1 and role.from_mix:
+                raw, change = dsconfig.one_rank(raw, role.trains)
+                if change:
+                    self.one_rank_changes[role.name] = change
             self.configs[role.name] = dsconfig.resolve(
-                dsconfig.read_config(role.config),
+                raw,
                 role=role.name,
                 trains=role.trains,
                 micro_batch_size=micro_batch_size,
@@ -173,6 +179,11 @@ class Session:
                 total_steps=total_steps,
                 memory_efficient_linear=role.memory_efficient_linear,
             )
+
+        if self.one_rank_changes:
+            # Said once per session, before any model loads (one process: it is the main one).
+            changes = "; ".join(f"{n}: {c}" for n, c in self.one_rank_changes.items())
+            print(f"[posttrain] one process, so the mix's placements are simplified: {changes}", flush=True)
 
         # A session per process at a time: a new one starts from a clean accelerate state
         # (the process group itself is kept).
@@ -249,6 +260,12 @@ class Session:
 
     def zero_stage(self, name: str) -> int:
         return dsconfig.zero_stage(self.configs[self.role(name).name])
+
+    def master_weights(self, name: str) -> str | None:
+        """A trained role's optimizer precision, as its resolved config has it: "fp32" (fp32
+        master weights and Adam states) or "bf16"; None for a frozen role."""
+        role = self.role(name)
+        return dsconfig.master_weights(self.configs[name]) if role.trains else None
 
     # -- activation --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -359,6 +376,9 @@ class Session:
                 engine = accelerator.prepare(model)
         self._pin_accumulation()
         if role.trains:
+            if self.num_processes == 1 and share_bf16_master(engine.optimizer):
+                print(f"[posttrain] one process: role {name!r}'s bf16 master weights are the model's own weights "
+                      "(no second copy)", flush=True)
             self.optimizers[name] = optimizer
             if scheduler is not None:
                 self.schedulers[name] = scheduler
@@ -595,6 +615,36 @@ class Session:
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(directory))
         self.accelerator.wait_for_everyone()
+
+
+def share_bf16_master(zero_optimizer: Any) -> bool:
+    """In a world of one, make a ZeRO-1/2 optimizer with bf16 master weights update the model's
+    own bf16 weights instead of a copy of them; returns whether it did.
+
+    DeepSpeed 0.19.8's ZeRO-1/2 clones this rank's bf16 partition into its "fp32" master partition
+    even when that is bf16 (stage_1_and_2.py, ``weights_partition = ....clone().to(master dtype)``),
+    and after every step copies it back. With one rank the partition is the whole flat buffer the
+    parameters are views of, so the clone is the model a second time (2 bytes per parameter) with
+    identical values. Its ZeRO-3 shares the storage in the same case (stage3.py, "we don't need
+    another copy of the weights"); this does the same for ZeRO-1/2: the copy-back then copies a
+    tensor onto itself, and the optimizer's states follow the shared tensor."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = zero_optimizer
+    if (not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload
+            or opt.master_weights_and_grads_dtype != torch.bfloat16 or opt.optimizer.state):
+        return False
+    if any(len(parts) != 1 for parts in opt.parallel_partitioned_bit16_groups):
+        return False  # more than one rank holds a partition
+    pairs = list(zip(opt.single_partition_of_fp32_groups, (parts[0] for parts in opt.parallel_partitioned_bit16_groups)))
+    if any(m.shape != o.shape or m.dtype != o.dtype or not torch.equal(m, o) for m, o in pairs):
+        return False
+    for i, (group, (_, own)) in enumerate(zip(opt.optimizer.param_groups, pairs)):
+        own.requires_grad = True  # as DeepSpeed marks its master partition
+        opt.single_partition_of_fp32_groups[i] = own
+        group["params"] = [own]
+    opt._link_all_hp_params()  # the per-parameter views into the master partition
+    return True
 
 
 def recompute_rotary_buffers(model: torch.nn.Module) -> int:

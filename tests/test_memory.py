@@ -137,3 +137,63 @@ def test_unknown_inputs():
         memory.plan("dpo", "1b", "zero5", world_size=2, micro_batch=1, seq_len=8)
     with pytest.raises(ValueError, match="unknown workload"):
         memory.plan("sft", "1b", "zero3", world_size=2, micro_batch=1, seq_len=8)
+
+
+def test_master_weights_bf16_counts_8_bytes_per_parameter():
+    """Trained roles: fp32 master weights and Adam states 12 bytes/param/N, bf16 ones 6 under
+    ZeRO-1/2 (DeepSpeed's bf16 master copy 2 + Adam 4) and 4 under ZeRO-3 (which updates its bf16
+    partition in place); one process shares the ZeRO-2 master with the weights, as the Session does."""
+    p = memory.model_size("1b").params
+
+    def policy(mix, world, mw):
+        return memory.plan("dpo", "1b", mix, world_size=world, micro_batch=4, seq_len=512, master_weights=mw).roles[0]
+
+    assert policy("zero2-zero3", 2, "fp32").optimizer == pytest.approx(12 * p / 2)
+    assert policy("zero2-zero3", 2, "bf16").optimizer == pytest.approx(6 * p / 2)
+    assert policy("zero2-zero3", 1, "bf16").optimizer == pytest.approx(4 * p)
+    assert policy("zero3", 2, "bf16").optimizer == pytest.approx(4 * p / 2)
+    for mix, world in (("zero2-zero3", 1), ("zero2-zero3", 2), ("zero3", 2)):
+        fp32, bf16 = policy(mix, world, "fp32"), policy(mix, world, "bf16")
+        assert bf16.place.master_weights == "bf16" and fp32.place.master_weights == "fp32"
+        # One process: weights 2 + bf16 gradients 2 + states (fp32 master 4 and Adam 8, or bf16
+        # Adam 4) = 16 or 8 bytes/param, plus the gradient partition the optimizer reads (fp32 4
+        # or bf16 2; DeepSpeed's estimator counts it): 20 against 10.
+        if world == 1:
+            assert fp32.params + fp32.grads + fp32.optimizer == pytest.approx(20 * p)
+            assert bf16.params + bf16.grads + bf16.optimizer == pytest.approx(10 * p)
+        assert bf16.at_rest < fp32.at_rest
+
+
+def test_one_process_plan_is_what_the_session_runs():
+    one = memory.plan("dpo", "1b", "zero2-zero3", world_size=1, micro_batch=4, seq_len=512)
+    policy, ref = one.roles
+    assert ref.place.label == "replicated" and not policy.place.overlap_comm  # dsconfig.one_rank
+    # One gradient bucket instead of overlap_comm's two.
+    two = memory.plan("dpo", "1b", "zero2-zero3", world_size=2, micro_batch=4, seq_len=512)
+    assert two.roles[0].place.overlap_comm
+    # TRL's placements and the stock mix are not simplified.
+    assert memory.plan("dpo", "1b", "zero2-zero3-stock", world_size=1, micro_batch=4, seq_len=512).roles[1].place.stage == 3
+
+
+def test_plan_command_counts_both_precisions(capsys):
+    rc = cli.main(["plan", "--workload", "dpo", "--shape", "1b", "--world-size", "1", "--gpu-memory", "20"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "== master_weights fp32" in out and "== master_weights bf16" in out
+    assert "master weights fp32 · GiB per GPU" in out and "master weights bf16 · GiB per GPU" in out
+    assert "only master_weights bf16 fits" in out
+    cli.main(["plan", "--workload", "dpo", "--shape", "1b", "--world-size", "1"])
+    assert "master_weights fp32 fits" in capsys.readouterr().out
+    cli.main(["plan", "--workload", "dpo", "--shape", "1b", "--master-weights", "bf16"])
+    out = capsys.readouterr().out
+    assert "== master_weights bf16" in out and "master_weights fp32" not in out
+
+
+def test_gradient_checkpointing_keeps_one_layer():
+    m = memory.model_size("1b")
+    full, ckpt = memory.train_activation_bytes(m, 4096), memory.train_activation_bytes(m, 4096, checkpointing=True)
+    per_layer = memory.ACT_H * m.hidden + memory.ACT_KV * m.kv_dim + memory.ACT_F * m.intermediate
+    assert full - ckpt == 4096 * (m.layers - 1) * per_layer - 4096 * m.layers * 2 * m.hidden
+    plan = memory.plan("dpo", "1b", "zero2-zero3", world_size=1, micro_batch=4, seq_len=512, gradient_checkpointing=True)
+    assert plan.roles[0].activations == ckpt
+    assert cli.main(["plan", "--workload", "dpo", "--world-size", "1", "--gradient-checkpointing"]) == 0

@@ -122,7 +122,10 @@ def test_trainer_writes_card_and_curves(ppo_run):
     text = (ppo_run / "README.md").read_text()
     assert f"fine-tuned version of `{tiny.sft_model_path()}` on `{ppo_run.parent / 'prompts.jsonl'}`" in text
     assert "trained with PPO" in text
-    assert "| policy | yes | `zero2_train` | 2 |" in text and "| reference | no | `zero3_inference` | 3 |" in text
+    # One process: the reference's ZeRO-3 mix placement ran replicated (dsconfig.one_rank), and the
+    # card says so, with the precision the policy's optimizer kept.
+    assert "| policy | yes | `zero2_train` | 2 | fp32 |" in text
+    assert "| reference | no | `zero3_inference` (one process: replicated) | 0 | – |" in text
     assert f'model="{ppo_run}"' in text
     assert "the trained policy at its top (`from_pretrained` of the folder loads it) and the trained value in `value/`." in text
     rows = modelcard.read_metrics(ppo_run / "metrics.jsonl")

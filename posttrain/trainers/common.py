@@ -62,6 +62,11 @@ class TrainConfig:
     # JSON path; a dict from Python). Set role_configs in the YAML: TrlParser cannot parse a dict flag.
     mix: str = DEFAULT_MIX
     role_configs: dict[str, str] = field(default_factory=dict)
+    # Optimizer precision of every trained role: "fp32" keeps fp32 master weights and fp32 Adam
+    # states (16 bytes per parameter with the bf16 weights and gradients); "bf16" updates bf16
+    # weights with bf16 gradients and Adam states (8 bytes: TRL's footprint with a bf16 model).
+    # bf16 needs mixed_precision bf16 and ZeRO stage 1-3 (the zero*_train_bf16_states presets).
+    master_weights: str = "fp32"
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest" in output_dir
     # A reused output_dir (metrics.jsonl or checkpoints in it) is refused unless this is set (it then
     # clears them) or the run resumes. TrainingArguments' names and meanings.
@@ -118,6 +123,12 @@ def validate_train_config(cfg: TrainConfig) -> None:
     cfg.mixed_precision = precision or cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if cfg.mixed_precision not in (None, "no", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {cfg.mixed_precision!r}")
+    if cfg.master_weights not in ("fp32", "bf16"):
+        raise ConfigError(f"master_weights must be 'fp32' or 'bf16', got {cfg.master_weights!r}: set --master_weights fp32 "
+                          "(fp32 master weights and Adam states) or bf16")
+    if cfg.master_weights == "bf16" and cfg.mixed_precision != "bf16":
+        raise ConfigError(f"master_weights bf16 keeps the weights and Adam states in bf16, which needs bf16 mixed precision "
+                          f"(mixed_precision is {cfg.mixed_precision!r}): add --bf16 true, or set --master_weights fp32")
     from transformers import SchedulerType
 
     schedulers = [t.value for t in SchedulerType]
@@ -128,7 +139,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:
     # Everything the run is given is checked before prepare_output_dir clears anything.
     checks.check_placement(cfg.mix, cfg.role_configs)
-    roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs)
+    roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs, master_weights=cfg.master_weights)
     checks.check_output_dir(cfg.output_dir)
     checks.check_resume_path(cfg.resume_from_checkpoint, cfg.output_dir)
     prepare_output_dir(cfg)  # before any model loads: a reused dir or a missing checkpoint fails fast

@@ -1,0 +1,120 @@
+"""One process, bf16 mixed precision: posttrain's DPO with bf16 master weights and optimizer states
+(with the one-process shared master, and with DeepSpeed's own master copy), with fp32 ones, and
+TRL's DPOTrainer on a bf16 model (AdamW on bf16 parameters), on the same 4 pairs every step;
+writes the losses, grad norms and checks as JSON (tests/test_precision.py)."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from posttrain import session as session_module
+from posttrain import synthetic, tiny
+from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+
+STEPS, LR = 6, 1e-3  # a learning rate whose updates bf16 weights can hold
+
+
+def settings(tmp: Path, name: str) -> dict:
+    return dict(output_dir=str(tmp / name), overwrite_output_dir=True, max_steps=STEPS, learning_rate=LR,
+                per_device_train_batch_size=4, logging_steps=1, gradient_checkpointing=False, disable_tqdm=True,
+                bf16=True, seed=0)
+
+
+def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True) -> dict:
+    original = session_module.share_bf16_master
+    if not share:
+        session_module.share_bf16_master = lambda optimizer: False
+    try:
+        cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
+                        master_weights=master_weights, **settings(tmp, f"{master_weights}-{share}"))
+        trainer = DPOTrainer(cfg, train_dataset=rows)
+        s = trainer.session
+        engine = s.engines["policy"]
+        zero = engine.optimizer
+        master = zero.single_partition_of_fp32_groups[0]
+        param = next(engine.module.parameters())
+        flat = zero.bit16_groups_flat[0]
+        history = trainer.train()
+        states = [t for st in zero.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+        return {"losses": [h["loss"] for h in history if "loss" in h],
+                "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
+                "master_dtype": str(master.dtype), "state_dtypes": sorted({str(t.dtype) for t in states}),
+                "master_is_weights": master.data_ptr() == flat.data_ptr(),
+                "param_in_flat": flat.data_ptr() <= param.data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size(),
+                "recorded": s.master_weights("policy"), "reference_stage": s.zero_stage("reference"),
+                "policy_zero": {k: s.configs["policy"]["zero_optimization"].get(k) for k in ("overlap_comm", "reduce_scatter")},
+                "one_rank_changes": s.one_rank_changes,
+                "config_json": json.loads((tmp / f"{master_weights}-{share}" / "config.json").read_text()).get("master_weights")}
+    finally:
+        session_module.share_bf16_master = original
+
+
+def placement_run(tmp: Path, rows: list, name: str, **fields) -> list[float]:
+    """fp32 (no mixed precision) losses under the default mix, simplified or as named."""
+    base = {**settings(tmp, name), "bf16": False}
+    cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
+                    **{**base, **fields})
+    trainer = DPOTrainer(cfg, train_dataset=rows)
+    stages = {n: trainer.session.zero_stage(n) for n in trainer.session.roles}
+    return {"losses": [h["loss"] for h in trainer.train() if "loss" in h], "stages": stages}
+
+
+def resume_run(tmp: Path) -> dict:
+    """bf16 states with the shared master: 6 steps saved at 3, and a run resumed from that
+    checkpoint (copied into a fresh output dir), whose last 3 losses must equal the first's."""
+    import shutil
+
+    rows = synthetic.preference_pairs(16, seed=3)
+
+    def cfg(name: str, **kw) -> DPOConfig:
+        return DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), master_weights="bf16", save_steps=3,
+                         **{**settings(tmp, name), **kw})
+
+    full = [h["loss"] for h in DPOTrainer(cfg("resume-full"), train_dataset=rows).train() if "loss" in h]
+    (tmp / "resume-part").mkdir()
+    shutil.copytree(tmp / "resume-full" / "checkpoint-3", tmp / "resume-part" / "checkpoint-3")
+    resumed = DPOTrainer(cfg("resume-part", resume_from_checkpoint="latest"), train_dataset=rows).train()
+    return {"full": full[3:], "resumed": [h["loss"] for h in resumed if "loss" in h]}
+
+
+def trl_run(tmp: Path, rows: list) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig as TrlDPOConfig
+    from trl import DPOTrainer as TrlDPOTrainer
+
+    fields = settings(tmp, "trl")
+    fields.pop("overwrite_output_dir")
+    args = TrlDPOConfig(**fields, use_cpu=True, report_to=[], save_strategy="no", max_length=1024)
+    model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=1), dtype=torch.bfloat16)
+    trainer = TrlDPOTrainer(model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                            processing_class=tiny.load_tokenizer(tiny.model_path(seed=0)))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    states = [t for st in trainer.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
+            "state_dtypes": sorted({str(t.dtype) for t in states})}
+
+
+def main(out: str, tmp: str) -> None:
+    tmp_path = Path(tmp)
+    rows = synthetic.preference_pairs(4, seed=3)  # one batch: both sides see the same 4 pairs every step
+    # TRL first: after a Session, accelerate's process-wide DeepSpeed settings would make TRL's
+    # Trainer run under DeepSpeed (fp32 master weights) instead of plain AdamW on bf16 parameters.
+    res = {"trl_bf16": trl_run(tmp_path, rows)}
+    res.update({"bf16": posttrain_run(tmp_path, rows, "bf16"),
+                "bf16_copy": posttrain_run(tmp_path, rows, "bf16", share=False),
+                "fp32": posttrain_run(tmp_path, rows, "fp32")})
+    # The one-process simplification against the same placements named explicitly (kept as given).
+    res["fp32_simplified"] = placement_run(tmp_path, rows, "simplified")
+    res["fp32_as_named"] = placement_run(tmp_path, rows, "named",
+                                         role_configs={"policy": "zero2_train", "reference": "zero3_inference"})
+    res["resume"] = resume_run(tmp_path)
+    Path(out).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -46,7 +46,7 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
                 "recorded": s.master_weights("policy"), "reference_stage": s.zero_stage("reference"),
                 "policy_zero": {k: s.configs["policy"]["zero_optimization"].get(k) for k in ("overlap_comm", "reduce_scatter")},
                 "one_rank_changes": s.one_rank_changes,
-                "config_json": json.loads((tmp / f"{master_weights}-{share}" / "config.json").read_text()).get("master_weights")}
+                "config_json": json.loads((tmp / f"{master_weights}-{share}" / "posttrain_config.json").read_text()).get("master_weights")}
     finally:
         session_module.share_bf16_master = original
 

@@ -175,12 +175,21 @@ def check_model_paths(outputs: Sequence[Any]) -> None:
 
 def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | None = None) -> int:
     """Run a script's ``main``: bad settings or data end it with their one sentence on stderr and
-    exit status 2, not a traceback."""
+    exit status 2, not a traceback; Ctrl-C with one line saying how to resume and status 130
+    (``posttrain.interrupt``)."""
+    from .. import interrupt
+
+    interrupt.install()
     try:
         main(None if argv is None else list(argv))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except BaseException as err:
+        status = interrupt.exit_status(err)
+        if status is None:
+            raise
+        return status
     return 0
 
 

@@ -20,14 +20,17 @@ PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
 
 
 def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
-    """The run's summary: mean reward over the first and last tenth of the steps, time per phase."""
-    tenth = max(1, len(history) // 10)
-    first = sum(h["reward"] for h in history[:tenth]) / tenth
-    last = sum(h["reward"] for h in history[-tenth:]) / tenth
-    phases = {k: round(sum(h.get(k, 0.0) for h in history), 1) for k in PHASES}
-    return {"steps": len(history), "reward_first_tenth": round(first, 3), "reward_last_tenth": round(last, 3),
+    """The run's summary: mean reward over the first and last tenth of the logged rows, time per
+    phase. ``history`` is the whole run's (after a resume too); ``seconds`` is this process's wall
+    time, so after a resume only the resumed part's."""
+    rows = [h for h in history if "reward" in h]
+    tenth = max(1, len(rows) // 10)
+    first = sum(h["reward"] for h in rows[:tenth]) / tenth
+    last = sum(h["reward"] for h in rows[-tenth:]) / tenth
+    phases = {k: round(sum(h.get(k, 0.0) for h in rows), 1) for k in PHASES}
+    return {"steps": rows[-1]["step"], "reward_first_tenth": round(first, 3), "reward_last_tenth": round(last, 3),
             "reward_rise": round(last - first, 3), "seconds_per_phase": phases, "seconds": round(seconds, 1),
-            "mix": cfg.mix, "output_dir": cfg.output_dir}
+            "resumed_from": cfg.resume_from_checkpoint, "mix": cfg.mix, "output_dir": cfg.output_dir}
 
 
 def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None = None) -> None:

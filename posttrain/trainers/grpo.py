@@ -21,7 +21,6 @@ the batch outlives one optimizer step, as TRL does.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -33,6 +32,7 @@ import torch
 
 from .. import synthetic, tiny
 from ..dsconfig import ConfigError
+from ..jsonrows import dumps_row
 from ..preference import load_dataset_source
 from .common import (
     Phases,
@@ -445,6 +445,10 @@ class GRPOTrainer:
             raise ConfigError(f"a generation batch needs {self.prompts_per_generation} prompts and the dataset has "
                               f"{len(self.rows)}: lower per_device_train_batch_size or steps_per_generation")
         self.micro_per_generation = cfg.steps_per_generation * cfg.num_iterations
+        # TRL's epoch (the length of its dataloader, one generation slice per micro-batch): every
+        # full generation batch of the prompts, each slice num_iterations times; what the logged
+        # epoch counts.
+        self.micro_batches_per_epoch = (len(self.rows) // self.prompts_per_generation) * self.micro_per_generation
         if cfg.max_steps > 0:
             self.total_steps = cfg.max_steps
         else:  # TRL's epoch: every prompt num_generations times, each generation batch num_iterations times
@@ -699,7 +703,7 @@ class GRPOTrainer:
             self.step, self.num_tokens = int(state["step"]), float(state.get("num_tokens", 0.0))
             if cfg.sync_ref_model:
                 s.load_weights("reference", ckpt / "reference")
-        log = RunLog(s, cfg, self.total_steps, self.algorithm, start=self.step)
+        log = RunLog(s, cfg, self.total_steps, self.algorithm, start=self.step, shown=("reward", "kl", "loss"))
         micro = self.step * ga
         buffer: list[dict[str, torch.Tensor]] = []
         gen_metrics: list[dict[str, float]] = []  # of the generations sampled during this step
@@ -731,12 +735,13 @@ class GRPOTrainer:
             row.update({k: sum(m[k] for m in gen_metrics) / len(gen_metrics) for k in keys})
             latest, gen_metrics = gen_metrics[-1], []
             row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                        "epoch": self.step * ga / self.micro_batches_per_epoch,
                         **self.phases.pop(), "time/step": time.perf_counter() - tick})
             if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                 log.log(self.step, row, advance=False)
                 if cfg.log_completions:
                     self._log_samples()
-            log.bar.update(1)
+            log.advance()
             if cfg.save_steps and self.step % cfg.save_steps == 0:
                 export = {"policy": self.tokenizer, **({"reference": None} if cfg.sync_ref_model else {})}
                 save_checkpoint(s, cfg, self.step, export, {"num_tokens": self.num_tokens})
@@ -751,7 +756,7 @@ class GRPOTrainer:
                  "reward": round(float(r), 4)} for p, c, r in zip(prompts[:k], texts[:k], scores[:k].tolist())]
         if self.session.is_main_process:
             with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+                f.writelines(dumps_row(r) + "\n" for r in rows)  # a NaN reward as null
 
     def save(self, directory: str | None = None) -> None:
         """The trained policy in Hugging Face format (``from_pretrained`` loads it)."""

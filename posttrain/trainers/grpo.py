@@ -445,10 +445,7 @@ class GRPOTrainer:
             raise ConfigError(f"a generation batch needs {self.prompts_per_generation} prompts and the dataset has "
                               f"{len(self.rows)}: lower per_device_train_batch_size or steps_per_generation")
         self.micro_per_generation = cfg.steps_per_generation * cfg.num_iterations
-        # TRL's epoch (the length of its dataloader, one generation slice per micro-batch): every
-        # full generation batch of the prompts, each slice num_iterations times; what the logged
-        # epoch counts.
-        self.micro_batches_per_epoch = (len(self.rows) // self.prompts_per_generation) * self.micro_per_generation
+        self.micro_batches_per_epoch = micro_batches_per_epoch(len(self.rows), cfg)  # the logged epoch's unit
         if cfg.max_steps > 0:
             self.total_steps = cfg.max_steps
         else:  # TRL's epoch: every prompt num_generations times, each generation batch num_iterations times
@@ -761,6 +758,15 @@ class GRPOTrainer:
     def save(self, directory: str | None = None) -> None:
         """The trained policy in Hugging Face format (``from_pretrained`` loads it)."""
         self.session.save_pretrained("policy", directory or self.cfg.output_dir + "/policy", self.tokenizer)
+
+
+def micro_batches_per_epoch(num_prompts: int, cfg: GRPOConfig) -> int:
+    """TRL's epoch in micro-batches (the length of its dataloader, which yields one generation
+    slice per micro-batch): every full generation batch of the prompts, each of its
+    steps_per_generation slices num_iterations times. transformers' Trainer logs ``epoch`` as the
+    micro-batches done over this."""
+    prompts_per_generation = cfg.generation_batch_size // cfg.num_generations
+    return (num_prompts // prompts_per_generation) * cfg.steps_per_generation * cfg.num_iterations
 
 
 # -- prompts -------------------------------------------------------------------------------------

@@ -61,6 +61,8 @@ def exit_status(err: BaseException) -> int | None:
     _state["at"] = time.monotonic()  # a repeat that arrives while the line is written is the same interrupt
     describe = _state["describe"]
     line = describe() if describe is not None else "interrupted before training started"
+    if _state["signal"] == signal.SIGTERM:  # a launcher or scheduler stopped it (torchrun: another rank failed)
+        line = line.replace("interrupted", "stopped by SIGTERM", 1)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"\n[posttrain] {line}", file=sys.stderr, flush=True)
     _leave_process_group()

@@ -109,6 +109,32 @@ def test_the_interrupt_line_names_the_checkpoint(tmp_path):
     assert log_rows(tmp_path / "none", []).interrupted().endswith("no checkpoint yet (--save_steps N writes them)")
 
 
+def test_sigterm_gives_the_line_once_and_130(tmp_path, capsys):
+    from posttrain import interrupt
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        interrupt.install()
+        log = log_rows(tmp_path, [(1, {"loss": 1.0})])
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+            raise AssertionError("no KeyboardInterrupt")
+        except KeyboardInterrupt as err:
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's repeat: ignored
+            assert interrupt.exit_status(err) == 130
+        assert interrupt.exit_status(ValueError("a real error")) == 130  # after the signal, any failure is it
+        interrupt.install()
+        assert interrupt.exit_status(ValueError("a real error")) is None
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        interrupt.track(None)
+    err = capsys.readouterr().err
+    assert err.count("[posttrain] stopped by SIGTERM at step 1 of 10; no checkpoint yet") == 2
+    assert log.done == 1
+
+
 # -- Ctrl-C on real runs ----------------------------------------------------------------------------
 DPO_ARGS = ["--max_steps", "400", "--synthetic_train_size", "64", "--synthetic_eval_size", "16", "--eval_strategy",
             "no", "--logging_steps", "1", "--save_steps", "2", "--disable_tqdm", "true"]

@@ -107,6 +107,8 @@ def test_the_interrupt_line_names_the_checkpoint(tmp_path):
     assert log.interrupted() == ("interrupted at step 2 of 10; resume with --resume_from_checkpoint latest "
                                  "(checkpoint-2)")
     assert log_rows(tmp_path / "none", []).interrupted().endswith("no checkpoint yet (--save_steps N writes them)")
+    log.closed = True  # RunLog.close: an interrupt while the model is saved
+    assert log.interrupted().startswith("interrupted after grpo's training ended (step 2 of 10); resume with")
 
 
 def test_sigterm_gives_the_line_once_and_130(tmp_path, capsys):

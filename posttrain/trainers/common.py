@@ -251,6 +251,7 @@ class RunLog:
         self.main = session.is_main_process
         self.total, self.done, self.shown = total, start, shown
         self.postfix: dict[str, str] = {}
+        self.closed = False
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
@@ -310,6 +311,8 @@ class RunLog:
         else:
             how = "no checkpoint yet" + ("" if self.cfg.save_steps else " (--save_steps N writes them)")
         step = max([self.done, *(int(h.get("step", 0)) for h in self.history[-1:])])  # logged, not yet advanced
+        if self.closed:  # saving the model, or a later part of the script
+            return f"interrupted after {self.name}'s training ended (step {step} of {self.total}); {how}"
         return f"interrupted at step {step} of {self.total}; {how}"
 
     def write(self, text: str) -> None:
@@ -317,6 +320,7 @@ class RunLog:
             self.bar.write(text)
 
     def close(self) -> None:
+        self.closed = True
         self.bar.close()
         # Not accelerator.end_training(): in accelerate 1.15 it also destroys the process group,
         # which saving or evaluating after training still needs.

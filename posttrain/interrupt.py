@@ -31,7 +31,7 @@ _state: dict[str, Any] = {"signal": None, "at": 0.0, "describe": None}
 def install() -> None:
     """Turn the first SIGINT/SIGTERM into KeyboardInterrupt (once); a repeat from the launcher is
     ignored, one the user sends later ends the process at once."""
-    _state.update(signal=None, at=0.0)
+    _state.update(signal=None, at=0.0, reported=False)
     if not _is_main_thread():
         return
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -54,17 +54,22 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 def exit_status(err: BaseException) -> int | None:
     """After an interrupt (``err`` is it, or a failure it caused, such as a collective whose peer
-    left): print the line on rank 0, drop the process group without waiting for the other ranks,
-    and return 130. None for any other error."""
+    left): print the line on rank 0 (once), drop the process group without waiting for the other
+    ranks, and return 130. None for any other error. A rank blocked in a collective when the
+    signal came runs its handler only when Python next runs, which can be this call: the caller
+    catches that KeyboardInterrupt and calls again."""
     if not isinstance(err, KeyboardInterrupt) and _state["signal"] is None:
         return None
     _state["at"] = time.monotonic()  # a repeat that arrives while the line is written is the same interrupt
+    if _state.get("reported"):
+        return EXIT_STATUS
     describe = _state["describe"]
     line = describe() if describe is not None else "interrupted before training started"
     if _state["signal"] == signal.SIGTERM:  # a launcher or scheduler stopped it (torchrun: another rank failed)
         line = line.replace("interrupted", "stopped by SIGTERM", 1)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"\n[posttrain] {line}", file=sys.stderr, flush=True)
+    _state["reported"] = True
     _leave_process_group()
     return EXIT_STATUS
 

@@ -186,7 +186,10 @@ def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | No
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     except BaseException as err:
-        status = interrupt.exit_status(err)
+        try:
+            status = interrupt.exit_status(err)
+        except KeyboardInterrupt as late:  # a rank stuck in a collective runs the signal's handler only now
+            status = interrupt.exit_status(late)
         if status is None:
             raise
         return status

@@ -21,6 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .jsonrows import read_rows
+
 CARD_FILE = "README.md"
 CURVES_FILE = "learning_curves.png"
 
@@ -183,11 +185,9 @@ Cite TRL as:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl`` (an empty list when there is none)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a ``metrics.jsonl`` (an empty list when there is none), non-finite values
+    restored as floats (``posttrain.jsonrows``); the card and the curves keep the finite ones."""
+    return read_rows(path)
 
 
 def final_metrics(rows: list[dict]) -> dict[str, tuple[float, int]]:

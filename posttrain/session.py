@@ -215,6 +215,7 @@ class Session:
         self.fast_frozen: dict[str, Any] = {}  # role -> posttrain.frozen.FastFrozen
         self.optimizers: dict[str, Any] = {}
         self.schedulers: dict[str, Any] = {}
+        self._step_lr: dict[str, float] = {}  # role -> the rate its last optimizer step used
         self._active: list[str] = [self.primary]
 
     def _pin_accumulation(self) -> None:
@@ -525,6 +526,8 @@ class Session:
         after which the role's scheduler steps. Returns whether the optimizer stepped."""
         engine = self._trained_engine(name)
         boundary = engine.is_gradient_accumulation_boundary()
+        if boundary:  # read before the schedulers move it on (a DeepSpeed-config scheduler steps in engine.step)
+            self._step_lr[name] = float(engine.get_lr()[0])
         engine.step()
         if boundary and name in self.schedulers:
             self.schedulers[name].step()
@@ -535,7 +538,11 @@ class Session:
         return None if norm is None else float(norm)
 
     def learning_rate(self, name: str) -> float:
-        return float(self._trained_engine(name).get_lr()[0])
+        """The rate the role's last optimizer step used (what ``transformers.Trainer`` logs as
+        ``learning_rate``: read after the optimizer step, before the scheduler's); before any step,
+        the rate the first step will use."""
+        engine = self._trained_engine(name)
+        return self._step_lr.get(name, float(engine.get_lr()[0]))
 
     def _trained_engine(self, name: str) -> Any:
         if not self.role(name).trains:

@@ -128,9 +128,10 @@ def test_resume_latest_skips_it_and_equals_the_uninterrupted_run(runs):
     assert "checkpoint-4.tmp: a half-written checkpoint" in runs["log"]
     assert f"resuming from {tmp / 'killed' / 'checkpoint-2'} (step 2)" in runs["log"]
     assert not (tmp / "killed" / "checkpoint-4.tmp").exists() and (tmp / "killed" / "checkpoint-4").is_dir()
-    assert resumed["start"] == 2 and [h["step"] for h in resumed["history"]] == [3, 4]
-    for a, b in zip(full[2:], resumed["history"]):
-        for key in COMPARED:
+    # The history is the whole run's: the dead run's rows up to the checkpoint, then the resumed ones.
+    assert resumed["start"] == 2 and [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed["history"]):
+        for key in [*COMPARED, "lr", "epoch"]:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (b["step"], key)
     # metrics.jsonl: the first two rows of the dead run, then the resumed run's, none left over.
     rows = [json.loads(x) for x in (tmp / "killed" / "metrics.jsonl").read_text().splitlines()]

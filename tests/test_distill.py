@@ -126,6 +126,13 @@ def test_sequence_sources(run):
     assert z3["on_policy"] == [1.0, 1.0] and all(0 < x < 10 for x in z3["losses"])
 
 
+def test_epoch_and_learning_rate(run):
+    # 64 rows, 2 ranks x 4 rows x 2 micro-batches a step: a quarter epoch a step, TRL's fractional
+    # epoch; the rate each step used under a linear schedule over 4 steps (never 0).
+    assert run["mixed"]["epoch"] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert run["mixed"]["learning_rate"] == pytest.approx([2e-3, 1.5e-3, 1e-3, 5e-4])
+
+
 def test_resume_gives_same_losses(run):
     assert run["resumed"]["on_policy"] == run["mixed"]["on_policy"][2:]
     assert run["resumed"]["losses"] == pytest.approx(run["mixed"]["losses"][2:], abs=1e-6)

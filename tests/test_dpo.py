@@ -130,6 +130,30 @@ def test_resume_gives_same_next_losses(runs):
     assert [r["step"] for r in runs["resumed"]["rows"]] == [4, 5, 6]
 
 
+def test_learning_rate_and_epoch_are_trls(runs, tmp_path):
+    """The logged learning_rate is the rate each step used and epoch the fraction of the data seen,
+    as TRL's DPOTrainer (transformers.Trainer) logs them for the same schedule: TRL on one process
+    with the global batch (2 ranks x 4 pairs x 2 micro-batches) of the same 64 pairs."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
+                     per_device_train_batch_size=8, gradient_accumulation_steps=2, learning_rate=1e-3, max_steps=6,
+                     logging_steps=1, max_length=64, save_strategy="no", disable_tqdm=True)
+    trainer = DPOTrainer(AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0)),
+                         ref_model=AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=1)), args=args,
+                         train_dataset=Dataset.from_list(synthetic.preference_pairs(64, seed=0)),
+                         processing_class=tiny.load_tokenizer())
+    trainer.train()
+    theirs = [r for r in trainer.state.log_history if "loss" in r]
+    ours = runs["zero2-zero3"]["rows"]
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3, 4, 5, 6]
+    assert [r["learning_rate"] for r in ours] == pytest.approx([r["learning_rate"] for r in theirs], rel=1e-12)
+    assert ours[0]["learning_rate"] == 1e-3 and ours[-1]["learning_rate"] == pytest.approx(1e-3 / 6)  # not 0
+    assert [r["epoch"] for r in ours] == pytest.approx([r["epoch"] for r in theirs], rel=1e-12)
+
+
 def test_lora_trains_without_reference_role(runs):
     lora = runs["lora"]
     assert lora["engines"] == ["policy"] and "reference" not in lora["stages"]

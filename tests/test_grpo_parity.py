@@ -15,6 +15,7 @@ from posttrain.trainers.grpo import (
     group_advantages,
     grpo_loss,
     high_entropy_mask,
+    micro_batches_per_epoch,
     reduce_loss_stats,
     truncated_rows,
 )
@@ -248,3 +249,23 @@ def test_checkpoints_only_on_generation_boundaries(tmp_path):
                      output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="generation boundary"):
         GRPOTrainer(cfg)
+
+
+@pytest.mark.parametrize("prompts,steps_per_generation,num_iterations", [(8, 1, 1), (10, 2, 2), (9, 3, 1)])
+def test_epoch_is_trls(tmp_path, prompts, steps_per_generation, num_iterations):
+    """The logged epoch's unit: TRL's dataloader length (transformers' Trainer logs epoch as the
+    micro-batches done over it), for generation batches that outlive a step and reused ones."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    fields = dict(per_device_train_batch_size=2 * G, num_generations=G, steps_per_generation=steps_per_generation,
+                  num_iterations=num_iterations)
+    args = TRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], max_completion_length=N,
+                     save_strategy="no", **fields)
+    trainer = TRLTrainer(model=AutoModelForCausalLM.from_pretrained(tiny.sft_model_path()), reward_funcs=[token_reward],
+                         args=args, train_dataset=Dataset.from_dict({"prompt": ["x"] * prompts}),
+                         processing_class=tiny.load_tokenizer())
+    ours = micro_batches_per_epoch(prompts, GRPOConfig(max_completion_length=N, **fields))
+    assert ours == len(trainer.get_train_dataloader())

@@ -33,9 +33,11 @@ def test_own_clipping(run):
 
 
 def test_own_optimizer_and_scheduler(run):
-    # One step of a linear schedule over 4 steps, from each model's own learning rate.
-    assert run["lrs"]["lm"] == pytest.approx(3e-3 * 3 / 4)
-    assert run["lrs"]["classifier"] == pytest.approx(1e-3 * 3 / 4)
+    # The first step of a linear schedule over 4 steps used each model's own full rate; the whole
+    # run logs the rate each step used (HF Trainer's learning_rate), down to 1/4 at the last.
+    assert run["lrs"] == pytest.approx({"lm": 3e-3, "classifier": 1e-3})
+    assert run["full"]["lm/learning_rate"] == pytest.approx([3e-3 * k / 4 for k in (4, 3, 2, 1)])
+    assert run["full"]["classifier/learning_rate"] == pytest.approx([1e-3 * k / 4 for k in (4, 3, 2, 1)])
 
 
 def test_both_learn_and_report_their_own_norms(run):

@@ -36,7 +36,8 @@ def test_metrics_and_phases(default_mix, tmp_path_factory):
     row = default_mix[0]
     for key in ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                 "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
-                "loss/value_avg", "val/clipfrac_avg", "val/ratio", "time/generate", "time/score", "time/train"]:
+                "loss/value_avg", "val/clipfrac_avg", "val/ratio", "lr", "episode", "epoch", "time/generate",
+                "time/score", "time/train"]:
         assert key in row, key
     # First PPO epoch on fresh rollouts: the policy equals the sampler, so KL is zero.
     assert row["objective/kl"] == pytest.approx(0.0, abs=1e-5)

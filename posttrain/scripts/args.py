@@ -208,12 +208,24 @@ def require_dataset(outputs: Sequence[Any], model_fields: Sequence[str] = ("mode
 
 def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | None = None) -> int:
     """Run a script's ``main``: bad settings or data end it with their one sentence and exit status
-    2, not a traceback (:func:`report_error`)."""
+    2, not a traceback (:func:`report_error`); Ctrl-C with one line saying how to resume and status
+    130 (``posttrain.interrupt``)."""
+    from .. import interrupt
+
+    interrupt.install()
     try:
         check_launch()  # before anything: a multi-process launch that started one process
         main(None if argv is None else list(argv))
     except ConfigError as err:
         return report_error(err)
+    except BaseException as err:
+        try:
+            status = interrupt.exit_status(err)
+        except KeyboardInterrupt as late:  # a rank stuck in a collective runs the signal's handler only now
+            status = interrupt.exit_status(late)
+        if status is None:
+            raise
+        return status
     return 0
 
 

@@ -23,7 +23,8 @@ PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
 def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
     """The run's summary: mean reward over the first and last tenth of the logged rows that
     sampled (a row of steps that reused an earlier generation batch has no reward, as in TRL),
-    time per phase."""
+    time per phase. ``history`` is the whole run's (after a resume too); ``seconds`` is this
+    process's wall time, so after a resume only the resumed part's."""
     scored = [h["reward"] for h in history if isinstance(h.get("reward"), float) and math.isfinite(h["reward"])]
     tenth = max(1, len(scored) // 10)
     first = sum(scored[:tenth]) / tenth if scored else math.nan
@@ -31,7 +32,7 @@ def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
     phases = {k: round(sum(h.get(k, 0.0) for h in history), 1) for k in PHASES}
     return {"steps": history[-1]["step"] if history else 0, "reward_first_tenth": round(first, 3), "reward_last_tenth": round(last, 3),
             "reward_rise": round(last - first, 3), "seconds_per_phase": phases, "seconds": round(seconds, 1),
-            "mix": cfg.mix, "output_dir": cfg.output_dir}
+            "resumed_from": cfg.resume_from_checkpoint, "mix": cfg.mix, "output_dir": cfg.output_dir}
 
 
 def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None = None) -> None:

@@ -18,15 +18,17 @@ from .hub import push_to_hub
 
 
 def summarize(history: list[dict], cfg: PPOConfig) -> dict:
-    """The run's summary: mean score over the first and last tenth of the updates, time per phase."""
-    tenth = max(1, len(history) // 10)
-    first = sum(h["objective/scores"] for h in history[:tenth]) / tenth
-    last = sum(h["objective/scores"] for h in history[-tenth:]) / tenth
-    phases = {k: round(sum(h.get(k, 0.0) for h in history), 1) for k in
+    """The run's summary: mean score over the first and last tenth of the updates, time per phase;
+    ``history`` is the whole run's, after a resume too."""
+    rows = [h for h in history if "objective/scores" in h]
+    tenth = max(1, len(rows) // 10)
+    first = sum(h["objective/scores"] for h in rows[:tenth]) / tenth
+    last = sum(h["objective/scores"] for h in rows[-tenth:]) / tenth
+    phases = {k: round(sum(h.get(k, 0.0) for h in rows), 1) for k in
               ("time/generate", "time/policy_forward", "time/score", "time/train")}
-    return {"updates": len(history), "score_first_tenth": round(first, 3), "score_last_tenth": round(last, 3),
+    return {"updates": rows[-1]["step"], "score_first_tenth": round(first, 3), "score_last_tenth": round(last, 3),
             "score_rise": round(last - first, 3), "seconds_per_phase": phases,
-            "mix": cfg.mix, "output_dir": cfg.output_dir}
+            "resumed_from": cfg.resume_from_checkpoint, "mix": cfg.mix, "output_dir": cfg.output_dir}
 
 
 def main(argv: list[str] | None = None) -> None:

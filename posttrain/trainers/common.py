@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from .. import checks
+from .. import checks, interrupt
 from ..dsconfig import ConfigError
+from ..jsonrows import dumps_row, read_rows
 from ..modelcard import write_model_card
 from ..roles import DEFAULT_MIX, roles_for
 from ..session import Session
@@ -253,12 +254,22 @@ def mean_over_ranks(session: Session, values: dict[str, float]) -> dict[str, flo
 
 
 class RunLog:
-    """Progress bar, ``metrics.jsonl`` in the output dir, and accelerate trackers."""
+    """Progress bar, ``metrics.jsonl`` in the output dir, and accelerate trackers.
 
-    def __init__(self, session: Session, cfg: TrainConfig, total: int, name: str, start: int = 0) -> None:
+    ``shown``: the metrics the progress bar shows (the ones a user watches: the reward for RL
+    trainers, loss and accuracy for DPO); with ``disable_tqdm`` they are printed as one line per
+    logged row instead (rank 0), as TRL prints its logs then. ``history`` holds the whole run's
+    rows: after a resume, the rows kept in ``metrics.jsonl`` up to the checkpoint come first.
+    """
+
+    def __init__(self, session: Session, cfg: TrainConfig, total: int, name: str, start: int = 0,
+                 shown: tuple[str, ...] = ("loss",)) -> None:
         self.session, self.cfg, self.name = session, cfg, name
         self.out = Path(cfg.output_dir)
         self.main = session.is_main_process
+        self.total, self.done, self.shown = total, start, shown
+        self.postfix: dict[str, str] = {}
+        self.closed = False
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             # Not config.json: the trained model is saved beside it, in output_dir itself (as TRL).
@@ -268,6 +279,9 @@ class RunLog:
             truncate_jsonl(self.out / "metrics.jsonl", start)
             truncate_jsonl(self.out / "samples.jsonl", start)
         self.history: list[dict] = []
+        if start > 0:
+            session.accelerator.wait_for_everyone()  # read once rank 0 has cut the file back
+            self.history = read_rows(self.out / "metrics.jsonl")
         if cfg.report_to:
             # Trackers (TensorBoard's hparams) take scalars only.
             scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(cfg).items()}
@@ -276,25 +290,56 @@ class RunLog:
 
         self.bar = tqdm(total=total, initial=start, desc=name, disable=not self.main or cfg.disable_tqdm,
                         dynamic_ncols=True)
+        interrupt.track(self.interrupted)
 
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
-        row = {"step": step, **{k: _round(v) for k, v in metrics.items()}}
+        row = {"step": step, **metrics}  # full precision: json writes floats with repr
         self.history.append(row)
         if self.main:
             with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-            shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k in _BAR_KEYS}
-            self.bar.set_postfix(shown, refresh=False)
+                f.write(dumps_row(row) + "\n")
+            shown = {_label(k): _short(metrics[k]) for k in self.shown if k in metrics}
+            if self.cfg.disable_tqdm:
+                if shown:
+                    print(self.line(step, metrics, shown), flush=True)
+            else:
+                self.postfix.update(shown)
+                self.bar.set_postfix(self.postfix, refresh=False)
         if self.cfg.report_to:
             self.session.accelerator.log(metrics, step=step)
         if advance:
-            self.bar.update(1)
+            self.advance()
+
+    def line(self, step: int, metrics: dict[str, float], shown: dict[str, str]) -> str:
+        """The per-row line printed without a progress bar: ``grpo step 3/60  reward 0.51  loss 0.0012 ...``."""
+        extra = {k: _short(metrics[k]) for k in ("learning_rate", "lr", "epoch") if k in metrics}
+        parts = [f"{self.name} step {step}/{self.total}", *(f"{k} {v}" for k, v in {**shown, **extra}.items())]
+        return "  ".join(parts)
+
+    def advance(self) -> None:
+        """One optimizer step (update) done."""
+        self.done += 1
+        self.bar.update(1)
+
+    def interrupted(self) -> str:
+        """The line an interrupt prints: the step reached and the checkpoint to resume from."""
+        self.bar.close()
+        latest = latest_checkpoint(self.cfg.output_dir)
+        if latest is not None:
+            how = f"resume with --resume_from_checkpoint latest ({latest.name})"
+        else:
+            how = "no checkpoint yet" + ("" if self.cfg.save_steps else " (--save_steps N writes them)")
+        step = max([self.done, *(int(h.get("step", 0)) for h in self.history[-1:])])  # logged, not yet advanced
+        if self.closed:  # saving the model, or a later part of the script
+            return f"interrupted after {self.name}'s training ended (step {step} of {self.total}); {how}"
+        return f"interrupted at step {step} of {self.total}; {how}"
 
     def write(self, text: str) -> None:
         if self.main:
             self.bar.write(text)
 
     def close(self) -> None:
+        self.closed = True
         self.bar.close()
         # Not accelerator.end_training(): in accelerate 1.15 it also destroys the process group,
         # which saving or evaluating after training still needs.
@@ -304,8 +349,14 @@ class RunLog:
             write_model_card(self.out, self.cfg, self.name, self.session)
 
 
-_BAR_KEYS = {"loss", "objective/scores", "objective/kl", "rewards/accuracies", "eval/rewards/accuracies",
-             "loss/policy_avg", "train/loss", "eval/loss"}
+def _label(key: str) -> str:
+    """A metric's name on the progress bar: ``rewards/accuracies`` -> ``accuracies``,
+    ``eval/rewards/accuracies`` -> ``eval_accuracies``, ``lm/loss`` -> ``lm_loss``."""
+    return key.replace("objective/", "").replace("rewards/", "").replace("/", "_")
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def truncate_jsonl(path: Path, step: int) -> int:
@@ -330,12 +381,14 @@ def _row_step(line: str) -> float:
     return int(row.get("step", row.get("update", 0)))
 
 
-def _round(v: Any) -> Any:
-    return round(v, 7) if isinstance(v, float) and math.isfinite(v) else v
-
-
 def _jsonable(d: dict) -> dict:
-    return {k: (v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v)) for k, v in d.items()}
+    """config.json's values: JSON types as they are, a non-finite float and anything else as its text."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return repr(v)
+        return v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v)
+
+    return {k: plain(v) for k, v in d.items()}
 
 
 # -- output dir, checkpoints and resume ------------------------------------------------------

@@ -274,7 +274,9 @@ class DistillTrainer:
             lengths.append(sum(len(c) for c in completions) / len(completions))
         metrics = mean_over_ranks(s, {"loss": sum(losses) / len(losses),
                                       "completion_length": sum(lengths) / len(lengths)})
+        seen = step * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * s.num_processes
         return {**metrics, "grad_norm": s.grad_norm("student") or 0.0, "learning_rate": s.learning_rate("student"),
+                "epoch": seen / len(self.train_dataset),  # TRL's fractional epoch (rows seen over the dataset's)
                 "on_policy": sources.count("student") / len(sources), "seq_kd": sources.count("teacher") / len(sources),
                 **{f"{k}/{role}": v for role, r in self.rollouts.items() for k, v in r.metrics().items()},
                 **phases.pop()}
@@ -315,7 +317,7 @@ class DistillTrainer:
         if self.session is None:
             self.setup()
         s, cfg = self.session, self.cfg
-        log = RunLog(s, cfg, self.total, "distill", start=self.start)
+        log = RunLog(s, cfg, self.total, "distill", start=self.start, shown=("loss", "eval/loss"))
         batches = rank_batches(len(self.train_dataset), cfg.per_device_train_batch_size, cfg.seed,
                                s.process_index, s.num_processes, start=self.start * cfg.gradient_accumulation_steps)
         if self.eval_dataset and self.start == 0:
@@ -328,7 +330,7 @@ class DistillTrainer:
             if step % cfg.logging_steps == 0 or step == self.total:
                 log.log(step, metrics)
             else:
-                log.bar.update(1)
+                log.advance()
             if cfg.save_steps and (step % cfg.save_steps == 0 or step == self.total):
                 save_checkpoint(s, cfg, step, {"student": self.tokenizer}, {"total": self.total})
         log.close()

@@ -419,7 +419,9 @@ class DPOTrainer:
                 s.load_weights("reference", ckpt / "reference")
         ga = cfg.gradient_accumulation_steps
         batches = self._train_batches(self.step * ga)
-        log = RunLog(s, cfg, self.total_steps, "dpo", start=self.step)
+        log = RunLog(s, cfg, self.total_steps, "dpo", start=self.step,
+                     shown=("loss", "rewards/accuracies", "rewards/margins", "eval/loss", "eval/rewards/accuracies"))
+        self.history = log.history  # the whole run's rows (after a resume, the kept ones first)
         window: list[dict[str, float]] = []
         while self.step < self.total_steps:
             sums: dict[str, float] = {}
@@ -452,13 +454,11 @@ class DPOTrainer:
                 mean.update({k: row[k] for k in ("grad_norm", "learning_rate", "epoch")})
                 metrics = mean_over_ranks(s, mean)
                 log.log(self.step, metrics, advance=False)
-                self.history.append({"step": self.step, **metrics})
                 window = []
-            log.bar.update(1)
+            log.advance()
             if self.eval_rows is not None and ((cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
                 ev = self.evaluate()
                 log.log(self.step, ev, advance=False)
-                self.history.append({"step": self.step, **ev})
             if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
                 # A synced reference is training state: it is saved beside the policy.
                 export = {"policy": self.tokenizer, **({"reference": None} if cfg.sync_ref_model else {})}

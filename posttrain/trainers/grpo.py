@@ -21,7 +21,6 @@ the batch outlives one optimizer step, as TRL does.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -33,6 +32,7 @@ import torch
 
 from .. import synthetic, tiny
 from ..dsconfig import ConfigError
+from ..jsonrows import dumps_row
 from ..preference import check_conversation, load_dataset_source
 from ..reward_funcs import RewardFuncError, RewardWarnings
 from .common import (
@@ -487,6 +487,7 @@ class GRPOTrainer:
             raise ConfigError(f"a generation batch needs {self.prompts_per_generation} prompts and the dataset has "
                               f"{len(self.rows)}: lower per_device_train_batch_size or steps_per_generation")
         self.micro_per_generation = cfg.steps_per_generation * cfg.num_iterations
+        self.micro_batches_per_epoch = micro_batches_per_epoch(len(self.rows), cfg)  # the logged epoch's unit
         if cfg.max_steps > 0:
             self.total_steps = cfg.max_steps
         else:  # TRL's epoch: every prompt num_generations times, each generation batch num_iterations times
@@ -802,7 +803,7 @@ class GRPOTrainer:
             self.step, self.num_tokens = int(state["step"]), float(state.get("num_tokens", 0.0))
             if cfg.sync_ref_model:
                 s.load_weights("reference", ckpt / "reference")
-        log = RunLog(s, cfg, self.total_steps, self.algorithm, start=self.step)
+        log = RunLog(s, cfg, self.total_steps, self.algorithm, start=self.step, shown=("reward", "kl", "loss"))
         micro = self.step * ga
         buffer: list[dict[str, torch.Tensor]] = []
         # What a logged row averages, as TRL's _metrics between two log() calls: the generations
@@ -836,12 +837,13 @@ class GRPOTrainer:
                 row["loss"] = mean_over_ranks(s, {"loss": sum(losses) / len(losses)})["loss"]
                 row.update(average_generation_metrics(gen_metrics))
                 row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                            "epoch": self.step * ga / self.micro_batches_per_epoch,
                             **self.phases.pop(), "time/step": (time.perf_counter() - window_start) / len(losses)})
                 log.log(self.step, row, advance=False)
                 if cfg.log_completions:
                     self._log_samples()
                 gen_metrics, stats, losses, window_start = [], [], [], time.perf_counter()
-            log.bar.update(1)
+            log.advance()
             if cfg.save_steps and self.step % cfg.save_steps == 0:
                 export = {"policy": self.tokenizer, **({"reference": None} if cfg.sync_ref_model else {})}
                 save_checkpoint(s, cfg, self.step, export, {"num_tokens": self.num_tokens})
@@ -859,12 +861,21 @@ class GRPOTrainer:
                 row[column] = v
         if self.session.is_main_process:
             with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+                f.writelines(dumps_row(r) + "\n" for r in rows)  # a NaN reward as null
 
     def save(self, directory: str | os.PathLike | None = None) -> Path:
         """The trained policy in Hugging Face format, in the output dir itself by default (TRL's
         layout: ``from_pretrained(output_dir)`` loads it); returns where."""
         return save_trained_model(self.session, "policy", directory or self.cfg.output_dir, self.tokenizer)
+
+
+def micro_batches_per_epoch(num_prompts: int, cfg: GRPOConfig) -> int:
+    """TRL's epoch in micro-batches (the length of its dataloader, which yields one generation
+    slice per micro-batch): every full generation batch of the prompts, each of its
+    steps_per_generation slices num_iterations times. transformers' Trainer logs ``epoch`` as the
+    micro-batches done over this."""
+    prompts_per_generation = cfg.generation_batch_size // cfg.num_generations
+    return (num_prompts // prompts_per_generation) * cfg.steps_per_generation * cfg.num_iterations
 
 
 # -- prompts -------------------------------------------------------------------------------------

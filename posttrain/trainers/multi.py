@@ -152,7 +152,7 @@ class MultiTrainer:
         if self.session is None:
             self.setup()
         s, cfg = self.session, self.cfg
-        log = RunLog(s, cfg, self.total, "multi", start=self.start)
+        log = RunLog(s, cfg, self.total, "multi", start=self.start, shown=tuple(f"{n}/loss" for n in self.tasks))
         phases = Phases()
         for step in range(self.start + 1, self.total + 1):
             metrics: dict[str, float] = {}
@@ -163,11 +163,13 @@ class MultiTrainer:
             for name in self.tasks:
                 metrics[f"{name}/grad_norm"] = s.grad_norm(name) or 0.0
                 metrics[f"{name}/learning_rate"] = s.learning_rate(name)
+                seen = step * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * s.num_processes
+                metrics[f"{name}/epoch"] = seen / len(self.tasks[name].data)  # each model reads its own data
             metrics.update(phases.pop())
             if step % cfg.logging_steps == 0 or step == self.total:
                 log.log(step, metrics)
             else:
-                log.bar.update(1)
+                log.advance()
             if cfg.save_steps and (step % cfg.save_steps == 0 or step == self.total):
                 export = {name: task.tokenizer for name, task in self.tasks.items()}
                 save_checkpoint(s, cfg, step, export, {"total": self.total})

@@ -501,7 +501,8 @@ class PPOTrainer:
 
     def train(self) -> list[dict]:
         cfg, s = self.cfg, self.session
-        log = RunLog(s, cfg, self.num_updates, "ppo", start=self.start)
+        log = RunLog(s, cfg, self.num_updates, "ppo", start=self.start,
+                     shown=("objective/scores", "objective/kl", "loss/policy_avg"))
         batches = rank_batches(len(self.prompts), self.local_batch_size, cfg.seed, s.process_index,
                                s.num_processes, start=self.start)
         sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
@@ -519,6 +520,7 @@ class PPOTrainer:
             metrics["time/update"] = time.perf_counter() - tick
             metrics["lr"] = s.learning_rate("policy")
             metrics["episode"] = update * self.batch_size
+            metrics["epoch"] = metrics["episode"] / len(self.prompts)  # TRL's: episodes over the dataset's rows
             log.log(update, metrics)
             if update % sample_every == 0 or update == self.num_updates:
                 self._log_samples(log, update, queries, batch["texts"], batch["scores"])
@@ -529,14 +531,14 @@ class PPOTrainer:
 
     def _log_samples(self, log: RunLog, update: int, queries: torch.Tensor, texts: list[str],
                      scores: torch.Tensor) -> None:
-        import json
+        from ..jsonrows import dumps_row
 
         prompts = self.tokenizer.batch_decode(queries[:4], skip_special_tokens=True)
         rows = [{"update": update, "prompt": p, "completion": c, "score": round(float(sc), 4)}
                 for p, c, sc in zip(prompts, texts[:4], scores[:4].tolist())]
         if self.session.is_main_process:
             with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+                f.writelines(dumps_row(r) + "\n" for r in rows)
             log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))
 
     def save(self, directory: str | os.PathLike | None = None) -> Path:

@@ -49,7 +49,9 @@ def main(out: str, tmp: str) -> None:
         hist = trainer(tmp, kind, beta=0.0, gradient_accumulation_steps=2, save_steps=2, max_steps=4, **kw).train()
         res[kind] = {"losses": losses(hist), "on_policy": [h["on_policy"] for h in hist if "loss" in h],
                      "seq_kd": [h["seq_kd"] for h in hist if "loss" in h],
-                     "length": [h["completion_length"] for h in hist if "loss" in h]}
+                     "length": [h["completion_length"] for h in hist if "loss" in h],
+                     "epoch": [h["epoch"] for h in hist if "loss" in h],
+                     "learning_rate": [h["learning_rate"] for h in hist if "loss" in h]}
     # A ZeRO-3 student generates too (every rank in lock-step, gathering its layers per forward).
     hist = trainer(tmp, "zero3_on_policy", mix="zero3", lmbda=1.0, max_steps=2).train()
     res["zero3_on_policy"] = {"losses": losses(hist), "on_policy": [h["on_policy"] for h in hist if "loss" in h]}

@@ -79,7 +79,8 @@ def main(out: str, tmp: str) -> None:
 
     full = trainer(tmp, "full", save_steps=2).train()
     resumed = trainer(tmp, "resumed", resume_from_checkpoint=str(tmp / "full" / "checkpoint-2")).train()
-    keys = ("lm/loss", "classifier/loss", "lm/grad_norm", "classifier/grad_norm")
+    keys = ("lm/loss", "classifier/loss", "lm/grad_norm", "classifier/grad_norm", "lm/learning_rate",
+            "classifier/learning_rate")
     res["full"] = {k: [h[k] for h in full] for k in keys}
     res["resumed"] = {k: [h[k] for h in resumed] for k in keys}
     res["steps"] = {"full": [h["step"] for h in full], "resumed": [h["step"] for h in resumed]}

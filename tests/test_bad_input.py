@@ -71,8 +71,8 @@ CASES = [
      "in role_configs"),
     ("mistyped role config with overwrite", "dpo --output_dir {run} --overwrite_output_dir true --config {role_yaml}",
      "role_configs reference: DeepSpeed config 'zero3_inferense' not found (did you mean zero3_inference?): give a "
-     "path to a JSON file or one of: replicated_inference, zero2_train, zero2_train_offload, zero3_inference, "
-     "zero3_inference_offload, zero3_train"),
+     "path to a JSON file or one of: replicated_inference, zero2_train, zero2_train_bf16_states, zero2_train_offload, "
+     "zero3_inference, zero3_inference_offload, zero3_train, zero3_train_bf16_states"),
     ("negative learning rate", "dpo --output_dir {out} --learning_rate -1e-3",
      "learning_rate must be >= 0, got -0.001: set --learning_rate to 0 or more"),
     ("negative beta1", "ppo --output_dir {out} --adam_beta1 -.5",

@@ -67,7 +67,7 @@ def test_metrics_file_parses_strictly_and_the_card_reads_it(tmp_path):
     # The card's final metrics are the last finite values; the curves read the file back.
     assert modelcard.final_metrics(modelcard.read_metrics(tmp_path / "metrics.jsonl")) == {
         "loss": (4e-8, 1), "reward": (0.75, 2), "learning_rate": (5e-7, 3)}
-    config = strict((tmp_path / "config.json").read_text())
+    config = strict((tmp_path / "posttrain_config.json").read_text())
     assert config["learning_rate"] == 5e-5
 
 

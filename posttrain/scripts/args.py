@@ -247,6 +247,12 @@ def report_error(err: Exception) -> int:
         # After an error the ranks are not in step: no exit barrier (posttrain.session's atexit one).
         torch.distributed.destroy_process_group()
     if rank != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # The launcher stops this rank with a signal once rank 0 has failed: a plain, silent end
+        # (posttrain.interrupt's handler would turn it into an interrupt report and a traceback).
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
         time.sleep(OTHER_RANKS_WAIT_S)
         message = f"error (rank {rank}): {err}"
     if not _write_launcher_error_file(message):

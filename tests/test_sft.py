@@ -193,3 +193,68 @@ def test_tiny_training_template_renders_as_the_default():
 def test_config_errors(fields, message):
     with pytest.raises(ConfigError, match=message):
         SFTConfig(output_dir="unused", **fields)
+
+
+# -- two processes, one launch: SFT and reward trainers on the role layer -------------------------
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    from conftest import run_json
+
+    tmp = tmp_path_factory.mktemp("sft_reward")
+    return run_json("sft_reward_checks.py", tmp / "runs", tmp_path=tmp)
+
+
+def _close(a: list[dict], b: list[dict], keys: tuple[str, ...]) -> None:
+    assert len(a) == len(b) and a
+    for ra, rb in zip(a, b):
+        assert ra["step"] == rb["step"]
+        for k in keys:
+            assert ra[k] == pytest.approx(rb[k], abs=1e-5, rel=1e-5), (ra["step"], k)
+
+
+SFT_KEYS = ("loss", "mean_token_accuracy", "entropy", "num_tokens", "grad_norm", "learning_rate")
+REWARD_KEYS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens", "grad_norm")
+
+
+@pytest.mark.parametrize("trainer,keys,eval_key", [("sft", SFT_KEYS, "eval/loss"), ("reward", REWARD_KEYS, "eval/accuracy")])
+def test_placement_invariance_and_resume(dist, trainer, keys, eval_key):
+    runs = dist[trainer]
+    assert dist["world"] == 2
+    assert set(runs["zero2"]["stages"].values()) == {2} and set(runs["zero3"]["stages"].values()) == {3}
+    for other in ("zero3", "offload"):
+        _close(runs["zero2"]["rows"], runs[other]["rows"], keys)
+        _close(runs["zero2"]["evals"], runs[other]["evals"], (eval_key,))
+    # Resumed at step 2 of 4: steps 3-4 equal the uninterrupted run's.
+    assert [r["step"] for r in runs["resumed"]["rows"]] == [3, 4]
+    _close(runs["zero2"]["rows"][2:], runs["resumed"]["rows"], keys)
+    losses = [r["loss"] for r in runs["zero2"]["rows"]]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("trainer", ["sft", "reward"])
+def test_first_step_loss_is_the_global_batch_loss(dist, trainer):
+    """Two processes x two accumulation micro-batches: SFT's loss is the token mean over all of them
+    (TRL's num_items_in_batch), the reward loss the mean of the micro-batch means (TRL's logging)."""
+    runs = dist[trainer]
+    assert runs["zero2"]["rows"][0]["loss"] == pytest.approx(runs["direct_first_loss"], abs=1e-5, rel=1e-5)
+
+
+def test_sft_run_outputs(dist):
+    sft = dist["sft"]
+    # bfd packing trains padding-free: no attention mask, position ids restart per sentence.
+    assert "attention_mask" not in sft["padding_free_batch_keys"] and "position_ids" in sft["padding_free_batch_keys"]
+    for name in ("metrics.jsonl", "config.json", "README.md", "checkpoint-2", "checkpoint-4", "final"):
+        assert name in sft["files"]
+    assert "adapter_model.safetensors" in sft["lora_files"]
+    lora = [r["loss"] for r in sft["lora"]["rows"]]
+    assert lora[-1] < lora[0]
+    assert [r["step"] for r in sft["zero2"]["evals"]] == [2, 4]
+
+
+def test_saved_reward_model_is_what_grpo_loads(dist):
+    assert dist["reward"]["saved"] == {"num_labels": 1, "pad_token_id": tiny.load_tokenizer().pad_token_id,
+                                       "class": "LlamaForSequenceClassification"}
+    grpo = dist["grpo"]
+    assert any(role.startswith("reward") for role in grpo["roles"])
+    assert grpo["rewards"] and all(isinstance(r, float) for r in grpo["rewards"])
+    assert all(s > 0 for s in grpo["reward_std"])  # the model scores completions differently

@@ -40,7 +40,7 @@ def as_dataset(data: Any) -> Any:
     return data
 
 
-def dataset_kind(dataset: Any, text_field: str = "text") -> str:
+def dataset_kind(dataset: Any, text_field: str = "text", name: str = "dataset") -> str:
     """"prompt_completion", "messages" (also ShareGPT ``conversations``) or "text"; a dataset with
     none of those columns is refused in one sentence naming them."""
     columns = dataset.column_names
@@ -53,7 +53,7 @@ def dataset_kind(dataset: Any, text_field: str = "text") -> str:
     wanted = "prompt" if "completion" in columns else "completion" if "prompt" in columns else None
     hint = f"add its {wanted!r} column" if wanted else "rename a column"
     raise ConfigError(
-        f"no column {text_field!r}, 'messages' or 'prompt'/'completion' in the SFT data (columns: {columns}): "
+        f"{name}: no column {text_field!r}, 'messages' or 'prompt'/'completion' (columns: {columns}): "
         f"{hint}, or set --dataset_text_field to the column that holds the text"
     )
 
@@ -106,7 +106,7 @@ def prepare_sft_dataset(
     dataset = as_dataset(dataset)
     if len(dataset) == 0:
         raise ConfigError(f"{name} has no rows: give it at least one")
-    kind = dataset_kind(dataset, text_field)
+    kind = dataset_kind(dataset, text_field, name)
     map_kwargs = {"num_proc": num_proc, "keep_in_memory": True}  # every rank maps alone, no shared cache files
     if "input_ids" in dataset.column_names:  # already tokenized (TRL's rule): used as is
         return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name)

@@ -258,3 +258,24 @@ def test_saved_reward_model_is_what_grpo_loads(dist):
     assert any(role.startswith("reward") for role in grpo["roles"])
     assert grpo["rewards"] and all(isinstance(r, float) for r in grpo["rewards"])
     assert all(s > 0 for s in grpo["reward_std"])  # the model scores completions differently
+
+
+# -- the scripts: bad data ends in one sentence and exit status 2, before any process group --------
+@pytest.mark.parametrize("command,row,message", [
+    ("sft", {"body": "no text column"}, "error: train_dataset: no column 'text', 'messages' or 'prompt'/'completion'"),
+    ("sft", {"messages": [{"role": "user", "content": "hi"}]}, "row 0 has no assistant turn to train on"),
+    ("reward", {"prompt": "a", "chosen": " b"}, "(split 'train'): no column 'rejected'"),
+])
+def test_scripts_refuse_bad_data_in_one_sentence(tmp_path, capsys, command, row, message):
+    import json
+
+    from posttrain import cli
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    extra = ["--assistant_only_loss", "true"] if "messages" in row else []
+    model = tiny.model_path("reward" if command == "reward" else "causal")
+    status = cli.main([command, "--output_dir", str(tmp_path / "run"), "--model_name_or_path", str(model),
+                       "--dataset_name", str(data), *extra])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert status == 2 and len(err) == 1 and message in err[0], err

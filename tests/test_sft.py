@@ -232,11 +232,13 @@ def test_placement_invariance_and_resume(dist, trainer, keys, eval_key):
 
 
 @pytest.mark.parametrize("trainer", ["sft", "reward"])
-def test_first_step_loss_is_the_global_batch_loss(dist, trainer):
+def test_first_step_loss_and_gradient_are_the_global_batch_ones(dist, trainer):
     """Two processes x two accumulation micro-batches: SFT's loss is the token mean over all of them
-    (TRL's num_items_in_batch), the reward loss the mean of the micro-batch means (TRL's logging)."""
-    runs = dist[trainer]
-    assert runs["zero2"]["rows"][0]["loss"] == pytest.approx(runs["direct_first_loss"], abs=1e-5, rel=1e-5)
+    (TRL's num_items_in_batch), the reward loss the mean of the micro-batch means (TRL's DDP and
+    accumulation averaging); the engine's gradient norm is that of this loss on one process."""
+    first, direct = dist[trainer]["zero2"]["rows"][0], dist[trainer]["direct_first_step"]
+    assert first["loss"] == pytest.approx(direct["loss"], abs=1e-5, rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(direct["grad_norm"], abs=1e-5, rel=1e-5)
 
 
 def test_sft_run_outputs(dist):

@@ -57,19 +57,25 @@ def first_step_batches(trainer, world: int) -> list[list[dict]]:
     return out
 
 
-@torch.no_grad()
-def direct_sft_loss(trainer, world: int) -> float:
-    """TRL's loss of the first step: summed NLL of every micro-batch of every rank / their tokens."""
+def grad_norm(model) -> float:
+    return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+
+
+def direct_sft_step(trainer, world: int) -> dict:
+    """TRL's first step on one process: the summed NLL of every micro-batch of every rank over their
+    trained tokens (num_items_in_batch), its value and its gradient's norm (before clipping)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(trainer.cfg.model_name_or_path, dtype=torch.float32)
     terms = [token_terms(model, b) for per_rank in first_step_batches(trainer, world) for b in per_rank]
-    return float(sum(t["loss_sum"] for t in terms) / sum(t["tokens"] for t in terms))
+    loss = sum(t["loss_sum"] for t in terms) / sum(t["tokens"] for t in terms)
+    loss.backward()
+    return {"loss": loss.item(), "grad_norm": grad_norm(model)}
 
 
-@torch.no_grad()
-def direct_reward_loss(trainer, world: int) -> float:
-    """TRL's logged loss of the first step: the mean over micro-batches of the rank-mean loss."""
+def direct_reward_step(trainer, world: int) -> dict:
+    """TRL's first step on one process: DDP averages ranks and accumulation averages micro-batches,
+    so the gradient is that of the mean of the micro-batch losses, which is also the logged loss."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(trainer.cfg.model_name_or_path, dtype=torch.float32)
@@ -78,8 +84,10 @@ def direct_reward_loss(trainer, world: int) -> float:
     for per_rank in first_step_batches(trainer, world):
         for b in per_rank:
             r = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.squeeze(-1)
-            losses.append(reward_loss(r, b.get("margin"), trainer.cfg.center_rewards_coefficient)[0].item())
-    return sum(losses) / len(losses)
+            losses.append(reward_loss(r, b.get("margin"), trainer.cfg.center_rewards_coefficient)[0])
+    loss = sum(losses) / len(losses)
+    loss.backward()
+    return {"loss": loss.item(), "grad_norm": grad_norm(model)}
 
 
 def main(out: str, tmp: str) -> None:
@@ -88,7 +96,7 @@ def main(out: str, tmp: str) -> None:
     trainer, res["sft"]["zero2"] = sft(tmp, "sft-zero2", save_steps=2, eval_steps=2)
     main_process, world = trainer.session.is_main_process, trainer.session.num_processes
     res["world"] = world
-    res["sft"]["direct_first_loss"] = direct_sft_loss(trainer, world)
+    res["sft"]["direct_first_step"] = direct_sft_step(trainer, world)
     res["sft"]["padding_free_batch_keys"] = sorted(trainer.collate(trainer.train_rows[:2]))
     trainer.save_model(tmp / "sft-zero2" / "final")
     _, res["sft"]["zero3"] = sft(tmp, "sft-zero3", mix="zero3", eval_steps=2)
@@ -103,7 +111,7 @@ def main(out: str, tmp: str) -> None:
         res["sft"]["files"] = sorted(p.name for p in (tmp / "sft-zero2").iterdir())
 
     trainer, res["reward"]["zero2"] = reward(tmp, "rw-zero2", save_steps=2, eval_steps=2)
-    res["reward"]["direct_first_loss"] = direct_reward_loss(trainer, world)
+    res["reward"]["direct_first_step"] = direct_reward_step(trainer, world)
     final = tmp / "rw-zero2" / "final"
     trainer.save_model(final)
     _, res["reward"]["zero3"] = reward(tmp, "rw-zero3", mix="zero3", eval_steps=2)

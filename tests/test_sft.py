@@ -253,6 +253,13 @@ def test_sft_run_outputs(dist):
     assert [r["step"] for r in sft["zero2"]["evals"]] == [2, 4]
 
 
+def test_reward_lora_trains_and_saves_its_adapter(dist):
+    rw = dist["reward"]
+    assert "adapter_model.safetensors" in rw["lora_files"]
+    losses = [r["loss"] for r in rw["lora"]["rows"]]
+    assert losses[-1] < losses[0]
+
+
 def test_saved_reward_model_is_what_grpo_loads(dist):
     assert dist["reward"]["saved"] == {"num_labels": 1, "pad_token_id": tiny.load_tokenizer().pad_token_id,
                                        "class": "LlamaForSequenceClassification"}

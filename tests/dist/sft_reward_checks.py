@@ -118,8 +118,13 @@ def main(out: str, tmp: str) -> None:
     _, res["reward"]["offload"] = reward(tmp, "rw-offload", role_configs={"reward": OFFLOAD}, eval_steps=2)
     _, res["reward"]["resumed"] = reward(tmp, "rw-resumed", resume_from_checkpoint=str(tmp / "rw-zero2" / "checkpoint-2"),
                                          eval_steps=2)
+    trainer, res["reward"]["lora"] = reward(tmp, "rw-lora", use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                                            learning_rate=1e-2)
+    trainer.save_model(tmp / "rw-lora" / "final")
     if main_process:
         from transformers import AutoModelForSequenceClassification
+
+        res["reward"]["lora_files"] = sorted(p.name for p in (tmp / "rw-lora" / "final").iterdir())
 
         loaded = AutoModelForSequenceClassification.from_pretrained(final)
         res["reward"]["saved"] = {"num_labels": loaded.config.num_labels, "pad_token_id": loaded.config.pad_token_id,

@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test demo lint clean
+.PHONY: setup test demo pipeline lint clean
 
 $(STAMP): pyproject.toml
 	@echo "set-up 1/3: a virtual environment in $(VENV)"
@@ -28,6 +28,12 @@ test: setup
 demo: setup
 	@echo "demo: PPO on the tiny default, 2 processes on this CPU, 64 updates (about a minute)"
 	$(VENV)/bin/accelerate launch --config_file configs/accelerate/cpu_2proc.yaml examples/ppo.py
+
+# The whole RLHF pipeline: SFT -> reward model -> GRPO, each stage's saved model the next stage's
+# input, two processes on this CPU per stage.
+pipeline: setup
+	@echo "pipeline: SFT -> reward model -> GRPO on the tiny default, 2 processes on this CPU (about 2 minutes)"
+	$(PY) examples/pipeline.py
 
 lint: setup
 	$(VENV)/bin/ruff check posttrain tests examples benchmarks

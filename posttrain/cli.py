@@ -1,4 +1,4 @@
-"""``posttrain`` command line: the trainers (``posttrain dpo|ppo|distill|grpo|rloo``, each the
+"""``posttrain`` command line: the trainers (``posttrain sft|reward|dpo|ppo|distill|grpo|rloo``, each the
 module ``posttrain.scripts.<name>`` that examples/<name>.py runs too, with the same YAML and
 flags), ``posttrain bench`` (the ZeRO-mix benchmark), ``posttrain plan`` (the memory planner) and
 ``posttrain accelerate-config NAME`` (the path of a shipped accelerate config, for launching the
@@ -95,7 +95,7 @@ def _plan_checked(argv: list[str]) -> int:
 
 
 # Trainer commands: each runs posttrain.scripts.<name>.main(argv), as examples/<name>.py does.
-TRAINERS = ("dpo", "ppo", "distill", "grpo", "rloo")
+TRAINERS = ("sft", "reward", "dpo", "ppo", "distill", "grpo", "rloo")
 
 
 def _trainer(name: str, argv: list[str]) -> int:

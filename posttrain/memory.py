@@ -48,6 +48,8 @@ WORKLOADS: dict[str, dict[str, list[str]]] = {
     # frozen roles (benchmarks/grpo_e2e.py runs the trainers themselves).
     "grpo": {"trained": ["policy"], "frozen": ["reference"]},
     "rloo": {"trained": ["policy"], "frozen": ["reference"]},
+    "sft": {"trained": ["policy"], "frozen": []},
+    "reward": {"trained": ["reward"], "frozen": []},
 }
 ROLE_KINDS = {"policy": "causal", "reference": "causal", "student": "causal", "teacher": "causal",
               "value": "token", "reward": "sequence"}
@@ -384,7 +386,7 @@ def plan(
         roles.append(r)
     by = {r.name: r for r in roles}
     n = world_size
-    seqs = 2 * micro_batch if workload == "dpo" else micro_batch
+    seqs = 2 * micro_batch if workload in ("dpo", "reward") else micro_batch
     tokens = seqs * seq_len
 
     def train(r: RolePlan) -> float:
@@ -418,7 +420,9 @@ def plan(
         return work
 
     phases: dict[str, float] = {}
-    if workload in ("dpo", "distill"):
+    if not names["frozen"]:  # SFT, reward: one trained model, forward and backward
+        phases["train"] = train(by[names["trained"][0]])
+    elif workload in ("dpo", "distill"):
         student, teacher = (by["policy"], by["reference"]) if workload == "dpo" else (by["student"], by["teacher"])
         phases["frozen_forward"] = forward(teacher)
         phases["train"] = train(student)

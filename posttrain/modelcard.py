@@ -96,6 +96,9 @@ METHODS: dict[str, dict[str, Any]] = {
         },
     },
     "multi": {"name": "multi-model training", "tags": ["multi-model"], "paper": {}},
+    # TRL's SFTTrainer and RewardTrainer name no paper.
+    "sft": {"name": "SFT", "tags": ["trl", "sft"], "paper": {}},
+    "reward": {"name": "Reward", "tags": ["trl", "reward-trainer"], "paper": {}},
 }
 
 # The main per-step curves, by metric name without an "eval/" or "train/" prefix (TRL's names);

@@ -42,10 +42,11 @@ def _assert_png(path: Path) -> None:
 
 def test_methods_are_trls():
     """The copied name, tags and paper of each method equal TRL's trainer class attributes."""
-    from trl import DPOTrainer, GRPOTrainer
+    from trl import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer
     from trl.experimental.gkd import GKDTrainer
 
-    for method, trainer in {"dpo": DPOTrainer, "grpo": GRPOTrainer, "distill": GKDTrainer}.items():
+    for method, trainer in {"dpo": DPOTrainer, "grpo": GRPOTrainer, "distill": GKDTrainer, "sft": SFTTrainer,
+                            "reward": RewardTrainer}.items():
         assert modelcard.METHODS[method] == {"name": trainer._name, "tags": trainer._tag_names, "paper": trainer._paper}
 
 

@@ -1,0 +1,84 @@
+"""``posttrain sft`` (and examples/sft.py): supervised fine-tuning with the model on its own
+DeepSpeed plugin.
+
+With no model it trains the built-in tiny default (a randomly initialised tiny Llama) on the bundled
+corpus (one sentence a row, TRL's language-modelling format) under the demo settings
+(posttrain/scripts/demo/sft.yaml) and reports the held-out loss before and after. With
+``--model_name_or_path`` and ``--dataset_name`` (text, messages or prompt/completion; a hub name or
+a local json/jsonl/parquet/csv file) TRL's SFTConfig defaults apply, as in ``trl sft``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trl import ScriptArguments
+
+from .. import tiny
+from ..modelcard import write_model_card
+from ..trainers.sft import SFTConfig, SFTTrainer
+from .args import demo_config, parse_config, require_dataset, run_script
+from .data import eval_steps_per_epoch, load_train_eval
+from .hub import push_to_hub
+
+BUNDLED = "posttrain's bundled corpus (one sentence a row)"
+
+
+@dataclass
+class DataArguments:
+    """Beside TRL's ScriptArguments (dataset_name, dataset_train_split, dataset_test_split, ...)."""
+
+    # Hold out this fraction of the training split (or this many rows, if >= 1) for evaluation, when
+    # the dataset has no test split (a single file has only "train").
+    test_split_size: float = 0.0
+    corpus_eval_size: int = 300  # bundled corpus (no dataset_name): its last rows are held out
+
+
+def load_datasets(script: ScriptArguments, data: DataArguments, cfg: SFTConfig) -> tuple[Any, Any]:
+    """(train, eval) datasets; eval is None under ``eval_strategy: no`` (TRL's scripts pass none then)."""
+    if script.dataset_name is None:
+        # The bundled corpus, in memory: nothing is written before the output dir is checked and held.
+        from datasets import Dataset
+
+        lines, n = tiny.corpus(), data.corpus_eval_size
+        train = Dataset.from_list([{"text": t} for t in lines[:-n]])
+        test = Dataset.from_list([{"text": t} for t in lines[-n:]])
+        return train, (test if cfg.eval_strategy != "no" else None)
+    return load_train_eval(script, data.test_split_size, cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    script, data, cfg = parse_config((ScriptArguments, DataArguments, SFTConfig), demo_config("sft"), argv,
+                                     prog="posttrain sft")
+    require_dataset([script, cfg])
+    train, test = load_datasets(script, data, cfg)
+    trainer = SFTTrainer(cfg, train_dataset=train, eval_dataset=test)
+    if test is not None and cfg.eval_strategy == "epoch":
+        cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
+    before = trainer.evaluate() if test is not None else {}
+    history = trainer.train()
+    final = trainer.save_model()  # the output dir itself, as TRL
+    if not trainer.session.is_main_process:
+        return
+    summary: dict[str, Any] = {"steps": trainer.step, "final_model": str(final),
+                               "train_loss_first": history[0].get("loss") if history else None,
+                               "train_loss_last": next((r["loss"] for r in reversed(history) if "loss" in r), None)}
+    if before:
+        after = next(r for r in reversed(history) if "eval/loss" in r)
+        summary.update({"eval_loss_before": before["eval/loss"], "eval_loss": after["eval/loss"],
+                        "eval_mean_token_accuracy": after["eval/mean_token_accuracy"]})
+        print(f"held-out eval/loss: {before['eval/loss']:.4f} -> {after['eval/loss']:.4f} (eval/mean_token_accuracy "
+              f"{before['eval/mean_token_accuracy']:.3f} -> {after['eval/mean_token_accuracy']:.3f})")
+    Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+    # The card written at the end of training cannot know the data (the trainer takes rows): name it.
+    write_model_card(cfg.output_dir, cfg, "sft", trainer.session, dataset_name=script.dataset_name or BUNDLED)
+    print(f"model saved to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
+    if cfg.push_to_hub:
+        print(f"pushed to {push_to_hub(cfg, final)}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_script(main))

@@ -1,0 +1,225 @@
+"""SFT data in TRL's formats: checking, tokenizing, label masks, truncation and packing, as
+``trl.SFTTrainer._prepare_dataset`` (TRL 1.16) does them.
+
+Formats: language modeling (``text``, or ``dataset_text_field``), conversational (``messages``, or
+ShareGPT's ``conversations`` of from/value, rendered with the chat template) and prompt-completion
+(``prompt``/``completion``, standard or conversational). Tokenization, the EOS rule, the completion
+and assistant masks and the ``labels`` column follow TRL step for step with TRL's own helpers
+(``_tokenize``, ``common_prefix_length``, ``pack_dataset``, ...). Written here rather than called
+from TRL because TRL's is a method of its Trainer (it reads the trainer's tokenizer and flags and
+synchronises through ``global_then_local_main_first``), and because bad rows must end in one
+sentence that names the row and the fix. Batches are built by TRL's own
+``DataCollatorForLanguageModeling``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .dsconfig import ConfigError
+
+# The tiny default's chat template with TRL's {% generation %} markers around each assistant turn
+# (content and end-of-turn token; the role tag stays outside, as in TRL's training templates). It
+# renders exactly as posttrain.tiny.CHAT_TEMPLATE: TRL's get_training_chat_template patches known
+# hub templates only, and assistant_only_loss needs the markers.
+TINY_TRAINING_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}<|assistant|>{% generation %}"
+    "{{ message['content'] }}<|endoftext|>{% endgeneration %}{% else %}<|{{ message['role'] }}|>"
+    "{{ message['content'] }}<|endoftext|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TRUNCATION_MODES = ("keep_start", "keep_end", "none")
+
+
+def as_dataset(data: Any) -> Any:
+    """A ``datasets.Dataset`` from a list of row dicts (or the dataset itself)."""
+    if isinstance(data, (list, tuple)):
+        from datasets import Dataset
+
+        return Dataset.from_list(list(data))
+    return data
+
+
+def dataset_kind(dataset: Any, text_field: str = "text", name: str = "dataset") -> str:
+    """"prompt_completion", "messages" (also ShareGPT ``conversations``) or "text"; a dataset with
+    none of those columns is refused in one sentence naming them."""
+    columns = dataset.column_names
+    if "prompt" in columns and "completion" in columns:
+        return "prompt_completion"
+    if "messages" in columns or "conversations" in columns:
+        return "messages"
+    if text_field in columns:
+        return "text"
+    wanted = "prompt" if "completion" in columns else "completion" if "prompt" in columns else None
+    hint = f"add its {wanted!r} column" if wanted else "rename a column"
+    raise ConfigError(
+        f"{name}: no column {text_field!r}, 'messages' or 'prompt'/'completion' (columns: {columns}): "
+        f"{hint}, or set --dataset_text_field to the column that holds the text"
+    )
+
+
+def training_chat_template(tokenizer: Any) -> str | None:
+    """The template that assistant_only_loss renders with (TRL's rule): None when the tokenizer's own
+    has ``{% generation %}`` markers, else TRL's patched version of a known template (the tiny
+    default's is known here)."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    template = tokenizer.chat_template
+    if template is None:
+        return None  # refused later, with the data's first conversational row in hand
+    if has_generation_markers(template):
+        return None
+    from .tiny import CHAT_TEMPLATE
+
+    if template == CHAT_TEMPLATE:
+        return TINY_TRAINING_CHAT_TEMPLATE
+    try:
+        return get_training_chat_template(tokenizer)
+    except ValueError as err:
+        raise ConfigError(
+            "assistant_only_loss needs a chat template with {% generation %} ... {% endgeneration %} around each "
+            "assistant turn and TRL cannot patch this tokenizer's: give one with --chat_template_path FILE.jinja, "
+            "or drop --assistant_only_loss"
+        ) from err
+
+
+def _check_values(dataset: Any, columns: list[str], name: str) -> None:
+    from .preference import _empty
+
+    for index, row in enumerate(dataset.select_columns(columns)):
+        for column in columns:
+            if _empty(row[column]):
+                raise ConfigError(f"{name}: row {index} has a missing or empty {column!r}; fill it in or drop the row")
+
+
+def prepare_sft_dataset(
+    dataset: Any, tokenizer: Any, *, max_length: int | None, packing: bool, packing_strategy: str = "bfd",
+    completion_only_loss: bool | None = None, assistant_only_loss: bool = False, text_field: str = "text",
+    truncation_mode: str = "keep_start", chat_template: str | None = None, num_proc: int | None = None,
+    name: str = "dataset",
+) -> Any:
+    """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed by "bfd"), prepared as
+    TRL's SFTTrainer prepares it. ``chat_template``: the template assistant_only_loss renders with
+    (``training_chat_template``); ``truncation_mode`` "none" refuses rows longer than max_length."""
+    from trl.data_utils import is_conversational, is_conversational_from_value, maybe_convert_to_chatml
+
+    dataset = as_dataset(dataset)
+    if len(dataset) == 0:
+        raise ConfigError(f"{name} has no rows: give it at least one")
+    kind = dataset_kind(dataset, text_field, name)
+    map_kwargs = {"num_proc": num_proc, "keep_in_memory": True}  # every rank maps alone, no shared cache files
+    if "input_ids" in dataset.column_names:  # already tokenized (TRL's rule): used as is
+        return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name)
+    columns = {"prompt_completion": ["prompt", "completion"], "messages": None, "text": [text_field]}[kind]
+    if columns is None:
+        columns = ["messages" if "messages" in dataset.column_names else "conversations"]
+    _check_values(dataset, columns, name)
+    if is_conversational_from_value(dataset[0]):
+        dataset = dataset.map(maybe_convert_to_chatml, remove_columns="conversations", **map_kwargs)
+    first = dataset[0]
+    conversational = is_conversational(first)
+    if assistant_only_loss and not conversational:
+        raise ConfigError(f"{name}: assistant_only_loss needs conversational data ('messages' or conversational "
+                          "prompt/completion); drop --assistant_only_loss for this dataset")
+    if conversational and tokenizer.chat_template is None and chat_template is None:
+        raise ConfigError(f"{name} is conversational but the tokenizer has no chat template: give one with "
+                          "--chat_template_path FILE.jinja (or use a tokenizer that has one)")
+    if completion_only_loss is None:  # TRL's default: on exactly for prompt-completion data
+        completion_only_loss = kind == "prompt_completion"
+    if not conversational:  # TRL adds EOS to standard text and completions
+        eos = tokenizer.eos_token
+
+        def add_eos(row: dict) -> dict:
+            key = text_field if kind == "text" else "completion"
+            return {key: row[key] if row[key].endswith(eos) else row[key] + eos}
+
+        dataset = dataset.map(add_eos, **map_kwargs)
+    dataset = dataset.map(
+        _tokenize_row, with_indices=True, remove_columns=dataset.column_names, **map_kwargs,
+        fn_kwargs={"tokenizer": tokenizer, "kind": kind, "text_field": text_field, "name": name,
+                   "assistant_only_loss": assistant_only_loss, "chat_template": chat_template},
+    )
+    mask_columns = [c for c in ("completion_mask", "assistant_masks") if c in dataset.column_names
+                    and (c == "assistant_masks" or completion_only_loss)]
+    dataset = dataset.map(_build_labels, fn_kwargs={"mask_columns": mask_columns},
+                          remove_columns=[c for c in ("completion_mask", "assistant_masks") if c in dataset.column_names],
+                          **map_kwargs)
+    return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name)
+
+
+def _tokenize_row(row: dict, index: int, tokenizer: Any, kind: str, text_field: str, name: str,
+                  assistant_only_loss: bool, chat_template: str | None) -> dict:
+    """TRL 1.16's ``tokenize_fn`` of SFTTrainer._prepare_dataset, with its error as one sentence."""
+    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
+
+    tools = row.get("tools")
+    kwargs = {"chat_template": chat_template, "tools": json.loads(tools) if isinstance(tools, str) else tools,
+              **(row.get("chat_template_kwargs") or {})}
+    out: dict = {}
+    if kind == "prompt_completion":
+        if is_conversational(row):
+            prompt_ids = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
+            full = _tokenize(tokenizer, row["prompt"] + row["completion"],
+                             return_assistant_tokens_mask=assistant_only_loss, **kwargs)
+            ids = full["input_ids"]
+            if "assistant_masks" in full:
+                out["assistant_masks"] = list(full["assistant_masks"])
+        else:
+            prompt_ids = _tokenize(tokenizer, row["prompt"], chat_template=chat_template)["input_ids"]
+            ids = _tokenize(tokenizer, row["prompt"] + row["completion"], chat_template=chat_template)["input_ids"]
+        n = common_prefix_length(prompt_ids, ids)  # where the completion starts (TRL's rule)
+        out["input_ids"] = list(ids)
+        out["completion_mask"] = [0] * n + [1] * (len(ids) - n)
+    elif kind == "messages":
+        full = _tokenize(tokenizer, row["messages"], return_assistant_tokens_mask=assistant_only_loss, **kwargs)
+        out = {k: list(full[k]) for k in ("input_ids", "assistant_masks") if k in full}
+    else:
+        out["input_ids"] = list(_tokenize(tokenizer, row[text_field], chat_template=chat_template)["input_ids"])
+    if "assistant_masks" in out and 1 not in out["assistant_masks"]:
+        raise ConfigError(f"{name}: row {index} has no assistant turn to train on (assistant_only_loss is on): "
+                          "add an assistant message to it, drop the row, or drop --assistant_only_loss")
+    return out
+
+
+def _build_labels(row: dict, mask_columns: list[str]) -> dict:
+    """TRL's labels: the token where every applicable mask is 1, else -100."""
+    masks = [row[c] for c in mask_columns]
+    return {"labels": [t if all(bits) else -100 for t, *bits in zip(row["input_ids"], *masks)]}
+
+
+def _finish(dataset: Any, max_length: int | None, packing: bool, strategy: str, truncation_mode: str,
+            map_kwargs: dict, name: str) -> Any:
+    """Truncation (or, with truncation_mode "none", refusal) of unpacked rows, then TRL's packing."""
+    from trl.data_utils import pack_dataset
+
+    if "labels" not in dataset.column_names:
+        dataset = dataset.map(lambda row: {"labels": row["input_ids"]}, **map_kwargs)
+    if max_length is not None and not packing:
+        if truncation_mode == "none":
+            for index, ids in enumerate(dataset["input_ids"]):
+                if len(ids) > max_length:
+                    raise ConfigError(f"{name}: row {index} has {len(ids)} tokens, more than max_length={max_length}, "
+                                      "and truncation_mode is 'none': raise --max_length, shorten or drop the row, "
+                                      "or set --truncation_mode keep_start")
+        else:
+            sl = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+            dataset = dataset.map(lambda row: {"input_ids": row["input_ids"][sl], "labels": row["labels"][sl]},
+                                  **map_kwargs)
+        # Rows left with no trained token (a prompt alone filling max_length) add no loss: TRL drops them.
+        dataset = dataset.filter(lambda row: any(t != -100 for t in row["labels"]), **map_kwargs)
+        if len(dataset) == 0:
+            raise ConfigError(f"{name}: no row keeps a trained token within max_length={max_length}: raise --max_length")
+    if packing:
+        if max_length is None:
+            raise ConfigError("packing needs max_length (the packed row length): set --max_length")
+        dataset = pack_dataset(dataset.select_columns(["input_ids", "labels"]), max_length, strategy, map_kwargs)
+    return dataset
+
+
+def collator(tokenizer: Any, padding_free: bool, pad_to_multiple_of: int | None = None) -> Any:
+    """TRL's ``DataCollatorForLanguageModeling`` (right padding; padding-free: one row, position ids
+    restarting per sequence, the first label of each sequence masked)."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=padding_free,
+                                           pad_to_multiple_of=pad_to_multiple_of)

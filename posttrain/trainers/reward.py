@@ -1,0 +1,343 @@
+"""Reward modelling on the role layer: a sequence classifier (one logit) trained as the ``reward``
+role under its own plugin, with ``trl.RewardTrainer``'s (TRL 1.16) data handling and loss.
+
+Pairs are read and checked as DPO's are (posttrain/preference.py: standard or conversational,
+explicit or implicit prompt); each side is the whole prompt+completion sequence, which is exactly
+the concatenation of DPO's prompt and completion ids. The loss is Bradley-Terry,
+``-logsigmoid(r_chosen - r_rejected - margin)``, plus ``center_rewards_coefficient * mean((r_c + r_r)^2)``.
+The saved model is an ``AutoModelForSequenceClassification`` with ``num_labels=1``, what PPO's
+``reward_model_path`` and GRPO/RLOO's ``reward_funcs`` load. tests/test_reward_trainer.py checks
+loss, metrics and gradients against TRL's own trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import preference, tiny
+from ..dsconfig import ConfigError
+from .common import (
+    Phases,
+    RunLog,
+    TrainConfig,
+    enable_gradient_checkpointing,
+    make_session,
+    optimizer_and_scheduler,
+    rank_batches,
+    resume_dir,
+    save_checkpoint,
+    save_trained_model,
+    seed_everything,
+)
+from .dpo import _load_tokenizer, _world_size
+
+ROLE = "reward"
+
+
+@dataclass
+class RewardConfig(TrainConfig):
+    """Reward-model settings; names and defaults follow ``trl.RewardConfig`` where the concept is the same."""
+
+    output_dir: str = "runs/reward"
+    learning_rate: float = 1e-4
+    model_name_or_path: str | None = None
+    model_init_kwargs: dict[str, Any] | None = None
+    chat_template_path: str | None = None  # a .jinja file
+    disable_dropout: bool = True
+    gradient_checkpointing: bool = True  # TRL's default
+    # LoRA (names of trl.ModelConfig); the score head is trained in full (peft's SEQ_CLS rule).
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None
+    # Data
+    dataset_num_proc: int | None = None
+    eos_token: str | None = None
+    max_length: int | None = 1024  # pairs with a side longer than this are dropped (TRL's rule)
+    pad_to_multiple_of: int | None = None
+    # Loss
+    center_rewards_coefficient: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chat_template_path is not None and not str(self.chat_template_path).endswith((".jinja", ".j2")):
+            raise ConfigError(f"chat_template_path {self.chat_template_path!r} is not a .jinja/.j2 file: give the "
+                              "template as a Jinja file")
+
+
+# -- data ------------------------------------------------------------------------------------------
+def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int | None, name: str = "dataset",
+                           num_proc: int | None = None) -> list[dict]:
+    """``chosen_ids``/``rejected_ids`` (and ``margin``) per pair, as ``trl.RewardTrainer._prepare_dataset``."""
+    dataset = _as_dataset(dataset)
+    preference.check_rows(dataset, name)
+    if _is_conversational(dataset) and tokenizer.chat_template is None:
+        raise ConfigError(f"{name} is conversational but the tokenizer has no chat template: give one with "
+                          "--chat_template_path FILE.jinja (or use a tokenizer that has one)")
+    margins = None
+    if "margin" in dataset.column_names:
+        margins = dataset["margin"]
+        bad = next((i for i, m in enumerate(margins) if not isinstance(m, (int, float)) or not math.isfinite(m)), None)
+        if bad is not None:
+            raise ConfigError(f"{name}: row {bad} has margin {margins[bad]!r}, not a finite number: fix or drop the row")
+    # DPO's tokenization (prompt, then the completion where the two tokenizations diverge):
+    # prompt_ids + chosen_ids is the whole sequence, as TRL's reward trainer tokenizes it.
+    rows = preference.prepare_preference_dataset(dataset, tokenizer, max_length=None, name=name, num_proc=num_proc)
+    out = []
+    for i, row in enumerate(rows):
+        pair = {"chosen_ids": row["prompt_ids"] + row["chosen_ids"], "rejected_ids": row["prompt_ids"] + row["rejected_ids"]}
+        if margins is not None:
+            pair["margin"] = float(margins[i])
+        if max_length is None or (len(pair["chosen_ids"]) <= max_length and len(pair["rejected_ids"]) <= max_length):
+            out.append(pair)
+    if not out:
+        raise ConfigError(f"{name}: every pair has a side longer than max_length={max_length}: raise --max_length")
+    return out
+
+
+def _as_dataset(data: Any) -> Any:
+    if isinstance(data, (list, tuple)):
+        from datasets import Dataset
+
+        return Dataset.from_list(list(data))
+    return data
+
+
+def _is_conversational(dataset: Any) -> bool:
+    from trl.data_utils import is_conversational
+
+    return is_conversational(dataset[0])
+
+
+def collator(tokenizer: Any, pad_to_multiple_of: int | None = None) -> Any:
+    """TRL's reward ``DataCollatorForPreference``: [chosen; rejected] rows right-padded (and ``margin``)."""
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    return DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+
+
+# -- the math (TRL 1.16's RewardTrainer.compute_loss) ---------------------------------------------
+def reward_loss(rewards: torch.Tensor, margin: torch.Tensor | None,
+                center_rewards_coefficient: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bradley-Terry loss of [chosen; rejected] rewards (shape (2B,)) and the per-pair values behind
+    TRL's metrics (detached)."""
+    chosen, rejected = rewards.chunk(2)
+    diff = chosen - rejected
+    loss = -F.logsigmoid(diff - margin if margin is not None else diff).mean()
+    if center_rewards_coefficient is not None:
+        loss = loss + center_rewards_coefficient * torch.mean((chosen + rejected) ** 2)
+    d = diff.detach()
+    return loss, {"accuracy": (d > 0).float(), "margin": d, "rewards": rewards.detach()}
+
+
+# -- the trainer --------------------------------------------------------------------------------------
+class RewardTrainer:
+    """A Bradley-Terry reward model with the classifier on its own DeepSpeed plugin.
+
+    >>> trainer = RewardTrainer(RewardConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=pairs)
+    >>> trainer.train()
+    """
+
+    def __init__(self, args: RewardConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
+                 peft_config: Any = None) -> None:
+        self.cfg = cfg = args
+        seed_everything(cfg.seed)
+        # No model given: the tiny default's SFT policy with a new one-logit head (TRL's usual start).
+        path = cfg.model_name_or_path or str(tiny.sft_model_path())
+        self.tokenizer = tokenizer or _load_tokenizer(path, cfg)
+        if cfg.chat_template_path is not None:
+            self.tokenizer.chat_template = Path(cfg.chat_template_path).read_text()
+        if cfg.eos_token is not None:
+            if cfg.eos_token not in self.tokenizer.get_vocab():
+                raise ConfigError(f"eos_token {cfg.eos_token!r} is not in the tokenizer's vocabulary: give one of its tokens")
+            self.tokenizer.eos_token = cfg.eos_token
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.peft_config = peft_config if peft_config is not None else _lora_config(cfg)
+        self.collate = collator(self.tokenizer, cfg.pad_to_multiple_of)
+        prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, num_proc=cfg.dataset_num_proc)
+        self.train_rows = prepare_reward_dataset(train_dataset, name="train_dataset", **prep)
+        self.eval_rows = (prepare_reward_dataset(eval_dataset, name="eval_dataset", **prep)
+                          if eval_dataset is not None else None)
+
+        world = _world_size()
+        global_batch = cfg.per_device_train_batch_size * world
+        if len(self.train_rows) < global_batch:
+            raise ConfigError(f"train_dataset has {len(self.train_rows)} usable pairs, fewer than one global batch "
+                              f"({cfg.per_device_train_batch_size} per device x {world} processes): give more pairs "
+                              "or lower --per_device_train_batch_size")
+        per_epoch = max(1, len(self.train_rows) // global_batch // cfg.gradient_accumulation_steps)
+        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
+        self.session = make_session(cfg, [ROLE], [], total_steps=self.total_steps)
+        self.phases = Phases()
+        from transformers import AutoModelForSequenceClassification
+
+        kwargs = {"dtype": "float32", "num_labels": 1, **(cfg.model_init_kwargs or {})}
+        model = self.session.load(ROLE, path, model_cls=AutoModelForSequenceClassification, **kwargs)
+        if model.config.num_labels != 1:
+            raise ConfigError(f"{path} has num_labels={model.config.num_labels}; a reward model needs 1: drop "
+                              "num_labels from model_init_kwargs")
+        # The classifier scores the last non-pad token: it must know the pad id.
+        model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        if cfg.disable_dropout:
+            from trl.trainer.utils import disable_dropout_in_model
+
+            disable_dropout_in_model(model)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        if self.peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, self.peft_config)
+        opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
+        self.model = self.session.prepare(ROLE, model, opt, sched)
+        self.setup_times = self.phases.pop()
+        self.step = 0
+        self.num_tokens = 0
+        self.history: list[dict] = []
+
+    # -- the step ----------------------------------------------------------------------------------
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.session.device) for k, v in batch.items()}
+
+    def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch = self._to_device(batch)
+        with self.phases("forward"):
+            rewards = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 use_cache=False).logits.squeeze(-1)
+        return reward_loss(rewards.float(), batch.get("margin"), self.cfg.center_rewards_coefficient)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        return self.session.accelerator.gather(t) if self.session.num_processes > 1 else t
+
+    def training_step(self, micro_batches: list[dict]) -> dict[str, float]:
+        """One optimizer step; each micro-batch's loss, accuracy and margin averaged over ranks and the
+        rewards' min/mean/max over all ranks' rows, then averaged over micro-batches (TRL's logging)."""
+        s, ga = self.session, self.cfg.gradient_accumulation_steps
+        sums: dict[str, float] = {}
+        tokens = 0
+        for batch in micro_batches:
+            loss, values = self.compute_loss(batch)
+            with self.phases("backward"):
+                s.backward(ROLE, loss)
+                s.step(ROLE)
+            means = torch.stack([loss.detach(), values["accuracy"].mean(), values["margin"].mean()])
+            means = self._gather(means.unsqueeze(0)).mean(0)
+            rewards = self._gather(values["rewards"])
+            for k, v in zip(("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward"),
+                            (*means.tolist(), rewards.min().item(), rewards.mean().item(), rewards.max().item())):
+                sums[k] = sums.get(k, 0.0) + v / ga
+            tokens += int(batch["attention_mask"].sum())
+        n = torch.tensor([tokens], device=s.device)
+        self.num_tokens += int(self._gather(n).sum())
+        return {**sums, "num_tokens": float(self.num_tokens)}
+
+    def _train_batches(self, start_micro: int):
+        cfg, s = self.cfg, self.session
+        for idx in rank_batches(len(self.train_rows), cfg.per_device_train_batch_size, cfg.seed,
+                                s.process_index, s.num_processes, start=start_micro):
+            yield self.collate([self.train_rows[i] for i in idx])
+
+    def train(self) -> list[dict]:
+        """Train ``total_steps`` optimizer steps; returns the logged rows (also in metrics.jsonl)."""
+        cfg, s = self.cfg, self.session
+        ckpt = resume_dir(cfg)
+        if ckpt is not None:
+            state = s.load_state(ckpt / "state")
+            self.step, self.num_tokens = int(state["step"]), int(state.get("num_tokens", 0))
+        ga = cfg.gradient_accumulation_steps
+        batches = self._train_batches(self.step * ga)
+        log = RunLog(s, cfg, self.total_steps, "reward", start=self.step, shown=("loss", "accuracy", "eval/accuracy"))
+        window: list[dict[str, float]] = []
+        while self.step < self.total_steps:
+            row = self.training_step([next(batches) for _ in range(ga)])
+            self.step += 1
+            row.update({"grad_norm": s.grad_norm(ROLE) or 0.0, "learning_rate": s.learning_rate(ROLE),
+                        "epoch": self.step * ga * cfg.per_device_train_batch_size * s.num_processes
+                        / len(self.train_rows), **self.phases.pop()})
+            window.append(row)
+            last = self.step == self.total_steps
+            if self.step % cfg.logging_steps == 0 or last:
+                metrics = {k: sum(r[k] for r in window) / len(window) for k in window[0]}
+                metrics.update({k: row[k] for k in ("grad_norm", "learning_rate", "epoch", "num_tokens")})
+                log.log(self.step, metrics, advance=False)
+                self.history.append({"step": self.step, **metrics})
+                window = []
+            log.advance()
+            if self.eval_rows is not None and ((cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
+                ev = self.evaluate()
+                log.log(self.step, ev, advance=False)
+                self.history.append({"step": self.step, **ev})
+            if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
+                save_checkpoint(s, cfg, self.step, {ROLE: self.tokenizer},
+                                {"total_steps": self.total_steps, "num_tokens": self.num_tokens})
+        log.close()
+        return self.history
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
+        """Loss, accuracy and margin as exact means over every eval pair, whatever the world size
+        (TRL averages per-batch values instead); rewards' min/mean/max over all of them."""
+        rows = rows if rows is not None else self.eval_rows
+        if rows is None:
+            raise ValueError("no eval_dataset was given")
+        s, bs = self.session, self.cfg.per_device_eval_batch_size
+        self.model.eval()
+        mine = list(range(s.process_index, len(rows), s.num_processes))
+        n_batches = math.ceil(math.ceil(len(rows) / s.num_processes) / bs)  # the same on every rank (ZeRO-3)
+        sums = torch.zeros(5, dtype=torch.float64, device=s.device)  # loss, accuracy, margin, pairs, reward sum
+        lo = torch.full((1,), math.inf, dtype=torch.float64, device=s.device)
+        hi = torch.full((1,), -math.inf, dtype=torch.float64, device=s.device)
+        cfg = self.cfg
+        for j in range(n_batches):
+            idx = mine[j * bs : (j + 1) * bs]
+            loss_rows = idx or [0]  # a rank out of pairs still joins the collective forward
+            batch = self._to_device(self.collate([rows[i] for i in loss_rows]))
+            rewards = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 use_cache=False).logits.squeeze(-1).double()
+            if not idx:
+                continue
+            chosen, rejected = rewards.chunk(2)
+            diff = chosen - rejected
+            m = batch["margin"].double() if "margin" in batch else 0.0
+            per_pair = -F.logsigmoid(diff - m)
+            if cfg.center_rewards_coefficient is not None:
+                per_pair = per_pair + cfg.center_rewards_coefficient * (chosen + rejected) ** 2
+            sums += torch.stack([per_pair.sum(), (diff > 0).double().sum(), diff.sum(),
+                                 torch.tensor(float(len(idx)), dtype=torch.float64, device=s.device), rewards.sum()])
+            lo = torch.minimum(lo, rewards.min().reshape(1))
+            hi = torch.maximum(hi, rewards.max().reshape(1))
+        if s.num_processes > 1:
+            torch.distributed.all_reduce(sums)
+            torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX)
+        self.phases.pop()
+        self.model.train()
+        n = sums[3].item()
+        return {f"{prefix}/loss": sums[0].item() / n, f"{prefix}/accuracy": sums[1].item() / n,
+                f"{prefix}/margin": sums[2].item() / n, f"{prefix}/min_reward": lo.item(),
+                f"{prefix}/mean_reward": sums[4].item() / (2 * n), f"{prefix}/max_reward": hi.item()}
+
+    def save_model(self, directory: str | Path | None = None) -> Path:
+        """An ``AutoModelForSequenceClassification`` (num_labels 1) in Hugging Face format, loadable as
+        PPO's ``reward_model_path`` and GRPO/RLOO's ``reward_funcs`` (a LoRA model saves its
+        adapter), in the output dir itself by default (TRL's layout: ``from_pretrained(output_dir)``
+        loads it); returns where."""
+        return save_trained_model(self.session, ROLE, directory or self.cfg.output_dir, tokenizer=self.tokenizer)
+
+
+def _lora_config(cfg: RewardConfig) -> Any:
+    if not cfg.use_peft:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="SEQ_CLS", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.lora_target_modules, bias="none")

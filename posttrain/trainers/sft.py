@@ -1,0 +1,320 @@
+"""Supervised fine-tuning on the role layer: one trained role (``policy``) under its own plugin.
+
+Data preparation (posttrain/sft_data.py) and the loss follow ``trl.SFTTrainer`` (TRL 1.16): the
+"nll" loss is the summed token NLL of a whole optimizer step (every accumulation micro-batch on
+every process) over that step's count of trained tokens, TRL's ``num_items_in_batch`` with
+``average_tokens_across_devices``; "dft" weights each token's NLL by its (detached) probability.
+tests/test_sft.py checks loss, token accuracy and gradients against TRL's own trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import sft_data, tiny
+from ..dsconfig import ConfigError
+from .common import (
+    Phases,
+    RunLog,
+    TrainConfig,
+    enable_gradient_checkpointing,
+    make_session,
+    optimizer_and_scheduler,
+    rank_batches,
+    resume_dir,
+    save_checkpoint,
+    save_trained_model,
+    seed_everything,
+)
+from .dpo import _load_tokenizer, _lora_config, _world_size
+
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
+LOSS_TYPES = ("nll", "dft")
+# Collated keys that are model inputs (padding-free adds the varlen kernels' boundaries).
+_MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+               "max_length_k", "seq_idx")
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    """SFT settings; names and defaults follow ``trl.SFTConfig`` where the concept is the same."""
+
+    output_dir: str = "runs/sft"
+    learning_rate: float = 2e-5
+    model_name_or_path: str | None = None
+    model_init_kwargs: dict[str, Any] | None = None
+    chat_template_path: str | None = None  # a .jinja file: the chat template to render conversations with
+    gradient_checkpointing: bool = True  # TRL's default
+    # LoRA (names of trl.ModelConfig)
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None
+    # Data
+    dataset_text_field: str = "text"
+    dataset_num_proc: int | None = None
+    eos_token: str | None = None
+    max_length: int | None = 1024
+    # TRL's keep_start/keep_end, and posttrain's "none": a row longer than max_length is refused.
+    truncation_mode: str = "keep_start"
+    shuffle_dataset: bool = False
+    packing: bool = False
+    packing_strategy: str = "bfd"
+    padding_free: bool = False
+    pad_to_multiple_of: int | None = None
+    eval_packing: bool | None = None
+    # Loss
+    completion_only_loss: bool | None = None  # None: on for prompt-completion data (TRL's rule)
+    assistant_only_loss: bool = False
+    loss_type: str = "nll"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validate(self)
+
+
+def validate(cfg: SFTConfig) -> None:
+    """TRL's checks on the SFT settings, as one sentence each, before any model loads."""
+    if cfg.packing_strategy not in PACKING_STRATEGIES:
+        raise ConfigError(f"unknown packing_strategy {cfg.packing_strategy!r}: choose from {', '.join(PACKING_STRATEGIES)}")
+    if cfg.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"unknown loss_type {cfg.loss_type!r}: choose from {', '.join(LOSS_TYPES)}")
+    if cfg.truncation_mode not in sft_data.TRUNCATION_MODES:
+        raise ConfigError(f"truncation_mode must be one of {', '.join(sft_data.TRUNCATION_MODES)}, "
+                          f"got {cfg.truncation_mode!r}")
+    if cfg.packing and cfg.max_length is None:
+        raise ConfigError("packing needs max_length (the packed row length): set --max_length")
+    if cfg.padding_free and not cfg.packing and cfg.max_length is not None and cfg.truncation_mode != "none":
+        # TRL's rule: padding-free rows are concatenated, so max_length would bound nothing.
+        raise ConfigError("padding_free without packing does not enforce max_length: add --packing true, set "
+                          "--max_length none, or set --truncation_mode none (rows longer than max_length refused)")
+    if cfg.chat_template_path is not None and not str(cfg.chat_template_path).endswith((".jinja", ".j2")):
+        raise ConfigError(f"chat_template_path {cfg.chat_template_path!r} is not a .jinja/.j2 file: give the "
+                          "template as a Jinja file")
+
+
+# -- the math (TRL 1.16's SFTTrainer.compute_loss) ---------------------------------------------------
+def model_inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in _MODEL_KEYS if k in batch}
+
+
+def token_terms(model: Any, batch: dict, loss_type: str = "nll") -> dict[str, torch.Tensor]:
+    """Summed per-token loss (with gradient), trained-token count, summed entropy and top-1 hits
+    of one collated batch. The full logits are built (TRL fuses the LM head; same values)."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    mask = labels != -100
+    logps = selective_log_softmax(logits, labels.clamp(min=0)) * mask
+    per_token = -logps
+    if loss_type == "dft":  # DFT (arXiv 2508.05629): each token weighted by its probability
+        per_token = per_token * logps.exp().detach()
+    with torch.no_grad():
+        entropy = (entropy_from_logits(logits) * mask).sum()
+        correct = ((logits.argmax(-1) == labels) & mask).sum()
+    return {"loss_sum": per_token.sum(), "tokens": mask.sum(), "entropy_sum": entropy, "correct": correct}
+
+
+def input_tokens(batch: dict) -> int:
+    """Tokens a batch feeds the model, TRL's ``num_tokens`` count (padding excluded, except the
+    pad_to_multiple_of tail of a padding-free row, as TRL counts it)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["position_ids"].size(1))
+
+
+# -- the trainer --------------------------------------------------------------------------------------
+class SFTTrainer:
+    """Supervised fine-tuning with the trained model on its own DeepSpeed plugin.
+
+    >>> trainer = SFTTrainer(SFTConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
+    >>> trainer.train()
+    """
+
+    def __init__(self, args: SFTConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
+                 peft_config: Any = None) -> None:
+        self.cfg = cfg = args
+        validate(cfg)
+        seed_everything(cfg.seed)
+        # No model given: the built-in tiny default, randomly initialised (SFT is its first stage).
+        path = cfg.model_name_or_path or str(tiny.model_path("causal"))
+        self.tokenizer = tokenizer or _load_tokenizer(path, cfg)
+        self._set_tokens()
+        self.peft_config = peft_config if peft_config is not None else _lora_config(cfg)
+        self.padding_free = cfg.padding_free or (cfg.packing and cfg.packing_strategy in ("bfd", "bfd_split"))
+        self.collate = sft_data.collator(self.tokenizer, self.padding_free, cfg.pad_to_multiple_of)
+        chat_template = sft_data.training_chat_template(self.tokenizer) if cfg.assistant_only_loss else None
+        prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, packing_strategy=cfg.packing_strategy,
+                    completion_only_loss=cfg.completion_only_loss, assistant_only_loss=cfg.assistant_only_loss,
+                    text_field=cfg.dataset_text_field, truncation_mode=cfg.truncation_mode,
+                    chat_template=chat_template, num_proc=cfg.dataset_num_proc)
+        self.train_rows = self._prepare(train_dataset, "train_dataset", cfg.packing, prep)
+        eval_packing = cfg.packing if cfg.eval_packing is None else cfg.eval_packing
+        self.eval_rows = (self._prepare(eval_dataset, "eval_dataset", eval_packing, prep)
+                          if eval_dataset is not None else None)
+
+        world = _world_size()
+        global_batch = cfg.per_device_train_batch_size * world
+        if len(self.train_rows) < global_batch:
+            raise ConfigError(f"train_dataset has {len(self.train_rows)} rows after preparation, fewer than one global "
+                              f"batch ({cfg.per_device_train_batch_size} per device x {world} processes): give more "
+                              "rows or lower --per_device_train_batch_size")
+        per_epoch = max(1, len(self.train_rows) // global_batch // cfg.gradient_accumulation_steps)
+        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
+        self.session = make_session(cfg, ["policy"], [], total_steps=self.total_steps)
+        self.phases = Phases()
+        kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}  # TRL loads float32 unless told
+        model = self.session.load("policy", path, **kwargs)
+        model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
+        if self.tokenizer.eos_token_id is not None and cfg.eos_token is not None:
+            model.config.get_text_config().eos_token_id = self.tokenizer.eos_token_id
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        if self.peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, self.peft_config)
+        opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
+        self.policy = self.session.prepare("policy", model, opt, sched)
+        self.setup_times = self.phases.pop()
+        self.step = 0
+        self.num_tokens = 0
+        self.history: list[dict] = []
+
+    def _set_tokens(self) -> None:
+        cfg, tok = self.cfg, self.tokenizer
+        if cfg.chat_template_path is not None:
+            tok.chat_template = Path(cfg.chat_template_path).read_text()
+        if cfg.eos_token is not None:
+            if cfg.eos_token not in tok.get_vocab():
+                raise ConfigError(f"eos_token {cfg.eos_token!r} is not in the tokenizer's vocabulary: give one of its tokens")
+            tok.eos_token = cfg.eos_token
+        if tok.pad_token is None:  # TRL's default
+            tok.pad_token = tok.eos_token
+
+    def _prepare(self, dataset: Any, name: str, packing: bool, prep: dict) -> list[dict]:
+        rows = sft_data.prepare_sft_dataset(dataset, packing=packing, name=name, **prep)
+        if self.cfg.shuffle_dataset:
+            rows = rows.shuffle(seed=self.cfg.seed)
+        return rows.to_list()
+
+    # -- the step ----------------------------------------------------------------------------------
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.session.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.session.device)
+        if self.session.num_processes > 1:
+            torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def training_step(self, micro_batches: list[dict]) -> dict[str, float]:
+        """One optimizer step over this rank's accumulation micro-batches; returns the step's loss
+        (global token mean), token accuracy and entropy (means over micro-batches of each one's
+        all-rank ratio, as TRL logs them) and input tokens."""
+        s, ga = self.session, self.cfg.gradient_accumulation_steps
+        batches = [self._to_device(b) for b in micro_batches]
+        # TRL's num_items_in_batch: the trained tokens of the whole step, all processes.
+        local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        items = max(self._sum_over_ranks([local])[0], 1.0)
+        loss_sum, acc, ent, n_input = 0.0, 0.0, 0.0, 0
+        for batch in batches:
+            with self.phases("forward"):
+                terms = token_terms(self.policy, batch, self.cfg.loss_type)
+            # The engine divides by the accumulation steps and averages over processes: undone here,
+            # so the gradient is d(sum of NLL)/d(theta) / items, TRL's.
+            loss = terms["loss_sum"] * (s.num_processes * ga / items)
+            with self.phases("backward"):
+                s.backward("policy", loss)
+                s.step("policy")
+            correct, tokens, entropy, lsum = self._sum_over_ranks(
+                [terms["correct"].item(), terms["tokens"].item(), terms["entropy_sum"].item(), terms["loss_sum"].item()])
+            loss_sum += lsum
+            acc += correct / tokens / ga if tokens else 0.0
+            ent += entropy / tokens / ga if tokens else 0.0
+            n_input += input_tokens(batch)
+        self.num_tokens += int(self._sum_over_ranks([n_input])[0])
+        return {"loss": loss_sum / items, "mean_token_accuracy": acc, "entropy": ent,
+                "num_tokens": float(self.num_tokens)}
+
+    def _train_batches(self, start_micro: int):
+        cfg, s = self.cfg, self.session
+        for idx in rank_batches(len(self.train_rows), cfg.per_device_train_batch_size, cfg.seed,
+                                s.process_index, s.num_processes, start=start_micro):
+            yield self.collate([self.train_rows[i] for i in idx])
+
+    def train(self) -> list[dict]:
+        """Train ``total_steps`` optimizer steps; returns the logged rows (also in metrics.jsonl)."""
+        cfg, s = self.cfg, self.session
+        ckpt = resume_dir(cfg)
+        if ckpt is not None:
+            state = s.load_state(ckpt / "state")
+            self.step, self.num_tokens = int(state["step"]), int(state.get("num_tokens", 0))
+        ga = cfg.gradient_accumulation_steps
+        batches = self._train_batches(self.step * ga)
+        log = RunLog(s, cfg, self.total_steps, "sft", start=self.step, shown=("loss", "mean_token_accuracy", "eval/loss"))
+        window: list[dict[str, float]] = []
+        while self.step < self.total_steps:
+            row = self.training_step([next(batches) for _ in range(ga)])
+            self.step += 1
+            row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                        "epoch": self.step * ga * cfg.per_device_train_batch_size * s.num_processes
+                        / len(self.train_rows), **self.phases.pop()})
+            window.append(row)
+            last = self.step == self.total_steps
+            if self.step % cfg.logging_steps == 0 or last:
+                # Averaged over the window (already over ranks); the latest lr, epoch, grad norm, tokens.
+                metrics = {k: sum(r[k] for r in window) / len(window) for k in window[0]}
+                metrics.update({k: row[k] for k in ("grad_norm", "learning_rate", "epoch", "num_tokens")})
+                log.log(self.step, metrics, advance=False)
+                self.history.append({"step": self.step, **metrics})
+                window = []
+            log.advance()
+            if self.eval_rows is not None and ((cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
+                ev = self.evaluate()
+                log.log(self.step, ev, advance=False)
+                self.history.append({"step": self.step, **ev})
+            if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
+                save_checkpoint(s, cfg, self.step, {"policy": self.tokenizer},
+                                {"total_steps": self.total_steps, "num_tokens": self.num_tokens})
+        log.close()
+        return self.history
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
+        """Loss (token mean), token accuracy and entropy over every eval token, whatever the world
+        size (TRL averages per-batch values instead)."""
+        rows = rows if rows is not None else self.eval_rows
+        if rows is None:
+            raise ValueError("no eval_dataset was given")
+        s, bs = self.session, self.cfg.per_device_eval_batch_size
+        self.policy.eval()
+        mine = list(range(s.process_index, len(rows), s.num_processes))
+        n_batches = math.ceil(math.ceil(len(rows) / s.num_processes) / bs)  # the same on every rank (ZeRO-3)
+        sums = [0.0, 0.0, 0.0, 0.0]
+        for j in range(n_batches):
+            idx = mine[j * bs : (j + 1) * bs]
+            weight = 1.0 if idx else 0.0  # a rank out of rows still joins the collective forward
+            terms = token_terms(self.policy, self._to_device(self.collate([rows[i] for i in idx or [0]])),
+                                self.cfg.loss_type)
+            for k, key in enumerate(("loss_sum", "tokens", "correct", "entropy_sum")):
+                sums[k] += weight * terms[key].item()
+        loss, tokens, correct, entropy = self._sum_over_ranks(sums)
+        self.phases.pop()
+        self.policy.train()
+        tokens = max(tokens, 1.0)
+        return {f"{prefix}/loss": loss / tokens, f"{prefix}/mean_token_accuracy": correct / tokens,
+                f"{prefix}/entropy": entropy / tokens}
+
+    def save_model(self, directory: str | Path | None = None) -> Path:
+        """The model in Hugging Face format (a LoRA model saves its adapter), in the output dir
+        itself by default (TRL's layout: ``from_pretrained(output_dir)`` loads it); returns where."""
+        return save_trained_model(self.session, "policy", directory or self.cfg.output_dir, tokenizer=self.tokenizer)
+

@@ -1,0 +1,290 @@
+"""SFT: data preparation, loss, token accuracy and gradients equal trl.SFTTrainer's (fp32, TRL in the
+test) for every dataset format and mask option, packed and padding-free; bad data in one sentence."""
+
+import pytest
+import torch
+
+from posttrain import sft_data, synthetic, tiny
+from posttrain.dsconfig import ConfigError
+from posttrain.trainers.sft import SFTConfig, token_terms
+
+ROWS = 12
+
+
+def text_rows() -> list[dict]:
+    return [{"text": line} for line in tiny.corpus()[:ROWS]]
+
+
+def prompt_completion_rows() -> list[dict]:
+    return [{"prompt": r["prompt"], "completion": r["chosen"]} for r in synthetic.preference_pairs(ROWS, seed=5)]
+
+
+def messages_rows() -> list[dict]:
+    return [{"messages": [{"role": "system", "content": "be kind"}, {"role": "user", "content": r["prompt"]},
+                          {"role": "assistant", "content": r["completion"]},
+                          {"role": "user", "content": "more"}, {"role": "assistant", "content": r["completion"]}]}
+            for r in prompt_completion_rows()]
+
+
+def conversational_prompt_completion_rows() -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "completion": [{"role": "assistant", "content": r["completion"]}]} for r in prompt_completion_rows()]
+
+
+DATA = {"text": text_rows, "prompt_completion": prompt_completion_rows, "messages": messages_rows,
+        "conv_prompt_completion": conversational_prompt_completion_rows}
+# (name, data, SFTConfig fields shared by TRL and posttrain)
+CASES = [
+    ("text", "text", {}),
+    ("text_packed_bfd", "text", {"packing": True, "max_length": 24}),
+    ("text_packed_wrapped", "text", {"packing": True, "packing_strategy": "wrapped", "max_length": 16}),
+    ("text_padding_free", "text", {"padding_free": True, "max_length": None}),
+    ("prompt_completion", "prompt_completion", {}),
+    ("prompt_completion_full_loss", "prompt_completion", {"completion_only_loss": False}),
+    ("prompt_completion_padding_free", "prompt_completion", {"padding_free": True, "max_length": None}),
+    ("messages", "messages", {}),
+    ("messages_assistant_only", "messages", {"assistant_only_loss": True}),
+    ("messages_assistant_only_packed", "messages", {"assistant_only_loss": True, "packing": True, "max_length": 40}),
+    ("conv_prompt_completion", "conv_prompt_completion", {}),
+    ("conv_prompt_completion_assistant_only", "conv_prompt_completion", {"assistant_only_loss": True}),
+    ("text_dft_truncated", "text", {"loss_type": "dft", "max_length": 8}),
+]
+
+
+def tokenizer():
+    tok = tiny.load_tokenizer()
+    # The tiny template with {% generation %} markers: TRL then uses it as given (it renders the same).
+    tok.chat_template = sft_data.TINY_TRAINING_CHAT_TEMPLATE
+    return tok
+
+
+def ours(name: str, data: str, fields: dict) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    cfg = SFTConfig(output_dir="unused", **fields)
+    tok = tokenizer()
+    rows = sft_data.prepare_sft_dataset(
+        DATA[data](), tok, max_length=cfg.max_length, packing=cfg.packing, packing_strategy=cfg.packing_strategy,
+        completion_only_loss=cfg.completion_only_loss, assistant_only_loss=cfg.assistant_only_loss).to_list()
+    padding_free = cfg.padding_free or (cfg.packing and cfg.packing_strategy != "wrapped")
+    batch = sft_data.collator(tok, padding_free)(rows[:4])  # packed data may have fewer rows
+    model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32)
+    terms = token_terms(model, batch, cfg.loss_type)
+    loss = terms["loss_sum"] / terms["tokens"].clamp(min=1)
+    loss.backward()
+    return {"rows": rows, "batch": batch, "loss": loss.item(),
+            "mean_token_accuracy": (terms["correct"] / terms["tokens"]).item(),
+            "entropy": (terms["entropy_sum"] / terms["tokens"]).item(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def theirs(name: str, data: str, fields: dict, tmp_path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig as TRLConfig
+    from trl import SFTTrainer as TRLTrainer
+
+    args = TRLConfig(output_dir=str(tmp_path / name), use_cpu=True, bf16=False, gradient_checkpointing=False,
+                     report_to=[], per_device_train_batch_size=4, **fields)
+    model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32)
+    trainer = TRLTrainer(model=model, args=args, train_dataset=Dataset.from_list(DATA[data]()),
+                         processing_class=tokenizer())
+    rows = trainer.train_dataset.to_list()
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(min(4, len(rows)))])
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    metrics = trainer._metrics["train"] or trainer._metrics["eval"]  # from_pretrained leaves eval mode
+    return {"rows": rows, "batch": batch, "loss": loss.item(), "mean_token_accuracy": metrics["mean_token_accuracy"][-1],
+            "entropy": metrics["entropy"][-1], "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("name,data,fields", CASES, ids=[c[0] for c in CASES])
+def test_loss_accuracy_and_gradients_equal_trl(name, data, fields, tmp_path):
+    a, b = ours(name, data, fields), theirs(name, data, fields, tmp_path)
+    assert [r["input_ids"] for r in a["rows"]] == [r["input_ids"] for r in b["rows"]]
+    assert [r["labels"] for r in a["rows"]] == [r["labels"] for r in b["rows"]]
+    assert a["batch"].keys() == b["batch"].keys()
+    for key in a["batch"]:
+        assert torch.equal(torch.as_tensor(a["batch"][key]), torch.as_tensor(b["batch"][key])), key
+    for key in ("loss", "mean_token_accuracy", "entropy"):
+        assert a[key] == pytest.approx(b[key], abs=1e-5, rel=1e-5), key
+    assert a["grads"].keys() == b["grads"].keys()
+    for n, g in a["grads"].items():
+        torch.testing.assert_close(g, b["grads"][n], atol=1e-5, rtol=1e-5, msg=n)
+    labels = a["batch"]["labels"]
+    assert (labels != -100).any() and a["loss"] > 0
+    if fields.get("assistant_only_loss") or data == "prompt_completion" and fields.get("completion_only_loss") is not False:
+        assert (labels == -100).sum() > labels.size(0)  # prompt tokens masked beyond the first
+
+
+def test_padding_free_equals_padded_loss():
+    """The same rows, padded or flattened into one row with restarting position ids: the same loss
+    (sdpa/eager get a block-diagonal mask from the restarts, so attention does not cross rows)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer()
+    rows = sft_data.prepare_sft_dataset(prompt_completion_rows(), tok, max_length=None, packing=False).to_list()[:4]
+    model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32)
+    padded = sft_data.collator(tok, False)(rows)
+    flat = sft_data.collator(tok, True)(rows)
+    assert "attention_mask" not in flat and flat["input_ids"].size(0) == 1
+    assert flat["input_ids"].numel() == padded["attention_mask"].sum()  # no pad token in the batch
+    a, b = token_terms(model, padded), token_terms(model, flat)
+    assert a["tokens"] == b["tokens"]
+    assert (a["loss_sum"] / a["tokens"]).item() == pytest.approx((b["loss_sum"] / b["tokens"]).item(), abs=1e-6)
+    assert a["correct"] == b["correct"]
+    # Without the restarts the rows would attend across each other: the loss changes.
+    crossed = {**flat, "position_ids": torch.arange(flat["input_ids"].size(1))[None]}
+    c = token_terms(model, crossed)
+    assert abs((c["loss_sum"] - b["loss_sum"]).item()) > 1e-3
+
+
+# -- bad data: one sentence naming the fix --------------------------------------------------------
+def test_missing_column():
+    with pytest.raises(ConfigError, match="no column 'text', 'messages' or 'prompt'/'completion'.*dataset_text_field"):
+        sft_data.prepare_sft_dataset([{"body": "x"}], tokenizer(), max_length=8, packing=False)
+    with pytest.raises(ConfigError, match="add its 'completion' column"):
+        sft_data.prepare_sft_dataset([{"prompt": "x"}], tokenizer(), max_length=8, packing=False)
+
+
+def test_conversation_without_assistant_turn():
+    rows = messages_rows()[:2] + [{"messages": [{"role": "user", "content": "hello"}]}]
+    with pytest.raises(ConfigError, match="row 2 has no assistant turn.*add an assistant message"):
+        sft_data.prepare_sft_dataset(rows, tokenizer(), max_length=64, packing=False, assistant_only_loss=True)
+
+
+def test_row_longer_than_max_length_without_truncation():
+    with pytest.raises(ConfigError, match=r"row 0 has \d+ tokens, more than max_length=4.*raise --max_length"):
+        sft_data.prepare_sft_dataset(text_rows(), tokenizer(), max_length=4, packing=False, truncation_mode="none")
+
+
+def test_tokenizer_without_chat_template():
+    tok = tiny.load_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="no chat template: give one with --chat_template_path"):
+        sft_data.prepare_sft_dataset(messages_rows(), tok, max_length=64, packing=False)
+
+
+def test_empty_value_and_assistant_only_on_text():
+    with pytest.raises(ConfigError, match="row 1 has a missing or empty 'completion'"):
+        sft_data.prepare_sft_dataset([{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": ""}],
+                                     tokenizer(), max_length=8, packing=False)
+    with pytest.raises(ConfigError, match="assistant_only_loss needs conversational data"):
+        sft_data.prepare_sft_dataset(text_rows(), tokenizer(), max_length=8, packing=False, assistant_only_loss=True)
+
+
+def test_tiny_training_template_renders_as_the_default():
+    tok = tiny.load_tokenizer()
+    conv = messages_rows()[0]["messages"]
+    for prompt in (False, True):
+        assert (tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=prompt)
+                == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=prompt,
+                                           chat_template=sft_data.TINY_TRAINING_CHAT_TEMPLATE))
+    assert sft_data.training_chat_template(tok) == sft_data.TINY_TRAINING_CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"packing_strategy": "greedy"}, "unknown packing_strategy 'greedy'"),
+    ({"loss_type": "mse"}, "unknown loss_type 'mse'"),
+    ({"padding_free": True}, "padding_free without packing does not enforce max_length"),
+    ({"packing": True, "max_length": None}, "packing needs max_length"),
+    ({"truncation_mode": "middle"}, "truncation_mode must be one of"),
+])
+def test_config_errors(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        SFTConfig(output_dir="unused", **fields)
+
+
+# -- two processes, one launch: SFT and reward trainers on the role layer -------------------------
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    from conftest import run_json
+
+    tmp = tmp_path_factory.mktemp("sft_reward")
+    return run_json("sft_reward_checks.py", tmp / "runs", tmp_path=tmp)
+
+
+def _close(a: list[dict], b: list[dict], keys: tuple[str, ...]) -> None:
+    assert len(a) == len(b) and a
+    for ra, rb in zip(a, b):
+        assert ra["step"] == rb["step"]
+        for k in keys:
+            assert ra[k] == pytest.approx(rb[k], abs=1e-5, rel=1e-5), (ra["step"], k)
+
+
+SFT_KEYS = ("loss", "mean_token_accuracy", "entropy", "num_tokens", "grad_norm", "learning_rate")
+REWARD_KEYS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens", "grad_norm")
+
+
+@pytest.mark.parametrize("trainer,keys,eval_key", [("sft", SFT_KEYS, "eval/loss"), ("reward", REWARD_KEYS, "eval/accuracy")])
+def test_placement_invariance_and_resume(dist, trainer, keys, eval_key):
+    runs = dist[trainer]
+    assert dist["world"] == 2
+    assert set(runs["zero2"]["stages"].values()) == {2} and set(runs["zero3"]["stages"].values()) == {3}
+    for other in ("zero3", "offload"):
+        _close(runs["zero2"]["rows"], runs[other]["rows"], keys)
+        _close(runs["zero2"]["evals"], runs[other]["evals"], (eval_key,))
+    # Resumed at step 2 of 4: steps 3-4 equal the uninterrupted run's.
+    assert [r["step"] for r in runs["resumed"]["rows"]] == [3, 4]
+    _close(runs["zero2"]["rows"][2:], runs["resumed"]["rows"], keys)
+    losses = [r["loss"] for r in runs["zero2"]["rows"]]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("trainer", ["sft", "reward"])
+def test_first_step_loss_and_gradient_are_the_global_batch_ones(dist, trainer):
+    """Two processes x two accumulation micro-batches: SFT's loss is the token mean over all of them
+    (TRL's num_items_in_batch), the reward loss the mean of the micro-batch means (TRL's DDP and
+    accumulation averaging); the engine's gradient norm is that of this loss on one process."""
+    first, direct = dist[trainer]["zero2"]["rows"][0], dist[trainer]["direct_first_step"]
+    assert first["loss"] == pytest.approx(direct["loss"], abs=1e-5, rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(direct["grad_norm"], abs=1e-5, rel=1e-5)
+
+
+def test_sft_run_outputs(dist):
+    sft = dist["sft"]
+    # bfd packing trains padding-free: no attention mask, position ids restart per sentence.
+    assert "attention_mask" not in sft["padding_free_batch_keys"] and "position_ids" in sft["padding_free_batch_keys"]
+    for name in ("metrics.jsonl", "posttrain_config.json", "README.md", "checkpoint-2", "checkpoint-4", "final"):
+        assert name in sft["files"]
+    assert "adapter_model.safetensors" in sft["lora_files"]
+    lora = [r["loss"] for r in sft["lora"]["rows"]]
+    assert lora[-1] < lora[0]
+    assert [r["step"] for r in sft["zero2"]["evals"]] == [2, 4]
+
+
+def test_reward_lora_trains_and_saves_its_adapter(dist):
+    rw = dist["reward"]
+    assert "adapter_model.safetensors" in rw["lora_files"]
+    losses = [r["loss"] for r in rw["lora"]["rows"]]
+    assert losses[-1] < losses[0]
+
+
+def test_saved_reward_model_is_what_grpo_loads(dist):
+    assert dist["reward"]["saved"] == {"num_labels": 1, "pad_token_id": tiny.load_tokenizer().pad_token_id,
+                                       "class": "LlamaForSequenceClassification"}
+    grpo = dist["grpo"]
+    assert any(role.startswith("reward") for role in grpo["roles"])
+    assert grpo["rewards"] and all(isinstance(r, float) for r in grpo["rewards"])
+    assert all(s > 0 for s in grpo["reward_std"])  # the model scores completions differently
+
+
+# -- the scripts: bad data ends in one sentence and exit status 2, before any process group --------
+@pytest.mark.parametrize("command,row,message", [
+    ("sft", {"body": "no text column"}, "error: train_dataset: no column 'text', 'messages' or 'prompt'/'completion'"),
+    ("sft", {"messages": [{"role": "user", "content": "hi"}]}, "row 0 has no assistant turn to train on"),
+    ("reward", {"prompt": "a", "chosen": " b"}, "(split 'train'): no column 'rejected'"),
+])
+def test_scripts_refuse_bad_data_in_one_sentence(tmp_path, capsys, command, row, message):
+    import json
+
+    from posttrain import cli
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    extra = ["--assistant_only_loss", "true"] if "messages" in row else []
+    model = tiny.model_path("reward" if command == "reward" else "causal")
+    status = cli.main([command, "--output_dir", str(tmp_path / "run"), "--model_name_or_path", str(model),
+                       "--dataset_name", str(data), *extra])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert status == 2 and len(err) == 1 and message in err[0], err

@@ -1,5 +1,6 @@
-"""The rollout engine (posttrain/rollout.py) on CPU, fp32: the same step logic that CUDA compiles
-and captures, run eagerly. Single process except the ZeRO checks (tests/dist/rollout_checks.py)."""
+"""The rollout engine (posttrain/rollout/) on CPU, fp32: the same step logic that CUDA compiles
+and captures, run eagerly (or traced with aot_eager). Single process except the ZeRO checks
+(tests/dist/rollout_checks.py)."""
 
 import logging
 
@@ -47,11 +48,12 @@ def prompts(tok):
     return enc["input_ids"], enc["attention_mask"]
 
 
-def rollout(model, tok, backend="posttrain", max_batch=6, max_prompt_len=18, **knobs):
+def rollout(model, tok, backend="posttrain", max_batch=6, max_prompt_len=18, kv_slots=None, engine_options=None,
+            **knobs):
     knobs.setdefault("max_new_tokens", N)
     sampling = SamplingParams(pad_token_id=tok.pad_token_id, **knobs)
     return Rollout(None, "policy", sampling, max_batch=max_batch, max_prompt_len=max_prompt_len, backend=backend,
-                   model=model)
+                   model=model, kv_slots=kv_slots, engine_options=engine_options)
 
 
 def forward_logprobs(model, out, mask, temperature=1.0):
@@ -74,7 +76,7 @@ def test_greedy_equals_generate_and_logprobs_equal_forward(kind, models, tok, pr
     r = rollout(model, tok, do_sample=False)
     out = r.generate(ids, mask)
     assert r.stats["backend"] == "posttrain" and r.stats["fallback"] is None
-    assert r.engine.graph is None and r.stats["captures"] == 0  # CPU: the step runs eagerly
+    assert not r.engine.graphs and r.stats["captures"] == 0  # CPU: the step runs eagerly
     assert torch.equal(out.sequences, ref)
     assert out.completion_mask.all()
     assert (forward_logprobs(model, out, mask) - out.logprobs).abs().max().item() < 1e-5
@@ -181,29 +183,79 @@ def test_fused_projections_give_the_same_tokens(kind, models, tok, prompts, monk
     assert (plain.logprobs - fused.logprobs).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("mode,graphs", [("layer", 3), ("step", 1)])
-def test_what_cuda_compiles_traces_in_whole_graphs(mode, graphs, models, tok, prompts):
-    """What is compiled before CUDA capture traces without a graph break (fullgraph), is one graph
-    per part whatever the depth (layer mode: the layers share one), is not recompiled by new
-    knobs, and decodes what the eager step does. aot_eager: dynamo and AOTAutograd's tracing
-    without code generation, which is cheap on CPU."""
+def prepared_policy(how: str, tok):
+    """The tiny Llama as a trainer prepares its policy: GRPO/RLOO (TRL's defaults: dropout off,
+    gradient checkpointing, TRL's fused LM head, train mode), PPO/distillation (train mode), or a
+    frozen role (eval)."""
+    from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
+
+    from posttrain.trainers.common import enable_gradient_checkpointing
+
+    model = build("llama", tok)
+    if how == "grpo":
+        disable_dropout_in_model(model)
+        enable_gradient_checkpointing(model)
+        add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
+        assert model.get_input_embeddings()._forward_hooks  # the hook that broke fullgraph compiles
+    return model.train() if how != "frozen" else model.eval()
+
+
+@pytest.mark.parametrize("how", ["grpo", "ppo", "frozen"])
+def test_compiled_step_traces_under_every_trainers_policy(how, tok, prompts):
+    """What CUDA compiles before capture traces in whole graphs (fullgraph, aot_eager: dynamo and
+    AOTAutograd without code generation) for the policy exactly as each trainer prepares it, with
+    no fallback, decodes what the eager step does, and serves new knobs and new buckets without
+    a recompile per layer (the layers share one graph per part)."""
     from torch._dynamo.utils import counters
 
-    model, (ids, mask) = models["llama"], prompts
-    r = rollout(model, tok, top_p=0.9, stop_token_ids=[tok.eos_token_id], min_new_tokens=2)
+    model, (ids, mask) = prepared_policy(how, tok), prompts
+    knobs = dict(top_p=0.9, stop_token_ids=[tok.eos_token_id], min_new_tokens=2)
     torch.manual_seed(1)
-    eager = r.generate(ids, mask)
+    eager = rollout(model, tok, **knobs).generate(ids, mask)
     torch._dynamo.reset()
     counters.clear()
-    r.engine.compile_parts(mode, backend="aot_eager")
+    r = rollout(model, tok, engine_options=dict(compile_mode="layer", compile_backend="aot_eager",
+                                                 smallest_bucket=2, length_bucket=8, sync_every=3), **knobs)
     torch.manual_seed(1)
     compiled = r.generate(ids, mask)
+    assert r.stats["compile"] == "layer" and r.stats["compile_fallbacks"] == 0 and not r.degraded, r.stats
+    assert r.metrics()["rollout/compile_fallbacks"] == 0
     assert torch.equal(eager.sequences, compiled.sequences)
     assert (eager.logprobs - compiled.logprobs).abs().max().item() < 1e-5
     r.generate(ids, mask, SamplingParams(max_new_tokens=N, pad_token_id=tok.pad_token_id, do_sample=False,
-                                         top_p=0.5, temperature=0.7, stop_token_ids=[tok.eos_token_id]))
-    assert counters["stats"]["unique_graphs"] == graphs
+                                         top_p=0.5, temperature=0.7, **{k: knobs[k] for k in ("stop_token_ids",)}))
+    assert r.stats["compile_fallbacks"] == 0
+    # Prologue, the two layer halves, sampler: a few graphs (dynamic shapes), not one per layer.
+    assert 4 <= counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+def test_a_compile_that_fails_is_counted_not_silent(tok, prompts, monkeypatch, caplog):
+    """A part dynamo cannot trace in one graph: the engine runs the eager step (same tokens), and
+    says so in its stats, its metrics and the log; benchmarks mark such rows degraded."""
+    from posttrain.rollout import engine as engine_module
+
+    original = engine_module._inputs
+
+    def broken(*args):
+        torch._dynamo.graph_break()
+        return original(*args)
+
+    model, (ids, mask) = build("llama", tok), prompts
+    torch.manual_seed(2)
+    eager = rollout(model, tok).generate(ids, mask)
+    monkeypatch.setattr(engine_module, "_inputs", broken)
+    torch._dynamo.reset()
+    r = rollout(model, tok, engine_options=dict(compile_mode="layer", compile_backend="aot_eager"))
+    torch.manual_seed(2)
+    with caplog.at_level(logging.WARNING, logger="posttrain.rollout"):
+        out = r.generate(ids, mask)
+    torch._dynamo.reset()
+    assert torch.equal(out.sequences, eager.sequences)
+    assert r.stats["compile_fallbacks"] == 1 and r.stats["compile"] == "none" and r.degraded
+    assert r.metrics()["rollout/compile_fallbacks"] == 1
+    assert "torch.compile" in r.stats["fallback_reasons"][0]
+    assert [rec for rec in caplog.records if "counted" in rec.getMessage()]
 
 
 def test_top_k_1_is_greedy(models, tok, prompts):

@@ -404,3 +404,71 @@ def test_bf16_engine_is_as_close_to_a_forward_as_generate_is():
     assert ours[0] > 0 and theirs[0] > 0  # bf16: neither is exact, so the comparison means something
     assert ours[0] <= 1.5 * theirs[0] + 1e-3, (ours, theirs)
     assert ours[1] >= theirs[1] - 0.03, (ours, theirs)
+
+
+# -- slots: compaction, refill, prefix sharing, slot-independent samples ----------------------------
+GROUPS = 4  # generations per prompt, as GRPO's num_generations
+
+
+@pytest.fixture(scope="module")
+def grouped(tok):
+    """3 prompts x GROUPS generations, each group's rows next to each other (as GRPO lays them out)."""
+    enc = tok(["the cat sat on the", "a", "hello world how are you"], return_tensors="pt", padding=True,
+              padding_side="left")
+    return enc["input_ids"].repeat_interleave(GROUPS, 0), enc["attention_mask"].repeat_interleave(GROUPS, 0)
+
+
+def stopping(tok, n=24):
+    """Sampling that ends rows at scattered lengths: 60 of the 547 tokens stop."""
+    return dict(max_new_tokens=n, temperature=1.0, stop_token_ids=list(range(5, 65)))
+
+
+def run_slots(model, tok, ids, mask, seed=5, **options):
+    kv_slots = options.pop("kv_slots", ids.shape[0])
+    r = rollout(model, tok, max_batch=ids.shape[0], kv_slots=kv_slots, engine_options=options, **stopping(tok))
+    torch.manual_seed(seed)
+    return r.generate(ids, mask), r.engine.stats
+
+
+def test_finished_rows_leave_the_step_with_the_same_samples(models, tok, grouped):
+    """Compaction into smaller row buckets and length buckets that follow the longest live row give
+    the same tokens and log-probs as one static bucket (every row, the whole cache, to the end)."""
+    model, (ids, mask) = models["llama"], grouped
+    static, st = run_slots(model, tok, ids, mask, smallest_bucket=ids.shape[0], length_bucket=10**6, sync_every=100)
+    lengths = static.completion_mask.sum(1)
+    assert lengths.min() < lengths.max() < 24 or lengths.max() == 24 and lengths.min() < 12, lengths
+    packed, sp = run_slots(model, tok, ids, mask, smallest_bucket=1, length_bucket=4, sync_every=2)
+    assert torch.equal(static.sequences, packed.sequences)
+    assert torch.equal(static.completion_mask, packed.completion_mask)
+    assert (static.logprobs - packed.logprobs).abs().max().item() < 1e-5
+    assert sp["compactions"] > 0 and st["compactions"] == 0
+    assert sp["row_steps"] < st["row_steps"] and sp["cache_cells_read"] < st["cache_cells_read"] / 2, (sp, st)
+
+
+def test_more_sequences_than_slots_stream_through(models, tok, grouped):
+    """3 slots for 12 sequences: waiting sequences enter as slots free; each sequence samples what it
+    samples with a slot of its own (its noise is keyed by its index, not its slot or wave)."""
+    model, (ids, mask) = models["llama"], grouped
+    alone, _ = run_slots(model, tok, ids, mask, smallest_bucket=ids.shape[0], length_bucket=10**6)
+    streamed, st = run_slots(model, tok, ids, mask, kv_slots=3, smallest_bucket=1, length_bucket=4, sync_every=2,
+                             admit_min=1)
+    assert st["admissions"] > 3 and st["prefill_sequences"] == 12
+    assert torch.equal(alone.sequences, streamed.sequences)
+    assert (alone.logprobs - streamed.logprobs).abs().max().item() < 1e-5
+    # The same sequences in another order sample other tokens (their indices changed), and a
+    # sequence's samples do not depend on the other rows: a rollout of one row equals its row.
+    one, _ = run_slots(model, tok, ids[:1], mask[:1])
+    assert torch.equal(one.sequences[0], alone.sequences[0])
+
+
+def test_rows_sharing_a_prompt_prefill_it_once(models, tok, grouped):
+    """A GRPO group's rows share their prompt's prefill (one row per distinct prompt), with the
+    same samples as prefilling every row."""
+    model, (ids, mask) = models["qwen2"], grouped
+    shared, ss = run_slots(model, tok, ids, mask)
+    each, se = run_slots(model, tok, ids, mask, share_prefix=False)
+    assert ss["prefill_rows"] == 3 and se["prefill_rows"] == 12 and ss["prefill_sequences"] == 12
+    assert torch.equal(shared.sequences, each.sequences)
+    assert (shared.logprobs - each.logprobs).abs().max().item() < 1e-5
+    # Rows of one group sample differently from each other (their own noise).
+    assert len({tuple(r.tolist()) for r in shared.completion_ids[:GROUPS]}) > 1

@@ -166,7 +166,8 @@ class DecodeEngine:
         self.stats: dict[str, Any] = {"captures": 0, "recaptures": 0, "capture_s": 0.0, "compile_fallbacks": 0,
                                       "capture_fallbacks": 0, "storage_moves": 0, "graph_pool_bytes": 0,
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
-                                      "compactions": 0, "decode_steps": 0, "row_steps": 0}
+                                      "compactions": 0, "decode_steps": 0, "row_steps": 0,
+                                      "cache_cells_read": 0}
         self.fallback_reasons: list[str] = []
         self._prepared = False
         self._captured_keys: set[tuple[int, int]] = set()
@@ -372,6 +373,7 @@ class DecodeEngine:
         """``steps`` decode steps of bucket (rows, length): graph replays on CUDA, else the step."""
         self.stats["decode_steps"] += steps
         self.stats["row_steps"] += steps * rows
+        self.stats["cache_cells_read"] += steps * rows * length
         if not self._prepared:
             self._prepare(rows, length)
         graph = self.graphs.get((rows, length))

@@ -29,6 +29,7 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -394,18 +395,20 @@ class DecodeEngine:
         """Run the step on the real buffers (restored after): compile, autotune and allocate
         outside capture; on CUDA three times on a side stream, as capture requires."""
         saved = [t.clone() for t in self._state()]
-        with torch.no_grad():
-            if self.device.type == "cuda":
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        self._step(rows, length)
-                torch.cuda.current_stream().wait_stream(side)
-            else:
-                self._step(rows, length)
-        for t, s in zip(self._state(), saved):
-            t.copy_(s)
+        try:
+            with torch.no_grad():
+                if self.device.type == "cuda":
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(3):
+                            self._step(rows, length)
+                    torch.cuda.current_stream().wait_stream(side)
+                else:
+                    self._step(rows, length)
+        finally:
+            for t, s in zip(self._state(), saved):
+                t.copy_(s)
 
     def _fall_back(self, what: str, err: Exception) -> None:
         reason = f"{what} ({type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''})"
@@ -413,20 +416,32 @@ class DecodeEngine:
         logger.warning("rollout: %s; the decode step is now slower (counted in rollout stats)", reason)
 
     def _prepare(self, rows: int, length: int) -> None:
-        """Compile the step's parts (``compile_mode`` "layer") and run it once; a compile that fails
-        falls back to the eager parts, logged and counted in ``stats["compile_fallbacks"]``."""
+        """Compile the step's parts (``compile_mode`` "layer") and run it once. A compile that fails
+        is retried with bf16 attention scores if it had float32 ones (``stats["fp32_scores"]``
+        says which ran), then falls back to the eager parts: logged, and counted in
+        ``stats["compile_fallbacks"]``."""
         tick = time.perf_counter()
         self._prepared = True
+        self.stats["fp32_scores"] = self.spec.fp32_scores
         if self.compile_mode == "none":
             return
-        self.compile_parts(self.compile_backend)
-        try:
-            self._warm_up(rows, length)
-        except Exception as err:  # noqa: BLE001 - e.g. something dynamo cannot trace in one graph
-            self._fall_back("torch.compile of the decode step failed; running the eager step", err)
-            self.stats["compile_fallbacks"] += 1
-            self.compile_mode = "none"
-            self._eager_parts()
+        while True:
+            self.compile_parts(self.compile_backend)
+            try:
+                self._warm_up(rows, length)
+                break
+            except Exception as err:  # noqa: BLE001 - e.g. something dynamo cannot trace in one graph
+                if self.spec.fp32_scores and self.dtype != torch.float32 and self.device.type == "cuda":
+                    self._fall_back("torch.compile of the step with float32 attention scores failed; retrying "
+                                    "with bf16 scores", err)
+                    self.spec = dataclasses.replace(self.spec, fp32_scores=False)
+                    self.stats["fp32_scores"] = False
+                    continue
+                self._fall_back("torch.compile of the decode step failed; running the eager step", err)
+                self.stats["compile_fallbacks"] += 1
+                self.compile_mode = "none"
+                self._eager_parts()
+                break
         self.stats["capture_s"] += time.perf_counter() - tick
 
     def _capture(self, rows: int, length: int) -> Any:

@@ -212,11 +212,19 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
             holder.clear()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if args.hf:
-            hf = Rollout(None, "policy", stopping, max_batch=chunk, max_prompt_len=p, model=model, backend="hf")
+        if args.hf:  # transformers' own sampling, no logits kept (they would be 34 GB at 1.1B x 128 x 512)
+            from posttrain.rollout import finish
+
+            def hf() -> Any:
+                out = model.generate(input_ids=ids[:chunk], attention_mask=mask[:chunk], do_sample=True, top_k=0,
+                                     top_p=1.0, temperature=1.0, max_new_tokens=n, eos_token_id=stop_ids,
+                                     pad_token_id=0)
+                return out[:, p:]
+
             torch.manual_seed(0)
-            s, _, out = timed(lambda: hf.generate(ids[:chunk], mask[:chunk]), 1)
-            tok = int(out.completion_mask.sum().item())
+            s, _, comp = timed(hf, 1)
+            comp = torch.nn.functional.pad(comp, (0, n - comp.shape[1]), value=0)
+            tok = int(finish(comp, torch.zeros(comp.shape, device=comp.device), stopping)[1].sum().item())
             res["varlen"]["generate_one_chunk"] = {"s": s, "rows": chunk, "useful_tokens": tok,
                                                    "useful_tokens_per_s": tok / s}
 
@@ -285,26 +293,27 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
 
         from posttrain.trainers.common import enable_gradient_checkpointing
 
-        enable_gradient_checkpointing(model)
-        add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
-        model.train()
+        policy = holder["policy"] = build(shape, device, torch.bfloat16)  # its own copy: the others stay plain
+        enable_gradient_checkpointing(policy)
+        add_fused_lm_head(policy, temperature=1.0, outputs=("log_probs", "entropy"))
+        policy.train()
         rows, new = 32, 128
         sampling = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0, min_new_tokens=new)
-        out: dict[str, Any] = {"hooks_on_embeddings": len(model.get_input_embeddings()._forward_hooks)}
-        r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
+        out: dict[str, Any] = {"hooks_on_embeddings": len(policy.get_input_embeddings()._forward_hooks)}
+        r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=policy)
         r.generate(ids[:rows], mask[:rows])
         s, _, _ = timed(lambda: r.generate(ids[:rows], mask[:rows]), repeats)
         out["engine"] = {"s": s, **engine_summary(r.stats)}
         if baseline is not None:
-            b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
+            b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=policy)
             b.generate(ids[:rows], mask[:rows])
             s, _, _ = timed(lambda: b.generate(ids[:rows], mask[:rows]), repeats)
             out["baseline"] = {"s": s, "compile": b.stats.get("compile")}
         res["prepared"] = out
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    for name, fn in (("varlen", varlen), ("full", full), ("prefix", prefix), ("logprobs", logprobs),
-                     ("prepared", prepared)):
+    for name, fn in (("prepared", prepared), ("varlen", varlen), ("full", full), ("prefix", prefix),
+                     ("logprobs", logprobs)):
         if name in cases or (name == "full" and "step" in cases):
             stage(name, fn)
     res["total_s"] = round(time.perf_counter() - t0, 1)

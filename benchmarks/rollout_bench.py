@@ -143,6 +143,10 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     stopping = SamplingParams(max_new_tokens=n, pad_token_id=0, temperature=1.0, stop_token_ids=stop_ids)
     repeats = args.repeats
     holder: dict[str, Any] = {}
+    baseline_all = baseline
+
+    def base_for(case: str) -> Any:
+        return baseline_all if case in args.baseline_cases.split(",") else None
 
     def stage(name: str, fn: Any) -> None:
         if time.perf_counter() - t_start > args.budget_s:
@@ -205,7 +209,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     def varlen() -> None:
         res["varlen"] = {"sequences": ids.shape[0], "prompts": args.prompts, "generations": args.generations,
                          "stop_tokens": len(stop_ids)}
-        if baseline is not None:
+        if base_for("varlen") is not None:
             run_baseline("varlen", ids, mask, stopping)
         for slots in [int(s) for s in args.kv_slots.split(",") if s]:
             run_engine("varlen", f"slots{slots}", ids, mask, stopping, min(slots, ids.shape[0]))
@@ -231,7 +235,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     def full() -> None:
         x, m = ids[:chunk], mask[:chunk]
         res["full"] = {"rows": chunk}
-        if baseline is not None:
+        if base_for("full") is not None:
             run_baseline("full", x, m, free)
         r = run_engine("full", "engine", x, m, free, chunk)
         holder["full"] = r
@@ -277,7 +281,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         out["engine"] = forward_gap(model, r.generate(x, m))
         out["engine"]["status"] = engine_summary(r.stats)["status"]
         del r
-        if baseline is not None:
+        if base_for("logprobs") is not None:
             b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
             torch.manual_seed(3)
             out["baseline"] = forward_gap(model, b.generate(x, m))
@@ -304,7 +308,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         r.generate(ids[:rows], mask[:rows])
         s, _, _ = timed(lambda: r.generate(ids[:rows], mask[:rows]), repeats)
         out["engine"] = {"s": s, **engine_summary(r.stats)}
-        if baseline is not None:
+        if base_for("prepared") is not None:
             b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=policy)
             b.generate(ids[:rows], mask[:rows])
             s, _, _ = timed(lambda: b.generate(ids[:rows], mask[:rows]), repeats)
@@ -364,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-slots", default="128,512", help="the engine's KV budget(s), in sequences")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline", default=None, help="path of the old single-file posttrain/rollout.py")
+    ap.add_argument("--baseline-cases", default="varlen,full,logprobs,prepared",
+                    help="the cases that also run the baseline")
     ap.add_argument("--hf", action="store_true", help="also time generate eager on one chunk (varlen)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no stage after this many seconds")
     ap.add_argument("--compile", default="layer", help="POSTTRAIN_ROLLOUT_COMPILE: layer or none, optionally +fuse")

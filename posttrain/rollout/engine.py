@@ -84,14 +84,43 @@ def _sample(spec: DecoderSpec, x: torch.Tensor, norm: torch.Tensor, head: torch.
 
 
 def _inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, key_valid: torch.Tensor,
-            cols: torch.Tensor, embed: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The step's prologue: embeddings, rotary cos/sin, the additive mask [B, 1, 1, L] and the
-    clamped cache column each row writes (rows that are done may point past L)."""
+            cols: torch.Tensor, embed: torch.Tensor, inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, ...]:
+    """The step's prologue: embeddings, rotary cos/sin, the additive mask [B, 1, 1, L] and where
+    each row's new key/value heads go in a cache viewed as [slots * kv_heads * max_len, head_dim]
+    (rows that are done may point past L: clamped, they only overwrite their own stale slot)."""
     x = torch.nn.functional.embedding(last.unsqueeze(1), embed)
     cos, sin = decoder.rotary(pos.unsqueeze(1), inv_freq, spec.rope_scaling, x.dtype)
     allowed = key_valid & (cols.unsqueeze(0) <= col.unsqueeze(1))
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device).masked_fill(~allowed, float("-inf"))
-    return x, cos, sin, bias.view(allowed.shape[0], 1, 1, allowed.shape[1]), col.clamp(max=cols.shape[0] - 1)
+    rows = torch.arange(last.shape[0], device=x.device).unsqueeze(1)
+    heads = torch.arange(spec.kv_heads, device=x.device).unsqueeze(0)
+    write = col.clamp(max=cols.shape[0] - 1).unsqueeze(1)
+    where = ((rows * spec.kv_heads + heads) * max_len + write).reshape(-1)
+    return x, cos, sin, bias.view(allowed.shape[0], 1, 1, allowed.shape[1]), where
+
+
+def _record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
+            out_tokens: torch.Tensor, out_logprobs: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+            limit: torch.Tensor, stop_mask: torch.Tensor | None, pad: int) -> None:
+    """The step's epilogue on the slot state (rows ``:len(tokens)``, in place): outputs, done flags,
+    counters. Stop tokens are looked up in a vocabulary mask (``torch.isin`` may sync the host,
+    which a CUDA graph capture cannot)."""
+    rows = tokens.shape[0]
+    d, st = done[:rows], step[:rows]
+    tokens = torch.where(d, pad, tokens)
+    r, c = torch.arange(rows, device=tokens.device), st.clamp(max=out_tokens.shape[1] - 1)
+    # A done row keeps what it wrote (its clamped column may hold its last real token).
+    out_tokens[r, c] = torch.where(d, out_tokens[r, c], tokens)
+    out_logprobs[r, c] = torch.where(d, out_logprobs[r, c], logprobs)
+    finished = st >= limit - 1
+    if stop_mask is not None:
+        finished = finished | stop_mask[tokens]
+    live = (~d).long()
+    last[:rows] = tokens
+    step[:rows] += live
+    pos[:rows] += live
+    col[:rows] += live
+    done[:rows] = d | finished
 
 
 class DecodeEngine:
@@ -153,6 +182,8 @@ class DecodeEngine:
         self.limit = torch.full((), n, dtype=torch.long, device=dev)  # this rollout's max_new_tokens
         self.stop_ids = (torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
                          if sampling.stop_token_ids else None)
+        self.stop_mask = (torch.zeros(self.spec.vocab, dtype=torch.bool, device=dev).index_fill_(0, self.stop_ids, True)
+                          if self.stop_ids is not None else None)
         # Knobs the graph reads (set_knobs changes them, no recompile); the rest is in graph_key.
         self.temperature = torch.ones((), dtype=torch.float32, device=dev)
         self.do_sample = torch.ones((), dtype=torch.float32, device=dev)
@@ -271,7 +302,7 @@ class DecodeEngine:
         valid[:, :p] = mask.bool()
         done = self.limit <= 1
         if self.stop_ids is not None:
-            done = done | torch.isin(tokens, self.stop_ids)
+            done = done | self.stop_mask[tokens]
         for buf, value in ((self.out_tokens, out_t), (self.out_logprobs, out_l), (self.key_valid, valid),
                            (self.last, tokens), (self.pos, mask.sum(1)), (self.col, torch.full_like(tokens, p)),
                            (self.step, torch.ones_like(tokens)), (self.seq, seq_t),
@@ -310,10 +341,11 @@ class DecodeEngine:
         self._qkv_fn: Callable = decoder.qkv
         self._post_fn: Callable = decoder.decode_layer_post
         self._sample_fn: Callable = _sample
+        self._record_fn: Callable = _record
 
     def compile_parts(self, backend: str = "inductor") -> None:
-        """``torch.compile`` the prologue, the two halves of a decoder layer and the sampler
-        (fullgraph: a graph break raises, and _capture falls back, counted). Dynamic shapes: one
+        """``torch.compile`` the prologue, the two halves of a decoder layer, the sampler and the
+        epilogue (fullgraph: a graph break raises, and _capture falls back, counted). Dynamic shapes: one
         compile serves every (rows, columns) bucket. Inductor emulates the eager forward's casts
         to the model dtype (``emulate_precision_casts``), so fusing changes no rounding."""
         import torch._dynamo
@@ -334,41 +366,27 @@ class DecodeEngine:
         self._qkv_fn = torch.compile(decoder.qkv, **options)
         self._post_fn = torch.compile(decoder.decode_layer_post, **options)
         self._sample_fn = torch.compile(_sample, **options)
+        self._record_fn = torch.compile(_record, **options)
 
     def _step(self, rows: int, length: int) -> None:
         """One token for rows ``:rows`` over cache columns ``:length``."""
         spec, w = self.spec, self.weights
-        x, cos, sin, bias, wcol = self._inputs_fn(spec, self.last[:rows], self.pos[:rows], self.col[:rows],
-                                                  self.key_valid[:rows, :length], self.cols[:length], w["embed"],
-                                                  w["inv_freq"])
-        r = self.row_ids[:rows]
+        x, cos, sin, bias, where = self._inputs_fn(spec, self.last[:rows], self.pos[:rows], self.col[:rows],
+                                                   self.key_valid[:rows, :length], self.cols[:length], w["embed"],
+                                                   w["inv_freq"], self.length)
+        d = spec.head_dim
         for i, lw in enumerate(w["layers"]):
             q, k, v = self._qkv_fn(spec, lw, x, cos, sin)
-            self.keys[i][r, :, wcol] = k[:, :, 0]
-            self.values[i][r, :, wcol] = v[:, :, 0]
+            # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
+            self.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))
+            self.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))
             x = self._post_fn(spec, lw, x, q, self.keys[i][:rows, :, :length], self.values[i][:rows, :, :length],
                               bias)
         tokens, logprobs = self._sample_fn(spec, x, w["norm"], w["head"], w["head_bias"], self.step[:rows],
                                            self.seq[:rows], self.key, self.temperature, self.do_sample, self.top_p,
                                            self.min_new, self.top_k, self.use_top_p, self.stop_ids)
-        self._record(rows, tokens, logprobs)
-
-    def _record(self, rows: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        done, step = self.done[:rows], self.step[:rows]
-        tokens = torch.where(done, self.sampling.pad_token_id, tokens)
-        r, c = self.row_ids[:rows], step.clamp(max=self.max_new - 1)
-        # A done row keeps what it wrote (its clamped column may hold its last real token).
-        self.out_tokens[r, c] = torch.where(done, self.out_tokens[r, c], tokens)
-        self.out_logprobs[r, c] = torch.where(done, self.out_logprobs[r, c], logprobs)
-        finished = step >= self.limit - 1
-        if self.stop_ids is not None:
-            finished = finished | torch.isin(tokens, self.stop_ids)
-        live = (~done).long()
-        self.last[:rows].copy_(tokens)
-        self.step[:rows].add_(live)
-        self.pos[:rows].add_(live)
-        self.col[:rows].add_(live)
-        done.logical_or_(finished)
+        self._record_fn(self.done, self.step, self.last, self.pos, self.col, self.out_tokens, self.out_logprobs,
+                        tokens, logprobs, self.limit, self.stop_mask, self.sampling.pad_token_id)
 
     def run(self, rows: int, length: int, steps: int) -> None:
         """``steps`` decode steps of bucket (rows, length): graph replays on CUDA, else the step."""

@@ -472,3 +472,19 @@ def test_rows_sharing_a_prompt_prefill_it_once(models, tok, grouped):
     assert (shared.logprobs - each.logprobs).abs().max().item() < 1e-5
     # Rows of one group sample differently from each other (their own noise).
     assert len({tuple(r.tolist()) for r in shared.completion_ids[:GROUPS]}) > 1
+
+
+def test_shorter_rollouts_from_a_longer_engine(models, tok, grouped):
+    """A rollout may ask for fewer new tokens than the engine was built for (down to one): the
+    same samples as an engine built for that length, with the stop set on and off."""
+    model, (ids, mask) = models["llama"], grouped
+    for stops in ([], list(range(5, 65))):
+        r = rollout(model, tok, max_batch=12, stop_token_ids=stops, max_new_tokens=N)
+        for n in (1, 4):
+            knobs = SamplingParams(max_new_tokens=n, pad_token_id=tok.pad_token_id, stop_token_ids=stops)
+            torch.manual_seed(9)
+            short = r.generate(ids, mask, knobs)
+            torch.manual_seed(9)
+            want = rollout(model, tok, max_batch=12, stop_token_ids=stops, max_new_tokens=n).generate(ids, mask)
+            assert short.completion_ids.shape == (12, n)
+            assert torch.equal(short.sequences, want.sequences), (stops, n)

@@ -731,7 +731,7 @@ class GRPOTrainer:
             row.update({k: sum(m[k] for m in gen_metrics) / len(gen_metrics) for k in keys})
             latest, gen_metrics = gen_metrics[-1], []
             row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
-                        **self.phases.pop(), "time/step": time.perf_counter() - tick})
+                        **self.phases.pop(), **self.rollout.metrics(), "time/step": time.perf_counter() - tick})
             if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                 log.log(self.step, row, advance=False)
                 if cfg.log_completions:

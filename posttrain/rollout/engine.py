@@ -11,17 +11,20 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   smaller B) and attention reads only the filled part of the cache (L follows the longest live
   row, not the preallocated length). Why buckets of plain tensors rather than a paged cache or
   ``flex_attention``: a slice ``cache[:B, :, :L]`` is a view, so the step stays dense GEMMs and
-  one fused decode attention that inductor and cuBLAS already run well, CPU runs the same code,
-  and each bucket costs one graph capture (tens of milliseconds; inductor compiles once with
-  dynamic shapes), while a block table would add an indirection to every attention read, and
-  flex_attention's decode kernels need a block mask rebuilt per step and have no CPU path.
+  one decode attention that inductor and cuBLAS run as they are, the CPU runs the same code, and a
+  new bucket costs one graph capture (about 0.1 s on an H200; inductor compiles once, with dynamic
+  shapes), while a block table adds an indirection to every attention read and flex_attention
+  would need its block mask rebuilt from the slot state every step. The price: KV memory is held
+  per slot for the whole length, and rows sharing a prompt hold copies of its KV.
 - Compile and capture: ``torch.compile`` (inductor, dynamic shapes, fullgraph) compiles the step's
-  prologue (embedding, rotary, mask), one decoder layer in two halves (reused by every layer:
-  a compile of seconds, not of the whole depth), and the sampler; the cache writes between them
-  stay eager (an in-place write into a compiled function's input could be copied back whole).
-  Each bucket's step is then captured by hand as a CUDA graph. A compile or capture that fails
-  falls back (compiled -> eager graph -> no graph): never silently, each is counted in
-  ``stats`` (``compile_fallbacks``, ``capture_fallbacks``) and logged.
+  prologue (embedding, rotary, mask, where each row writes), one decoder layer in two halves
+  (reused by every layer: a compile of seconds, not of the whole depth), the sampler and the
+  epilogue; the cache writes between the halves stay eager, one ``index_copy_`` per cache (an
+  in-place write into a compiled function's input could be copied back whole). Each bucket's step
+  is then captured by hand as a CUDA graph; nothing in it may sync the host (stop tokens are a
+  vocabulary mask, not ``torch.isin``). A compile or capture that fails falls back (compiled ->
+  eager graph -> no graph): never silently, each is counted in ``stats`` (``compile_fallbacks``,
+  ``capture_fallbacks``) and logged.
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).

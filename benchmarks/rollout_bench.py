@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=0, help="the baseline's max_batch (default per shape: 128 at 1b)")
     ap.add_argument("--kv-slots", default="128,512", help="the engine's KV budget(s), in sequences")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="2 timed rollouts per measure (older scripts' flag)")
     ap.add_argument("--baseline", default=None, help="path of the old single-file posttrain/rollout.py")
     ap.add_argument("--baseline-cases", default="varlen,full,logprobs,prepared",
                     help="the cases that also run the baseline")
@@ -379,7 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("rollout_bench needs a CUDA GPU (or --device cpu for a smoke test)", file=sys.stderr)
         return 2
-    compile_mode, _, fuse = args.compile.partition("+")
+    if args.quick:
+        args.repeats = 2
+    first, *ignored = args.compile.split(",")  # older scripts pass a list; the variants are no longer timed
+    if ignored:
+        print(f"--compile: timing {first} only (ignored: {', '.join(ignored)})", file=sys.stderr)
+    compile_mode, _, fuse = first.partition("+")
     if compile_mode not in ("layer", "none") or fuse not in ("", "fuse"):
         ap.error(f"--compile {args.compile!r}: use layer or none, optionally +fuse")
     os.environ["POSTTRAIN_ROLLOUT_COMPILE"] = compile_mode

@@ -32,13 +32,13 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
     logprobs = torch.zeros(n, max_new_tokens, dtype=torch.float32, device=dev)
     slot_seq: dict[int, int] = {}  # occupied slot -> sequence index
     age: dict[int, int] = {}  # decode steps run since the sequence entered
-    admitted, rows = 0, 0
+    admitted = 0
     last_step = max_new_tokens - 1  # a row's last token has step index max_new_tokens - 1
     timings = {"prefill_ms": 0.0, "decode_ms": 0.0, "decode_steps": 0, "row_steps": 0}
     clock = Clock(dev) if profile else None
     while True:
         if slot_seq:  # retire finished rows
-            flags = engine.done_flags(rows) if engine.stop_ids is not None else None
+            flags = engine.done_flags(max(slot_seq) + 1) if engine.stop_ids is not None else None
             finished = [s for s in slot_seq if age[s] >= last_step or (flags is not None and flags[s])]
             if finished:
                 engine.harvest(finished, [slot_seq[s] for s in finished], tokens, logprobs)

@@ -1,35 +1,38 @@
-"""Rollout engine benchmark on ONE GPU (issue 13): transformers' generate against posttrain.rollout.
+"""Rollout engine benchmark on ONE GPU (issues 13, 20): posttrain.rollout against the static engine
+it replaced (``--baseline``: the old ``posttrain/rollout.py`` loaded from a file) and transformers'
+``generate``, side by side in one process.
 
 Random weights from the harness's shape presets (posttrain/memory.py SHAPES), bf16, no DeepSpeed,
-left-padded random prompts of ``--prompt-len`` tokens (all real), ``--new-tokens`` new tokens,
-sampling at temperature 1 with top_k 0 (PPO's), per shape (1b: batch 8, 8b: batch 11):
+random prompts (all real tokens), sampling at temperature 1, top-k off. Cases (``--cases``):
 
-- ``generate`` eager (and with ``cache_implementation="static"`` under ``--hf-static``: transformers
-  compiles the forward, 30-50 s on first use): seconds per rollout, median;
-- the engine: first rollout (compile + capture), capture seconds, graph pool bytes
-  (``torch.cuda.memory_reserved`` growth across capture), prefill ms and decode ms per token
-  (CUDA events, median over rollouts after warm-up), the bandwidth floor (parameter bytes /
-  4.8 TB/s per token) and the ratio to it;
-- correctness: max |engine log-prob - forward log-prob| over the sampled tokens (bf16); greedy
-  first-divergence position per row against ``generate`` eager (greedy shares the sampled
-  rollouts' graph: no new capture); after every weight is changed in place, outputs change, the
-  log-probs still match a forward of the new weights, and nothing is recaptured.
+- ``varlen``: ``--prompts`` prompts x ``--generations`` generations (GRPO's layout: a group's rows
+  side by side), prompt ``--prompt-len``, up to ``--new-tokens`` new, rows ending on a stop set of
+  ``--stop-fraction`` of the vocabulary (random weights' near-flat distributions: about that
+  chance per token, so lengths are geometric with a long tail). The baseline decodes chunks of
+  ``--chunk`` rows (its max_batch) to each chunk's longest row; the engine streams every sequence
+  through ``--kv-slots`` slots (each value a variant). ``generate`` eager decodes one chunk once
+  (``--hf``; it costs ~35 s at 1.1B). Figure: useful (kept) tokens per second.
+- ``full``: ``--chunk`` rows x (prompt + new), every row to the end (no stop tokens).
+- ``step``: the decode step of the bucket (chunk rows, prompt + new columns) alone: ms per step
+  against its memory floor (weight bytes + the bucket's KV bytes, at 4.8 TB/s).
+- ``prefix``: prefilling prompts x generations sequences (rows of a group share their prompt)
+  against prefilling the unique prompts alone.
+- ``logprobs``: mean and max |returned log-prob - a forward pass's| over sampled tokens, for the
+  engine, the baseline and ``generate`` (our keyed sampler on transformers' generate), 32 rows.
+- ``prepared``: the model prepared as GRPO prepares its policy (gradient checkpointing, TRL's fused
+  LM head, train mode): does the engine keep its compiled step (and the baseline?).
 
-Runtime on one H200, estimated: ``--shapes 1b,8b --quick`` about 3 minutes (model init 5-20 s,
-generate eager ~5-8 s per shape, engine compile of one layer + sampler ~10-20 s per shape, rollouts
-and checks ~10 s); each extra ``--compile`` variant adds ~15 s (``layer+fuse``) or ~30-60 s
-(``step``: the whole depth compiled) per shape; ``--hf-static`` adds ~40 s (1b) and ~60 s (8b).
-Writes JSON to ``--out`` after each shape and prints a table; exit status 1 if any stage failed
-(its error is in the JSON, the other stages still ran).
+A row whose engine compile or capture fell back is marked ``degraded``, not ``ok``. JSON is written
+after every stage; stages stop being started after ``--budget-s`` seconds.
 
-    python benchmarks/rollout_bench.py --shapes 1b,8b --quick --compile layer,layer+fuse,step \
-        --out rollout_bench.json                                            # ~5-6 min
-    python benchmarks/rollout_bench.py --shapes 1b,8b --quick --hf-static --out rollout_bench_static.json
+    git show 2c7536f:posttrain/rollout.py > /tmp/rollout_2c7536f.py
+    python benchmarks/rollout_bench.py --shapes 1b --baseline /tmp/rollout_2c7536f.py --hf --out r.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -37,7 +40,6 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-BATCH = {"125m": 8, "1b": 8, "3b": 8, "8b": 11}
 BANDWIDTH = 4.8e12  # H200 HBM3e bytes/s
+CHUNK = {"tiny": 8, "125m": 64, "1b": 128, "3b": 128, "8b": 64}
 
 
 def sync() -> None:
@@ -64,8 +66,18 @@ def timed(fn: Any, repeats: int) -> tuple[float, list[float], Any]:
         t0 = time.perf_counter()
         out = fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(round(time.perf_counter() - t0, 4))
     return statistics.median(times), times, out
+
+
+def load_baseline(path: str) -> Any:
+    """The old single-file engine as module ``posttrain._rollout_baseline`` (its relative imports
+    resolve inside the package)."""
+    spec = importlib.util.spec_from_file_location("posttrain._rollout_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype) -> Any:
@@ -79,246 +91,320 @@ def build(shape: str, device: torch.device, dtype: torch.dtype) -> Any:
     return model.eval()
 
 
-def first_divergence(a: torch.Tensor, b: torch.Tensor) -> list[int]:
-    """Per row, the first position where the token rows differ (the length if none)."""
-    diff = a != b
-    n = a.shape[1]
-    return [int(row.nonzero()[0]) if row.any() else n for row in diff]
-
-
 @torch.no_grad()
-def forward_check(model: Any, out: Any) -> tuple[float, float]:
-    """Over the kept completion tokens: max |returned log-prob - log-prob of a forward over the
-    produced sequences|, and the fraction of tokens equal to the forward's argmax (for greedy
-    output: agreement given the same prefix, which random weights' near-ties do not cascade)."""
+def forward_gap(model: Any, out: Any, rows: int = 8) -> dict[str, float]:
+    """Mean and max |returned log-prob - log-prob of a forward over the produced sequences| over
+    the kept completion tokens, and the share of tokens equal to the forward's argmax."""
     n = out.completion_ids.shape[1]
-    seq = out.sequences
-    logits = model(input_ids=seq, attention_mask=torch.ones_like(seq), logits_to_keep=n + 1).logits[:, :-1]
-    logp = torch.log_softmax(logits.float(), -1)
-    lp = logp.gather(-1, out.completion_ids.unsqueeze(-1))[..., 0]
-    keep = out.completion_mask.bool()
-    agree = (logp.argmax(-1) == out.completion_ids)[keep].float().mean().item()
-    return (lp - out.logprobs).abs()[keep].max().item(), agree
+    gaps, agree = [], []
+    for i in range(0, out.sequences.shape[0], rows):
+        seq = out.sequences[i : i + rows]
+        logits = model(input_ids=seq, attention_mask=torch.ones_like(seq), logits_to_keep=n + 1).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1)
+        comp, keep = out.completion_ids[i : i + rows], out.completion_mask[i : i + rows].bool()
+        lp = logp.gather(-1, comp.unsqueeze(-1))[..., 0]
+        gaps.append((lp - out.logprobs[i : i + rows]).abs()[keep])
+        agree.append((logp.argmax(-1) == comp)[keep])
+    g = torch.cat(gaps)
+    return {"mean": g.mean().item(), "max": g.max().item(), "argmax_agreement": torch.cat(agree).float().mean().item()}
 
 
-def forward_logprob_diff(model: Any, out: Any, prompt_len: int) -> float:
-    return forward_check(model, out)[0]
+def engine_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    keys = ("compile", "captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks",
+            "fp32_scores", "kv_cache_bytes", "prefill_rows", "prefill_sequences", "admissions", "compactions",
+            "decode_steps", "row_steps", "cache_cells_read", "graphs", "fallback_reasons")
+    out = {k: stats[k] for k in keys if k in stats}
+    out["status"] = "degraded" if stats.get("compile_fallbacks") or stats.get("capture_fallbacks") else "ok"
+    return out
 
 
-def bench_shape(shape: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, baseline: Any, t_start: float
+                ) -> dict[str, Any]:
     from posttrain.rollout import Rollout, SamplingParams
+    from posttrain.rollout.engine import Clock
 
-    res: dict[str, Any] = {"shape": shape, "batch": BATCH.get(shape, 8), "prompt_len": args.prompt_len,
-                           "new_tokens": args.new_tokens, "errors": {}}
-    b, p, n = res["batch"], args.prompt_len, args.new_tokens
+    chunk = args.chunk or CHUNK.get(shape, 64)
+    p, n = args.prompt_len, args.new_tokens
+    res: dict[str, Any] = {"shape": shape, "chunk": chunk, "prompt_len": p, "new_tokens": n, "errors": {}}
     t0 = time.perf_counter()
     model = build(shape, device, torch.bfloat16)
     sync()
     res["init_s"] = round(time.perf_counter() - t0, 1)
+    vocab = model.config.vocab_size
     param_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
     res["param_bytes"] = param_bytes
-    res["floor_ms_per_token"] = param_bytes / BANDWIDTH * 1e3
     g = torch.Generator(device="cpu").manual_seed(1)
-    ids = torch.randint(3, model.config.vocab_size, (b, p), generator=g).to(device)
+    prompts = torch.randint(3, vocab, (args.prompts, p), generator=g)
+    ids = prompts.repeat_interleave(args.generations, 0).to(device)
     mask = torch.ones_like(ids)
-    hf_kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    repeats = 3 if args.quick else 5
+    stops = torch.randperm(vocab - 3, generator=g)[: max(1, int(vocab * args.stop_fraction))] + 3
+    stop_ids = stops.tolist()
+    free = SamplingParams(max_new_tokens=n, pad_token_id=0, temperature=1.0, min_new_tokens=n)
+    stopping = SamplingParams(max_new_tokens=n, pad_token_id=0, temperature=1.0, stop_token_ids=stop_ids)
+    repeats = args.repeats
+    holder: dict[str, Any] = {}
+    baseline_all = baseline
+
+    def base_for(case: str) -> Any:
+        return baseline_all if case in args.baseline_cases.split(",") else None
 
     def stage(name: str, fn: Any) -> None:
+        if time.perf_counter() - t_start > args.budget_s:
+            res["errors"][name] = "skipped: --budget-s spent"
+            return
         try:
             fn()
         except Exception as err:  # noqa: BLE001 - one failing stage must not lose the others
             res["errors"][name] = f"{type(err).__name__}: {err}"[:2000]
             traceback.print_exc()
+        holder.clear()
         sync()
-        print(f"[{shape}] {name} done ({time.perf_counter() - t0:.0f} s)", flush=True)
-
-    def hf_eager() -> None:
-        run = lambda: model.generate(**hf_kw, do_sample=True, top_k=0, top_p=1.0, temperature=1.0)  # noqa: E731
-        run()  # warm-up
-        res["hf_eager_s"], res["hf_eager_all_s"], _ = timed(run, repeats)
-
-    def hf_static() -> None:
-        run = lambda: model.generate(**hf_kw, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,  # noqa: E731
-                                     cache_implementation="static")
-        res["hf_static_first_s"], _, _ = timed(run, 1)
-        res["hf_static_s"], res["hf_static_all_s"], _ = timed(run, repeats)
-
-    sampling = SamplingParams(max_new_tokens=n, pad_token_id=0, temperature=1.0, top_k=0, top_p=1.0)
-    modes = [m.strip() for m in args.compile.split(",") if m.strip()]
-    outs: dict[str, Any] = {}
-    holder: dict[str, Any] = {}
-    res["variants"] = {}
-
-    def engine(mode: str) -> None:
-        """Build, compile and capture an engine with POSTTRAIN_ROLLOUT_COMPILE=mode; time it."""
-        holder.pop("rollout", None)  # the previous variant's cache and graph pool
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        compile_mode, _, fuse = mode.partition("+")
-        os.environ["POSTTRAIN_ROLLOUT_COMPILE"] = compile_mode
-        os.environ["POSTTRAIN_ROLLOUT_FUSE"] = "1" if fuse == "fuse" else "0"
-        rollout = holder["rollout"] = Rollout(None, "policy", sampling, max_batch=b, max_prompt_len=p, model=model)
-        v: dict[str, Any] = {"backend": rollout.stats["backend"], "fallback": rollout.stats["fallback"]}
-        res["variants"][mode] = v
+        print(f"[{shape}] {name} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+        Path(args.out + ".partial").write_text(json.dumps(res, indent=1, default=str))
+
+    def chunked(r: Any, x: torch.Tensor, m: torch.Tensor) -> list[Any]:
+        return [r.generate(x[i : i + chunk], m[i : i + chunk]) for i in range(0, x.shape[0], chunk)]
+
+    def useful(outs: list[Any]) -> int:
+        return int(sum(o.completion_mask.sum().item() for o in outs))
+
+    def run_baseline(key: str, x: torch.Tensor, m: torch.Tensor, sampling: Any) -> None:
+        r = holder["base"] = baseline.Rollout(None, "policy", sampling, max_batch=chunk, max_prompt_len=p, model=model)
         torch.manual_seed(0)
-        v["engine_first_s"], _, outs["first"] = timed(lambda: rollout.generate(ids, mask), 1)
-        v["compile"] = rollout.stats.get("compile")  # "none" if compiling failed (then logged)
-        v["capture_s"] = rollout.stats["capture_s"]
-        v["graph_pool_bytes"] = rollout.stats.get("graph_pool_bytes", 0)
-        v["kv_cache_bytes"] = rollout.stats["kv_cache_bytes"]
-        v["fused_weight_bytes"] = rollout.stats.get("fused_weight_bytes", 0)
-        timed(lambda: rollout.generate(ids, mask), 1)  # warm-up after capture
-        eng = rollout.engine
-        eng.profile = True
-        prefill, decode = [], []
+        first, _, _ = timed(lambda: chunked(r, x, m), 1)
+        s, times, outs = timed(lambda: chunked(r, x, m), repeats)
+        tok = useful(outs)
+        res[key]["baseline"] = {"s": s, "all_s": times, "first_s": first, "useful_tokens": tok,
+                                "useful_tokens_per_s": tok / s, "compile": r.stats.get("compile"),
+                                "captures": r.stats["captures"]}
+        holder.pop("base")
+
+    def run_engine(key: str, name: str, x: torch.Tensor, m: torch.Tensor, sampling: Any, slots: int,
+                   **options: Any) -> Any:
+        r = holder["engine"] = Rollout(None, "policy", sampling, max_batch=slots, max_prompt_len=p, model=model,
+                                       kv_slots=slots, engine_options=options or None)
+        torch.manual_seed(0)
+        first, _, _ = timed(lambda: r.generate(x, m), 1)
+        timed(lambda: r.generate(x, m), 1)  # buckets the first rollout did not reach
+        r.profile = True
+        prof: list[dict[str, float]] = []
 
         def one() -> Any:
-            out = rollout.generate(ids, mask)
-            prefill.append(eng.timings["prefill_ms"])
-            decode.append(eng.timings["decode_ms"] / max(1, eng.timings["decode_tokens"]))
+            out = r.generate(x, m)
+            prof.append(dict(r.timings))
             return out
 
-        v["engine_s"], v["engine_all_s"], outs["sampled"] = timed(one, repeats + 2)
-        eng.profile = False
-        v["prefill_ms"] = statistics.median(prefill)
-        v["decode_ms_per_token"] = statistics.median(decode)
-        v["decode_ms_per_token_all"] = [round(x, 3) for x in decode]
-        v["ratio_to_floor"] = v["decode_ms_per_token"] / res["floor_ms_per_token"]
-        v["captures"], v["recaptures"] = rollout.stats["captures"], rollout.stats["recaptures"]
-        if mode == modes[0]:
-            res.update(v)  # the first variant's figures are the row's; the checks below use it
+        s, times, out = timed(one, repeats)
+        tok = int(out.completion_mask.sum().item())
+        v = {"s": s, "all_s": times, "first_s": first, "useful_tokens": tok, "useful_tokens_per_s": tok / s,
+             "prefill_ms": statistics.median(t["prefill_ms"] for t in prof),
+             "decode_ms": statistics.median(t["decode_ms"] for t in prof),
+             "decode_steps": prof[-1]["decode_steps"], "row_steps": prof[-1]["row_steps"],
+             **engine_summary(r.stats)}
+        res[key][name] = v
+        return r
+
+    def varlen() -> None:
+        res["varlen"] = {"sequences": ids.shape[0], "prompts": args.prompts, "generations": args.generations,
+                         "stop_tokens": len(stop_ids)}
+        if base_for("varlen") is not None:
+            run_baseline("varlen", ids, mask, stopping)
+        for slots in [int(s) for s in args.kv_slots.split(",") if s]:
+            run_engine("varlen", f"slots{slots}", ids, mask, stopping, min(slots, ids.shape[0]))
+            holder.clear()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if args.hf:  # transformers' own sampling, no logits kept (they would be 34 GB at 1.1B x 128 x 512)
+            from posttrain.rollout import finish
+
+            def hf() -> Any:
+                out = model.generate(input_ids=ids[:chunk], attention_mask=mask[:chunk], do_sample=True, top_k=0,
+                                     top_p=1.0, temperature=1.0, max_new_tokens=n, eos_token_id=stop_ids,
+                                     pad_token_id=0)
+                return out[:, p:]
+
+            torch.manual_seed(0)
+            s, _, comp = timed(hf, 1)
+            comp = torch.nn.functional.pad(comp, (0, n - comp.shape[1]), value=0)
+            tok = int(finish(comp, torch.zeros(comp.shape, device=comp.device), stopping)[1].sum().item())
+            res["varlen"]["generate_one_chunk"] = {"s": s, "rows": chunk, "useful_tokens": tok,
+                                                   "useful_tokens_per_s": tok / s}
+
+    def full() -> None:
+        x, m = ids[:chunk], mask[:chunk]
+        res["full"] = {"rows": chunk}
+        if base_for("full") is not None:
+            run_baseline("full", x, m, free)
+        r = run_engine("full", "engine", x, m, free, chunk)
+        holder["full"] = r
+        e = r.engine
+        # The step alone, at the bucket (chunk rows, whole cache): CUDA events around 64 replays.
+        length = e.length_bucket_for(p + n)
+        steps = 64
+        clock = Clock(device)
+        e.run(chunk, length, steps)
+        ms = clock.lap() / steps
+        spec = e.spec
+        kv = 2 * len(e.keys) * chunk * length * spec.kv_heads * spec.head_dim * 2
+        floor = (param_bytes + kv) / BANDWIDTH * 1e3
+        res["step"] = {"rows": chunk, "columns": length, "ms": ms, "floor_ms": floor, "ratio_to_floor": ms / floor,
+                       "weight_bytes": param_bytes, "kv_bytes": kv}
+
+    def prefix() -> None:
+        from posttrain.rollout import DecodeEngine
+
+        total = ids.shape[0]
+        e = holder["prefix"] = DecodeEngine(model, stopping, total, p)
+        res["prefix"] = {"sequences": total, "unique": args.prompts}
+
+        def admit(x: torch.Tensor, share: bool) -> None:
+            e.share_prefix = share
+            e.begin(1, n, p)
+            e.admit(list(range(x.shape[0])), list(range(x.shape[0])), x, torch.ones_like(x))
+
+        for name, x, share in (("unique", prompts.to(device), True), ("shared", ids, True), ("each", ids, False)):
+            admit(x, share)  # warm-up
+            s, times, _ = timed(lambda x=x, share=share: admit(x, share), repeats)
+            res["prefix"][f"{name}_s"], res["prefix"][f"{name}_all_s"] = s, times
+        res["prefix"]["shared_over_unique"] = res["prefix"]["shared_s"] / res["prefix"]["unique_s"]
+        res["prefix"]["prompt_kv_bytes_per_sequence"] = e.cache_nbytes // total * p // e.length
 
     def logprobs() -> None:
-        res["logprob_max_abs_diff"] = forward_logprob_diff(model, outs["sampled"], p)
+        rows, new = 32, 128
+        x, m = ids[:rows], mask[:rows]
+        sampling = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0, min_new_tokens=new)
+        out: dict[str, Any] = {}
+        r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
+        torch.manual_seed(3)
+        out["engine"] = forward_gap(model, r.generate(x, m))
+        out["engine"]["status"] = engine_summary(r.stats)["status"]
+        del r
+        if base_for("logprobs") is not None:
+            b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
+            torch.manual_seed(3)
+            out["baseline"] = forward_gap(model, b.generate(x, m))
+            del b
+        hf = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model, backend="hf")
+        torch.manual_seed(3)
+        out["generate"] = forward_gap(model, hf.generate(x, m))
+        out["engine_over_generate_mean"] = out["engine"]["mean"] / out["generate"]["mean"]
+        res["logprobs"] = {"rows": rows, "new_tokens": new, **out}
 
-    def greedy() -> None:
-        rollout = holder["rollout"]
-        captures = rollout.stats["captures"]
-        out = rollout.generate(ids, mask, replace(sampling, do_sample=False))
-        res["greedy_new_captures"] = rollout.stats["captures"] - captures
-        ref = model.generate(**hf_kw, do_sample=False)[:, p:]
-        div = first_divergence(out.completion_ids, ref)
-        res["greedy_first_divergence"] = div
-        res["greedy_rows_identical"] = sum(d == n for d in div)
-        res["greedy_logprob_max_abs_diff"], res["greedy_argmax_agreement"] = forward_check(model, out)
-        outs["greedy"] = out
+    def prepared() -> None:
+        from trl.trainer.utils import add_fused_lm_head
 
-    def live_weights() -> None:
-        rollout = holder["rollout"]
-        captures = rollout.stats["captures"]
-        with torch.no_grad():
-            for q in model.parameters():
-                q.mul_(1.25)  # in place, as an optimizer step writes
-        out = rollout.generate(ids, mask, replace(sampling, do_sample=False))
-        res["after_change_outputs_changed"] = bool(
-            not torch.equal(out.completion_ids, outs["greedy"].completion_ids)
-            or (out.logprobs - outs["greedy"].logprobs).abs().max().item() > 1e-3)
-        res["after_change_logprob_max_abs_diff"] = forward_logprob_diff(model, out, p)
-        res["after_change_new_captures"] = rollout.stats["captures"] - captures
-        res["after_change_recaptures"] = rollout.stats["recaptures"]
+        from posttrain.trainers.common import enable_gradient_checkpointing
 
-    stage("hf_eager", hf_eager)
-    if args.hf_static:
-        stage("hf_static", hf_static)
-    stage(f"engine_{modes[0]}", lambda: engine(modes[0]))
-    if f"engine_{modes[0]}" not in res["errors"]:
-        stage("logprobs", logprobs)
-        stage("greedy", greedy)
-        if "greedy" not in res["errors"]:
-            stage("live_weights", live_weights)
-    for mode in modes[1:]:  # timing only (the weights were scaled by live_weights: no matter for speed)
-        stage(f"engine_{mode}", lambda mode=mode: engine(mode))
-    holder.clear()
+        policy = holder["policy"] = build(shape, device, torch.bfloat16)  # its own copy: the others stay plain
+        enable_gradient_checkpointing(policy)
+        add_fused_lm_head(policy, temperature=1.0, outputs=("log_probs", "entropy"))
+        policy.train()
+        rows, new = 32, 128
+        sampling = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0, min_new_tokens=new)
+        out: dict[str, Any] = {"hooks_on_embeddings": len(policy.get_input_embeddings()._forward_hooks)}
+        r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=policy)
+        r.generate(ids[:rows], mask[:rows])
+        s, _, _ = timed(lambda: r.generate(ids[:rows], mask[:rows]), repeats)
+        out["engine"] = {"s": s, **engine_summary(r.stats)}
+        if base_for("prepared") is not None:
+            b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=policy)
+            b.generate(ids[:rows], mask[:rows])
+            s, _, _ = timed(lambda: b.generate(ids[:rows], mask[:rows]), repeats)
+            out["baseline"] = {"s": s, "compile": b.stats.get("compile")}
+        res["prepared"] = out
+
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    for name, fn in (("prepared", prepared), ("varlen", varlen), ("full", full), ("prefix", prefix),
+                     ("logprobs", logprobs)):
+        if name in cases or (name == "full" and "step" in cases):
+            stage(name, fn)
     res["total_s"] = round(time.perf_counter() - t0, 1)
-    return res  # the model and engine are freed with this frame
+    return res
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    def f(row: dict[str, Any], key: str, fmt: str = "{:.3f}") -> str:
-        v = row.get(key)
-        return "-" if v is None else fmt.format(v)
-
-    lines = ["| | " + " | ".join(f"{r['shape']}, batch {r['batch']}" for r in rows) + " |",
-             "|---|" + "---|" * len(rows)]
-    spec = [("generate eager, s", "hf_eager_s", "{:.3f}"), ("generate static, s", "hf_static_s", "{:.3f}"),
-            ("generate static first call, s", "hf_static_first_s", "{:.1f}"),
-            ("engine rollout, s", "engine_s", "{:.3f}"), ("engine first rollout (compile+capture), s",
-                                                          "engine_first_s", "{:.1f}"),
-            ("capture+compile, s", "capture_s", "{:.1f}"), ("prefill, ms", "prefill_ms", "{:.1f}"),
-            ("decode, ms/token", "decode_ms_per_token", "{:.3f}"), ("floor, ms/token", "floor_ms_per_token", "{:.3f}"),
-            ("ratio to floor", "ratio_to_floor", "{:.2f}"), ("graph pool, MiB", "graph_pool_bytes", None),
-            ("KV cache, MiB", "kv_cache_bytes", None), ("captures / recaptures", None, None),
-            ("max |logprob - forward|", "logprob_max_abs_diff", "{:.4f}"),
-            ("greedy rows identical to generate", "greedy_rows_identical", "{}"),
-            ("greedy first divergence (per row)", "greedy_first_divergence", "{}"),
-            ("greedy tokens = forward argmax (same prefix)", "greedy_argmax_agreement", "{:.4f}"),
-            ("after in-place change: outputs changed / new captures / logprob diff", None, None)]
-    for mode in dict.fromkeys(m for r in rows for m in r.get("variants", {})):
-        spec += [(f"[{mode}] decode ms/token, x floor", f"variant:{mode}", None),
-                 (f"[{mode}] first rollout s / capture s", f"variant-first:{mode}", None)]
-    for label, key, fmt in spec:
-        cells = []
-        for r in rows:
-            if key and key.startswith("variant"):
-                v = r.get("variants", {}).get(key.split(":", 1)[1])
-                if not v or "decode_ms_per_token" not in v:
-                    cells.append("-")
-                elif key.startswith("variant:"):
-                    cells.append(f"{v['decode_ms_per_token']:.3f}, {v['ratio_to_floor']:.2f}x")
-                else:
-                    cells.append(f"{v['engine_first_s']:.1f} / {v['capture_s']:.1f} ({v['compile']})")
-            elif label.startswith("captures"):
-                cells.append(f"{r.get('captures', '-')} / {r.get('recaptures', '-')}")
-            elif label.startswith("after"):
-                cells.append(f"{r.get('after_change_outputs_changed', '-')} / {r.get('after_change_new_captures', '-')}"
-                             f" / {f(r, 'after_change_logprob_max_abs_diff', '{:.4f}')}")
-            elif fmt is None:
-                cells.append("-" if r.get(key) is None else f"{r[key] / 2**20:.1f}")
-            else:
-                cells.append(f(r, key, fmt))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines = []
+    for r in rows:
+        lines.append(f"## {r['shape']} (chunk {r['chunk']}, prompt {r['prompt_len']}, up to {r['new_tokens']} new)")
+        for case in ("varlen", "full"):
+            c = r.get(case)
+            if not c:
+                continue
+            for name, v in c.items():
+                if isinstance(v, dict) and "s" in v:
+                    lines.append(f"| {case} | {name} | {v['s']:.3f} s | {v.get('useful_tokens', '-')} tokens | "
+                                 f"{v.get('useful_tokens_per_s', 0):.0f} tok/s | {v.get('status', v.get('compile'))} |")
+        if r.get("step"):
+            s = r["step"]
+            lines.append(f"| step {s['rows']}x{s['columns']} | {s['ms']:.3f} ms | floor {s['floor_ms']:.3f} ms | "
+                         f"{s['ratio_to_floor']:.2f}x |")
+        if r.get("prefix"):
+            x = r["prefix"]
+            lines.append(f"| prefill | unique {x['unique_s']:.3f} s | shared {x['shared_s']:.3f} s | each "
+                         f"{x['each_s']:.3f} s | shared/unique {x['shared_over_unique']:.2f} |")
+        if r.get("logprobs"):
+            x = r["logprobs"]
+            lines.append("| logprob gap mean/max | " + " | ".join(
+                f"{k} {x[k]['mean']:.4f}/{x[k]['max']:.3f}" for k in ("engine", "baseline", "generate") if k in x) + " |")
+        if r.get("prepared"):
+            lines.append(f"| GRPO-prepared policy | {json.dumps(r['prepared'], default=str)[:300]} |")
+        if r["errors"]:
+            lines.append(f"errors: {r['errors']}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="1b,8b", help="comma-separated presets of posttrain/memory.py SHAPES")
-    ap.add_argument("--prompt-len", type=int, default=448)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="3 timed calls per measure instead of 5")
-    ap.add_argument("--hf-static", action="store_true", help="also time generate(cache_implementation='static')")
+    ap.add_argument("--shapes", default="1b", help="comma-separated presets of posttrain/memory.py SHAPES")
+    ap.add_argument("--cases", default="varlen,full,step,prefix,logprobs,prepared")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--stop-fraction", type=float, default=0.01)
+    ap.add_argument("--chunk", type=int, default=0, help="the baseline's max_batch (default per shape: 128 at 1b)")
+    ap.add_argument("--kv-slots", default="128,512", help="the engine's KV budget(s), in sequences")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="2 timed rollouts per measure (older scripts' flag)")
+    ap.add_argument("--baseline", default=None, help="path of the old single-file posttrain/rollout.py")
+    ap.add_argument("--baseline-cases", default="varlen,full,logprobs,prepared",
+                    help="the cases that also run the baseline")
+    ap.add_argument("--hf", action="store_true", help="also time generate eager on one chunk (varlen)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no stage after this many seconds")
+    ap.add_argument("--compile", default="layer", help="POSTTRAIN_ROLLOUT_COMPILE: layer or none, optionally +fuse")
     ap.add_argument("--out", default="rollout_bench.json")
-    ap.add_argument("--compile", default="layer",
-                    help="what torch.compile covers before capture (POSTTRAIN_ROLLOUT_COMPILE): layer, step or none, "
-                         "each optionally +fuse (POSTTRAIN_ROLLOUT_FUSE=1: fused q|k|v and gate|up weights); a "
-                         "comma-separated list times each (the first also gets the correctness checks)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no graphs, eager step)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("rollout_bench needs a CUDA GPU (or --device cpu for a smoke test)", file=sys.stderr)
         return 2
+    if args.quick:
+        args.repeats = 2
+    first, *ignored = args.compile.split(",")  # older scripts pass a list; the variants are no longer timed
+    if ignored:
+        print(f"--compile: timing {first} only (ignored: {', '.join(ignored)})", file=sys.stderr)
+    compile_mode, _, fuse = first.partition("+")
+    if compile_mode not in ("layer", "none") or fuse not in ("", "fuse"):
+        ap.error(f"--compile {args.compile!r}: use layer or none, optionally +fuse")
+    os.environ["POSTTRAIN_ROLLOUT_COMPILE"] = compile_mode
+    os.environ["POSTTRAIN_ROLLOUT_FUSE"] = "1" if fuse else "0"
     import transformers
 
-    known = [f"{m}{f}" for m in ("layer", "step", "none") for f in ("", "+fuse")]
-    bad = [m for m in args.compile.split(",") if m.strip() not in known]
-    if bad:
-        ap.error(f"--compile: unknown {bad}; use {', '.join(known)}")
+    baseline = load_baseline(args.baseline) if args.baseline else None
     device = torch.device(args.device)
-    gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "none"
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-           "gpu": gpu, "command": " ".join(["python", "benchmarks/rollout_bench.py",
-                                                                      *(argv if argv is not None else sys.argv[1:])])}
-    rows = []
+           "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "none",
+           "command": " ".join(["python", "benchmarks/rollout_bench.py", *(argv if argv is not None else sys.argv[1:])])}
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
-        rows.append(bench_shape(shape, args, device))
+        rows.append(bench_shape(shape, args, device, baseline, start))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        Path(args.out).write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # after each shape
+        Path(args.out).write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
     print(table(rows))
-    for r in rows:
-        if r["errors"]:
-            print(f"{r['shape']}: errors in {list(r['errors'])}: {r['errors']}")
     return 0 if not any(r["errors"] for r in rows) else 1
 
 

@@ -1,5 +1,6 @@
-"""The rollout engine (posttrain/rollout.py) on CPU, fp32: the same step logic that CUDA compiles
-and captures, run eagerly. Single process except the ZeRO checks (tests/dist/rollout_checks.py)."""
+"""The rollout engine (posttrain/rollout/) on CPU, fp32: the same step logic that CUDA compiles
+and captures, run eagerly (or traced with aot_eager). Single process except the ZeRO checks
+(tests/dist/rollout_checks.py)."""
 
 import logging
 
@@ -47,11 +48,12 @@ def prompts(tok):
     return enc["input_ids"], enc["attention_mask"]
 
 
-def rollout(model, tok, backend="posttrain", max_batch=6, max_prompt_len=18, **knobs):
+def rollout(model, tok, backend="posttrain", max_batch=6, max_prompt_len=18, kv_slots=None, engine_options=None,
+            **knobs):
     knobs.setdefault("max_new_tokens", N)
     sampling = SamplingParams(pad_token_id=tok.pad_token_id, **knobs)
     return Rollout(None, "policy", sampling, max_batch=max_batch, max_prompt_len=max_prompt_len, backend=backend,
-                   model=model)
+                   model=model, kv_slots=kv_slots, engine_options=engine_options)
 
 
 def forward_logprobs(model, out, mask, temperature=1.0):
@@ -74,7 +76,7 @@ def test_greedy_equals_generate_and_logprobs_equal_forward(kind, models, tok, pr
     r = rollout(model, tok, do_sample=False)
     out = r.generate(ids, mask)
     assert r.stats["backend"] == "posttrain" and r.stats["fallback"] is None
-    assert r.engine.graph is None and r.stats["captures"] == 0  # CPU: the step runs eagerly
+    assert not r.engine.graphs and r.stats["captures"] == 0  # CPU: the step runs eagerly
     assert torch.equal(out.sequences, ref)
     assert out.completion_mask.all()
     assert (forward_logprobs(model, out, mask) - out.logprobs).abs().max().item() < 1e-5
@@ -181,29 +183,79 @@ def test_fused_projections_give_the_same_tokens(kind, models, tok, prompts, monk
     assert (plain.logprobs - fused.logprobs).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("mode,graphs", [("layer", 3), ("step", 1)])
-def test_what_cuda_compiles_traces_in_whole_graphs(mode, graphs, models, tok, prompts):
-    """What is compiled before CUDA capture traces without a graph break (fullgraph), is one graph
-    per part whatever the depth (layer mode: the layers share one), is not recompiled by new
-    knobs, and decodes what the eager step does. aot_eager: dynamo and AOTAutograd's tracing
-    without code generation, which is cheap on CPU."""
+def prepared_policy(how: str, tok):
+    """The tiny Llama as a trainer prepares its policy: GRPO/RLOO (TRL's defaults: dropout off,
+    gradient checkpointing, TRL's fused LM head, train mode), PPO/distillation (train mode), or a
+    frozen role (eval)."""
+    from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
+
+    from posttrain.trainers.common import enable_gradient_checkpointing
+
+    model = build("llama", tok)
+    if how == "grpo":
+        disable_dropout_in_model(model)
+        enable_gradient_checkpointing(model)
+        add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
+        assert model.get_input_embeddings()._forward_hooks  # the hook that broke fullgraph compiles
+    return model.train() if how != "frozen" else model.eval()
+
+
+@pytest.mark.parametrize("how", ["grpo", "ppo", "frozen"])
+def test_compiled_step_traces_under_every_trainers_policy(how, tok, prompts):
+    """What CUDA compiles before capture traces in whole graphs (fullgraph, aot_eager: dynamo and
+    AOTAutograd without code generation) for the policy exactly as each trainer prepares it, with
+    no fallback, decodes what the eager step does, and serves new knobs and new buckets without
+    a recompile per layer (the layers share one graph per part)."""
     from torch._dynamo.utils import counters
 
-    model, (ids, mask) = models["llama"], prompts
-    r = rollout(model, tok, top_p=0.9, stop_token_ids=[tok.eos_token_id], min_new_tokens=2)
+    model, (ids, mask) = prepared_policy(how, tok), prompts
+    knobs = dict(top_p=0.9, stop_token_ids=[tok.eos_token_id], min_new_tokens=2)
     torch.manual_seed(1)
-    eager = r.generate(ids, mask)
+    eager = rollout(model, tok, **knobs).generate(ids, mask)
     torch._dynamo.reset()
     counters.clear()
-    r.engine.compile_parts(mode, backend="aot_eager")
+    r = rollout(model, tok, engine_options=dict(compile_mode="layer", compile_backend="aot_eager",
+                                                 smallest_bucket=2, length_bucket=8, sync_every=3), **knobs)
     torch.manual_seed(1)
     compiled = r.generate(ids, mask)
+    assert r.stats["compile"] == "layer" and r.stats["compile_fallbacks"] == 0 and not r.degraded, r.stats
+    assert r.metrics()["rollout/compile_fallbacks"] == 0
     assert torch.equal(eager.sequences, compiled.sequences)
     assert (eager.logprobs - compiled.logprobs).abs().max().item() < 1e-5
     r.generate(ids, mask, SamplingParams(max_new_tokens=N, pad_token_id=tok.pad_token_id, do_sample=False,
-                                         top_p=0.5, temperature=0.7, stop_token_ids=[tok.eos_token_id]))
-    assert counters["stats"]["unique_graphs"] == graphs
+                                         top_p=0.5, temperature=0.7, **{k: knobs[k] for k in ("stop_token_ids",)}))
+    assert r.stats["compile_fallbacks"] == 0
+    # Prologue, the two layer halves, sampler, epilogue: a few graphs (dynamic shapes), not one per layer.
+    assert 5 <= counters["stats"]["unique_graphs"] <= 10, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+def test_a_compile_that_fails_is_counted_not_silent(tok, prompts, monkeypatch, caplog):
+    """A part dynamo cannot trace in one graph: the engine runs the eager step (same tokens), and
+    says so in its stats, its metrics and the log; benchmarks mark such rows degraded."""
+    from posttrain.rollout import engine as engine_module
+
+    original = engine_module._inputs
+
+    def broken(*args):
+        torch._dynamo.graph_break()
+        return original(*args)
+
+    model, (ids, mask) = build("llama", tok), prompts
+    torch.manual_seed(2)
+    eager = rollout(model, tok).generate(ids, mask)
+    monkeypatch.setattr(engine_module, "_inputs", broken)
+    torch._dynamo.reset()
+    r = rollout(model, tok, engine_options=dict(compile_mode="layer", compile_backend="aot_eager"))
+    torch.manual_seed(2)
+    with caplog.at_level(logging.WARNING, logger="posttrain.rollout"):
+        out = r.generate(ids, mask)
+    torch._dynamo.reset()
+    assert torch.equal(out.sequences, eager.sequences)
+    assert r.stats["compile_fallbacks"] == 1 and r.stats["compile"] == "none" and r.degraded
+    assert r.metrics()["rollout/compile_fallbacks"] == 1
+    assert "torch.compile" in r.stats["fallback_reasons"][0]
+    assert [rec for rec in caplog.records if "counted" in rec.getMessage()]
 
 
 def test_top_k_1_is_greedy(models, tok, prompts):
@@ -352,3 +404,87 @@ def test_bf16_engine_is_as_close_to_a_forward_as_generate_is():
     assert ours[0] > 0 and theirs[0] > 0  # bf16: neither is exact, so the comparison means something
     assert ours[0] <= 1.5 * theirs[0] + 1e-3, (ours, theirs)
     assert ours[1] >= theirs[1] - 0.03, (ours, theirs)
+
+
+# -- slots: compaction, refill, prefix sharing, slot-independent samples ----------------------------
+GROUPS = 4  # generations per prompt, as GRPO's num_generations
+
+
+@pytest.fixture(scope="module")
+def grouped(tok):
+    """3 prompts x GROUPS generations, each group's rows next to each other (as GRPO lays them out)."""
+    enc = tok(["the cat sat on the", "a", "hello world how are you"], return_tensors="pt", padding=True,
+              padding_side="left")
+    return enc["input_ids"].repeat_interleave(GROUPS, 0), enc["attention_mask"].repeat_interleave(GROUPS, 0)
+
+
+def stopping(tok, n=24):
+    """Sampling that ends rows at scattered lengths: 60 of the 547 tokens stop."""
+    return dict(max_new_tokens=n, temperature=1.0, stop_token_ids=list(range(5, 65)))
+
+
+def run_slots(model, tok, ids, mask, seed=5, **options):
+    kv_slots = options.pop("kv_slots", ids.shape[0])
+    r = rollout(model, tok, max_batch=ids.shape[0], kv_slots=kv_slots, engine_options=options, **stopping(tok))
+    torch.manual_seed(seed)
+    return r.generate(ids, mask), r.engine.stats
+
+
+def test_finished_rows_leave_the_step_with_the_same_samples(models, tok, grouped):
+    """Compaction into smaller row buckets and length buckets that follow the longest live row give
+    the same tokens and log-probs as one static bucket (every row, the whole cache, to the end)."""
+    model, (ids, mask) = models["llama"], grouped
+    static, st = run_slots(model, tok, ids, mask, smallest_bucket=ids.shape[0], length_bucket=10**6, sync_every=100)
+    lengths = static.completion_mask.sum(1)
+    assert lengths.min() < lengths.max() < 24 or lengths.max() == 24 and lengths.min() < 12, lengths
+    packed, sp = run_slots(model, tok, ids, mask, smallest_bucket=1, length_bucket=4, sync_every=2)
+    assert torch.equal(static.sequences, packed.sequences)
+    assert torch.equal(static.completion_mask, packed.completion_mask)
+    assert (static.logprobs - packed.logprobs).abs().max().item() < 1e-5
+    assert sp["compactions"] > 0 and st["compactions"] == 0
+    assert sp["row_steps"] < st["row_steps"] and sp["cache_cells_read"] < st["cache_cells_read"] / 2, (sp, st)
+
+
+def test_more_sequences_than_slots_stream_through(models, tok, grouped):
+    """3 slots for 12 sequences: waiting sequences enter as slots free; each sequence samples what it
+    samples with a slot of its own (its noise is keyed by its index, not its slot or wave)."""
+    model, (ids, mask) = models["llama"], grouped
+    alone, _ = run_slots(model, tok, ids, mask, smallest_bucket=ids.shape[0], length_bucket=10**6)
+    streamed, st = run_slots(model, tok, ids, mask, kv_slots=3, smallest_bucket=1, length_bucket=4, sync_every=2,
+                             admit_min=1)
+    assert st["admissions"] > 3 and st["prefill_sequences"] == 12
+    assert torch.equal(alone.sequences, streamed.sequences)
+    assert (alone.logprobs - streamed.logprobs).abs().max().item() < 1e-5
+    # The same sequences in another order sample other tokens (their indices changed), and a
+    # sequence's samples do not depend on the other rows: a rollout of one row equals its row.
+    one, _ = run_slots(model, tok, ids[:1], mask[:1])
+    assert torch.equal(one.sequences[0], alone.sequences[0])
+
+
+def test_rows_sharing_a_prompt_prefill_it_once(models, tok, grouped):
+    """A GRPO group's rows share their prompt's prefill (one row per distinct prompt), with the
+    same samples as prefilling every row."""
+    model, (ids, mask) = models["qwen2"], grouped
+    shared, ss = run_slots(model, tok, ids, mask)
+    each, se = run_slots(model, tok, ids, mask, share_prefix=False)
+    assert ss["prefill_rows"] == 3 and se["prefill_rows"] == 12 and ss["prefill_sequences"] == 12
+    assert torch.equal(shared.sequences, each.sequences)
+    assert (shared.logprobs - each.logprobs).abs().max().item() < 1e-5
+    # Rows of one group sample differently from each other (their own noise).
+    assert len({tuple(r.tolist()) for r in shared.completion_ids[:GROUPS]}) > 1
+
+
+def test_shorter_rollouts_from_a_longer_engine(models, tok, grouped):
+    """A rollout may ask for fewer new tokens than the engine was built for (down to one): the
+    same samples as an engine built for that length, with the stop set on and off."""
+    model, (ids, mask) = models["llama"], grouped
+    for stops in ([], list(range(5, 65))):
+        r = rollout(model, tok, max_batch=12, stop_token_ids=stops, max_new_tokens=N)
+        for n in (1, 4):
+            knobs = SamplingParams(max_new_tokens=n, pad_token_id=tok.pad_token_id, stop_token_ids=stops)
+            torch.manual_seed(9)
+            short = r.generate(ids, mask, knobs)
+            torch.manual_seed(9)
+            want = rollout(model, tok, max_batch=12, stop_token_ids=stops, max_new_tokens=n).generate(ids, mask)
+            assert short.completion_ids.shape == (12, n)
+            assert torch.equal(short.sequences, want.sequences), (stops, n)

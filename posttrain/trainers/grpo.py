@@ -838,7 +838,8 @@ class GRPOTrainer:
                 row.update(average_generation_metrics(gen_metrics))
                 row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
                             "epoch": self.step * ga / self.micro_batches_per_epoch,
-                            **self.phases.pop(), "time/step": (time.perf_counter() - window_start) / len(losses)})
+                            **self.phases.pop(), **self.rollout.metrics(),
+                            "time/step": (time.perf_counter() - window_start) / len(losses)})
                 log.log(self.step, row, advance=False)
                 if cfg.log_completions:
                     self._log_samples()

@@ -1,0 +1,32 @@
+"""Rollouts: sampling completions from a role's model, fast, for PPO, GRPO/RLOO and on-policy distillation.
+
+One idea per module:
+
+- ``sampling``: what to sample (``SamplingParams``), top-k/top-p, keyed Gumbel-max, truncation;
+- ``decoder``: the Llama-family decoder as pure functions of the model's weights (no module calls,
+  so it compiles however a trainer prepared the policy);
+- ``engine``: KV cache slots, the step over (rows, columns) buckets, compiled and captured as CUDA
+  graphs, every fallback counted;
+- ``scheduler``: continuous batching over the slots (refill, compaction, prefix sharing);
+- ``shadow``: a ZeRO-3 model's persistent full copy, gathered once per rollout;
+- ``hf``: the ``generate`` backend;
+- ``api``: ``Rollout``, what the trainers call.
+"""
+
+from .api import BACKENDS, Rollout
+from .decoder import SUPPORTED_MODEL_TYPES, unsupported_reason
+from .engine import COMPILE_MODES, DecodeEngine
+from .sampling import (
+                       RolloutOutput,
+                       SamplingParams,
+                       choose_tokens,
+                       filter_logits,
+                       finish,
+                       gumbel_noise,
+                       token_logprobs,
+)
+from .shadow import ShadowModel
+
+__all__ = ["BACKENDS", "COMPILE_MODES", "SUPPORTED_MODEL_TYPES", "DecodeEngine", "Rollout", "RolloutOutput",
+           "SamplingParams", "ShadowModel", "choose_tokens", "filter_logits", "finish", "gumbel_noise",
+           "token_logprobs", "unsupported_reason"]

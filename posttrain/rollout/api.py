@@ -1,0 +1,175 @@
+"""``Rollout``: sampling completions from a role's model for PPO, GRPO/RLOO and on-policy distillation.
+
+Built once per run for a trained (or frozen) role of a Session; ``generate`` samples. Two
+backends: ``"posttrain"`` (default; the engine of ``engine.py`` driven by ``scheduler.py``) and
+``"hf"`` (transformers' ``generate``, ``hf.py``). Architectures the engine cannot run fall back to
+``"hf"`` with one log line saying why (``stats["fallback"]``).
+
+Same seed, same samples: each ``generate`` draws one 62-bit key from torch's default CPU generator
+(seeded by the run's seed, saved and restored with a checkpoint's RNG state), mixed with the
+process rank; the noise of a sequence's token is a hash of (key, step, sequence index, token), so
+the same key gives the same samples on CPU and GPU, in either backend, in any slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..dsconfig import ConfigError
+from . import scheduler
+from .decoder import unsupported_reason
+from .engine import DecodeEngine
+from .hf import generation_model, hf_generate
+from .sampling import RolloutOutput, SamplingParams, finish
+from .shadow import ShadowModel
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("posttrain", "hf")
+
+
+class Rollout:
+    """``max_batch``: the sequences a rollout usually has, and the default KV budget; a rollout may
+    pass more (they stream through the slots). ``kv_slots``: the KV budget in sequences (the cache
+    is ``kv_slots x (max_prompt_len + max_new_tokens)``); default ``max_batch``.
+    ``ds3_gather_for_generation`` (TRL's name): a ZeRO-3 model is gathered whole for generation;
+    False generates through DeepSpeed's per-layer hooks (less memory, slow; always ``generate``).
+    ``sampling``: the run's settings; ``generate(..., sampling=...)`` may change temperature and
+    the other knobs per call (new top-k, top-p on/off or stop tokens make a new engine: keep them
+    fixed in a run) and take up to the built ``max_new_tokens``. ``engine_options``: keyword
+    arguments of :class:`DecodeEngine` (buckets, sync interval, prefix sharing; tests and benchmarks)."""
+
+    def __init__(self, session: Any, role: str, sampling: SamplingParams, *, max_batch: int, max_prompt_len: int,
+                 backend: str = "posttrain", ds3_gather_for_generation: bool = True,
+                 model: nn.Module | None = None, kv_slots: int | None = None,
+                 engine_options: dict[str, Any] | None = None) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"generation_backend must be one of {BACKENDS}, got {backend!r}")
+        if max_batch < 1 or max_prompt_len < 1 or (kv_slots is not None and kv_slots < 1):
+            raise ConfigError(f"max_batch, max_prompt_len and kv_slots must be positive, got {max_batch}, "
+                              f"{max_prompt_len} and {kv_slots}")
+        self.session, self.role, self.sampling = session, role, sampling
+        self.max_batch, self.max_prompt_len = max_batch, max_prompt_len
+        self.kv_slots = kv_slots or max_batch
+        self.engine_options = dict(engine_options or {})
+        # ``model``: a bare module without a session (benchmarks, tests): no ZeRO, this process only.
+        self._bare = model
+        self.gather = ds3_gather_for_generation
+        self.stats: dict[str, Any] = {"backend": backend, "fallback": None, "captures": 0, "recaptures": 0,
+                                      "capture_s": 0.0, "compile_fallbacks": 0, "capture_fallbacks": 0,
+                                      "kv_cache_bytes": 0}
+        self.backend = backend
+        self.engine: DecodeEngine | None = None
+        self.shadow: ShadowModel | None = None
+        self.rollouts = 0
+        self.timings: dict[str, float] = {}
+        self.profile = False  # time prefill and decode separately (syncs; benchmarks only)
+        if backend == "posttrain":
+            module = self._module()
+            reason = unsupported_reason(module, max_prompt_len + sampling.max_new_tokens)
+            if reason is None and self._zero3() and not self.gather:
+                reason = "ds3_gather_for_generation=False: the engine needs the whole weights on each rank"
+            if reason is not None:
+                self._fall_back(reason)
+
+    def metrics(self) -> dict[str, float]:
+        """Per-step metrics: graph captures so far, recaptures (0 after warm-up), capture seconds,
+        and every loss of speed: compile and capture fallbacks, and 1 if the backend fell back to
+        ``generate`` for an unsupported model."""
+        st = self.stats
+        return {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
+                "rollout/capture_s": st["capture_s"], "rollout/compile_fallbacks": st["compile_fallbacks"],
+                "rollout/capture_fallbacks": st["capture_fallbacks"],
+                "rollout/backend_fallback": float(st["fallback"] is not None)}
+
+    @property
+    def degraded(self) -> bool:
+        """Whether generation runs slower than it should: a compile or capture fell back."""
+        return bool(self.stats["compile_fallbacks"] or self.stats["capture_fallbacks"])
+
+    # -- where the weights are ---------------------------------------------------------------------
+    def _module(self) -> nn.Module:
+        if self._bare is not None:
+            return self._bare
+        return self.session.engines[self.role].module
+
+    def _zero3(self) -> bool:
+        return self._bare is None and self.session.zero_stage(self.role) == 3
+
+    def _fall_back(self, reason: str) -> None:
+        logger.warning("rollout: role %r generates with transformers' generate: %s", self.role, reason)
+        self.backend = "hf"
+        self.stats.update(backend="hf", fallback=reason)
+
+    def _seed_key(self) -> int:
+        # One draw from the default generator per rollout (the run's seed; restored on resume),
+        # mixed with the rank so that ranks sample differently.
+        draw = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        rank = 0 if self._bare is not None else self.session.process_index
+        return (draw ^ (rank * 0x3C6EF372)) & 0x7FFFFFFF
+
+    def _engine_model(self) -> nn.Module:
+        if not self._zero3():
+            return self._module()
+        if self.shadow is None:
+            fast = self.session.fast_frozen.get(self.role)
+            self.shadow = ShadowModel(self._module(), fast)
+        self.shadow.refresh()
+        return self.shadow.module
+
+    # -- generation ---------------------------------------------------------------------------------
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 sampling: SamplingParams | None = None) -> RolloutOutput:
+        """Sample completions of left-padded prompts [B, P] (``prompt_mask`` 1 on real tokens)."""
+        sampling = sampling or self.sampling
+        if prompt_ids.shape != prompt_mask.shape or prompt_ids.dim() != 2:
+            raise ConfigError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} "
+                              "must be the same [batch, length] shape")
+        b, p = prompt_ids.shape
+        if p > self.max_prompt_len:  # checked before any collective gather
+            raise ConfigError(f"prompts of {p} tokens exceed this Rollout's max_prompt_len={self.max_prompt_len}; "
+                              "build it larger")
+        if sampling.max_new_tokens > self.sampling.max_new_tokens and self.backend == "posttrain":
+            raise ConfigError(f"max_new_tokens={sampling.max_new_tokens} exceeds the {self.sampling.max_new_tokens} "
+                              "this Rollout was built for (its cache is sized for it); build it with the largest")
+        key = self._seed_key()
+        self.rollouts += 1
+        if self.backend == "hf":
+            with generation_model(self.session, self.role, self._bare, self._zero3(), self.gather) as (model, synced):
+                completion, logprobs = hf_generate(model, synced, prompt_ids, prompt_mask, sampling, key)
+        else:
+            completion, logprobs = self._engine_generate(prompt_ids, prompt_mask, sampling, key)
+        completion, mask, logprobs = finish(completion, logprobs, sampling)
+        return RolloutOutput(sequences=torch.cat([prompt_ids, completion.to(prompt_ids.device)], 1),
+                             completion_ids=completion, completion_mask=mask, logprobs=logprobs)
+
+    def _engine_generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams,
+                         key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self._engine_model()
+        knobs = replace(sampling, max_new_tokens=self.sampling.max_new_tokens)
+        same = (self.engine is not None and self.engine.model is model
+                and DecodeEngine.graph_key(self.engine.sampling) == DecodeEngine.graph_key(knobs))
+        if same:
+            self.engine.set_knobs(knobs)  # temperature, do_sample, top_p, min_new_tokens: buffers
+        else:
+            old = self.engine
+            self.engine = DecodeEngine(model, knobs, self.kv_slots, self.max_prompt_len, **self.engine_options)
+            if old is not None:  # new knobs: a new engine, its graphs counted with the old ones'
+                for k in ("captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks",
+                          "storage_moves"):
+                    self.engine.stats[k] += old.stats[k]
+                del old
+            self.stats["kv_cache_bytes"] = self.engine.cache_nbytes
+            self.stats["fused_weight_bytes"] = self.engine.fused_nbytes
+        tokens, logprobs, self.timings = scheduler.generate(self.engine, prompt_ids, prompt_mask, key,
+                                                            sampling.max_new_tokens, profile=self.profile)
+        est = self.engine.stats
+        self.stats.update({k: v for k, v in est.items()}, capture_s=round(est["capture_s"], 3),
+                          compile=self.engine.compile_mode, graphs=len(self.engine.graphs),
+                          fallback_reasons=list(self.engine.fallback_reasons))
+        return tokens, logprobs

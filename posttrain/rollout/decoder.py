@@ -1,0 +1,283 @@
+"""The Llama-family decoder as pure functions of its weights: prefill and one decode token.
+
+Nothing here calls a module. Trainers prepare the policy in ways that put Python on a module's
+call path: gradient checkpointing registers a forward hook on the input embeddings that calls
+``requires_grad_()`` (``torch.compile(fullgraph=True)`` cannot trace it), TRL's fused LM head
+replaces ``forward``, training mode switches dropout on, DeepSpeed wraps the module. Reading the
+weights (``F.embedding`` on the embedding matrix, ``F.linear`` on each projection, RMSNorm and the
+rotary embedding computed from their parameters and buffers) makes the decode step the same
+traceable function whatever the trainer did, and reads the live parameters: an optimizer step that
+writes them in place is seen with no recapture.
+
+Numerics follow transformers' eager forward (RMSNorm in float32 then cast, cos/sin in float32 then
+cast, rotation in the model dtype), and the decode attention keeps its scores in float32 as SDPA's
+kernels do internally (on CUDA a half-precision ``bmm`` with a float32 output, so the cache is not
+converted), then casts the probabilities to the model dtype for the product with the values.
+
+Why not transformers' ``StaticCache`` and the model's own forward: the cache and forward signatures
+changed within 5.x, while the module attributes read here (``q_proj``, ``input_layernorm``,
+``rotary_emb``...) are the same in every release of the supported families (Llama, Qwen2, Qwen3,
+Mistral without a sliding window). Any other architecture falls back to ``generate``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Architectures whose decoder this engine runs (module layout of transformers' Llama family).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def unsupported_reason(model: nn.Module, cache_len: int | None = None) -> str | None:
+    """Why the engine cannot run ``model`` (then ``generate`` is used), or None."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return "the model has no transformers config"
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported"
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {cfg.model_type!r} has no posttrain decode path (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return f"layer types {sorted(set(layer_types))}: sliding-window or hybrid attention is not supported"
+    window = getattr(cfg, "sliding_window", None)
+    if window and (cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
+        if cache_len is None or window < cache_len:
+            return f"sliding-window attention (window {window}) is not supported"
+    if getattr(cfg, "pretraining_tp", 1) > 1:
+        return "pretraining_tp > 1 is not supported"
+    if getattr(cfg, "hidden_act", "silu") not in ACTIVATIONS:
+        return f"activation {cfg.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and "dynamic" in str(rope.get("rope_type", rope.get("type", ""))):
+        return "dynamic rope scaling changes with the sequence length; not supported"
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "the model does not have the Llama-family layout (model.embed_tokens/layers/norm/rotary_emb)"
+    if not hasattr(base.rotary_emb, "inv_freq"):
+        return "the rotary embedding has no inv_freq buffer"
+    if not hasattr(model, "lm_head"):
+        return "the model has no lm_head"
+    for layer in base.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
+            return "a decoder layer does not have the Llama-family attention layout"
+        if not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return "a decoder layer does not have the Llama-family layout"
+        if not all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
+            return "a decoder layer's MLP is not gate/up/down"
+    return None
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The model's fixed numbers (read once)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    eps: float
+    rope_scaling: float  # the rotary embedding's attention_scaling
+    act: Callable[[torch.Tensor], torch.Tensor]
+    vocab: int
+    fp32_scores: bool  # decode attention scores kept in float32 (see the module docstring)
+
+    @classmethod
+    def of(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> DecoderSpec:
+        base = model.model
+        attn, layer = base.layers[0].self_attn, base.layers[0]
+        head_dim = attn.head_dim
+        eps = getattr(layer.input_layernorm, "variance_epsilon", getattr(model.config, "rms_norm_eps", 1e-6))
+        return cls(heads=attn.q_proj.out_features // head_dim, kv_heads=attn.k_proj.out_features // head_dim,
+                   head_dim=head_dim, scaling=getattr(attn, "scaling", head_dim**-0.5), eps=float(eps),
+                   rope_scaling=float(getattr(base.rotary_emb, "attention_scaling", 1.0)),
+                   act=ACTIVATIONS[getattr(model.config, "hidden_act", "silu")], vocab=model.lm_head.out_features,
+                   fp32_scores=device.type != "cuda" or dtype == torch.float32 or _bmm_out_fp32_works(device))
+
+
+@functools.cache
+def _bmm_out_fp32_works(device: torch.device) -> bool:
+    try:
+        a = torch.ones(1, 2, 2, dtype=torch.bfloat16, device=device)
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """The decoder's weights, detached views of the live parameters (no module is called later).
+    ``fused``: per layer, concatenated q|k|v (and bias) and gate|up copies that replace those keys."""
+    base = model.model
+
+    def w(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach()
+
+    layers = []
+    for i, layer in enumerate(base.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        entry = {"ln1": w(layer.input_layernorm.weight), "ln2": w(layer.post_attention_layernorm.weight),
+                 "o": w(attn.o_proj.weight), "down": w(mlp.down_proj.weight)}
+        if fused:
+            entry.update({k: v for k, v in fused[i].items() if v is not None})
+        if "qkv" not in entry:
+            entry.update(q=w(attn.q_proj.weight), k=w(attn.k_proj.weight), v=w(attn.v_proj.weight))
+            if attn.q_proj.bias is not None:
+                entry.update(qb=w(attn.q_proj.bias), kb=w(attn.k_proj.bias), vb=w(attn.v_proj.bias))
+        if "gate_up" not in entry:
+            entry.update(gate=w(mlp.gate_proj.weight), up=w(mlp.up_proj.weight))
+        if attn.o_proj.bias is not None:
+            entry["ob"] = w(attn.o_proj.bias)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
+            entry.update(qn=w(attn.q_norm.weight), kn=w(attn.k_norm.weight))
+        layers.append(entry)
+    return {"embed": w(base.embed_tokens.weight), "norm": w(base.norm.weight), "head": w(model.lm_head.weight),
+            "head_bias": w(model.lm_head.bias), "inv_freq": base.rotary_emb.inv_freq, "layers": layers}
+
+
+def fused_buffers(model: nn.Module) -> list[dict[str, torch.Tensor | None]]:
+    """Empty q|k|v (+bias) and gate|up buffers per layer (POSTTRAIN_ROLLOUT_FUSE=1): 4 GEMMs per
+    layer and token instead of 7, at the cost of a copy of those weights."""
+    def empty_cat(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), dtype=ts[0].dtype, device=ts[0].device)
+
+    out = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+        out.append({"qkv": empty_cat([m.weight for m in projs]),
+                    "qkvb": empty_cat([m.bias for m in projs]) if projs[0].bias is not None else None,
+                    "gate_up": empty_cat([mlp.gate_proj.weight, mlp.up_proj.weight]) if mlp.gate_proj.bias is None
+                    else None})
+    return out
+
+
+@torch.no_grad()
+def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]]) -> None:
+    """Copy the live weights into the fused buffers (in place: graphs keep their addresses)."""
+    for layer, entry in zip(model.model.layers, fused):
+        attn, mlp = layer.self_attn, layer.mlp
+        projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+        torch.cat([m.weight for m in projs], out=entry["qkv"])
+        if entry["qkvb"] is not None:
+            torch.cat([m.bias for m in projs], out=entry["qkvb"])
+        if entry["gate_up"] is not None:
+            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], out=entry["gate_up"])
+
+
+# -- the pieces (each a pure function: the engine compiles them) ------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, head_dim] of positions [B, T], as LlamaRotaryEmbedding computes them."""
+    freqs = positions[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's input norm, projections, q/k norms and rotation: q [B, heads, T, d], k and v
+    [B, kv_heads, T, d]."""
+    b, t, _ = x.shape
+    h = rms_norm(x, w["ln1"], spec.eps)
+    d = spec.head_dim
+    if "qkv" in w:
+        q, k, v = F.linear(h, w["qkv"], w.get("qkvb")).split([spec.heads * d, spec.kv_heads * d, spec.kv_heads * d],
+                                                             dim=-1)
+    else:
+        q, k, v = F.linear(h, w["q"], w.get("qb")), F.linear(h, w["k"], w.get("kb")), F.linear(h, w["v"], w.get("vb"))
+    q, k = q.view(b, t, -1, d), k.view(b, t, -1, d)
+    v = v.reshape(b, t, -1, d).transpose(1, 2)
+    if "qn" in w:
+        q, k = rms_norm(q, w["qn"], spec.eps), rms_norm(k, w["kn"], spec.eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor
+                  ) -> torch.Tensor:
+    """Output projection, residual, post-attention norm, MLP, residual. ``attn`` [B, heads, T, d]."""
+    b, t = attn.shape[0], attn.shape[2]
+    x = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), w["o"], w.get("ob"))
+    h = rms_norm(x, w["ln2"], spec.eps)
+    if "gate_up" in w:
+        gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(h, w["gate"]), F.linear(h, w["up"])
+    return x + F.linear(spec.act(gate) * up, w["down"])
+
+
+def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     bias: torch.Tensor) -> torch.Tensor:
+    """One query per row over the cache [B, kv_heads, L, d] (``bias`` [B, 1, 1, L]: 0 or -inf).
+    The query heads of a group share one read of their key/value head (no repeat of the cache)."""
+    b, groups, d = q.shape[0], spec.heads // spec.kv_heads, spec.head_dim
+    length = keys.shape[2]
+    qg = q.reshape(b * spec.kv_heads, groups, d)
+    kt = keys.reshape(b * spec.kv_heads, length, d).transpose(1, 2)
+    if spec.fp32_scores and q.dtype != torch.float32:
+        if q.is_cuda:
+            scores = torch.bmm(qg, kt, out_dtype=torch.float32)
+        else:  # CPU: no half bmm with a float32 output; the cost does not matter there
+            scores = torch.bmm(qg.float(), kt.float())
+    else:
+        scores = torch.bmm(qg, kt).float()
+    scores = scores.view(b, spec.kv_heads, groups, length) * spec.scaling + bias
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(b, spec.heads, 1, d)
+
+
+def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, q: torch.Tensor,
+                      keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer for one token per row, after its key and value are in the cache."""
+    return attention_out(spec, w, x, decode_attention(spec, q, keys, values, bias))
+
+
+def head(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head of [B, 1, H]: logits [B, V] in the model dtype (as the forward's)."""
+    return F.linear(rms_norm(x, weights["norm"], spec.eps), weights["head"], weights["head_bias"])[:, 0]
+
+
+def prefill(spec: DecoderSpec, weights: dict[str, Any], ids: torch.Tensor, positions: torch.Tensor,
+            key_mask: torch.Tensor, write: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """Run left-padded prompts [b, P] (``key_mask`` 1 on real tokens) with SDPA, as the forward does;
+    ``write(layer, k, v)`` stores each layer's keys and values [b, kv_heads, P, d]. Returns the last
+    position's logits [b, V]."""
+    b, p = ids.shape
+    causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+    allowed = causal.unsqueeze(0) & key_mask.bool().unsqueeze(1)
+    # A padding query attends to itself, so no row is all -inf (SDPA would give NaN there).
+    allowed = (allowed | torch.eye(p, dtype=torch.bool, device=ids.device)).unsqueeze(1)
+    x = F.embedding(ids, weights["embed"])
+    cos, sin = rotary(positions, weights["inv_freq"], spec.rope_scaling, x.dtype)
+    groups = spec.heads // spec.kv_heads
+    for i, w in enumerate(weights["layers"]):
+        q, k, v = qkv(spec, w, x, cos, sin)
+        write(i, k, v)
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                             attn_mask=allowed, scale=spec.scaling)
+        x = attention_out(spec, w, x, out)
+    return head(spec, weights, x[:, -1:])

@@ -1,0 +1,504 @@
+"""The decode engine: KV cache slots, each slot's decode state, the step over a (rows, columns)
+bucket, and (on CUDA) that step compiled and captured as one CUDA graph per bucket.
+
+- Slots: the cache holds ``slots`` sequences ([slots, kv_heads, max_len, head_dim] per layer, the
+  KV budget). Each slot has its own state (fed token, position, cache column, step, sequence
+  index, done), so sequences that entered at different times decode side by side
+  (``scheduler.py`` decides who enters, leaves and moves).
+- Buckets: the step runs rows ``0..B-1`` over cache columns ``0..L-1``, B from a few batch sizes
+  (powers of two from ``smallest_bucket``, and ``slots``), L a multiple of ``length_bucket``. So
+  finished rows stop costing (the scheduler compacts live rows into the first slots and picks a
+  smaller B) and attention reads only the filled part of the cache (L follows the longest live
+  row, not the preallocated length). Why buckets of plain tensors rather than a paged cache or
+  ``flex_attention``: a slice ``cache[:B, :, :L]`` is a view, so the step stays dense GEMMs and
+  one decode attention that inductor and cuBLAS run as they are, the CPU runs the same code, and a
+  new bucket costs one graph capture (about 0.1 s on an H200; inductor compiles once, with dynamic
+  shapes), while a block table adds an indirection to every attention read and flex_attention
+  would need its block mask rebuilt from the slot state every step. The price: KV memory is held
+  per slot for the whole length, and rows sharing a prompt hold copies of its KV.
+- Compile and capture: ``torch.compile`` (inductor, dynamic shapes, fullgraph) compiles the step's
+  prologue (embedding, rotary, mask, where each row writes), one decoder layer in two halves
+  (reused by every layer: a compile of seconds, not of the whole depth), the sampler and the
+  epilogue; the cache writes between the halves stay eager, one ``index_copy_`` per cache (an
+  in-place write into a compiled function's input could be copied back whole). Each bucket's step
+  is then captured by hand as a CUDA graph; nothing in it may sync the host (stop tokens are a
+  vocabulary mask, not ``torch.isin``). A compile or capture that fails falls back (compiled ->
+  eager graph -> no graph): never silently, each is counted in ``stats`` (``compile_fallbacks``,
+  ``capture_fallbacks``) and logged.
+- Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
+  parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
+  pointers compared) and the graphs are captured again (``recaptures``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..dsconfig import ConfigError
+from . import decoder
+from .decoder import DecoderSpec
+from .sampling import SamplingParams, choose_tokens
+
+logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ("layer", "none")
+
+
+class Clock:
+    """Milliseconds between laps, on the device's clock (CUDA events) or the host's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.last = self._mark()
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        now = self._mark()
+        if self.cuda:
+            now.synchronize()
+            ms = self.last.elapsed_time(now)
+        else:
+            ms = (now - self.last) * 1e3
+        self.last = now
+        return ms
+
+
+def _sample(spec: DecoderSpec, x: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, head_bias: Any,
+            step: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
+            do_sample: torch.Tensor, top_p: torch.Tensor, min_new: torch.Tensor, top_k: int, use_top_p: bool,
+            stop_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = decoder.head(spec, {"norm": norm, "head": head, "head_bias": head_bias}, x)
+    return choose_tokens(logits, step, key, seq=seq, temperature=temperature, do_sample=do_sample, top_k=top_k,
+                         top_p=top_p, use_top_p=use_top_p, min_new_tokens=min_new, stop_ids=stop_ids)
+
+
+def _inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, key_valid: torch.Tensor,
+            cols: torch.Tensor, embed: torch.Tensor, inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, ...]:
+    """The step's prologue: embeddings, rotary cos/sin, the additive mask [B, 1, 1, L] and where
+    each row's new key/value heads go in a cache viewed as [slots * kv_heads * max_len, head_dim]
+    (rows that are done may point past L: clamped, they only overwrite their own stale slot)."""
+    x = torch.nn.functional.embedding(last.unsqueeze(1), embed)
+    cos, sin = decoder.rotary(pos.unsqueeze(1), inv_freq, spec.rope_scaling, x.dtype)
+    allowed = key_valid & (cols.unsqueeze(0) <= col.unsqueeze(1))
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device).masked_fill(~allowed, float("-inf"))
+    rows = torch.arange(last.shape[0], device=x.device).unsqueeze(1)
+    heads = torch.arange(spec.kv_heads, device=x.device).unsqueeze(0)
+    write = col.clamp(max=cols.shape[0] - 1).unsqueeze(1)
+    where = ((rows * spec.kv_heads + heads) * max_len + write).reshape(-1)
+    return x, cos, sin, bias.view(allowed.shape[0], 1, 1, allowed.shape[1]), where
+
+
+def _record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
+            out_tokens: torch.Tensor, out_logprobs: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+            limit: torch.Tensor, stop_mask: torch.Tensor | None, pad: int) -> None:
+    """The step's epilogue on the slot state (rows ``:len(tokens)``, in place): outputs, done flags,
+    counters. Stop tokens are looked up in a vocabulary mask (``torch.isin`` may sync the host,
+    which a CUDA graph capture cannot)."""
+    rows = tokens.shape[0]
+    d, st = done[:rows], step[:rows]
+    tokens = torch.where(d, pad, tokens)
+    r, c = torch.arange(rows, device=tokens.device), st.clamp(max=out_tokens.shape[1] - 1)
+    # A done row keeps what it wrote (its clamped column may hold its last real token).
+    out_tokens[r, c] = torch.where(d, out_tokens[r, c], tokens)
+    out_logprobs[r, c] = torch.where(d, out_logprobs[r, c], logprobs)
+    finished = st >= limit - 1
+    if stop_mask is not None:
+        finished = finished | stop_mask[tokens]
+    live = (~d).long()
+    last[:rows] = tokens
+    step[:rows] += live
+    pos[:rows] += live
+    col[:rows] += live
+    done[:rows] = d | finished
+
+
+class DecodeEngine:
+    """Cache slots, their state, the bucketed step and its graphs. See the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, sampling: SamplingParams, slots: int, max_prompt_len: int, *,
+                 use_graphs: bool | None = None, sync_every: int = 16, smallest_bucket: int = 8,
+                 length_bucket: int = 128, share_prefix: bool = True, prefill_tokens: int = 16384,
+                 admit_min: int | None = None, compile_mode: str | None = None,
+                 compile_backend: str = "inductor") -> None:
+        self.model, self.sampling = model, sampling
+        self.slots, self.prompt_len = slots, max_prompt_len
+        self.max_new = sampling.max_new_tokens
+        self.length = max_prompt_len + self.max_new
+        param = next(model.parameters())
+        dev, self.dtype = param.device, param.dtype
+        self.device = dev
+        self.spec = DecoderSpec.of(model, self.dtype, dev)
+        # POSTTRAIN_ROLLOUT_FUSE=1: fused q|k|v and gate|up decode weights (decoder.fused_buffers).
+        self.fused = decoder.fused_buffers(model) if os.environ.get("POSTTRAIN_ROLLOUT_FUSE", "0") == "1" else None
+        self.weights = decoder.read_weights(model, self.fused)
+        spec = self.spec
+        shape = (slots, spec.kv_heads, self.length, spec.head_dim)
+        layers = len(self.weights["layers"])
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
+        self.sync_every, self.length_bucket = sync_every, max(1, length_bucket)
+        self.share_prefix, self.prefill_tokens = share_prefix, prefill_tokens
+        self.admit_min = admit_min if admit_min is not None else max(1, slots // 8)
+        sizes = {slots}
+        b = max(1, smallest_bucket)
+        while b < slots:
+            sizes.add(b)
+            b *= 2
+        self.batch_buckets = sorted(sizes)
+        self.use_graphs = (dev.type == "cuda") if use_graphs is None else use_graphs
+        # What torch.compile covers (POSTTRAIN_ROLLOUT_COMPILE): "layer" (default on CUDA) the parts
+        # above, "none" nothing (eager kernels captured as they are; CPU's default). ``compile_backend``
+        # "aot_eager": tracing without code generation (CPU tests of what CUDA compiles).
+        default = os.environ.get("POSTTRAIN_ROLLOUT_COMPILE", "layer") if self.use_graphs else "none"
+        self.compile_mode = compile_mode or default
+        self.compile_backend = compile_backend
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"POSTTRAIN_ROLLOUT_COMPILE={self.compile_mode!r}: use one of {COMPILE_MODES}")
+        n = self.max_new
+        # Per-slot state (the graphs hold these addresses: written in place only).
+        self.last = torch.zeros(slots, dtype=torch.long, device=dev)  # the token fed to the step
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)  # its position id
+        self.col = torch.zeros(slots, dtype=torch.long, device=dev)  # the cache column it is written to
+        self.step = torch.zeros(slots, dtype=torch.long, device=dev)  # index of the token chosen next
+        self.seq = torch.zeros(slots, dtype=torch.long, device=dev)  # the sequence's index in the rollout
+        self.done = torch.ones(slots, dtype=torch.bool, device=dev)
+        self.key_valid = torch.zeros(slots, self.length, dtype=torch.bool, device=dev)  # prompt mask, then ones
+        self.out_tokens = torch.zeros(slots, n, dtype=torch.long, device=dev)
+        self.out_logprobs = torch.zeros(slots, n, dtype=torch.float32, device=dev)
+        self.row_ids = torch.arange(slots, device=dev)
+        self.cols = torch.arange(self.length, device=dev)
+        self.key = torch.zeros((), dtype=torch.long, device=dev)  # sampling key of this rollout
+        self.limit = torch.full((), n, dtype=torch.long, device=dev)  # this rollout's max_new_tokens
+        self.stop_ids = (torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
+                         if sampling.stop_token_ids else None)
+        self.stop_mask = (torch.zeros(self.spec.vocab, dtype=torch.bool, device=dev).index_fill_(0, self.stop_ids, True)
+                          if self.stop_ids is not None else None)
+        # Knobs the graph reads (set_knobs changes them, no recompile); the rest is in graph_key.
+        self.temperature = torch.ones((), dtype=torch.float32, device=dev)
+        self.do_sample = torch.ones((), dtype=torch.float32, device=dev)
+        self.top_p = torch.ones((), dtype=torch.float32, device=dev)
+        self.min_new = torch.zeros((), dtype=torch.long, device=dev)
+        self.top_k, self.use_top_p = sampling.top_k, sampling.top_p < 1.0
+        self.set_knobs(sampling)
+        self.width = max_prompt_len  # this rollout's prompt width (set by begin)
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.pool: Any = None
+        self.ptrs: list[int] = []  # the weights' addresses the graphs read
+        self.stats: dict[str, Any] = {"captures": 0, "recaptures": 0, "capture_s": 0.0, "compile_fallbacks": 0,
+                                      "capture_fallbacks": 0, "storage_moves": 0, "graph_pool_bytes": 0,
+                                      "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
+                                      "compactions": 0, "decode_steps": 0, "row_steps": 0,
+                                      "cache_cells_read": 0}
+        self.fallback_reasons: list[str] = []
+        self._prepared = False
+        self._captured_keys: set[tuple[int, int]] = set()
+        self._eager_parts()
+
+    # -- knobs and weights ---------------------------------------------------------------------
+    @staticmethod
+    def graph_key(sampling: SamplingParams) -> tuple:
+        """What a compiled step is specialised on; other knobs are buffers."""
+        return (sampling.top_k, sampling.top_p < 1.0, tuple(sampling.stop_token_ids), sampling.pad_token_id)
+
+    def set_knobs(self, sampling: SamplingParams) -> None:
+        if self.graph_key(sampling) != self.graph_key(self.sampling):
+            raise ValueError("set_knobs: top_k, top-p on/off, stop tokens and pad are fixed per engine")
+        self.temperature.fill_(sampling.temperature)
+        self.do_sample.fill_(1.0 if sampling.do_sample else 0.0)
+        self.top_p.fill_(sampling.top_p)
+        self.min_new.fill_(sampling.min_new_tokens)
+        self.sampling = sampling
+
+    @property
+    def cache_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @property
+    def fused_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for e in self.fused or [] for t in e.values() if t is not None)
+
+    def _weight_ptrs(self) -> list[int]:
+        w = self.weights
+        flat = [w["embed"], w["norm"], w["head"], *(t for layer in w["layers"] for t in layer.values())]
+        return [t.data_ptr() for t in flat]
+
+    def begin(self, key: int, max_new_tokens: int, width: int) -> None:
+        """A new rollout: its key, length limit and prompt width; re-read the weights (live)."""
+        if width > self.prompt_len:
+            raise ConfigError(f"prompts of {width} tokens exceed the engine's max_prompt_len={self.prompt_len}; "
+                              "build the Rollout larger")
+        if max_new_tokens > self.max_new:
+            raise ConfigError(f"max_new_tokens={max_new_tokens} exceeds the {self.max_new} the Rollout was built "
+                              "for; build it with the largest max_new_tokens")
+        if self.fused:
+            decoder.refresh_fused(self.model, self.fused)
+        self.weights = decoder.read_weights(self.model, self.fused)
+        ptrs = self._weight_ptrs()
+        if self.ptrs and ptrs != self.ptrs:
+            # A parameter's storage moved (replaced, not written in place): graphs would read the old
+            # addresses, so they are captured again on use (an eager step reads the new ones).
+            self.stats["storage_moves"] += 1
+            logger.info("rollout: a parameter's storage moved since the last rollout%s",
+                        "; recapturing" if self.graphs else "")
+            self.graphs.clear()
+        self.ptrs = ptrs
+        self.key.fill_(key)
+        self.limit.fill_(max_new_tokens)
+        self.width = width
+        self.done.fill_(True)
+
+    # -- admission, moves, harvest (host-driven, eager) ----------------------------------------
+    @torch.no_grad()
+    def admit(self, slots: list[int], seq_ids: list[int], ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Prefill sequences ``seq_ids`` (prompts ``ids``/``mask`` [k, width], left-padded) into
+        ``slots`` and choose their first token. Rows with the same prompt are prefilled once
+        (``share_prefix``) and its keys and values copied into each of their slots."""
+        dev, p, spec = self.device, self.width, self.spec
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        seq_t = torch.tensor(seq_ids, dtype=torch.long, device=dev)
+        ids, mask = ids.to(dev), mask.to(dev).long()
+        content = ids.masked_fill(mask == 0, -1)
+        if self.share_prefix:
+            uniq, inv = torch.unique(content, dim=0, return_inverse=True)
+        else:
+            uniq, inv = content, torch.arange(len(slots), device=dev)
+        umask = (uniq >= 0).long()
+        uids, positions = uniq.clamp(min=0), (umask.cumsum(1) - 1).clamp(min=0)
+        u = uniq.shape[0]
+        logits = torch.empty(u, spec.vocab, dtype=self.dtype, device=dev)
+        chunk = max(1, self.prefill_tokens // max(1, p))
+        for u0 in range(0, u, chunk):
+            u1 = min(u, u0 + chunk)
+            sel = ((inv >= u0) & (inv < u1)).nonzero()[:, 0]
+            dst, src = slot_t[sel], inv[sel] - u0
+
+            def write(i: int, k: torch.Tensor, v: torch.Tensor, dst=dst, src=src) -> None:
+                self.keys[i][:, :, :p].index_copy_(0, dst, k.index_select(0, src))
+                self.values[i][:, :, :p].index_copy_(0, dst, v.index_select(0, src))
+
+            logits[u0:u1] = decoder.prefill(spec, self.weights, uids[u0:u1], positions[u0:u1], umask[u0:u1], write)
+        tokens, logprobs = choose_tokens(
+            logits[inv], torch.zeros(len(slots), dtype=torch.long, device=dev), self.key, seq=seq_t,
+            temperature=self.temperature, do_sample=self.do_sample, top_k=self.top_k, top_p=self.top_p,
+            use_top_p=self.use_top_p, min_new_tokens=self.min_new, stop_ids=self.stop_ids)
+        self.stats["prefill_rows"] += u
+        self.stats["prefill_sequences"] += len(slots)
+        self.stats["admissions"] += 1
+        out_t = torch.full((len(slots), self.max_new), self.sampling.pad_token_id, dtype=torch.long, device=dev)
+        out_l = torch.zeros(len(slots), self.max_new, dtype=torch.float32, device=dev)
+        out_t[:, 0], out_l[:, 0] = tokens, logprobs
+        valid = torch.ones(len(slots), self.length, dtype=torch.bool, device=dev)
+        valid[:, :p] = mask.bool()
+        done = self.limit <= 1
+        if self.stop_ids is not None:
+            done = done | self.stop_mask[tokens]
+        for buf, value in ((self.out_tokens, out_t), (self.out_logprobs, out_l), (self.key_valid, valid),
+                           (self.last, tokens), (self.pos, mask.sum(1)), (self.col, torch.full_like(tokens, p)),
+                           (self.step, torch.ones_like(tokens)), (self.seq, seq_t),
+                           (self.done, done.expand(len(slots)).clone())):
+            buf.index_copy_(0, slot_t, value)
+
+    @torch.no_grad()
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        """Move sequences from slots ``src`` to free slots ``dst`` (cache columns ``:length`` and
+        state); ``src`` are left done."""
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for cache in self.keys + self.values:
+            view = cache[:, :, :length]
+            view.index_copy_(0, d, view.index_select(0, s))
+        for buf in (self.last, self.pos, self.col, self.step, self.seq, self.done, self.key_valid, self.out_tokens,
+                    self.out_logprobs):
+            buf.index_copy_(0, d, buf.index_select(0, s))
+        self.done.index_fill_(0, s, True)
+        self.stats["compactions"] += 1
+
+    def harvest(self, slots: list[int], seq_ids: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Copy finished slots' outputs into the rollout's results at their sequences' rows."""
+        s = torch.tensor(slots, dtype=torch.long, device=self.device)
+        q = torch.tensor(seq_ids, dtype=torch.long, device=self.device)
+        n = tokens.shape[1]
+        tokens.index_copy_(0, q, self.out_tokens.index_select(0, s)[:, :n])
+        logprobs.index_copy_(0, q, self.out_logprobs.index_select(0, s)[:, :n])
+
+    def done_flags(self, rows: int) -> list[bool]:
+        return self.done[:rows].tolist()  # one host sync
+
+    # -- the step ------------------------------------------------------------------------------
+    def _eager_parts(self) -> None:
+        self._inputs_fn: Callable = _inputs
+        self._qkv_fn: Callable = decoder.qkv
+        self._post_fn: Callable = decoder.decode_layer_post
+        self._sample_fn: Callable = _sample
+        self._record_fn: Callable = _record
+
+    def compile_parts(self, backend: str = "inductor") -> None:
+        """``torch.compile`` the prologue, the two halves of a decoder layer, the sampler and the
+        epilogue (fullgraph: a graph break raises, and _capture falls back, counted). Dynamic shapes: one
+        compile serves every (rows, columns) bucket. Inductor emulates the eager forward's casts
+        to the model dtype (``emulate_precision_casts``), so fusing changes no rounding."""
+        import torch._dynamo
+
+        # Each engine (and knob set) is a recompile of the same functions: keep clear of the limit,
+        # past which dynamo would run them eagerly without a word.
+        limit = max(64, getattr(torch._dynamo.config, "recompile_limit", 8))
+        torch._dynamo.config.recompile_limit = limit
+        if hasattr(torch._dynamo.config, "cache_size_limit"):
+            torch._dynamo.config.cache_size_limit = max(limit, torch._dynamo.config.cache_size_limit)
+        options: dict[str, Any] = dict(fullgraph=True, dynamic=True, backend=backend)
+        if backend == "inductor":
+            import torch._inductor.config as inductor_config
+
+            if hasattr(inductor_config, "emulate_precision_casts"):
+                options["options"] = {"emulate_precision_casts": True}
+        self._inputs_fn = torch.compile(_inputs, **options)
+        self._qkv_fn = torch.compile(decoder.qkv, **options)
+        self._post_fn = torch.compile(decoder.decode_layer_post, **options)
+        self._sample_fn = torch.compile(_sample, **options)
+        self._record_fn = torch.compile(_record, **options)
+
+    def _step(self, rows: int, length: int) -> None:
+        """One token for rows ``:rows`` over cache columns ``:length``."""
+        spec, w = self.spec, self.weights
+        x, cos, sin, bias, where = self._inputs_fn(spec, self.last[:rows], self.pos[:rows], self.col[:rows],
+                                                   self.key_valid[:rows, :length], self.cols[:length], w["embed"],
+                                                   w["inv_freq"], self.length)
+        d = spec.head_dim
+        for i, lw in enumerate(w["layers"]):
+            q, k, v = self._qkv_fn(spec, lw, x, cos, sin)
+            # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
+            self.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))
+            self.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))
+            x = self._post_fn(spec, lw, x, q, self.keys[i][:rows, :, :length], self.values[i][:rows, :, :length],
+                              bias)
+        tokens, logprobs = self._sample_fn(spec, x, w["norm"], w["head"], w["head_bias"], self.step[:rows],
+                                           self.seq[:rows], self.key, self.temperature, self.do_sample, self.top_p,
+                                           self.min_new, self.top_k, self.use_top_p, self.stop_ids)
+        self._record_fn(self.done, self.step, self.last, self.pos, self.col, self.out_tokens, self.out_logprobs,
+                        tokens, logprobs, self.limit, self.stop_mask, self.sampling.pad_token_id)
+
+    def run(self, rows: int, length: int, steps: int) -> None:
+        """``steps`` decode steps of bucket (rows, length): graph replays on CUDA, else the step."""
+        self.stats["decode_steps"] += steps
+        self.stats["row_steps"] += steps * rows
+        self.stats["cache_cells_read"] += steps * rows * length
+        if not self._prepared:
+            self._prepare(rows, length)
+        graph = self.graphs.get((rows, length))
+        if graph is None and self.use_graphs:
+            graph = self._capture(rows, length)
+        with torch.no_grad():
+            for _ in range(steps):
+                if graph is None:
+                    self._step(rows, length)
+                else:
+                    graph.replay()
+
+    # -- compile and capture -------------------------------------------------------------------
+    def _state(self) -> list[torch.Tensor]:
+        return [self.last, self.pos, self.col, self.step, self.done, self.out_tokens, self.out_logprobs]
+
+    def _warm_up(self, rows: int, length: int) -> None:
+        """Run the step on the real buffers (restored after): compile, autotune and allocate
+        outside capture; on CUDA three times on a side stream, as capture requires."""
+        saved = [t.clone() for t in self._state()]
+        try:
+            with torch.no_grad():
+                if self.device.type == "cuda":
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(3):
+                            self._step(rows, length)
+                    torch.cuda.current_stream().wait_stream(side)
+                else:
+                    self._step(rows, length)
+        finally:
+            for t, s in zip(self._state(), saved):
+                t.copy_(s)
+
+    def _fall_back(self, what: str, err: Exception) -> None:
+        reason = f"{what} ({type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''})"
+        self.fallback_reasons.append(reason)
+        logger.warning("rollout: %s; the decode step is now slower (counted in rollout stats)", reason)
+
+    def _prepare(self, rows: int, length: int) -> None:
+        """Compile the step's parts (``compile_mode`` "layer") and run it once. A compile that fails
+        is retried with bf16 attention scores if it had float32 ones (``stats["fp32_scores"]``
+        says which ran), then falls back to the eager parts: logged, and counted in
+        ``stats["compile_fallbacks"]``."""
+        tick = time.perf_counter()
+        self._prepared = True
+        self.stats["fp32_scores"] = self.spec.fp32_scores
+        if self.compile_mode == "none":
+            return
+        while True:
+            self.compile_parts(self.compile_backend)
+            try:
+                self._warm_up(rows, length)
+                break
+            except Exception as err:  # noqa: BLE001 - e.g. something dynamo cannot trace in one graph
+                if self.spec.fp32_scores and self.dtype != torch.float32 and self.device.type == "cuda":
+                    self._fall_back("torch.compile of the step with float32 attention scores failed; retrying "
+                                    "with bf16 scores", err)
+                    self.spec = dataclasses.replace(self.spec, fp32_scores=False)
+                    self.stats["fp32_scores"] = False
+                    continue
+                self._fall_back("torch.compile of the decode step failed; running the eager step", err)
+                self.stats["compile_fallbacks"] += 1
+                self.compile_mode = "none"
+                self._eager_parts()
+                break
+        self.stats["capture_s"] += time.perf_counter() - tick
+
+    def _capture(self, rows: int, length: int) -> Any:
+        """Capture bucket (rows, length) as a CUDA graph (after a warm-up); a capture that fails
+        leaves the engine without graphs, logged and counted in ``stats["capture_fallbacks"]``."""
+        tick = time.perf_counter()
+        self._warm_up(rows, length)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        saved = [t.clone() for t in self._state()]
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+                self._step(rows, length)
+        except Exception as err:  # noqa: BLE001 - an op that cannot be captured: no graph
+            self._fall_back("CUDA graph capture of the decode step failed; decoding without a graph", err)
+            self.stats["capture_fallbacks"] += 1
+            torch.cuda.synchronize()
+            graph, self.use_graphs = None, False
+        self.stats["graph_pool_bytes"] += torch.cuda.memory_reserved() - reserved
+        for t, s in zip(self._state(), saved):
+            t.copy_(s)
+        if graph is not None:
+            if (rows, length) in self._captured_keys:
+                self.stats["recaptures"] += 1
+            self._captured_keys.add((rows, length))
+            self.graphs[(rows, length)] = graph
+            self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - tick
+        return graph
+
+    # -- buckets ---------------------------------------------------------------------------------
+    def rows_bucket(self, rows: int) -> int:
+        return next(b for b in self.batch_buckets if b >= rows)
+
+    def length_bucket_for(self, columns: int) -> int:
+        return min(self.length, math.ceil(columns / self.length_bucket) * self.length_bucket)

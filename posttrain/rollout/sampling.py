@@ -1,0 +1,167 @@
+"""What to sample and how: the settings, the filters (top-k, top-p), keyed Gumbel-max sampling and
+TRL's truncation after the first stop token. Shared by both backends and the engine's step.
+
+Same seed, same samples, wherever a sequence runs: the noise of the token a sequence chooses at
+step ``t`` is a hash of (rollout key, t, the sequence's index in the rollout, vocabulary entry),
+a counter-based generator (as Philox is), so a captured graph needs no generator state and a
+sequence samples the same tokens whichever slot, batch bucket or refill wave it lands in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessor
+
+from ..dsconfig import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """What to sample; names as in transformers' GenerationConfig / TRL configs."""
+
+    max_new_tokens: int
+    pad_token_id: int
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # EOS and stop tokens
+    do_sample: bool = True  # False: greedy
+
+    def __post_init__(self) -> None:
+        # None means "off", as in TRL's configs (top_k: None in some versions).
+        self.top_k = 0 if self.top_k is None else int(self.top_k)
+        self.top_p = 1.0 if self.top_p is None else float(self.top_p)
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be positive, got {self.temperature}; use do_sample=False for greedy")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.min_new_tokens < 0:
+            raise ConfigError(f"top_k and min_new_tokens must be >= 0, got {self.top_k} and {self.min_new_tokens}")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+
+@dataclass
+class RolloutOutput:
+    sequences: torch.Tensor  # [B, P+N] prompt (left-padded, as given) + completion
+    completion_ids: torch.Tensor  # [B, N]; after the first stop token: pad (the stop token itself kept)
+    completion_mask: torch.Tensor  # [B, N] 1 up to and including the first stop token
+    logprobs: torch.Tensor  # [B, N] float32, under the temperature-scaled distribution; 0 where masked
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature) at ``tokens``, in float32: the distribution before top-k/top-p
+    filtering and min_new_tokens masking, i.e. what a forward pass over the sequence gives."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float | torch.Tensor, use_top_p: bool | None = None
+                  ) -> torch.Tensor:
+    """transformers' TopKLogitsWarper then TopPLogitsWarper (keep at least one token), without
+    data-dependent shapes: removed entries become -inf. ``top_p`` may be a 0-d tensor (a graph
+    input); ``use_top_p`` then says whether to sort at all."""
+    if top_k > 0 and top_k < scaled.size(-1):
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if use_top_p if use_top_p is not None else top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[..., -1:] = False
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        scaled = scaled.masked_fill(remove, float("-inf"))
+    return scaled
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (Wellons' lowbias32) on int64 tensors holding values < 2**32.
+    Products stay below 2**63 (constants < 2**31), so nothing overflows on any backend."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def gumbel_noise(key: torch.Tensor, step: torch.Tensor, seq: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [rows, vocab] as a pure function of (key, step, sequence, token).
+
+    ``seq`` [rows]: each row's sequence index in the rollout (not its slot); ``step``: a 0-d
+    tensor or [rows], the index of the token each row chooses."""
+    seq = seq.view(-1, 1).to(torch.int64)
+    step = step.view(-1, 1) if step.dim() else step
+    tok = torch.arange(vocab, device=seq.device, dtype=torch.int64).unsqueeze(0)
+    base = _hash32(_hash32(key ^ (step * 0x2545F491)) + seq * 0x5851F42D)
+    bits = _hash32(base ^ _hash32(tok + 0x9E3779B))
+    u = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u))
+
+
+def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *, seq: torch.Tensor | None = None,
+                  temperature: float | torch.Tensor, do_sample: bool | torch.Tensor, top_k: int = 0,
+                  top_p: float | torch.Tensor = 1.0, use_top_p: bool | None = None,
+                  min_new_tokens: int | torch.Tensor = 0, stop_ids: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob, from raw logits [B, V]. ``step`` (0-d or [B] int64) is
+    the index of the token being chosen; ``seq`` [B] the rows' sequence indices (default 0..B-1);
+    stop tokens are barred while step < min_new_tokens. Temperature, do_sample, top_p and
+    min_new_tokens may be 0-d tensors: the engine's graph reads them, so changing them needs no
+    recompile; top_k, whether to sort for top-p and the stop tokens are fixed per graph."""
+    if seq is None:
+        seq = torch.arange(logits.size(0), device=logits.device)
+    scaled = logits.float() / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    pick = scaled
+    if stop_ids is not None:
+        barred = torch.zeros(scaled.size(-1), dtype=torch.bool, device=scaled.device).index_fill(0, stop_ids, True)
+        early = (step < min_new_tokens).view(-1, 1) if step.dim() else step < min_new_tokens
+        pick = pick.masked_fill(barred & early, float("-inf"))
+    if isinstance(do_sample, bool):
+        if do_sample:  # greedy ignores top-k/top-p, as transformers does (argmax is kept by both)
+            pick = filter_logits(pick, top_k, top_p, use_top_p)
+            pick = pick + gumbel_noise(key, step, seq, pick.size(1))
+    else:
+        pick = filter_logits(pick, top_k, top_p, use_top_p)
+        pick = pick + gumbel_noise(key, step, seq, pick.size(1)) * do_sample
+    tokens = pick.argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def finish(completion: torch.Tensor, logprobs: torch.Tensor, sampling: SamplingParams
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's truncate_response for several stop tokens: pad after the first stop token (kept), the
+    mask 1 up to and including it, log-probs 0 where masked."""
+    n = completion.size(1)
+    if sampling.stop_token_ids:
+        stops = torch.tensor(sampling.stop_token_ids, device=completion.device)
+        is_stop = torch.isin(completion, stops)
+        first = torch.where(is_stop.any(1), is_stop.int().argmax(1), torch.full_like(is_stop[:, 0], n, dtype=torch.long))
+    else:
+        first = torch.full((completion.size(0),), n, device=completion.device, dtype=torch.long)
+    mask = torch.arange(n, device=completion.device).unsqueeze(0) <= first.unsqueeze(1)
+    completion = completion.masked_fill(~mask, sampling.pad_token_id)
+    return completion, mask.long(), logprobs.float().masked_fill(~mask, 0.0)
+
+
+class GumbelSampling(LogitsProcessor):
+    """A transformers logits processor that turns greedy search into the engine's sampler:
+    temperature, top-k, top-p, then Gumbel noise keyed like the engine's (row = sequence index)."""
+
+    def __init__(self, sampling: SamplingParams, key: int, prompt_len: int) -> None:
+        self.sampling, self.key, self.prompt_len = sampling, key, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = torch.tensor(input_ids.shape[1] - self.prompt_len, device=scores.device)
+        key = torch.tensor(self.key, device=scores.device)
+        pick = filter_logits(scores.float() / self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
+        seq = torch.arange(scores.size(0), device=scores.device)
+        return pick + gumbel_noise(key, step, seq, scores.size(1))

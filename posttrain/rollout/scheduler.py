@@ -1,0 +1,86 @@
+"""Which sequence decodes in which slot, and when: continuous batching over the engine's slots.
+
+A rollout of any number of sequences streams through the engine's ``slots`` (the KV budget):
+
+- sequences enter in order as slots free, in waves of at least ``engine.admit_min`` (each wave is
+  one prefill, whose rows with the same prompt are prefilled once: a GRPO group's
+  ``num_generations`` rows cost one prompt's prefill);
+- every ``sync_every`` steps the host reads the done flags (one sync; none without stop tokens,
+  when the host knows every row's end), harvests finished rows into the results, and compacts:
+  live rows move down into the freed slots, so the step runs the smallest batch bucket that holds
+  them, over the smallest length bucket that holds the longest live row.
+
+Each sequence's samples depend only on (rollout key, its index, its step): not on its slot, its
+wave or the bucket it ran in (``sampling.gumbel_noise``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .engine import Clock, DecodeEngine
+
+
+def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key: int,
+             max_new_tokens: int, profile: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Completion tokens and log-probs [n, max_new_tokens] (pad and 0 after a sequence is done)
+    for left-padded prompts [n, P]; and timings (ms) when ``profile``."""
+    n, width = prompt_ids.shape
+    engine.begin(key, max_new_tokens, width)
+    dev, pad = engine.device, engine.sampling.pad_token_id
+    tokens = torch.full((n, max_new_tokens), pad, dtype=torch.long, device=dev)
+    logprobs = torch.zeros(n, max_new_tokens, dtype=torch.float32, device=dev)
+    slot_seq: dict[int, int] = {}  # occupied slot -> sequence index
+    age: dict[int, int] = {}  # decode steps run since the sequence entered
+    admitted = 0
+    last_step = max_new_tokens - 1  # a row's last token has step index max_new_tokens - 1
+    timings = {"prefill_ms": 0.0, "decode_ms": 0.0, "decode_steps": 0, "row_steps": 0}
+    clock = Clock(dev) if profile else None
+    while True:
+        if slot_seq:  # retire finished rows
+            flags = engine.done_flags(max(slot_seq) + 1) if engine.stop_ids is not None else None
+            finished = [s for s in slot_seq if age[s] >= last_step or (flags is not None and flags[s])]
+            if finished:
+                engine.harvest(finished, [slot_seq[s] for s in finished], tokens, logprobs)
+                for s in finished:
+                    del slot_seq[s], age[s]
+        free, waiting = engine.slots - len(slot_seq), n - admitted
+        k = min(free, waiting)
+        admit = k > 0 and (k == waiting or k >= engine.admit_min or not slot_seq)
+        live = len(slot_seq) + (k if admit else 0)
+        if live == 0:
+            break
+        highest = max(slot_seq, default=-1) + 1
+        if admit or engine.rows_bucket(len(slot_seq)) < engine.rows_bucket(highest):
+            # Compact: rows at or above `live` move into the holes below it; new rows fill the rest.
+            holes = [s for s in range(live) if s not in slot_seq]
+            movers = sorted(s for s in slot_seq if s >= live)
+            if movers:
+                oldest = max(age[s] for s in movers)
+                engine.move(movers, holes[: len(movers)], engine.length_bucket_for(width + oldest + 1))
+                for s, d in zip(movers, holes):
+                    slot_seq[d], age[d] = slot_seq.pop(s), age.pop(s)
+            if admit:
+                if clock is not None:
+                    timings["decode_ms"] += clock.lap()
+                new_slots = holes[len(movers):]
+                engine.admit(new_slots, list(range(admitted, admitted + k)), prompt_ids[admitted : admitted + k],
+                             prompt_mask[admitted : admitted + k])
+                for i, s in enumerate(new_slots):
+                    slot_seq[s], age[s] = admitted + i, 0
+                admitted += k
+                if clock is not None:
+                    timings["prefill_ms"] += clock.lap()
+        steps = min(engine.sync_every, max(last_step - a for a in age.values()))
+        if steps <= 0:
+            continue  # every live row has its last token: retire them
+        rows = engine.rows_bucket(max(slot_seq) + 1)
+        length = engine.length_bucket_for(width + max(age.values()) + steps)
+        engine.run(rows, length, steps)
+        timings["decode_steps"] += steps
+        timings["row_steps"] += steps * rows
+        for s in age:
+            age[s] += steps
+    if clock is not None:
+        timings["decode_ms"] += clock.lap()
+    return tokens, logprobs, timings

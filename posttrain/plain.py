@@ -148,7 +148,7 @@ class PlainEngine(nn.Module):
                               "(single_process_engine): resume with single_process_engine deepspeed")
         found = load_accelerator_state(str(directory), [self.module], [self.optimizer],
                                        [scheduler] if scheduler is not None else [], [], process_index=0,
-                                       map_location="on_device")
+                                       map_location="cpu")  # load_state_dict moves to the parameters
         self.micro_steps = int(found.get("step", self.micro_steps))
 
 

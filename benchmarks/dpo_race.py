@@ -163,18 +163,23 @@ def planned(spec: dict[str, Any]) -> dict[str, float]:
             "planned_fp32_extra_gib": (plans["fp32"].peak - plans["bf16"].peak) / GiB}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, *, doc: str = __doc__, all_sides: tuple[str, ...] = SIDES,
+         child_fn: Any = None, planned_fn: Any = None, script: str = __file__, name: str = "dpo_race") -> int:
+    """The race: every side once per round, alternating, each in a fresh process running ``script
+    --child SIDE`` (benchmarks/distill_race.py reuses it with its own sides and rows)."""
+    SIDES, child, planned = all_sides, child_fn or globals()["child"], planned_fn or globals()["planned"]  # noqa: N806
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="the tiny shape and 64-token sequences (a CPU check)")
     ap.add_argument("--shape", default=None, help="a preset of posttrain.memory.SHAPES (default 1b; tiny with --tiny)")
-    ap.add_argument("--pairs", type=int, default=None, help="preference pairs per step (default 4; 2 with --tiny)")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="preference pairs (DPO) or rows (distillation) per step (default 4; 2 with --tiny)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512; 64 with --tiny)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per row")
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     ap.add_argument("--rounds", type=int, default=2, help="times every row runs, alternating")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
     ap.add_argument("--out", default=None, help="a JSON-lines file the rows are appended to as they finish")
-    ap.add_argument("--workdir", default=str(ROOT / ".cache" / "dpo_race"), help="where the runs write")
+    ap.add_argument("--workdir", default=str(ROOT / ".cache" / name), help="where the runs write")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     spec = {"shape": args.shape or ("tiny" if args.tiny else "1b"), "pairs": args.pairs or (2 if args.tiny else 4),
@@ -201,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     emit({"spec": spec, "sides": sides, "rounds": args.rounds, "command": " ".join(sys.argv)})
     for rnd in range(args.rounds):
         for side in sides:  # alternating: every side once per round
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side,
+            cmd = [sys.executable, str(Path(script).resolve()), "--child", side,
                    "--shape", spec["shape"], "--pairs", str(spec["pairs"]), "--seq-len", str(spec["seq_len"]),
                    "--steps", str(spec["steps"]), "--warmup", str(spec["warmup"]), "--workdir", str(work)]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

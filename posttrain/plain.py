@@ -12,7 +12,8 @@ is the norm before clipping, ``module`` is the model.
 
 Precision (``master_weights``): "bf16" casts the parameters to bf16 (buffers stay fp32, as
 DeepSpeed's cast keeps them) and AdamW updates them in place: TRL's numerics with a bf16 model.
-"fp32" keeps fp32 parameters, gradients and Adam states with the bf16 autocast forward: the
+"fp32" casts them to fp32 (however the model was loaded) and keeps fp32 gradients and Adam states
+with the bf16 autocast forward: the
 numerics of ``transformers.Trainer(bf16=True)`` on an fp32 model (not the DeepSpeed fp32 path's:
 its forward runs on bf16 copies of the weights without autocast).
 """
@@ -84,8 +85,8 @@ class PlainEngine(nn.Module):
                  gradient_accumulation_steps: int, gradient_clipping: float, mixed_precision: str,
                  master_weights: str) -> None:
         super().__init__()
-        if master_weights == "bf16":
-            _cast_parameters(model, torch.bfloat16)
+        # The optimizer's precision is the parameters' (a model loaded in bf16 gets fp32 ones for fp32 states).
+        _cast_parameters(model, torch.bfloat16 if master_weights == "bf16" else torch.float32)
         model.to(device)
         if mixed_precision == "bf16":
             _autocast_forward(model, device)
@@ -158,7 +159,7 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     (``_keep_in_fp32_modules``), as DeepSpeed's cast and ``from_pretrained(dtype=...)`` leave them."""
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     for name, param in model.named_parameters():
-        if param.is_floating_point() and not any(k in name.split(".") for k in keep):
+        if param.is_floating_point() and param.dtype != dtype and not any(k in name.split(".") for k in keep):
             param.data = param.data.to(dtype)
 
 

@@ -198,3 +198,20 @@ def test_dpo_race_tiny(tmp_path):
     assert rows["posttrain-torch-bf16"]["placements"] == {"policy": 0, "reference": 0}
     summary = lines[-1]
     assert set(summary["summary"]) == set(rows) and summary["planned_fp32_extra_gib"] > 0
+
+
+def test_distill_race_tiny(tmp_path):
+    """benchmarks/distill_race.py on CPU: TRL's GKDTrainer and posttrain's two auto choices, 2 steps each."""
+    out = tmp_path / "race.jsonl"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "benchmarks/distill_race.py", "--tiny", "--steps", "1", "--warmup", "1",
+                           "--rounds", "1", "--sides", SIDES, "--out", str(out), "--workdir", str(tmp_path / "work")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = {r["side"]: r for r in lines[1:-1]}
+    assert ",".join(rows) == SIDES and all(r["status"] == "ok" and len(r["step_times"]) == 2 for r in rows.values())
+    assert rows["posttrain-torch-bf16"]["engine"] == "torch" and rows["posttrain-ds-fp32"]["engine"] == "deepspeed"
+    assert rows["posttrain-torch-bf16"]["placements"] == {"student": 0, "teacher": 0}
+    assert {"forward", "backward"} <= set(rows["posttrain-ds-fp32"]["phase_s"])
+    assert set(lines[-1]["summary"]) == set(rows)

@@ -126,6 +126,9 @@ class PlainEngine(nn.Module):
     def get_global_grad_norm(self) -> torch.Tensor | None:
         return self._grad_norm
 
+    def gradient_clipping(self) -> float:
+        return self.clipping
+
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 

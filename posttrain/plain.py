@@ -63,8 +63,9 @@ def check_setting(setting: str, *, world_size: int, mixed_precision: str, own_co
                           "single_process_engine deepspeed for fp16")
     if own_configs:
         raise ConfigError(f"single_process_engine torch replaces the DeepSpeed engine of trained roles whose config "
-                          f"comes from the mix, but {', '.join(map(repr, own_configs))} has its own config in "
-                          "role_configs: drop it from role_configs, or set single_process_engine deepspeed")
+                          f"comes from the mix, but {', '.join(map(repr, own_configs))} has a config of its own "
+                          "(role_configs, or the zero2-zero3-stock mix, which runs as named): drop it from role_configs "
+                          "or choose another mix, or set single_process_engine deepspeed")
 
 
 def describe(master_weights: str, mixed_precision: str) -> str:

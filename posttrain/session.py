@@ -7,7 +7,9 @@ loads (zero.Init) and becomes a ZeRO-3 engine, while a ZeRO-2 role trains beside
 accelerate's multi-plugin API has traps (shared/knowledge/multi-plugin-facts.md); the session
 avoids them by giving each role its own Accelerator (``backward``, ``get_state_dict`` and
 ``save_state`` then see exactly one engine and its config; frozen roles' Accelerators are never
-checkpointed). The first trained role owns the Accelerator built with the plugins.
+checkpointed). The first trained role owns the Accelerator built with the plugins. In a world of
+one process a trained role of a mix may run without an engine (``single_process_engine``,
+posttrain/plain.py); the session drives it the same way.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def test_which_roles_take_the_torch_path():
     (dict(setting="fast"), "single_process_engine must be one of auto, deepspeed, torch"),
     (dict(world_size=2), "torch runs one process only, and this run has 2: set single_process_engine auto or deepspeed"),
     (dict(mixed_precision="fp16"), "no fp16 loss scaling: use --bf16 true"),
-    (dict(own_configs=["policy"]), "'policy' has its own config in role_configs: drop it"),
+    (dict(own_configs=["policy"]), r"'policy' has a config of its own \(role_configs, or the zero2-zero3-stock mix"),
 ])
 def test_setting_refusals(kwargs, match):
     args = {"setting": "torch", "world_size": 1, "mixed_precision": "bf16", "own_configs": [], **kwargs}
@@ -66,6 +66,6 @@ def test_setting_refusals(kwargs, match):
 def test_trainer_refuses_before_loading(tmp_path):
     cfg = DPOConfig(output_dir=str(tmp_path / "out"), single_process_engine="torch",
                     role_configs={"policy": "zero2_train"})
-    with pytest.raises(ConfigError, match="has its own config in role_configs"):
+    with pytest.raises(ConfigError, match="has a config of its own"):
         DPOTrainer(cfg, train_dataset=[{"prompt": "a", "chosen": " b", "rejected": " c"}] * 8)
     assert not (tmp_path / "out").exists()  # refused before the output dir was made

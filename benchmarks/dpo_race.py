@@ -5,9 +5,10 @@ peak and accelerate state), ``--rounds`` times:
 
 - ``trl``: ``trl.DPOTrainer`` on a bf16 model with a bf16 reference, no DeepSpeed, AdamW on the
   bf16 parameters (no fp32 master weights): TRL's strongest single-GPU setting;
-- ``posttrain-fp32``: posttrain's DPOTrainer, default mix, ``master_weights: fp32`` (fp32 master
-  weights and Adam states);
-- ``posttrain-bf16``: the same with ``master_weights: bf16``.
+- ``posttrain-{torch,ds}-{bf16,fp32}``: posttrain's DPOTrainer, default mix, ``master_weights``
+  bf16 or fp32, its policy trained without a DeepSpeed engine (``single_process_engine: torch``,
+  posttrain/plain.py: the model and torch's fused AdamW) or by DeepSpeed's ZeRO-2 engine
+  (``deepspeed``). What ``auto`` runs on one GPU: torch for bf16, DeepSpeed for fp32.
 
 Both sides: the same random-weight model (Llama 1.1B shape, hidden 2048, 22 layers, built from a
 config and saved once, as benchmarks/grpo_e2e.py does), ``--pairs`` preference pairs of
@@ -38,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SIDES = ("trl", "posttrain-fp32", "posttrain-bf16")
+SIDES = ("trl", "posttrain-torch-bf16", "posttrain-ds-bf16", "posttrain-torch-fp32", "posttrain-ds-fp32")
+ENGINES = {"torch": "torch", "ds": "deepspeed"}
 GiB = 2**30
 
 
@@ -87,14 +89,14 @@ def run_trl(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamp
 
 
 def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: list[float],
-                  master_weights: str) -> dict[str, Any]:
+                  engine: str, master_weights: str) -> dict[str, Any]:
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
-    cfg = DPOConfig(output_dir=str(out / f"posttrain-{master_weights}"), overwrite_output_dir=True,
+    cfg = DPOConfig(output_dir=str(out / f"posttrain-{engine}-{master_weights}"), overwrite_output_dir=True,
                     model_name_or_path=str(path), per_device_train_batch_size=spec["pairs"],
                     max_length=spec["seq_len"], learning_rate=1e-6, max_steps=spec["warmup"] + spec["steps"],
                     bf16=True, master_weights=master_weights, gradient_checkpointing=True, logging_steps=1,
-                    disable_tqdm=True, seed=0)
+                    disable_tqdm=True, seed=0, single_process_engine=ENGINES[engine])
     trainer = DPOTrainer(cfg, train_dataset=rows)
     s = trainer.session
     step = s.step
@@ -113,6 +115,7 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
     # posttrain's own phase times (time/reference, time/backward, ...), medians of the measured steps.
     phases = sorted({k for h in history for k in h if k.startswith("time/")})
     return {"placements": {n: s.zero_stage(n) for n in s.roles}, "master_weights": s.master_weights("policy"),
+            "engine": s.engine_kind("policy"),
             "one_rank_changes": s.one_rank_changes, "losses": [h["loss"] for h in history],
             "phase_s": {k.removeprefix("time/"): statistics.median(h.get(k, 0.0) for h in history) for k in phases}}
 
@@ -133,7 +136,8 @@ def child(side: str, spec: dict[str, Any], out: Path) -> dict[str, Any]:
     if side == "trl":
         run_trl(spec, path, rows, out, stamps)
     else:
-        row.update(run_posttrain(spec, path, rows, out, stamps, side.removeprefix("posttrain-")))
+        _, engine, master_weights = side.split("-")
+        row.update(run_posttrain(spec, path, rows, out, stamps, engine, master_weights))
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
     if len(steps) != spec["warmup"] + spec["steps"]:
         raise RuntimeError(f"{side}: timed {len(steps)} optimizer steps, expected {spec['warmup'] + spec['steps']}")
@@ -148,7 +152,7 @@ def child(side: str, spec: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def planned(spec: dict[str, Any]) -> dict[str, float]:
-    """The planner's per-GPU figures for posttrain's two rows (gradient checkpointing on, as run)."""
+    """The planner's per-GPU figures for posttrain's DeepSpeed rows (gradient checkpointing on, as run)."""
     from posttrain import memory
 
     plans = {mw: memory.plan("dpo", spec["shape"], "zero2-zero3", world_size=1, micro_batch=spec["pairs"],
@@ -159,18 +163,23 @@ def planned(spec: dict[str, Any]) -> dict[str, float]:
             "planned_fp32_extra_gib": (plans["fp32"].peak - plans["bf16"].peak) / GiB}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, *, doc: str = __doc__, all_sides: tuple[str, ...] = SIDES,
+         child_fn: Any = None, planned_fn: Any = None, script: str = __file__, name: str = "dpo_race") -> int:
+    """The race: every side once per round, alternating, each in a fresh process running ``script
+    --child SIDE`` (benchmarks/distill_race.py reuses it with its own sides and rows)."""
+    SIDES, child, planned = all_sides, child_fn or globals()["child"], planned_fn or globals()["planned"]  # noqa: N806
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="the tiny shape and 64-token sequences (a CPU check)")
     ap.add_argument("--shape", default=None, help="a preset of posttrain.memory.SHAPES (default 1b; tiny with --tiny)")
-    ap.add_argument("--pairs", type=int, default=None, help="preference pairs per step (default 4; 2 with --tiny)")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="preference pairs (DPO) or rows (distillation) per step (default 4; 2 with --tiny)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512; 64 with --tiny)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per row")
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     ap.add_argument("--rounds", type=int, default=2, help="times every row runs, alternating")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {', '.join(SIDES)}")
     ap.add_argument("--out", default=None, help="a JSON-lines file the rows are appended to as they finish")
-    ap.add_argument("--workdir", default=str(ROOT / ".cache" / "dpo_race"), help="where the runs write")
+    ap.add_argument("--workdir", default=str(ROOT / ".cache" / name), help="where the runs write")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     spec = {"shape": args.shape or ("tiny" if args.tiny else "1b"), "pairs": args.pairs or (2 if args.tiny else 4),
@@ -197,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     emit({"spec": spec, "sides": sides, "rounds": args.rounds, "command": " ".join(sys.argv)})
     for rnd in range(args.rounds):
         for side in sides:  # alternating: every side once per round
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side,
+            cmd = [sys.executable, str(Path(script).resolve()), "--child", side,
                    "--shape", spec["shape"], "--pairs", str(spec["pairs"]), "--seq-len", str(spec["seq_len"]),
                    "--steps", str(spec["steps"]), "--warmup", str(spec["warmup"]), "--workdir", str(work)]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -300,7 +300,10 @@ def write_model_card(
             if dsconfig.params_offloaded(resolved):
                 stage += " (parameters offloaded)"
             label = f"`{role.config}`" if isinstance(role.config, (str, Path)) else "a dict given in code"
-            if name in getattr(session, "one_rank_changes", {}) and dsconfig.zero_stage(resolved) == 0:
+            if name in getattr(session, "plain_roles", ()):
+                label += " (one process: no DeepSpeed engine, torch AdamW)"
+                stage = "none"
+            elif name in getattr(session, "one_rank_changes", {}) and dsconfig.zero_stage(resolved) == 0:
                 label += " (one process: replicated)"
             # What ran, read from the resolved config: fp32 or bf16 master weights and Adam states.
             master = dsconfig.master_weights(resolved) if role.trains else "–"

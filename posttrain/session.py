@@ -7,7 +7,9 @@ loads (zero.Init) and becomes a ZeRO-3 engine, while a ZeRO-2 role trains beside
 accelerate's multi-plugin API has traps (shared/knowledge/multi-plugin-facts.md); the session
 avoids them by giving each role its own Accelerator (``backward``, ``get_state_dict`` and
 ``save_state`` then see exactly one engine and its config; frozen roles' Accelerators are never
-checkpointed). The first trained role owns the Accelerator built with the plugins.
+checkpointed). The first trained role owns the Accelerator built with the plugins. In a world of
+one process a trained role of a mix may run without an engine (``single_process_engine``,
+posttrain/plain.py); the session drives it the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import dsconfig
+from . import dsconfig, plain
 from .checks import check_model_path
 from .dsconfig import ConfigError
 from .roles import Role
@@ -130,6 +132,7 @@ class Session:
         total_steps: int | None = None,
         log_with: str | list[str] | None = None,
         project_dir: str | None = None,
+        single_process_engine: str = "auto",
     ) -> None:
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState
@@ -155,12 +158,20 @@ class Session:
         self.mixed_precision = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         _single_process_env()
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        plain.check_setting(single_process_engine, world_size=world_size, mixed_precision=self.mixed_precision,
+                            own_configs=[r.name for r in trained if not r.from_mix])
 
         self.configs: dict[str, dict] = {}
         self.one_rank_changes: dict[str, str] = {}  # role -> what the one-process path changed
+        self.plain_roles: set[str] = set()  # trained roles without a DeepSpeed engine (posttrain.plain)
         for role in self.roles.values():
             raw = dsconfig.read_config(role.config)
-            if world_size == 1 and role.from_mix:
+            torch_path = plain.uses_torch(single_process_engine, world_size=world_size, trains=role.trains,
+                                          from_mix=role.from_mix, master_weights=dsconfig.master_weights(raw))
+            if torch_path:
+                self.plain_roles.add(role.name)
+                self.one_rank_changes[role.name] = plain.describe(dsconfig.master_weights(raw), self.mixed_precision)
+            elif world_size == 1 and role.from_mix:
                 raw, change = dsconfig.one_rank(raw, role.trains)
                 if change:
                     self.one_rank_changes[role.name] = change
@@ -179,6 +190,8 @@ class Session:
                 total_steps=total_steps,
                 memory_efficient_linear=role.memory_efficient_linear,
             )
+            if torch_path:  # checked as DeepSpeed would take it; its plugin only ever sees loading (no zero.Init)
+                self.configs[role.name]["zero_optimization"] = {"stage": 0}
 
         if self.one_rank_changes:
             # Said once per session, before any model loads (one process: it is the main one).
@@ -359,6 +372,8 @@ class Session:
                 f"role {name!r} is frozen and cannot take an optimizer or scheduler: drop them, or declare "
                 "the role with trains=True and a training config"
             )
+        if name in self.plain_roles:
+            return self._prepare_plain(name, model, optimizer, scheduler)
         if role.trains and optimizer is None:
             if "optimizer" not in cfg:
                 raise ConfigError(
@@ -393,6 +408,29 @@ class Session:
                 self.fast_frozen[name] = take_over(engine)
         self.engines[name] = engine
         return engine
+
+    def _prepare_plain(self, name: str, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> Any:
+        """A trained role at world size 1 without DeepSpeed (posttrain.plain): same interface."""
+        from accelerate.utils import DummyOptim
+
+        if optimizer is None or isinstance(optimizer, DummyOptim):
+            raise ConfigError(f"role {name!r} trains without a DeepSpeed engine (single_process_engine): pass a torch "
+                              "optimizer to prepare(), or set single_process_engine deepspeed to use the config's block")
+        cfg = self.configs[name]
+        engine = plain.PlainEngine(model, optimizer, device=self.device,
+                                   gradient_accumulation_steps=self.gradient_accumulation_steps,
+                                   gradient_clipping=cfg.get("gradient_clipping", 0.0),
+                                   mixed_precision=self.mixed_precision, master_weights=dsconfig.master_weights(cfg))
+        engine.train()
+        self.optimizers[name] = optimizer
+        if scheduler is not None:
+            self.schedulers[name] = scheduler
+        self.engines[name] = engine
+        return engine
+
+    def engine_kind(self, name: str) -> str:
+        """What runs a role: "torch" (posttrain.plain, no DeepSpeed engine) or "deepspeed"."""
+        return "torch" if self.role(name).name in self.plain_roles else "deepspeed"
 
     def _fast_frozen(self, name: str) -> bool:
         """Whether posttrain.frozen takes over the role's gathering (see Role.fast_frozen)."""
@@ -559,7 +597,9 @@ class Session:
         presence marks a complete state; the call returns when it is on disk."""
         directory = Path(directory)
         for name, role in self.roles.items():
-            if role.trains and name in self.engines:
+            if name in self.plain_roles and name in self.engines:
+                self.engines[name].save_state(directory / name, self.schedulers.get(name))
+            elif role.trains and name in self.engines:
                 with self.activate(name):
                     self._accelerators[name].save_state(str(directory / name))
         self.accelerator.wait_for_everyone()
@@ -573,7 +613,7 @@ class Session:
         """Restore what :meth:`save_state` wrote; returns its ``extra``. An incomplete state is
         refused: accelerate would skip a missing RNG file with only an info log, and the run would
         silently diverge from the one saved."""
-        from accelerate.utils import RNG_STATE_NAME
+        from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME
 
         directory = Path(directory)
         if not (directory / "trainer_state.json").is_file():
@@ -591,6 +631,12 @@ class Session:
                     raise ConfigError(f"{directory / name} lacks the RNG state of rank(s) {missing}: it was saved by "
                                       "fewer processes or its save did not finish; resume from a complete checkpoint "
                                       "with the same number of processes")
+                if name in self.plain_roles:
+                    self.engines[name].load_state(directory / name, self.schedulers.get(name))
+                    continue
+                if (directory / name / f"{OPTIMIZER_NAME}.bin").is_file():
+                    raise ConfigError(f"{directory / name} was saved without a DeepSpeed engine (single_process_engine "
+                                      "torch, one process): resume on one process with single_process_engine torch")
                 with self.activate(name):
                     self._accelerators[name].load_state(str(directory / name))
         return json.loads((directory / "trainer_state.json").read_text())
@@ -601,6 +647,8 @@ class Session:
         process only; the other ranks get None."""
         with self.activate(name):
             accelerator = self._accelerators[name]
+            if name in self.plain_roles:
+                return self.engines[name].module.state_dict()
             if self.role(name).trains:
                 return accelerator.get_state_dict(self.engines[name])
             # accelerate's get_state_dict expects a trained engine; gather a frozen one directly.

@@ -25,6 +25,7 @@ from .. import checks, interrupt
 from ..dsconfig import ConfigError
 from ..jsonrows import dumps_row, read_rows
 from ..modelcard import write_model_card
+from ..plain import check_setting as check_engine_setting
 from ..roles import DEFAULT_MIX, roles_for
 from ..session import Session
 
@@ -68,6 +69,9 @@ class TrainConfig:
     # weights with bf16 gradients and Adam states (8 bytes: TRL's footprint with a bf16 model).
     # bf16 needs mixed_precision bf16 and ZeRO stage 1-3 (the zero*_train_bf16_states presets).
     master_weights: str = "fp32"
+    # One process: "auto" trains bf16-master roles of the mix without a DeepSpeed engine (posttrain.plain),
+    # "torch" does so for fp32 ones too, "deepspeed" keeps the engine.
+    single_process_engine: str = "auto"
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest" in output_dir
     # A reused output_dir (metrics.jsonl or checkpoints in it) is refused unless this is set (it then
     # clears them) or the run resumes. TrainingArguments' names and meanings.
@@ -141,6 +145,8 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
     # Everything the run is given is checked before prepare_output_dir clears anything.
     checks.check_placement(cfg.mix, cfg.role_configs)
     roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs, master_weights=cfg.master_weights)
+    check_engine_setting(cfg.single_process_engine, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                         mixed_precision=cfg.mixed_precision, own_configs=[r.name for r in roles if r.trains and not r.from_mix])
     checks.check_output_dir(cfg.output_dir)
     checks.check_resume_path(cfg.resume_from_checkpoint, cfg.output_dir)
     prepare_output_dir(cfg)  # before any model loads: a reused dir or a missing checkpoint fails fast
@@ -156,6 +162,7 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
         total_steps=total_steps,
         log_with=cfg.report_to or None,
         project_dir=cfg.output_dir,
+        single_process_engine=cfg.single_process_engine,
     )
 
 

@@ -1,7 +1,8 @@
 """One process, bf16 mixed precision: posttrain's DPO with bf16 master weights and optimizer states
-(with the one-process shared master, and with DeepSpeed's own master copy), with fp32 ones, and
-TRL's DPOTrainer on a bf16 model (AdamW on bf16 parameters), on the same 4 pairs every step;
-writes the losses, grad norms and checks as JSON (tests/test_precision.py)."""
+(DeepSpeed with the one-process shared master, DeepSpeed's own master copy, and the torch path
+without an engine), with fp32 ones (DeepSpeed, and the torch path with an autocast forward), and
+TRL's DPOTrainer on a bf16 model (AdamW on bf16 parameters) and on an fp32 model, on the same 4
+pairs every step; writes the losses, grad norms and checks as JSON (tests/test_precision.py)."""
 
 import json
 import sys
@@ -28,7 +29,8 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
         session_module.share_bf16_master = lambda optimizer: False
     try:
         cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
-                        master_weights=master_weights, **settings(tmp, f"{master_weights}-{share}"))
+                        master_weights=master_weights, single_process_engine="deepspeed",
+                        **settings(tmp, f"{master_weights}-{share}"))
         trainer = DPOTrainer(cfg, train_dataset=rows)
         s = trainer.session
         engine = s.engines["policy"]
@@ -51,6 +53,24 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
         session_module.share_bf16_master = original
 
 
+def torch_run(tmp: Path, rows: list, master_weights: str) -> dict:
+    """The torch path (posttrain.plain): the model itself and torch's fused AdamW, no engine."""
+    cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
+                    master_weights=master_weights, single_process_engine="torch",
+                    **settings(tmp, f"torch-{master_weights}"))
+    trainer = DPOTrainer(cfg, train_dataset=rows)
+    s = trainer.session
+    history = trainer.train()
+    opt = s.optimizers["policy"]
+    states = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {"losses": [h["loss"] for h in history if "loss" in h],
+            "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
+            "kind": s.engine_kind("policy"), "param_dtypes": sorted({str(p.dtype) for p in s.unwrap("policy").parameters()}),
+            "state_dtypes": sorted({str(t.dtype) for t in states}), "fused": opt.param_groups[0]["fused"],
+            "recorded": s.master_weights("policy"), "stage": s.zero_stage("policy"),
+            "change": s.one_rank_changes["policy"]}
+
+
 def placement_run(tmp: Path, rows: list, name: str, **fields) -> list[float]:
     """fp32 (no mixed precision) losses under the default mix, simplified or as named."""
     base = {**settings(tmp, name), "bf16": False}
@@ -61,35 +81,35 @@ def placement_run(tmp: Path, rows: list, name: str, **fields) -> list[float]:
     return {"losses": [h["loss"] for h in trainer.train() if "loss" in h], "stages": stages}
 
 
-def resume_run(tmp: Path) -> dict:
-    """bf16 states with the shared master: 6 steps saved at 3, and a run resumed from that
-    checkpoint (copied into a fresh output dir), whose last 3 losses must equal the first's."""
+def resume_run(tmp: Path, engine: str) -> dict:
+    """bf16 states (DeepSpeed's shared master, or the torch path): 6 steps saved at 3, and a run
+    resumed from that checkpoint (copied into a fresh output dir), whose last 3 losses must equal the first's."""
     import shutil
 
     rows = synthetic.preference_pairs(16, seed=3)
 
     def cfg(name: str, **kw) -> DPOConfig:
         return DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), master_weights="bf16", save_steps=3,
-                         **{**settings(tmp, name), **kw})
+                         single_process_engine=engine, **{**settings(tmp, f"{name}-{engine}"), **kw})
 
     full = [h["loss"] for h in DPOTrainer(cfg("resume-full"), train_dataset=rows).train() if "loss" in h]
-    (tmp / "resume-part").mkdir()
-    shutil.copytree(tmp / "resume-full" / "checkpoint-3", tmp / "resume-part" / "checkpoint-3")
+    (tmp / f"resume-part-{engine}").mkdir()
+    shutil.copytree(tmp / f"resume-full-{engine}" / "checkpoint-3", tmp / f"resume-part-{engine}" / "checkpoint-3")
     resumed = DPOTrainer(cfg("resume-part", resume_from_checkpoint="latest"), train_dataset=rows).train()
     return {"full": full[3:], "resumed": [h["loss"] for h in resumed if "loss" in h]}
 
 
-def trl_run(tmp: Path, rows: list) -> dict:
+def trl_run(tmp: Path, rows: list, dtype: torch.dtype = torch.bfloat16) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig as TrlDPOConfig
     from trl import DPOTrainer as TrlDPOTrainer
 
-    fields = settings(tmp, "trl")
+    fields = settings(tmp, f"trl-{dtype}")
     fields.pop("overwrite_output_dir")
     args = TrlDPOConfig(**fields, use_cpu=True, report_to=[], save_strategy="no", max_length=1024)
-    model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.bfloat16)
-    ref = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=1), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=dtype)
+    ref = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=1), dtype=dtype)
     trainer = TrlDPOTrainer(model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
                             processing_class=tiny.load_tokenizer(tiny.model_path(seed=0)))
     trainer.train()
@@ -104,15 +124,17 @@ def main(out: str, tmp: str) -> None:
     rows = synthetic.preference_pairs(4, seed=3)  # one batch: both sides see the same 4 pairs every step
     # TRL first: after a Session, accelerate's process-wide DeepSpeed settings would make TRL's
     # Trainer run under DeepSpeed (fp32 master weights) instead of plain AdamW on bf16 parameters.
-    res = {"trl_bf16": trl_run(tmp_path, rows)}
+    res = {"trl_bf16": trl_run(tmp_path, rows), "trl_fp32_model": trl_run(tmp_path, rows, torch.float32)}
     res.update({"bf16": posttrain_run(tmp_path, rows, "bf16"),
                 "bf16_copy": posttrain_run(tmp_path, rows, "bf16", share=False),
-                "fp32": posttrain_run(tmp_path, rows, "fp32")})
+                "fp32": posttrain_run(tmp_path, rows, "fp32"),
+                "torch_bf16": torch_run(tmp_path, rows, "bf16"), "torch_fp32": torch_run(tmp_path, rows, "fp32")})
     # The one-process simplification against the same placements named explicitly (kept as given).
     res["fp32_simplified"] = placement_run(tmp_path, rows, "simplified")
     res["fp32_as_named"] = placement_run(tmp_path, rows, "named",
                                          role_configs={"policy": "zero2_train", "reference": "zero3_inference"})
-    res["resume"] = resume_run(tmp_path)
+    res["resume"] = resume_run(tmp_path, "deepspeed")
+    res["resume_torch"] = resume_run(tmp_path, "torch")
     Path(out).write_text(json.dumps(res))
 
 

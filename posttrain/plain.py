@@ -1,0 +1,194 @@
+"""A trained role without a DeepSpeed engine, for a world of one process.
+
+On one process ZeRO has nothing to partition or reduce, yet its engine still runs per-parameter
+gradient hooks, bucket copies, a reduction of a world of one per bucket and (with fp32 master
+weights) a second copy of the model. :class:`PlainEngine` is what TRL's trainers run on one GPU
+(``transformers.Trainer`` without DeepSpeed): the model itself, torch's fused AdamW (transformers'
+default ``adamw_torch_fused``), ``clip_grad_norm_``, and, under bf16 mixed precision, the forward
+in ``torch.autocast`` with outputs cast to fp32 (accelerate's ``prepare_model``). It keeps the
+engine's interface that :class:`posttrain.session.Session` drives: ``backward`` divides by the
+accumulation steps, ``step`` clips and steps at accumulation boundaries, ``get_global_grad_norm``
+is the norm before clipping, ``module`` is the model.
+
+Precision (``master_weights``): "bf16" casts the parameters to bf16 (buffers stay fp32, as
+DeepSpeed's cast keeps them) and AdamW updates them in place: TRL's numerics with a bf16 model.
+"fp32" casts them to fp32 (however the model was loaded) and keeps fp32 gradients and Adam states
+with the bf16 autocast forward: the
+numerics of ``transformers.Trainer(bf16=True)`` on an fp32 model (not the DeepSpeed fp32 path's:
+its forward runs on bf16 copies of the weights without autocast).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dsconfig import ConfigError
+
+ENGINES = ("auto", "deepspeed", "torch")
+
+
+def uses_torch(setting: str, *, world_size: int, trains: bool, from_mix: bool, master_weights: str) -> bool:
+    """Whether a role runs as a :class:`PlainEngine`.
+
+    ``auto``: at world size 1, for a trained role whose config comes from a mix, with bf16 master
+    weights (TRL's footprint and numerics, without the engine's work). fp32 master weights keep
+    DeepSpeed under auto: its forward runs on bf16 weights as at every other world size (the same
+    numbers on one GPU as on several) and the rollout engine decodes from bf16 weights; the
+    torch path would keep fp32 weights and cast them in every forward. ``torch`` forces it for
+    every such role (checked by :func:`check_setting`), ``deepspeed`` never uses it.
+    """
+    if setting == "deepspeed" or world_size != 1 or not trains or not from_mix:
+        return False
+    return setting == "torch" or master_weights == "bf16"
+
+
+def check_setting(setting: str, *, world_size: int, mixed_precision: str, own_configs: list[str]) -> None:
+    """Refuse a ``single_process_engine`` that cannot apply, in one sentence with the fix."""
+    if setting not in ENGINES:
+        raise ConfigError(f"single_process_engine must be one of {', '.join(ENGINES)}, got {setting!r}: "
+                          "auto (torch on one process for bf16 master weights), deepspeed or torch")
+    if setting != "torch":
+        return
+    if world_size != 1:
+        raise ConfigError(f"single_process_engine torch runs one process only, and this run has {world_size}: "
+                          "set single_process_engine auto or deepspeed, or launch one process")
+    if mixed_precision == "fp16":
+        raise ConfigError("single_process_engine torch has no fp16 loss scaling: use --bf16 true, or "
+                          "single_process_engine deepspeed for fp16")
+    if own_configs:
+        raise ConfigError(f"single_process_engine torch replaces the DeepSpeed engine of trained roles whose config "
+                          f"comes from the mix, but {', '.join(map(repr, own_configs))} has a config of its own "
+                          "(role_configs, or the zero2-zero3-stock mix, which runs as named): drop it from role_configs "
+                          "or choose another mix, or set single_process_engine deepspeed")
+
+
+def describe(master_weights: str, mixed_precision: str) -> str:
+    """What the torch path runs, for the one-process record (printed, model card, dpo_race)."""
+    if mixed_precision != "bf16":
+        how = "fp32 model"
+    elif master_weights == "bf16":
+        how = "bf16 model, bf16 Adam states, bf16 autocast forward"
+    else:
+        how = "fp32 model and Adam states, bf16 autocast forward"
+    return f"no DeepSpeed engine: torch fused AdamW on the {how} (TRL's one-GPU path)"
+
+
+class PlainEngine(nn.Module):
+    """The model and its torch optimizer, driven through DeepSpeed's engine interface."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device,
+                 gradient_accumulation_steps: int, gradient_clipping: float, mixed_precision: str,
+                 master_weights: str) -> None:
+        super().__init__()
+        # The optimizer's precision is the parameters' (a model loaded in bf16 gets fp32 ones for fp32 states).
+        _cast_parameters(model, torch.bfloat16 if master_weights == "bf16" else torch.float32)
+        model.to(device)
+        if mixed_precision == "bf16":
+            _autocast_forward(model, device)
+        _use_fused(optimizer)
+        self.module = model
+        self.optimizer = optimizer
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.clipping = float(gradient_clipping or 0.0)
+        self.micro_steps = 0
+        self._grad_norm: torch.Tensor | None = None
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.gradient_accumulation_steps > 1:  # as DeepSpeed's engine (and transformers' Trainer) scale
+            loss = loss / self.gradient_accumulation_steps
+        loss.backward()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        grads = [p for p in self._params if p.grad is not None]
+        if self.clipping > 0:  # clip coefficient max / (norm + 1e-6), as DeepSpeed's and Trainer's
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.clipping)
+        else:
+            self._grad_norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def get_global_grad_norm(self) -> torch.Tensor | None:
+        return self._grad_norm
+
+    def gradient_clipping(self) -> float:
+        return self.clipping
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    # -- checkpoints: accelerate's files for a model without DeepSpeed ----------------------------
+    def save_state(self, directory: str | os.PathLike, scheduler: Any = None) -> None:
+        """Weights, optimizer, scheduler and RNG states (accelerate's ``save_accelerator_state``:
+        ``pytorch_model.bin``, ``optimizer.bin``, ``scheduler.bin``, ``random_states_0.pkl``)."""
+        from accelerate.checkpointing import save_accelerator_state
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        save_accelerator_state(str(directory), [self.module.state_dict()], [self.optimizer],
+                               [scheduler] if scheduler is not None else [], [], process_index=0,
+                               step=self.micro_steps, safe_serialization=False)  # pickled: tied weights
+
+    def load_state(self, directory: str | os.PathLike, scheduler: Any = None) -> None:
+        from accelerate.checkpointing import load_accelerator_state
+        from accelerate.utils import OPTIMIZER_NAME
+
+        if not (Path(directory) / f"{OPTIMIZER_NAME}.bin").is_file():
+            raise ConfigError(f"{directory} was saved by a DeepSpeed engine, and this run trains without one "
+                              "(single_process_engine): resume with single_process_engine deepspeed")
+        found = load_accelerator_state(str(directory), [self.module], [self.optimizer],
+                                       [scheduler] if scheduler is not None else [], [], process_index=0,
+                                       map_location="cpu")  # load_state_dict moves to the parameters
+        self.micro_steps = int(found.get("step", self.micro_steps))
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters to ``dtype`` in place (the optimizer keeps its references); buffers such as
+    rotary ``inv_freq`` stay fp32, and so do modules the model keeps in fp32
+    (``_keep_in_fp32_modules``), as DeepSpeed's cast and ``from_pretrained(dtype=...)`` leave them."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype != dtype and not any(k in name.split(".") for k in keep):
+            param.data = param.data.to(dtype)
+
+
+def _autocast_forward(model: nn.Module, device: torch.device) -> None:
+    """The forward in bf16 autocast with its outputs in fp32, as accelerate's ``prepare_model``
+    patches it for ``mixed_precision="bf16"`` (so ``generate`` and direct calls get it too)."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = torch.autocast(device_type=device.type, dtype=torch.bfloat16)(model.forward.__func__)
+    model.forward = MethodType(convert_outputs_to_fp32(forward), model)
+
+
+def _use_fused(optimizer: torch.optim.Optimizer) -> None:
+    """Give an AdamW the fused kernel (transformers' default optimizer, ``adamw_torch_fused``) where
+    the parameters' device and dtypes have one. torch reads the flag at every step, so setting it
+    before the first step is ``AdamW(..., fused=True)``."""
+    if type(optimizer) is not torch.optim.AdamW or optimizer.state:
+        return
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+
+    try:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                _device_dtype_check_for_fused(p)  # the check AdamW(fused=True) makes at its first step
+    except RuntimeError:
+        return  # no fused kernel for this device or dtype: torch's default implementation
+    for group in (*optimizer.param_groups, optimizer.defaults):
+        group["fused"], group["foreach"] = True, False

@@ -84,6 +84,9 @@ class TrainConfig:
     hub_model_id: str | None = None  # default: the output dir's name under your account
     hub_private_repo: bool | None = None
 
+    _algorithm = "this trainer"
+    _evaluates = True  # False: the trainer has no evaluation, and eval_strategy is refused by name
+
     def __post_init__(self) -> None:
         validate_train_config(self)
 
@@ -112,6 +115,9 @@ def validate_train_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"num_train_epochs is {cfg.num_train_epochs} and max_steps is unset: set one of them")
     if cfg.eval_strategy not in ("no", "steps", "epoch"):
         raise ConfigError(f"eval_strategy must be 'no', 'steps' or 'epoch', got {cfg.eval_strategy!r}")
+    if cfg.eval_strategy != "no" and not cfg._evaluates:
+        raise ConfigError(f"{cfg._algorithm} does not evaluate (it has no eval dataset), but eval_strategy is "
+                          f"{cfg.eval_strategy!r}: set --eval_strategy no")
     if cfg.eval_strategy == "steps" and cfg.eval_steps is None:
         cfg.eval_steps = cfg.logging_steps
     if cfg.bf16 and cfg.fp16:

@@ -17,7 +17,6 @@ import math
 import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,17 +26,13 @@ from .. import tiny
 from ..dsconfig import ConfigError
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
     make_session,
-    mean_over_ranks,
     optimizer_and_scheduler,
     rank_batches,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
     seed_everything,
 )
+from .loop import Trainer
 
 
 @dataclass
@@ -140,12 +135,17 @@ def completion_batch(
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
-class DistillTrainer:
+class DistillTrainer(Trainer):
     """Distil ``teacher_model_name_or_path`` into the student on ``{"prompt", "completion"}`` rows.
 
     >>> trainer = DistillTrainer(DistillConfig(teacher_model_name_or_path="big"), train_rows, eval_rows)
     >>> trainer.train()
     """
+
+    name = "distill"
+    shown = ("loss", "eval/loss")
+    roles = {"trained": ["student"], "frozen": ["teacher"]}
+    evaluates = True
 
     def __init__(
         self,
@@ -173,7 +173,7 @@ class DistillTrainer:
         self.history: list[dict] = []
 
     # -- set-up ----------------------------------------------------------------------------
-    def total_steps(self) -> int:
+    def count_steps(self) -> int:
         cfg = self.cfg
         if cfg.max_steps > 0:
             return cfg.max_steps
@@ -189,16 +189,14 @@ class DistillTrainer:
         check_vocabularies(AutoConfig.from_pretrained(self.student_path),
                            AutoConfig.from_pretrained(cfg.teacher_model_name_or_path))
         seed_everything(cfg.seed)
-        self.total = self.total_steps()
-        s = self.session = make_session(cfg, ["student"], ["teacher"], total_steps=self.total)
+        self.total_steps = self.count_steps()
+        s = self.session = make_session(cfg, ["student"], ["teacher"], total_steps=self.total_steps)
         student = s.load("student", self.student_path)
-        opt, sched = optimizer_and_scheduler(student, cfg, self.total)
+        opt, sched = optimizer_and_scheduler(student, cfg, self.total_steps)
         self.student = s.prepare("student", student, opt, sched)
         self.teacher = s.prepare("teacher", s.load("teacher", cfg.teacher_model_name_or_path))
-        self.start = 0
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            self.start = s.load_state(ckpt / "state")["step"]
+        self.phases = Phases()
+        self._batches = None  # the data order, from the step the run starts at
 
     # -- data ------------------------------------------------------------------------------
     def _encode(self, rows: list[dict[str, str]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -248,8 +246,12 @@ class DistillTrainer:
         student_logits = self.student(**inputs).logits
         return student_logits[:, :-1].float(), teacher_logits[:, :-1].float()
 
-    def training_step(self, step: int, batches: Any, phases: Phases) -> dict[str, float]:
-        s, cfg = self.session, self.cfg
+    def training_step(self, step: int) -> dict[str, float]:
+        s, cfg, phases = self.session, self.cfg, self.phases
+        if self._batches is None:
+            self._batches = rank_batches(len(self.train_dataset), cfg.per_device_train_batch_size, cfg.seed,
+                                         s.process_index, s.num_processes, start=(step - 1) * cfg.gradient_accumulation_steps)
+        batches = self._batches
         losses, lengths, sources = [], [], []
         for k in range(cfg.gradient_accumulation_steps):
             micro_step = (step - 1) * cfg.gradient_accumulation_steps + k
@@ -272,8 +274,7 @@ class DistillTrainer:
                 s.step("student")
             losses.append(loss.item())
             lengths.append(sum(len(c) for c in completions) / len(completions))
-        metrics = mean_over_ranks(s, {"loss": sum(losses) / len(losses),
-                                      "completion_length": sum(lengths) / len(lengths)})
+        metrics = {"loss": sum(losses) / len(losses), "completion_length": sum(lengths) / len(lengths)}
         seen = step * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * s.num_processes
         return {**metrics, "grad_norm": s.grad_norm("student") or 0.0, "learning_rate": s.learning_rate("student"),
                 "epoch": seen / len(self.train_dataset),  # TRL's fractional epoch (rows seen over the dataset's)
@@ -311,33 +312,5 @@ class DistillTrainer:
             torch.distributed.all_reduce(totals)
         return {f"eval/{k}": v / max(totals[-1].item(), 1) for k, v in zip(sums, totals.tolist())}
 
-    # -- loop ------------------------------------------------------------------------------
-    def train(self) -> list[dict]:
-        """Run to ``max_steps`` (or the epochs' worth); returns the logged rows."""
-        if self.session is None:
-            self.setup()
-        s, cfg = self.session, self.cfg
-        log = RunLog(s, cfg, self.total, "distill", start=self.start, shown=("loss", "eval/loss"))
-        batches = rank_batches(len(self.train_dataset), cfg.per_device_train_batch_size, cfg.seed,
-                               s.process_index, s.num_processes, start=self.start * cfg.gradient_accumulation_steps)
-        if self.eval_dataset and self.start == 0:
-            log.log(0, self.evaluate(), advance=False)
-        phases = Phases()
-        for step in range(self.start + 1, self.total + 1):
-            metrics = self.training_step(step, batches, phases)
-            if self.eval_dataset and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == self.total):
-                metrics.update(self.evaluate())
-            if step % cfg.logging_steps == 0 or step == self.total:
-                log.log(step, metrics)
-            else:
-                log.advance()
-            if cfg.save_steps and (step % cfg.save_steps == 0 or step == self.total):
-                save_checkpoint(s, cfg, step, {"student": self.tokenizer}, {"total": self.total})
-        log.close()
-        self.history = log.history
-        return self.history
-
-    def save_model(self, directory: str | Path | None = None) -> Path:
-        """The student in Hugging Face format, in the output dir itself by default (TRL's layout:
-        ``from_pretrained(output_dir)`` loads it); returns where."""
-        return save_trained_model(self.session, "student", directory or self.cfg.output_dir, tokenizer=self.tokenizer)
+    def has_eval_data(self) -> bool:
+        return bool(self.eval_dataset)

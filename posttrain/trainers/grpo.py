@@ -37,18 +37,15 @@ from ..preference import check_conversation, load_dataset_source
 from ..reward_funcs import RewardFuncError, RewardWarnings
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
     enable_gradient_checkpointing,
     epoch_order,
     make_session,
     mean_over_ranks,
     optimizer_and_scheduler,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
     seed_everything,
 )
+from .loop import Trainer, window_mean
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 _CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style min(r A, clip(r) A)
@@ -116,6 +113,7 @@ class GRPOConfig(TrainConfig):
 
     _loss_types = LOSS_TYPES  # (RLOO has its own one)
     _algorithm = "GRPO"
+    _evaluates = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -427,12 +425,15 @@ def average_generation_metrics(gens: list[dict[str, float]]) -> dict[str, float]
 
 
 # -- the trainer ---------------------------------------------------------------------------------
-class GRPOTrainer:
+class GRPOTrainer(Trainer):
     """GRPO with per-role placement. ``train()`` returns the logged metrics, one dict per optimizer
     step (TRL's names: ``reward``, ``reward_std``, ``rewards/<func>/mean``, ``kl``, ``entropy``,
     ``clip_ratio/...``, ``completions/...``) plus ``time/<phase>``."""
 
-    algorithm = "grpo"
+    name = "grpo"
+    shown = ("reward", "kl", "loss")
+    # Reference only with beta > 0; each reward model is a frozen role of its own (reward, reward_1, ...).
+    roles = {"trained": ["policy"], "frozen": ["reference"]}
 
     def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None) -> None:
         from transformers import AutoModelForSequenceClassification
@@ -544,7 +545,7 @@ class GRPOTrainer:
                                max_prompt_len=max_prompt_len, backend=cfg.generation_backend,
                                ds3_gather_for_generation=cfg.ds3_gather_for_generation)
         self.phases = Phases()
-        self.step = 0
+        self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches
         self.num_tokens = 0.0
         self.history: list[dict] = []
         # What TRL hands reward functions beside the data: the trainer's state and two loggers.
@@ -793,63 +794,64 @@ class GRPOTrainer:
         already is, so it is scaled back (RLOO's is not, as in TRL)."""
         return float(self.cfg.gradient_accumulation_steps)
 
-    # -- the loop --------------------------------------------------------------------------------
-    def train(self) -> list[dict]:
+    # -- the step (posttrain.trainers.loop runs the loop) -----------------------------------------
+    def training_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches of the current
+        generation batch (a new one is sampled when it is used up); returns the step's loss, its
+        micro-batches' loss statistics and the generations it sampled, reduced by :meth:`log_row`."""
         cfg, s = self.cfg, self.session
         ga = cfg.gradient_accumulation_steps
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            state = s.load_state(ckpt / "state")
-            self.step, self.num_tokens = int(state["step"]), float(state.get("num_tokens", 0.0))
-            if cfg.sync_ref_model:
-                s.load_weights("reference", ckpt / "reference")
-        log = RunLog(s, cfg, self.total_steps, self.algorithm, start=self.step, shown=("reward", "kl", "loss"))
-        micro = self.step * ga
-        buffer: list[dict[str, torch.Tensor]] = []
-        # What a logged row averages, as TRL's _metrics between two log() calls: the generations
-        # sampled in the window (none when every step reused an earlier batch: then no reward or
-        # completion metrics, as in TRL), every micro-batch's loss statistics, every step's loss.
-        gen_metrics: list[dict[str, float]] = []
-        stats: list[dict[str, Any]] = []
-        losses: list[float] = []
-        window_start = time.perf_counter()
-        while self.step < self.total_steps:
-            loss_sum = 0.0
-            for _ in range(ga):
-                if micro % self.micro_per_generation == 0 or not buffer:
-                    buffer, metrics = self.generate_and_score(micro // self.micro_per_generation)
-                    gen_metrics.append(metrics)
-                batch = buffer[micro % cfg.steps_per_generation]
-                with self.phases("train"):
-                    loss, st = self.compute_loss(batch)
-                    s.backward("policy", loss * self.backward_scale())
-                    s.step("policy")
-                loss_sum += loss.item() * self.backward_scale() / ga
-                stats.append(st)
-                micro += 1
-            self.step += 1
-            losses.append(loss_sum)
-            if cfg.sync_ref_model and self.step % cfg.ref_model_sync_steps == 0:
-                with self.phases("ref_sync"):
-                    s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
-            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
-                row = reduce_loss_stats(stats, self._sum, self._gather)
-                row["loss"] = mean_over_ranks(s, {"loss": sum(losses) / len(losses)})["loss"]
-                row.update(average_generation_metrics(gen_metrics))
-                row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
-                            "epoch": self.step * ga / self.micro_batches_per_epoch,
-                            **self.phases.pop(), "time/step": (time.perf_counter() - window_start) / len(losses)})
-                log.log(self.step, row, advance=False)
-                if cfg.log_completions:
-                    self._log_samples()
-                gen_metrics, stats, losses, window_start = [], [], [], time.perf_counter()
-            log.advance()
-            if cfg.save_steps and self.step % cfg.save_steps == 0:
-                export = {"policy": self.tokenizer, **({"reference": None} if cfg.sync_ref_model else {})}
-                save_checkpoint(s, cfg, self.step, export, {"num_tokens": self.num_tokens})
-        log.close()
-        self.history = log.history
-        return log.history
+        tick = time.perf_counter()
+        loss_sum, stats, generations = 0.0, [], []
+        for k in range(ga):
+            micro = (step - 1) * ga + k
+            if micro % self.micro_per_generation == 0 or not self._buffer:
+                self._buffer, metrics = self.generate_and_score(micro // self.micro_per_generation)
+                generations.append(metrics)
+            batch = self._buffer[micro % cfg.steps_per_generation]
+            with self.phases("train"):
+                loss, st = self.compute_loss(batch)
+                s.backward("policy", loss * self.backward_scale())
+                s.step("policy")
+            loss_sum += loss.item() * self.backward_scale() / ga
+            stats.append(st)
+        if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
+            with self.phases("ref_sync"):
+                s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
+        return {"loss": loss_sum, "stats": stats, "generations": generations,
+                "grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                "epoch": step * ga / self.micro_batches_per_epoch,
+                "times": {**self.phases.pop(), "time/step": time.perf_counter() - tick}}
+
+    def log_row(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """What a logged row averages, as TRL's _metrics between two log() calls: the generations
+        sampled in the window (none when every step reused an earlier batch: then no reward or
+        completion metrics, as in TRL), every micro-batch's loss statistics, every step's loss."""
+        row = reduce_loss_stats([st for r in rows for st in r["stats"]], self._sum, self._gather)
+        row["loss"] = mean_over_ranks(self.session, {"loss": sum(r["loss"] for r in rows) / len(rows)})["loss"]
+        row.update(average_generation_metrics([g for r in rows for g in r["generations"]]))
+        row.update({k: rows[-1][k] for k in ("grad_norm", "learning_rate", "epoch")})
+        row.update(window_mean([r["times"] for r in rows]))
+        return row
+
+    def on_log(self, step: int) -> None:
+        if self.cfg.log_completions:
+            self._log_samples()
+
+    def checkpoint_models(self) -> dict[str, Any]:
+        return {"policy": self.tokenizer, **({"reference": None} if self.cfg.sync_ref_model else {})}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"num_tokens": self.num_tokens}
+
+    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
+        self.num_tokens = float(state.get("num_tokens", 0.0))
+        if self.cfg.sync_ref_model:
+            self.session.load_weights("reference", checkpoint / "reference")
+
+    def can_checkpoint(self, step: int) -> bool:
+        # A checkpoint holds no generation batch: it is taken only where one ends (save_steps is checked for it).
+        return (step * self.cfg.gradient_accumulation_steps) % self.micro_per_generation == 0
 
     def _log_samples(self) -> None:
         prompts, texts, scores, extra = self.samples
@@ -862,11 +864,6 @@ class GRPOTrainer:
         if self.session.is_main_process:
             with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
                 f.writelines(dumps_row(r) + "\n" for r in rows)  # a NaN reward as null
-
-    def save(self, directory: str | os.PathLike | None = None) -> Path:
-        """The trained policy in Hugging Face format, in the output dir itself by default (TRL's
-        layout: ``from_pretrained(output_dir)`` loads it); returns where."""
-        return save_trained_model(self.session, "policy", directory or self.cfg.output_dir, self.tokenizer)
 
 
 def micro_batches_per_epoch(num_prompts: int, cfg: GRPOConfig) -> int:

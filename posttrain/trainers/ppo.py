@@ -30,17 +30,13 @@ from ..dsconfig import ConfigError
 from ..preference import check_conversation, load_dataset_source
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
     make_session,
-    mean_over_ranks,
     optimizer_and_scheduler,
     rank_batches,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
     seed_everything,
 )
+from .loop import Trainer
 
 INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a response
 
@@ -83,6 +79,9 @@ class PPOConfig(TrainConfig):
     generation_backend: str = "posttrain"  # "posttrain" (posttrain.rollout's engine) | "hf" (transformers' generate)
     num_sample_generations: int = 10  # times over the run that sample completions are logged
     learning_rate: float = 3e-6
+
+    _algorithm = "PPO"
+    _evaluates = False
 
     def __post_init__(self) -> None:
         super().__post_init__()  # TrainConfig's checks
@@ -264,8 +263,14 @@ def gather_ranks(session: Any, values: torch.Tensor) -> torch.Tensor:
 
 
 # -- the trainer -----------------------------------------------------------------------------
-class PPOTrainer:
-    """PPO with per-role placement. ``train()`` returns the logged metrics, one dict per update."""
+class PPOTrainer(Trainer):
+    """PPO with per-role placement. ``train()`` returns the logged metrics, one dict per logging
+    step (update); ``save_model()`` puts the policy at the top of the output dir and the value
+    model in ``value/`` (``AutoModelForSequenceClassification``)."""
+
+    name = "ppo"
+    shown = ("objective/scores", "objective/kl", "loss/policy_avg")
+    roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"]}  # reward: when a reward model is given
 
     def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -334,10 +339,9 @@ class PPOTrainer:
             s.prepare("reward", reward)
         self.phases = Phases()
         self.rollout_engine = None  # posttrain.rollout.Rollout, built on the first generation
-        self.start = 0
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            self.start = s.load_state(ckpt / "state")["step"]
+        self.total_steps = self.num_updates
+        self._batches = None  # the prompt order, from the update the run starts at
+        self.sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
 
     # -- rollout -----------------------------------------------------------------------------
     def _queries(self, indices: list[int]) -> torch.Tensor:
@@ -499,38 +503,30 @@ class PPOTrainer:
             "val/ratio_var": ratios.var().item() if ratios.numel() > 1 else 0.0,
         }
 
-    def train(self) -> list[dict]:
+    def training_step(self, update: int) -> dict[str, float]:
+        """One PPO update: a rollout batch, then num_ppo_epochs passes over it."""
         cfg, s = self.cfg, self.session
-        log = RunLog(s, cfg, self.num_updates, "ppo", start=self.start,
-                     shown=("objective/scores", "objective/kl", "loss/policy_avg"))
-        batches = rank_batches(len(self.prompts), self.local_batch_size, cfg.seed, s.process_index,
-                               s.num_processes, start=self.start)
-        sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
-        for update in range(self.start + 1, self.num_updates + 1):
-            tick = time.perf_counter()
-            indices = next(batches)
-            queries = self._queries(indices)
-            batch = self.rollout(queries, prompts=[self.raw_prompts[i] for i in indices])
-            with self.phases("train"):
-                train_stats = self.train_on(batch, update)
-            metrics = {**rollout_metrics(batch, self.tokenizer.eos_token_id), **train_stats}
-            metrics = mean_over_ranks(s, metrics)
-            metrics.update(self.phases.pop())
-            metrics.update(self.rollout_engine.metrics())
-            metrics["time/update"] = time.perf_counter() - tick
-            metrics["lr"] = s.learning_rate("policy")
-            metrics["episode"] = update * self.batch_size
-            metrics["epoch"] = metrics["episode"] / len(self.prompts)  # TRL's: episodes over the dataset's rows
-            log.log(update, metrics)
-            if update % sample_every == 0 or update == self.num_updates:
-                self._log_samples(log, update, queries, batch["texts"], batch["scores"])
-            if cfg.save_steps and update % cfg.save_steps == 0:
-                save_checkpoint(s, cfg, update, {"policy": self.tokenizer}, {"episode": metrics["episode"]})
-        log.close()
-        return log.history
+        tick = time.perf_counter()
+        if self._batches is None:
+            self._batches = rank_batches(len(self.prompts), self.local_batch_size, cfg.seed, s.process_index,
+                                         s.num_processes, start=update - 1)
+        indices = next(self._batches)
+        queries = self._queries(indices)
+        batch = self.rollout(queries, prompts=[self.raw_prompts[i] for i in indices])
+        with self.phases("train"):
+            train_stats = self.train_on(batch, update)
+        metrics = {**rollout_metrics(batch, self.tokenizer.eos_token_id), **train_stats}
+        metrics.update(self.phases.pop())
+        metrics.update(self.rollout_engine.metrics())
+        metrics["time/update"] = time.perf_counter() - tick
+        metrics["lr"] = s.learning_rate("policy")
+        metrics["episode"] = update * self.batch_size
+        metrics["epoch"] = metrics["episode"] / len(self.prompts)  # TRL's: episodes over the dataset's rows
+        if update % self.sample_every == 0 or update == self.num_updates:
+            self._log_samples(update, queries, batch["texts"], batch["scores"])
+        return metrics
 
-    def _log_samples(self, log: RunLog, update: int, queries: torch.Tensor, texts: list[str],
-                     scores: torch.Tensor) -> None:
+    def _log_samples(self, update: int, queries: torch.Tensor, texts: list[str], scores: torch.Tensor) -> None:
         from ..jsonrows import dumps_row
 
         prompts = self.tokenizer.batch_decode(queries[:4], skip_special_tokens=True)
@@ -539,12 +535,4 @@ class PPOTrainer:
         if self.session.is_main_process:
             with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
                 f.writelines(dumps_row(r) + "\n" for r in rows)
-            log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))
-
-    def save(self, directory: str | os.PathLike | None = None) -> Path:
-        """The trained policy in Hugging Face format, in the output dir itself by default (TRL's
-        layout: ``from_pretrained(output_dir)`` loads it), and the trained value model beside it in
-        ``value/`` (``AutoModelForSequenceClassification``); returns the policy's folder."""
-        path = save_trained_model(self.session, "policy", directory or self.cfg.output_dir, self.tokenizer)
-        save_trained_model(self.session, "value", path / "value", self.tokenizer)
-        return path
+            self.run_log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))

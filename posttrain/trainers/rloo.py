@@ -91,7 +91,7 @@ def rloo_loss(cfg: RLOOConfig, per_token_logps: torch.Tensor, old_logps: torch.T
 class RLOOTrainer(GRPOTrainer):
     """RLOO with per-role placement; ``train()`` returns the logged metrics (TRL's names)."""
 
-    algorithm = "rloo"
+    name = "rloo"
 
     def needs_old_logps(self) -> bool:
         return True  # the KL in the reward and the sequence ratio both use them (TRL always computes them)

@@ -109,3 +109,19 @@ def test_trainers_without_evaluation_refuse_eval_strategy(make):
     with pytest.raises(ConfigError, match="does not evaluate .* eval_strategy is 'steps': set --eval_strategy no"):
         config(eval_strategy="steps", **kw)
     config(eval_strategy="no", **kw)  # the default
+
+
+def test_no_trainer_carries_its_own_loop():
+    from posttrain import memory
+    from posttrain.trainers.distill import DistillTrainer
+    from posttrain.trainers.dpo import DPOTrainer
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.multi import MultiTrainer
+    from posttrain.trainers.ppo import PPOTrainer
+    from posttrain.trainers.rloo import RLOOTrainer
+
+    for cls in (DPOTrainer, PPOTrainer, GRPOTrainer, RLOOTrainer, DistillTrainer, MultiTrainer):
+        assert cls.train is Trainer.train and cls.save is Trainer.save, cls  # PPO's logging_steps is the loop's
+    # The planner's workloads are the roles the trainers declare.
+    assert memory.WORKLOADS["ppo"] == PPOTrainer.roles and memory.WORKLOADS["rloo"] == GRPOTrainer.roles
+

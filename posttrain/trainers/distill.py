@@ -14,7 +14,6 @@ multi-model DeepSpeed guide.
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +27,15 @@ from .common import (
     Phases,
     TrainConfig,
     make_session,
+    mix_seed,
     optimizer_and_scheduler,
     rank_batches,
     seed_everything,
+    sum_over_ranks,
+    world_size,
 )
 from .loop import Trainer
+from .online import left_pad
 
 
 @dataclass
@@ -177,7 +180,7 @@ class DistillTrainer(Trainer):
         cfg = self.cfg
         if cfg.max_steps > 0:
             return cfg.max_steps
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()
         per_step = cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps
         return max(1, math.ceil(cfg.num_train_epochs * len(self.train_dataset) / per_step))
 
@@ -190,7 +193,7 @@ class DistillTrainer(Trainer):
                            AutoConfig.from_pretrained(cfg.teacher_model_name_or_path))
         seed_everything(cfg.seed)
         self.total_steps = self.count_steps()
-        s = self.session = make_session(cfg, ["student"], ["teacher"], total_steps=self.total_steps)
+        s = self.session = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps)
         student = s.load("student", self.student_path)
         opt, sched = optimizer_and_scheduler(student, cfg, self.total_steps)
         self.student = s.prepare("student", student, opt, sched)
@@ -223,17 +226,14 @@ class DistillTrainer(Trainer):
             # Prompts are cut to max_length - 1 tokens (_encode); a micro-batch at a time.
             self.rollouts[role] = Rollout(s, role, sampling, max_batch=cfg.per_device_train_batch_size,
                                           max_prompt_len=max(1, cfg.max_length - 1), backend=cfg.generation_backend)
-        width = max(len(p) for p in prompts)
-        # Left padding: every prompt ends where generation starts.
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=s.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=s.device)
+        ids, mask = left_pad(prompts, tok.pad_token_id, s.device)
         out = self.rollouts[role].generate(ids, mask)
         return [row[:n] for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1).tolist())]
 
     def _source(self, micro_step: int) -> str:
         # GKD's draw, once per micro-batch, but from (seed, micro-step) so that it is the same on
         # every rank (a ZeRO-3 model must run the same forwards on all ranks) and on resume.
-        if random.Random(self.cfg.seed * 100003 + micro_step).random() < self.cfg.lmbda:
+        if random.Random(mix_seed(self.cfg.seed, "source", micro_step)).random() < self.cfg.lmbda:
             return "student"
         return "teacher" if self.cfg.seq_kd else "data"
 
@@ -261,7 +261,7 @@ class DistillTrainer(Trainer):
             prompts, completions = self._encode(rows)
             if source != "data":
                 # Seeded per micro-step and rank so that a resumed run samples the same sequences.
-                torch.manual_seed(cfg.seed + 7919 * micro_step + s.process_index)
+                torch.manual_seed(mix_seed(cfg.seed, "generate", micro_step, s.process_index))
                 with phases("generate"):
                     completions = self.generate(source, prompts)
             batch = completion_batch(prompts, completions, self.tokenizer.pad_token_id, s.device)
@@ -308,8 +308,7 @@ class DistillTrainer(Trainer):
             tokens += int((batch["labels"][:, 1:] != -100).sum())
         self.student.train()
         totals = torch.tensor([*sums.values(), tokens], dtype=torch.float64, device=s.device)
-        if s.num_processes > 1:
-            torch.distributed.all_reduce(totals)
+        totals = sum_over_ranks(s, totals)
         return {f"eval/{k}": v / max(totals[-1].item(), 1) for k, v in zip(sums, totals.tolist())}
 
     def has_eval_data(self) -> bool:

@@ -25,6 +25,8 @@ from .common import (
     optimizer_and_scheduler,
     rank_batches,
     seed_everything,
+    sum_over_ranks,
+    world_size,
 )
 from .loop import Trainer
 
@@ -279,7 +281,7 @@ class DPOTrainer(Trainer):
         self.tokenizer = tokenizer or _load_tokenizer(policy_path, cfg)
         self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
         self.peft_config = peft_config if peft_config is not None else _lora_config(cfg)
-        frozen = [] if self.peft_config is not None else ["reference"]
+        frozen = [] if self.peft_config is not None else list(self.roles["frozen"])
 
         prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, truncation_mode=cfg.truncation_mode,
                     num_proc=cfg.dataset_num_proc)
@@ -287,7 +289,7 @@ class DPOTrainer(Trainer):
         self.eval_rows = (preference.prepare_preference_dataset(eval_dataset, name="eval_dataset", **prep)
                           if eval_dataset is not None else None)
 
-        world = _world_size()
+        world = world_size()
         global_batch = cfg.per_device_train_batch_size * world
         if len(self.train_rows) < global_batch:
             raise ConfigError(f"train_dataset has {len(self.train_rows)} usable rows, fewer than one global batch "
@@ -295,7 +297,7 @@ class DPOTrainer(Trainer):
                               "--per_device_train_batch_size or give more rows")
         per_epoch = max(1, len(self.train_rows) // global_batch // cfg.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
-        self.session = make_session(cfg, ["policy"], frozen, total_steps=self.total_steps)
+        self.session = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
         self.phases = Phases()
         # TRL loads models in float32 unless told otherwise; mixed precision then casts inside DeepSpeed.
         kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}
@@ -367,8 +369,7 @@ class DPOTrainer(Trainer):
             batch = self._to_device(self.collate([_pair_only(rows[i]) for i in idx]))
             chosen, rejected = self._reference_forward(batch)
             values[idx[:valid]] = torch.stack([chosen, rejected], 1)[:valid].double()
-        if self.session.num_processes > 1:
-            torch.distributed.all_reduce(values)  # each row was computed on exactly one rank
+        values = sum_over_ranks(self.session, values)  # each row was computed on exactly one rank
         for row, (c, r) in zip(rows, values.tolist()):
             row["ref_chosen_logps"], row["ref_rejected_logps"] = c, r
 
@@ -469,8 +470,7 @@ class DPOTrainer(Trainer):
                 for j, k in enumerate(tok_keys):
                     sums[len(keys) + 1 + 2 * j] += tok[k][0]
                     sums[len(keys) + 2 + 2 * j] += tok[k][1]
-        if self.session.num_processes > 1:
-            torch.distributed.all_reduce(sums)
+        sums = sum_over_ranks(self.session, sums)
         self.phases.pop()
         self.policy.train()
         out = {f"{prefix}/{k}": (sums[j] / sums[len(keys)]).item() for j, k in enumerate(keys)}
@@ -481,12 +481,6 @@ class DPOTrainer(Trainer):
 
 def _pair_only(row: dict) -> dict:
     return {k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
-
-
-def _world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _load_tokenizer(path: str, cfg: DPOConfig) -> Any:

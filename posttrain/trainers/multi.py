@@ -28,6 +28,7 @@ from .common import (
     rank_batches,
     save_trained_model,
     seed_everything,
+    world_size,
 )
 from .loop import Trainer, window_mean
 
@@ -106,7 +107,7 @@ class MultiTrainer(Trainer):
         cfg = self.cfg
         if cfg.max_steps > 0:
             return cfg.max_steps
-        per_step = cfg.per_device_train_batch_size * int(os.environ.get("WORLD_SIZE", "1")) * cfg.gradient_accumulation_steps
+        per_step = cfg.per_device_train_batch_size * world_size() * cfg.gradient_accumulation_steps
         longest = max(len(t.data) for t in self.tasks.values())
         return max(1, math.ceil(cfg.num_train_epochs * longest / per_step))
 

@@ -16,27 +16,29 @@ decoded text, or both (a weighted sum).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import rewards, synthetic, tiny
+from .. import rewards, tiny
 from ..dsconfig import ConfigError
-from ..preference import check_conversation, load_dataset_source
+from ..preference import check_conversation
 from .common import (
     Phases,
     TrainConfig,
+    gather_ranks,
     make_session,
+    mix_seed,
     optimizer_and_scheduler,
     rank_batches,
     seed_everything,
+    world_size,
 )
 from .loop import Trainer
+from .online import load_prompt_rows, position_ids, write_samples
 
 INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a response
 
@@ -184,9 +186,8 @@ def value_loss(
 # -- model calls -----------------------------------------------------------------------------
 def _inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
     attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.cumsum(1) - attention_mask.long()
     input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
 
 
 def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
@@ -203,17 +204,10 @@ def token_scores(model: Any, query_responses: torch.Tensor, pad_token_id: int, c
     """A sequence-classification model's head at every position (TRL's ``get_reward``): returns
     (per-token scores, score at the last non-pad token).
 
-    The model runs through its own (engine) forward and a hook captures the head's output: calling
-    the backbone and head separately, as TRL did, bypasses a ZeRO-3 engine's parameter gathering.
+    The head is read through a hook (``rewards.head_outputs``): calling the backbone and head
+    separately, as TRL did, bypasses a ZeRO-3 engine's parameter gathering.
     """
-    module = getattr(model, "module", model)
-    captured: list[torch.Tensor] = []
-    handle = module.score.register_forward_hook(lambda _m, _inp, out: captured.append(out))
-    try:
-        model(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False)
-    finally:
-        handle.remove()
-    logits = captured[0]
+    logits = rewards.head_outputs(model, **_inputs(query_responses, pad_token_id), return_dict=True)
     lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     return logits, logits[torch.arange(logits.size(0), device=logits.device), lengths].squeeze(-1)
 
@@ -221,15 +215,7 @@ def token_scores(model: Any, query_responses: torch.Tensor, pad_token_id: int, c
 def load_prompts(cfg: PPOConfig) -> list[str | list[dict]]:
     """The dataset's "prompt" column as given (text, or conversational messages), or the
     bundled prompts. Reward functions and a reward model with its own tokenizer read these."""
-    if cfg.dataset_name is None:
-        return synthetic.prompts(cfg.num_prompts, seed=cfg.seed)
-    ds = load_dataset_source(cfg.dataset_name, split=cfg.dataset_split)
-    if "prompt" not in ds.column_names:
-        raise ConfigError(f"{cfg.dataset_name}: PPO needs a 'prompt' column; the columns are {ds.column_names}")
-    for i, p in enumerate(ds["prompt"]):
-        if not p:
-            raise ConfigError(f"{cfg.dataset_name}: row {i} has an empty 'prompt'")
-    return list(ds["prompt"])
+    return [row["prompt"] for row in load_prompt_rows(cfg)]
 
 
 def policy_text(prompt: str | list[dict], tokenizer: Any) -> str:
@@ -251,15 +237,6 @@ def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) ->
         "objective/scores": batch["scores"].mean().item(),
         "val/num_eos_tokens": (batch["responses"] == eos_token_id).sum().item(),
     }
-
-
-def gather_ranks(session: Any, values: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``values`` (same shape on each), concatenated in rank order."""
-    if session.num_processes == 1:
-        return values
-    parts = [torch.empty_like(values) for _ in range(session.num_processes)]
-    torch.distributed.all_gather(parts, values.contiguous())
-    return torch.cat(parts)
 
 
 # -- the trainer -----------------------------------------------------------------------------
@@ -310,7 +287,7 @@ class PPOTrainer(Trainer):
                            cfg.dataset_name or "prompts")  # before any model loads
         self.prompts = [policy_text(p, self.tokenizer) for p in self.raw_prompts]
 
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()
         # TRL's batch arithmetic: one update uses local_batch_size rollouts per process.
         self.local_batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.num_mini_batches
         self.batch_size = self.local_batch_size * world
@@ -322,7 +299,7 @@ class PPOTrainer(Trainer):
         optimizer_steps = self.num_updates * cfg.num_ppo_epochs * cfg.num_mini_batches
 
         frozen = ["reference"] + (["reward"] if reward_path else [])
-        self.session = s = make_session(cfg, ["policy", "value"], frozen, total_steps=optimizer_steps)
+        self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps)
         self.has_reward_model = reward_path is not None
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_path)
@@ -464,7 +441,7 @@ class PPOTrainer(Trainer):
         mb = cfg.per_device_train_batch_size
         for epoch in range(cfg.num_ppo_epochs):
             # A permutation that depends only on (seed, update, epoch, rank): resumable.
-            g = torch.Generator().manual_seed(hash((cfg.seed, update, epoch, s.process_index)) % (2**31))
+            g = torch.Generator().manual_seed(mix_seed(cfg.seed, "minibatches", update, epoch, s.process_index))
             order = torch.randperm(self.local_batch_size, generator=g).to(qr.device)
             for start in range(0, self.local_batch_size, self.local_mini_batch_size):
                 mini = order[start : start + self.local_mini_batch_size]
@@ -527,12 +504,9 @@ class PPOTrainer(Trainer):
         return metrics
 
     def _log_samples(self, update: int, queries: torch.Tensor, texts: list[str], scores: torch.Tensor) -> None:
-        from ..jsonrows import dumps_row
-
         prompts = self.tokenizer.batch_decode(queries[:4], skip_special_tokens=True)
         rows = [{"update": update, "prompt": p, "completion": c, "score": round(float(sc), 4)}
                 for p, c, sc in zip(prompts, texts[:4], scores[:4].tolist())]
+        write_samples(self.session, self.cfg.output_dir, rows)
         if self.session.is_main_process:
-            with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
-                f.writelines(dumps_row(r) + "\n" for r in rows)
             self.run_log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))

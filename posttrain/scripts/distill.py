@@ -19,7 +19,7 @@ from typing import Any
 
 from trl import ScriptArguments
 
-from .. import tiny
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..modelcard import write_model_card
 from ..trainers.distill import DistillConfig, DistillTrainer

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import tiny
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from .common import (
     Phases,

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import tiny
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..preference import check_conversation
 from ..reward_funcs import RewardFuncError, RewardWarnings
@@ -235,7 +235,7 @@ class GRPOTrainer(Trainer):
             if cfg.model_name_or_path is not None and not reward_funcs:
                 raise ConfigError("GRPO needs a reward: set reward_funcs (one of TRL's reward names, "
                                   "\"module.function\", or a reward model's path)")
-            names = [] if reward_funcs else ["posttrain.synthetic:sentiment_reward"]
+            names = [] if reward_funcs else ["posttrain.demo.synthetic:sentiment_reward"]
         self.sources: list[tuple[str, Any, Any]] = [("func", f, rewards.func_name(f)) for f in reward_funcs or []]
         n_models = 0
         for spec in rewards.resolve_reward_specs(names):

@@ -113,7 +113,7 @@ class MultiTrainer(Trainer):
 
     def setup(self) -> None:
         """Load and prepare every model under its own role, each with its own optimizer and
-        scheduler; restore them all when resuming."""
+        scheduler (a resumed run restores them all in train())."""
         cfg = self.cfg
         seed_everything(cfg.seed)
         self.total_steps = self.count_steps()

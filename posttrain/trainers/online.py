@@ -1,6 +1,7 @@
-"""What the online-RL trainers (PPO, GRPO, RLOO) share: prompts and their chat templates, the
-completion log-probs with one position-id convention, the weighted reward sum, samples.jsonl, the
-world size before a session exists and the reductions over ranks (accelerate's)."""
+"""What the online-RL trainers (PPO, GRPO, RLOO; distillation's generation) share: prompts and their
+chat templates, left-padded prompt batches, the completion log-probs with one position-id
+convention, the weighted reward sum, reward functions' failures and logged metrics across ranks,
+and samples.jsonl."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import synthetic
+from ..demo import synthetic
 from ..dsconfig import ConfigError
 from ..jsonrows import dumps_row
 from ..preference import load_dataset_source
@@ -160,3 +161,10 @@ def tokenize_prompt(prompt: Any, tokenizer: Any, cfg: Any) -> list[int]:
     if not ids:
         raise ConfigError(f"prompt {prompt!r} tokenizes to nothing")
     return ids[-cfg.max_prompt_length:] if cfg.max_prompt_length else ids
+
+
+def policy_text(prompt: str | list[dict], tokenizer: Any) -> str:
+    """What the policy reads: the text, or its chat template over conversational messages."""
+    if isinstance(prompt, list):  # conversational: a list of {"role", "content"} messages
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from .. import rewards, tiny
+from .. import rewards
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..preference import check_conversation
 from .common import (
@@ -38,7 +39,7 @@ from .common import (
     world_size,
 )
 from .loop import Trainer
-from .online import load_prompt_rows, position_ids, write_samples
+from .online import load_prompt_rows, policy_text, position_ids, write_samples
 
 INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a response
 
@@ -212,19 +213,6 @@ def token_scores(model: Any, query_responses: torch.Tensor, pad_token_id: int, c
     return logits, logits[torch.arange(logits.size(0), device=logits.device), lengths].squeeze(-1)
 
 
-def load_prompts(cfg: PPOConfig) -> list[str | list[dict]]:
-    """The dataset's "prompt" column as given (text, or conversational messages), or the
-    bundled prompts. Reward functions and a reward model with its own tokenizer read these."""
-    return [row["prompt"] for row in load_prompt_rows(cfg)]
-
-
-def policy_text(prompt: str | list[dict], tokenizer: Any) -> str:
-    """What the policy reads: the text, or its chat template over conversational messages."""
-    if isinstance(prompt, list):  # conversational: a list of {"role", "content"} messages
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return prompt
-
-
 def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) -> dict[str, float]:
     """TRL's per-rollout metrics on this rank's batch. The entropy estimate sums -log p over the
     response's tokens only: padded positions hold INVALID_LOGPROB and would count -1 each."""
@@ -282,7 +270,7 @@ class PPOTrainer(Trainer):
             raise ConfigError(f"value model {value_path} has another vocabulary than the policy's, but it reads the "
                               "policy's token ids: give value_model_path a model with the policy's tokenizer "
                               "(or leave it unset to start from the policy)")
-        self.raw_prompts = load_prompts(cfg)
+        self.raw_prompts = [row["prompt"] for row in load_prompt_rows(cfg)]
         check_conversation([{"prompt": p} for p in self.raw_prompts], ("prompt",), self.tokenizer,
                            cfg.dataset_name or "prompts")  # before any model loads
         self.prompts = [policy_text(p, self.tokenizer) for p in self.raw_prompts]

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import preference, tiny
+from .. import preference
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from .common import (
     Phases,

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from .. import sft_data, tiny
+from .. import sft_data
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from .common import (
     Phases,

@@ -23,7 +23,7 @@ test: setup
 	$(VENV)/bin/ruff check posttrain tests examples benchmarks
 	$(PY) -m pytest tests
 
-# The main job: PPO on the built-in tiny default (shipped prebuilt in posttrain/data/tiny), two
+# The main job: PPO on the built-in tiny default (shipped prebuilt in posttrain/demo/data/tiny), two
 # processes on this CPU.
 demo: setup
 	@echo "demo: PPO on the tiny default, 2 processes on this CPU, 64 updates (about a minute)"

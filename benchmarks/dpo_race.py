@@ -67,7 +67,7 @@ def run_trl(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamp
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from posttrain import tiny
+    from posttrain.demo import tiny
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

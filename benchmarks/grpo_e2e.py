@@ -37,7 +37,8 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun
 
 from benchmarks.harness import lower_quartiles  # noqa: E402
 from benchmarks.workloads import PEAK, fold_peak, is_oom  # noqa: E402
-from posttrain import memory, tiny  # noqa: E402
+from posttrain import memory  # noqa: E402
+from posttrain.demo import tiny  # noqa: E402
 
 GiB = 2**30
 TRL_CONFIGS = {"trl-zero2": "zero2_train", "trl-zero3": "zero3_train"}

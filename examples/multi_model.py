@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from posttrain import synthetic, tiny
+from posttrain.demo import synthetic, tiny
 from posttrain.scripts.args import demo_config, parse_config, run_script
 from posttrain.trainers.common import mean_over_ranks
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate

@@ -40,17 +40,23 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 # Which roles each workload holds, and what kind of model each role is.
-WORKLOADS: dict[str, dict[str, list[str]]] = {
-    "dpo": {"trained": ["policy"], "frozen": ["reference"]},
-    "ppo": {"trained": ["policy", "value"], "frozen": ["reference", "reward"]},
-    "distill": {"trained": ["student"], "frozen": ["teacher"]},
-    # GRPO/RLOO with a reference (beta > 0) and Python reward functions; reward models are more
-    # frozen roles (benchmarks/grpo_e2e.py runs the trainers themselves).
-    "grpo": {"trained": ["policy"], "frozen": ["reference"]},
-    "rloo": {"trained": ["policy"], "frozen": ["reference"]},
-    "sft": {"trained": ["policy"], "frozen": []},
-    "reward": {"trained": ["reward"], "frozen": []},
-}
+def _trainer_roles() -> dict[str, dict[str, list[str]]]:
+    """Each trainer's roles as the trainer declares them (``Trainer.roles``): DPO with its
+    reference, PPO with a reward model, GRPO/RLOO with a reference (beta > 0) and Python reward
+    functions (reward models are more frozen roles; benchmarks/grpo_e2e.py runs the trainers)."""
+    from .trainers.distill import DistillTrainer
+    from .trainers.dpo import DPOTrainer
+    from .trainers.grpo import GRPOTrainer
+    from .trainers.ppo import PPOTrainer
+    from .trainers.reward import RewardTrainer
+    from .trainers.rloo import RLOOTrainer
+    from .trainers.sft import SFTTrainer
+
+    return {t.name: {kind: list(names) for kind, names in t.roles.items()}
+            for t in (DPOTrainer, PPOTrainer, DistillTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer, RewardTrainer)}
+
+
+WORKLOADS: dict[str, dict[str, list[str]]] = _trainer_roles()
 ROLE_KINDS = {"policy": "causal", "reference": "causal", "student": "causal", "teacher": "causal",
               "value": "token", "reward": "sequence"}
 

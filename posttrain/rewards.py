@@ -251,6 +251,21 @@ def encode_for_reward(prompts: list, completions: list[str], tokenizer: Any, dev
     return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
 
+def head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
+    """A decoder classifier's ``score`` head at every position (reward and value models).
+
+    The model runs through its own (engine) forward and a hook captures the head's output:
+    calling the backbone and head separately bypasses a ZeRO-3 engine's parameter gathering."""
+    module = getattr(model, "module", model)
+    captured: list[torch.Tensor] = []
+    handle = module.score.register_forward_hook(lambda _m, _inp, out: captured.append(out))
+    try:
+        model(**inputs, use_cache=False)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
 @torch.no_grad()
 def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     vocab_size: int | None = None) -> torch.Tensor:
@@ -263,18 +278,10 @@ def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     if vocab_size and int(input_ids.max()) >= vocab_size:
         raise ConfigError(f"token id {int(input_ids.max())} is beyond the reward model's {vocab_size} embedding "
                           "rows: its tokenizer and weights do not match")
-    module = getattr(model, "module", model)
-    head = getattr(module, "score", None)
-    if head is None:
+    if getattr(getattr(model, "module", model), "score", None) is None:
         return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
-    captured: list[torch.Tensor] = []
-    handle = head.register_forward_hook(lambda _m, _inp, out: captured.append(out))
-    try:
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        handle.remove()
-    logits = captured[0]
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = head_outputs(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (positions * attention_mask.bool()).argmax(dim=1)
     return logits[torch.arange(logits.shape[0], device=logits.device), last, 0]

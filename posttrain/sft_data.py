@@ -21,7 +21,7 @@ from .dsconfig import ConfigError
 
 # The tiny default's chat template with TRL's {% generation %} markers around each assistant turn
 # (content and end-of-turn token; the role tag stays outside, as in TRL's training templates). It
-# renders exactly as posttrain.tiny.CHAT_TEMPLATE: TRL's get_training_chat_template patches known
+# renders exactly as posttrain.demo.tiny.CHAT_TEMPLATE: TRL's get_training_chat_template patches known
 # hub templates only, and assistant_only_loss needs the markers.
 TINY_TRAINING_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'assistant' %}<|assistant|>{% generation %}"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from posttrain import ConfigError, checks, cli, preference, tiny
+from posttrain import ConfigError, checks, cli, preference
+from posttrain.demo import tiny
 from posttrain.trainers.dpo import LOSS_TYPES
 
 MIXES = "zero2-zero3, zero3, zero2-replicated, zero2-zero3-offload, zero2-zero3-stock"
@@ -144,7 +145,7 @@ GRPO_CASES = [
     pytest.param("grpo model without data", "grpo --output_dir {out} --model_name_or_path {sft}", NO_DATA),
     pytest.param("rloo model without data", "rloo --output_dir {out} --model_name_or_path {sft}", NO_DATA),
     pytest.param("no chat template, grpo", "grpo --output_dir {out} --model_name_or_path {no_template} "
-                 "--dataset_name {prompts} --reward_funcs posttrain.synthetic:sentiment_reward",
+                 "--dataset_name {prompts} --reward_funcs posttrain.demo.synthetic:sentiment_reward",
                  "{prompts} is conversational (lists of messages) but the tokenizer of {no_template} has no chat "
                  "template: use a chat model's tokenizer, set tokenizer.chat_template and save it with the model, or "
                  "give the data as plain text"),

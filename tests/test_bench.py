@@ -112,7 +112,7 @@ def test_hung_mix_times_out(tmp_path):
 
 def test_distill_with_a_local_model_shape(tmp_path):
     """A role's shape can come from a local path (its config; random weights), and distill runs."""
-    from posttrain import tiny
+    from posttrain.demo import tiny
 
     teacher = tiny.model_path(hidden_size=96, intermediate_size=256)
     argv = ["--workload", "distill", "--shape", "tiny", "--role-shape", f"teacher={teacher}", "--micro-batch", "2",
@@ -158,7 +158,7 @@ def test_host_copy_runs_unit_by_unit_and_equals_the_model(tied):
     from transformers import AutoModelForCausalLM
 
     from benchmarks.canary import HostCopy, outputs
-    from posttrain import tiny
+    from posttrain.demo import tiny
 
     torch.manual_seed(0)
     cfg = tiny.model_config()

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from posttrain import ConfigError, Role, Session, dsconfig, roles_for, roles_from_yaml, tiny
+from posttrain import ConfigError, Role, Session, dsconfig, roles_for, roles_from_yaml
+from posttrain.demo import tiny
 
 KW = dict(micro_batch_size=4, gradient_accumulation_steps=2, world_size=2, mixed_precision="no")
 

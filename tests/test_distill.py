@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_json
 
-from posttrain import tiny
+from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
 from posttrain.trainers.distill import DistillConfig, DistillTrainer, check_vocabularies, generalized_jsd_loss
 

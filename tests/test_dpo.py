@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import ROOT, run_json, torchrun
 
-from posttrain import synthetic, tiny
+from posttrain.demo import synthetic, tiny
 
 # (name, DPOConfig fields, batch format). Every loss_type TRL 1.16 accepts, plus combinations and options.
 CASES = [

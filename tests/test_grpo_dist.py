@@ -124,7 +124,7 @@ def test_reuse_steps_log_what_trl_logs(checks, tmp_path):
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
-    from posttrain import synthetic, tiny
+    from posttrain.demo import synthetic, tiny
 
     args = TRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=8,
                      num_generations=4, max_completion_length=6, steps_per_generation=2, max_steps=2,

@@ -6,7 +6,8 @@ old and reference log-probs."""
 import pytest
 import torch
 
-from posttrain import rewards, tiny
+from posttrain import rewards
+from posttrain.demo import tiny
 from posttrain.trainers.common import enable_gradient_checkpointing
 from posttrain.trainers.grpo import (
     LOSS_TYPES,

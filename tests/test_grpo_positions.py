@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain import tiny
+from posttrain.demo import tiny
 from posttrain.trainers.grpo import GRPOConfig, completion_logps, grpo_loss
 
 T = 0.9

@@ -84,9 +84,9 @@ def test_wheel_ships_presets_and_data(installed):
         f"posttrain/presets/accelerate/{p}" for p in ACCELERATE_CONFIGS
     ]
     # Every bundled data file, subfolders included (the tiny default's prebuilt assets).
-    data = {f"posttrain/{p.relative_to(ROOT / 'posttrain').as_posix()}" for p in (ROOT / "posttrain" / "data").rglob("*")
+    data = {f"posttrain/{p.relative_to(ROOT / 'posttrain').as_posix()}" for p in (ROOT / "posttrain" / "demo" / "data").rglob("*")
             if p.is_file() and "__pycache__" not in p.parts}
-    assert {"posttrain/data/tiny_corpus.txt", "posttrain/data/words.txt"} <= data
+    assert {"posttrain/demo/data/tiny_corpus.txt", "posttrain/demo/data/words.txt"} <= data
     assert data <= names, sorted(data - names)
 
 
@@ -94,7 +94,8 @@ def test_installed_package_resolves_presets_and_caches_outside_site_packages(ins
     user_cache = installed["tmp"] / "xdg"
     probe = (
         "import json, os, posttrain\n"
-        "from posttrain import dsconfig, tiny\n"
+        "from posttrain import dsconfig\n"
+        "from posttrain.demo import tiny\n"
         "try:\n"
         "    dsconfig.config_path('no_such_preset')\n"
         "    error = None\n"

@@ -45,12 +45,12 @@ def test_metrics_and_phases(default_mix, tmp_path_factory):
 
 def test_reward_function_path(tmp_path):
     # Prompts from a local jsonl file, through `datasets`.
-    from posttrain import synthetic
+    from posttrain.demo import synthetic
     from posttrain.preference import write_jsonl
 
     prompts = write_jsonl([{"prompt": p} for p in synthetic.prompts(64, seed=3)], tmp_path / "prompts.jsonl")
     hist = ppo(tmp_path, "funcs", reward_model_path="none", report_to=["tensorboard"], dataset_name=str(prompts),
-               reward_funcs=["posttrain.synthetic:sentiment_reward"], reward_weights=[2.0], **SHORT)
+               reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], reward_weights=[2.0], **SHORT)
     # The accelerate tracker wrote TensorBoard events beside metrics.jsonl.
     assert list((tmp_path / "funcs").rglob("events.out.tfevents*"))
     assert len((tmp_path / "funcs" / "metrics.jsonl").read_text().splitlines()) == 2

@@ -16,7 +16,8 @@ import pytest
 import torch
 from test_grpo_parity import TEMPERATURE, G, N, fixed_rollout
 
-from posttrain import reward_funcs, rewards, tiny
+from posttrain import reward_funcs, rewards
+from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
 from posttrain.trainers.common import Phases
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer

@@ -4,7 +4,7 @@ and gradients equal trl.RewardTrainer's (fp32, TRL in the test); bad data in one
 import pytest
 import torch
 
-from posttrain import synthetic, tiny
+from posttrain.demo import synthetic, tiny
 from posttrain.dsconfig import ConfigError
 from posttrain.trainers.reward import collator, prepare_reward_dataset, reward_loss
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain import rewards, tiny
+from posttrain import rewards
+from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
 
 
@@ -67,21 +68,21 @@ def policy_tok():
 
 # -- reward functions --------------------------------------------------------------------------
 def test_load_reward_funcs_and_errors(tmp_path, monkeypatch):
-    from posttrain import synthetic
+    from posttrain.demo import synthetic
 
-    assert rewards.load_reward_funcs(["posttrain.synthetic:sentiment_reward"]) == [synthetic.sentiment_reward]
+    assert rewards.load_reward_funcs(["posttrain.demo.synthetic:sentiment_reward"]) == [synthetic.sentiment_reward]
     (tmp_path / "broken_rewards.py").write_text("import not_installed_dep\n\ndef fn(completions, **kw):\n    return []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match=r"reward function 'broken_rewards:fn': importing 'broken_rewards' failed "
                                           r"with ModuleNotFoundError: No module named 'not_installed_dep'"):
         rewards.load_reward_funcs(["broken_rewards:fn"])
     sys.modules.pop("broken_rewards", None)
-    with pytest.raises(ConfigError, match="posttrain.synthetic has no 'nope'.*sentiment_reward"):
-        rewards.load_reward_funcs(["posttrain.synthetic:nope"])
-    with pytest.raises(ConfigError, match="'posttrain.synthetic' is not a function \\(of type module\\)"):
-        rewards.load_reward_funcs(["posttrain.synthetic"])  # module.function spelling: posttrain's 'synthetic'
+    with pytest.raises(ConfigError, match="posttrain.demo.synthetic has no 'nope'.*sentiment_reward"):
+        rewards.load_reward_funcs(["posttrain.demo.synthetic:nope"])
+    with pytest.raises(ConfigError, match="'posttrain.demo.synthetic' is not a function \\(of type module\\)"):
+        rewards.load_reward_funcs(["posttrain.demo.synthetic"])  # module.function spelling: posttrain's 'synthetic'
     with pytest.raises(ConfigError, match="is not a function \\(of type list\\)"):
-        rewards.load_reward_funcs(["posttrain.tiny:SPECIAL"])
+        rewards.load_reward_funcs(["posttrain.demo.tiny:SPECIAL"])
     assert rewards.is_function_name("pkg.mod:fn") and not rewards.is_function_name("org/reward-model")
 
 

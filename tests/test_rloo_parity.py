@@ -6,7 +6,8 @@ import pytest
 import torch
 from test_grpo_parity import TEMPERATURE, TOL, G, N, fixed_rollout, sparse_reward, token_reward
 
-from posttrain import rewards, tiny
+from posttrain import rewards
+from posttrain.demo import tiny
 from posttrain.trainers.common import enable_gradient_checkpointing
 from posttrain.trainers.grpo import completion_logps, reduce_loss_stats
 from posttrain.trainers.rloo import RLOOConfig, rloo_advantages, rloo_loss

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_json
 
-from posttrain import tiny
+from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
 from posttrain.rollout import Rollout, SamplingParams, choose_tokens, filter_logits, unsupported_reason
 

@@ -10,7 +10,8 @@ import pytest
 from conftest import ROOT
 from trl import ScriptArguments
 
-from posttrain import ConfigError, cli, tiny
+from posttrain import ConfigError, cli
+from posttrain.demo import tiny
 from posttrain.scripts import hub
 from posttrain.scripts.args import demo_config, parse_config
 from posttrain.scripts.data import load_train_eval

@@ -4,7 +4,8 @@ test) for every dataset format and mask option, packed and padding-free; bad dat
 import pytest
 import torch
 
-from posttrain import sft_data, synthetic, tiny
+from posttrain import sft_data
+from posttrain.demo import synthetic, tiny
 from posttrain.dsconfig import ConfigError
 from posttrain.trainers.sft import SFTConfig, token_terms
 

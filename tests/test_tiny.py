@@ -1,9 +1,9 @@
-"""The tiny default ships prebuilt in posttrain/data/tiny: its paths resolve there without building,
+"""The tiny default ships prebuilt in posttrain/demo/data/tiny: its paths resolve there without building,
 the shipped files are what their recipes make, and any other variant builds into the cache.
 
 The full rebuild takes minutes on two cores, so CI replays the first steps of each recipe against
 the losses recorded at build time and checks the shipped weights against the recorded final loss;
-`python -m posttrain.tiny /tmp/tiny && diff -r /tmp/tiny posttrain/data/tiny` is the full check.
+`python -m posttrain.demo.tiny /tmp/tiny && diff -r /tmp/tiny posttrain/demo/data/tiny` is the full check.
 """
 
 import json
@@ -11,7 +11,7 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from posttrain import tiny
+from posttrain.demo import tiny
 
 REPLAYED = 8  # steps of each recipe compared with the recorded losses
 SHIPPED = {"sft-s0-n300": (tiny.sft_recipe, AutoModelForCausalLM),

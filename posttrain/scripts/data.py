@@ -46,7 +46,7 @@ def load_train_eval(script: ScriptArguments, test_split_size: float, cfg: TrainC
 
 def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
     """``eval_strategy: epoch`` as a number of optimizer steps (one pass over ``rows`` training rows)."""
-    import os
+    from ..trainers.common import world_size
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     return max(1, rows // (cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps))

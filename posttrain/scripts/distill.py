@@ -19,7 +19,7 @@ from typing import Any
 
 from trl import ScriptArguments
 
-from .. import tiny
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..modelcard import write_model_card
 from ..trainers.distill import DistillConfig, DistillTrainer
@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     if eval_rows is not None and cfg.eval_strategy == "epoch":
         cfg.eval_steps = eval_steps_per_epoch(len(train_rows), cfg)
     trainer = DistillTrainer(cfg, train_rows, eval_rows)
+    before = []
+    if eval_rows is not None and not cfg.resume_from_checkpoint:  # the held-out divergence before training
+        trainer.setup()
+        before = [trainer.evaluate()]
     history = trainer.train()
     final = trainer.save_model()
     if not trainer.session.is_main_process:
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     # The card written at the end of training cannot know the data (the trainer takes rows): name it.
     write_model_card(cfg.output_dir, cfg, "distill", trainer.session,
                      dataset_name=script.dataset_name or "lines of posttrain's bundled text")
-    evals = [h for h in history if "eval/forward_kl" in h]
+    evals = before + [h for h in history if "eval/forward_kl" in h]
     summary = {
         "heldout_lines": len(eval_rows or []),  # held-out rows (lines of the bundled text)
         "teacher": cfg.teacher_model_name_or_path,

@@ -14,7 +14,8 @@ from typing import Any
 
 from trl import ScriptArguments
 
-from .. import preference, synthetic
+from .. import preference
+from ..demo import synthetic
 from ..modelcard import write_model_card
 from ..trainers.dpo import DPOConfig, DPOTrainer
 from .args import demo_config, parse_config, require_dataset, run_script

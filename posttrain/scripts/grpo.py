@@ -44,7 +44,7 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
     start = time.perf_counter()
     trainer = trainer_cls(cfg)
     history = trainer.train()
-    final = trainer.save()  # the output dir itself, as TRL
+    final = trainer.save_model()  # the output dir itself, as TRL
     if not trainer.session.is_main_process:
         return
     if history:

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     require_dataset([cfg])
     trainer = PPOTrainer(cfg)
     history = trainer.train()
-    final = trainer.save()  # the output dir itself, as TRL; the value model in value/
+    final = trainer.save_model()  # the output dir itself, as TRL; the value model in value/
     if not trainer.session.is_main_process:
         return
     if history:

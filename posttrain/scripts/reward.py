@@ -17,7 +17,8 @@ from typing import Any
 
 from trl import ScriptArguments
 
-from .. import preference, synthetic
+from .. import preference
+from ..demo import synthetic
 from ..modelcard import write_model_card
 from ..trainers.reward import RewardConfig, RewardTrainer
 from .args import demo_config, parse_config, require_dataset, run_script

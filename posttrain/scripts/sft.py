@@ -17,7 +17,7 @@ from typing import Any
 
 from trl import ScriptArguments
 
-from .. import tiny
+from ..demo import tiny
 from ..modelcard import write_model_card
 from ..trainers.sft import SFTConfig, SFTTrainer
 from .args import demo_config, parse_config, require_dataset, run_script

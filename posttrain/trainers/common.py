@@ -4,6 +4,7 @@ checkpoints and resume. Each trainer keeps its own algorithm in its own file."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -88,6 +89,9 @@ class TrainConfig:
     hub_model_id: str | None = None  # default: the output dir's name under your account
     hub_private_repo: bool | None = None
 
+    _algorithm = "this trainer"
+    _evaluates = True  # False: the trainer has no evaluation, and eval_strategy is refused by name
+
     def __post_init__(self) -> None:
         validate_train_config(self)
 
@@ -116,6 +120,9 @@ def validate_train_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"num_train_epochs is {cfg.num_train_epochs} and max_steps is unset: set one of them")
     if cfg.eval_strategy not in ("no", "steps", "epoch"):
         raise ConfigError(f"eval_strategy must be 'no', 'steps' or 'epoch', got {cfg.eval_strategy!r}")
+    if cfg.eval_strategy != "no" and not cfg._evaluates:
+        raise ConfigError(f"{cfg._algorithm} does not evaluate (it has no eval dataset), but eval_strategy is "
+                          f"{cfg.eval_strategy!r}: set --eval_strategy no")
     if cfg.eval_strategy == "steps" and cfg.eval_steps is None:
         cfg.eval_steps = cfg.logging_steps
     if cfg.bf16 and cfg.fp16:
@@ -139,6 +146,12 @@ def validate_train_config(cfg: TrainConfig) -> None:
     schedulers = [t.value for t in SchedulerType]
     if cfg.lr_scheduler_type not in schedulers:
         raise ConfigError(f"unknown lr_scheduler_type {cfg.lr_scheduler_type!r}: choose from {', '.join(schedulers)}")
+
+
+def world_size() -> int:
+    """The number of processes, from the launcher's environment: configs and step counts need it
+    before the session (and process group) exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:
@@ -201,9 +214,17 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+def mix_seed(*parts: int | str) -> int:
+    """One seed from the run's seed and where it is used (a name, the epoch, step, rank, ...): a
+    stable hash, the same in every process and every run, so that data order and sampling depend
+    only on that position (a resumed run draws what the uninterrupted one drew)."""
+    digest = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     """The same permutation on every rank for a given (seed, epoch)."""
-    g = torch.Generator().manual_seed(seed * 1000 + epoch)
+    g = torch.Generator().manual_seed(mix_seed(seed, "epoch", epoch))
     return torch.randperm(n, generator=g).tolist()
 
 
@@ -248,16 +269,23 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def sum_over_ranks(session: Session, t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over every process (accelerate's reduce, on a copy)."""
+    return session.accelerator.reduce(t, reduction="sum") if session.num_processes > 1 else t
+
+
+def gather_ranks(session: Session, t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` (same shape on each), concatenated in rank order (accelerate's gather)."""
+    return session.accelerator.gather(t.contiguous()) if session.num_processes > 1 else t
+
+
 def mean_over_ranks(session: Session, values: dict[str, float]) -> dict[str, float]:
     """Average scalar metrics over processes (one all-reduce)."""
     if not values:
         return {}
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=session.device)
-    if session.num_processes > 1:
-        torch.distributed.all_reduce(t)
-        t /= session.num_processes
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, (sum_over_ranks(session, t) / session.num_processes).tolist()))
 
 
 class RunLog:

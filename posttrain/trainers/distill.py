@@ -14,30 +14,28 @@ multi-model DeepSpeed guide.
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .. import tiny
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
     make_session,
-    mean_over_ranks,
+    mix_seed,
     optimizer_and_scheduler,
     rank_batches,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
     seed_everything,
+    sum_over_ranks,
+    world_size,
 )
+from .loop import Trainer
+from .online import left_pad
 
 
 @dataclass
@@ -140,12 +138,17 @@ def completion_batch(
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
-class DistillTrainer:
+class DistillTrainer(Trainer):
     """Distil ``teacher_model_name_or_path`` into the student on ``{"prompt", "completion"}`` rows.
 
     >>> trainer = DistillTrainer(DistillConfig(teacher_model_name_or_path="big"), train_rows, eval_rows)
     >>> trainer.train()
     """
+
+    name = "distill"
+    shown = ("loss", "eval/loss")
+    roles = {"trained": ["student"], "frozen": ["teacher"]}
+    evaluates = True
 
     def __init__(
         self,
@@ -173,11 +176,11 @@ class DistillTrainer:
         self.history: list[dict] = []
 
     # -- set-up ----------------------------------------------------------------------------
-    def total_steps(self) -> int:
+    def count_steps(self) -> int:
         cfg = self.cfg
         if cfg.max_steps > 0:
             return cfg.max_steps
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()
         per_step = cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps
         return max(1, math.ceil(cfg.num_train_epochs * len(self.train_dataset) / per_step))
 
@@ -189,16 +192,14 @@ class DistillTrainer:
         check_vocabularies(AutoConfig.from_pretrained(self.student_path),
                            AutoConfig.from_pretrained(cfg.teacher_model_name_or_path))
         seed_everything(cfg.seed)
-        self.total = self.total_steps()
-        s = self.session = make_session(cfg, ["student"], ["teacher"], total_steps=self.total)
+        self.total_steps = self.count_steps()
+        s = self.session = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps)
         student = s.load("student", self.student_path)
-        opt, sched = optimizer_and_scheduler(student, cfg, self.total)
+        opt, sched = optimizer_and_scheduler(student, cfg, self.total_steps)
         self.student = s.prepare("student", student, opt, sched)
         self.teacher = s.prepare("teacher", s.load("teacher", cfg.teacher_model_name_or_path))
-        self.start = 0
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            self.start = s.load_state(ckpt / "state")["step"]
+        self.phases = Phases()
+        self._batches = None  # the data order, from the step the run starts at
 
     # -- data ------------------------------------------------------------------------------
     def _encode(self, rows: list[dict[str, str]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -225,17 +226,14 @@ class DistillTrainer:
             # Prompts are cut to max_length - 1 tokens (_encode); a micro-batch at a time.
             self.rollouts[role] = Rollout(s, role, sampling, max_batch=cfg.per_device_train_batch_size,
                                           max_prompt_len=max(1, cfg.max_length - 1), backend=cfg.generation_backend)
-        width = max(len(p) for p in prompts)
-        # Left padding: every prompt ends where generation starts.
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=s.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=s.device)
+        ids, mask = left_pad(prompts, tok.pad_token_id, s.device)
         out = self.rollouts[role].generate(ids, mask)
         return [row[:n] for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1).tolist())]
 
     def _source(self, micro_step: int) -> str:
         # GKD's draw, once per micro-batch, but from (seed, micro-step) so that it is the same on
         # every rank (a ZeRO-3 model must run the same forwards on all ranks) and on resume.
-        if random.Random(self.cfg.seed * 100003 + micro_step).random() < self.cfg.lmbda:
+        if random.Random(mix_seed(self.cfg.seed, "source", micro_step)).random() < self.cfg.lmbda:
             return "student"
         return "teacher" if self.cfg.seq_kd else "data"
 
@@ -248,8 +246,12 @@ class DistillTrainer:
         student_logits = self.student(**inputs).logits
         return student_logits[:, :-1].float(), teacher_logits[:, :-1].float()
 
-    def training_step(self, step: int, batches: Any, phases: Phases) -> dict[str, float]:
-        s, cfg = self.session, self.cfg
+    def training_step(self, step: int) -> dict[str, float]:
+        s, cfg, phases = self.session, self.cfg, self.phases
+        if self._batches is None:
+            self._batches = rank_batches(len(self.train_dataset), cfg.per_device_train_batch_size, cfg.seed,
+                                         s.process_index, s.num_processes, start=(step - 1) * cfg.gradient_accumulation_steps)
+        batches = self._batches
         losses, lengths, sources = [], [], []
         for k in range(cfg.gradient_accumulation_steps):
             micro_step = (step - 1) * cfg.gradient_accumulation_steps + k
@@ -259,7 +261,7 @@ class DistillTrainer:
             prompts, completions = self._encode(rows)
             if source != "data":
                 # Seeded per micro-step and rank so that a resumed run samples the same sequences.
-                torch.manual_seed(cfg.seed + 7919 * micro_step + s.process_index)
+                torch.manual_seed(mix_seed(cfg.seed, "generate", micro_step, s.process_index))
                 with phases("generate"):
                     completions = self.generate(source, prompts)
             batch = completion_batch(prompts, completions, self.tokenizer.pad_token_id, s.device)
@@ -272,8 +274,7 @@ class DistillTrainer:
                 s.step("student")
             losses.append(loss.item())
             lengths.append(sum(len(c) for c in completions) / len(completions))
-        metrics = mean_over_ranks(s, {"loss": sum(losses) / len(losses),
-                                      "completion_length": sum(lengths) / len(lengths)})
+        metrics = {"loss": sum(losses) / len(losses), "completion_length": sum(lengths) / len(lengths)}
         seen = step * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * s.num_processes
         return {**metrics, "grad_norm": s.grad_norm("student") or 0.0, "learning_rate": s.learning_rate("student"),
                 "epoch": seen / len(self.train_dataset),  # TRL's fractional epoch (rows seen over the dataset's)
@@ -307,37 +308,8 @@ class DistillTrainer:
             tokens += int((batch["labels"][:, 1:] != -100).sum())
         self.student.train()
         totals = torch.tensor([*sums.values(), tokens], dtype=torch.float64, device=s.device)
-        if s.num_processes > 1:
-            torch.distributed.all_reduce(totals)
+        totals = sum_over_ranks(s, totals)
         return {f"eval/{k}": v / max(totals[-1].item(), 1) for k, v in zip(sums, totals.tolist())}
 
-    # -- loop ------------------------------------------------------------------------------
-    def train(self) -> list[dict]:
-        """Run to ``max_steps`` (or the epochs' worth); returns the logged rows."""
-        if self.session is None:
-            self.setup()
-        s, cfg = self.session, self.cfg
-        log = RunLog(s, cfg, self.total, "distill", start=self.start, shown=("loss", "eval/loss"))
-        batches = rank_batches(len(self.train_dataset), cfg.per_device_train_batch_size, cfg.seed,
-                               s.process_index, s.num_processes, start=self.start * cfg.gradient_accumulation_steps)
-        if self.eval_dataset and self.start == 0:
-            log.log(0, self.evaluate(), advance=False)
-        phases = Phases()
-        for step in range(self.start + 1, self.total + 1):
-            metrics = self.training_step(step, batches, phases)
-            if self.eval_dataset and cfg.eval_steps and (step % cfg.eval_steps == 0 or step == self.total):
-                metrics.update(self.evaluate())
-            if step % cfg.logging_steps == 0 or step == self.total:
-                log.log(step, metrics)
-            else:
-                log.advance()
-            if cfg.save_steps and (step % cfg.save_steps == 0 or step == self.total):
-                save_checkpoint(s, cfg, step, {"student": self.tokenizer}, {"total": self.total})
-        log.close()
-        self.history = log.history
-        return self.history
-
-    def save_model(self, directory: str | Path | None = None) -> Path:
-        """The student in Hugging Face format, in the output dir itself by default (TRL's layout:
-        ``from_pretrained(output_dir)`` loads it); returns where."""
-        return save_trained_model(self.session, "student", directory or self.cfg.output_dir, tokenizer=self.tokenizer)
+    def has_eval_data(self) -> bool:
+        return bool(self.eval_dataset)

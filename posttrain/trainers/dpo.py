@@ -15,22 +15,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import preference, tiny
+from .. import preference
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
     enable_gradient_checkpointing,
     make_session,
-    mean_over_ranks,
     optimizer_and_scheduler,
     rank_batches,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
     seed_everything,
+    sum_over_ranks,
+    world_size,
 )
+from .loop import Trainer
 
 # Every loss_type trl.DPOTrainer 1.16 accepts; none needs a model besides policy and reference.
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -250,7 +249,7 @@ def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tupl
 
 
 # -- the trainer --------------------------------------------------------------------------------------
-class DPOTrainer:
+class DPOTrainer(Trainer):
     """Direct Preference Optimization with the policy and reference on their own DeepSpeed plugins.
 
     Loss types, their formulas and the metric names are those of ``trl.DPOTrainer`` (TRL 1.16); for
@@ -268,6 +267,11 @@ class DPOTrainer:
     >>> trainer.train()
     """
 
+    name = "dpo"
+    shown = ("loss", "rewards/accuracies", "rewards/margins", "eval/loss", "eval/rewards/accuracies")
+    roles = {"trained": ["policy"], "frozen": ["reference"]}  # with use_peft, no reference role
+    evaluates = True
+
     def __init__(self, args: DPOConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
                  peft_config: Any = None) -> None:
         self.cfg = cfg = args
@@ -278,7 +282,7 @@ class DPOTrainer:
         self.tokenizer = tokenizer or _load_tokenizer(policy_path, cfg)
         self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
         self.peft_config = peft_config if peft_config is not None else _lora_config(cfg)
-        frozen = [] if self.peft_config is not None else ["reference"]
+        frozen = [] if self.peft_config is not None else list(self.roles["frozen"])
 
         prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, truncation_mode=cfg.truncation_mode,
                     num_proc=cfg.dataset_num_proc)
@@ -286,7 +290,7 @@ class DPOTrainer:
         self.eval_rows = (preference.prepare_preference_dataset(eval_dataset, name="eval_dataset", **prep)
                           if eval_dataset is not None else None)
 
-        world = _world_size()
+        world = world_size()
         global_batch = cfg.per_device_train_batch_size * world
         if len(self.train_rows) < global_batch:
             raise ConfigError(f"train_dataset has {len(self.train_rows)} usable rows, fewer than one global batch "
@@ -294,7 +298,7 @@ class DPOTrainer:
                               "--per_device_train_batch_size or give more rows")
         per_epoch = max(1, len(self.train_rows) // global_batch // cfg.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
-        self.session = make_session(cfg, ["policy"], frozen, total_steps=self.total_steps)
+        self.session = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
         self.phases = Phases()
         # TRL loads models in float32 unless told otherwise; mixed precision then casts inside DeepSpeed.
         kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}
@@ -321,7 +325,7 @@ class DPOTrainer:
         if self.peft_config is not None and cfg.precompute_ref_log_probs:
             self._precompute_all()  # the base model, adapters disabled: saves a forward per step
         self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
-        self.step = 0
+        self._batches = None  # the training data order, from the step the run starts at
         self.history: list[dict] = []
 
     # -- setup helpers ---------------------------------------------------------------------------------
@@ -366,8 +370,7 @@ class DPOTrainer:
             batch = self._to_device(self.collate([_pair_only(rows[i]) for i in idx]))
             chosen, rejected = self._reference_forward(batch)
             values[idx[:valid]] = torch.stack([chosen, rejected], 1)[:valid].double()
-        if self.session.num_processes > 1:
-            torch.distributed.all_reduce(values)  # each row was computed on exactly one rank
+        values = sum_over_ranks(self.session, values)  # each row was computed on exactly one rank
         for row, (c, r) in zip(rows, values.tolist()):
             row["ref_chosen_logps"], row["ref_rejected_logps"] = c, r
 
@@ -402,69 +405,51 @@ class DPOTrainer:
         pairs["loss"] = loss.detach()
         return loss.mean(), pairs, token_metrics(policy, batch["completion_mask"])
 
-    # -- loop ------------------------------------------------------------------------------------------
+    # -- the step (posttrain.trainers.loop runs the loop) ------------------------------------------
     def _train_batches(self, start_micro: int):
         cfg, s = self.cfg, self.session
         for idx in rank_batches(len(self.train_rows), cfg.per_device_train_batch_size, cfg.seed,
                                 s.process_index, s.num_processes, start=start_micro):
             yield self.collate([self.train_rows[i] for i in idx])
 
-    def train(self) -> list[dict]:
-        """Train ``total_steps`` optimizer steps; returns the logged rows (also in metrics.jsonl)."""
+    def training_step(self, step: int) -> dict[str, float]:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches: the mean loss and
+        pair metrics, the token metrics over the step's tokens, and this step's rate and norm."""
         cfg, s = self.cfg, self.session
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            self.step = int(s.load_state(ckpt / "state")["step"])
-            if cfg.sync_ref_model:
-                s.load_weights("reference", ckpt / "reference")
         ga = cfg.gradient_accumulation_steps
-        batches = self._train_batches(self.step * ga)
-        log = RunLog(s, cfg, self.total_steps, "dpo", start=self.step,
-                     shown=("loss", "rewards/accuracies", "rewards/margins", "eval/loss", "eval/rewards/accuracies"))
-        self.history = log.history  # the whole run's rows (after a resume, the kept ones first)
-        window: list[dict[str, float]] = []
-        while self.step < self.total_steps:
-            sums: dict[str, float] = {}
-            tokens: dict[str, list[float]] = {}
-            for _ in range(ga):
-                loss, pairs, tok = self.compute_loss(next(batches))
-                with self.phases("backward"):
-                    s.backward("policy", loss)
-                    s.step("policy")
-                for k, v in pairs.items():
-                    sums[k] = sums.get(k, 0.0) + (loss.item() if k == "loss" else v.mean().item()) / ga
-                for k, (a, b) in tok.items():
-                    tokens.setdefault(k, [0.0, 0.0])
-                    tokens[k][0] += a
-                    tokens[k][1] += b
-            self.step += 1
-            if cfg.sync_ref_model and self.step % cfg.ref_model_sync_steps == 0:
-                with self.phases("ref_sync"):
-                    s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
-            row = {**sums, **{k: a / max(b, 1) for k, (a, b) in tokens.items()},
-                   "grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
-                   "epoch": self.step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
-                   **self.phases.pop()}
-            window.append(row)
-            last = self.step == self.total_steps
-            if self.step % cfg.logging_steps == 0 or last:
-                # Losses and rewards average over the window; lr, epoch and grad norm are the latest.
-                keys = dict.fromkeys(k for r in window for k in r)  # time/ref_sync only in some steps
-                mean = {k: sum(r.get(k, 0.0) for r in window) / len(window) for k in keys}
-                mean.update({k: row[k] for k in ("grad_norm", "learning_rate", "epoch")})
-                metrics = mean_over_ranks(s, mean)
-                log.log(self.step, metrics, advance=False)
-                window = []
-            log.advance()
-            if self.eval_rows is not None and ((cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
-                ev = self.evaluate()
-                log.log(self.step, ev, advance=False)
-            if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
-                # A synced reference is training state: it is saved beside the policy.
-                export = {"policy": self.tokenizer, **({"reference": None} if cfg.sync_ref_model else {})}
-                save_checkpoint(s, cfg, self.step, export, {"total_steps": self.total_steps})
-        log.close()
-        return self.history
+        if self._batches is None:  # the data order continues at the step the run starts from
+            self._batches = self._train_batches((step - 1) * ga)
+        sums: dict[str, float] = {}
+        tokens: dict[str, list[float]] = {}
+        for _ in range(ga):
+            loss, pairs, tok = self.compute_loss(next(self._batches))
+            with self.phases("backward"):
+                s.backward("policy", loss)
+                s.step("policy")
+            for k, v in pairs.items():
+                sums[k] = sums.get(k, 0.0) + (loss.item() if k == "loss" else v.mean().item()) / ga
+            for k, (a, b) in tok.items():
+                tokens.setdefault(k, [0.0, 0.0])
+                tokens[k][0] += a
+                tokens[k][1] += b
+        if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
+            with self.phases("ref_sync"):
+                s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
+        return {**sums, **{k: a / max(b, 1) for k, (a, b) in tokens.items()},
+                "grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                "epoch": step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
+                **self.phases.pop()}
+
+    def has_eval_data(self) -> bool:
+        return self.eval_rows is not None
+
+    def checkpoint_models(self) -> dict[str, Any]:
+        # A synced reference is training state: it is saved beside the policy.
+        return {"policy": self.tokenizer, **({"reference": None} if self.cfg.sync_ref_model else {})}
+
+    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
+        if self.cfg.sync_ref_model:
+            self.session.load_weights("reference", checkpoint / "reference")
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
@@ -486,8 +471,7 @@ class DPOTrainer:
                 for j, k in enumerate(tok_keys):
                     sums[len(keys) + 1 + 2 * j] += tok[k][0]
                     sums[len(keys) + 2 + 2 * j] += tok[k][1]
-        if self.session.num_processes > 1:
-            torch.distributed.all_reduce(sums)
+        sums = sum_over_ranks(self.session, sums)
         self.phases.pop()
         self.policy.train()
         out = {f"{prefix}/{k}": (sums[j] / sums[len(keys)]).item() for j, k in enumerate(keys)}
@@ -495,20 +479,9 @@ class DPOTrainer:
             out[f"{prefix}/{k}"] = (sums[len(keys) + 1 + 2 * j] / sums[len(keys) + 2 + 2 * j].clamp(min=1)).item()
         return out
 
-    def save_model(self, directory: str | Path | None = None) -> Path:
-        """The policy in Hugging Face format (a LoRA policy saves its adapter), in the output dir
-        itself by default (TRL's layout: ``from_pretrained(output_dir)`` loads it); returns where."""
-        return save_trained_model(self.session, "policy", directory or self.cfg.output_dir, tokenizer=self.tokenizer)
-
 
 def _pair_only(row: dict) -> dict:
     return {k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
-
-
-def _world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _load_tokenizer(path: str, cfg: DPOConfig) -> Any:

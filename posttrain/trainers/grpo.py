@@ -22,7 +22,6 @@ the batch outlives one optimizer step, as TRL does.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,28 +29,45 @@ from typing import Any
 
 import torch
 
-from .. import synthetic, tiny
+from ..demo import tiny
 from ..dsconfig import ConfigError
-from ..jsonrows import dumps_row
-from ..preference import check_conversation, load_dataset_source
+from ..preference import check_conversation
 from ..reward_funcs import RewardFuncError, RewardWarnings
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
     enable_gradient_checkpointing,
     epoch_order,
+    gather_ranks,
     make_session,
     mean_over_ranks,
+    mix_seed,
     optimizer_and_scheduler,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
     seed_everything,
+    sum_over_ranks,
+    world_size,
 )
-
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style min(r A, clip(r) A)
+from .grpo_loss import (
+    LOSS_TYPES,
+    average_generation_metrics,
+    completion_metrics,
+    group_advantages,
+    grpo_loss,
+    high_entropy_mask,
+)
+from .grpo_loss import reduce_loss_stats as reduce_loss_stats
+from .loop import Trainer, window_mean
+from .online import (
+    completion_logps,
+    left_pad,
+    load_prompt_rows,
+    mean_of_logged_metrics,
+    raise_on_every_rank,
+    tokenize_prompt,
+    truncated_rows,
+    weighted_rewards,
+    write_samples,
+)
 
 
 @dataclass
@@ -116,10 +132,11 @@ class GRPOConfig(TrainConfig):
 
     _loss_types = LOSS_TYPES  # (RLOO has its own one)
     _algorithm = "GRPO"
+    _evaluates = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         checks = [
             (self.loss_type in self._loss_types,
@@ -184,255 +201,17 @@ class GRPOConfig(TrainConfig):
         return self.epsilon_high if self.epsilon_high is not None else self.epsilon
 
 
-# -- advantages ----------------------------------------------------------------------------------
-def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
-                     scale_rewards: str = "group", aggregation: str = "sum_then_normalize") -> dict[str, torch.Tensor]:
-    """TRL 1.16's GRPO advantages over the whole generation batch (all processes), grouped by prompt
-    (``num_generations`` consecutive rows). A row where every reward function returned None (NaN)
-    is left out of the statistics and gets advantage 0. Returns advantages, the weighted rewards and
-    whether each row's std was zero."""
-    from trl.trainer.utils import nanstd
-
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    if aggregation == "sum_then_normalize":
-        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
-        rewards[unscorable] = torch.nan
-        mean = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
-        if scale_rewards in ("group", "none"):
-            std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
-        else:  # "batch"
-            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        advantages = rewards - mean
-        if scale_rewards != "none":
-            advantages = advantages / (std + 1e-4)
-    else:  # normalize_then_sum: each reward normalised within its group, then weighted, then batch-normalised
-        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
-        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-        std_k = nanstd(grouped, dim=1, keepdim=True)
-        reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
-        rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
-        rewards[unscorable] = torch.nan
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
-    return {"advantages": torch.nan_to_num(advantages, nan=0.0),
-            "is_std_zero": torch.isclose(std, torch.zeros_like(std))}
-
-
-def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The logged reward: the weighted sum of the reward functions, NaN where none applied."""
-    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-    return rewards
-
-
-# -- the loss ------------------------------------------------------------------------------------
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float,
-                      all_entropies: torch.Tensor | None = None) -> torch.Tensor:
-    """Tokens whose entropy is at least the ``threshold`` quantile of every valid token's entropy
-    (``all_entropies``: those of every process; default this process's)."""
-    pool = entropies[mask.bool()].float() if all_entropies is None else all_entropies
-    if pool.numel() == 0:
-        return torch.zeros_like(entropies, dtype=torch.bool)
-    cut = torch.quantile(pool, threshold)
-    return ((entropies * mask.float()) >= cut) & mask.bool()
-
-
-def grpo_loss(
-    cfg: GRPOConfig,
-    per_token_logps: torch.Tensor,
-    old_per_token_logps: torch.Tensor | None,
-    ref_per_token_logps: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    entropy_mask: torch.Tensor | None = None,
-    num_items_in_batch: torch.Tensor | float | None = None,
-    num_processes: int = 1,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """TRL 1.16's ``GRPOTrainer._compute_loss`` on given log-probs: returns the loss of one
-    micro-batch (already divided for gradient accumulation, as TRL's is) and the statistics it logs,
-    as (sum, count) pairs (``means``) and per-sequence values (``per_seq``) for the caller to reduce
-    over processes. ``num_items_in_batch``: valid tokens of the whole generation batch, all processes
-    (dapo, cispo, vespo)."""
-    from trl import GRPOTrainer
-
-    ga, mask = cfg.gradient_accumulation_steps, mask.to(per_token_logps.dtype)
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-    log_ratio = per_token_logps - old
-    if cfg.importance_sampling_level == "token":
-        log_weights = log_ratio
-    else:  # GSPO: one weight per sequence, the mean log-ratio
-        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_weights)
-
-    if cfg.beta != 0.0:  # k3 estimator of KL(policy || reference)
-        diff = ref_per_token_logps - per_token_logps
-        per_token_kl = torch.exp(diff) - diff - 1
-        if cfg.use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1
-
-    lo, hi = cfg.epsilon_low, cfg.epsilon_up
-    if cfg.loss_type == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=hi).detach() * advantages * per_token_logps
-    elif cfg.loss_type in _CLIPPED_LOSSES:
-        coef_2 = torch.clamp(coef_1, 1 - lo, 1 + hi)
-        if cfg.delta is not None:  # two-sided clipping (INTELLECT-2)
-            coef_1 = torch.clamp(coef_1, max=cfg.delta)
-        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    elif cfg.loss_type == "sapo":
-        temps = torch.where(advantages > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
-        per_token_loss = -(torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * advantages
-    else:  # vespo: TRL's gamma weights of the sequence ratio scale the policy gradient
-        phi_seq = GRPOTrainer.get_gamma_weights(
-            advantages=advantages, log_ratio_per_token=log_ratio, mask=mask, importance_sampling_ratio=None,
-            k_pos=cfg.vespo_k_pos, lambda_pos=cfg.vespo_lambda_pos, k_neg=cfg.vespo_k_neg,
-            lambda_neg=cfg.vespo_lambda_neg)
-        per_token_loss = -phi_seq * advantages * per_token_logps
-    if entropy_mask is not None:
-        per_token_loss = per_token_loss * entropy_mask
-    if cfg.beta != 0.0:
-        per_token_loss = per_token_loss + cfg.beta * per_token_kl
-
-    if cfg.loss_type in ("grpo", "sapo"):
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
-    elif cfg.loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
-    elif cfg.loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * cfg.max_completion_length) / ga
-    elif cfg.loss_type in ("cispo", "dapo", "vespo"):
-        # num_items_in_batch spans the generation batch: rescale it to one accumulation window
-        items = torch.as_tensor(num_items_in_batch, dtype=per_token_logps.dtype).clamp(min=1.0)
-        loss = (per_token_loss * mask).sum() / (items / num_processes * ga / cfg.steps_per_generation)
-    else:  # luspo
-        loss = (per_token_loss * mask).sum(-1).mean() / ga
-
-    with torch.no_grad():
-        def masked_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if x.shape[1] == 1:  # sequence level: one value per sequence
-                return x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
-            return (x * mask).sum(), mask.sum()
-
-        def seq_mean(x: torch.Tensor) -> torch.Tensor:
-            return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
-
-        means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        per_seq: dict[str, torch.Tensor] = {}
-        if cfg.beta != 0.0:
-            means["kl"] = masked_sum(per_token_kl)
-        if cfg.loss_type in _CLIPPED_LOSSES:
-            low = ((coef_1 < 1 - lo) & (advantages < 0)).float()
-            high = ((coef_1 > 1 + hi) & (advantages > 0)).float()
-            means["clip_ratio/low_mean"] = masked_sum(low)
-            means["clip_ratio/high_mean"] = masked_sum(high)
-            means["clip_ratio/region_mean"] = masked_sum(torch.maximum(low, high))
-            per_seq["clip_ratio/low_min"] = seq_mean(low)
-            per_seq["clip_ratio/high_max"] = seq_mean(high)
-        elif cfg.loss_type == "cispo":
-            means["cispo_clip_ratio"] = masked_sum(((coef_1 > hi) & (advantages > 0)).float())
-        elif cfg.loss_type == "vespo":
-            means["vespo/phi_seq_mean"] = masked_sum(phi_seq)
-    return loss, {"means": means, "per_seq": per_seq}
-
-
-def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                     temperature: float, compute_entropy: bool = False, batch_size: int | None = None,
-                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropies) of the last ``logits_to_keep`` tokens at the sampling
-    temperature, 0 where the attention mask is 0 (as TRL's fused LM head gives them). Runs the
-    model's (engine's) own forward so ZeRO-3 gathering applies; positions follow the attention mask,
-    as in generation.
-
-    ``fused``: the model carries TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, with
-    this temperature), which projects and scores the completion's positions in tiles instead of
-    materialising float32 logits over the vocabulary (GBs at 8B with a 128k vocabulary); it
-    gathers a ZeRO-3 head itself. Without it, the logits of the last ``logits_to_keep + 1``
-    positions are computed (frozen models: posttrain.frozen gathers through module hooks only).
-
-    Where posttrain differs from TRL: ``position_ids`` come from the attention mask, so a left-padded
-    prompt starts at position 0. TRL 1.16 passes none; with learned absolute positions (GPT-2) its
-    log-probs then depend on how much padding the batch's other prompts impose (and so on the number
-    of ranks); rotary models are unaffected either way (tests/test_grpo_positions.py)."""
-    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
-
-    batch_size = batch_size or input_ids.size(0)
-    logps, entropies = [], []
-    for i in range(0, input_ids.size(0), batch_size):
-        ids, am = input_ids[i : i + batch_size], attention_mask[i : i + batch_size]
-        position_ids = (am.cumsum(1) - 1).clamp(min=0)
-        valid = am[:, -logits_to_keep:].bool()
-        if fused:
-            labels = ids.masked_fill(am == 0, -100)
-            labels[:, :-logits_to_keep] = -100  # only the completion is scored
-            out = model(input_ids=ids, attention_mask=am, position_ids=position_ids, labels=labels,
-                        fused_lm_head=True)
-            logps.append(out.log_probs[:, -logits_to_keep:])
-            if compute_entropy:
-                entropies.append(out.entropy[:, -logits_to_keep:])
-            continue
-        logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids, use_cache=False,
-                       logits_to_keep=logits_to_keep + 1).logits
-        logits = logits[:, :-1].float() / temperature
-        logps.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]).masked_fill(~valid, 0.0))
-        if compute_entropy:
-            entropies.append(entropy_from_logits(logits).masked_fill(~valid, 0.0))
-    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
-
-
-def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, terminal_ids: list[int]) -> torch.Tensor:
-    """Completions that hit ``max_completion_length`` without ending: TRL's test, the last kept
-    token is not EOS (or pad)."""
-    lengths = completion_mask.sum(1)
-    last = completion_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    return ~torch.isin(last, torch.tensor(terminal_ids, device=last.device)) | (lengths == 0)
-
-
-def reduce_loss_stats(stats: list[dict[str, Any]], sum_over_ranks: Any = None, gather: Any = None) -> dict[str, float]:
-    """TRL's logged loss statistics from :func:`grpo_loss`'s parts: token-weighted means over every
-    process (``sum_over_ranks``: an all-reduce sum), ``clip_ratio/low_min`` and ``high_max`` over
-    every process's sequences (``gather``: an all-gather). One dict per micro-batch in ``stats``
-    (the caller adds ``means["entropy"]``);
-    the result is their mean, as TRL averages its per-micro-batch values over a logging step."""
-    from trl.trainer.utils import nanmax, nanmin
-
-    sum_over_ranks = sum_over_ranks or (lambda t: t)
-    gather = gather or (lambda t: t)
-    rows: list[dict[str, float]] = []
-    for st in stats:
-        keys = sorted(st["means"])
-        row: dict[str, float] = {}
-        parts = torch.stack([torch.stack([st["means"][k][0].float(), st["means"][k][1].float()]) for k in keys])
-        totals = sum_over_ranks(parts)
-        for k, (s, n) in zip(keys, totals.tolist()):
-            row[k] = s / max(n, 1.0)
-        for k, v in sorted(st["per_seq"].items()):
-            row[k] = (nanmin if k.endswith("min") else nanmax)(gather(v.float())).item()
-        rows.append(row)
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
-
-
-def average_generation_metrics(gens: list[dict[str, float]]) -> dict[str, float]:
-    """The generation metrics of a logging window as TRL's ``log()`` reports them: each key's
-    mean over the window's generations, NaN values left out (NaN when none is left), except
-    ``num_tokens``, the latest cumulative count (TRL replaces it instead of appending). No
-    generation in the window: no keys."""
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(k for m in gens for k in m):
-        if key == "num_tokens":
-            out[key] = [m[key] for m in gens if key in m][-1]
-            continue
-        valid = [m[key] for m in gens if key in m and not math.isnan(m[key])]
-        out[key] = sum(valid) / len(valid) if valid else math.nan
-    return out
-
 
 # -- the trainer ---------------------------------------------------------------------------------
-class GRPOTrainer:
+class GRPOTrainer(Trainer):
     """GRPO with per-role placement. ``train()`` returns the logged metrics, one dict per optimizer
     step (TRL's names: ``reward``, ``reward_std``, ``rewards/<func>/mean``, ``kl``, ``entropy``,
     ``clip_ratio/...``, ``completions/...``) plus ``time/<phase>``."""
 
-    algorithm = "grpo"
+    name = "grpo"
+    shown = ("reward", "kl", "loss")
+    # Reference only with beta > 0; each reward model is a frozen role of its own (reward, reward_1, ...).
+    roles = {"trained": ["policy"], "frozen": ["reference"]}
 
     def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None) -> None:
         from transformers import AutoModelForSequenceClassification
@@ -456,7 +235,7 @@ class GRPOTrainer:
             if cfg.model_name_or_path is not None and not reward_funcs:
                 raise ConfigError("GRPO needs a reward: set reward_funcs (one of TRL's reward names, "
                                   "\"module.function\", or a reward model's path)")
-            names = [] if reward_funcs else ["posttrain.synthetic:sentiment_reward"]
+            names = [] if reward_funcs else ["posttrain.demo.synthetic:sentiment_reward"]
         self.sources: list[tuple[str, Any, Any]] = [("func", f, rewards.func_name(f)) for f in reward_funcs or []]
         n_models = 0
         for spec in rewards.resolve_reward_specs(names):
@@ -480,7 +259,7 @@ class GRPOTrainer:
         self.prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows]
         max_prompt_len = max(len(p) for p in self.prompt_ids)
 
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()
         self.local_gen_size = cfg.per_device_train_batch_size * cfg.steps_per_generation
         self.prompts_per_generation = cfg.generation_batch_size // cfg.num_generations
         if self.prompts_per_generation > len(self.rows):
@@ -511,7 +290,7 @@ class GRPOTrainer:
             for kind, role, path in self.sources if kind == "model"}
 
         frozen = (["reference"] if cfg.beta != 0.0 else []) + [r for k, r, _ in self.sources if k == "model"]
-        self.session = s = make_session(cfg, ["policy"], frozen, total_steps=self.total_steps)
+        self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_path)
         policy.generation_config.pad_token_id = tok.pad_token_id
@@ -544,7 +323,7 @@ class GRPOTrainer:
                                max_prompt_len=max_prompt_len, backend=cfg.generation_backend,
                                ds3_gather_for_generation=cfg.ds3_gather_for_generation)
         self.phases = Phases()
-        self.step = 0
+        self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches
         self.num_tokens = 0.0
         self.history: list[dict] = []
         # What TRL hands reward functions beside the data: the trainer's state and two loggers.
@@ -572,13 +351,10 @@ class GRPOTrainer:
         return expanded[s.process_index * self.local_gen_size : (s.process_index + 1) * self.local_gen_size]
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return self.session.accelerator.gather(t) if self.session.num_processes > 1 else t
+        return gather_ranks(self.session, t)
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.session.num_processes > 1:
-            t = t.clone()
-            torch.distributed.all_reduce(t)
-        return t
+        return sum_over_ranks(self.session, t)
 
     def needs_old_logps(self) -> bool:
         """TRL keeps the sampling policy's log-probs only when a generation batch outlives one
@@ -593,14 +369,7 @@ class GRPOTrainer:
         cfg, s, tok = self.cfg, self.session, self.tokenizer
         dev = s.device
         idx = self._generation_rows(cycle)
-        ids = [self.prompt_ids[i] for i in idx]
-        width = max(len(p) for p in ids)
-        prompt_ids = torch.full((len(ids), width), tok.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for r, p in enumerate(ids):
-            prompt_ids[r, width - len(p):] = torch.tensor(p)
-            prompt_mask[r, width - len(p):] = 1
-        prompt_ids, prompt_mask = prompt_ids.to(dev), prompt_mask.to(dev)
+        prompt_ids, prompt_mask = left_pad([self.prompt_ids[i] for i in idx], tok.pad_token_id, dev)
         with self.phases("generate"):
             out = self.rollout.generate(prompt_ids, prompt_mask)
         completion_ids, completion_mask = out.completion_ids.to(dev), out.completion_mask.to(dev).long()
@@ -651,7 +420,7 @@ class GRPOTrainer:
         self.samples = (prompts, texts, self.weighted(per_func), dict(self._extra_columns))
         self._extra_columns.clear()
         # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
-        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + cycle * 1009 + s.process_index)
+        g = torch.Generator().manual_seed(mix_seed(cfg.seed, "shuffle", cycle, s.process_index))
         perm = torch.randperm(len(idx), generator=g).to(dev)
         micro = []
         for j in range(cfg.steps_per_generation):
@@ -682,14 +451,7 @@ class GRPOTrainer:
                                                      s.device, **kwargs)
             except RewardFuncError as err:
                 failure = err
-            if s.num_processes > 1:  # every rank stops with the failing rank's sentence, none waits in a gather
-                from accelerate.utils import gather_object
-
-                said = [m for m in gather_object([str(failure) if failure else ""]) if m]
-                if said and failure is None:
-                    raise RewardFuncError(said[0])
-            if failure is not None:
-                raise failure
+            raise_on_every_rank(s, failure)
             for col, (j, _) in enumerate(funcs):
                 out[:, j] = per_func[:, col]
         for j, (kind, role, _) in enumerate(self.sources):
@@ -711,18 +473,7 @@ class GRPOTrainer:
     def _flush_logged_metrics(self) -> dict[str, float]:
         """The metrics reward functions logged on this generation batch, averaged over every
         process's calls (TRL's sorted union of names, then a (sum, count) reduction)."""
-        s = self.session
-        names = list(self._pending_metrics)
-        if s.num_processes > 1:
-            from accelerate.utils import gather_object
-
-            names = gather_object(names)
-        out = {}
-        for name in sorted(set(names)):
-            values = self._pending_metrics.get(name, [])
-            total, count = self._sum(torch.tensor([sum(values), len(values)], dtype=torch.float64,
-                                                  device=s.device)).tolist()
-            out[name] = total / count if count else math.nan
+        out = mean_of_logged_metrics(self.session, self._pending_metrics)
         self._pending_metrics.clear()
         return out
 
@@ -746,19 +497,9 @@ class GRPOTrainer:
         m["reward_std"] = nanstd(rewards).item()
         m["frac_reward_zero_std"] = adv["is_std_zero"].float().mean().item()
         all_lengths = self._gather(lengths).float()
-        all_truncated = self._gather(truncated)
         self.num_tokens += self._sum(prompt_mask.sum().float()).item() + all_lengths.sum().item()
         m["num_tokens"] = self.num_tokens
-        m["completions/mean_length"] = all_lengths.mean().item()
-        m["completions/min_length"] = all_lengths.min().item()
-        m["completions/max_length"] = all_lengths.max().item()
-        m["completions/clipped_ratio"] = all_truncated.float().mean().item()
-        term = all_lengths[~all_truncated]
-        term = term if term.numel() else torch.zeros(1)
-        m["completions/mean_terminated_length"] = term.mean().item()
-        m["completions/min_terminated_length"] = term.min().item()
-        m["completions/max_terminated_length"] = term.max().item()
-        return m
+        return {**m, **completion_metrics(all_lengths, self._gather(truncated))}
 
     # -- the loss on one micro-batch ---------------------------------------------------------------
     def policy_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -793,64 +534,65 @@ class GRPOTrainer:
         already is, so it is scaled back (RLOO's is not, as in TRL)."""
         return float(self.cfg.gradient_accumulation_steps)
 
-    # -- the loop --------------------------------------------------------------------------------
-    def train(self) -> list[dict]:
+    # -- the step (posttrain.trainers.loop runs the loop) -----------------------------------------
+    def training_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches of the current
+        generation batch (a new one is sampled when it is used up); returns the step's loss, its
+        micro-batches' loss statistics and the generations it sampled, reduced by :meth:`log_row`."""
         cfg, s = self.cfg, self.session
         ga = cfg.gradient_accumulation_steps
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            state = s.load_state(ckpt / "state")
-            self.step, self.num_tokens = int(state["step"]), float(state.get("num_tokens", 0.0))
-            if cfg.sync_ref_model:
-                s.load_weights("reference", ckpt / "reference")
-        log = RunLog(s, cfg, self.total_steps, self.algorithm, start=self.step, shown=("reward", "kl", "loss"))
-        micro = self.step * ga
-        buffer: list[dict[str, torch.Tensor]] = []
-        # What a logged row averages, as TRL's _metrics between two log() calls: the generations
-        # sampled in the window (none when every step reused an earlier batch: then no reward or
-        # completion metrics, as in TRL), every micro-batch's loss statistics, every step's loss.
-        gen_metrics: list[dict[str, float]] = []
-        stats: list[dict[str, Any]] = []
-        losses: list[float] = []
-        window_start = time.perf_counter()
-        while self.step < self.total_steps:
-            loss_sum = 0.0
-            for _ in range(ga):
-                if micro % self.micro_per_generation == 0 or not buffer:
-                    buffer, metrics = self.generate_and_score(micro // self.micro_per_generation)
-                    gen_metrics.append(metrics)
-                batch = buffer[micro % cfg.steps_per_generation]
-                with self.phases("train"):
-                    loss, st = self.compute_loss(batch)
-                    s.backward("policy", loss * self.backward_scale())
-                    s.step("policy")
-                loss_sum += loss.item() * self.backward_scale() / ga
-                stats.append(st)
-                micro += 1
-            self.step += 1
-            losses.append(loss_sum)
-            if cfg.sync_ref_model and self.step % cfg.ref_model_sync_steps == 0:
-                with self.phases("ref_sync"):
-                    s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
-            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
-                row = reduce_loss_stats(stats, self._sum, self._gather)
-                row["loss"] = mean_over_ranks(s, {"loss": sum(losses) / len(losses)})["loss"]
-                row.update(average_generation_metrics(gen_metrics))
-                row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
-                            "epoch": self.step * ga / self.micro_batches_per_epoch,
-                            **self.phases.pop(), **self.rollout.metrics(),
-                            "time/step": (time.perf_counter() - window_start) / len(losses)})
-                log.log(self.step, row, advance=False)
-                if cfg.log_completions:
-                    self._log_samples()
-                gen_metrics, stats, losses, window_start = [], [], [], time.perf_counter()
-            log.advance()
-            if cfg.save_steps and self.step % cfg.save_steps == 0:
-                export = {"policy": self.tokenizer, **({"reference": None} if cfg.sync_ref_model else {})}
-                save_checkpoint(s, cfg, self.step, export, {"num_tokens": self.num_tokens})
-        log.close()
-        self.history = log.history
-        return log.history
+        tick = time.perf_counter()
+        loss_sum, stats, generations = 0.0, [], []
+        for k in range(ga):
+            micro = (step - 1) * ga + k
+            if micro % self.micro_per_generation == 0 or not self._buffer:
+                self._buffer, metrics = self.generate_and_score(micro // self.micro_per_generation)
+                generations.append(metrics)
+            batch = self._buffer[micro % cfg.steps_per_generation]
+            with self.phases("train"):
+                loss, st = self.compute_loss(batch)
+                s.backward("policy", loss * self.backward_scale())
+                s.step("policy")
+            loss_sum += loss.item() * self.backward_scale() / ga
+            stats.append(st)
+        if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
+            with self.phases("ref_sync"):
+                s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
+        return {"loss": loss_sum, "stats": stats, "generations": generations,
+                "grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                "epoch": step * ga / self.micro_batches_per_epoch,
+                "times": {**self.phases.pop(), "time/step": time.perf_counter() - tick}}
+
+    def log_row(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """What a logged row averages, as TRL's _metrics between two log() calls: the generations
+        sampled in the window (none when every step reused an earlier batch: then no reward or
+        completion metrics, as in TRL), every micro-batch's loss statistics, every step's loss."""
+        row = reduce_loss_stats([st for r in rows for st in r["stats"]], self._sum, self._gather)
+        row["loss"] = mean_over_ranks(self.session, {"loss": sum(r["loss"] for r in rows) / len(rows)})["loss"]
+        row.update(average_generation_metrics([g for r in rows for g in r["generations"]]))
+        row.update({k: rows[-1][k] for k in ("grad_norm", "learning_rate", "epoch")})
+        row.update(window_mean([r["times"] for r in rows]))
+        row.update(self.rollout.metrics())
+        return row
+
+    def on_log(self, step: int) -> None:
+        if self.cfg.log_completions:
+            self._log_samples()
+
+    def checkpoint_models(self) -> dict[str, Any]:
+        return {"policy": self.tokenizer, **({"reference": None} if self.cfg.sync_ref_model else {})}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"num_tokens": self.num_tokens}
+
+    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
+        self.num_tokens = float(state.get("num_tokens", 0.0))
+        if self.cfg.sync_ref_model:
+            self.session.load_weights("reference", checkpoint / "reference")
+
+    def can_checkpoint(self, step: int) -> bool:
+        # A checkpoint holds no generation batch: it is taken only where one ends (save_steps is checked for it).
+        return (step * self.cfg.gradient_accumulation_steps) % self.micro_per_generation == 0
 
     def _log_samples(self) -> None:
         prompts, texts, scores, extra = self.samples
@@ -860,14 +602,7 @@ class GRPOTrainer:
         for column, values in extra.items():  # columns reward functions added with log_extra
             for row, v in zip(rows, values):
                 row[column] = v
-        if self.session.is_main_process:
-            with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
-                f.writelines(dumps_row(r) + "\n" for r in rows)  # a NaN reward as null
-
-    def save(self, directory: str | os.PathLike | None = None) -> Path:
-        """The trained policy in Hugging Face format, in the output dir itself by default (TRL's
-        layout: ``from_pretrained(output_dir)`` loads it); returns where."""
-        return save_trained_model(self.session, "policy", directory or self.cfg.output_dir, self.tokenizer)
+        write_samples(self.session, self.cfg.output_dir, rows)
 
 
 def micro_batches_per_epoch(num_prompts: int, cfg: GRPOConfig) -> int:
@@ -877,37 +612,3 @@ def micro_batches_per_epoch(num_prompts: int, cfg: GRPOConfig) -> int:
     micro-batches done over this."""
     prompts_per_generation = cfg.generation_batch_size // cfg.num_generations
     return (num_prompts // prompts_per_generation) * cfg.steps_per_generation * cfg.num_iterations
-
-
-# -- prompts -------------------------------------------------------------------------------------
-def load_prompt_rows(cfg: GRPOConfig) -> list[dict]:
-    """Rows with a "prompt" (TRL's standard text or conversational messages) and any other
-    columns (passed to reward functions); the bundled prompts when no dataset is named."""
-    if cfg.dataset_name is None:
-        return [{"prompt": p} for p in synthetic.prompts(cfg.num_prompts, seed=cfg.seed)]
-    ds = load_dataset_source(cfg.dataset_name, split=cfg.dataset_split)
-    if "prompt" not in ds.column_names:
-        raise ConfigError(f"{cfg.dataset_name}: GRPO needs a 'prompt' column (text or a list of messages); "
-                          f"the columns are {ds.column_names}")
-    rows = ds.to_list()
-    for i, r in enumerate(rows):
-        if not r["prompt"]:
-            raise ConfigError(f"{cfg.dataset_name}: row {i} has an empty 'prompt'")
-    return rows
-
-
-def tokenize_prompt(prompt: Any, tokenizer: Any, cfg: GRPOConfig) -> list[int]:
-    """A prompt's ids as TRL builds them: the chat template with the generation prompt for
-    conversational prompts (``maybe_apply_chat_template``), the tokenizer's own special tokens for
-    text; kept to the last ``max_prompt_length`` tokens."""
-    from trl.data_utils import is_conversational, maybe_apply_chat_template
-
-    example = {"prompt": prompt}
-    if is_conversational(example):
-        text = maybe_apply_chat_template(example, tokenizer, **(cfg.chat_template_kwargs or {}))["prompt"]
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompt)["input_ids"]
-    if not ids:
-        raise ConfigError(f"prompt {prompt!r} tokenizes to nothing")
-    return ids[-cfg.max_prompt_length:] if cfg.max_prompt_length else ids

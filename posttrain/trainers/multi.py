@@ -21,17 +21,16 @@ import torch
 from ..dsconfig import ConfigError
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
     make_session,
     mean_over_ranks,
     optimizer_and_scheduler,
     rank_batches,
-    resume_dir,
-    save_checkpoint,
     save_trained_model,
     seed_everything,
+    world_size,
 )
+from .loop import Trainer, window_mean
 
 
 def model_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -79,14 +78,20 @@ class MultiConfig(TrainConfig):
     learning_rate: float = 1e-3
     learning_rates: dict[str, float] = field(default_factory=dict)  # per model; default learning_rate
 
+    _algorithm = "multi-model training"
+    _evaluates = False  # MultiTrainer.evaluate(name, items) is called by the script, not the loop
 
-class MultiTrainer:
+
+class MultiTrainer(Trainer):
     """Train every task's model in one loop; each model is a trained role named like its task.
 
     >>> trainer = MultiTrainer(MultiConfig(role_configs={"lm": "zero2_train", "clf": "zero3_train"}),
     ...                        {"lm": Task("path/lm", texts, collate_lm), "clf": Task(...)})
     >>> trainer.train()
     """
+
+    name = "multi"
+    roles = {"trained": [], "frozen": []}  # one trained role per task, named like it
 
     def __init__(self, cfg: MultiConfig, tasks: dict[str, Task]) -> None:
         if not tasks:
@@ -98,45 +103,46 @@ class MultiTrainer:
         self.session = None
         self.history: list[dict] = []
 
-    def total_steps(self) -> int:
+    def count_steps(self) -> int:
         cfg = self.cfg
         if cfg.max_steps > 0:
             return cfg.max_steps
-        per_step = cfg.per_device_train_batch_size * int(os.environ.get("WORLD_SIZE", "1")) * cfg.gradient_accumulation_steps
+        per_step = cfg.per_device_train_batch_size * world_size() * cfg.gradient_accumulation_steps
         longest = max(len(t.data) for t in self.tasks.values())
         return max(1, math.ceil(cfg.num_train_epochs * longest / per_step))
 
     def setup(self) -> None:
         """Load and prepare every model under its own role, each with its own optimizer and
-        scheduler; restore them all when resuming."""
+        scheduler (a resumed run restores them all in train())."""
         cfg = self.cfg
         seed_everything(cfg.seed)
-        self.total = self.total_steps()
-        s = self.session = make_session(cfg, list(self.tasks), [], total_steps=self.total)
+        self.total_steps = self.count_steps()
+        s = self.session = make_session(cfg, list(self.tasks), [], total_steps=self.total_steps)
         for name, task in self.tasks.items():
             if isinstance(task.model, torch.nn.Module):
                 model = task.model
             else:
                 model = s.load(name, task.model, model_cls=task.model_cls)
-            opt, sched = optimizer_and_scheduler(model, cfg, self.total, lr=cfg.learning_rates.get(name))
+            opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps, lr=cfg.learning_rates.get(name))
             s.prepare(name, model, opt, sched)
-        self.start = 0
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            self.start = s.load_state(ckpt / "state")["step"]
-        # Each model reads its own data order; a resumed run continues where the saved one stopped.
-        self.batches: dict[str, Iterator[list[int]]] = {
-            name: rank_batches(len(task.data), cfg.per_device_train_batch_size, cfg.seed + i, s.process_index,
-                               s.num_processes, start=self.start * cfg.gradient_accumulation_steps)
-            for i, (name, task) in enumerate(self.tasks.items())
-        }
+        self.phases = Phases()
+        self.batches: dict[str, Iterator[list[int]]] | None = None  # each model's data order, from the start step
 
     def _batch(self, name: str, items: list[Any]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.session.device) for k, v in self.tasks[name].collate(items).items()}
 
+    def _data_order(self, start_step: int) -> dict[str, Iterator[list[int]]]:
+        # Each model reads its own data order; a resumed run continues where the saved one stopped.
+        s, cfg = self.session, self.cfg
+        return {name: rank_batches(len(task.data), cfg.per_device_train_batch_size, cfg.seed + i, s.process_index,
+                                   s.num_processes, start=start_step * cfg.gradient_accumulation_steps)
+                for i, (name, task) in enumerate(self.tasks.items())}
+
     def train_step(self, name: str) -> dict[str, float]:
         """One optimizer step of model ``name`` (its accumulation micro-batches); no other model moves."""
         s, cfg, task = self.session, self.cfg, self.tasks[name]
+        if self.batches is None:
+            self.batches = self._data_order(self.step)
         engine = s.engines[name]
         losses = []
         for _ in range(cfg.gradient_accumulation_steps):
@@ -147,35 +153,28 @@ class MultiTrainer:
             losses.append(loss.item())
         return {f"{name}/loss": sum(losses) / len(losses)}
 
-    def train(self) -> list[dict]:
-        """Step every model once per loop step up to ``max_steps``; returns the logged rows."""
-        if self.session is None:
-            self.setup()
+    def training_step(self, step: int) -> dict[str, float]:
+        """Every model's optimizer step, one after the other."""
         s, cfg = self.session, self.cfg
-        log = RunLog(s, cfg, self.total, "multi", start=self.start, shown=tuple(f"{n}/loss" for n in self.tasks))
-        phases = Phases()
-        for step in range(self.start + 1, self.total + 1):
-            metrics: dict[str, float] = {}
-            for name in self.tasks:
-                with phases(name):
-                    metrics.update(self.train_step(name))
-            metrics = mean_over_ranks(s, metrics)
-            for name in self.tasks:
-                metrics[f"{name}/grad_norm"] = s.grad_norm(name) or 0.0
-                metrics[f"{name}/learning_rate"] = s.learning_rate(name)
-                seen = step * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * s.num_processes
-                metrics[f"{name}/epoch"] = seen / len(self.tasks[name].data)  # each model reads its own data
-            metrics.update(phases.pop())
-            if step % cfg.logging_steps == 0 or step == self.total:
-                log.log(step, metrics)
-            else:
-                log.advance()
-            if cfg.save_steps and (step % cfg.save_steps == 0 or step == self.total):
-                export = {name: task.tokenizer for name, task in self.tasks.items()}
-                save_checkpoint(s, cfg, step, export, {"total": self.total})
-        log.close()
-        self.history = log.history
-        return self.history
+        metrics: dict[str, float] = {}
+        for name in self.tasks:
+            with self.phases(name):
+                metrics.update(self.train_step(name))
+        for name in self.tasks:
+            metrics[f"{name}/grad_norm"] = s.grad_norm(name) or 0.0
+            metrics[f"{name}/learning_rate"] = s.learning_rate(name)
+            seen = step * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * s.num_processes
+            metrics[f"{name}/epoch"] = seen / len(self.tasks[name].data)  # each model reads its own data
+        return {**metrics, **self.phases.pop()}
+
+    def log_row(self, rows: list[dict[str, float]]) -> dict[str, float]:
+        row = window_mean(rows)
+        for name in self.tasks:  # each model's latest rate, norm and epoch
+            row.update({k: rows[-1][k] for k in (f"{name}/grad_norm", f"{name}/learning_rate", f"{name}/epoch")})
+        return mean_over_ranks(self.session, row)
+
+    def checkpoint_models(self) -> dict[str, Any]:
+        return {name: task.tokenizer for name, task in self.tasks.items()}
 
     def save_model(self, directory: str | os.PathLike | None = None) -> dict[str, Path]:
         """Every model in Hugging Face format in its own folder, ``<output_dir>/<name>/`` (the

@@ -16,31 +16,30 @@ decoded text, or both (a weighted sum).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import rewards, synthetic, tiny
+from .. import rewards
+from ..demo import tiny
 from ..dsconfig import ConfigError
-from ..preference import check_conversation, load_dataset_source
+from ..preference import check_conversation
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
+    gather_ranks,
     make_session,
-    mean_over_ranks,
+    mix_seed,
     optimizer_and_scheduler,
     rank_batches,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
     seed_everything,
+    world_size,
 )
+from .loop import Trainer
+from .online import load_prompt_rows, policy_text, position_ids, write_samples
 
 INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a response
 
@@ -83,6 +82,9 @@ class PPOConfig(TrainConfig):
     generation_backend: str = "posttrain"  # "posttrain" (posttrain.rollout's engine) | "hf" (transformers' generate)
     num_sample_generations: int = 10  # times over the run that sample completions are logged
     learning_rate: float = 3e-6
+
+    _algorithm = "PPO"
+    _evaluates = False
 
     def __post_init__(self) -> None:
         super().__post_init__()  # TrainConfig's checks
@@ -185,9 +187,8 @@ def value_loss(
 # -- model calls -----------------------------------------------------------------------------
 def _inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
     attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.cumsum(1) - attention_mask.long()
     input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
 
 
 def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
@@ -204,40 +205,12 @@ def token_scores(model: Any, query_responses: torch.Tensor, pad_token_id: int, c
     """A sequence-classification model's head at every position (TRL's ``get_reward``): returns
     (per-token scores, score at the last non-pad token).
 
-    The model runs through its own (engine) forward and a hook captures the head's output: calling
-    the backbone and head separately, as TRL did, bypasses a ZeRO-3 engine's parameter gathering.
+    The head is read through a hook (``rewards.head_outputs``): calling the backbone and head
+    separately, as TRL did, bypasses a ZeRO-3 engine's parameter gathering.
     """
-    module = getattr(model, "module", model)
-    captured: list[torch.Tensor] = []
-    handle = module.score.register_forward_hook(lambda _m, _inp, out: captured.append(out))
-    try:
-        model(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False)
-    finally:
-        handle.remove()
-    logits = captured[0]
+    logits = rewards.head_outputs(model, **_inputs(query_responses, pad_token_id), return_dict=True)
     lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     return logits, logits[torch.arange(logits.size(0), device=logits.device), lengths].squeeze(-1)
-
-
-def load_prompts(cfg: PPOConfig) -> list[str | list[dict]]:
-    """The dataset's "prompt" column as given (text, or conversational messages), or the
-    bundled prompts. Reward functions and a reward model with its own tokenizer read these."""
-    if cfg.dataset_name is None:
-        return synthetic.prompts(cfg.num_prompts, seed=cfg.seed)
-    ds = load_dataset_source(cfg.dataset_name, split=cfg.dataset_split)
-    if "prompt" not in ds.column_names:
-        raise ConfigError(f"{cfg.dataset_name}: PPO needs a 'prompt' column; the columns are {ds.column_names}")
-    for i, p in enumerate(ds["prompt"]):
-        if not p:
-            raise ConfigError(f"{cfg.dataset_name}: row {i} has an empty 'prompt'")
-    return list(ds["prompt"])
-
-
-def policy_text(prompt: str | list[dict], tokenizer: Any) -> str:
-    """What the policy reads: the text, or its chat template over conversational messages."""
-    if isinstance(prompt, list):  # conversational: a list of {"role", "content"} messages
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return prompt
 
 
 def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) -> dict[str, float]:
@@ -254,18 +227,15 @@ def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) ->
     }
 
 
-def gather_ranks(session: Any, values: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``values`` (same shape on each), concatenated in rank order."""
-    if session.num_processes == 1:
-        return values
-    parts = [torch.empty_like(values) for _ in range(session.num_processes)]
-    torch.distributed.all_gather(parts, values.contiguous())
-    return torch.cat(parts)
-
-
 # -- the trainer -----------------------------------------------------------------------------
-class PPOTrainer:
-    """PPO with per-role placement. ``train()`` returns the logged metrics, one dict per update."""
+class PPOTrainer(Trainer):
+    """PPO with per-role placement. ``train()`` returns the logged metrics, one dict per logging
+    step (update); ``save_model()`` puts the policy at the top of the output dir and the value
+    model in ``value/`` (``AutoModelForSequenceClassification``)."""
+
+    name = "ppo"
+    shown = ("objective/scores", "objective/kl", "loss/policy_avg")
+    roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"]}  # reward: when a reward model is given
 
     def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -300,12 +270,12 @@ class PPOTrainer:
             raise ConfigError(f"value model {value_path} has another vocabulary than the policy's, but it reads the "
                               "policy's token ids: give value_model_path a model with the policy's tokenizer "
                               "(or leave it unset to start from the policy)")
-        self.raw_prompts = load_prompts(cfg)
+        self.raw_prompts = [row["prompt"] for row in load_prompt_rows(cfg)]
         check_conversation([{"prompt": p} for p in self.raw_prompts], ("prompt",), self.tokenizer,
                            cfg.dataset_name or "prompts")  # before any model loads
         self.prompts = [policy_text(p, self.tokenizer) for p in self.raw_prompts]
 
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()
         # TRL's batch arithmetic: one update uses local_batch_size rollouts per process.
         self.local_batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.num_mini_batches
         self.batch_size = self.local_batch_size * world
@@ -317,7 +287,7 @@ class PPOTrainer:
         optimizer_steps = self.num_updates * cfg.num_ppo_epochs * cfg.num_mini_batches
 
         frozen = ["reference"] + (["reward"] if reward_path else [])
-        self.session = s = make_session(cfg, ["policy", "value"], frozen, total_steps=optimizer_steps)
+        self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps)
         self.has_reward_model = reward_path is not None
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_path)
@@ -334,10 +304,9 @@ class PPOTrainer:
             s.prepare("reward", reward)
         self.phases = Phases()
         self.rollout_engine = None  # posttrain.rollout.Rollout, built on the first generation
-        self.start = 0
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            self.start = s.load_state(ckpt / "state")["step"]
+        self.total_steps = self.num_updates
+        self._batches = None  # the prompt order, from the update the run starts at
+        self.sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
 
     # -- rollout -----------------------------------------------------------------------------
     def _queries(self, indices: list[int]) -> torch.Tensor:
@@ -460,7 +429,7 @@ class PPOTrainer:
         mb = cfg.per_device_train_batch_size
         for epoch in range(cfg.num_ppo_epochs):
             # A permutation that depends only on (seed, update, epoch, rank): resumable.
-            g = torch.Generator().manual_seed(hash((cfg.seed, update, epoch, s.process_index)) % (2**31))
+            g = torch.Generator().manual_seed(mix_seed(cfg.seed, "minibatches", update, epoch, s.process_index))
             order = torch.randperm(self.local_batch_size, generator=g).to(qr.device)
             for start in range(0, self.local_batch_size, self.local_mini_batch_size):
                 mini = order[start : start + self.local_mini_batch_size]
@@ -499,52 +468,33 @@ class PPOTrainer:
             "val/ratio_var": ratios.var().item() if ratios.numel() > 1 else 0.0,
         }
 
-    def train(self) -> list[dict]:
+    def training_step(self, update: int) -> dict[str, float]:
+        """One PPO update: a rollout batch, then num_ppo_epochs passes over it."""
         cfg, s = self.cfg, self.session
-        log = RunLog(s, cfg, self.num_updates, "ppo", start=self.start,
-                     shown=("objective/scores", "objective/kl", "loss/policy_avg"))
-        batches = rank_batches(len(self.prompts), self.local_batch_size, cfg.seed, s.process_index,
-                               s.num_processes, start=self.start)
-        sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
-        for update in range(self.start + 1, self.num_updates + 1):
-            tick = time.perf_counter()
-            indices = next(batches)
-            queries = self._queries(indices)
-            batch = self.rollout(queries, prompts=[self.raw_prompts[i] for i in indices])
-            with self.phases("train"):
-                train_stats = self.train_on(batch, update)
-            metrics = {**rollout_metrics(batch, self.tokenizer.eos_token_id), **train_stats}
-            metrics = mean_over_ranks(s, metrics)
-            metrics.update(self.phases.pop())
-            metrics.update(self.rollout_engine.metrics())
-            metrics["time/update"] = time.perf_counter() - tick
-            metrics["lr"] = s.learning_rate("policy")
-            metrics["episode"] = update * self.batch_size
-            metrics["epoch"] = metrics["episode"] / len(self.prompts)  # TRL's: episodes over the dataset's rows
-            log.log(update, metrics)
-            if update % sample_every == 0 or update == self.num_updates:
-                self._log_samples(log, update, queries, batch["texts"], batch["scores"])
-            if cfg.save_steps and update % cfg.save_steps == 0:
-                save_checkpoint(s, cfg, update, {"policy": self.tokenizer}, {"episode": metrics["episode"]})
-        log.close()
-        return log.history
+        tick = time.perf_counter()
+        if self._batches is None:
+            self._batches = rank_batches(len(self.prompts), self.local_batch_size, cfg.seed, s.process_index,
+                                         s.num_processes, start=update - 1)
+        indices = next(self._batches)
+        queries = self._queries(indices)
+        batch = self.rollout(queries, prompts=[self.raw_prompts[i] for i in indices])
+        with self.phases("train"):
+            train_stats = self.train_on(batch, update)
+        metrics = {**rollout_metrics(batch, self.tokenizer.eos_token_id), **train_stats}
+        metrics.update(self.phases.pop())
+        metrics.update(self.rollout_engine.metrics())
+        metrics["time/update"] = time.perf_counter() - tick
+        metrics["lr"] = s.learning_rate("policy")
+        metrics["episode"] = update * self.batch_size
+        metrics["epoch"] = metrics["episode"] / len(self.prompts)  # TRL's: episodes over the dataset's rows
+        if update % self.sample_every == 0 or update == self.num_updates:
+            self._log_samples(update, queries, batch["texts"], batch["scores"])
+        return metrics
 
-    def _log_samples(self, log: RunLog, update: int, queries: torch.Tensor, texts: list[str],
-                     scores: torch.Tensor) -> None:
-        from ..jsonrows import dumps_row
-
+    def _log_samples(self, update: int, queries: torch.Tensor, texts: list[str], scores: torch.Tensor) -> None:
         prompts = self.tokenizer.batch_decode(queries[:4], skip_special_tokens=True)
         rows = [{"update": update, "prompt": p, "completion": c, "score": round(float(sc), 4)}
                 for p, c, sc in zip(prompts, texts[:4], scores[:4].tolist())]
+        write_samples(self.session, self.cfg.output_dir, rows)
         if self.session.is_main_process:
-            with open(Path(self.cfg.output_dir) / "samples.jsonl", "a") as f:
-                f.writelines(dumps_row(r) + "\n" for r in rows)
-            log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))
-
-    def save(self, directory: str | os.PathLike | None = None) -> Path:
-        """The trained policy in Hugging Face format, in the output dir itself by default (TRL's
-        layout: ``from_pretrained(output_dir)`` loads it), and the trained value model beside it in
-        ``value/`` (``AutoModelForSequenceClassification``); returns the policy's folder."""
-        path = save_trained_model(self.session, "policy", directory or self.cfg.output_dir, self.tokenizer)
-        save_trained_model(self.session, "value", path / "value", self.tokenizer)
-        return path
+            self.run_log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))

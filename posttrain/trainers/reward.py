@@ -20,22 +20,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import preference, tiny
+from .. import preference
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
     enable_gradient_checkpointing,
+    gather_ranks,
     make_session,
     optimizer_and_scheduler,
     rank_batches,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
     seed_everything,
+    world_size,
 )
-from .dpo import _load_tokenizer, _world_size
+from .dpo import _load_tokenizer
+from .loop import Trainer
 
 ROLE = "reward"
 
@@ -138,12 +138,17 @@ def reward_loss(rewards: torch.Tensor, margin: torch.Tensor | None,
 
 
 # -- the trainer --------------------------------------------------------------------------------------
-class RewardTrainer:
+class RewardTrainer(Trainer):
     """A Bradley-Terry reward model with the classifier on its own DeepSpeed plugin.
 
     >>> trainer = RewardTrainer(RewardConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=pairs)
     >>> trainer.train()
     """
+
+    name = "reward"
+    shown = ("loss", "accuracy", "eval/accuracy")
+    roles = {"trained": [ROLE], "frozen": []}
+    evaluates = True
 
     def __init__(self, args: RewardConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
                  peft_config: Any = None) -> None:
@@ -167,7 +172,7 @@ class RewardTrainer:
         self.eval_rows = (prepare_reward_dataset(eval_dataset, name="eval_dataset", **prep)
                           if eval_dataset is not None else None)
 
-        world = _world_size()
+        world = world_size()
         global_batch = cfg.per_device_train_batch_size * world
         if len(self.train_rows) < global_batch:
             raise ConfigError(f"train_dataset has {len(self.train_rows)} usable pairs, fewer than one global batch "
@@ -202,7 +207,7 @@ class RewardTrainer:
         self.setup_times = self.phases.pop()
         self.step = 0
         self.num_tokens = 0
-        self.history: list[dict] = []
+        self._batches = None
 
     # -- the step ----------------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
@@ -216,9 +221,9 @@ class RewardTrainer:
         return reward_loss(rewards.float(), batch.get("margin"), self.cfg.center_rewards_coefficient)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return self.session.accelerator.gather(t) if self.session.num_processes > 1 else t
+        return gather_ranks(self.session, t)
 
-    def training_step(self, micro_batches: list[dict]) -> dict[str, float]:
+    def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
         """One optimizer step; each micro-batch's loss, accuracy and margin averaged over ranks and the
         rewards' min/mean/max over all ranks' rows, then averaged over micro-batches (TRL's logging)."""
         s, ga = self.session, self.cfg.gradient_accumulation_steps
@@ -246,41 +251,26 @@ class RewardTrainer:
                                 s.process_index, s.num_processes, start=start_micro):
             yield self.collate([self.train_rows[i] for i in idx])
 
-    def train(self) -> list[dict]:
-        """Train ``total_steps`` optimizer steps; returns the logged rows (also in metrics.jsonl)."""
-        cfg, s = self.cfg, self.session
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            state = s.load_state(ckpt / "state")
-            self.step, self.num_tokens = int(state["step"]), int(state.get("num_tokens", 0))
-        ga = cfg.gradient_accumulation_steps
-        batches = self._train_batches(self.step * ga)
-        log = RunLog(s, cfg, self.total_steps, "reward", start=self.step, shown=("loss", "accuracy", "eval/accuracy"))
-        window: list[dict[str, float]] = []
-        while self.step < self.total_steps:
-            row = self.training_step([next(batches) for _ in range(ga)])
-            self.step += 1
-            row.update({"grad_norm": s.grad_norm(ROLE) or 0.0, "learning_rate": s.learning_rate(ROLE),
-                        "epoch": self.step * ga * cfg.per_device_train_batch_size * s.num_processes
-                        / len(self.train_rows), **self.phases.pop()})
-            window.append(row)
-            last = self.step == self.total_steps
-            if self.step % cfg.logging_steps == 0 or last:
-                metrics = {k: sum(r[k] for r in window) / len(window) for k in window[0]}
-                metrics.update({k: row[k] for k in ("grad_norm", "learning_rate", "epoch", "num_tokens")})
-                log.log(self.step, metrics, advance=False)
-                self.history.append({"step": self.step, **metrics})
-                window = []
-            log.advance()
-            if self.eval_rows is not None and ((cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
-                ev = self.evaluate()
-                log.log(self.step, ev, advance=False)
-                self.history.append({"step": self.step, **ev})
-            if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
-                save_checkpoint(s, cfg, self.step, {ROLE: self.tokenizer},
-                                {"total_steps": self.total_steps, "num_tokens": self.num_tokens})
-        log.close()
-        return self.history
+    def training_step(self, step: int) -> dict[str, float]:
+        """The loop's step (posttrain.trainers.loop): the next accumulation micro-batches of the
+        data order, one optimizer step, and the values the step used."""
+        cfg, s, ga = self.cfg, self.session, self.cfg.gradient_accumulation_steps
+        if self._batches is None:  # from the resumed step's micro-batch on
+            self._batches = self._train_batches((step - 1) * ga)
+        row = self.optimizer_step([next(self._batches) for _ in range(ga)])
+        row.update({"grad_norm": s.grad_norm(ROLE) or 0.0, "learning_rate": s.learning_rate(ROLE),
+                    "epoch": step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
+                    **self.phases.pop()})
+        return row
+
+    def has_eval_data(self) -> bool:
+        return self.eval_rows is not None
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"num_tokens": self.num_tokens}
+
+    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
+        self.num_tokens = int(state.get("num_tokens", 0))
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
@@ -326,12 +316,6 @@ class RewardTrainer:
                 f"{prefix}/margin": sums[2].item() / n, f"{prefix}/min_reward": lo.item(),
                 f"{prefix}/mean_reward": sums[4].item() / (2 * n), f"{prefix}/max_reward": hi.item()}
 
-    def save_model(self, directory: str | Path | None = None) -> Path:
-        """An ``AutoModelForSequenceClassification`` (num_labels 1) in Hugging Face format, loadable as
-        PPO's ``reward_model_path`` and GRPO/RLOO's ``reward_funcs`` (a LoRA model saves its
-        adapter), in the output dir itself by default (TRL's layout: ``from_pretrained(output_dir)``
-        loads it); returns where."""
-        return save_trained_model(self.session, ROLE, directory or self.cfg.output_dir, tokenizer=self.tokenizer)
 
 
 def _lora_config(cfg: RewardConfig) -> Any:

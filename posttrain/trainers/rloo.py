@@ -18,6 +18,7 @@ import torch
 
 from ..dsconfig import ConfigError
 from .grpo import GRPOConfig, GRPOTrainer
+from .online import weighted_rewards
 
 
 @dataclass
@@ -52,9 +53,7 @@ def rloo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_g
     mean of the scorable siblings; rows no reward function scored get 0."""
     from trl.trainer.utils import nanstd
 
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable] = torch.nan
+    rewards = weighted_rewards(rewards_per_func, weights)
     if reward_clip_range:
         rewards = rewards.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
     if beta != 0.0 and kl is not None:
@@ -91,7 +90,7 @@ def rloo_loss(cfg: RLOOConfig, per_token_logps: torch.Tensor, old_logps: torch.T
 class RLOOTrainer(GRPOTrainer):
     """RLOO with per-role placement; ``train()`` returns the logged metrics (TRL's names)."""
 
-    algorithm = "rloo"
+    name = "rloo"
 
     def needs_old_logps(self) -> bool:
         return True  # the KL in the reward and the sequence ratio both use them (TRL always computes them)

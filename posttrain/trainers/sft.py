@@ -16,22 +16,22 @@ from typing import Any
 
 import torch
 
-from .. import sft_data, tiny
+from .. import sft_data
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from .common import (
     Phases,
-    RunLog,
     TrainConfig,
     enable_gradient_checkpointing,
     make_session,
     optimizer_and_scheduler,
     rank_batches,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
     seed_everything,
+    sum_over_ranks,
+    world_size,
 )
-from .dpo import _load_tokenizer, _lora_config, _world_size
+from .dpo import _load_tokenizer, _lora_config
+from .loop import Trainer
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 LOSS_TYPES = ("nll", "dft")
@@ -131,12 +131,17 @@ def input_tokens(batch: dict) -> int:
 
 
 # -- the trainer --------------------------------------------------------------------------------------
-class SFTTrainer:
+class SFTTrainer(Trainer):
     """Supervised fine-tuning with the trained model on its own DeepSpeed plugin.
 
     >>> trainer = SFTTrainer(SFTConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
     >>> trainer.train()
     """
+
+    name = "sft"
+    shown = ("loss", "mean_token_accuracy", "eval/loss")
+    roles = {"trained": ["policy"], "frozen": []}
+    evaluates = True
 
     def __init__(self, args: SFTConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
                  peft_config: Any = None) -> None:
@@ -160,7 +165,7 @@ class SFTTrainer:
         self.eval_rows = (self._prepare(eval_dataset, "eval_dataset", eval_packing, prep)
                           if eval_dataset is not None else None)
 
-        world = _world_size()
+        world = world_size()
         global_batch = cfg.per_device_train_batch_size * world
         if len(self.train_rows) < global_batch:
             raise ConfigError(f"train_dataset has {len(self.train_rows)} rows after preparation, fewer than one global "
@@ -186,7 +191,7 @@ class SFTTrainer:
         self.setup_times = self.phases.pop()
         self.step = 0
         self.num_tokens = 0
-        self.history: list[dict] = []
+        self._batches = None
 
     def _set_tokens(self) -> None:
         cfg, tok = self.cfg, self.tokenizer
@@ -210,12 +215,9 @@ class SFTTrainer:
         return {k: v.to(self.session.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.session.device)
-        if self.session.num_processes > 1:
-            torch.distributed.all_reduce(t)
-        return t.tolist()
+        return sum_over_ranks(self.session, torch.tensor(values, dtype=torch.float64, device=self.session.device)).tolist()
 
-    def training_step(self, micro_batches: list[dict]) -> dict[str, float]:
+    def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
         """One optimizer step over this rank's accumulation micro-batches; returns the step's loss
         (global token mean), token accuracy and entropy (means over micro-batches of each one's
         all-rank ratio, as TRL logs them) and input tokens."""
@@ -250,42 +252,26 @@ class SFTTrainer:
                                 s.process_index, s.num_processes, start=start_micro):
             yield self.collate([self.train_rows[i] for i in idx])
 
-    def train(self) -> list[dict]:
-        """Train ``total_steps`` optimizer steps; returns the logged rows (also in metrics.jsonl)."""
-        cfg, s = self.cfg, self.session
-        ckpt = resume_dir(cfg)
-        if ckpt is not None:
-            state = s.load_state(ckpt / "state")
-            self.step, self.num_tokens = int(state["step"]), int(state.get("num_tokens", 0))
-        ga = cfg.gradient_accumulation_steps
-        batches = self._train_batches(self.step * ga)
-        log = RunLog(s, cfg, self.total_steps, "sft", start=self.step, shown=("loss", "mean_token_accuracy", "eval/loss"))
-        window: list[dict[str, float]] = []
-        while self.step < self.total_steps:
-            row = self.training_step([next(batches) for _ in range(ga)])
-            self.step += 1
-            row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
-                        "epoch": self.step * ga * cfg.per_device_train_batch_size * s.num_processes
-                        / len(self.train_rows), **self.phases.pop()})
-            window.append(row)
-            last = self.step == self.total_steps
-            if self.step % cfg.logging_steps == 0 or last:
-                # Averaged over the window (already over ranks); the latest lr, epoch, grad norm, tokens.
-                metrics = {k: sum(r[k] for r in window) / len(window) for k in window[0]}
-                metrics.update({k: row[k] for k in ("grad_norm", "learning_rate", "epoch", "num_tokens")})
-                log.log(self.step, metrics, advance=False)
-                self.history.append({"step": self.step, **metrics})
-                window = []
-            log.advance()
-            if self.eval_rows is not None and ((cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
-                ev = self.evaluate()
-                log.log(self.step, ev, advance=False)
-                self.history.append({"step": self.step, **ev})
-            if (cfg.save_steps and self.step % cfg.save_steps == 0) or (last and cfg.save_steps):
-                save_checkpoint(s, cfg, self.step, {"policy": self.tokenizer},
-                                {"total_steps": self.total_steps, "num_tokens": self.num_tokens})
-        log.close()
-        return self.history
+    def training_step(self, step: int) -> dict[str, float]:
+        """The loop's step (posttrain.trainers.loop): the next accumulation micro-batches of the
+        data order, one optimizer step, and the values the step used."""
+        cfg, s, ga = self.cfg, self.session, self.cfg.gradient_accumulation_steps
+        if self._batches is None:  # from the resumed step's micro-batch on
+            self._batches = self._train_batches((step - 1) * ga)
+        row = self.optimizer_step([next(self._batches) for _ in range(ga)])
+        row.update({"grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
+                    "epoch": step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
+                    **self.phases.pop()})
+        return row
+
+    def has_eval_data(self) -> bool:
+        return self.eval_rows is not None
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"num_tokens": self.num_tokens}
+
+    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
+        self.num_tokens = int(state.get("num_tokens", 0))
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
@@ -312,9 +298,3 @@ class SFTTrainer:
         tokens = max(tokens, 1.0)
         return {f"{prefix}/loss": loss / tokens, f"{prefix}/mean_token_accuracy": correct / tokens,
                 f"{prefix}/entropy": entropy / tokens}
-
-    def save_model(self, directory: str | Path | None = None) -> Path:
-        """The model in Hugging Face format (a LoRA model saves its adapter), in the output dir
-        itself by default (TRL's layout: ``from_pretrained(output_dir)`` loads it); returns where."""
-        return save_trained_model(self.session, "policy", directory or self.cfg.output_dir, tokenizer=self.tokenizer)
-

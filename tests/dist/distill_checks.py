@@ -4,7 +4,7 @@ import json
 import sys
 from pathlib import Path
 
-from posttrain import tiny
+from posttrain.demo import tiny
 from posttrain.trainers.distill import DistillConfig, DistillTrainer
 
 MIXES = ["zero2-zero3", "zero2-replicated", "zero3"]

@@ -10,7 +10,8 @@ import torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 from test_dpo import CASES, conversational, parity_rows  # noqa: E402
 
-from posttrain import preference, tiny  # noqa: E402
+from posttrain import preference  # noqa: E402
+from posttrain.demo import tiny
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer  # noqa: E402
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain import Role, Session, synthetic, tiny
+from posttrain import Role, Session
+from posttrain.demo import synthetic, tiny
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 ALPHA = 0.6

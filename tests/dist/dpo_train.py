@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from posttrain import synthetic
+from posttrain.demo import synthetic
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 TRAIN = synthetic.preference_pairs(64, seed=0)

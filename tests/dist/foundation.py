@@ -5,7 +5,8 @@ import sys
 
 import torch
 
-from posttrain import Role, Session, tiny
+from posttrain import Role, Session
+from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain import Role, Session, tiny
+from posttrain import Role, Session
+from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
 
 

@@ -13,7 +13,7 @@
 import json
 import sys
 
-from posttrain import tiny
+from posttrain.demo import tiny
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
@@ -34,7 +34,7 @@ def run(config_cls, trainer_cls, save=False, **fields) -> tuple[list[dict], list
 
 
 def main(out: str, tmp: str) -> None:
-    rewards = ["posttrain.synthetic:sentiment_reward", str(tiny.reward_model_path())]
+    rewards = ["posttrain.demo.synthetic:sentiment_reward", str(tiny.reward_model_path())]
     res: dict = {"placements": {}, "roles": {}}
     for mix in ("zero2-zero3", "zero2-replicated", "zero3"):
         hist, roles, stats = run(GRPOConfig, GRPOTrainer, mix=mix, output_dir=f"{tmp}/{mix}", reward_funcs=rewards,

@@ -9,7 +9,8 @@ import sys
 import torch
 
 import posttrain
-from posttrain import Session, roles_for, tiny
+from posttrain import Session, roles_for
+from posttrain.demo import tiny
 
 
 def lm_loss(model, batch):

@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from posttrain import synthetic, tiny
+from posttrain.demo import synthetic, tiny
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
 

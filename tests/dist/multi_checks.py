@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from posttrain import dsconfig, synthetic, tiny
+from posttrain import dsconfig
+from posttrain.demo import synthetic, tiny
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from posttrain import session as session_module
-from posttrain import synthetic, tiny
+from posttrain.demo import synthetic, tiny
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 STEPS, LR = 6, 1e-3  # a learning rate whose updates bf16 weights can hold

@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from posttrain import Role, Session, tiny
+from posttrain import Role, Session
+from posttrain.demo import tiny
 from posttrain.rollout import Rollout, SamplingParams
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain import synthetic, tiny
+from posttrain.demo import synthetic, tiny
 from posttrain.trainers.common import rank_batches
 from posttrain.trainers.reward import RewardConfig, RewardTrainer, reward_loss
 from posttrain.trainers.sft import SFTConfig, SFTTrainer, token_terms

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from dpo_train import run as dpo_run
 from ppo_run import BASE as PPO_BASE
 
-from posttrain import Role, Session, tiny
+from posttrain import Role, Session
+from posttrain.demo import tiny
 from posttrain.dsconfig import read_config
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 

@@ -3,9 +3,9 @@ model with the same vocabulary, and a BPE tokenizer trained on text bundled with
 
 Loaded with ``from_pretrained`` like any model, so tests and the demo exercise the same loading
 code as a hub name or local path. The default assets (the tokenizer, the SFT policy and the
-trained reward model, about 2 MB) ship prebuilt in ``posttrain/data/tiny/``: building them takes
+trained reward model, about 2 MB) ship prebuilt in ``posttrain/demo/data/tiny/``: building them takes
 minutes on a small shared CPU, which a first ``make demo`` should not pay. ``build_assets`` is
-their recipe (``python -m posttrain.tiny posttrain/data/tiny`` rebuilds them) and
+their recipe (``python -m posttrain.demo.tiny posttrain/demo/data/tiny`` rebuilds them) and
 tests/test_tiny.py checks that it reproduces the shipped files. Any other variant (another seed,
 shape or step count, the randomly initialised models) is built on first use into posttrain's cache.
 """
@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import cache
+from .. import cache
+from . import DATA, corpus
 
-DATA = Path(__file__).resolve().parent / "data"
 ASSETS = DATA / "tiny"  # the prebuilt default assets, named as their cached builds would be
 SPECIAL = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -38,18 +38,6 @@ SFT_STEPS, REWARD_STEPS = 300, 200  # the defaults' recipe (each step a batch of
 def cache_dir() -> Path:
     """Where the tiny default is built: posttrain's cache (``posttrain.cache.cache_dir``), never site-packages."""
     return cache.cache_dir()
-
-
-def corpus() -> list[str]:
-    return (DATA / "tiny_corpus.txt").read_text().splitlines()
-
-
-def words() -> dict[str, list[str]]:
-    out = {}
-    for line in (DATA / "words.txt").read_text().splitlines():
-        key, value = line.split(": ", 1)
-        out[key] = value.split("|") if key == "subjects" else value.split()
-    return out
 
 
 # -- where an asset comes from -----------------------------------------------------------------
@@ -78,7 +66,7 @@ def _resolve(name: str, build: Callable[[Path], None], what: str) -> Path:
 
 def _log(message: str) -> None:
     # Only the process that builds an asset gets here (once per machine): no rank check needed.
-    print(f"posttrain.tiny: {message}", file=sys.stderr, flush=True)
+    print(f"posttrain.demo.tiny: {message}", file=sys.stderr, flush=True)
 
 
 def _name(prefix: str, seed: int, steps: int | None = None, **overrides) -> str:
@@ -132,7 +120,7 @@ def reward_model_path(seed: int = 0, steps: int = REWARD_STEPS) -> Path:
 
 def build_assets(dest: str | os.PathLike) -> dict[str, Path]:
     """Build the default assets from their recipe into ``dest`` (the shipped copies are not
-    consulted): what ``posttrain/data/tiny/`` holds. Returns each asset's path by name."""
+    consulted): what ``posttrain/demo/data/tiny/`` holds. Returns each asset's path by name."""
     dest = Path(dest)
     tok_dir, sft, reward = dest / "tokenizer", dest / _name("sft", 0, SFT_STEPS), dest / _name("reward-trained", 0, REWARD_STEPS)
     for path, build in ((tok_dir, _build_tokenizer),
@@ -317,6 +305,6 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="Build the tiny default's assets from their recipe.")
-    parser.add_argument("dest", help="output folder (posttrain/data/tiny to refresh the shipped copies)")
+    parser.add_argument("dest", help="output folder (posttrain/demo/data/tiny to refresh the shipped copies)")
     for built in build_assets(parser.parse_args().dest).values():
         print(built)

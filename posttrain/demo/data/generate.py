@@ -23,5 +23,5 @@ for _ in range(3000):
         lines.append(f"{s} felt {rng.choice(adjs)} today .")
     else:
         lines.append(f"{s} {rng.choice(verbs)} the {rng.choice(objs)} {rng.choice(places)} .")
-open("posttrain/data/tiny_corpus.txt", "w").write("\n".join(lines) + "\n")
-open("posttrain/data/words.txt", "w").write("positive: " + " ".join(pos) + "\nnegative: " + " ".join(neg) + "\nsubjects: " + "|".join(subjects) + "\n")
+open("posttrain/demo/data/tiny_corpus.txt", "w").write("\n".join(lines) + "\n")
+open("posttrain/demo/data/words.txt", "w").write("positive: " + " ".join(pos) + "\nnegative: " + " ".join(neg) + "\nsubjects: " + "|".join(subjects) + "\n")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import random
 
-from . import tiny
+from . import words
 
 
 def _words() -> dict[str, list[str]]:
-    return tiny.words()
+    return words()
 
 
 def prompts(n: int, seed: int = 0) -> list[str]:

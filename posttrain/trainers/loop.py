@@ -1,0 +1,144 @@
+"""The one training loop every trainer runs: resume, the logging cadence, evaluation, checkpoints,
+progress, trackers, metrics.jsonl, Ctrl-C and closing. A trainer subclasses :class:`Trainer` and
+supplies its step (:meth:`Trainer.training_step`), optionally its evaluation
+(:meth:`Trainer.evaluate`) and how a logging window of steps becomes one row."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .common import RunLog, TrainConfig, mean_over_ranks, resume_dir, save_checkpoint, save_trained_model
+
+# Values a logged row takes from the window's last step rather than averaging (TRL logs the
+# latest rate, epoch and gradient norm at a logging step).
+LATEST = ("grad_norm", "learning_rate", "lr", "epoch", "episode", "num_tokens")
+
+
+class Trainer:
+    """The loop's side of a trainer.
+
+    A subclass sets ``name`` (the run's name in progress lines and the model card), ``shown`` (the
+    metrics the progress bar shows) and ``roles`` (its trained and frozen roles, read by the
+    memory planner), and, once its engines are prepared, ``self.cfg``, ``self.session`` and
+    ``self.total_steps``. It supplies:
+
+    - ``training_step(step)``: one optimizer step (step counts from 1); returns this rank's values
+      of the step (the ones the step used);
+    - ``log_row(rows)``: the logged row of a logging window's steps (default: each value's mean
+      over the window, ``LATEST`` values from its last step, then the mean over ranks);
+    - ``evaluate()`` (if ``evaluates``) and ``has_eval_data()``;
+    - ``checkpoint_models()`` (role -> tokenizer saved in each checkpoint),
+      ``checkpoint_state()`` and ``restore(state, checkpoint)`` for what else resuming needs.
+    """
+
+    name: ClassVar[str] = "train"
+    shown: ClassVar[tuple[str, ...]] = ("loss",)
+    roles: ClassVar[dict[str, list[str]]] = {"trained": ["policy"], "frozen": []}
+    evaluates: ClassVar[bool] = False
+    cfg: TrainConfig
+    session: Any = None
+    total_steps: int
+    tokenizer: Any = None
+    step: int = 0
+    history: list[dict]
+    run_log: RunLog | None = None
+
+    # -- what a trainer supplies ---------------------------------------------------------------
+    def setup(self) -> None:
+        """Load and prepare the models (trainers that do it in ``__init__`` need nothing here)."""
+
+    def training_step(self, step: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def log_row(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        return mean_over_ranks(self.session, window_mean(rows))
+
+    def has_eval_data(self) -> bool:
+        return False
+
+    def evaluate(self) -> dict[str, float]:
+        raise NotImplementedError(f"{self.name} does not evaluate")
+
+    def checkpoint_models(self) -> dict[str, Any]:
+        return {self.roles["trained"][0]: self.tokenizer}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
+        """What a checkpoint holds beyond the engines (the step is restored by the loop)."""
+
+    def can_checkpoint(self, step: int) -> bool:
+        return True
+
+    def on_log(self, step: int) -> None:
+        """Called after a row is logged (GRPO writes its samples then)."""
+
+    # -- the loop ------------------------------------------------------------------------------
+    @property
+    def start(self) -> int:
+        """The step this run starts from: the checkpoint's when resuming (read from its trainer
+        state, so known before :meth:`train` loads it), else 0."""
+        ckpt = resume_dir(self.cfg)
+        if ckpt is None:
+            return 0
+        return int(json.loads((ckpt / "state" / "trainer_state.json").read_text()).get("step", 0))
+
+    def train(self) -> list[dict]:
+        """Train to ``total_steps``; returns the logged rows (the whole run's after a resume)."""
+        if self.session is None:
+            self.setup()
+        cfg, s = self.cfg, self.session
+        self.step = 0
+        ckpt = resume_dir(cfg)
+        if ckpt is not None:  # the one place a run resumes: engines, optimizers, RNG, counters
+            state = s.load_state(ckpt / "state")
+            self.step = int(state["step"])
+            self.restore(state, ckpt)
+        log = self.run_log = RunLog(s, cfg, self.total_steps, self.name, start=self.step, shown=self.shown)
+        self.history = log.history
+        window: list[dict[str, Any]] = []
+        while self.step < self.total_steps:
+            # self.step counts the steps done, as TRL's global_step: during a step, the ones before it.
+            window.append(self.training_step(self.step + 1))
+            self.step += 1
+            last = self.step == self.total_steps
+            if self.step % cfg.logging_steps == 0 or last:
+                log.log(self.step, self.log_row(window), advance=False)
+                window = []
+                self.on_log(self.step)
+            log.advance()
+            if self.evaluates and self.has_eval_data() and (
+                    (cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
+                log.log(self.step, self.evaluate(), advance=False)
+            if cfg.save_steps and (self.step % cfg.save_steps == 0 or last) and self.can_checkpoint(self.step):
+                save_checkpoint(s, cfg, self.step, self.checkpoint_models(),
+                                {"total_steps": self.total_steps, **self.checkpoint_state()})
+        log.close()
+        return self.history
+
+    def save_model(self, directory: str | os.PathLike | None = None) -> Path:
+        """The first trained role in Hugging Face format, in the output dir itself by default (TRL's
+        layout: ``from_pretrained(output_dir)`` loads it), every other trained role in ``<role>/``
+        beside it; returns the first one's folder."""
+        trained = self.roles["trained"]
+        path = save_trained_model(self.session, trained[0], directory or self.cfg.output_dir, self.tokenizer)
+        for role in trained[1:]:
+            save_trained_model(self.session, role, path / role, self.tokenizer)
+        return path
+
+    def save(self, directory: str | os.PathLike | None = None) -> Path:
+        """``save_model`` under its earlier name."""
+        return self.save_model(directory)
+
+
+def window_mean(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """A logging window's row: each value's mean over the window's steps (a step without it counts
+    0, as a phase that ran only in some steps), ``LATEST`` values from the last step."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    out = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
+    out.update({k: rows[-1][k] for k in LATEST if k in rows[-1]})
+    return out

@@ -44,7 +44,8 @@ def teacher_dir(shape: str, dtype: Any) -> Path:
     from filelock import FileLock
 
     from benchmarks.grpo_e2e import model_dir
-    from posttrain import memory, tiny
+    from posttrain import memory
+    from posttrain.demo import tiny
 
     student = model_dir(shape, dtype)
     path = student.with_name(student.name + "-teacher")
@@ -75,7 +76,7 @@ def run_trl(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Pat
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from posttrain import tiny
+    from posttrain.demo import tiny
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

@@ -158,7 +158,7 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
     # Everything the run is given is checked before prepare_output_dir clears anything.
     checks.check_placement(cfg.mix, cfg.role_configs)
     roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs, master_weights=cfg.master_weights)
-    check_engine_setting(cfg.single_process_engine, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    check_engine_setting(cfg.single_process_engine, world_size=world_size(),
                          mixed_precision=cfg.mixed_precision, own_configs=[r.name for r in roles if r.trains and not r.from_mix])
     checks.check_output_dir(cfg.output_dir)
     checks.check_resume_path(cfg.resume_from_checkpoint, cfg.output_dir)

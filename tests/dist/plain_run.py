@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain import synthetic, tiny
+from posttrain.demo import synthetic, tiny
 from posttrain.dsconfig import ConfigError
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
@@ -33,7 +33,7 @@ def grpo(tmp: Path, engine: str) -> tuple[GRPOTrainer, list[dict]]:
     cfg = GRPOConfig(output_dir=str(tmp / f"grpo-{engine}"), overwrite_output_dir=True, learning_rate=3e-3,
                      per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                      gradient_accumulation_steps=2, max_steps=2, beta=0.04, max_grad_norm=0.05, disable_tqdm=True,
-                     seed=7, reward_funcs=["posttrain.synthetic:sentiment_reward"], single_process_engine=engine)
+                     seed=7, reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], single_process_engine=engine)
     trainer = GRPOTrainer(cfg)
     return trainer, trainer.train()
 

@@ -69,7 +69,7 @@ def training_chat_template(tokenizer: Any) -> str | None:
         return None  # refused later, with the data's first conversational row in hand
     if has_generation_markers(template):
         return None
-    from .tiny import CHAT_TEMPLATE
+    from .demo.tiny import CHAT_TEMPLATE
 
     if template == CHAT_TEMPLATE:
         return TINY_TRAINING_CHAT_TEMPLATE

@@ -223,8 +223,9 @@ def mix_seed(*parts: int | str) -> int:
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The same permutation on every rank for a given (seed, epoch)."""
-    g = torch.Generator().manual_seed(mix_seed(seed, "epoch", epoch))
+    """The same permutation on every rank for a given (seed, epoch): TRL's order, i.e. accelerate's
+    ``SeedableRandomSampler`` under transformers' Trainer, a generator seeded with seed + epoch."""
+    g = torch.Generator().manual_seed(seed + epoch)
     return torch.randperm(n, generator=g).tolist()
 
 

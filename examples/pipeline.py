@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+GRPO_PROMPTS = 2048  # GRPOConfig.num_prompts: the bundled prompts a GRPO run on the tiny default draws
 
 
 def launch(launcher: str, script: str, args: list[str]) -> None:
@@ -50,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grpo_steps", type=int, default=None, help="GRPO optimizer steps (configs/grpo.yaml's otherwise)")
     opts = ap.parse_args(argv)
     out = Path(opts.output_dir)
+    # Stages 2 and 3 are given their data by name, as a run on your own model must be (a model
+    # without --dataset_name is refused): the tiny default's bundled pairs and prompts, as files.
+    from posttrain.demo import synthetic
+    from posttrain.preference import write_jsonl
+
+    pairs = write_jsonl(synthetic.preference_pairs(1024, seed=0) + synthetic.preference_pairs(256, seed=1),
+                        out / "data" / "pairs.jsonl")
+    prompts = write_jsonl([{"prompt": p} for p in synthetic.prompts(GRPO_PROMPTS, seed=42)], out / "data" / "prompts.jsonl")
     quiet = ["--disable_tqdm", "true", "--overwrite_output_dir", "true"]
     start = time.perf_counter()
     times = {}
@@ -61,13 +70,15 @@ def main(argv: list[str] | None = None) -> int:
 
     t = time.perf_counter()
     launch(opts.launcher, "reward.py", ["--config", str(ROOT / "configs/reward.yaml"), "--output_dir", str(out / "reward"),
-                                        "--model_name_or_path", sft["final_model"], *quiet])
+                                        "--model_name_or_path", sft["final_model"], "--dataset_name", str(pairs),
+                                        "--test_split_size", "256", *quiet])
     times["reward"] = time.perf_counter() - t
     reward = json.loads((out / "reward" / "summary.json").read_text())
 
     t = time.perf_counter()
     grpo_args = ["--config", str(ROOT / "configs/grpo.yaml"), "--output_dir", str(out / "grpo"),
-                 "--model_name_or_path", sft["final_model"], "--reward_funcs", reward["final_model"], *quiet]
+                 "--model_name_or_path", sft["final_model"], "--reward_funcs", reward["final_model"],
+                 "--dataset_name", str(prompts), *quiet]
     if opts.grpo_steps:
         grpo_args += ["--max_steps", str(opts.grpo_steps)]
     launch(opts.launcher, "grpo.py", grpo_args)
@@ -80,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         "reward": {"eval_accuracy_before": reward["eval_accuracy_before"], "eval_accuracy": reward["eval_accuracy"],
                    "model": reward["final_model"]},
         "grpo": {"reward_first_tenth": grpo["reward_first_tenth"], "reward_last_tenth": grpo["reward_last_tenth"],
-                 "policy": str(out / "grpo" / "policy")},
+                 "policy": str(out / "grpo")},
         "seconds": {**{k: round(v, 1) for k, v in times.items()}, "total": round(time.perf_counter() - start, 1)},
     }
     (out / "pipeline.json").write_text(json.dumps(summary, indent=1))

@@ -59,7 +59,7 @@ def test_dpo_placement_invariance(res):
 
 def test_ppo_placement_invariance(res):
     first = res["ppo"]["zero2-zero3"]
-    assert len(first) == 2 and first[1]["objective/kl"] > 1e-4  # the policy moved from the reference
+    assert len(first) == 2 and abs(first[1]["objective/kl"]) > 1e-4  # the policy moved from the reference (k1 can be < 0)
     for mix in MIXES[1:]:
         for a, b in zip(first, res["ppo"][mix], strict=True):
             for key, value in a.items():

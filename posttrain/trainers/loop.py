@@ -10,7 +10,15 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .common import RunLog, TrainConfig, mean_over_ranks, resume_dir, save_checkpoint, save_trained_model
+from .common import (
+    RunLog,
+    TrainConfig,
+    mean_over_ranks,
+    rank_batches,
+    resume_dir,
+    save_checkpoint,
+    save_trained_model,
+)
 
 # Values a logged row takes from the window's last step rather than averaging (TRL logs the
 # latest rate, epoch and gradient norm at a logging step).
@@ -133,6 +141,46 @@ class Trainer:
     def save(self, directory: str | os.PathLike | None = None) -> Path:
         """``save_model`` under its earlier name."""
         return self.save_model(directory)
+
+
+class RowsTrainer(Trainer):
+    """A trainer whose step is one optimizer step over prepared rows (SFT, reward): the data order
+    of :func:`common.rank_batches`, the micro-batches collated by ``self.collate``, and a running
+    ``num_tokens`` kept in checkpoints. A subclass sets ``train_rows``, ``eval_rows``, ``collate``,
+    ``phases`` and ``num_tokens`` and supplies ``optimizer_step(micro_batches)``."""
+
+    _batches: Any = None
+
+    def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _train_batches(self, start_micro: int):
+        cfg, s = self.cfg, self.session
+        for idx in rank_batches(len(self.train_rows), cfg.per_device_train_batch_size, cfg.seed,
+                                s.process_index, s.num_processes, start=start_micro):
+            yield self.collate([self.train_rows[i] for i in idx])
+
+    def training_step(self, step: int) -> dict[str, Any]:
+        """The next accumulation micro-batches of the data order (from the resumed step's on), one
+        optimizer step, and the values the step used."""
+        cfg, s, ga = self.cfg, self.session, self.cfg.gradient_accumulation_steps
+        role = self.roles["trained"][0]
+        if self._batches is None:
+            self._batches = self._train_batches((step - 1) * ga)
+        row = self.optimizer_step([next(self._batches) for _ in range(ga)])
+        row.update({"grad_norm": s.grad_norm(role) or 0.0, "learning_rate": s.learning_rate(role),
+                    "epoch": step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
+                    **self.phases.pop()})
+        return row
+
+    def has_eval_data(self) -> bool:
+        return self.eval_rows is not None
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"num_tokens": self.num_tokens}
+
+    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
+        self.num_tokens = int(state.get("num_tokens", 0))
 
 
 def window_mean(rows: list[dict[str, Any]]) -> dict[str, float]:

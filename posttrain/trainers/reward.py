@@ -30,12 +30,11 @@ from .common import (
     gather_ranks,
     make_session,
     optimizer_and_scheduler,
-    rank_batches,
     seed_everything,
     world_size,
 )
 from .dpo import _load_tokenizer
-from .loop import Trainer
+from .loop import RowsTrainer
 
 ROLE = "reward"
 
@@ -138,7 +137,7 @@ def reward_loss(rewards: torch.Tensor, margin: torch.Tensor | None,
 
 
 # -- the trainer --------------------------------------------------------------------------------------
-class RewardTrainer(Trainer):
+class RewardTrainer(RowsTrainer):
     """A Bradley-Terry reward model with the classifier on its own DeepSpeed plugin.
 
     >>> trainer = RewardTrainer(RewardConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=pairs)
@@ -207,7 +206,6 @@ class RewardTrainer(Trainer):
         self.setup_times = self.phases.pop()
         self.step = 0
         self.num_tokens = 0
-        self._batches = None
 
     # -- the step ----------------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
@@ -244,33 +242,6 @@ class RewardTrainer(Trainer):
         n = torch.tensor([tokens], device=s.device)
         self.num_tokens += int(self._gather(n).sum())
         return {**sums, "num_tokens": float(self.num_tokens)}
-
-    def _train_batches(self, start_micro: int):
-        cfg, s = self.cfg, self.session
-        for idx in rank_batches(len(self.train_rows), cfg.per_device_train_batch_size, cfg.seed,
-                                s.process_index, s.num_processes, start=start_micro):
-            yield self.collate([self.train_rows[i] for i in idx])
-
-    def training_step(self, step: int) -> dict[str, float]:
-        """The loop's step (posttrain.trainers.loop): the next accumulation micro-batches of the
-        data order, one optimizer step, and the values the step used."""
-        cfg, s, ga = self.cfg, self.session, self.cfg.gradient_accumulation_steps
-        if self._batches is None:  # from the resumed step's micro-batch on
-            self._batches = self._train_batches((step - 1) * ga)
-        row = self.optimizer_step([next(self._batches) for _ in range(ga)])
-        row.update({"grad_norm": s.grad_norm(ROLE) or 0.0, "learning_rate": s.learning_rate(ROLE),
-                    "epoch": step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
-                    **self.phases.pop()})
-        return row
-
-    def has_eval_data(self) -> bool:
-        return self.eval_rows is not None
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {"num_tokens": self.num_tokens}
-
-    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
-        self.num_tokens = int(state.get("num_tokens", 0))
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:

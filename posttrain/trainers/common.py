@@ -154,6 +154,19 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def steps_for_rows(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> int:
+    """Optimizer steps of a run over ``n_rows`` prepared rows (``max_steps``, else whole global
+    batches per epoch times ``num_train_epochs``); fewer rows than one global batch is refused."""
+    world = world_size()
+    global_batch = cfg.per_device_train_batch_size * world
+    if n_rows < global_batch:
+        raise ConfigError(f"train_dataset has {n_rows} usable {noun}, fewer than one global batch "
+                          f"({cfg.per_device_train_batch_size} per device x {world} processes): lower "
+                          f"--per_device_train_batch_size or give more {noun}")
+    per_epoch = max(1, n_rows // global_batch // cfg.gradient_accumulation_steps)
+    return cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
+
+
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:
     # Everything the run is given is checked before prepare_output_dir clears anything.
     checks.check_placement(cfg.mix, cfg.role_configs)

@@ -26,8 +26,8 @@ from .common import (
     optimizer_and_scheduler,
     rank_batches,
     seed_everything,
+    steps_for_rows,
     sum_over_ranks,
-    world_size,
 )
 from .loop import Trainer
 
@@ -290,14 +290,7 @@ class DPOTrainer(Trainer):
         self.eval_rows = (preference.prepare_preference_dataset(eval_dataset, name="eval_dataset", **prep)
                           if eval_dataset is not None else None)
 
-        world = world_size()
-        global_batch = cfg.per_device_train_batch_size * world
-        if len(self.train_rows) < global_batch:
-            raise ConfigError(f"train_dataset has {len(self.train_rows)} usable rows, fewer than one global batch "
-                              f"({cfg.per_device_train_batch_size} per device x {world} processes): lower "
-                              "--per_device_train_batch_size or give more rows")
-        per_epoch = max(1, len(self.train_rows) // global_batch // cfg.gradient_accumulation_steps)
-        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
+        self.total_steps = steps_for_rows(cfg, len(self.train_rows))
         self.session = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
         self.phases = Phases()
         # TRL loads models in float32 unless told otherwise; mixed precision then casts inside DeepSpeed.

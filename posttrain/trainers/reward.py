@@ -31,7 +31,7 @@ from .common import (
     make_session,
     optimizer_and_scheduler,
     seed_everything,
-    world_size,
+    steps_for_rows,
 )
 from .dpo import _load_tokenizer
 from .loop import RowsTrainer
@@ -171,14 +171,7 @@ class RewardTrainer(RowsTrainer):
         self.eval_rows = (prepare_reward_dataset(eval_dataset, name="eval_dataset", **prep)
                           if eval_dataset is not None else None)
 
-        world = world_size()
-        global_batch = cfg.per_device_train_batch_size * world
-        if len(self.train_rows) < global_batch:
-            raise ConfigError(f"train_dataset has {len(self.train_rows)} usable pairs, fewer than one global batch "
-                              f"({cfg.per_device_train_batch_size} per device x {world} processes): give more pairs "
-                              "or lower --per_device_train_batch_size")
-        per_epoch = max(1, len(self.train_rows) // global_batch // cfg.gradient_accumulation_steps)
-        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
+        self.total_steps = steps_for_rows(cfg, len(self.train_rows), "pairs")
         self.session = make_session(cfg, [ROLE], [], total_steps=self.total_steps)
         self.phases = Phases()
         from transformers import AutoModelForSequenceClassification

@@ -26,8 +26,8 @@ from .common import (
     make_session,
     optimizer_and_scheduler,
     seed_everything,
+    steps_for_rows,
     sum_over_ranks,
-    world_size,
 )
 from .dpo import _load_tokenizer, _lora_config
 from .loop import RowsTrainer
@@ -164,14 +164,7 @@ class SFTTrainer(RowsTrainer):
         self.eval_rows = (self._prepare(eval_dataset, "eval_dataset", eval_packing, prep)
                           if eval_dataset is not None else None)
 
-        world = world_size()
-        global_batch = cfg.per_device_train_batch_size * world
-        if len(self.train_rows) < global_batch:
-            raise ConfigError(f"train_dataset has {len(self.train_rows)} rows after preparation, fewer than one global "
-                              f"batch ({cfg.per_device_train_batch_size} per device x {world} processes): give more "
-                              "rows or lower --per_device_train_batch_size")
-        per_epoch = max(1, len(self.train_rows) // global_batch // cfg.gradient_accumulation_steps)
-        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
+        self.total_steps = steps_for_rows(cfg, len(self.train_rows))
         self.session = make_session(cfg, ["policy"], [], total_steps=self.total_steps)
         self.phases = Phases()
         kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}  # TRL loads float32 unless told

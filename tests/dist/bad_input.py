@@ -8,6 +8,7 @@ would overwrite) must be intact."""
 import json
 import os
 import sys
+import time
 
 from transformers import PreTrainedModel
 
@@ -33,6 +34,12 @@ def main(out: str, run: str, model: str, no_config: str) -> int:
     assert codes == [2] * len(cases) and not os.path.exists(scratch), (codes, said)
     with open(f"{out}.{os.environ['RANK']}.json", "w") as f:
         json.dump(said, f)
+    # The last case exits at once, and torchrun then stops every other rank: wait until each rank has
+    # written its record (a file barrier: no process group exists before the script's checks).
+    others = [f"{out}.{r}.json" for r in range(int(os.environ["WORLD_SIZE"]))]
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(p) for p in others) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return cli.main(["dpo", "--output_dir", run, "--overwrite_output_dir", "true", "--mix", "zero2-zero4"])
 
 

@@ -25,6 +25,7 @@ import torch
 from .. import checks, interrupt
 from ..dsconfig import ConfigError
 from ..jsonrows import dumps_row, read_rows
+from ..lora import LoraFields, check_lora_fields
 from ..modelcard import write_model_card
 from ..plain import check_setting as check_engine_setting
 from ..roles import DEFAULT_MIX, roles_for
@@ -99,6 +100,8 @@ class TrainConfig:
 def validate_train_config(cfg: TrainConfig) -> None:
     """Bad values are refused here, before any process group or model, each with the flag to fix;
     bf16/fp16 are folded into mixed_precision and eval_steps defaults to logging_steps (TRL's rule)."""
+    if isinstance(cfg, LoraFields):
+        check_lora_fields(cfg)
     at_least_one = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                     "logging_steps")
     for name in at_least_one:

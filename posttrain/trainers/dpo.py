@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from .. import preference
 from ..demo import tiny
 from ..dsconfig import ConfigError
+from ..lora import LoraFields, adapters_disabled, add_adapters, lora_config
 from .common import (
     Phases,
     TrainConfig,
@@ -40,7 +41,7 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 
 
 @dataclass
-class DPOConfig(TrainConfig):
+class DPOConfig(TrainConfig, LoraFields):
     """DPO settings; names and defaults follow ``trl.DPOConfig`` where the concept is the same."""
 
     output_dir: str = "runs/dpo"
@@ -52,12 +53,6 @@ class DPOConfig(TrainConfig):
     model_init_kwargs: dict[str, Any] | None = None
     disable_dropout: bool = True
     gradient_checkpointing: bool = True  # TRL's DPO default: activations recomputed in backward
-    # LoRA (names of trl.ModelConfig): the reference is then the base with adapters disabled.
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None
     # Data
     dataset_num_proc: int | None = None
     max_length: int | None = 1024
@@ -281,7 +276,7 @@ class DPOTrainer(Trainer):
         policy_path = cfg.model_name_or_path or str(tiny.sft_model_path())
         self.tokenizer = tokenizer or _load_tokenizer(policy_path, cfg)
         self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
-        self.peft_config = peft_config if peft_config is not None else _lora_config(cfg)
+        self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         frozen = [] if self.peft_config is not None else list(self.roles["frozen"])
 
         prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, truncation_mode=cfg.truncation_mode,
@@ -310,9 +305,7 @@ class DPOTrainer(Trainer):
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if self.peft_config is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, self.peft_config)
+            model = add_adapters(model, self.peft_config)
         opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
         self.policy = self.session.prepare("policy", model, opt, sched)
         if self.peft_config is not None and cfg.precompute_ref_log_probs:
@@ -377,9 +370,7 @@ class DPOTrainer(Trainer):
     @torch.no_grad()
     def _reference_forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if self.peft_config is not None:
-            from trl.trainer.utils import use_adapter
-
-            with use_adapter(self.policy.module, adapter_name=None):
+            with adapters_disabled(self.policy):
                 out = sequence_logps(self.policy, batch, self.cfg.ld_alpha)
         else:
             out = sequence_logps(self.reference, batch, self.cfg.ld_alpha)
@@ -486,11 +477,3 @@ def _load_tokenizer(path: str, cfg: DPOConfig) -> Any:
         tok.pad_token = tok.eos_token
     return tok
 
-
-def _lora_config(cfg: DPOConfig) -> Any:
-    if not cfg.use_peft:
-        return None
-    from peft import LoraConfig
-
-    return LoraConfig(task_type="CAUSAL_LM", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.lora_target_modules, bias="none")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .. import preference
 from ..demo import tiny
 from ..dsconfig import ConfigError
+from ..lora import LoraFields, add_adapters, lora_config
 from .common import (
     Phases,
     TrainConfig,
@@ -40,7 +41,7 @@ ROLE = "reward"
 
 
 @dataclass
-class RewardConfig(TrainConfig):
+class RewardConfig(TrainConfig, LoraFields):
     """Reward-model settings; names and defaults follow ``trl.RewardConfig`` where the concept is the same."""
 
     output_dir: str = "runs/reward"
@@ -50,12 +51,6 @@ class RewardConfig(TrainConfig):
     chat_template_path: str | None = None  # a .jinja file
     disable_dropout: bool = True
     gradient_checkpointing: bool = True  # TRL's default
-    # LoRA (names of trl.ModelConfig); the score head is trained in full (peft's SEQ_CLS rule).
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None
     # Data
     dataset_num_proc: int | None = None
     eos_token: str | None = None
@@ -164,7 +159,7 @@ class RewardTrainer(RowsTrainer):
             self.tokenizer.eos_token = cfg.eos_token
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.peft_config = peft_config if peft_config is not None else _lora_config(cfg)
+        self.peft_config = peft_config if peft_config is not None else lora_config(cfg, "SEQ_CLS")
         self.collate = collator(self.tokenizer, cfg.pad_to_multiple_of)
         prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, num_proc=cfg.dataset_num_proc)
         self.train_rows = prepare_reward_dataset(train_dataset, name="train_dataset", **prep)
@@ -191,9 +186,7 @@ class RewardTrainer(RowsTrainer):
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if self.peft_config is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, self.peft_config)
+            model = add_adapters(model, self.peft_config)
         opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
         self.model = self.session.prepare(ROLE, model, opt, sched)
         self.setup_times = self.phases.pop()
@@ -281,11 +274,3 @@ class RewardTrainer(RowsTrainer):
                 f"{prefix}/mean_reward": sums[4].item() / (2 * n), f"{prefix}/max_reward": hi.item()}
 
 
-
-def _lora_config(cfg: RewardConfig) -> Any:
-    if not cfg.use_peft:
-        return None
-    from peft import LoraConfig
-
-    return LoraConfig(task_type="SEQ_CLS", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.lora_target_modules, bias="none")

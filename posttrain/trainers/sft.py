@@ -19,6 +19,7 @@ import torch
 from .. import sft_data
 from ..demo import tiny
 from ..dsconfig import ConfigError
+from ..lora import LoraFields, add_adapters, lora_config
 from .common import (
     Phases,
     TrainConfig,
@@ -29,7 +30,7 @@ from .common import (
     steps_for_rows,
     sum_over_ranks,
 )
-from .dpo import _load_tokenizer, _lora_config
+from .dpo import _load_tokenizer
 from .loop import RowsTrainer
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -40,7 +41,7 @@ _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "
 
 
 @dataclass
-class SFTConfig(TrainConfig):
+class SFTConfig(TrainConfig, LoraFields):
     """SFT settings; names and defaults follow ``trl.SFTConfig`` where the concept is the same."""
 
     output_dir: str = "runs/sft"
@@ -49,12 +50,6 @@ class SFTConfig(TrainConfig):
     model_init_kwargs: dict[str, Any] | None = None
     chat_template_path: str | None = None  # a .jinja file: the chat template to render conversations with
     gradient_checkpointing: bool = True  # TRL's default
-    # LoRA (names of trl.ModelConfig)
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None
     # Data
     dataset_text_field: str = "text"
     dataset_num_proc: int | None = None
@@ -151,7 +146,7 @@ class SFTTrainer(RowsTrainer):
         path = cfg.model_name_or_path or str(tiny.model_path("causal"))
         self.tokenizer = tokenizer or _load_tokenizer(path, cfg)
         self._set_tokens()
-        self.peft_config = peft_config if peft_config is not None else _lora_config(cfg)
+        self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         self.padding_free = cfg.padding_free or (cfg.packing and cfg.packing_strategy in ("bfd", "bfd_split"))
         self.collate = sft_data.collator(self.tokenizer, self.padding_free, cfg.pad_to_multiple_of)
         chat_template = sft_data.training_chat_template(self.tokenizer) if cfg.assistant_only_loss else None
@@ -175,9 +170,7 @@ class SFTTrainer(RowsTrainer):
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if self.peft_config is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, self.peft_config)
+            model = add_adapters(model, self.peft_config)
         opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
         self.policy = self.session.prepare("policy", model, opt, sched)
         self.setup_times = self.phases.pop()

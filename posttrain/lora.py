@@ -1,0 +1,85 @@
+"""LoRA for every trainer: TRL's ``ModelConfig`` flags, peft's adapters, the base as the reference.
+
+A trainer config that mixes in :class:`LoraFields` takes ``--use_peft`` and the ``lora_*`` flags
+with TRL's names and defaults; :func:`lora_config` builds the adapter settings with TRL's own
+``get_peft_config`` so the two agree on every default. With adapters, the reference model of
+DPO/GRPO/RLOO/PPO is the trained model's base with its adapters switched off
+(:func:`adapters_disabled`, TRL's ``use_adapter``): no reference role, no reference memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .dsconfig import ConfigError
+
+
+@dataclass
+class LoraFields:
+    """TRL ``ModelConfig``'s LoRA flags (same names and defaults), for a trainer's config."""
+
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    # None: peft's default for the architecture (q_proj, v_proj on Llama); "all-linear": every linear
+    # layer but the LM head.
+    lora_target_modules: list[str] | None = None
+    lora_modules_to_save: list[str] | None = None
+    use_rslora: bool = False
+    # The final save: False keeps the adapter (PEFT format, PeftModel.from_pretrained loads it, as TRL
+    # saves); True saves the base with the adapters merged in, a plain transformers model.
+    merge_adapters: bool = False
+
+
+def check_lora_fields(cfg: LoraFields) -> None:
+    """Refuse impossible LoRA settings by flag before anything loads."""
+    if not cfg.use_peft:
+        return
+    if not isinstance(cfg.lora_r, int) or cfg.lora_r < 1:
+        raise ConfigError(f"lora_r must be a whole number >= 1, got {cfg.lora_r!r}: set --lora_r (TRL's default is 16)")
+    if cfg.lora_alpha <= 0:
+        raise ConfigError(f"lora_alpha must be > 0, got {cfg.lora_alpha}: set --lora_alpha (TRL's default is 32)")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise ConfigError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}: set --lora_dropout (TRL's "
+                          "default is 0.05)")
+
+
+def lora_config(cfg: LoraFields, task_type: str = "CAUSAL_LM") -> Any:
+    """peft's ``LoraConfig`` for ``cfg`` (None without ``use_peft``), built by TRL's ``get_peft_config``."""
+    if not cfg.use_peft:
+        return None
+    from trl import ModelConfig
+    from trl.trainer.utils import get_peft_config
+
+    # ModelConfig turns a one-name list into the string peft wants for "all-linear".
+    return get_peft_config(ModelConfig(
+        use_peft=True, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+        lora_target_modules=cfg.lora_target_modules, lora_modules_to_save=cfg.lora_modules_to_save, lora_task_type=task_type,
+        use_rslora=cfg.use_rslora))
+
+
+def add_adapters(model: nn.Module, peft_config: Any) -> nn.Module:
+    """``model`` wrapped by peft with ``peft_config``'s adapters (only they train)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, peft_config)
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` (a peft model, or a module inside a DeepSpeed engine) carries adapters."""
+    return hasattr(getattr(model, "module", model), "peft_config")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model under ``model``'s adapters: the reference when a trainer has adapters."""
+    from trl.trainer.utils import use_adapter
+
+    with use_adapter(getattr(model, "module", model), adapter_name=None):
+        yield

@@ -10,16 +10,18 @@ avoids them by giving each role its own Accelerator (``backward``, ``get_state_d
 checkpointed). The first trained role owns the Accelerator built with the plugins. In a world of
 one process a trained role of a mix may run without an engine (``single_process_engine``,
 posttrain/plain.py); the session drives it the same way.
+
+Beside it: saving and restoring roles (session_saving.py) and changing frozen roles' weights
+(frozen_weights.py), mixed into Session; the processes it runs in (world.py); ZeRO's fixes on
+loaded models (zero_fixes.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,90 +29,14 @@ import torch
 from . import dsconfig, plain
 from .checks import check_model_path
 from .dsconfig import ConfigError
+from .frozen_weights import FrozenWeightsMixin
 from .roles import Role
-
-# Launcher variables that would fill or replace a plugin's values behind the session's back.
-OVERRIDING_ENV = (
-    "ACCELERATE_DEEPSPEED_CONFIG_FILE",
-    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-    "ACCELERATE_GRADIENT_CLIPPING",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-    "ACCELERATE_DEEPSPEED_ZERO3_INIT",
-    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
-)
+from .session_saving import SavingMixin
+from .world import _destroy_process_group, _single_process_env, _skip_shm_comm_op, check_environment, on_cpu
+from .zero_fixes import recompute_rotary_buffers, share_bf16_master
 
 
-def check_environment() -> None:
-    """Refuse launcher settings that would silently override the per-role plugins."""
-    found = [k for k in OVERRIDING_ENV if os.environ.get(k) not in (None, "", "none")]
-    if found:
-        raise ConfigError(
-            f"{', '.join(f'{k}={os.environ[k]}' for k in found)} would override posttrain's per-role "
-            "DeepSpeed configs. Remove deepspeed_config_file / zero_stage / offload_* / gradient_* from "
-            "your accelerate config (or the matching --flags of accelerate launch), keep only "
-            "use_deepspeed/num_processes/machine settings, and choose placements with posttrain's mix "
-            "or role configs."
-        )
-
-
-def on_cpu() -> bool:
-    return not torch.cuda.is_available()
-
-
-def _skip_shm_comm_op() -> None:
-    """On CPU DeepSpeed JIT-compiles its shared-memory all-reduce (``deepspeed_shm_comm``, 30 s to
-    minutes, once per machine) when its comm backend starts. Only tensor-parallel inference uses it
-    (``inference_all_reduce``, which falls back to torch.distributed without it); ZeRO's
-    collectives are plain torch.distributed (gloo), so posttrain marks it unavailable through
-    DeepSpeed's own table of buildable ops, read by ``deepspeed.comm.torch.build_shm_op``."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def _single_process_env() -> None:
-    """``python script.py`` with no launcher: describe a world of one, as torchrun would, so that
-    accelerate and DeepSpeed build their process group (TRL scripts run that way on one GPU or CPU).
-    Without it DeepSpeed's engine fails with "Default process group has not been initialized"."""
-    dist = torch.distributed
-    if "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized()):
-        return
-    import socket
-
-    with socket.socket() as sock:  # a free port for the rendezvous of this one process
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    single = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    for key, value in single.items():
-        os.environ.setdefault(key, value)
-
-
-def _destroy_process_group() -> None:
-    """At exit: take the process group down in step on every rank.
-
-    Left to interpreter teardown, gloo's C++ threads were destroyed while still joinable in about
-    1 of 13 two-process CPU runs ("terminate called without an active exception", SIGABRT after
-    the work was done); with this, 0 of 20. After an uncaught exception ranks are not in step, so
-    they skip the barrier; the gloo barrier has a timeout so that exit never hangs.
-    """
-    import sys
-    from datetime import timedelta
-
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if dist.get_backend() == "gloo" and not hasattr(sys, "last_value"):
-        try:
-            dist.monitored_barrier(timeout=timedelta(seconds=60))
-        except RuntimeError:
-            pass  # another rank left early; nothing to wait for
-    dist.destroy_process_group()
-
-
-class Session:
+class Session(SavingMixin, FrozenWeightsMixin):
     """Owns the Accelerator(s) and the prepared engine of every role.
 
     >>> session = Session(roles_for(["policy"], ["reference"]), micro_batch_size=4)
@@ -446,73 +372,6 @@ class Session:
             )
         return applies if role.fast_frozen is None else role.fast_frozen
 
-    @torch.no_grad()
-    def update_weights(self, name: str, fn: Callable[[str, torch.Tensor], None]) -> None:
-        """Change a frozen role's weights in place: ``fn(parameter_name, full_tensor)`` on every
-        parameter (tied ones once), whatever the role's placement. Collective: call it on every
-        rank, with an ``fn`` that computes the same on each."""
-        if self.role(name).trains:
-            raise ConfigError(f"role {name!r} trains: its weights change through its optimizer (or load_state)")
-        module = self.engines[name].module
-        names = {id(p): n for n, p in module.named_parameters()}
-        if name in self.fast_frozen:
-            self.fast_frozen[name].update_(lambda p: fn(names[id(p)], p.data))
-        elif self.zero_stage(name) == 3:
-            import deepspeed
-
-            # TRL's way (SyncRefModelCallback): rank 0 changes the gathered weights, DeepSpeed
-            # partitions its values again on exit.
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-                if self.process_index == 0:
-                    for n, p in module.named_parameters():
-                        fn(n, p.data)
-        else:
-            for n, p in module.named_parameters():
-                fn(n, p.data)
-
-    def load_weights(self, name: str, directory: str | os.PathLike) -> None:
-        """Overwrite a frozen role's weights with a ``save_pretrained`` folder's safetensors (a
-        reference that TR-DPO or GRPO's ``sync_ref_model`` changed, saved in a checkpoint).
-        Collective, like :meth:`update_weights`."""
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{directory}: no {name} weights; the checkpoint predates sync_ref_model")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(f))
-
-        def copy(param: str, tensor: torch.Tensor) -> None:
-            if param not in state:
-                raise KeyError(f"{directory} has no {param!r}: not a checkpoint of this {name}")
-            tensor.copy_(state[param])
-
-        self.update_weights(name, copy)
-
-    @torch.no_grad()
-    def blend(self, target: str, source: str, alpha: float) -> None:
-        """``target = (1 - alpha) * target + alpha * source``, parameter by parameter: TR-DPO's
-        reference sync (trl's SyncRefModelCallback.sync_target_model), for any placement of the
-        two roles. Collective."""
-        import deepspeed
-
-        src_module = self.engines[source].module
-        sharded = self.zero_stage(source) == 3 and source not in self.fast_frozen
-        gathered = (deepspeed.zero.GatheredParameters(list(src_module.parameters()), modifier_rank=None)
-                    if sharded else contextlib.nullcontext())
-        with gathered:
-            src = dict(src_module.named_parameters())
-            want = [n for n, _ in self.engines[target].module.named_parameters()]
-            missing = [n for n in want if n not in src]
-            if missing or len(want) != len(src):
-                raise ConfigError(
-                    f"cannot blend role {source!r} into {target!r}: their parameters differ "
-                    f"(e.g. {(missing or sorted(set(src) - set(want)))[:3]}); both need the same architecture"
-                )
-            self.update_weights(target, lambda n, t: t.mul_(1.0 - alpha).add_(src[n].data.to(t.dtype), alpha=alpha))
-
     def numel_at_rest(self, name: str) -> tuple[int, int]:
         """(elements this rank stores between forwards, elements of the whole model) for a
         prepared role: about 1/N of them under ZeRO-3, all of them otherwise."""
@@ -588,149 +447,6 @@ class Session:
         if name not in self.engines:
             raise ConfigError(f"role {name!r} is not prepared yet: call session.prepare({name!r}, model, optimizer)")
         return self.engines[name]
-
-    # -- saving ------------------------------------------------------------------------------
-    def save_state(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
-        """A resumable checkpoint: each trained role's engine (weights, optimizer), its scheduler
-        and every rank's RNG states, then ``trainer_state.json`` (``extra``, the trainer's
-        counters). That file is written last, once every rank has written its part, so its
-        presence marks a complete state; the call returns when it is on disk."""
-        directory = Path(directory)
-        for name, role in self.roles.items():
-            if name in self.plain_roles and name in self.engines:
-                self.engines[name].save_state(directory / name, self.schedulers.get(name))
-            elif role.trains and name in self.engines:
-                with self.activate(name):
-                    self._accelerators[name].save_state(str(directory / name))
-        self.accelerator.wait_for_everyone()
-        if self.is_main_process:
-            tmp = directory / "trainer_state.json.tmp"
-            tmp.write_text(json.dumps(extra or {}, indent=1))
-            os.replace(tmp, directory / "trainer_state.json")
-        self.accelerator.wait_for_everyone()
-
-    def load_state(self, directory: str | os.PathLike) -> dict:
-        """Restore what :meth:`save_state` wrote; returns its ``extra``. An incomplete state is
-        refused: accelerate would skip a missing RNG file with only an info log, and the run would
-        silently diverge from the one saved."""
-        from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME
-
-        directory = Path(directory)
-        if not (directory / "trainer_state.json").is_file():
-            raise ConfigError(f"{directory} is incomplete (no trainer_state.json, written last by save_state): "
-                              "its save did not finish; resume from an earlier checkpoint")
-        for name, role in self.roles.items():
-            if role.trains and name in self.engines:
-                if not (directory / name).is_dir():
-                    raise ConfigError(f"{directory} has no state for role {name!r}: it was saved by another set "
-                                      "of roles; resume with the roles it was saved with")
-                # Every rank checks every rank's file, so all ranks agree before any collective.
-                missing = [i for i in range(self.num_processes)
-                           if not (directory / name / f"{RNG_STATE_NAME}_{i}.pkl").is_file()]
-                if missing:
-                    raise ConfigError(f"{directory / name} lacks the RNG state of rank(s) {missing}: it was saved by "
-                                      "fewer processes or its save did not finish; resume from a complete checkpoint "
-                                      "with the same number of processes")
-                if name in self.plain_roles:
-                    self.engines[name].load_state(directory / name, self.schedulers.get(name))
-                    continue
-                if (directory / name / f"{OPTIMIZER_NAME}.bin").is_file():
-                    raise ConfigError(f"{directory / name} was saved without a DeepSpeed engine (single_process_engine "
-                                      "torch, one process): resume on one process with single_process_engine torch")
-                with self.activate(name):
-                    self._accelerators[name].load_state(str(directory / name))
-        return json.loads((directory / "trainer_state.json").read_text())
-
-    def state_dict(self, name: str) -> dict:
-        """The role's full weights (gathered if it is ZeRO-3), read under its own config. Collective:
-        call it on every rank. For a trained ZeRO-3 role accelerate consolidates on the main
-        process only; the other ranks get None."""
-        with self.activate(name):
-            accelerator = self._accelerators[name]
-            if name in self.plain_roles:
-                return self.engines[name].module.state_dict()
-            if self.role(name).trains:
-                return accelerator.get_state_dict(self.engines[name])
-            # accelerate's get_state_dict expects a trained engine; gather a frozen one directly.
-            import deepspeed
-
-            if name in self.fast_frozen:
-                with self.fast_frozen[name].gathered() as module:
-                    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-            module = self.engines[name].module
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-
-    def save_pretrained(self, name: str, directory: str | os.PathLike, tokenizer: Any = None) -> None:
-        """Save a role's model in Hugging Face format (``from_pretrained`` loads it)."""
-        state_dict = self.state_dict(name)
-        if self.is_main_process:
-            model = self.unwrap(name)
-            model.save_pretrained(str(directory), state_dict=state_dict, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(directory))
-        self.accelerator.wait_for_everyone()
-
-
-def share_bf16_master(zero_optimizer: Any) -> bool:
-    """In a world of one, make a ZeRO-1/2 optimizer with bf16 master weights update the model's
-    own bf16 weights instead of a copy of them; returns whether it did.
-
-    DeepSpeed 0.19.8's ZeRO-1/2 clones this rank's bf16 partition into its "fp32" master partition
-    even when that is bf16 (stage_1_and_2.py, ``weights_partition = ....clone().to(master dtype)``),
-    and after every step copies it back. With one rank the partition is the whole flat buffer the
-    parameters are views of, so the clone is the model a second time (2 bytes per parameter) with
-    identical values. Its ZeRO-3 shares the storage in the same case (stage3.py, "we don't need
-    another copy of the weights"); this does the same for ZeRO-1/2: the copy-back then copies a
-    tensor onto itself, and the optimizer's states follow the shared tensor."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    opt = zero_optimizer
-    if (not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload
-            or opt.master_weights_and_grads_dtype != torch.bfloat16 or opt.optimizer.state):
-        return False
-    if any(len(parts) != 1 for parts in opt.parallel_partitioned_bit16_groups):
-        return False  # more than one rank holds a partition
-    pairs = list(zip(opt.single_partition_of_fp32_groups, (parts[0] for parts in opt.parallel_partitioned_bit16_groups)))
-    if any(m.shape != o.shape or m.dtype != o.dtype or not torch.equal(m, o) for m, o in pairs):
-        return False
-    for i, (group, (_, own)) in enumerate(zip(opt.optimizer.param_groups, pairs)):
-        own.requires_grad = True  # as DeepSpeed marks its master partition
-        opt.single_partition_of_fp32_groups[i] = own
-        group["params"] = [own]
-    opt._link_all_hp_params()  # the per-parameter views into the master partition
-    return True
-
-
-def recompute_rotary_buffers(model: torch.nn.Module) -> int:
-    """Recompute the rotary embeddings' inverse frequencies in fp32, as transformers'
-    ``_init_weights`` does; returns how many modules were fixed.
-
-    Under ``zero.Init`` every floating tensor created is made bf16/fp16 (DeepSpeed patches
-    ``torch.arange`` and the other factories), so ``inv_freq`` is computed at bf16 precision: off
-    by up to 4e-4 for a Llama head of 64, which moves RoPE angles by 0.2 rad at position 500 and a
-    1.1B model's log-probs by up to 0.23 nats against the same weights loaded without ZeRO-3
-    (measured on 2xH200, benchmarks/NOTES.md). DeepSpeed's ``keep_in_fp32_modules`` cannot help:
-    it converts back to fp32 values that were already rounded. Must run outside zero.Init."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    fixed = 0
-    for module in model.modules():
-        # The modules transformers' _init_weights recognises as rotary embeddings.
-        if "RotaryEmbedding" not in type(module).__name__ or not hasattr(module, "original_inv_freq"):
-            continue
-        init_fns = {"axial": getattr(module, "compute_axial_rope_parameters", None),
-                    "ntk_alpha": getattr(module, "compute_ntk_alpha_rope_parameters", None),
-                    "default": getattr(module, "compute_default_rope_parameters", None), **ROPE_INIT_FUNCTIONS}
-        init_fn = init_fns.get(getattr(module, "rope_type", None))
-        if init_fn is None:
-            continue
-        value, _ = init_fn(module.config)
-        for name in ("inv_freq", "original_inv_freq"):
-            buf = getattr(module, name)
-            buf.data = value.to(device=buf.device, dtype=torch.float32)
-        fixed += 1
-    return fixed
 
 
 def _hub_kwargs(kwargs: dict) -> dict:

@@ -1,0 +1,98 @@
+"""Saving and restoring a Session's roles: the resumable state of its trained roles (engines,
+optimizers, schedulers, RNG, the trainer's counters) and any role's full weights, gathered when
+ZeRO-3 and saved in Hugging Face format. A mixin of :class:`posttrain.session.Session`: it reads the
+session's roles, engines and Accelerators."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .dsconfig import ConfigError
+
+
+class SavingMixin:
+    """Session methods that save and restore its roles; collective: call them on every rank."""
+
+    def save_state(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
+        """A resumable checkpoint: each trained role's engine (weights, optimizer), its scheduler
+        and every rank's RNG states, then ``trainer_state.json`` (``extra``, the trainer's
+        counters). That file is written last, once every rank has written its part, so its
+        presence marks a complete state; the call returns when it is on disk."""
+        directory = Path(directory)
+        for name, role in self.roles.items():
+            if name in self.plain_roles and name in self.engines:
+                self.engines[name].save_state(directory / name, self.schedulers.get(name))
+            elif role.trains and name in self.engines:
+                with self.activate(name):
+                    self._accelerators[name].save_state(str(directory / name))
+        self.accelerator.wait_for_everyone()
+        if self.is_main_process:
+            tmp = directory / "trainer_state.json.tmp"
+            tmp.write_text(json.dumps(extra or {}, indent=1))
+            os.replace(tmp, directory / "trainer_state.json")
+        self.accelerator.wait_for_everyone()
+
+    def load_state(self, directory: str | os.PathLike) -> dict:
+        """Restore what :meth:`save_state` wrote; returns its ``extra``. An incomplete state is
+        refused: accelerate would skip a missing RNG file with only an info log, and the run would
+        silently diverge from the one saved."""
+        from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME
+
+        directory = Path(directory)
+        if not (directory / "trainer_state.json").is_file():
+            raise ConfigError(f"{directory} is incomplete (no trainer_state.json, written last by save_state): "
+                              "its save did not finish; resume from an earlier checkpoint")
+        for name, role in self.roles.items():
+            if role.trains and name in self.engines:
+                if not (directory / name).is_dir():
+                    raise ConfigError(f"{directory} has no state for role {name!r}: it was saved by another set "
+                                      "of roles; resume with the roles it was saved with")
+                # Every rank checks every rank's file, so all ranks agree before any collective.
+                missing = [i for i in range(self.num_processes)
+                           if not (directory / name / f"{RNG_STATE_NAME}_{i}.pkl").is_file()]
+                if missing:
+                    raise ConfigError(f"{directory / name} lacks the RNG state of rank(s) {missing}: it was saved by "
+                                      "fewer processes or its save did not finish; resume from a complete checkpoint "
+                                      "with the same number of processes")
+                if name in self.plain_roles:
+                    self.engines[name].load_state(directory / name, self.schedulers.get(name))
+                    continue
+                if (directory / name / f"{OPTIMIZER_NAME}.bin").is_file():
+                    raise ConfigError(f"{directory / name} was saved without a DeepSpeed engine (single_process_engine "
+                                      "torch, one process): resume on one process with single_process_engine torch")
+                with self.activate(name):
+                    self._accelerators[name].load_state(str(directory / name))
+        return json.loads((directory / "trainer_state.json").read_text())
+
+    def state_dict(self, name: str) -> dict:
+        """The role's full weights (gathered if it is ZeRO-3), read under its own config. Collective:
+        call it on every rank. For a trained ZeRO-3 role accelerate consolidates on the main
+        process only; the other ranks get None."""
+        with self.activate(name):
+            accelerator = self._accelerators[name]
+            if name in self.plain_roles:
+                return self.engines[name].module.state_dict()
+            if self.role(name).trains:
+                return accelerator.get_state_dict(self.engines[name])
+            # accelerate's get_state_dict expects a trained engine; gather a frozen one directly.
+            import deepspeed
+
+            if name in self.fast_frozen:
+                with self.fast_frozen[name].gathered() as module:
+                    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            module = self.engines[name].module
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def save_pretrained(self, name: str, directory: str | os.PathLike, tokenizer: Any = None) -> None:
+        """Save a role's model in Hugging Face format (``from_pretrained`` loads it)."""
+        state_dict = self.state_dict(name)
+        if self.is_main_process:
+            model = self.unwrap(name)
+            model.save_pretrained(str(directory), state_dict=state_dict, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(directory))
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,70 @@
+"""Two corrections to what DeepSpeed's ZeRO does to a model, applied by the Session as it loads and
+prepares one: rotary buffers recomputed in fp32 after zero.Init, and one process's ZeRO-1/2 bf16
+master weights shared with the model instead of copied."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def share_bf16_master(zero_optimizer: Any) -> bool:
+    """In a world of one, make a ZeRO-1/2 optimizer with bf16 master weights update the model's
+    own bf16 weights instead of a copy of them; returns whether it did.
+
+    DeepSpeed 0.19.8's ZeRO-1/2 clones this rank's bf16 partition into its "fp32" master partition
+    even when that is bf16 (stage_1_and_2.py, ``weights_partition = ....clone().to(master dtype)``),
+    and after every step copies it back. With one rank the partition is the whole flat buffer the
+    parameters are views of, so the clone is the model a second time (2 bytes per parameter) with
+    identical values. Its ZeRO-3 shares the storage in the same case (stage3.py, "we don't need
+    another copy of the weights"); this does the same for ZeRO-1/2: the copy-back then copies a
+    tensor onto itself, and the optimizer's states follow the shared tensor."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = zero_optimizer
+    if (not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload
+            or opt.master_weights_and_grads_dtype != torch.bfloat16 or opt.optimizer.state):
+        return False
+    if any(len(parts) != 1 for parts in opt.parallel_partitioned_bit16_groups):
+        return False  # more than one rank holds a partition
+    pairs = list(zip(opt.single_partition_of_fp32_groups, (parts[0] for parts in opt.parallel_partitioned_bit16_groups)))
+    if any(m.shape != o.shape or m.dtype != o.dtype or not torch.equal(m, o) for m, o in pairs):
+        return False
+    for i, (group, (_, own)) in enumerate(zip(opt.optimizer.param_groups, pairs)):
+        own.requires_grad = True  # as DeepSpeed marks its master partition
+        opt.single_partition_of_fp32_groups[i] = own
+        group["params"] = [own]
+    opt._link_all_hp_params()  # the per-parameter views into the master partition
+    return True
+
+
+def recompute_rotary_buffers(model: torch.nn.Module) -> int:
+    """Recompute the rotary embeddings' inverse frequencies in fp32, as transformers'
+    ``_init_weights`` does; returns how many modules were fixed.
+
+    Under ``zero.Init`` every floating tensor created is made bf16/fp16 (DeepSpeed patches
+    ``torch.arange`` and the other factories), so ``inv_freq`` is computed at bf16 precision: off
+    by up to 4e-4 for a Llama head of 64, which moves RoPE angles by 0.2 rad at position 500 and a
+    1.1B model's log-probs by up to 0.23 nats against the same weights loaded without ZeRO-3
+    (measured on 2xH200, benchmarks/NOTES.md). DeepSpeed's ``keep_in_fp32_modules`` cannot help:
+    it converts back to fp32 values that were already rounded. Must run outside zero.Init."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fixed = 0
+    for module in model.modules():
+        # The modules transformers' _init_weights recognises as rotary embeddings.
+        if "RotaryEmbedding" not in type(module).__name__ or not hasattr(module, "original_inv_freq"):
+            continue
+        init_fns = {"axial": getattr(module, "compute_axial_rope_parameters", None),
+                    "ntk_alpha": getattr(module, "compute_ntk_alpha_rope_parameters", None),
+                    "default": getattr(module, "compute_default_rope_parameters", None), **ROPE_INIT_FUNCTIONS}
+        init_fn = init_fns.get(getattr(module, "rope_type", None))
+        if init_fn is None:
+            continue
+        value, _ = init_fn(module.config)
+        for name in ("inv_freq", "original_inv_freq"):
+            buf = getattr(module, name)
+            buf.data = value.to(device=buf.device, dtype=torch.float32)
+        fixed += 1
+    return fixed

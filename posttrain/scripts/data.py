@@ -1,17 +1,21 @@
 """A script's training and held-out data from ``--dataset_name``, TRL's way: the train split, and
-for evaluation the dataset's test split or, with ``--test_split_size``, part of the train split."""
+for evaluation the dataset's test split or, with ``--test_split_size``, part of the train split;
+without a dataset the script's bundled demo rows."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from trl import ScriptArguments
 
+from ..demo import synthetic
 from ..dsconfig import ConfigError
 from ..preference import load_dataset_source
 from ..trainers.common import TrainConfig
 from .args import note
+
+Trainer = TypeVar("Trainer")
 
 
 def load_train_eval(script: ScriptArguments, test_split_size: float, cfg: TrainConfig,
@@ -50,3 +54,33 @@ def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
 
     world = world_size()
     return max(1, rows // (cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps))
+
+
+def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, script: ScriptArguments,
+                    test_split_size: float, bundled: Callable[[], tuple[list[dict], list[dict]]],
+                    check: Callable[[Any, str], None] | None = None) -> tuple[Trainer, dict]:
+    """A rows trainer (SFT, reward, DPO) on the script's data, and its held-out metrics before
+    training ({} when nothing is evaluated).
+
+    The data: ``--dataset_name``'s splits (:func:`load_train_eval`, ``check`` validating them) or,
+    with no dataset, the (train, held-out) rows ``bundled()`` builds in memory: nothing is written
+    before the output dir is checked and held, and every rank builds the same rows. Under
+    ``eval_strategy: epoch`` evaluation runs once per pass over the trainer's rows."""
+    if script.dataset_name is None:
+        from datasets import Dataset
+
+        train_rows, test_rows = bundled()
+        train, test = Dataset.from_list(train_rows), Dataset.from_list(test_rows)
+        test = test if cfg.eval_strategy != "no" else None  # TRL's scripts pass none then
+    else:
+        train, test = load_train_eval(script, test_split_size, cfg, check=check)
+    trainer = trainer_cls(cfg, train_dataset=train, eval_dataset=test)
+    if test is not None and cfg.eval_strategy == "epoch":
+        cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
+    return trainer, (trainer.evaluate() if test is not None else {})
+
+
+def bundled_pairs(train_size: int, eval_size: int) -> tuple[list[dict], list[dict]]:
+    """The bundled synthetic preference pairs (DPO's and reward's data without a dataset) as (train,
+    held-out) rows; the held-out ones are another seed."""
+    return synthetic.preference_pairs(train_size, seed=0), synthetic.preference_pairs(eval_size, seed=1)

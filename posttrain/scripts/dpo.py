@@ -10,16 +10,14 @@ TRL's DPOConfig defaults apply, as in ``trl dpo``; ``--config FILE`` gives setti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from trl import ScriptArguments
 
 from .. import preference
-from ..demo import synthetic
 from ..modelcard import write_model_card
 from ..trainers.dpo import DPOConfig, DPOTrainer
 from .args import demo_config, parse_config, require_dataset, run_script
-from .data import eval_steps_per_epoch, load_train_eval
+from .data import bundled_pairs, trainer_on_data
 from .hub import push_to_hub
 
 
@@ -34,28 +32,13 @@ class DataArguments:
     synthetic_eval_size: int = 128
 
 
-def load_datasets(script: ScriptArguments, data: DataArguments, cfg: DPOConfig) -> tuple[Any, Any]:
-    """(train, eval) datasets; eval is None under ``eval_strategy: no`` (TRL's scripts pass none then)."""
-    if script.dataset_name is None:
-        # Bundled pairs, built in memory: nothing is written before the output dir is checked and
-        # held (every rank builds the same rows). The held-out split is another seed.
-        from datasets import Dataset
-
-        train = Dataset.from_list(synthetic.preference_pairs(data.synthetic_train_size, seed=0))
-        test = Dataset.from_list(synthetic.preference_pairs(data.synthetic_eval_size, seed=1))
-        return train, (test if cfg.eval_strategy != "no" else None)
-    return load_train_eval(script, data.test_split_size, cfg, check=preference.check_rows)
-
-
 def main(argv: list[str] | None = None) -> None:
     script, data, cfg = parse_config((ScriptArguments, DataArguments, DPOConfig), demo_config("dpo"), argv,
                                      prog="posttrain dpo")
     require_dataset([script, cfg])
-    train, test = load_datasets(script, data, cfg)
-    trainer = DPOTrainer(cfg, train_dataset=train, eval_dataset=test)
-    if test is not None and cfg.eval_strategy == "epoch":
-        cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
-    before = trainer.evaluate() if test is not None else {}
+    trainer, before = trainer_on_data(DPOTrainer, cfg, script, data.test_split_size,
+                                      lambda: bundled_pairs(data.synthetic_train_size, data.synthetic_eval_size),
+                                      check=preference.check_rows)
     trainer.train()
     if trainer.session.is_main_process and before:
         after = next(r for r in reversed(trainer.history) if "eval/rewards/accuracies" in r)

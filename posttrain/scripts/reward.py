@@ -18,11 +18,10 @@ from typing import Any
 from trl import ScriptArguments
 
 from .. import preference
-from ..demo import synthetic
 from ..modelcard import write_model_card
 from ..trainers.reward import RewardConfig, RewardTrainer
 from .args import demo_config, parse_config, require_dataset, run_script
-from .data import eval_steps_per_epoch, load_train_eval
+from .data import bundled_pairs, trainer_on_data
 from .hub import push_to_hub
 
 BUNDLED = "posttrain's bundled synthetic preference pairs"
@@ -37,26 +36,13 @@ class DataArguments:
     synthetic_eval_size: int = 256
 
 
-def load_datasets(script: ScriptArguments, data: DataArguments, cfg: RewardConfig) -> tuple[Any, Any]:
-    if script.dataset_name is None:
-        # Bundled pairs, in memory: nothing is written before the output dir is checked and held.
-        from datasets import Dataset
-
-        train = Dataset.from_list(synthetic.preference_pairs(data.synthetic_train_size, seed=0))
-        test = Dataset.from_list(synthetic.preference_pairs(data.synthetic_eval_size, seed=1))
-        return train, (test if cfg.eval_strategy != "no" else None)
-    return load_train_eval(script, data.test_split_size, cfg, check=preference.check_rows)
-
-
 def main(argv: list[str] | None = None) -> None:
     script, data, cfg = parse_config((ScriptArguments, DataArguments, RewardConfig), demo_config("reward"), argv,
                                      prog="posttrain reward")
     require_dataset([script, cfg])
-    train, test = load_datasets(script, data, cfg)
-    trainer = RewardTrainer(cfg, train_dataset=train, eval_dataset=test)
-    if test is not None and cfg.eval_strategy == "epoch":
-        cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
-    before = trainer.evaluate() if test is not None else {}
+    trainer, before = trainer_on_data(RewardTrainer, cfg, script, data.test_split_size,
+                                      lambda: bundled_pairs(data.synthetic_train_size, data.synthetic_eval_size),
+                                      check=preference.check_rows)
     history = trainer.train()
     final = trainer.save_model()  # the output dir itself, as TRL
     if not trainer.session.is_main_process:

@@ -21,7 +21,7 @@ from ..demo import tiny
 from ..modelcard import write_model_card
 from ..trainers.sft import SFTConfig, SFTTrainer
 from .args import demo_config, parse_config, require_dataset, run_script
-from .data import eval_steps_per_epoch, load_train_eval
+from .data import trainer_on_data
 from .hub import push_to_hub
 
 BUNDLED = "posttrain's bundled corpus (one sentence a row)"
@@ -37,28 +37,17 @@ class DataArguments:
     corpus_eval_size: int = 300  # bundled corpus (no dataset_name): its last rows are held out
 
 
-def load_datasets(script: ScriptArguments, data: DataArguments, cfg: SFTConfig) -> tuple[Any, Any]:
-    """(train, eval) datasets; eval is None under ``eval_strategy: no`` (TRL's scripts pass none then)."""
-    if script.dataset_name is None:
-        # The bundled corpus, in memory: nothing is written before the output dir is checked and held.
-        from datasets import Dataset
-
-        lines, n = tiny.corpus(), data.corpus_eval_size
-        train = Dataset.from_list([{"text": t} for t in lines[:-n]])
-        test = Dataset.from_list([{"text": t} for t in lines[-n:]])
-        return train, (test if cfg.eval_strategy != "no" else None)
-    return load_train_eval(script, data.test_split_size, cfg)
+def bundled_corpus(data: DataArguments) -> tuple[list[dict], list[dict]]:
+    """The bundled corpus (no dataset_name) as (train, held-out) rows: its last rows are held out."""
+    lines, n = tiny.corpus(), data.corpus_eval_size
+    return [{"text": t} for t in lines[:-n]], [{"text": t} for t in lines[-n:]]
 
 
 def main(argv: list[str] | None = None) -> None:
     script, data, cfg = parse_config((ScriptArguments, DataArguments, SFTConfig), demo_config("sft"), argv,
                                      prog="posttrain sft")
     require_dataset([script, cfg])
-    train, test = load_datasets(script, data, cfg)
-    trainer = SFTTrainer(cfg, train_dataset=train, eval_dataset=test)
-    if test is not None and cfg.eval_strategy == "epoch":
-        cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
-    before = trainer.evaluate() if test is not None else {}
+    trainer, before = trainer_on_data(SFTTrainer, cfg, script, data.test_split_size, lambda: bundled_corpus(data))
     history = trainer.train()
     final = trainer.save_model()  # the output dir itself, as TRL
     if not trainer.session.is_main_process:

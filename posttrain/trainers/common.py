@@ -1,18 +1,14 @@
-"""Loop pieces every trainer shares: the base config, the optimizer, data order, logging,
-checkpoints and resume. Each trainer keeps its own algorithm in its own file."""
+"""Loop pieces every trainer shares: the base config, the optimizer, data order, logging and the
+final save (the output dir, checkpoints and resume: output_dir.py). Each trainer keeps its own
+algorithm in its own file."""
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
 import os
 import random
-import re
-import shutil
-import socket
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +26,19 @@ from ..modelcard import write_model_card
 from ..plain import check_setting as check_engine_setting
 from ..roles import DEFAULT_MIX, roles_for
 from ..session import Session
+
+# LOCK_FILE, checkpoints, lock_output_dir, resume_dir and save_checkpoint are imported from here too
+# (loop.py, scripts/hub.py, tests), as before the output dir had its own module.
+from .output_dir import (  # noqa: F401
+    LOCK_FILE,
+    SETTINGS_FILE,
+    checkpoints,
+    latest_checkpoint,
+    lock_output_dir,
+    prepare_output_dir,
+    resume_dir,
+    save_checkpoint,
+)
 
 
 @dataclass
@@ -441,205 +450,6 @@ def _jsonable(d: dict) -> dict:
         return v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v)
 
     return {k: plain(v) for k, v in d.items()}
-
-
-# -- output dir, checkpoints and resume ------------------------------------------------------
-# The output dir holds the trained model at its top (as TRL: ``from_pretrained(output_dir)``;
-# other trained roles, such as PPO's value model, in ``<role>/`` beside it), the run's settings
-# (SETTINGS_FILE), metrics, the model card and ``checkpoint-N/``.
-# A checkpoint is written as checkpoint-N.tmp and renamed to checkpoint-N once every rank has
-# written its part, so a checkpoint-N folder is always complete; a .tmp one is a save that died.
-_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
-_PARTIAL = re.compile(r"checkpoint-(\d+)\.tmp")
-_RUN_FILES = ("metrics.jsonl", "samples.jsonl")  # what a run appends to (and overwrite clears)
-# A model's files at the top: a reused dir that holds one is refused (saving would replace it).
-_MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "model.safetensors.index.json")
-SETTINGS_FILE = "posttrain_config.json"  # the run's settings; config.json is the saved model's
-LOCK_FILE = ".posttrain.lock"
-_held_locks: dict[Path, int] = {}  # output dir -> the open lock file this process holds until it exits
-
-
-def checkpoint_dir(cfg: TrainConfig, step: int) -> Path:
-    return Path(cfg.output_dir) / f"checkpoint-{step}"
-
-
-def is_complete_checkpoint(path: Path) -> bool:
-    """Renamed into place, with the trainer state that :meth:`Session.save_state` writes last."""
-    return bool(_CHECKPOINT.fullmatch(path.name)) and (path / "state" / "trainer_state.json").is_file()
-
-
-def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """The complete checkpoints in ``output_dir``, oldest step first."""
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if is_complete_checkpoint(p)]
-    return sorted(found, key=lambda p: int(_CHECKPOINT.fullmatch(p.name).group(1)))
-
-
-def partial_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Half-written checkpoints: saves that did not finish on every rank."""
-    return sorted(p for p in Path(output_dir).glob("checkpoint-*.tmp") if _PARTIAL.fullmatch(p.name))
-
-
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step (half-written ones never count)."""
-    found = checkpoints(output_dir)
-    return found[-1] if found else None
-
-
-def _is_main_rank() -> bool:
-    # Read from the launcher's environment: this runs before the session (and process group) exists.
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def _say(message: str) -> None:
-    if _is_main_rank():
-        print(f"[posttrain] {message}", file=sys.stderr, flush=True)
-
-
-def lock_output_dir(output_dir: str | os.PathLike) -> None:
-    """Hold ``output_dir`` for this run: one run at a time writes into an output dir.
-
-    Rank 0 takes an exclusive ``flock`` on ``output_dir/.posttrain.lock`` (creating the dir) and
-    keeps it until its process exits; the file says who holds it (pid, host, start time). A
-    second run's rank 0 gets one sentence naming the holder (``ConfigError``: exit status 2) and
-    its launcher stops the other ranks. The kernel releases the lock when the holder dies, even by
-    ``kill -9``, so a killed run never leaves the dir stuck; the file left behind is just
-    rewritten. Calling it again in the same process (a second trainer into the same dir) is a
-    no-op. The output dir is shared by every rank (checkpoints assume it), so rank 0's lock covers
-    the run; on a network file system the lock is only as good as its ``flock`` support.
-    """
-    if not _is_main_rank():
-        return
-    out = Path(output_dir).resolve()
-    if out in _held_locks:
-        if _same_file(_held_locks[out], out / LOCK_FILE):
-            return
-        os.close(_held_locks.pop(out))  # the dir was removed and made again: lock the new one
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as err:
-        raise ConfigError(f"output_dir {out} cannot be written ({err.strerror}): choose a writable --output_dir") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.read(fd, 512).decode(errors="replace").strip() or "a process that has not said who it is"
-        os.close(fd)
-        raise ConfigError(f"output_dir {out} is in use by another run ({holder}): wait for it to end or stop it, "
-                          "or choose another --output_dir") from None
-    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
-    _held_locks[out] = fd
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except OSError:
-        return False
-
-
-def prepare_output_dir(cfg: TrainConfig) -> None:
-    """Decide where the run starts, the same way on every rank, before any model loads.
-
-    Call it only once every setting of the run is validated (``make_session`` does): it is the
-    first thing that writes. In order:
-
-    1. The output dir is locked (:func:`lock_output_dir`): a dir another run is using is refused
-       before anything in it is touched.
-    2. Checks that need no writing: ``save_total_limit``, and the checkpoint to resume from
-       (``resume_from_checkpoint: latest`` becomes the newest complete checkpoint's path, said on
-       rank 0; with none it raises, as ``transformers.Trainer`` does for ``True``; a half-written
-       or missing one is refused). Otherwise an output dir that already holds a run (metrics,
-       checkpoints, or a saved model at its top) is refused unless ``overwrite_output_dir``.
-    3. Only then, on rank 0: half-written checkpoints (``checkpoint-N.tmp``) are reported and
-       removed, and ``overwrite_output_dir`` clears the old run's metrics and checkpoints (a saved
-       model is left in place: it may be the model this run loads; the final save replaces it).
-    """
-    out = Path(cfg.output_dir)
-    lock_output_dir(out)
-    if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
-        raise ConfigError(f"save_total_limit must be >= 1 or unset (keep every checkpoint), got {cfg.save_total_limit}")
-    resume = resume_dir(cfg) if cfg.resume_from_checkpoint else None
-    used = [name for name in (*_RUN_FILES, *_MODEL_FILES) if (out / name).exists()] + [p.name for p in checkpoints(out)]
-    if resume is None and used and not cfg.overwrite_output_dir:
-        raise ConfigError(
-            f"output_dir {out} already holds a run ({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}): "
-            "pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir true to replace it, "
-            "or choose another --output_dir"
-        )
-    for partial in partial_checkpoints(out):
-        _say(f"removing {partial}: a half-written checkpoint (its save did not finish on every rank)")
-        if _is_main_rank():
-            shutil.rmtree(partial, ignore_errors=True)
-    if resume is not None:
-        cfg.resume_from_checkpoint = str(resume)  # the trainer (and posttrain_config.json) see the checkpoint taken
-        _say(f"resuming from {resume} (step {_checkpoint_step(resume)})")
-        return
-    cleared = [name for name in used if name not in _MODEL_FILES]
-    if not cleared:
-        return
-    _say(f"overwrite_output_dir: clearing {', '.join(cleared)} in {out}")
-    if _is_main_rank():
-        for name in cleared:
-            if (out / name).is_dir():
-                shutil.rmtree(out / name)
-            else:
-                (out / name).unlink()
-
-
-def _checkpoint_step(path: Path) -> int:
-    return int(json.loads((path / "state" / "trainer_state.json").read_text()).get("step", 0))
-
-
-def resume_dir(cfg: TrainConfig) -> Path | None:
-    """The checkpoint this run resumes from (None: from scratch). "latest" (or "true", as
-    ``Trainer.train(resume_from_checkpoint=True)``) is the newest complete one in output_dir; with
-    none it raises, as Trainer does. A half-written or missing checkpoint is refused."""
-    if not cfg.resume_from_checkpoint:
-        return None
-    if str(cfg.resume_from_checkpoint).lower() in ("latest", "true"):
-        path = latest_checkpoint(cfg.output_dir)
-        if path is None:
-            raise ConfigError(f"resume_from_checkpoint is 'latest' but {cfg.output_dir} holds no complete checkpoint: "
-                              "unset resume_from_checkpoint to start from scratch, or give a checkpoint's path")
-        return path
-    path = Path(cfg.resume_from_checkpoint)
-    if _PARTIAL.fullmatch(path.name) or (path.is_dir() and not (path / "state" / "trainer_state.json").is_file()):
-        good = latest_checkpoint(path.parent)
-        raise ConfigError(f"{path} is a half-written checkpoint (its save did not finish): resume from "
-                          f"{good or 'an earlier checkpoint'}, or use resume_from_checkpoint: latest")
-    if not (path / "state").is_dir():
-        raise ConfigError(f"{path} is not a posttrain checkpoint (no state/ inside): give a checkpoint-N folder "
-                          "of an output dir, or resume_from_checkpoint: latest")
-    return path
-
-
-def save_checkpoint(session: Session, cfg: TrainConfig, step: int, export: dict[str, Any], extra: dict) -> Path:
-    """``checkpoint-N/``: each exported role in Hugging Face format (``<role>/``, loadable with
-    ``from_pretrained``) and ``state/`` (engines, optimizers, schedulers, RNG, trainer counters).
-
-    Written as ``checkpoint-N.tmp`` and renamed by rank 0 after every rank has written its part
-    (the output dir is shared by all ranks, as accelerate's ``save_state`` also assumes), then the
-    oldest checkpoints beyond ``save_total_limit`` are deleted.
-    """
-    final = checkpoint_dir(cfg, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if session.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
-    session.accelerator.wait_for_everyone()
-    for role, tokenizer in export.items():
-        session.save_pretrained(role, tmp / role, tokenizer=tokenizer)
-    session.save_state(tmp / "state", extra={"step": step, **extra})  # returns once every rank has written
-    if session.is_main_process:
-        if final.exists():  # from an earlier run past the checkpoint this one resumed from
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if cfg.save_total_limit:
-            for old in checkpoints(cfg.output_dir)[: -cfg.save_total_limit]:
-                shutil.rmtree(old)
-    session.accelerator.wait_for_everyone()
-    return final
 
 
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")

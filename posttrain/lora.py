@@ -89,14 +89,24 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def check_no_head_adapter(model: nn.Module) -> None:
+_HEAD_ADAPTER = ("lora_target_modules puts an adapter on lm_head, which the fused LM head bypasses (it would never "
+                 "train): drop lm_head from --lora_target_modules")
+
+
+def check_no_head_adapter(model_or_config: Any) -> None:
     """TRL's GRPO/RLOO rule: the fused LM head scores completions from ``lm_head.weight`` itself, so
-    an adapter on the head would never train; refused by name."""
+    an adapter on the head would never train; refused by name. Given a peft config (before
+    anything loads) it reads the target names; given the adapted model, the head itself (a
+    pattern that matched it)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    if isinstance(model.get_output_embeddings(), BaseTunerLayer):
-        raise ConfigError("lora_target_modules puts an adapter on lm_head, which the fused LM head bypasses (it "
-                          "would never train): drop lm_head from --lora_target_modules")
+    if isinstance(model_or_config, nn.Module):
+        if isinstance(model_or_config.get_output_embeddings(), BaseTunerLayer):
+            raise ConfigError(_HEAD_ADAPTER)
+        return
+    targets = getattr(model_or_config, "target_modules", None) or ()
+    if "lm_head" in ([targets] if isinstance(targets, str) else list(targets)):
+        raise ConfigError(_HEAD_ADAPTER)
 
 
 def save_merged(model: nn.Module, state_dict: dict[str, Any], directory: str | os.PathLike) -> None:

@@ -207,12 +207,13 @@ def optimizer_and_scheduler(model: torch.nn.Module, cfg: TrainConfig, total_step
     return opt, sched
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool = False) -> None:
     """Recompute a trained model's activations in backward (TRL's default for DPO, GRPO and RLOO).
     It acts only in a forward with gradients in train mode; no_grad passes (generation, old or
-    reference log-probs) run the layers as they are."""
+    reference log-probs) run the layers as they are. ``use_reentrant``: TRL's setting for LoRA
+    under ZeRO-3 (non-reentrant recomputation meets frozen ZeRO-3 shards, DeepSpeed#4332)."""
     # transformers 5.24 renamed it activation checkpointing; the GPU image's 5.17 may only have the old name.
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": use_reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -209,6 +209,9 @@ def check_reference(cfg: GRPOConfig, adapters: bool) -> None:
     if adapters and cfg.ref_model_name_or_path:
         raise ConfigError("use_peft takes the reference from the policy's base model (adapters disabled), so "
                           "ref_model_name_or_path is not used: drop ref_model_name_or_path, or train without --use_peft")
+    if adapters and "reference" in cfg.role_configs:
+        raise ConfigError("use_peft has no reference role (the reference is the policy's base with adapters disabled), "
+                          "so role_configs' 'reference' entry places nothing: drop it from role_configs")
     if adapters and cfg.sync_ref_model:
         raise ConfigError("sync_ref_model needs a reference model of its own, and use_peft has none (the reference "
                           "is the base with adapters disabled): drop sync_ref_model, or train without --use_peft")
@@ -238,6 +241,8 @@ class GRPOTrainer(RewardSources, Trainer):
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         if peft_config is not None:
             check_reference(cfg, adapters=True)
+        if self.peft_config is not None:
+            check_no_head_adapter(self.peft_config)
         seed_everything(cfg.seed)
         policy_path = cfg.model_name_or_path or str(tiny.sft_model_path())
         self.tokenizer = tok = tiny.load_tokenizer(policy_path)
@@ -310,27 +315,27 @@ class GRPOTrainer(RewardSources, Trainer):
 
     def _prepare_policy_model(self, policy: torch.nn.Module) -> torch.nn.Module:
         """In TRL's order: adapters (seeded here, so every placement starts from the same ones),
-        activation checkpointing (with LoRA the embeddings' outputs require grad, so gradients
-        reach the adapters of the checkpointed layers), dropout off, and the fused LM head on the
-        base model (peft's forward passes its arguments through)."""
+        activation checkpointing (transformers then makes the embeddings' outputs require grad, TRL's
+        ``enable_input_require_grads``, so gradients reach the adapters of checkpointed layers),
+        dropout off (LoRA's too), and the fused LM head on the base model (peft's forward passes
+        its arguments through)."""
         from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
         cfg = self.cfg
+        zero3_lora = self.peft_config is not None and self.session.engine_kind("policy") == "deepspeed" and \
+            self.session.zero_stage("policy") == 3
         if self.peft_config is not None:
             torch.manual_seed(mix_seed(cfg.seed, "adapters"))
             # Under ZeRO-3 the adapters keep the base's dtype (TRL's rule: mixed dtypes break its gather).
-            policy = add_adapters(policy, self.peft_config,
-                                  autocast_adapter_dtype=self.session.zero_stage("policy") != 3)
+            policy = add_adapters(policy, self.peft_config, autocast_adapter_dtype=not zero3_lora)
             check_no_head_adapter(policy)
-        if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(policy)
-            if self.peft_config is not None:
-                policy.enable_input_require_grads()
+        base = policy.get_base_model() if self.peft_config is not None else policy
+        if cfg.gradient_checkpointing:  # on the base: it also makes the embeddings' outputs require grad
+            enable_gradient_checkpointing(base, use_reentrant=zero3_lora)  # TRL forces reentrant there
         if cfg.disable_dropout:
             disable_dropout_in_model(policy)
         # The policy's log-probs and entropies without float32 logits over the vocabulary (TRL does
         # the same); generation still calls the original forward.
-        base = policy.get_base_model() if self.peft_config is not None else policy
         add_fused_lm_head(base, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
         return policy
 

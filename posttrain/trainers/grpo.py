@@ -1,9 +1,11 @@
 """GRPO (TRL 1.16's ``GRPOTrainer``) with every model role under its own DeepSpeed plugin.
 
 Roles: ``policy`` trains (ZeRO-2 by default); ``reference`` is frozen (ZeRO-3 by default) and does
-not exist at all when ``beta == 0``; every sequence-classification reward model is a frozen role of
-its own (``reward``, ``reward_1``, ...). Completions come from ``posttrain.rollout.Rollout``
-(``generation_backend``: the fast ``posttrain`` engine or Hugging Face ``generate``).
+not exist at all when ``beta == 0`` or with LoRA (``use_peft``/``peft_config``: only the policy's
+adapters train and the reference is its base with the adapters disabled, as in TRL); every
+sequence-classification reward model is a frozen role of its own (``reward``, ``reward_1``, ...,
+``grpo_rewards.py``). Completions come from ``posttrain.rollout.Rollout`` (``generation_backend``:
+the fast ``posttrain`` engine or Hugging Face ``generate``).
 
 The math follows TRL 1.16 line by line (``_generate_and_score_completions`` and ``_compute_loss``):
 group-relative advantages (``scale_rewards`` group/batch/none, ``multi_objective_aggregation``),
@@ -230,6 +232,12 @@ class GRPOTrainer(RewardSources, Trainer):
     shown = ("reward", "kl", "loss")
     # Reference only with beta > 0; each reward model is a frozen role of its own (reward, reward_1, ...).
     roles = {"trained": ["policy"], "frozen": ["reference"]}
+    peft_config: Any = None  # LoRA's settings (peft), None for full fine-tuning
+
+    @property
+    def separate_reference(self) -> bool:
+        """A reference role of its own: beta > 0 without LoRA (with it, the base is the reference)."""
+        return self.cfg.beta != 0.0 and self.peft_config is None
 
     def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None,
                  peft_config: Any = None) -> None:
@@ -281,7 +289,6 @@ class GRPOTrainer(RewardSources, Trainer):
                 f"is a multiple of {self.micro_per_generation}")
 
         self.plan_reward_models(policy_path, tok)
-        self.separate_reference = cfg.beta != 0.0 and self.peft_config is None
         frozen = (["reference"] if self.separate_reference else []) + self.reward_roles
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
         torch.manual_seed(cfg.seed)

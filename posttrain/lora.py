@@ -119,15 +119,16 @@ def save_merged(model: nn.Module, state_dict: dict[str, Any], directory: str | o
     merged weights into new tensors, so the live model (whose tensors a ZeRO-2 or torch-engine
     state dict shares) is left as it was."""
     from accelerate import init_empty_weights
-    from peft import PeftModel
 
     base = model.get_base_model()
     name = model.active_adapter
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not loaded
-        skeleton = PeftModel(type(base)(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[name]),
-                             adapter_name=name)
+        # The live model's peft class: a task's own modules to save (a classifier's score head) come with it.
+        skeleton = type(model)(type(base)(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[name]),
+                               adapter_name=name)
     skeleton.load_state_dict(state_dict, strict=True, assign=True)
     merged = skeleton.merge_and_unload(safe_merge=True)
     merged.tie_weights()  # assign=True gave tied weights separate tensors
-    merged.generation_config = copy.deepcopy(base.generation_config)
+    if getattr(base, "generation_config", None) is not None:  # causal LMs only
+        merged.generation_config = copy.deepcopy(base.generation_config)
     merged.save_pretrained(str(directory), safe_serialization=True)

@@ -10,6 +10,8 @@ DPO/GRPO/RLOO/PPO is the trained model's base with its adapters switched off
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,11 +66,13 @@ def lora_config(cfg: LoraFields, task_type: str = "CAUSAL_LM") -> Any:
         use_rslora=cfg.use_rslora))
 
 
-def add_adapters(model: nn.Module, peft_config: Any) -> nn.Module:
-    """``model`` wrapped by peft with ``peft_config``'s adapters (only they train)."""
+def add_adapters(model: nn.Module, peft_config: Any, autocast_adapter_dtype: bool = True) -> nn.Module:
+    """``model`` wrapped by peft with ``peft_config``'s adapters (only they train).
+    ``autocast_adapter_dtype=False`` keeps them in the base's dtype (peft's default makes them
+    fp32 over a bf16 base, which ZeRO-3's gather of mixed dtypes cannot take: TRL's rule)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config)
+    return get_peft_model(model, peft_config, autocast_adapter_dtype=autocast_adapter_dtype)
 
 
 def has_adapters(model: nn.Module) -> bool:
@@ -83,3 +87,48 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
     with use_adapter(getattr(model, "module", model), adapter_name=None):
         yield
+
+
+_HEAD_ADAPTER = ("lora_target_modules puts an adapter on lm_head, which the fused LM head bypasses (it would never "
+                 "train): drop lm_head from --lora_target_modules")
+
+
+def check_no_head_adapter(model_or_config: Any) -> None:
+    """TRL's GRPO/RLOO rule: the fused LM head scores completions from ``lm_head.weight`` itself, so
+    an adapter on the head would never train; refused by name. Given a peft config (before
+    anything loads) it reads the target names; given the adapted model, the head itself (a
+    pattern that matched it)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if isinstance(model_or_config, nn.Module):
+        if isinstance(model_or_config.get_output_embeddings(), BaseTunerLayer):
+            raise ConfigError(_HEAD_ADAPTER)
+        return
+    targets = getattr(model_or_config, "target_modules", None) or ()
+    if "lm_head" in ([targets] if isinstance(targets, str) else list(targets)):
+        raise ConfigError(_HEAD_ADAPTER)
+
+
+def save_merged(model: nn.Module, state_dict: dict[str, Any], directory: str | os.PathLike) -> None:
+    """Save ``model`` (a peft model) with its adapters merged into the base weights, as a plain
+    transformers model that ``from_pretrained`` loads; ``state_dict`` is its full state (gathered
+    under ZeRO-3). Call it on one process.
+
+    The model is rebuilt as an empty skeleton that takes the given tensors, so it works for any
+    placement (the live model's parameters may be ZeRO-3 shards); peft's ``safe_merge`` writes the
+    merged weights into new tensors, so the live model (whose tensors a ZeRO-2 or torch-engine
+    state dict shares) is left as it was."""
+    from accelerate import init_empty_weights
+
+    base = model.get_base_model()
+    name = model.active_adapter
+    with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not loaded
+        # The live model's peft class: a task's own modules to save (a classifier's score head) come with it.
+        skeleton = type(model)(type(base)(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[name]),
+                               adapter_name=name)
+    skeleton.load_state_dict(state_dict, strict=True, assign=True)
+    merged = skeleton.merge_and_unload(safe_merge=True)
+    merged.tie_weights()  # assign=True gave tied weights separate tensors
+    if getattr(base, "generation_config", None) is not None:  # causal LMs only
+        merged.generation_config = copy.deepcopy(base.generation_config)
+    merged.save_pretrained(str(directory), safe_serialization=True)

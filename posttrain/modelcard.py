@@ -143,7 +143,9 @@ This model was trained with {{ trainer_name }}{% if paper_id %}, a method introd
 | role | trains | DeepSpeed config | ZeRO stage | master weights and Adam states |
 |---|---|---|---|---|
 {% for r in roles %}| {{ r.name }} | {{ r.trains }} | {{ r.config }} | {{ r.stage }} | {{ r.master }} |
-{% endfor %}{% endif %}
+{% endfor %}{% endif %}{% if lora_text %}
+{{ lora_text }}
+{% endif %}
 ### Final metrics
 {% if metrics %}
 | metric | value | step |
@@ -336,12 +338,28 @@ def write_model_card(
         roles=roles,
         metrics=metrics,
         curves=CURVES_FILE if curves is not None else None,
+        lora_text=_lora_text(cfg),
         config_yaml=_config_yaml(cfg),
         versions=[(name, _version(dist)) for name, dist in _FRAMEWORKS],
     )
     path = out / CARD_FILE
     card.save(path)
     return path
+
+
+def _lora_text(cfg: Any) -> str | None:
+    """What a LoRA run trained and saved, and what its reference was (``reference_model``)."""
+    if not getattr(cfg, "use_peft", False):
+        return None
+    targets = cfg.lora_target_modules or "peft's default for the architecture"
+    saved = ("the base with the adapters merged in, a plain transformers model" if cfg.merge_adapters else
+             "the adapter in PEFT format (`PeftModel.from_pretrained(base, folder)` loads it)")
+    text = (f"LoRA (r {cfg.lora_r}, alpha {cfg.lora_alpha}, dropout {cfg.lora_dropout}, target modules {targets}): "
+            f"only the adapters were trained, and the model is saved as {saved}.")
+    reference = getattr(cfg, "reference_model", "")
+    if reference and not reference.startswith("none"):
+        text += f" The reference model was {reference} (no reference role, no reference memory)."
+    return text
 
 
 def _quick_start_model(cfg: Any, out: Path) -> str:

@@ -38,6 +38,20 @@ CONFIG_CASES = [
     (RLOOConfig, {"ref_model_name_or_path": "my/ref", "beta": 0.0},
      "ref_model_name_or_path is set but beta is 0, which uses no reference model: set beta > 0 to use my/ref, "
      "or drop ref_model_name_or_path"),
+    # LoRA: the reference is the policy's base with its adapters disabled.
+    (GRPOConfig, {"use_peft": True, "beta": 0.04, "ref_model_name_or_path": "my/ref"},
+     "use_peft takes the reference from the policy's base model (adapters disabled), so ref_model_name_or_path is "
+     "not used: drop ref_model_name_or_path, or train without --use_peft"),
+    (RLOOConfig, {"use_peft": True, "sync_ref_model": True},
+     "sync_ref_model needs a reference model of its own, and use_peft has none (the reference is the base with "
+     "adapters disabled): drop sync_ref_model, or train without --use_peft"),
+    (GRPOConfig, {"use_peft": True, "beta": 0.04, "role_configs": {"reference": "zero3_inference"}},
+     "use_peft has no reference role (the reference is the policy's base with adapters disabled), so role_configs' "
+     "'reference' entry places nothing: drop it from role_configs"),
+    (RLOOConfig, {"use_peft": True, "lora_r": 0}, "lora_r must be a whole number >= 1, got 0: set --lora_r (TRL's "
+     "default is 16)"),
+    (GRPOConfig, {"use_peft": True, "lora_dropout": 1.0}, "lora_dropout must be in [0, 1), got 1.0: set "
+     "--lora_dropout (TRL's default is 0.05)"),
 ]
 
 

@@ -180,3 +180,57 @@ def test_num_tokens_is_cumulative_with_a_generation_per_micro_step(checks):
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["num_tokens"] == total
     # Each generation adds at least its completions' tokens: 32 rows x mean length.
     assert rows[1]["num_tokens"] - rows[0]["num_tokens"] >= 2 * 32 * rows[1]["completions/mean_length"] - 1e-6
+
+
+# -- LoRA (the launch's LoRA runs; the one-process checks are in tests/test_lora_online.py) ------
+@pytest.mark.parametrize("mix", ["zero2-replicated", "zero3"])
+def test_lora_placement_invariance(checks, mix):
+    """A LoRA policy under ZeRO-2 or ZeRO-3 (the frozen base sharded while the adapters train),
+    the reward model replicated or ZeRO-3: the same run; no reference role (its base is the reference)."""
+    base, other = checks["lora"]["zero2-zero3"], checks["lora"][mix]
+    assert len(base) == len(other) == 4
+    for a, b in zip(base, other):
+        close(a, b, COMPARED, 1e-4)
+    assert checks["roles"][f"lora-{mix}"] == ["policy", "reward"]
+    assert base[3]["kl"] > 1e-3 and base[1]["clip_ratio/region_mean"] > 0  # the adapters moved off the base
+    for a, b in zip(checks["lora"]["rloo-zero2-zero3"], checks["lora"]["rloo-zero3"]):
+        close(a, b, ["loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "grad_norm"], 1e-4)
+
+
+def test_lora_resume_equals_uninterrupted(checks):
+    """Resumed from checkpoint-2 (adapters and their optimizer state): the uninterrupted run's rows."""
+    full, resumed = checks["lora"]["zero2-zero3"], checks["lora"]["resumed"]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        close(a, b, [*COMPARED, "learning_rate", "epoch"], 1e-5)
+
+
+def test_lora_saves_the_adapter_or_the_merged_model(checks):
+    """ZeRO-2 run: the adapter in PEFT format at the top of the output dir; ZeRO-3 run with
+    merge_adapters: a plain transformers model (its shards gathered); the two give the same logits.
+    posttrain_config.json and the model card say the reference was the base with adapters disabled."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.demo import tiny
+
+    adapter_dir, merged_dir = (Path(checks["lora_dir"]) / f"lora-{m}" for m in ("zero2-zero3", "zero3"))
+    assert (adapter_dir / "adapter_model.safetensors").is_file() and not (adapter_dir / "model.safetensors").exists()
+    assert (merged_dir / "model.safetensors").is_file() and not (merged_dir / "adapter_config.json").exists()
+    untrained = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, adapter_dir).eval()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 17, 33, 2, 90, 41, 7]])
+    with torch.no_grad():
+        a, b, before = adapted(input_ids=ids).logits, merged(input_ids=ids).logits, untrained(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+    assert (a - before).abs().max() > 1e-3  # it trained
+    said = "the policy's base model with its LoRA adapters disabled"
+    for out in (adapter_dir, merged_dir):
+        assert json.loads((out / "posttrain_config.json").read_text())["reference_model"] == said
+        assert said in (out / "README.md").read_text()

@@ -5,6 +5,7 @@ With no model it runs on the built-in tiny default (a tiny policy fine-tuned on 
 bundled reward function counts positive adjectives) under the demo settings
 (posttrain/scripts/demo/grpo.yaml). With ``--model_name_or_path``, ``--reward_funcs`` and
 ``--dataset_name`` the GRPOConfig defaults apply (TRL 1.16's); ``--config FILE`` gives your own.
+``--use_peft`` (with TRL's ``lora_*`` flags) trains LoRA adapters, with the base as the reference.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
               f"{summary['seconds']} s)")
         print("  time per phase (s): " + ", ".join(f"{k.split('/')[1]} {v}"
                                                   for k, v in summary["seconds_per_phase"].items()))
-        print(f"  policy saved to {final} (from_pretrained loads it); metrics in {cfg.output_dir}/metrics.jsonl")
+        if trainer.peft_config is not None and not cfg.merge_adapters:
+            saved = f"the policy's adapter saved to {final} (PeftModel.from_pretrained(base, folder) loads it)"
+        else:
+            saved = f"policy saved to {final} (from_pretrained loads it)"
+        print(f"  {saved}; metrics in {cfg.output_dir}/metrics.jsonl")
     if cfg.push_to_hub:
         print(f"pushed to {push_to_hub(cfg, final)}")
 

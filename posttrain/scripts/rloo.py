@@ -4,6 +4,7 @@ reference (none at ``beta: 0``) and reward models as ZeRO-3 roles.
 
 With no model it runs on the built-in tiny default under the demo settings
 (posttrain/scripts/demo/rloo.yaml); with ``--model_name_or_path`` the RLOOConfig defaults (TRL's).
+``--use_peft`` (with TRL's ``lora_*`` flags) trains LoRA adapters, with the base as the reference.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 from .. import checks, interrupt
 from ..dsconfig import ConfigError
 from ..jsonrows import dumps_row, read_rows
-from ..lora import LoraFields, check_lora_fields
+from ..lora import LoraFields, check_lora_fields, has_adapters, save_merged
 from ..modelcard import write_model_card
 from ..plain import check_setting as check_engine_setting
 from ..roles import DEFAULT_MIX, roles_for
@@ -216,12 +216,13 @@ def optimizer_and_scheduler(model: torch.nn.Module, cfg: TrainConfig, total_step
     return opt, sched
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool = False) -> None:
     """Recompute a trained model's activations in backward (TRL's default for DPO, GRPO and RLOO).
     It acts only in a forward with gradients in train mode; no_grad passes (generation, old or
-    reference log-probs) run the layers as they are."""
+    reference log-probs) run the layers as they are. ``use_reentrant``: TRL's setting for LoRA
+    under ZeRO-3 (non-reentrant recomputation meets frozen ZeRO-3 shards, DeepSpeed#4332)."""
     # transformers 5.24 renamed it activation checkpointing; the GPU image's 5.17 may only have the old name.
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": use_reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -455,15 +456,27 @@ def _jsonable(d: dict) -> dict:
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
 
-def save_trained_model(session: Session, role: str, directory: str | os.PathLike, tokenizer: Any = None) -> Path:
+def save_trained_model(session: Session, role: str, directory: str | os.PathLike, tokenizer: Any = None,
+                       merge_adapters: bool = False) -> Path:
     """A trained role's final model in Hugging Face format in ``directory``: the output dir itself
     for the model a run trains (TRL's layout, so ``from_pretrained(output_dir)`` loads it), and
-    ``output_dir/<role>`` for any other trained role. A LoRA role saves its adapter. An adapter an
-    earlier run left there would make ``from_pretrained`` load it instead of a full model saved
-    over it, so a full save removes it first."""
+    ``output_dir/<role>`` for any other trained role. A LoRA role saves its adapter (PEFT format:
+    ``PeftModel.from_pretrained(base, directory)`` loads it), or with ``merge_adapters`` the base
+    with the adapters merged in, a plain transformers model (its full weights gathered under
+    ZeRO-3, written by rank 0). An adapter an earlier run left there would make
+    ``from_pretrained`` load it instead of a full model saved over it, so a full save removes it first."""
     path = Path(directory)
-    if session.is_main_process and not hasattr(session.unwrap(role), "peft_config"):
+    adapted = has_adapters(session.unwrap(role))
+    if session.is_main_process and (merge_adapters or not adapted):
         for name in _ADAPTER_FILES:
             (path / name).unlink(missing_ok=True)
-    session.save_pretrained(role, path, tokenizer=tokenizer)
+    if not (adapted and merge_adapters):
+        session.save_pretrained(role, path, tokenizer=tokenizer)
+        return path
+    state_dict = session.state_dict(role)  # collective; under ZeRO-3 only rank 0 gets the weights
+    if session.is_main_process:
+        save_merged(session.unwrap(role), state_dict, path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(path))
+    session.accelerator.wait_for_everyone()
     return path

@@ -1,9 +1,11 @@
 """GRPO (TRL 1.16's ``GRPOTrainer``) with every model role under its own DeepSpeed plugin.
 
 Roles: ``policy`` trains (ZeRO-2 by default); ``reference`` is frozen (ZeRO-3 by default) and does
-not exist at all when ``beta == 0``; every sequence-classification reward model is a frozen role of
-its own (``reward``, ``reward_1``, ...). Completions come from ``posttrain.rollout.Rollout``
-(``generation_backend``: the fast ``posttrain`` engine or Hugging Face ``generate``).
+not exist at all when ``beta == 0`` or with LoRA (``use_peft``/``peft_config``: only the policy's
+adapters train and the reference is its base with the adapters disabled, as in TRL); every
+sequence-classification reward model is a frozen role of its own (``reward``, ``reward_1``, ...,
+``grpo_rewards.py``). Completions come from ``posttrain.rollout.Rollout`` (``generation_backend``:
+the fast ``posttrain`` engine or Hugging Face ``generate``).
 
 The math follows TRL 1.16 line by line (``_generate_and_score_completions`` and ``_compute_loss``):
 group-relative advantages (``scale_rewards`` group/batch/none, ``multi_objective_aggregation``),
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +33,9 @@ import torch
 
 from ..demo import tiny
 from ..dsconfig import ConfigError
+from ..lora import LoraFields, adapters_disabled, add_adapters, check_no_head_adapter, lora_config
 from ..preference import check_conversation
-from ..reward_funcs import RewardFuncError, RewardWarnings
+from ..reward_funcs import RewardWarnings
 from .common import (
     Phases,
     TrainConfig,
@@ -56,22 +59,20 @@ from .grpo_loss import (
     high_entropy_mask,
 )
 from .grpo_loss import reduce_loss_stats as reduce_loss_stats
+from .grpo_rewards import RewardSources
 from .loop import Trainer, window_mean
 from .online import (
     completion_logps,
     left_pad,
     load_prompt_rows,
-    mean_of_logged_metrics,
-    raise_on_every_rank,
     tokenize_prompt,
     truncated_rows,
-    weighted_rewards,
     write_samples,
 )
 
 
 @dataclass
-class GRPOConfig(TrainConfig):
+class GRPOConfig(TrainConfig, LoraFields):
     """GRPO settings; names and defaults follow TRL 1.16's ``GRPOConfig`` where the concept is the same."""
 
     # Models: hub names or local paths. None: the built-in tiny default.
@@ -129,6 +130,8 @@ class GRPOConfig(TrainConfig):
     ref_model_sync_steps: int = 512
     log_completions: bool = False  # write samples.jsonl every logging step
     num_completions_to_print: int | None = 4
+    # What the KL is measured against, for posttrain_config.json and the model card (not a flag).
+    reference_model: str = field(default="", init=False)
 
     _loss_types = LOSS_TYPES  # (RLOO has its own one)
     _algorithm = "GRPO"
@@ -172,6 +175,7 @@ class GRPOConfig(TrainConfig):
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        check_reference(self, adapters=self.use_peft)
         # TRL's batch arithmetic: a generation batch is steps_per_generation micro-batches per process.
         per_step = self.per_device_train_batch_size * world
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
@@ -201,9 +205,25 @@ class GRPOConfig(TrainConfig):
         return self.epsilon_high if self.epsilon_high is not None else self.epsilon
 
 
+def check_reference(cfg: GRPOConfig, adapters: bool) -> None:
+    """With LoRA the reference is the policy's base with its adapters disabled (TRL's rule): a
+    reference of its own is refused by name. Records what the reference is (``reference_model``)."""
+    if adapters and cfg.ref_model_name_or_path:
+        raise ConfigError("use_peft takes the reference from the policy's base model (adapters disabled), so "
+                          "ref_model_name_or_path is not used: drop ref_model_name_or_path, or train without --use_peft")
+    if adapters and "reference" in cfg.role_configs:
+        raise ConfigError("use_peft has no reference role (the reference is the policy's base with adapters disabled), "
+                          "so role_configs' 'reference' entry places nothing: drop it from role_configs")
+    if adapters and cfg.sync_ref_model:
+        raise ConfigError("sync_ref_model needs a reference model of its own, and use_peft has none (the reference "
+                          "is the base with adapters disabled): drop sync_ref_model, or train without --use_peft")
+    cfg.reference_model = ("none (beta 0)" if cfg.beta == 0.0 else
+                           "the policy's base model with its LoRA adapters disabled" if adapters else
+                           cfg.ref_model_name_or_path or "the policy's initial weights")
+
 
 # -- the trainer ---------------------------------------------------------------------------------
-class GRPOTrainer(Trainer):
+class GRPOTrainer(RewardSources, Trainer):
     """GRPO with per-role placement. ``train()`` returns the logged metrics, one dict per optimizer
     step (TRL's names: ``reward``, ``reward_std``, ``rewards/<func>/mean``, ``kl``, ``entropy``,
     ``clip_ratio/...``, ``completions/...``) plus ``time/<phase>``."""
@@ -212,14 +232,25 @@ class GRPOTrainer(Trainer):
     shown = ("reward", "kl", "loss")
     # Reference only with beta > 0; each reward model is a frozen role of its own (reward, reward_1, ...).
     roles = {"trained": ["policy"], "frozen": ["reference"]}
+    peft_config: Any = None  # LoRA's settings (peft), None for full fine-tuning
 
-    def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None) -> None:
-        from transformers import AutoModelForSequenceClassification
+    @property
+    def separate_reference(self) -> bool:
+        """A reference role of its own: beta > 0 without LoRA (with it, the base is the reference)."""
+        return self.cfg.beta != 0.0 and self.peft_config is None
 
-        from .. import rewards
+    def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None,
+                 peft_config: Any = None) -> None:
         from ..rollout import Rollout, SamplingParams
 
         self.cfg = cfg
+        # LoRA (TRL's peft_config, or the use_peft flags): only the adapters train, and the
+        # reference is the policy's base with its adapters disabled (no reference role).
+        self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
+        if peft_config is not None:
+            check_reference(cfg, adapters=True)
+        if self.peft_config is not None:
+            check_no_head_adapter(self.peft_config)
         seed_everything(cfg.seed)
         policy_path = cfg.model_name_or_path or str(tiny.sft_model_path())
         self.tokenizer = tok = tiny.load_tokenizer(policy_path)
@@ -228,34 +259,11 @@ class GRPOTrainer(Trainer):
                               "tokenizer.eos_token) and save it with the model")
         self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
 
-        # Rewards, in the order given (reward_weights follow it): functions and reward-model roles,
-        # every spec resolved and checked before anything loads or the output dir is touched.
-        names = ([cfg.reward_model_name_or_path] if cfg.reward_model_name_or_path else []) + list(cfg.reward_funcs or [])
-        if not names:
-            if cfg.model_name_or_path is not None and not reward_funcs:
-                raise ConfigError("GRPO needs a reward: set reward_funcs (one of TRL's reward names, "
-                                  "\"module.function\", or a reward model's path)")
-            names = [] if reward_funcs else ["posttrain.demo.synthetic:sentiment_reward"]
-        self.sources: list[tuple[str, Any, Any]] = [("func", f, rewards.func_name(f)) for f in reward_funcs or []]
-        n_models = 0
-        for spec in rewards.resolve_reward_specs(names):
-            if spec.is_model:
-                self.sources.append(("model", "reward" if not n_models else f"reward_{n_models}", spec.path))
-                n_models += 1
-            else:
-                self.sources.append(("func", spec.func, rewards.func_name(spec.func)))
-        if not self.sources:
-            raise ConfigError("GRPO needs a reward: set reward_funcs")
-        self.reward_weights = torch.tensor(rewards.check_reward_weights(cfg.reward_weights, len(self.sources),
-                                                                        "rewards (functions and models)"))
-        self.reward_names = [n if kind == "func" else Path(str(n)).name for kind, _, n in self.sources]
+        self.resolve_rewards(reward_funcs)
 
         self.rows = train_rows if train_rows is not None else load_prompt_rows(cfg)
         check_conversation(self.rows, ("prompt",), tok, cfg.dataset_name or "train_rows")
-        columns = [k for k in self.rows[0] if k != "prompt"] if self.rows else []
-        for kind, fn, _ in self.sources:
-            if kind == "func":
-                rewards.check_columns(fn, columns)
+        self.check_reward_columns(self.rows)
         self.prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows]
         max_prompt_len = max(len(p) for p in self.prompt_ids)
 
@@ -280,41 +288,18 @@ class GRPOTrainer(Trainer):
                 f"{cfg.gradient_accumulation_steps}; pick save_steps so that save_steps x gradient_accumulation_steps "
                 f"is a multiple of {self.micro_per_generation}")
 
-        # How each reward model reads completions (TRL's way: decoded and re-encoded with its own
-        # tokenizer), decided from its files before anything loads.
-        from transformers import AutoConfig
-
-        policy_vocab = AutoConfig.from_pretrained(policy_path).get_text_config().vocab_size
-        self.reward_inputs: dict[str, Any] = {
-            role: rewards.reward_model_input(path, tok, policy_vocab, reencode=True)
-            for kind, role, path in self.sources if kind == "model"}
-
-        frozen = (["reference"] if cfg.beta != 0.0 else []) + [r for k, r, _ in self.sources if k == "model"]
+        self.plan_reward_models(policy_path, tok)
+        frozen = (["reference"] if self.separate_reference else []) + self.reward_roles
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_path)
         policy.generation_config.pad_token_id = tok.pad_token_id
-        if cfg.disable_dropout:
-            from trl.trainer.utils import disable_dropout_in_model
-
-            disable_dropout_in_model(policy)
-        if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(policy)
-        from trl.trainer.utils import add_fused_lm_head
-
-        # The policy's log-probs and entropies without float32 logits over the vocabulary (TRL does
-        # the same); generation still calls the original forward.
-        add_fused_lm_head(policy, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
-        opt, sched = optimizer_and_scheduler(policy, cfg, self.total_steps)
+        policy = self._prepare_policy_model(policy)
+        opt, sched = optimizer_and_scheduler(policy, cfg, self.total_steps)  # the adapters only, with LoRA
         s.prepare("policy", policy, opt, sched)
-        if cfg.beta != 0.0:
+        if self.separate_reference:
             s.prepare("reference", s.load("reference", cfg.ref_model_name_or_path or policy_path))
-        for kind, role, path in self.sources:
-            if kind == "model":
-                rin = self.reward_inputs[role]
-                model = s.load(role, path, model_cls=AutoModelForSequenceClassification, num_labels=1)
-                rin.prepare(model)  # its pad id is its tokenizer's (TRL's), for its own pooling
-                s.prepare(role, model)
+        self.load_reward_models()
 
         self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
                                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
@@ -333,9 +318,33 @@ class GRPOTrainer(Trainer):
                                           logging_steps=cfg.logging_steps, save_steps=cfg.save_steps or 0,
                                           train_batch_size=cfg.per_device_train_batch_size)
         self.trainer_state.is_world_process_zero = s.is_main_process
-        self._extra_columns: dict[str, list] = {}
-        self._pending_metrics: dict[str, list[float]] = {}
         self.reward_warnings = RewardWarnings(self.reward_names, s.is_main_process)
+
+    def _prepare_policy_model(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """In TRL's order: adapters (seeded here, so every placement starts from the same ones),
+        activation checkpointing (transformers then makes the embeddings' outputs require grad, TRL's
+        ``enable_input_require_grads``, so gradients reach the adapters of checkpointed layers),
+        dropout off (LoRA's too), and the fused LM head on the base model (peft's forward passes
+        its arguments through)."""
+        from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
+
+        cfg = self.cfg
+        zero3_lora = self.peft_config is not None and self.session.engine_kind("policy") == "deepspeed" and \
+            self.session.zero_stage("policy") == 3
+        if self.peft_config is not None:
+            torch.manual_seed(mix_seed(cfg.seed, "adapters"))
+            # Under ZeRO-3 the adapters keep the base's dtype (TRL's rule: mixed dtypes break its gather).
+            policy = add_adapters(policy, self.peft_config, autocast_adapter_dtype=not zero3_lora)
+            check_no_head_adapter(policy)
+        base = policy.get_base_model() if self.peft_config is not None else policy
+        if cfg.gradient_checkpointing:  # on the base: it also makes the embeddings' outputs require grad
+            enable_gradient_checkpointing(base, use_reentrant=zero3_lora)  # TRL forces reentrant there
+        if cfg.disable_dropout:
+            disable_dropout_in_model(policy)
+        # The policy's log-probs and entropies without float32 logits over the vocabulary (TRL does
+        # the same); generation still calls the original forward.
+        add_fused_lm_head(base, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
+        return policy
 
     # -- one generation batch ------------------------------------------------------------------
     def _generation_rows(self, cycle: int) -> list[int]:
@@ -392,10 +401,14 @@ class GRPOTrainer(Trainer):
                                           batch_size=bs, fused=True)
         with self.phases("score"):
             ref = None
-            if cfg.beta != 0.0:
+            if self.separate_reference:
                 with s.activate("reference"):
                     ref, _ = completion_logps(s.engines["reference"], input_ids, attention_mask, n,
                                               cfg.temperature, batch_size=bs)
+            elif cfg.beta != 0.0:  # LoRA: the base model is the reference (TRL's use_adapter(model, None))
+                with adapters_disabled(s.engines["policy"]):
+                    ref, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
+                                              batch_size=bs, fused=True)
             rows = [self.rows[i] for i in idx]
             prompts = [r["prompt"] for r in rows]
             texts = tok.batch_decode(generated, skip_special_tokens=True)
@@ -427,55 +440,6 @@ class GRPOTrainer(Trainer):
             sel = perm[j * bs : (j + 1) * bs]
             micro.append({k: (v[sel] if v.dim() and v.shape[0] == len(idx) else v) for k, v in batch.items()})
         return micro, metrics
-
-    def weighted(self, per_func: torch.Tensor) -> torch.Tensor:
-        return weighted_rewards(per_func, self.reward_weights.to(per_func.device))
-
-    def score(self, rows: list[dict], prompts: list, texts: list[str], completion_ids: list[list[int]]) -> torch.Tensor:
-        """``(local batch, n_rewards)``, as TRL's ``_calculate_rewards``: the reward functions with
-        TRL's keyword arguments (``completion_ids``: the generated ids, unmasked; the dataset's other
-        columns; ``trainer_state``, ``log_extra``, ``log_metric``), and each reward model on
-        prompt + decoded completion re-encoded with its own tokenizer and chat template."""
-        from .. import rewards
-
-        s, cfg = self.session, self.cfg
-        out = torch.zeros(len(texts), len(self.sources), dtype=torch.float32, device=s.device)
-        completions = rewards.as_completions(prompts, texts)
-        kwargs = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
-        kwargs.update(trainer_state=self.trainer_state, log_extra=self._log_extra, log_metric=self._log_metric)
-        funcs = [(j, what) for j, (kind, what, _) in enumerate(self.sources) if kind == "func"]
-        if funcs:
-            failure = None
-            try:
-                per_func = rewards.call_reward_funcs([f for _, f in funcs], prompts, completions, completion_ids,
-                                                     s.device, **kwargs)
-            except RewardFuncError as err:
-                failure = err
-            raise_on_every_rank(s, failure)
-            for col, (j, _) in enumerate(funcs):
-                out[:, j] = per_func[:, col]
-        for j, (kind, role, _) in enumerate(self.sources):
-            if kind == "model":
-                with s.activate(role):
-                    out[:, j] = rewards.score_texts(s.engines[role], self.reward_inputs[role], prompts, texts,
-                                                    s.device, batch_size=cfg.per_device_train_batch_size,
-                                                    chat_template_kwargs=cfg.chat_template_kwargs)
-        return out
-
-    def _log_extra(self, column: str, values: list) -> None:
-        """TRL's ``log_extra``: a column for the logged samples (samples.jsonl)."""
-        self._extra_columns.setdefault(column, []).extend(values)
-
-    def _log_metric(self, name: str, value: float) -> None:
-        """TRL's ``log_metric``: a scalar averaged over every process into this generation's metrics."""
-        self._pending_metrics.setdefault(name, []).append(float(value))
-
-    def _flush_logged_metrics(self) -> dict[str, float]:
-        """The metrics reward functions logged on this generation batch, averaged over every
-        process's calls (TRL's sorted union of names, then a (sum, count) reduction)."""
-        out = mean_of_logged_metrics(self.session, self._pending_metrics)
-        self._pending_metrics.clear()
-        return out
 
     def advantages(self, rewards_per_func: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
                    completion_mask: torch.Tensor) -> dict[str, Any]:

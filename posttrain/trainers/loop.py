@@ -133,9 +133,10 @@ class Trainer:
         layout: ``from_pretrained(output_dir)`` loads it), every other trained role in ``<role>/``
         beside it; returns the first one's folder."""
         trained = self.roles["trained"]
-        path = save_trained_model(self.session, trained[0], directory or self.cfg.output_dir, self.tokenizer)
+        merge = getattr(self.cfg, "merge_adapters", False)  # LoRA roles: the merged model instead of the adapter
+        path = save_trained_model(self.session, trained[0], directory or self.cfg.output_dir, self.tokenizer, merge)
         for role in trained[1:]:
-            save_trained_model(self.session, role, path / role, self.tokenizer)
+            save_trained_model(self.session, role, path / role, self.tokenizer, merge)
         return path
 
     def save(self, directory: str | os.PathLike | None = None) -> Path:

@@ -7,7 +7,8 @@
 - beta 0: the roles of the session (no reference);
 - a learning run on the bundled reward (GRPO), its policy saved, and short RLOO runs (num_iterations 2) under two placements;
 - two generations per step (gradient accumulation 2, steps_per_generation 1);
-- a reward function that raises on rank 1 only.
+- a reward function that raises on rank 1 only;
+- LoRA GRPO under three placements (one resumed, one saved merged) and LoRA RLOO under two.
 """
 
 import json
@@ -57,6 +58,23 @@ def main(out: str, tmp: str) -> None:
     for mix in ("zero2-zero3", "zero2-replicated"):
         res.setdefault("rloo", {})[mix], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/rloo-{mix}",
                                                     **rloo)
+    # LoRA (tests/test_lora_online.py): the policy's adapters train, the reference is its base with
+    # adapters disabled; policy ZeRO-2 or ZeRO-3 (the frozen base sharded), reward replicated or
+    # ZeRO-3; resumed from step 2; the ZeRO-3 run saves the merged model, the others the adapter.
+    lora = dict(SHORT, sync_ref_model=False, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                learning_rate=2e-2, generation_backend="hf", reward_funcs=rewards)
+    for mix in ("zero2-zero3", "zero2-replicated", "zero3"):
+        res.setdefault("lora", {})[mix], res["roles"][f"lora-{mix}"], _ = run(
+            GRPOConfig, GRPOTrainer, save=True, mix=mix, output_dir=f"{tmp}/lora-{mix}", merge_adapters=mix == "zero3",
+            **lora)
+    res["lora"]["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, mix="zero2-zero3", output_dir=f"{tmp}/lora-zero2-zero3",
+                                       **{**lora, "overwrite_output_dir": False},
+                                       resume_from_checkpoint=f"{tmp}/lora-zero2-zero3/checkpoint-2")
+    rloo_lora = dict(lora, reward_weights=None, reward_funcs=None, num_iterations=2, save_steps=None)
+    for mix in ("zero2-zero3", "zero3"):
+        res["lora"][f"rloo-{mix}"], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/lora-rloo-{mix}",
+                                               **rloo_lora)
+    res["lora_dir"] = tmp
     # Gradient accumulation with one generation per micro-step: num_tokens is the cumulative count.
     trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 2, "gradient_accumulation_steps": 2,
                                         "steps_per_generation": 1}, output_dir=f"{tmp}/ga2"))

@@ -210,3 +210,21 @@ def test_lora_resume_equals_the_uninterrupted_run(runs):
     for key, value in ppo["zero2-zero3"][1].items():
         assert ppo["resumed"][0][key] == pytest.approx(value, abs=1e-5), key
     assert distill["resumed"] == pytest.approx(distill["zero2-zero3"][2:], abs=1e-5)
+
+
+def test_scripts_take_the_lora_flags(capsys):
+    from posttrain import cli
+    from posttrain.scripts.args import demo_config, parse_config
+    from posttrain.scripts.distill import TeacherArguments
+    from posttrain.scripts.ppo import saved_as
+    from posttrain.trainers.distill import DistillConfig
+    from posttrain.trainers.ppo import PPOConfig
+
+    flags = ["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear"]
+    for name, classes in (("ppo", (PPOConfig,)), ("distill", (DistillConfig, TeacherArguments))):
+        cfg = parse_config(classes, demo_config(name), flags, prog=f"posttrain {name}")[0]
+        peft = lora_config(cfg)
+        assert (peft.r, peft.lora_alpha, peft.target_modules) == (8, 16, "all-linear")
+        assert "PeftModel.from_pretrained" in saved_as(cfg)
+    assert cli.main(["ppo", *flags, "--ref_model_name_or_path", "some/model"]) == 2
+    assert "drop ref_model_name_or_path" in capsys.readouterr().err

@@ -58,8 +58,14 @@ def _plan_checked(argv: list[str]) -> int:
                          "parameter, the default), bf16 (8, TRL's with a bf16 model), or both")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="trained roles recompute activations in backward (the DPO/GRPO/RLOO trainers' default)")
+    ap.add_argument("--use-peft", "--use_peft", action="store_true",
+                    help="LoRA (TRL's flag): the trained model's base is frozen and only its adapters train; no "
+                         "reference role (the base with adapters disabled is the reference)")
+    ap.add_argument("--lora-r", "--lora_r", type=int, default=16, help="LoRA rank (TRL's default 16)")
+    ap.add_argument("--lora-target-modules", "--lora_target_modules", nargs="+", default=None, metavar="NAME",
+                    help="modules that get adapters: names, or all-linear (default: peft's for the architecture)")
     args = ap.parse_args(argv)
-    for name in ("world_size", "micro_batch", "seq_len"):
+    for name in ("world_size", "micro_batch", "seq_len", "lora_r"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
     if args.response_len < 0 or args.gpu_memory <= 0:
@@ -72,16 +78,24 @@ def _plan_checked(argv: list[str]) -> int:
         if role not in shapes or not value:
             raise ConfigError(f"--role-shape {item!r}: expected ROLE=SHAPE with ROLE one of {', '.join(shapes)}")
         shapes[role] = memory.resolve_shape(value, f"--role-shape {role}")
+        if role == "reference" and args.use_peft:
+            raise ConfigError("--use-peft has no reference role (the reference is the base with adapters disabled): "
+                              "drop --role-shape reference=...")
     mixes = list(MIXES) if args.mix == "all" else [args.mix]
     for mix in mixes:
         memory.mix_configs(mix)  # an unknown mix: its sentence, before any model is sized
+    lora = None
+    if args.use_peft:
+        lora = memory.Lora(args.lora_r, tuple(args.lora_target_modules) if args.lora_target_modules else None)
+    elif args.lora_target_modules or args.lora_r != 16:
+        raise ConfigError("--lora-r and --lora-target-modules plan adapters: add --use-peft")
     precisions = ["fp32", "bf16"] if args.master_weights == "both" else [args.master_weights]
     best_of: dict[str, memory.Plan | None] = {}
     for precision in precisions:
         plans = [memory.plan(args.workload, shapes, m, world_size=args.world_size, micro_batch=args.micro_batch,
                              seq_len=args.seq_len, response_len=args.response_len, master_weights=precision,
                              gradient_checkpointing=args.gradient_checkpointing,
-                             generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory)
+                             generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory, lora=lora)
                  for m in mixes]
         print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
         for p in plans:

@@ -8,13 +8,18 @@ frozen forward's working set, or generation's KV cache. The activation coefficie
 token per decoder layer for a Llama-shaped model under bf16 with SDPA attention, as autograd saves
 them (see ``train_activation_bytes``); they were checked against peaks measured on H200s
 (benchmarks/results), which a test keeps within 15%.
+
+LoRA (:class:`Lora`): the run's first trained role keeps its base frozen (16-bit, sharded as its
+stage shards a trained model) and trains only its adapters, whose parameters, gradients and Adam
+states are counted as a trained model of that many parameters; the reference is that base with
+the adapters disabled, so there is no reference role.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dsconfig import ConfigError, master_weights, one_rank, params_offloaded, read_config, zero_stage
@@ -172,14 +177,19 @@ def shared_vocab(shapes: dict[str, str], workload: str) -> int:
     return SHAPES[main]["vocab_size"] if main in SHAPES else int(model_config(main).vocab_size)
 
 
+def meta_model(spec: str, kind: str = "causal", vocab_size: int | None = None) -> Any:
+    """The model built from its config on the meta device (no memory, no init)."""
+    import torch
+
+    with torch.device("meta"):
+        return model_class(kind).from_config(model_config(spec, kind, vocab_size))
+
+
 @functools.lru_cache(maxsize=64)
 def model_size(spec: str, kind: str = "causal", vocab_size: int | None = None) -> ModelSize:
     """Count parameters exactly by building the model on the meta device (no memory, no init)."""
-    import torch
-
-    cfg = model_config(spec, kind, vocab_size)
-    with torch.device("meta"):
-        model = model_class(kind).from_config(cfg)
+    model = meta_model(spec, kind, vocab_size)
+    cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -189,6 +199,52 @@ def model_size(spec: str, kind: str = "causal", vocab_size: int | None = None) -
     return ModelSize(params=params, largest_layer=largest, hidden=text.hidden_size,
                      intermediate=text.intermediate_size, layers=text.num_hidden_layers,
                      kv_dim=kv_heads * head_dim, vocab=text.vocab_size, kind=kind)
+
+
+@dataclass(frozen=True)
+class Lora:
+    """Adapters of rank ``r`` on ``target_modules`` (TRL's ``lora_r`` / ``lora_target_modules``):
+    None is peft's default for the architecture, ("all-linear",) every linear layer but the head."""
+
+    r: int = 16
+    target_modules: tuple[str, ...] | None = None
+
+
+@functools.lru_cache(maxsize=64)
+def adapter_params(spec: str, kind: str, lora: Lora, vocab_size: int | None = None) -> int:
+    """Trainable parameters peft gives the model: ``r * (in + out)`` per targeted linear layer (an
+    embedding: ``r * (rows + dim)``), chosen by peft's rule (None: its table by model type;
+    "all-linear": every linear layer but the output embedding, or a classifier's head; names: a
+    module whose name is, or ends with ".", one of them), plus a classifier's head, which peft
+    trains in full (``modules_to_save``)."""
+    from peft.utils.constants import SEQ_CLS_HEAD_NAMES, TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    model = meta_model(spec, kind, vocab_size)
+    targets = lora.target_modules
+    if targets is None:
+        targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.model_type)
+        if targets is None:
+            raise ConfigError(f"peft has no default LoRA target modules for model type {model.config.model_type!r}: "
+                              "name them with --lora-target-modules (or all-linear)")
+    # A classifier's head is one of peft's modules_to_save: trained in full, never adapted.
+    saved = SEQ_CLS_HEAD_NAMES if kind != "causal" else []
+    heads = [getattr(model, n) for n in saved if getattr(model, n, None) is not None][:1]
+    total = sum(p.numel() for h in heads for p in h.parameters())
+    all_linear = [t.lower() for t in targets] == ["all-linear"]
+    for name, module in model.named_modules():
+        if any(re.match(rf"(^|.*\.){n}($|\..*)", name) for n in saved):
+            continue
+        if all_linear:
+            chosen = isinstance(module, (nn.Linear, Conv1D)) and module is not model.get_output_embeddings()
+        else:
+            chosen = any(name == t or name.endswith(f".{t}") for t in targets)
+        if chosen and isinstance(module, nn.Embedding):
+            total += lora.r * (module.num_embeddings + module.embedding_dim)
+        elif chosen and isinstance(module, (nn.Linear, Conv1D)):
+            total += lora.r * sum(module.weight.shape)
+    return total
 
 
 def train_activation_bytes(m: ModelSize, tokens: int, checkpointing: bool = False) -> int:
@@ -279,6 +335,7 @@ class RolePlan:
     kv_cache: float = 0.0
     resident_grads: float = 0.0  # the part of ``grads`` DeepSpeed keeps between steps
     rollout: float = 0.0  # posttrain.rollout's cache, graph pool and ZeRO-3 copy, kept for the run
+    adapters: int = 0  # LoRA: the parameters that train (its base is frozen); 0: the whole model trains
 
     @property
     def at_rest(self) -> float:
@@ -349,6 +406,16 @@ def _states(r: RolePlan, world: int) -> None:
         r.params = 2 * p
 
 
+def _lora_states(r: RolePlan, world: int) -> None:
+    """A LoRA role: its frozen 16-bit base (a 1/N shard under ZeRO-3), and the states of a trained
+    model with the adapters' parameters."""
+    adapters = RolePlan(r.name, replace(r.size, params=r.adapters, largest_layer=0), r.place)
+    _states(adapters, world)
+    base = 2 * r.size.params / (world if r.place.stage == 3 else 1)
+    r.params = base + adapters.params
+    r.grads, r.resident_grads, r.optimizer = adapters.grads, adapters.resident_grads, adapters.optimizer
+
+
 def plan(
     workload: str,
     shapes: dict[str, str] | str,
@@ -362,6 +429,7 @@ def plan(
     generation_backend: str = "posttrain",
     master_weights: str = "fp32",
     gradient_checkpointing: bool = False,
+    lora: Lora | None = None,
 ) -> Plan:
     """Per-GPU memory of every role of ``workload`` under ``mix``.
 
@@ -372,10 +440,14 @@ def plan(
     it generates. ``master_weights`` ("fp32" or "bf16") is the trained roles' optimizer precision,
     as the trainers' setting of that name; in a world of one the mix's configs are counted as the
     Session simplifies them (frozen ZeRO-3 roles replicated, one gradient bucket).
-    ``gradient_checkpointing``: trained roles recompute their layers' activations in backward."""
+    ``gradient_checkpointing``: trained roles recompute their layers' activations in backward.
+    ``lora``: the first trained role trains adapters (PPO's value model still trains in full, as
+    the trainer does) and there is no reference role."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
+    if lora is not None:
+        names = {**names, "frozen": [n for n in names["frozen"] if n != "reference"]}
     if isinstance(shapes, str):
         shapes = {}.fromkeys(names["trained"] + names["frozen"], shapes)
     train_cfg, frozen_cfg = mix_configs(mix)
@@ -388,7 +460,11 @@ def plan(
         size = model_size(shapes[name], ROLE_KINDS[name], vocab)
         config = trained_config(train_cfg, master_weights, name) if trains else frozen_cfg
         r = RolePlan(name, size, placement(config, trains, one_process))
-        _states(r, world_size)
+        if lora is not None and name == names["trained"][0]:
+            r.adapters = adapter_params(shapes[name], ROLE_KINDS[name], lora, vocab)
+            _lora_states(r, world_size)
+        else:
+            _states(r, world_size)
         roles.append(r)
     by = {r.name: r for r in roles}
     n = world_size
@@ -399,17 +475,21 @@ def plan(
         """The larger of forward+backward (activations saved, gradient buffers) and the step."""
         m, place = r.size, r.place
         step_bytes = STEP_BYTES_BF16 if place.master_weights == "bf16" else STEP_BYTES
+        # With LoRA the frozen layers' activations are still saved (backward runs through them to
+        # reach earlier adapters); only the adapters get gradients and an optimizer step.
+        trained = r.adapters or m.params
         r.activations = train_activation_bytes(m, tokens, gradient_checkpointing)
         if place.stage == 3:
             # Gathered parameters DeepSpeed keeps live for reuse by backward (max_live_parameters).
             buffers = 2 * min(MAX_LIVE_PARAMETERS, m.params)
-            step = step_bytes * min(SUB_GROUP_SIZE, m.params / n)
+            step = step_bytes * min(SUB_GROUP_SIZE, trained / n)
         else:
-            # Gradients pass through bf16 bucket(s) of reduce_bucket_size (two with overlap_comm).
+            # Gradients pass through bf16 bucket(s) of reduce_bucket_size (two with overlap_comm),
+            # allocated whole however few parameters train (DeepSpeed's setup_buckets).
             buffers = 2 * place.reduce_bucket * (2 if place.overlap_comm else 1)
-            if m.largest_layer > place.reduce_bucket:
+            if not r.adapters and m.largest_layer > place.reduce_bucket:
                 buffers += OVERSIZED_GRAD_BYTES * m.largest_layer
-            step = step_bytes * m.params / n
+            step = step_bytes * trained / n
         return max(r.activations + buffers, step)
 
     def forward(r: RolePlan) -> float:
@@ -426,10 +506,12 @@ def plan(
         return work
 
     phases: dict[str, float] = {}
-    if not names["frozen"]:  # SFT, reward: one trained model, forward and backward
+    if not WORKLOADS[workload]["frozen"]:  # SFT, reward: one trained model, forward and backward
         phases["train"] = train(by[names["trained"][0]])
     elif workload in ("dpo", "distill"):
-        student, teacher = (by["policy"], by["reference"]) if workload == "dpo" else (by["student"], by["teacher"])
+        # LoRA DPO: the reference forward is the policy's own, adapters disabled.
+        student, teacher = ((by["policy"], by.get("reference", by["policy"])) if workload == "dpo"
+                            else (by["student"], by["teacher"]))
         phases["frozen_forward"] = forward(teacher)
         phases["train"] = train(student)
         if workload == "distill":
@@ -449,7 +531,9 @@ def plan(
         else:
             policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage)
         phases["generate"] = gen
-        phases["score"] = max(forward(by[name]) for name in names["frozen"])
+        # LoRA: the reference forward is the policy's own (adapters disabled).
+        phases["score"] = max([forward(by[name]) for name in names["frozen"]]
+                              + ([forward(policy)] if lora is not None else []))
         phases["train"] = max(train(by[name]) for name in names["trained"])
     return Plan(workload, mix, world_size, gpu_memory_gib * GiB, roles, phases)
 
@@ -510,6 +594,11 @@ def format_plan(p: Plan) -> str:
             lines.append(f"({r.name}: posttrain.rollout keeps {r.rollout / GiB:.2f} GiB for the run, counted at rest: "
                          "KV cache, graph pool" + (", the gathered ZeRO-3 copy" if r.place.stage == 3 else "")
                          + "; generation_backend hf holds the cache only while generating)")
+    for r in p.roles:
+        if r.adapters:
+            lines.append(f"({r.name}: LoRA, {r.adapters / 1e6:.2f}M adapter parameters train with their gradients and "
+                         f"Adam states; its {r.size.params / 1e9:.2f}B base is frozen in params; the reference is that "
+                         "base with adapters disabled: no reference role)")
     phases = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.phases.items())
     lines.append("(grads live from backward to the step; act: saved activations of a trained role, the forward's "
                  "working set of a frozen one; both count in their phase, not at rest)")

@@ -197,3 +197,50 @@ def test_gradient_checkpointing_keeps_one_layer():
     plan = memory.plan("dpo", "1b", "zero2-zero3", world_size=1, micro_batch=4, seq_len=512, gradient_checkpointing=True)
     assert plan.roles[0].activations == ckpt
     assert cli.main(["plan", "--workload", "dpo", "--world-size", "1", "--gradient-checkpointing"]) == 0
+
+
+# -- LoRA --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("targets", [None, ("all-linear",), ("q_proj", "down_proj", "embed_tokens")])
+@pytest.mark.parametrize("shape,kind", [("tiny-default", "causal"), ("tiny-default", "sequence"), ("8b", "causal")])
+def test_lora_adapter_count_equals_peft(shape, kind, targets):
+    """The planner's adapter count (from the config and peft's rule) against peft's own trainable
+    count on the model built on the meta device, through the trainers' lora_config."""
+    from peft import get_peft_model
+
+    from posttrain.demo import tiny
+    from posttrain.lora import LoraFields, lora_config
+
+    spec = str(tiny.model_path()) if shape == "tiny-default" else shape
+    r = 4 if shape == "tiny-default" else 16
+    lora = memory.Lora(r, targets)
+    fields = LoraFields(use_peft=True, lora_r=r, lora_target_modules=list(targets) if targets else None)
+    model = get_peft_model(memory.meta_model(spec, kind), lora_config(fields, "CAUSAL_LM" if kind == "causal" else "SEQ_CLS"))
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert memory.adapter_params(spec, kind, lora) == trainable > 0
+
+
+def test_lora_plan_freezes_the_base_and_drops_the_reference(capsys):
+    """GRPO 8B on one H200: the full fine-tune does not fit, LoRA does (the issue's case); the base
+    counts as frozen 16-bit weights, the adapters as a trained model of their size."""
+    kw = dict(world_size=1, micro_batch=16, seq_len=512, response_len=256, gradient_checkpointing=True)
+    full = memory.plan("grpo", "8b", "zero2-zero3", **kw)
+    lora = memory.plan("grpo", "8b", "zero2-zero3", lora=memory.Lora(16, ("all-linear",)), **kw)
+    assert [r.name for r in full.roles] == ["policy", "reference"] and [r.name for r in lora.roles] == ["policy"]
+    assert not full.fits and lora.fits
+    policy, n, a = lora.roles[0], memory.model_size("8b").params, 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432)
+    assert policy.adapters == a
+    full_adapters = memory.plan("sft", "8b", "zero2-zero3", world_size=1, micro_batch=1, seq_len=8).roles[0]
+    assert policy.optimizer == pytest.approx(full_adapters.optimizer * a / n)  # Adam states of the adapters only
+    assert policy.params == pytest.approx(2 * n + 2 * a)
+    # ZeRO-3 shards the frozen base as it shards a trained model; PPO's value model still trains in full.
+    ppo = memory.plan("ppo", "8b", "zero3", world_size=4, micro_batch=4, seq_len=512, lora=memory.Lora())
+    by = {r.name: r for r in ppo.roles}
+    assert sorted(by) == ["policy", "reward", "value"] and by["value"].adapters == 0
+    assert by["policy"].params == pytest.approx(2 * n / 4 + 2 * by["policy"].adapters / 4)
+    assert cli.main(["plan", "--workload", "grpo", "--shape", "8b", "--world-size", "1", "--micro-batch", "16",
+                     "--response-len", "256", "--mix", "zero2-zero3", "--gradient-checkpointing", "--use-peft",
+                     "--lora-target-modules", "all-linear", "--master-weights", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "41.94M adapter parameters" in out and "no reference role" in out and "reference  " not in out
+    assert cli.main(["plan", "--lora-r", "8"]) == 2
+    assert "add --use-peft" in capsys.readouterr().err

@@ -27,6 +27,7 @@ from ..trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 from .args import demo_config, parse_config, require_dataset, run_script
 from .data import eval_steps_per_epoch, load_train_eval
 from .hub import push_to_hub
+from .ppo import saved_as
 
 
 @dataclass
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  held-out {name:10s} {before['eval/' + name]:.4f} -> {after['eval/' + name]:.4f} "
                   f"(falls {before['eval/' + name] / after['eval/' + name]:.1f}x)")
     Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"  student saved to {final} (from_pretrained loads it); metrics in {cfg.output_dir}/metrics.jsonl")
+    print(f"  student {saved_as(cfg)} to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
     if cfg.push_to_hub:
         print(f"pushed to {push_to_hub(cfg, final)}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..lora import LoraFields
 from ..trainers.ppo import PPOConfig, PPOTrainer
 from .args import demo_config, parse_config, require_dataset, run_script
 from .hub import push_to_hub
@@ -31,6 +32,13 @@ def summarize(history: list[dict], cfg: PPOConfig) -> dict:
             "resumed_from": cfg.resume_from_checkpoint, "mix": cfg.mix, "output_dir": cfg.output_dir}
 
 
+def saved_as(cfg: LoraFields) -> str:
+    """How the trained model was saved: its adapters (PEFT format) or a whole model."""
+    if cfg.use_peft and not cfg.merge_adapters:
+        return "adapters saved (PEFT format: PeftModel.from_pretrained loads them onto the base)"
+    return "saved" + (" with the adapters merged in" if cfg.use_peft else "") + " (from_pretrained loads it)"
+
+
 def main(argv: list[str] | None = None) -> None:
     (cfg,) = parse_config(PPOConfig, demo_config("ppo"), argv, prog="posttrain ppo")
     require_dataset([cfg])
@@ -47,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{summary['score_last_tenth']:+.3f}  (rise {summary['score_rise']:+.3f})")
         print("  time per phase (s): " + ", ".join(f"{k.split('/')[1]} {v}"
                                                   for k, v in summary["seconds_per_phase"].items()))
-        print(f"  policy saved to {final} (from_pretrained loads it), value model to {final / 'value'}; "
+        print(f"  policy {saved_as(cfg)} to {final}, value model to {final / 'value'}; "
               f"metrics in {cfg.output_dir}/metrics.jsonl")
     if cfg.push_to_hub:
         print(f"pushed to {push_to_hub(cfg, final)}")

@@ -9,6 +9,9 @@ the teacher (``seq_kd``, sequence-level KD), else from the dataset, as in TRL's 
 Placement: the student trains under its role's plugin (default ZeRO-2, whole on every rank) while
 the teacher is sharded for inference (default ZeRO-3), the first scenario of accelerate's
 multi-model DeepSpeed guide.
+
+LoRA (``use_peft``, TRL's flags): the student trains adapters on its frozen base, as GKDTrainer
+given a ``peft_config``; the teacher keeps its own frozen role and plugin.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from ..demo import tiny
 from ..dsconfig import ConfigError
+from ..lora import LoraFields, add_adapters, lora_config
 from .common import (
     Phases,
     TrainConfig,
@@ -39,7 +43,7 @@ from .online import left_pad
 
 
 @dataclass
-class DistillConfig(TrainConfig):
+class DistillConfig(TrainConfig, LoraFields):
     """Distillation settings; names follow TRL's GKDConfig / DistillationConfig."""
 
     output_dir: str = "runs/distill"
@@ -58,6 +62,8 @@ class DistillConfig(TrainConfig):
     max_new_tokens: int = 128  # TRL's GKDConfig
     generation_backend: str = "posttrain"  # "posttrain" (posttrain.rollout's engine) | "hf" (transformers' generate)
     max_length: int = 128  # prompt + completion tokens of a dataset row (generation adds max_new_tokens)
+    # GKDConfig's default: the student's dropout (LoRA's too) is off, so the loss is deterministic.
+    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()  # TrainConfig's checks
@@ -195,6 +201,13 @@ class DistillTrainer(Trainer):
         self.total_steps = self.count_steps()
         s = self.session = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps)
         student = s.load("student", self.student_path)
+        peft_config = lora_config(cfg)
+        if peft_config is not None:
+            student = add_adapters(student, peft_config)
+        if cfg.disable_dropout:  # after the adapters, as GKDTrainer (SFTTrainer wraps the model first)
+            from trl.trainer.utils import disable_dropout_in_model
+
+            disable_dropout_in_model(student)
         opt, sched = optimizer_and_scheduler(student, cfg, self.total_steps)
         self.student = s.prepare("student", student, opt, sched)
         self.teacher = s.prepare("teacher", s.load("teacher", cfg.teacher_model_name_or_path))

@@ -11,6 +11,10 @@ to each model's norm rather than to their joint norm.
 Roles: ``policy`` and ``value`` train (ZeRO-2 by default); ``reference`` and ``reward`` are frozen
 (ZeRO-3 by default). The reward is a sequence-classification model, Python functions on the
 decoded text, or both (a weighted sum).
+
+LoRA (``use_peft``), as TRL's PPOTrainer up to 1.12 with a ``peft_config``: the policy carries the
+adapters and the reference is its base with the adapters disabled (no reference role, no
+reference memory); the value model trains in full, as TRL's did.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from .. import rewards
 from ..demo import tiny
 from ..dsconfig import ConfigError
+from ..lora import LoraFields, adapters_disabled, add_adapters, lora_config
 from ..preference import check_conversation
 from .common import (
     Phases,
@@ -45,12 +50,12 @@ INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a respon
 
 
 @dataclass
-class PPOConfig(TrainConfig):
+class PPOConfig(TrainConfig, LoraFields):
     """PPO settings; names follow TRL's PPOConfig (up to 1.12) where the concept is the same."""
 
     # Models: hub names or local paths. None: the built-in tiny default.
     model_name_or_path: str | None = None  # the policy (TRL: sft_model_path)
-    ref_model_name_or_path: str | None = None  # default: the policy's
+    ref_model_name_or_path: str | None = None  # default: the policy's; with use_peft, the policy's base
     reward_model_path: str | None = None  # a sequence-classification model; "none" to use only reward_funcs
     value_model_path: str | None = None  # default: the reward model; any causal LM backbone also works
     reward_funcs: list[str] = field(default_factory=list)  # "module:function" on decoded text
@@ -94,6 +99,9 @@ class PPOConfig(TrainConfig):
             raise ConfigError(f"stop_token must be None or 'eos', got {self.stop_token!r}; use stop_token_id")
         if self.generation_backend not in ("posttrain", "hf"):
             raise ConfigError(f"generation_backend must be 'posttrain' or 'hf', got {self.generation_backend!r}")
+        if self.use_peft and self.ref_model_name_or_path:
+            raise ConfigError("use_peft takes its reference from the policy's base model (adapters disabled): drop "
+                              "ref_model_name_or_path, or drop use_peft to use a reference model of its own")
 
 
 # -- the math (TRL <= 1.12's helpers; TRL 1.16 no longer ships them) ---------------------------
@@ -227,6 +235,13 @@ def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) ->
     }
 
 
+def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    from trl.trainer.utils import disable_dropout_in_model
+
+    disable_dropout_in_model(model)
+    return model
+
+
 # -- the trainer -----------------------------------------------------------------------------
 class PPOTrainer(Trainer):
     """PPO with per-role placement. ``train()`` returns the logged metrics, one dict per logging
@@ -235,7 +250,8 @@ class PPOTrainer(Trainer):
 
     name = "ppo"
     shown = ("objective/scores", "objective/kl", "loss/policy_avg")
-    roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"]}  # reward: when a reward model is given
+    # reward: when a reward model is given; reference: unless use_peft (then the policy's base)
+    roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"]}
 
     def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -286,20 +302,26 @@ class PPOTrainer(Trainer):
             self.num_updates = min(self.num_updates, cfg.max_steps)
         optimizer_steps = self.num_updates * cfg.num_ppo_epochs * cfg.num_mini_batches
 
-        frozen = ["reference"] + (["reward"] if reward_path else [])
+        # With adapters the reference is the policy's base (adapters disabled): no role of its own.
+        self.peft_config = lora_config(cfg)
+        frozen = ([] if self.peft_config is not None else ["reference"]) + (["reward"] if reward_path else [])
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps)
         self.has_reward_model = reward_path is not None
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_path)
         policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
+        if self.peft_config is not None:
+            policy = add_adapters(policy, self.peft_config)
         value = s.load("value", value_path, model_cls=AutoModelForSequenceClassification, num_labels=1)
         value.config.pad_token_id = self.tokenizer.pad_token_id
         for name, model in (("policy", policy), ("value", value)):
+            _no_dropout(model)  # TRL's PPOTrainer, every model (LoRA's dropout too): rollout and update agree
             opt, sched = optimizer_and_scheduler(model, cfg, optimizer_steps)
             s.prepare(name, model, opt, sched)
-        s.prepare("reference", s.load("reference", cfg.ref_model_name_or_path or policy_path))
+        if self.peft_config is None:
+            s.prepare("reference", _no_dropout(s.load("reference", cfg.ref_model_name_or_path or policy_path)))
         if reward_path:
-            reward = s.load("reward", reward_path, model_cls=AutoModelForSequenceClassification)
+            reward = _no_dropout(s.load("reward", reward_path, model_cls=AutoModelForSequenceClassification))
             self.reward_input.prepare(reward)
             s.prepare("reward", reward)
         self.phases = Phases()
@@ -362,8 +384,7 @@ class PPOTrainer(Trainer):
         post_qr = torch.cat((queries, post), 1)
         sequence_lengths = first_true_indices(post == pad) - 1
         with self.phases("score"):
-            with s.activate("reference"):
-                ref_logprobs = by_chunk(lambda qr: lm_logprobs(s.engines["reference"], qr, ctx, pad, cfg.temperature)[0])
+            ref_logprobs = by_chunk(lambda qr: self.reference_logprobs(qr, ctx))
             scores = torch.zeros(queries.shape[0], device=queries.device)
             texts = self.tokenizer.batch_decode(post, skip_special_tokens=True)
             if prompts is None:
@@ -383,6 +404,17 @@ class PPOTrainer(Trainer):
                 scores += rewards.weighted_sum(per_func, self.reward_weights).to(scores.dtype)
         return self.advantages(responses, post, logprobs, ref_logprobs, values, scores, sequence_lengths,
                                query_responses=query_responses, texts=texts)
+
+    @torch.no_grad()
+    def reference_logprobs(self, query_responses: torch.Tensor, context_length: int) -> torch.Tensor:
+        """The reference's log-probs of the responses: its own role, or with adapters the policy's
+        base (TRL's ``null_ref_context``)."""
+        cfg, s, pad = self.cfg, self.session, self.tokenizer.pad_token_id
+        if self.peft_config is not None:
+            with adapters_disabled(s.engines["policy"]):
+                return lm_logprobs(s.engines["policy"], query_responses, context_length, pad, cfg.temperature)[0]
+        with s.activate("reference"):
+            return lm_logprobs(s.engines["reference"], query_responses, context_length, pad, cfg.temperature)[0]
 
     def advantages(self, responses: torch.Tensor, post: torch.Tensor, logprobs: torch.Tensor,
                    ref_logprobs: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,

@@ -92,7 +92,7 @@ def main(out: str) -> None:
     res["zero2_ptrs_unchanged"] = ptrs(module2) == before
     res["zero2_weights_changed"] = any(not torch.equal(v, p) for v, p in zip(values, module2.parameters()))
     res["zero2_storage_moves"] = rollouts["p2"].stats["storage_moves"]
-    shadow_params = {p.untyped_storage().data_ptr() for p in rollouts["p3"].shadow.module.parameters()}
+    shadow_params = {v.untyped_storage().data_ptr() for v in rollouts["p3"].shadow.views.values()}
     res["zero3_shadow_ptr_stable"] = (shadow_ptrs[0] == shadow_ptrs[1]
                                       and shadow_params == {rollouts["p3"].shadow.flat.untyped_storage().data_ptr()})
     res["stats"] = {name: r.stats for name, r in rollouts.items()}

@@ -373,6 +373,15 @@ def test_zero3_policy_rollout_equals_zero2(dist):
     assert dist["zero3_logprob_diff"] < 1e-5
 
 
+def test_lora_policy_under_zero3_equals_zero2(dist):
+    """A peft policy's rollout under ZeRO-3 (base and adapters gathered into the shadow) equals its
+    ZeRO-2 rollout and the adapted forward, before and after the adapters train."""
+    lora = dist["lora"]
+    assert lora["backends"] == ["posttrain"] * 3 and lora["lora_mode"] == ["merged", "merged", "live"]
+    assert lora["equal"] == [True, True] and lora["changed"]
+    assert lora["logprob_diff"] < 1e-5
+
+
 @torch.no_grad()
 def test_bf16_engine_is_as_close_to_a_forward_as_generate_is():
     """In bf16 neither decode equals a full forward exactly; the engine must be no further from it

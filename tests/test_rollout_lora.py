@@ -147,3 +147,16 @@ def test_prompt_learning_and_embedding_lora_fall_back(base):
     prefix = get_peft_model(copy.deepcopy(base), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
     assert "prompt learning" in adapters.unsupported_reason(prefix)
     assert adapters.unsupported_reason(base) is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_projections_with_adapters(mode, base, tok, prompts, monkeypatch):
+    """POSTTRAIN_ROLLOUT_FUSE=1: q|k|v and gate|up copies hold the merged weights ("merged") or the
+    base, the adapters' terms added to each part ("live"); both decode the peft forward."""
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_FUSE", "1")
+    model, (ids, mask) = with_adapters(base, extras=True), prompts
+    r = rollout(model, tok, engine_options=dict(lora_mode=mode))
+    torch.manual_seed(6)
+    out = r.generate(ids, mask)
+    assert r.stats["fused_weight_bytes"] > 0 and r.stats["lora_mode"] == mode
+    assert (forward_logprobs(model, out, mask) - out.logprobs).abs().max().item() < 1e-5

@@ -11,7 +11,7 @@ which returns the base weight and bias plus the adapters' terms, as one of two m
   merge arithmetic: the delta in the adapter's dtype, added to the weight's), rewritten in place
   once per rollout, so the step runs the plain model's kernels and a captured graph keeps its
   addresses. Memory: one extra copy of every adapted matrix (LoRA on all linear layers of the 8B
-  Llama shape: about 13 GB in bf16; of the 1.1B: about 1.9 GB).
+  Llama shape: about 14 GB in bf16; of the 1.1B: about 1.9 GB).
 - ``"live"``: the step adds ``(x @ A^T) @ B^T * scaling`` to each base projection, reading the live
   adapter parameters (as peft's forward does: input cast to the adapter's dtype, the sum cast back),
   two small GEMMs more per adapted projection, no extra copy.

@@ -164,19 +164,20 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None =
 def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]]:
     """Empty q|k|v (+bias) and gate|up (+bias) buffers per layer (POSTTRAIN_ROLLOUT_FUSE=1): 4 GEMMs
     per layer and token instead of 7, at the cost of a copy of those weights."""
-    def empty_cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        if any(t is None for t in ts):
-            return None
+    def empty_cat(ts: list[torch.Tensor]) -> torch.Tensor:
         return torch.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), dtype=ts[0].dtype, device=ts[0].device)
 
     out = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = [src.linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
-        gate_up = [src.linear(m) for m in (mlp.gate_proj, mlp.up_proj)]
-        out.append({"qkv": empty_cat([w for w, _, _ in qkv]), "qkvb": empty_cat([b for _, b, _ in qkv]),
-                    "gate_up": empty_cat([w for w, _, _ in gate_up]),
-                    "gate_upb": empty_cat([b for _, b, _ in gate_up])})
+        entry: dict[str, torch.Tensor | None] = {}
+        for key, modules in (("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))):
+            parts = [src.linear(m) for m in modules]
+            entry[key] = empty_cat([w for w, _, _ in parts])
+            # A bias if any part has one (a LoRA bias on q alone, say); the others' parts are zeros.
+            entry[key + "b"] = empty_cat([w[:, 0] for w, _, _ in parts]) if any(b is not None for _, b, _ in parts) \
+                else None
+        out.append(entry)
     return out
 
 
@@ -190,7 +191,7 @@ def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]],
             parts = [src.linear(m) for m in modules]
             torch.cat([w for w, _, _ in parts], out=entry[key])
             if entry[key + "b"] is not None:
-                torch.cat([b for _, b, _ in parts], out=entry[key + "b"])
+                torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b, _ in parts], out=entry[key + "b"])
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, terms: Any) -> torch.Tensor:

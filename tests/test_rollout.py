@@ -470,6 +470,34 @@ def test_more_sequences_than_slots_stream_through(models, tok, grouped):
     assert torch.equal(one.sequences[0], alone.sequences[0])
 
 
+def test_generation_kv_slots_is_a_config_field(models, tok, grouped):
+    """``RolloutFields.generation_kv_slots`` (a trainer config mixin): checked by its flag, and as
+    Rollout's ``kv_slots`` it caps the cache at that many sequences with the same samples."""
+    from dataclasses import dataclass
+
+    from posttrain.rollout import RolloutFields, check_rollout_fields
+
+    @dataclass
+    class Cfg(RolloutFields):
+        pass
+
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ConfigError, match="--generation_kv_slots"):
+            check_rollout_fields(Cfg(generation_kv_slots=bad))
+    check_rollout_fields(Cfg())
+    cfg = Cfg(generation_kv_slots=4)
+    check_rollout_fields(cfg)
+    model, (ids, mask) = models["llama"], grouped
+    r = rollout(model, tok, max_batch=ids.shape[0], max_prompt_len=ids.shape[1], kv_slots=cfg.generation_kv_slots)
+    torch.manual_seed(9)
+    capped = r.generate(ids, mask)
+    assert r.engine.slots == 4 and r.stats["kv_cache_bytes"] == r.engine.cache_nbytes
+    full = rollout(model, tok, max_batch=ids.shape[0], max_prompt_len=ids.shape[1])
+    torch.manual_seed(9)
+    assert torch.equal(full.generate(ids, mask).sequences, capped.sequences)
+    assert full.engine.slots == ids.shape[0] and full.stats["kv_cache_bytes"] > r.stats["kv_cache_bytes"]
+
+
 def test_rows_sharing_a_prompt_prefill_it_once(models, tok, grouped):
     """A GRPO group's rows share their prompt's prefill (one row per distinct prompt), with the
     same samples as prefilling every row."""

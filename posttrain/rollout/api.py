@@ -14,7 +14,7 @@ the same key gives the same samples on CPU and GPU, in either backend, in any sl
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,28 @@ from .shadow import ShadowModel
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("posttrain", "hf")
+
+
+@dataclass
+class RolloutFields:
+    """The engine's settings for a trainer's config (a mixin, as ``posttrain.lora.LoraFields``);
+    the trainer passes ``generation_kv_slots`` as :class:`Rollout`'s ``kv_slots``."""
+
+    # The KV budget in sequences: the engine's cache holds this many sequences of prompt +
+    # completion tokens; a generation batch with more streams through as slots free (same samples).
+    # None: one slot per sequence of the trainer's generation batch (its per-process
+    # generation_batch_size in GRPO/RLOO), the fastest and the most memory. Named after
+    # generation_backend / generation_batch_size; TRL has no such setting (its vLLM server's
+    # counterpart is max_num_seqs).
+    generation_kv_slots: int | None = None
+
+
+def check_rollout_fields(cfg: RolloutFields) -> None:
+    """Refuse an impossible KV budget by its flag before anything loads."""
+    slots = cfg.generation_kv_slots
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+        raise ConfigError(f"generation_kv_slots must be a whole number >= 1 or null (one slot per sequence of a "
+                          f"generation batch), got {slots!r}: set --generation_kv_slots")
 
 
 class Rollout:

@@ -39,9 +39,10 @@ after every stage; stages stop being started after ``--budget-s`` seconds.
     git show 2c7536f:posttrain/rollout.py > /tmp/rollout_2c7536f.py
     python benchmarks/rollout_bench.py --shapes 1b --baseline /tmp/rollout_2c7536f.py --hf --out r.json
 
-LoRA decode on one H200 (1.1B and the 8B Llama shape, bf16; about 6 minutes):
+LoRA decode on one H200 (1.1B and the 8B Llama shape, bf16; about 6 minutes; no variant is started
+after 480 s):
 
-    python benchmarks/rollout_bench.py --shapes 1b,8b --cases lora --out lora_decode.json
+    python benchmarks/rollout_bench.py --shapes 1b,8b --cases lora --budget-s 480 --out lora_decode.json
 """
 
 from __future__ import annotations
@@ -340,7 +341,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
 
 
 def bench_lora(shape: str, args: argparse.Namespace, device: torch.device, out: list[dict[str, Any]],
-               write: Any) -> None:
+               write: Any, t_start: float) -> None:
     """The ``lora`` case (see the module docstring): one row per variant appended to ``out``."""
     from peft import LoraConfig, get_peft_model
 
@@ -369,6 +370,11 @@ def bench_lora(shape: str, args: argparse.Namespace, device: torch.device, out: 
     def measure(variant: str, model: Any, gap_model: Any, **options: Any) -> None:
         row: dict[str, Any] = {"shape": shape, "case": "lora", "variant": variant, "rows": chunk, "prompt_len": p,
                                "new_tokens": n, "lora_r": args.lora_r}
+        if time.perf_counter() - t_start > args.budget_s:
+            row["error"] = "skipped: --budget-s spent"
+            out.append(row)
+            write()
+            return
         try:
             r = Rollout(None, "policy", sampling, max_batch=chunk, max_prompt_len=p, model=model,
                         engine_options=options or None)
@@ -525,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             write()
         if "lora" in cases:
-            bench_lora(shape, args, device, lora_rows, write)
+            bench_lora(shape, args, device, lora_rows, write, start)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(table(rows))

@@ -61,12 +61,15 @@ def base(tok):
     return build("llama", tok)
 
 
-@pytest.mark.parametrize("extras", [False, True], ids=["all-linear", "extras"])
+@pytest.mark.parametrize("case", ["all-linear", "extras", "qwen2"])
 @pytest.mark.parametrize("mode", MODES)
-def test_adapted_rollout_equals_the_peft_forward_not_the_base(mode, extras, base, tok, prompts):
+def test_adapted_rollout_equals_the_peft_forward_not_the_base(mode, case, base, tok, prompts):
     """Sampled log-probs equal a forward of the peft model within 1e-5 and greedy tokens equal
-    peft's own generate; the base model decodes something else (so this can fail)."""
-    model, (ids, mask) = with_adapters(base, extras), prompts
+    peft's own generate; the base model decodes something else (so this can fail). qwen2: base
+    q/k/v biases and tied embeddings under the adapters."""
+    if case == "qwen2":
+        base = build("qwen2", tok)
+    model, (ids, mask) = with_adapters(base, case == "extras"), prompts
     r = rollout(model, tok, engine_options=dict(lora_mode=mode))
     torch.manual_seed(5)
     out = r.generate(ids, mask)
@@ -80,6 +83,12 @@ def test_adapted_rollout_equals_the_peft_forward_not_the_base(mode, extras, base
     plain = rollout(base, tok, do_sample=False).generate(ids, mask)
     assert not torch.equal(plain.sequences, greedy.sequences)
     assert (forward_logprobs(base, greedy, mask) - greedy.logprobs).abs().max().item() > 1e-2
+    if case == "extras":  # another active set, the same engine: what peft's forward now gives
+        model.base_model.set_adapter("second")
+        torch.manual_seed(5)
+        other = r.generate(ids, mask)
+        assert (forward_logprobs(model, other, mask) - other.logprobs).abs().max().item() < 1e-5
+        assert (other.logprobs - out.logprobs).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -26,9 +26,9 @@ random prompts (all real tokens), sampling at temperature 1, top-k off. Cases (`
   with peft LoRA adapters (r ``--lora-r``, alpha 2r, every linear layer but the LM head, random
   non-zero B) in the engine's two modes, side by side with the same model merged into a plain one
   (``merge_and_unload``: the target is at most 1.15x its time): ``merged`` (persistent W + sBA
-  buffers, refreshed per rollout; its refresh is timed too), ``live`` with float32 adapters (peft's
-  default beside a bf16 base) and ``live`` with bf16 adapters (as DeepSpeed's bf16 engine casts
-  them). Per variant: ms per token of the decode step alone (64 replays of the bucket
+  buffers, refreshed per rollout; its refresh is timed too), ``live`` and ``grouped`` (q|k|v and
+  gate|up share one low-rank product) each with float32 adapters (peft's default beside a bf16
+  base) and with bf16 adapters (as DeepSpeed's bf16 engine casts them). Per variant: ms per token of the decode step alone (64 replays of the bucket
   ``--chunk`` rows x prompt + new columns, CUDA events), the whole rollout (every row to the end)
   and its decode ms per step, compile/capture status, extra bytes, and the log-prob gap against
   a forward of the adapted peft model (8 rows). Rows are written to ``--out`` as each finishes.
@@ -39,10 +39,11 @@ after every stage; stages stop being started after ``--budget-s`` seconds.
     git show 2c7536f:posttrain/rollout.py > /tmp/rollout_2c7536f.py
     python benchmarks/rollout_bench.py --shapes 1b --baseline /tmp/rollout_2c7536f.py --hf --out r.json
 
-LoRA decode on one H200 (1.1B and the 8B Llama shape, bf16; about 6 minutes; no variant is started
-after 480 s):
+LoRA decode on one H200 (bf16; six variants per shape side by side, one invocation per shape,
+each a few minutes; no variant is started after --budget-s):
 
-    python benchmarks/rollout_bench.py --shapes 1b,8b --cases lora --budget-s 480 --out lora_decode.json
+    python benchmarks/rollout_bench.py --shapes 1b --cases lora --budget-s 420 --out lora_1b.json
+    python benchmarks/rollout_bench.py --shapes 8b --cases lora --budget-s 420 --out lora_8b.json
 """
 
 from __future__ import annotations
@@ -429,6 +430,7 @@ def bench_lora(shape: str, args: argparse.Namespace, device: torch.device, out: 
         if dtype == torch.float32:
             measure("merged", model, model, lora_mode="merged")
         measure(f"live_{tag}_adapters", model, model, lora_mode="live")
+        measure(f"grouped_{tag}_adapters", model, model, lora_mode="grouped")
         policy = model.unload()  # the base again, without adapters, for the next variant
     model = adapted(torch.bfloat16)
     plain = model.merge_and_unload()

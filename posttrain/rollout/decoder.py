@@ -129,8 +129,8 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None =
     base = model.model
     norm = src.module
 
-    def linear(entry: dict[str, Any], key: str, module: nn.Module, weight: bool = True) -> None:
-        w, b, terms = src.linear(module)
+    def linear(entry: dict[str, Any], key: str, module: nn.Module, weight: bool = True, own: bool = True) -> None:
+        w, b, terms = src.linear(module, terms=own)
         if weight:
             entry[key] = w
             if b is not None:
@@ -145,10 +145,13 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None =
                                  "ln2": src.tensor(norm(layer.post_attention_layernorm).weight)}
         if fused:
             entry.update({k: v for k, v in fused[i].items() if v is not None})
-        for key, module in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj)):
-            linear(entry, key, module, weight="qkv" not in entry)
-        for key, module in (("gate", mlp.gate_proj), ("up", mlp.up_proj)):
-            linear(entry, key, module, weight="gate_up" not in entry)
+        for group, keys, modules in (("qkv", ("q", "k", "v"), (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                     ("gate_up", ("gate", "up"), (mlp.gate_proj, mlp.up_proj))):
+            terms = src.group(modules)  # LoRA mode "grouped": one low-rank product for the group
+            if terms:
+                entry[group + "_lora"] = terms
+            for key, module in zip(keys, modules):
+                linear(entry, key, module, weight=group not in entry, own=not terms)
         linear(entry, "o", attn.o_proj)
         linear(entry, "down", mlp.down_proj)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
@@ -206,6 +209,19 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, terms: Any) -> torch.Tensor:
     return out.to(y.dtype)
 
 
+def lora_add_parts(ys: list[torch.Tensor], x: torch.Tensor, terms: Any) -> list[torch.Tensor]:
+    """:func:`lora_add` for projections of one input whose adapters are stacked (LoRA mode
+    "grouped"): one product per adapter, split into each part's columns."""
+    if not terms:
+        return ys
+    outs, sizes = list(ys), [y.shape[-1] for y in ys]
+    for a, b, b_bias, scale in terms:
+        x = x.to(a.dtype)
+        delta = (F.linear(F.linear(x, a), b, b_bias) * scale).split(sizes, dim=-1)
+        outs = [o + d for o, d in zip(outs, delta)]
+    return [o.to(y.dtype) for o, y in zip(outs, ys)]
+
+
 def linear(w: dict[str, Any], key: str, x: torch.Tensor) -> torch.Tensor:
     """Projection ``key`` of ``x`` (with its bias and LoRA terms, if any)."""
     return lora_add(F.linear(x, w[key], w.get(key + "b")), x, w.get(key + "_lora"))
@@ -245,6 +261,7 @@ def qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, cos: tor
         q, k, v = lora_add(q, h, w.get("q_lora")), lora_add(k, h, w.get("k_lora")), lora_add(v, h, w.get("v_lora"))
     else:
         q, k, v = linear(w, "q", h), linear(w, "k", h), linear(w, "v", h)
+    q, k, v = lora_add_parts([q, k, v], h, w.get("qkv_lora"))
     q, k = q.view(b, t, -1, d), k.view(b, t, -1, d)
     v = v.reshape(b, t, -1, d).transpose(1, 2)
     if "qn" in w:
@@ -265,6 +282,7 @@ def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor
         gate, up = lora_add(gate, h, w.get("gate_lora")), lora_add(up, h, w.get("up_lora"))
     else:
         gate, up = linear(w, "gate", h), linear(w, "up", h)
+    gate, up = lora_add_parts([gate, up], h, w.get("gate_up_lora"))
     return x + linear(w, "down", spec.act(gate) * up)
 
 

@@ -1,10 +1,10 @@
 """peft LoRA adapters as the decode engine reads them: which layers carry them, what it cannot run
-exactly (then ``generate``, with the reason), and the two ways it applies them.
+exactly (then ``generate``, with the reason), and the three ways it applies them.
 
 A peft ``LoraLayer`` keeps the base projection in ``base_layer`` and one ``lora_A``/``lora_B`` pair
 per adapter; its ``weight`` is the base weight, so a decoder that reads ``q_proj.weight`` silently
 drops the adapters. Here every projection the decoder reads goes through :meth:`Adapters.linear`,
-which returns the base weight and bias plus the adapters' terms, as one of two modes
+which returns the base weight and bias plus the adapters' terms, as one of three modes
 (``lora_mode``, the engine option; default ``POSTTRAIN_ROLLOUT_LORA`` or ``"merged"``):
 
 - ``"merged"``: one persistent buffer per adapted matrix holds ``W + scaling * B @ A`` (peft's own
@@ -18,10 +18,11 @@ which returns the base weight and bias plus the adapters' terms, as one of two m
 - ``"grouped"``: ``"live"`` with the projections that share an input (q|k|v, gate|up) taking one
   low-rank product per adapter: their A's stacked and their B's as one block-diagonal matrix, with
   a per-row scaling, copied in place once per rollout (r 16 at 8B with float32 adapters: about
-  0.2 GB): 8 small GEMMs per layer instead of 14. Where the modules of a group do not carry the same adapters, each keeps its own terms.
+  0.2 GB): 8 small GEMMs per layer instead of 14. Where the modules of a group do not carry the
+  same adapters, each keeps its own terms.
 
-Either way an in-place update of the adapters (an optimizer step) is seen by the next rollout with
-no recompile and no recapture, and the scalings are 0-dim buffers the step reads, so switching
+In each mode an in-place update of the adapters (an optimizer step) is seen by the next rollout
+with no recompile and no recapture, and the scalings are buffers the step reads, so switching
 adapters off or on (peft's ``disable_adapter``), or changing which adapter is active, changes
 values, not graphs. Semantics follow peft's ``lora.Linear.forward`` in eval mode: the active
 adapters that the layer has, summed in order; none when adapters are disabled or already merged

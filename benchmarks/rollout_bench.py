@@ -22,11 +22,28 @@ random prompts (all real tokens), sampling at temperature 1, top-k off. Cases (`
 - ``prepared``: the model prepared as GRPO prepares its policy (gradient checkpointing, TRL's fused
   LM head, train mode): does the engine keep its compiled step (and the baseline?).
 
+- ``lora`` (issue 21; run alone, it builds its own models): decode time per token of a policy
+  with peft LoRA adapters (r ``--lora-r``, alpha 2r, every linear layer but the LM head, random
+  non-zero B) in the engine's two modes, side by side with the same model merged into a plain one
+  (``merge_and_unload``: the target is at most 1.15x its time): ``merged`` (persistent W + sBA
+  buffers, refreshed per rollout; its refresh is timed too), ``live`` and ``grouped`` (q|k|v and
+  gate|up share one low-rank product) each with float32 adapters (peft's default beside a bf16
+  base) and with bf16 adapters (as DeepSpeed's bf16 engine casts them). Per variant: ms per token of the decode step alone (64 replays of the bucket
+  ``--chunk`` rows x prompt + new columns, CUDA events), the whole rollout (every row to the end)
+  and its decode ms per step, compile/capture status, extra bytes, and the log-prob gap against
+  a forward of the adapted peft model (8 rows). Rows are written to ``--out`` as each finishes.
+
 A row whose engine compile or capture fell back is marked ``degraded``, not ``ok``. JSON is written
 after every stage; stages stop being started after ``--budget-s`` seconds.
 
     git show 2c7536f:posttrain/rollout.py > /tmp/rollout_2c7536f.py
     python benchmarks/rollout_bench.py --shapes 1b --baseline /tmp/rollout_2c7536f.py --hf --out r.json
+
+LoRA decode on one H200 (bf16; six variants per shape side by side, one invocation per shape,
+each a few minutes; no variant is started after --budget-s):
+
+    python benchmarks/rollout_bench.py --shapes 1b --cases lora --budget-s 420 --out lora_1b.json
+    python benchmarks/rollout_bench.py --shapes 8b --cases lora --budget-s 420 --out lora_8b.json
 """
 
 from __future__ import annotations
@@ -324,6 +341,109 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     return res
 
 
+def bench_lora(shape: str, args: argparse.Namespace, device: torch.device, out: list[dict[str, Any]],
+               write: Any, t_start: float) -> None:
+    """The ``lora`` case (see the module docstring): one row per variant appended to ``out``."""
+    from peft import LoraConfig, get_peft_model
+
+    from posttrain.rollout import Rollout, SamplingParams
+    from posttrain.rollout.engine import Clock
+
+    chunk = args.chunk or CHUNK.get(shape, 64)
+    p, n = args.prompt_len, args.new_tokens
+    policy = build(shape, device, torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(3, policy.config.vocab_size, (chunk, p), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    sampling = SamplingParams(max_new_tokens=n, pad_token_id=0, temperature=1.0, min_new_tokens=n)
+
+    def adapted(dtype: torch.dtype) -> Any:
+        cfg = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.05, target_modules="all-linear")
+        model = get_peft_model(policy, cfg, autocast_adapter_dtype=dtype == torch.float32)
+        with torch.no_grad():
+            for name, q in model.named_parameters():
+                if "lora_" in name:
+                    q.data = q.data.to(dtype)
+                    if "lora_B" in name:
+                        q.normal_(0.0, 0.01, generator=torch.Generator(device=q.device).manual_seed(2))
+        return model.eval()
+
+    def measure(variant: str, model: Any, gap_model: Any, **options: Any) -> None:
+        row: dict[str, Any] = {"shape": shape, "case": "lora", "variant": variant, "rows": chunk, "prompt_len": p,
+                               "new_tokens": n, "lora_r": args.lora_r}
+        if time.perf_counter() - t_start > args.budget_s:
+            row["error"] = "skipped: --budget-s spent"
+            out.append(row)
+            write()
+            return
+        try:
+            r = Rollout(None, "policy", sampling, max_batch=chunk, max_prompt_len=p, model=model,
+                        engine_options=options or None)
+            torch.manual_seed(0)
+            first, _, _ = timed(lambda: r.generate(ids, mask), 1)
+            timed(lambda: r.generate(ids, mask), 1)
+            r.profile = True
+            prof: list[dict[str, float]] = []
+
+            def one() -> Any:
+                o = r.generate(ids, mask)
+                prof.append(dict(r.timings))
+                return o
+
+            s, times, o = timed(one, args.repeats)
+            e = r.engine
+            length = e.length_bucket_for(p + n)
+            e.run(chunk, length, 4)  # the bucket captured, outside the timing
+            clock = Clock(device)
+            e.run(chunk, length, 64)
+            step_ms = clock.lap() / 64
+            refresh = []
+            for _ in range(3):
+                clock.lap()
+                e.adapters.refresh()
+                refresh.append(clock.lap())
+            decode = statistics.median(t["decode_ms"] / max(1, t["decode_steps"]) for t in prof)
+            row.update(step_ms=step_ms, rollout_s=s, rollout_all_s=times, first_s=first, decode_ms_per_step=decode,
+                       prefill_ms=statistics.median(t["prefill_ms"] for t in prof),
+                       refresh_ms=statistics.median(refresh), lora_mode=r.stats.get("lora_mode"),
+                       lora_merged_bytes=r.stats.get("lora_merged_bytes", 0), **engine_summary(r.stats))
+            row["logprob_gap"] = forward_gap(gap_model, o if o.sequences.shape[0] <= 8 else type(o)(
+                sequences=o.sequences[:8], completion_ids=o.completion_ids[:8], completion_mask=o.completion_mask[:8],
+                logprobs=o.logprobs[:8]))
+            if device.type == "cuda":
+                row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            r = e = None  # free the engine (its cache and buffers) before the next variant
+        except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others
+            row["error"] = f"{type(err).__name__}: {err}"[:2000]
+            traceback.print_exc()
+        sync()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        out.append(row)
+        write()
+        print(f"[{shape}] lora {variant}: {json.dumps({k: row.get(k) for k in ('step_ms', 'rollout_s', 'status', 'error')})}",
+              flush=True)
+
+    for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        model = adapted(dtype)
+        if dtype == torch.float32:
+            measure("merged", model, model, lora_mode="merged")
+        measure(f"live_{tag}_adapters", model, model, lora_mode="live")
+        measure(f"grouped_{tag}_adapters", model, model, lora_mode="grouped")
+        policy = model.unload()  # the base again, without adapters, for the next variant
+    model = adapted(torch.bfloat16)
+    plain = model.merge_and_unload()
+    measure("merged_plain_model", plain, plain)
+    rows = {r["variant"]: r for r in out if r.get("shape") == shape and "step_ms" in r}
+    ref = rows.get("merged_plain_model")
+    if ref:
+        for r in rows.values():
+            r["step_over_merged_plain"] = r["step_ms"] / ref["step_ms"]
+            r["rollout_over_merged_plain"] = r["rollout_s"] / ref["rollout_s"]
+        write()
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
@@ -374,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", action="store_true", help="also time generate eager on one chunk (varlen)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no stage after this many seconds")
     ap.add_argument("--compile", default="layer", help="POSTTRAIN_ROLLOUT_COMPILE: layer or none, optionally +fuse")
+    ap.add_argument("--lora-r", type=int, default=16, help="the lora case's adapter rank (alpha 2r)")
     ap.add_argument("--out", default="rollout_bench.json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no graphs, eager step)")
     args = ap.parse_args(argv)
@@ -398,14 +519,29 @@ def main(argv: list[str] | None = None) -> int:
            "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "none",
            "command": " ".join(["python", "benchmarks/rollout_bench.py", *(argv if argv is not None else sys.argv[1:])])}
     rows: list[dict[str, Any]] = []
+    lora_rows: list[dict[str, Any]] = []
+
+    def write() -> None:
+        Path(args.out).write_text(json.dumps({"env": env, "rows": rows, "lora": lora_rows}, indent=1, default=str))
+
     start = time.perf_counter()
+    cases = {c.strip() for c in args.cases.split(",") if c.strip()}
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
-        rows.append(bench_shape(shape, args, device, baseline, start))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        Path(args.out).write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
+        if cases - {"lora"}:
+            rows.append(bench_shape(shape, args, device, baseline, start))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            write()
+        if "lora" in cases:
+            bench_lora(shape, args, device, lora_rows, write, start)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     print(table(rows))
-    return 0 if not any(r["errors"] for r in rows) else 1
+    for r in lora_rows:
+        print(f"| {r['shape']} | lora {r['variant']} | step {r.get('step_ms', float('nan')):.3f} ms | "
+              f"{r.get('step_over_merged_plain', float('nan')):.3f}x merged plain | rollout "
+              f"{r.get('rollout_s', float('nan')):.3f} s | {r.get('status', r.get('error'))} |")
+    return 0 if not any(r["errors"] for r in rows) and not any("error" in r for r in lora_rows) else 1
 
 
 if __name__ == "__main__":

@@ -373,6 +373,15 @@ def test_zero3_policy_rollout_equals_zero2(dist):
     assert dist["zero3_logprob_diff"] < 1e-5
 
 
+def test_lora_policy_under_zero3_equals_zero2(dist):
+    """A peft policy's rollout under ZeRO-3 (base and adapters gathered into the shadow) equals its
+    ZeRO-2 rollout and the adapted forward, before and after the adapters train."""
+    lora = dist["lora"]
+    assert lora["backends"] == ["posttrain"] * 3 and lora["lora_mode"] == ["merged", "merged", "live"]
+    assert lora["equal"] == [True, True] and lora["changed"]
+    assert lora["logprob_diff"] < 1e-5
+
+
 @torch.no_grad()
 def test_bf16_engine_is_as_close_to_a_forward_as_generate_is():
     """In bf16 neither decode equals a full forward exactly; the engine must be no further from it
@@ -459,6 +468,34 @@ def test_more_sequences_than_slots_stream_through(models, tok, grouped):
     # sequence's samples do not depend on the other rows: a rollout of one row equals its row.
     one, _ = run_slots(model, tok, ids[:1], mask[:1])
     assert torch.equal(one.sequences[0], alone.sequences[0])
+
+
+def test_generation_kv_slots_is_a_config_field(models, tok, grouped):
+    """``RolloutFields.generation_kv_slots`` (a trainer config mixin): checked by its flag, and as
+    Rollout's ``kv_slots`` it caps the cache at that many sequences with the same samples."""
+    from dataclasses import dataclass
+
+    from posttrain.rollout import RolloutFields, check_rollout_fields
+
+    @dataclass
+    class Cfg(RolloutFields):
+        pass
+
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ConfigError, match="--generation_kv_slots"):
+            check_rollout_fields(Cfg(generation_kv_slots=bad))
+    check_rollout_fields(Cfg())
+    cfg = Cfg(generation_kv_slots=4)
+    check_rollout_fields(cfg)
+    model, (ids, mask) = models["llama"], grouped
+    r = rollout(model, tok, max_batch=ids.shape[0], max_prompt_len=ids.shape[1], kv_slots=cfg.generation_kv_slots)
+    torch.manual_seed(9)
+    capped = r.generate(ids, mask)
+    assert r.engine.slots == 4 and r.stats["kv_cache_bytes"] == r.engine.cache_nbytes
+    full = rollout(model, tok, max_batch=ids.shape[0], max_prompt_len=ids.shape[1])
+    torch.manual_seed(9)
+    assert torch.equal(full.generate(ids, mask).sequences, capped.sequences)
+    assert full.engine.slots == ids.shape[0] and full.stats["kv_cache_bytes"] > r.stats["kv_cache_bytes"]
 
 
 def test_rows_sharing_a_prompt_prefill_it_once(models, tok, grouped):

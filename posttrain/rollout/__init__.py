@@ -8,12 +8,14 @@ One idea per module:
 - ``engine``: KV cache slots, the step over (rows, columns) buckets, compiled and captured as CUDA
   graphs, every fallback counted;
 - ``scheduler``: continuous batching over the slots (refill, compaction, prefix sharing);
+- ``adapters``: peft LoRA adapters as the engine reads them (merged buffers or live terms);
 - ``shadow``: a ZeRO-3 model's persistent full copy, gathered once per rollout;
 - ``hf``: the ``generate`` backend;
 - ``api``: ``Rollout``, what the trainers call.
 """
 
-from .api import BACKENDS, Rollout
+from .adapters import LORA_MODES
+from .api import BACKENDS, Rollout, RolloutFields, check_rollout_fields
 from .decoder import SUPPORTED_MODEL_TYPES, unsupported_reason
 from .engine import COMPILE_MODES, DecodeEngine
 from .sampling import (
@@ -27,6 +29,6 @@ from .sampling import (
 )
 from .shadow import ShadowModel
 
-__all__ = ["BACKENDS", "COMPILE_MODES", "SUPPORTED_MODEL_TYPES", "DecodeEngine", "Rollout", "RolloutOutput",
-           "SamplingParams", "ShadowModel", "choose_tokens", "filter_logits", "finish", "gumbel_noise",
-           "token_logprobs", "unsupported_reason"]
+__all__ = ["BACKENDS", "COMPILE_MODES", "LORA_MODES", "SUPPORTED_MODEL_TYPES", "DecodeEngine", "Rollout",
+           "RolloutFields", "RolloutOutput", "SamplingParams", "ShadowModel", "check_rollout_fields",
+           "choose_tokens", "filter_logits", "finish", "gumbel_noise", "token_logprobs", "unsupported_reason"]

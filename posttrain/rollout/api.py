@@ -14,14 +14,14 @@ the same key gives the same samples on CPU and GPU, in either backend, in any sl
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..dsconfig import ConfigError
-from . import scheduler
+from . import adapters, scheduler
 from .decoder import unsupported_reason
 from .engine import DecodeEngine
 from .hf import generation_model, hf_generate
@@ -33,6 +33,28 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("posttrain", "hf")
 
 
+@dataclass
+class RolloutFields:
+    """The engine's settings for a trainer's config (a mixin, as ``posttrain.lora.LoraFields``);
+    the trainer passes ``generation_kv_slots`` as :class:`Rollout`'s ``kv_slots``."""
+
+    # The KV budget in sequences: the engine's cache holds this many sequences of prompt +
+    # completion tokens; a generation batch with more streams through as slots free (same samples).
+    # None: one slot per sequence of the trainer's generation batch (its per-process
+    # generation_batch_size in GRPO/RLOO), the fastest and the most memory. Named after
+    # generation_backend / generation_batch_size; TRL has no such setting (its vLLM server's
+    # counterpart is max_num_seqs).
+    generation_kv_slots: int | None = None
+
+
+def check_rollout_fields(cfg: RolloutFields) -> None:
+    """Refuse an impossible KV budget by its flag before anything loads."""
+    slots = cfg.generation_kv_slots
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+        raise ConfigError(f"generation_kv_slots must be a whole number >= 1 or null (one slot per sequence of a "
+                          f"generation batch), got {slots!r}: set --generation_kv_slots")
+
+
 class Rollout:
     """``max_batch``: the sequences a rollout usually has, and the default KV budget; a rollout may
     pass more (they stream through the slots). ``kv_slots``: the KV budget in sequences (the cache
@@ -42,7 +64,9 @@ class Rollout:
     ``sampling``: the run's settings; ``generate(..., sampling=...)`` may change temperature and
     the other knobs per call (new top-k, top-p on/off or stop tokens make a new engine: keep them
     fixed in a run) and take up to the built ``max_new_tokens``. ``engine_options``: keyword
-    arguments of :class:`DecodeEngine` (buckets, sync interval, prefix sharing; tests and benchmarks)."""
+    arguments of :class:`DecodeEngine` (buckets, sync interval, prefix sharing, ``lora_mode``
+    "merged" or "live" for a peft model's LoRA adapters: ``adapters.py``; tests and benchmarks).
+    A peft model (``get_peft_model``) decodes with its active adapters, as its forward would."""
 
     def __init__(self, session: Any, role: str, sampling: SamplingParams, *, max_batch: int, max_prompt_len: int,
                  backend: str = "posttrain", ds3_gather_for_generation: bool = True,
@@ -62,7 +86,7 @@ class Rollout:
         self.gather = ds3_gather_for_generation
         self.stats: dict[str, Any] = {"backend": backend, "fallback": None, "captures": 0, "recaptures": 0,
                                       "capture_s": 0.0, "compile_fallbacks": 0, "capture_fallbacks": 0,
-                                      "kv_cache_bytes": 0}
+                                      "adapter_fallbacks": 0, "kv_cache_bytes": 0}
         self.backend = backend
         self.engine: DecodeEngine | None = None
         self.shadow: ShadowModel | None = None
@@ -71,7 +95,8 @@ class Rollout:
         self.profile = False  # time prefill and decode separately (syncs; benchmarks only)
         if backend == "posttrain":
             module = self._module()
-            reason = unsupported_reason(module, max_prompt_len + sampling.max_new_tokens)
+            reason = (adapters.unsupported_reason(module)
+                      or unsupported_reason(adapters.unwrap(module), max_prompt_len + sampling.max_new_tokens))
             if reason is None and self._zero3() and not self.gather:
                 reason = "ds3_gather_for_generation=False: the engine needs the whole weights on each rank"
             if reason is not None:
@@ -79,18 +104,22 @@ class Rollout:
 
     def metrics(self) -> dict[str, float]:
         """Per-step metrics: graph captures so far, recaptures (0 after warm-up), capture seconds,
-        and every loss of speed: compile and capture fallbacks, and 1 if the backend fell back to
-        ``generate`` for an unsupported model."""
+        and every loss of speed: compile and capture fallbacks, 1 if the backend fell back to
+        ``generate`` for an unsupported model (or peft adapters the engine cannot run), and the
+        rollouts that ran ``generate`` because of the adapters' state at that time."""
         st = self.stats
         return {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
                 "rollout/capture_s": st["capture_s"], "rollout/compile_fallbacks": st["compile_fallbacks"],
                 "rollout/capture_fallbacks": st["capture_fallbacks"],
+                "rollout/adapter_fallbacks": st["adapter_fallbacks"],
                 "rollout/backend_fallback": float(st["fallback"] is not None)}
 
     @property
     def degraded(self) -> bool:
-        """Whether generation runs slower than it should: a compile or capture fell back."""
-        return bool(self.stats["compile_fallbacks"] or self.stats["capture_fallbacks"])
+        """Whether generation runs slower than it should: a compile or capture fell back, or a
+        rollout ran ``generate`` for its adapters' state."""
+        return bool(self.stats["compile_fallbacks"] or self.stats["capture_fallbacks"]
+                    or self.stats["adapter_fallbacks"])
 
     # -- where the weights are ---------------------------------------------------------------------
     def _module(self) -> nn.Module:
@@ -113,14 +142,17 @@ class Rollout:
         rank = 0 if self._bare is not None else self.session.process_index
         return (draw ^ (rank * 0x3C6EF372)) & 0x7FFFFFFF
 
-    def _engine_model(self) -> nn.Module:
+    def _engine_model(self) -> tuple[nn.Module, Any]:
+        """The transformers model the engine decodes (a peft model's, adapters in place) and, for
+        ZeRO-3, the shadow's copy of each parameter (gathered now, once per rollout)."""
+        model = adapters.unwrap(self._module())
         if not self._zero3():
-            return self._module()
+            return model, None
         if self.shadow is None:
             fast = self.session.fast_frozen.get(self.role)
             self.shadow = ShadowModel(self._module(), fast)
         self.shadow.refresh()
-        return self.shadow.module
+        return model, self.shadow.view
 
     # -- generation ---------------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -139,7 +171,16 @@ class Rollout:
                               "this Rollout was built for (its cache is sized for it); build it with the largest")
         key = self._seed_key()
         self.rollouts += 1
-        if self.backend == "hf":
+        backend = self.backend
+        if backend == "posttrain":
+            # Adapter state the engine cannot run (merged and disabled): this rollout generates.
+            reason = adapters.unsupported_reason(self._module())
+            if reason is not None:
+                self.stats["adapter_fallbacks"] += 1
+                logger.warning("rollout: role %r generates this rollout with transformers' generate: %s (counted "
+                               "in rollout/adapter_fallbacks)", self.role, reason)
+                backend = "hf"
+        if backend == "hf":
             with generation_model(self.session, self.role, self._bare, self._zero3(), self.gather) as (model, synced):
                 completion, logprobs = hf_generate(model, synced, prompt_ids, prompt_mask, sampling, key)
         else:
@@ -150,7 +191,7 @@ class Rollout:
 
     def _engine_generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams,
                          key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        model = self._engine_model()
+        model, tensor = self._engine_model()
         knobs = replace(sampling, max_new_tokens=self.sampling.max_new_tokens)
         same = (self.engine is not None and self.engine.model is model
                 and DecodeEngine.graph_key(self.engine.sampling) == DecodeEngine.graph_key(knobs))
@@ -158,7 +199,8 @@ class Rollout:
             self.engine.set_knobs(knobs)  # temperature, do_sample, top_p, min_new_tokens: buffers
         else:
             old = self.engine
-            self.engine = DecodeEngine(model, knobs, self.kv_slots, self.max_prompt_len, **self.engine_options)
+            self.engine = DecodeEngine(model, knobs, self.kv_slots, self.max_prompt_len, tensor=tensor,
+                                       **self.engine_options)
             if old is not None:  # new knobs: a new engine, its graphs counted with the old ones'
                 for k in ("captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks",
                           "storage_moves"):
@@ -166,10 +208,12 @@ class Rollout:
                 del old
             self.stats["kv_cache_bytes"] = self.engine.cache_nbytes
             self.stats["fused_weight_bytes"] = self.engine.fused_nbytes
+            self.stats["lora_mode"] = self.engine.lora_mode
         tokens, logprobs, self.timings = scheduler.generate(self.engine, prompt_ids, prompt_mask, key,
                                                             sampling.max_new_tokens, profile=self.profile)
         est = self.engine.stats
         self.stats.update({k: v for k, v in est.items()}, capture_s=round(est["capture_s"], 3),
                           compile=self.engine.compile_mode, graphs=len(self.engine.graphs),
+                          lora_merged_bytes=self.engine.lora_nbytes,
                           fallback_reasons=list(self.engine.fallback_reasons))
         return tokens, logprobs

@@ -115,64 +115,116 @@ def _bmm_out_fp32_works(device: torch.device) -> bool:
         return False
 
 
-def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None = None, src: Any = None
+                 ) -> dict[str, Any]:
     """The decoder's weights, detached views of the live parameters (no module is called later).
-    ``fused``: per layer, concatenated q|k|v (and bias) and gate|up copies that replace those keys."""
-    base = model.model
+    ``fused``: per layer, concatenated q|k|v (and bias) and gate|up copies that replace those keys.
+    ``src``: an :class:`~posttrain.rollout.adapters.Adapters` (peft wrappers and LoRA, a ZeRO-3
+    shadow's copies); default the plain parameters. A projection ``name`` gives keys ``name``,
+    ``name + "b"`` (its bias) and ``name + "_lora"`` (LoRA terms, mode "live")."""
+    if src is None:
+        from .adapters import Adapters
 
-    def w(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.detach()
+        src = Adapters(model)
+    base = model.model
+    norm = src.module
+
+    def linear(entry: dict[str, Any], key: str, module: nn.Module, weight: bool = True, own: bool = True) -> None:
+        w, b, terms = src.linear(module, terms=own)
+        if weight:
+            entry[key] = w
+            if b is not None:
+                entry[key + "b"] = b
+        if terms:
+            entry[key + "_lora"] = terms
 
     layers = []
     for i, layer in enumerate(base.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        entry = {"ln1": w(layer.input_layernorm.weight), "ln2": w(layer.post_attention_layernorm.weight),
-                 "o": w(attn.o_proj.weight), "down": w(mlp.down_proj.weight)}
+        entry: dict[str, Any] = {"ln1": src.tensor(norm(layer.input_layernorm).weight),
+                                 "ln2": src.tensor(norm(layer.post_attention_layernorm).weight)}
         if fused:
             entry.update({k: v for k, v in fused[i].items() if v is not None})
-        if "qkv" not in entry:
-            entry.update(q=w(attn.q_proj.weight), k=w(attn.k_proj.weight), v=w(attn.v_proj.weight))
-            if attn.q_proj.bias is not None:
-                entry.update(qb=w(attn.q_proj.bias), kb=w(attn.k_proj.bias), vb=w(attn.v_proj.bias))
-        if "gate_up" not in entry:
-            entry.update(gate=w(mlp.gate_proj.weight), up=w(mlp.up_proj.weight))
-        if attn.o_proj.bias is not None:
-            entry["ob"] = w(attn.o_proj.bias)
+        for group, keys, modules in (("qkv", ("q", "k", "v"), (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                     ("gate_up", ("gate", "up"), (mlp.gate_proj, mlp.up_proj))):
+            terms = src.group(modules)  # LoRA mode "grouped": one low-rank product for the group
+            if terms:
+                entry[group + "_lora"] = terms
+            for key, module in zip(keys, modules):
+                linear(entry, key, module, weight=group not in entry, own=not terms)
+        linear(entry, "o", attn.o_proj)
+        linear(entry, "down", mlp.down_proj)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
-            entry.update(qn=w(attn.q_norm.weight), kn=w(attn.k_norm.weight))
+            entry.update(qn=src.tensor(norm(attn.q_norm).weight), kn=src.tensor(norm(attn.k_norm).weight))
         layers.append(entry)
-    return {"embed": w(base.embed_tokens.weight), "norm": w(base.norm.weight), "head": w(model.lm_head.weight),
-            "head_bias": w(model.lm_head.bias), "inv_freq": base.rotary_emb.inv_freq, "layers": layers}
+    head: dict[str, Any] = {}
+    linear(head, "head", model.lm_head)
+    return {"embed": src.tensor(norm(base.embed_tokens).weight), "norm": src.tensor(norm(base.norm).weight),
+            "head": head["head"], "head_bias": head.get("headb"), "head_lora": head.get("head_lora"),
+            "inv_freq": base.rotary_emb.inv_freq, "layers": layers}
 
 
-def fused_buffers(model: nn.Module) -> list[dict[str, torch.Tensor | None]]:
-    """Empty q|k|v (+bias) and gate|up buffers per layer (POSTTRAIN_ROLLOUT_FUSE=1): 4 GEMMs per
-    layer and token instead of 7, at the cost of a copy of those weights."""
+def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]]:
+    """Empty q|k|v (+bias) and gate|up (+bias) buffers per layer (POSTTRAIN_ROLLOUT_FUSE=1): 4 GEMMs
+    per layer and token instead of 7, at the cost of a copy of those weights."""
     def empty_cat(ts: list[torch.Tensor]) -> torch.Tensor:
         return torch.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), dtype=ts[0].dtype, device=ts[0].device)
 
     out = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        projs = [attn.q_proj, attn.k_proj, attn.v_proj]
-        out.append({"qkv": empty_cat([m.weight for m in projs]),
-                    "qkvb": empty_cat([m.bias for m in projs]) if projs[0].bias is not None else None,
-                    "gate_up": empty_cat([mlp.gate_proj.weight, mlp.up_proj.weight]) if mlp.gate_proj.bias is None
-                    else None})
+        entry: dict[str, torch.Tensor | None] = {}
+        for key, modules in (("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))):
+            parts = [src.linear(m) for m in modules]
+            entry[key] = empty_cat([w for w, _, _ in parts])
+            # A bias if any part has one (a LoRA bias on q alone, say); the others' parts are zeros.
+            entry[key + "b"] = empty_cat([w[:, 0] for w, _, _ in parts]) if any(b is not None for _, b, _ in parts) \
+                else None
+        out.append(entry)
     return out
 
 
 @torch.no_grad()
-def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]]) -> None:
-    """Copy the live weights into the fused buffers (in place: graphs keep their addresses)."""
+def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]], src: Any) -> None:
+    """Copy the live weights (merged ones in LoRA's "merged" mode) into the fused buffers (in place:
+    graphs keep their addresses)."""
     for layer, entry in zip(model.model.layers, fused):
         attn, mlp = layer.self_attn, layer.mlp
-        projs = [attn.q_proj, attn.k_proj, attn.v_proj]
-        torch.cat([m.weight for m in projs], out=entry["qkv"])
-        if entry["qkvb"] is not None:
-            torch.cat([m.bias for m in projs], out=entry["qkvb"])
-        if entry["gate_up"] is not None:
-            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], out=entry["gate_up"])
+        for key, modules in (("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))):
+            parts = [src.linear(m) for m in modules]
+            torch.cat([w for w, _, _ in parts], out=entry[key])
+            if entry[key + "b"] is not None:
+                torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b, _ in parts], out=entry[key + "b"])
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, terms: Any) -> torch.Tensor:
+    """``y`` plus LoRA terms of input ``x``, as peft's ``lora.Linear.forward`` adds them: the input
+    cast to each adapter's dtype, ``lora_B(lora_A(x)) * scaling`` summed, the sum cast back."""
+    if not terms:
+        return y
+    out = y
+    for a, b, b_bias, scale in terms:
+        x = x.to(a.dtype)
+        out = out + F.linear(F.linear(x, a), b, b_bias) * scale
+    return out.to(y.dtype)
+
+
+def lora_add_parts(ys: list[torch.Tensor], x: torch.Tensor, terms: Any) -> list[torch.Tensor]:
+    """:func:`lora_add` for projections of one input whose adapters are stacked (LoRA mode
+    "grouped"): one product per adapter, split into each part's columns."""
+    if not terms:
+        return ys
+    outs, sizes = list(ys), [y.shape[-1] for y in ys]
+    for a, b, b_bias, scale in terms:
+        x = x.to(a.dtype)
+        delta = (F.linear(F.linear(x, a), b, b_bias) * scale).split(sizes, dim=-1)
+        outs = [o + d for o, d in zip(outs, delta)]
+    return [o.to(y.dtype) for o, y in zip(outs, ys)]
+
+
+def linear(w: dict[str, Any], key: str, x: torch.Tensor) -> torch.Tensor:
+    """Projection ``key`` of ``x`` (with its bias and LoRA terms, if any)."""
+    return lora_add(F.linear(x, w[key], w.get(key + "b")), x, w.get(key + "_lora"))
 
 
 # -- the pieces (each a pure function: the engine compiles them) ------------------------------------
@@ -206,8 +258,10 @@ def qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, cos: tor
     if "qkv" in w:
         q, k, v = F.linear(h, w["qkv"], w.get("qkvb")).split([spec.heads * d, spec.kv_heads * d, spec.kv_heads * d],
                                                              dim=-1)
+        q, k, v = lora_add(q, h, w.get("q_lora")), lora_add(k, h, w.get("k_lora")), lora_add(v, h, w.get("v_lora"))
     else:
-        q, k, v = F.linear(h, w["q"], w.get("qb")), F.linear(h, w["k"], w.get("kb")), F.linear(h, w["v"], w.get("vb"))
+        q, k, v = linear(w, "q", h), linear(w, "k", h), linear(w, "v", h)
+    q, k, v = lora_add_parts([q, k, v], h, w.get("qkv_lora"))
     q, k = q.view(b, t, -1, d), k.view(b, t, -1, d)
     v = v.reshape(b, t, -1, d).transpose(1, 2)
     if "qn" in w:
@@ -221,13 +275,15 @@ def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor
                   ) -> torch.Tensor:
     """Output projection, residual, post-attention norm, MLP, residual. ``attn`` [B, heads, T, d]."""
     b, t = attn.shape[0], attn.shape[2]
-    x = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), w["o"], w.get("ob"))
+    x = x + linear(w, "o", attn.transpose(1, 2).reshape(b, t, -1))
     h = rms_norm(x, w["ln2"], spec.eps)
     if "gate_up" in w:
-        gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
+        gate, up = F.linear(h, w["gate_up"], w.get("gate_upb")).chunk(2, dim=-1)
+        gate, up = lora_add(gate, h, w.get("gate_lora")), lora_add(up, h, w.get("up_lora"))
     else:
-        gate, up = F.linear(h, w["gate"]), F.linear(h, w["up"])
-    return x + F.linear(spec.act(gate) * up, w["down"])
+        gate, up = linear(w, "gate", h), linear(w, "up", h)
+    gate, up = lora_add_parts([gate, up], h, w.get("gate_up_lora"))
+    return x + linear(w, "down", spec.act(gate) * up)
 
 
 def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -258,7 +314,8 @@ def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Te
 
 def head(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
     """Final norm and LM head of [B, 1, H]: logits [B, V] in the model dtype (as the forward's)."""
-    return F.linear(rms_norm(x, weights["norm"], spec.eps), weights["head"], weights["head_bias"])[:, 0]
+    h = rms_norm(x, weights["norm"], spec.eps)
+    return lora_add(F.linear(h, weights["head"], weights["head_bias"]), h, weights.get("head_lora"))[:, 0]
 
 
 def prefill(spec: DecoderSpec, weights: dict[str, Any], ids: torch.Tensor, positions: torch.Tensor,

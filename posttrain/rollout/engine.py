@@ -44,6 +44,7 @@ import torch
 
 from ..dsconfig import ConfigError
 from . import decoder
+from .adapters import Adapters
 from .decoder import DecoderSpec
 from .sampling import SamplingParams, choose_tokens
 
@@ -78,10 +79,10 @@ class Clock:
 
 
 def _sample(spec: DecoderSpec, x: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, head_bias: Any,
-            step: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
+            head_lora: Any, step: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
             do_sample: torch.Tensor, top_p: torch.Tensor, min_new: torch.Tensor, top_k: int, use_top_p: bool,
             stop_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = decoder.head(spec, {"norm": norm, "head": head, "head_bias": head_bias}, x)
+    logits = decoder.head(spec, {"norm": norm, "head": head, "head_bias": head_bias, "head_lora": head_lora}, x)
     return choose_tokens(logits, step, key, seq=seq, temperature=temperature, do_sample=do_sample, top_k=top_k,
                          top_p=top_p, use_top_p=use_top_p, min_new_tokens=min_new, stop_ids=stop_ids)
 
@@ -133,18 +134,24 @@ class DecodeEngine:
                  use_graphs: bool | None = None, sync_every: int = 16, smallest_bucket: int = 8,
                  length_bucket: int = 128, share_prefix: bool = True, prefill_tokens: int = 16384,
                  admit_min: int | None = None, compile_mode: str | None = None,
-                 compile_backend: str = "inductor") -> None:
+                 compile_backend: str = "inductor", lora_mode: str | None = None,
+                 tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.model, self.sampling = model, sampling
         self.slots, self.prompt_len = slots, max_prompt_len
         self.max_new = sampling.max_new_tokens
         self.length = max_prompt_len + self.max_new
-        param = next(model.parameters())
-        dev, self.dtype = param.device, param.dtype
+        # How the weights are read: peft's wrappers and LoRA (``lora_mode`` "merged" or "live",
+        # adapters.py), and ``tensor``: a ZeRO-3 shadow's copy of each parameter (shadow.py).
+        self.adapters = Adapters(model, lora_mode, tensor)
+        self.lora_mode = self.adapters.mode if self.adapters.lora else None
+        embed = self.adapters.tensor(self.adapters.module(model.model.embed_tokens).weight)
+        dev, self.dtype = embed.device, embed.dtype
         self.device = dev
         self.spec = DecoderSpec.of(model, self.dtype, dev)
         # POSTTRAIN_ROLLOUT_FUSE=1: fused q|k|v and gate|up decode weights (decoder.fused_buffers).
-        self.fused = decoder.fused_buffers(model) if os.environ.get("POSTTRAIN_ROLLOUT_FUSE", "0") == "1" else None
-        self.weights = decoder.read_weights(model, self.fused)
+        self.fused = (decoder.fused_buffers(model, self.adapters)
+                      if os.environ.get("POSTTRAIN_ROLLOUT_FUSE", "0") == "1" else None)
+        self.weights = decoder.read_weights(model, self.fused, self.adapters)
         spec = self.spec
         shape = (slots, spec.kv_heads, self.length, spec.head_dim)
         layers = len(self.weights["layers"])
@@ -231,10 +238,22 @@ class DecodeEngine:
     def fused_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for e in self.fused or [] for t in e.values() if t is not None)
 
+    @property
+    def lora_nbytes(self) -> int:
+        """Bytes of LoRA's merged buffers (mode "merged"; 0 otherwise)."""
+        return self.adapters.nbytes
+
     def _weight_ptrs(self) -> list[int]:
-        w = self.weights
-        flat = [w["embed"], w["norm"], w["head"], *(t for layer in w["layers"] for t in layer.values())]
-        return [t.data_ptr() for t in flat]
+        def flat(x: Any) -> list[int]:
+            if isinstance(x, torch.Tensor):
+                return [x.data_ptr()]
+            if isinstance(x, dict):
+                return [p for v in x.values() for p in flat(v)]
+            if isinstance(x, (list, tuple)):
+                return [p for v in x for p in flat(v)]
+            return []
+
+        return flat({k: v for k, v in self.weights.items() if k != "inv_freq"})
 
     def begin(self, key: int, max_new_tokens: int, width: int) -> None:
         """A new rollout: its key, length limit and prompt width; re-read the weights (live)."""
@@ -244,9 +263,10 @@ class DecodeEngine:
         if max_new_tokens > self.max_new:
             raise ConfigError(f"max_new_tokens={max_new_tokens} exceeds the {self.max_new} the Rollout was built "
                               "for; build it with the largest max_new_tokens")
+        self.adapters.refresh()  # LoRA: merged buffers or scalings, in place
         if self.fused:
-            decoder.refresh_fused(self.model, self.fused)
-        self.weights = decoder.read_weights(self.model, self.fused)
+            decoder.refresh_fused(self.model, self.fused, self.adapters)
+        self.weights = decoder.read_weights(self.model, self.fused, self.adapters)
         ptrs = self._weight_ptrs()
         if self.ptrs and ptrs != self.ptrs:
             # A parameter's storage moved (replaced, not written in place): graphs would read the old
@@ -385,7 +405,8 @@ class DecodeEngine:
             self.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))
             x = self._post_fn(spec, lw, x, q, self.keys[i][:rows, :, :length], self.values[i][:rows, :, :length],
                               bias)
-        tokens, logprobs = self._sample_fn(spec, x, w["norm"], w["head"], w["head_bias"], self.step[:rows],
+        tokens, logprobs = self._sample_fn(spec, x, w["norm"], w["head"], w["head_bias"], w["head_lora"],
+                                           self.step[:rows],
                                            self.seq[:rows], self.key, self.temperature, self.do_sample, self.top_p,
                                            self.min_new, self.top_k, self.use_top_p, self.stop_ids)
         self._record_fn(self.done, self.step, self.last, self.pos, self.col, self.out_tokens, self.out_logprobs,

@@ -5,6 +5,9 @@ tests/test_rollout.py.
   fp32 and bf16? The engine's graphs read that storage, so an optimizer step must write in place.
 - ZeRO-3: a trained ZeRO-3 policy and a frozen fast ZeRO-3 role, gathered once per rollout into
   the shadow buffer, sample exactly what the same weights sample under ZeRO-2.
+- LoRA: a peft policy (random non-zero adapters) under ZeRO-2 and ZeRO-3 samples the same tokens,
+  with log-probs equal to the adapted model's forward, before and after an optimizer step of the
+  adapters (the shadow gathers them with the base).
 """
 
 import json
@@ -37,6 +40,48 @@ def zero2_storage(precision: str, ids: torch.Tensor) -> dict:
         step(s, "policy", ids)
     return {"dtype": str(next(module.parameters()).dtype), "ptrs_unchanged": ptrs(module) == before,
             "changed": any(not torch.equal(v, p) for v, p in zip(values, module.parameters()))}
+
+
+def lora_policies(ids: torch.Tensor, mask: torch.Tensor, tok) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    s = Session([Role("l2", "zero2_train", trains=True), Role("l3", "zero3_train", trains=True)], micro_batch_size=2)
+    for name in ("l2", "l3"):
+        model = get_peft_model(s.load(name, tiny.model_path()),
+                               LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+        g = torch.Generator().manual_seed(0)  # the same adapters on both roles and ranks
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        s.prepare(name, model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5))
+    sampling = SamplingParams(max_new_tokens=8, pad_token_id=tok.pad_token_id, temperature=0.8)
+    rollouts = {name: Rollout(s, name, sampling, max_batch=4, max_prompt_len=16) for name in ("l2", "l3")}
+    rollouts["l3live"] = Rollout(s, "l3", sampling, max_batch=4, max_prompt_len=16,
+                                 engine_options={"lora_mode": "live"})
+    res: dict = {"equal": [], "logprob_diff": 0.0, "backends": [r.stats["backend"] for r in rollouts.values()]}
+    firsts = []
+    for round_ in range(2):
+        outs = {}
+        for name, r in rollouts.items():
+            torch.manual_seed(21)
+            outs[name] = r.generate(ids, mask)
+        res["equal"].append(all(torch.equal(outs["l2"].sequences, o.sequences) for o in outs.values()))
+        o = outs["l2"]
+        full = torch.cat([mask, o.completion_mask], 1)
+        with torch.no_grad():
+            logits = s.engines["l2"](input_ids=o.sequences, attention_mask=full,
+                                     position_ids=(full.cumsum(1) - 1).clamp(min=0)).logits[:, ids.shape[1] - 1 : -1]
+        lp = torch.log_softmax(logits.float() / 0.8, -1).gather(-1, o.completion_ids.unsqueeze(-1))[..., 0]
+        lp = lp.masked_fill(o.completion_mask == 0, 0)
+        res["logprob_diff"] = max([res["logprob_diff"], *((lp - x.logprobs).abs().max().item() for x in outs.values())])
+        firsts.append(o.logprobs)
+        if round_ == 0:
+            for name in ("l2", "l3"):
+                step(s, name, o.sequences)
+    res["changed"] = not torch.allclose(firsts[0], firsts[1])
+    res["lora_mode"] = [r.stats.get("lora_mode") for r in rollouts.values()]
+    return res
 
 
 def main(out: str) -> None:
@@ -92,10 +137,12 @@ def main(out: str) -> None:
     res["zero2_ptrs_unchanged"] = ptrs(module2) == before
     res["zero2_weights_changed"] = any(not torch.equal(v, p) for v, p in zip(values, module2.parameters()))
     res["zero2_storage_moves"] = rollouts["p2"].stats["storage_moves"]
-    shadow_params = {p.untyped_storage().data_ptr() for p in rollouts["p3"].shadow.module.parameters()}
+    shadow_params = {v.untyped_storage().data_ptr() for v in rollouts["p3"].shadow.views.values()}
     res["zero3_shadow_ptr_stable"] = (shadow_ptrs[0] == shadow_ptrs[1]
                                       and shadow_params == {rollouts["p3"].shadow.flat.untyped_storage().data_ptr()})
     res["stats"] = {name: r.stats for name, r in rollouts.items()}
+
+    res["lora"] = lora_policies(ids, mask, tok)
 
     # bf16: DeepSpeed keeps bf16 parameters as views of its flat buffer, updated in place.
     res["bf16"] = zero2_storage("bf16", ids)

@@ -1,0 +1,259 @@
+"""peft LoRA adapters as the decode engine reads them: which layers carry them, what it cannot run
+exactly (then ``generate``, with the reason), and the three ways it applies them.
+
+A peft ``LoraLayer`` keeps the base projection in ``base_layer`` and one ``lora_A``/``lora_B`` pair
+per adapter; its ``weight`` is the base weight, so a decoder that reads ``q_proj.weight`` silently
+drops the adapters. Here every projection the decoder reads goes through :meth:`Adapters.linear`,
+which returns the base weight and bias plus the adapters' terms, as one of three modes
+(``lora_mode``, the engine option; default ``POSTTRAIN_ROLLOUT_LORA`` or ``"merged"``):
+
+- ``"merged"``: one persistent buffer per adapted matrix holds ``W + scaling * B @ A`` (peft's own
+  merge arithmetic: the delta in the adapter's dtype, added to the weight's), rewritten in place
+  once per rollout, so the step runs the plain model's kernels and a captured graph keeps its
+  addresses. Memory: one extra copy of every adapted matrix (LoRA on all linear layers of the 8B
+  Llama shape: about 14 GB in bf16; of the 1.1B: about 1.9 GB).
+- ``"live"``: the step adds ``(x @ A^T) @ B^T * scaling`` to each base projection, reading the live
+  adapter parameters (as peft's forward does: input cast to the adapter's dtype, the sum cast back),
+  two small GEMMs more per adapted projection, no extra copy.
+- ``"grouped"``: ``"live"`` with the projections that share an input (q|k|v, gate|up) taking one
+  low-rank product per adapter: their A's stacked and their B's as one block-diagonal matrix, with
+  a per-row scaling, copied in place once per rollout (r 16 at 8B with float32 adapters: about
+  0.2 GB): 8 small GEMMs per layer instead of 14. Where the modules of a group do not carry the
+  same adapters, each keeps its own terms.
+
+In each mode an in-place update of the adapters (an optimizer step) is seen by the next rollout
+with no recompile and no recapture, and the scalings are buffers the step reads, so switching
+adapters off or on (peft's ``disable_adapter``), or changing which adapter is active, changes
+values, not graphs. Semantics follow peft's ``lora.Linear.forward`` in eval mode: the active
+adapters that the layer has, summed in order; none when adapters are disabled or already merged
+into the base weight. Adapter dropout is not applied while sampling (nor is the base model's, as
+with vLLM in TRL). ``modules_to_save`` copies are read in place of the originals when active.
+
+Not run by the engine (the rollout uses ``generate``, which runs peft's own forward, and says why):
+peft tuners other than LoRA, prompt learning, LoRA variants (DoRA, aLoRA, ...), LoRA on an
+embedding or any non-``nn.Linear`` layer, ``fan_in_fan_out``, trainable-token wrappers, and
+adapters merged into the base while disabled (checked every rollout).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..dsconfig import ConfigError
+
+LORA_MODES = ("merged", "live", "grouped")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft ``PeftModel`` (its LoRA layers in place); others as they are."""
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
+
+
+def _peft() -> Any:
+    import peft.tuners.lora as lora
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    return lora, BaseTunerLayer, AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+
+def active(layer: Any) -> list[str]:
+    """The adapters a ``lora.Linear`` adds in its forward, in order (none when disabled or merged)."""
+    if layer.disable_adapters or layer.merged:
+        return []
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the engine cannot apply ``model``'s peft adapters exactly (then ``generate`` runs), or
+    None (also without adapters). ``model``: a PeftModel or the transformers model inside one."""
+    if not hasattr(model, "peft_config") and not any("lora_" in n or "modules_to_save" in n or "trainable_tokens" in n
+                                                     for n, _ in model.named_modules()):
+        return None
+    lora, base_tuner, auxiliary, modules_to_save = _peft()
+    cfg = getattr(model, "active_peft_config", None)
+    if cfg is not None and getattr(cfg, "is_prompt_learning", False):
+        return f"peft {cfg.peft_type} (prompt learning) adds virtual tokens the engine does not run"
+    for name, m in unwrap(model).named_modules():
+        if isinstance(m, base_tuner):
+            if not isinstance(m, lora.LoraLayer):
+                return f"{name}: peft {type(m).__name__} adapters are not LoRA"
+            if type(m) is not lora.Linear or type(m.get_base_layer()) is not nn.Linear:
+                return f"{name}: LoRA on a {type(m.get_base_layer()).__name__} ({type(m).__name__}) is not supported"
+            if getattr(m, "fan_in_fan_out", False):
+                return f"{name}: LoRA with fan_in_fan_out is not supported"
+            used = [a for a in m.active_adapters if a in m.lora_A]
+            variants = [a for a in used if a in m.lora_variant]
+            if variants:
+                kind = "DoRA" if m.use_dora.get(variants[0]) else type(m.lora_variant[variants[0]]).__name__
+                return f"{name}: LoRA variant {kind} (adapter {variants[0]!r}) is not supported"
+            if m.disable_adapters and m.merged:
+                return f"{name}: adapters merged into the base weights while disabled (peft would unmerge them)"
+        elif isinstance(m, auxiliary):
+            if not isinstance(m, modules_to_save):
+                return f"{name}: peft {type(m).__name__} is not supported"
+            if any(True for _ in m.original_module.children()):
+                return f"{name}: modules_to_save on a module with submodules is not supported"
+    return None
+
+
+def resolve(module: nn.Module) -> nn.Module:
+    """The module peft's forward runs for ``module``: a ``modules_to_save`` wrapper's active copy
+    (or its original when adapters are off); any other module itself."""
+    if not hasattr(module, "modules_to_save") or not hasattr(module, "original_module"):
+        return module
+    names = module.active_adapters
+    if module.disable_adapters or not names or any(a not in module._adapters for a in names):
+        return module.original_module
+    return module.modules_to_save[names[0]]
+
+
+class Adapters:
+    """How the decoder reads a model's projections (see the module docstring): the live parameters
+    (``tensor`` maps each to what is read instead: a ZeRO-3 shadow's copy), resolved through peft's
+    wrappers, LoRA applied as ``mode`` says. ``refresh()`` once per rollout, before reading."""
+
+    def __init__(self, model: nn.Module, mode: str | None = None, tensor: Any = None) -> None:
+        mode = mode or os.environ.get("POSTTRAIN_ROLLOUT_LORA", "merged")
+        if mode not in LORA_MODES:
+            raise ConfigError(f"lora_mode (POSTTRAIN_ROLLOUT_LORA) {mode!r}: use one of {LORA_MODES}")
+        self.model, self.mode, self._tensor = model, mode, tensor
+        self.lora = any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
+        self.scales: dict[tuple[int, str], torch.Tensor] = {}  # (module id, adapter) -> 0-dim float32
+        self.merged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # module id -> weight, bias
+        self.groups: dict[tuple[int, ...], tuple[list[Any], list[str], tuple]] = {}  # mode "grouped"
+
+    def tensor(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return self._tensor(t) if self._tensor is not None else t.detach()
+
+    def module(self, m: nn.Module) -> nn.Module:
+        return resolve(m) if self.lora else m
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the merged buffers (mode "merged")."""
+        merged = [t for w, b in self.merged.values() for t in (w, b)]
+        grouped = [t for _, _, terms in self.groups.values() for term in terms for t in term]
+        return sum(t.numel() * t.element_size() for t in merged + grouped if t is not None)
+
+    def _scale(self, layer: Any, adapter: str) -> torch.Tensor:
+        key = (id(layer), adapter)
+        if key not in self.scales:
+            self.scales[key] = torch.zeros((), dtype=torch.float32, device=layer.lora_A[adapter].weight.device)
+        return self.scales[key]
+
+    def linear(self, m: nn.Module, terms: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+        """(weight, bias, LoRA terms) of projection ``m``. Terms (modes "live" and "grouped", unless
+        ``terms`` is False: the group carries them): per adapter the layer has, (A, B, B's bias or
+        None, scaling buffer), scaling 0 when not active."""
+        m = self.module(m)
+        if not (self.lora and hasattr(m, "lora_A") and hasattr(m, "base_layer")):
+            return self.tensor(m.weight), self.tensor(m.bias), None
+        if self.mode == "merged":
+            weight, bias = self._merged_buffers(m)
+            return weight, bias, None
+        base = m.get_base_layer()
+        if not terms:
+            return self.tensor(base.weight), self.tensor(base.bias), None
+        found = tuple((self.tensor(m.lora_A[a].weight), self.tensor(m.lora_B[a].weight),
+                       self.tensor(m.lora_B[a].bias), self._scale(m, a)) for a in m.lora_A)
+        return self.tensor(base.weight), self.tensor(base.bias), found
+
+    def group(self, modules: tuple[nn.Module, ...]) -> tuple | None:
+        """Mode "grouped": the LoRA terms of projections that share an input, per adapter (stacked
+        A [sum r, in], block-diagonal B [sum out, sum r], B's biases or None, per-row scaling in the
+        adapter's dtype), or None (another mode, or the modules do not all carry the same adapters)."""
+        if self.mode != "grouped" or not self.lora:
+            return None
+        ms = [self.module(m) for m in modules]
+        if not all(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in ms):
+            return None
+        names = list(ms[0].lora_A)
+        if any(list(m.lora_A) != names for m in ms):
+            return None
+        key = tuple(id(m) for m in ms)
+        if key not in self.groups:
+            terms = []
+            for a in names:
+                la = [self.tensor(m.lora_A[a].weight) for m in ms]
+                lb = [self.tensor(m.lora_B[a].weight) for m in ms]
+                if len({t.dtype for t in la + lb}) > 1:
+                    return None
+                like = {"dtype": la[0].dtype, "device": la[0].device}
+                rank, out = sum(t.shape[0] for t in la), sum(t.shape[0] for t in lb)
+                with_bias = any(m.lora_B[a].bias is not None for m in ms)
+                terms.append((torch.empty(rank, la[0].shape[1], **like), torch.zeros(out, rank, **like),
+                              torch.zeros(out, **like) if with_bias else None, torch.zeros(out, **like)))
+            self.groups[key] = (ms, names, tuple(terms))
+            self._fill(key)
+        return self.groups[key][2]
+
+    @torch.no_grad()
+    def _fill(self, key: tuple[int, ...]) -> None:
+        """Copy a group's adapters and scalings (0 where not active) into its buffers, in place."""
+        ms, names, terms = self.groups[key]
+        for a, (stacked_a, block_b, bias, scale) in zip(names, terms):
+            r0 = o0 = 0
+            for m in ms:
+                la, lb = self.tensor(m.lora_A[a].weight), self.tensor(m.lora_B[a].weight)
+                r, o = la.shape[0], lb.shape[0]
+                stacked_a[r0 : r0 + r].copy_(la)
+                block_b[o0 : o0 + o, r0 : r0 + r].copy_(lb)  # off-diagonal blocks stay zero
+                if bias is not None:
+                    b = self.tensor(m.lora_B[a].bias)
+                    bias[o0 : o0 + o].copy_(b) if b is not None else bias[o0 : o0 + o].zero_()
+                scale[o0 : o0 + o].fill_(float(m.scaling[a]) if a in active(m) else 0.0)
+                r0, o0 = r0 + r, o0 + o
+
+    def _merged_buffers(self, m: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if id(m) not in self.merged:
+            base = m.get_base_layer()
+            w = self.tensor(base.weight)
+            with_bias = base.bias is not None or any(m.lora_B[a].bias is not None for a in m.lora_A)
+            b = torch.empty(w.shape[0], dtype=w.dtype, device=w.device) if with_bias else None
+            self.merged[id(m)] = (torch.empty_like(w), b)
+            self._merge(m)
+        return self.merged[id(m)]
+
+    @torch.no_grad()
+    def _merge(self, m: Any) -> None:
+        """peft's ``merge`` arithmetic into the buffers: W + (B @ A) * scaling per active adapter,
+        in order, the delta in the adapter's dtype; biases likewise (``lora_bias``)."""
+        weight, bias = self.merged[id(m)]
+        base = m.get_base_layer()
+        weight.copy_(self.tensor(base.weight))
+        if bias is not None:
+            b0 = self.tensor(base.bias)
+            bias.copy_(b0) if b0 is not None else bias.zero_()
+        for a in active(m):
+            la, lb = self.tensor(m.lora_A[a].weight), self.tensor(m.lora_B[a].weight)
+            weight.add_((lb @ la) * m.scaling[a])
+            if bias is not None and m.lora_B[a].bias is not None:
+                bias.add_(self.tensor(m.lora_B[a].bias) * m.scaling[a])
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Once per rollout: rewrite the merged buffers (mode "merged"), the scalings (modes "live"
+        and "grouped") and the groups' copies from the adapters' current values and state, in place."""
+        if not self.lora:
+            return
+        for key in self.groups:
+            self._fill(key)
+        for m in self.model.modules():
+            if not (hasattr(m, "lora_A") and hasattr(m, "base_layer")):
+                continue
+            if self.mode == "merged":
+                if id(m) in self.merged:
+                    self._merge(m)
+                continue
+            on = set(active(m))
+            for a in m.lora_A:
+                self._scale(m, a).fill_(float(m.scaling[a]) if a in on else 0.0)

@@ -7,7 +7,7 @@ import torch
 from posttrain import sft_data
 from posttrain.demo import synthetic, tiny
 from posttrain.dsconfig import ConfigError
-from posttrain.trainers.sft import SFTConfig, token_terms
+from posttrain.trainers.sft import SFTConfig, add_fused_head, token_terms
 
 ROWS = 12
 
@@ -69,7 +69,7 @@ def ours(name: str, data: str, fields: dict) -> dict:
         completion_only_loss=cfg.completion_only_loss, assistant_only_loss=cfg.assistant_only_loss).to_list()
     padding_free = cfg.padding_free or (cfg.packing and cfg.packing_strategy != "wrapped")
     batch = sft_data.collator(tok, padding_free)(rows[:4])  # packed data may have fewer rows
-    model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32)
+    model = add_fused_head(AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32))
     terms = token_terms(model, batch, cfg.loss_type)
     loss = terms["loss_sum"] / terms["tokens"].clamp(min=1)
     loss.backward()
@@ -125,7 +125,7 @@ def test_padding_free_equals_padded_loss():
 
     tok = tokenizer()
     rows = sft_data.prepare_sft_dataset(prompt_completion_rows(), tok, max_length=None, packing=False).to_list()[:4]
-    model = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32)
+    model = add_fused_head(AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32))
     padded = sft_data.collator(tok, False)(rows)
     flat = sft_data.collator(tok, True)(rows)
     assert "attention_mask" not in flat and flat["input_ids"].size(0) == 1

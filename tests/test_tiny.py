@@ -39,17 +39,17 @@ def test_shipped_tokenizer_is_what_the_recipe_builds(tmp_path):
 
 
 @pytest.mark.parametrize("name", list(SHIPPED))
-def test_shipped_model_is_what_its_recipe_trains(name):
+def test_shipped_model_is_what_its_recipe_trains(name, tmp_path):
     recipe_fn, cls = SHIPPED[name]
     shipped = tiny.ASSETS / name
     recorded = json.loads((shipped / "train_losses.json").read_text())
-    recipe = recipe_fn(tiny.ASSETS / "tokenizer")
-    assert len(recorded["losses"]) == len(recipe[2])
+    trainer = recipe_fn(tiny.ASSETS / "tokenizer", tmp_path)  # posttrain's own trainer, one process
+    assert len(recorded["losses"]) == trainer.total_steps
     # Same initial weights, data, order, optimizer and schedule: the same first losses.
-    assert tiny.replay(recipe, REPLAYED) == pytest.approx(recorded["losses"][:REPLAYED], rel=1e-5)
+    assert tiny.replay(trainer, REPLAYED) == pytest.approx(recorded["losses"][:REPLAYED], rel=1e-5)
     # The shipped weights are that run's result, and it learned.
-    assert tiny.final_loss(cls.from_pretrained(shipped), recipe) == pytest.approx(recorded["final_first_batch"],
-                                                                                  rel=1e-5)
+    assert tiny.final_loss(cls.from_pretrained(shipped), trainer) == pytest.approx(recorded["final_first_batch"],
+                                                                                   rel=1e-5)
     assert recorded["final_first_batch"] < 0.5 * recorded["losses"][0]
 
 

@@ -5,20 +5,23 @@ Loaded with ``from_pretrained`` like any model, so tests and the demo exercise t
 code as a hub name or local path. The default assets (the tokenizer, the SFT policy and the
 trained reward model, about 2 MB) ship prebuilt in ``posttrain/demo/data/tiny/``: building them takes
 minutes on a small shared CPU, which a first ``make demo`` should not pay. ``build_assets`` is
-their recipe (``python -m posttrain.demo.tiny posttrain/demo/data/tiny`` rebuilds them) and
-tests/test_tiny.py checks that it reproduces the shipped files. Any other variant (another seed,
+their recipe (``python -m posttrain.demo.tiny posttrain/demo/data/tiny`` rebuilds them): the
+policy is trained by posttrain's own SFTTrainer and the reward model by its RewardTrainer, on one
+process without DeepSpeed, and tests/test_tiny.py checks that the recipe reproduces the shipped files. Any other variant (another seed,
 shape or step count, the randomly initialised models) is built on first use into posttrain's cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from .. import cache
 from . import DATA, corpus
@@ -102,20 +105,18 @@ def model_path(kind: str = "causal", seed: int = 0, **overrides) -> Path:
 def sft_model_path(seed: int = 0, steps: int = SFT_STEPS, **overrides) -> Path:
     """The tiny causal LM fine-tuned on the bundled corpus (each line ends with eos): a policy
     that writes sensible sentences, for PPO and DPO to start from. Shipped for the defaults."""
-    tok_dir = tokenizer_path()
     return _resolve(_name("sft", seed, steps, **overrides),
-                    lambda path: _fit_and_save(sft_recipe(tok_dir, seed, steps, **overrides), path, tok_dir),
-                    f"the tiny SFT policy ({steps} steps on the bundled corpus)")
+                    lambda path: _build_in_child("sft", path, seed, steps, overrides),
+                    f"the tiny SFT policy ({steps} steps of posttrain's SFTTrainer on the bundled corpus)")
 
 
 def reward_model_path(seed: int = 0, steps: int = REWARD_STEPS) -> Path:
     """The tiny sequence-classification reward model trained on bundled synthetic preferences
     (Bradley-Terry loss, as TRL's RewardTrainer): positive continuations score above negative.
     Shipped for the defaults."""
-    tok_dir = tokenizer_path()
     return _resolve(_name("reward-trained", seed, steps),
-                    lambda path: _fit_and_save(reward_recipe(tok_dir, seed, steps), path, tok_dir),
-                    f"the tiny reward model ({steps} steps on bundled preferences)")
+                    lambda path: _build_in_child("reward", path, seed, steps, {}),
+                    f"the tiny reward model ({steps} steps of posttrain's RewardTrainer on bundled preferences)")
 
 
 def build_assets(dest: str | os.PathLike) -> dict[str, Path]:
@@ -124,8 +125,8 @@ def build_assets(dest: str | os.PathLike) -> dict[str, Path]:
     dest = Path(dest)
     tok_dir, sft, reward = dest / "tokenizer", dest / _name("sft", 0, SFT_STEPS), dest / _name("reward-trained", 0, REWARD_STEPS)
     for path, build in ((tok_dir, _build_tokenizer),
-                        (sft, lambda p: _fit_and_save(sft_recipe(tok_dir), p, tok_dir)),
-                        (reward, lambda p: _fit_and_save(reward_recipe(tok_dir), p, tok_dir))):
+                        (sft, lambda p: _fit_and_save(lambda work: sft_recipe(tok_dir, work), p, tok_dir)),
+                        (reward, lambda p: _fit_and_save(lambda work: reward_recipe(tok_dir, work), p, tok_dir))):
         _log(f"building {path}")
         start = time.perf_counter()
         build(path)
@@ -205,100 +206,131 @@ def _save(model, path: Path, tok_dir: Path, losses: dict | None = None) -> None:
     _write_aside(path, write)
 
 
-def _train(model, loss_fn, batches, desc: str, stop_after: int | None = None) -> list[float]:
-    """AdamW at lr 3e-3 decaying linearly to 0 over ``batches``; ``stop_after`` ends it early (the
-    same first steps, for checking a recipe against an asset's recorded losses)."""
-    import torch
-    from tqdm.auto import tqdm
+# The recipes' settings: AdamW at lr 3e-3 (weight decay 0.01), decaying linearly to 0, clipped at 1,
+# 32 lines or pairs a step, fp32, one process.
+RECIPE = dict(learning_rate=3e-3, weight_decay=0.01, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0,
+              per_device_train_batch_size=32, gradient_checkpointing=False, mixed_precision="no",
+              single_process_engine="torch", logging_steps=1, disable_tqdm=True, report_to=[])
 
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / len(batches))
-    losses = []
-    model.train()
-    # torchrun sets OMP_NUM_THREADS=1; the one-off build of an asset may use every core (the
-    # result does not depend on the thread count: checked bitwise with 1 and 2).
+
+def sft_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = SFT_STEPS, **overrides):
+    """posttrain's SFTTrainer on the bundled corpus (each line ends with eos), from a randomly
+    initialised model saved in ``workdir``: the SFT policy's training, set up but not yet run."""
+    from ..trainers.sft import SFTConfig, SFTTrainer
+
+    init = workdir / "init"
+    _save(_init_model("causal", seed, tok_dir, **overrides), init, tok_dir)
+    cfg = SFTConfig(output_dir=str(workdir / "run"), model_name_or_path=str(init), seed=seed, max_steps=steps,
+                    max_length=TINY_SHAPE["max_position_embeddings"], **RECIPE)
+    return SFTTrainer(cfg, train_dataset=[{"text": line} for line in corpus()], tokenizer=load_tokenizer(tok_dir))
+
+
+def reward_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = REWARD_STEPS):
+    """posttrain's RewardTrainer (Bradley-Terry) on bundled synthetic preference pairs, one pass,
+    from a randomly initialised classifier saved in ``workdir``: set up but not yet run."""
+    from ..trainers.reward import RewardConfig, RewardTrainer
+    from . import synthetic
+
+    init = workdir / "init"
+    _save(_init_model("reward", seed, tok_dir), init, tok_dir)
+    cfg = RewardConfig(output_dir=str(workdir / "run"), model_name_or_path=str(init), seed=seed, max_steps=steps,
+                       max_length=TINY_SHAPE["max_position_embeddings"], **RECIPE)
+    pairs = synthetic.preference_pairs(RECIPE["per_device_train_batch_size"] * steps, seed=10_000 + seed)
+    return RewardTrainer(cfg, train_dataset=pairs, tokenizer=load_tokenizer(tok_dir))
+
+
+RECIPES = {"sft": sft_recipe, "reward": reward_recipe}
+
+
+@contextlib.contextmanager
+def _all_threads() -> Iterator[None]:
+    """torchrun sets OMP_NUM_THREADS=1; the one-off build of an asset may use every core (the result
+    does not depend on the thread count: checked bitwise with 1 and 2)."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        for batch in tqdm(batches[:stop_after], desc=desc, mininterval=2.0, file=sys.stderr, disable=stop_after is not None):
-            loss = loss_fn(model, batch)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        yield
     finally:
         torch.set_num_threads(before)
-    return losses
 
 
-def final_loss(model, recipe: tuple) -> float:
-    """A trained asset's loss on its recipe's first batch, as recorded in train_losses.json."""
+def first_batch(trainer) -> dict:
+    """The first micro-batch a recipe's trainer trains on (its data order on one process)."""
+    from ..trainers.common import rank_batches
+
+    idx = next(rank_batches(len(trainer.train_rows), trainer.cfg.per_device_train_batch_size, trainer.cfg.seed, 0, 1))
+    return trainer.collate([trainer.train_rows[i] for i in idx])
+
+
+def final_loss(model, trainer) -> float:
+    """A model's loss on its recipe's first batch, as recorded in train_losses.json (the SFT model's
+    token-mean NLL, the reward model's Bradley-Terry loss)."""
     import torch
 
-    _, loss_fn, batches = recipe
+    from ..trainers.reward import RewardTrainer, reward_loss
+    from ..trainers.sft import model_inputs
+
+    batch = first_batch(trainer)
     model.eval()
     with torch.no_grad():
-        return loss_fn(model, batches[0]).item()
+        if isinstance(trainer, RewardTrainer):
+            rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+            return reward_loss(rewards, None, None)[0].item()
+        return model(**model_inputs(batch), labels=batch["labels"]).loss.item()
 
 
-def _fit_and_save(recipe: tuple, path: Path, tok_dir: Path) -> None:
-    """Train an asset by its recipe and save it with every step's loss and the final weights' loss
-    on the first batch (what tests/test_tiny.py checks the recipe and the weights against)."""
-    model = recipe[0]
-    losses = _train(*recipe, desc=path.name)
-    _save(model, path, tok_dir, losses={"losses": losses, "final_first_batch": final_loss(model, recipe)})
+def replay(trainer, steps: int) -> list[float]:
+    """The first ``steps`` losses of a recipe's trainer (the full run's learning-rate schedule)."""
+    with _all_threads():
+        return [trainer.training_step(step)["loss"] for step in range(1, steps + 1)]
 
 
-def sft_recipe(tok_dir: Path, seed: int = 0, steps: int = SFT_STEPS, **overrides) -> tuple:
-    """(random model, loss function, batches): the SFT policy's training, not yet run."""
-    import random
+def _fit_and_save(recipe: Callable[[Path], Any], path: Path, tok_dir: Path) -> None:
+    """Train an asset by its recipe (given a scratch folder) and save it with every step's loss and
+    the final weights' loss on the first batch (what tests/test_tiny.py checks the recipe and the
+    weights against)."""
+    import tempfile
 
-    import torch
-
-    tok = load_tokenizer(tok_dir)
-    model = _init_model("causal", seed, tok_dir, **overrides)
-    torch.manual_seed(seed)
-    lines = [line + tok.eos_token for line in corpus()]
-    rng = random.Random(seed)
-    batches = []
-    for _ in range(steps):
-        enc = tok(rng.sample(lines, 32), return_tensors="pt", padding=True)
-        enc["labels"] = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-        batches.append(enc)
-    return model, lambda m, b: m(**b).loss, batches
+    with tempfile.TemporaryDirectory(prefix=f"posttrain-{path.name}-") as work:
+        trainer = recipe(Path(work))
+        with _all_threads():
+            history = trainer.train()
+        model = trainer.session.unwrap(trainer.roles["trained"][0])
+        losses = [row["loss"] for row in history if "loss" in row]
+        _save(model, path, tok_dir, losses={"losses": losses, "final_first_batch": final_loss(model, trainer)})
 
 
-def reward_recipe(tok_dir: Path, seed: int = 0, steps: int = REWARD_STEPS) -> tuple:
-    """(random model, loss function, batches): the reward model's Bradley-Terry training, not yet run."""
-    import torch
-    import torch.nn.functional as F
-
-    from . import synthetic
-
-    tok = load_tokenizer(tok_dir)
-    model = _init_model("reward", seed, tok_dir)
-    torch.manual_seed(seed)
-    pairs = synthetic.preference_pairs(32 * steps, seed=10_000 + seed)
-    batches = []
-    for i in range(steps):
-        rows = pairs[i * 32 : (i + 1) * 32]
-        texts = [r["prompt"] + r["chosen"] + tok.eos_token for r in rows]
-        texts += [r["prompt"] + r["rejected"] + tok.eos_token for r in rows]
-        batches.append(tok(texts, return_tensors="pt", padding=True))
-
-    def loss_fn(m, b):
-        r = m(**b).logits.squeeze(-1)
-        chosen, rejected = r.chunk(2)
-        return -F.logsigmoid(chosen - rejected).mean()
-
-    return model, loss_fn, batches
+# Launcher variables a child build must not inherit: its trainer would join the caller's process group.
+_LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+               "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
-def replay(recipe: tuple, steps: int) -> list[float]:
-    """The first ``steps`` losses of a recipe (the full run's learning-rate schedule)."""
-    return _train(*recipe, desc="replay", stop_after=steps)
+def _build_in_child(kind: str, path: Path, seed: int, steps: int, overrides: dict) -> None:
+    """Build one trained asset into ``path`` with its trainer in a process of its own (a world of
+    one, whatever process asked for it: a rank of a launched run waits on the build lock)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCH_ENV and not k.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
+    root = str(Path(__file__).resolve().parents[2])  # the folder posttrain is imported from
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "posttrain.demo.tiny", str(path.parent), "--asset", kind, "--seed", str(seed),
+           "--steps", str(steps), "--overrides", json.dumps(overrides), "--name", path.name]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building {path} failed (exit status {proc.returncode}): see the messages above")
+
+
+def _build_one(dest: Path, kind: str, seed: int, steps: int, overrides: dict, name: str) -> Path:
+    tok_dir = tokenizer_path()
+    path = dest / name
+    if kind == "sft":
+        _fit_and_save(lambda work: sft_recipe(tok_dir, work, seed, steps, **overrides), path, tok_dir)
+    else:
+        _fit_and_save(lambda work: reward_recipe(tok_dir, work, seed, steps), path, tok_dir)
+    return path
 
 
 if __name__ == "__main__":
@@ -306,5 +338,15 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="Build the tiny default's assets from their recipe.")
     parser.add_argument("dest", help="output folder (posttrain/demo/data/tiny to refresh the shipped copies)")
-    for built in build_assets(parser.parse_args().dest).values():
-        print(built)
+    parser.add_argument("--asset", choices=sorted(RECIPES), help="build one trained variant only (posttrain's "
+                        "cache builds use this), with --seed, --steps, --overrides (model shape, JSON) and --name")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--overrides", type=json.loads, default={})
+    parser.add_argument("--name")
+    opts = parser.parse_args()
+    if opts.asset:
+        print(_build_one(Path(opts.dest), opts.asset, opts.seed, opts.steps, opts.overrides, opts.name))
+    else:
+        for built in build_assets(opts.dest).values():
+            print(built)

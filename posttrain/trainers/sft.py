@@ -4,6 +4,9 @@ Data preparation (posttrain/sft_data.py) and the loss follow ``trl.SFTTrainer`` 
 "nll" loss is the summed token NLL of a whole optimizer step (every accumulation micro-batch on
 every process) over that step's count of trained tokens, TRL's ``num_items_in_batch`` with
 ``average_tokens_across_devices``; "dft" weights each token's NLL by its (detached) probability.
+As in TRL, the model gets TRL's fused LM head (``add_fused_lm_head``): the log-probs, entropy and
+top-1 hits are folded over vocabulary tiles in the model's dtype, so the (batch, length, vocab)
+logits are never built.
 tests/test_sft.py checks loss, token accuracy and gradients against TRL's own trainer.
 """
 
@@ -98,22 +101,32 @@ def model_inputs(batch: dict) -> dict:
     return {k: batch[k] for k in _MODEL_KEYS if k in batch}
 
 
+# The per-token fields TRL's SFTTrainer asks of its fused head (is_top1 feeds mean_token_accuracy).
+FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
+
+
+def add_fused_head(model: Any) -> Any:
+    """Give ``model`` TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, as TRL's
+    SFTTrainer does before PEFT wraps it): :func:`token_terms` then gets per-token log-probs,
+    entropy and top-1 hits projected in vocabulary tiles, never the (batch, length, vocab) logits.
+    Returns the model (patched in place)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, outputs=FUSED_OUTPUTS)
+    return model
+
+
 def token_terms(model: Any, batch: dict, loss_type: str = "nll") -> dict[str, torch.Tensor]:
     """Summed per-token loss (with gradient), trained-token count, summed entropy and top-1 hits
-    of one collated batch. The full logits are built (TRL fuses the LM head; same values)."""
-    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
-
-    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1].float()
-    labels = batch["labels"][:, 1:]
-    mask = labels != -100
-    logps = selective_log_softmax(logits, labels.clamp(min=0)) * mask
-    per_token = -logps
+    of one collated batch, from the fused head of a model given :func:`add_fused_head` (TRL's
+    computation: no full logits, the vocabulary projected in tiles)."""
+    out = model(**model_inputs(batch), labels=batch["labels"], fused_lm_head=True)
+    mask = out.label_mask
+    per_token = -out.log_probs  # zero where the label is -100
     if loss_type == "dft":  # DFT (arXiv 2508.05629): each token weighted by its probability
-        per_token = per_token * logps.exp().detach()
-    with torch.no_grad():
-        entropy = (entropy_from_logits(logits) * mask).sum()
-        correct = ((logits.argmax(-1) == labels) & mask).sum()
-    return {"loss_sum": per_token.sum(), "tokens": mask.sum(), "entropy_sum": entropy, "correct": correct}
+        per_token = per_token * out.log_probs.exp().detach()
+    return {"loss_sum": per_token.sum(), "tokens": mask.sum(), "entropy_sum": out.entropy.detach().sum(),
+            "correct": out.is_top1.sum()}
 
 
 def input_tokens(batch: dict) -> int:
@@ -169,6 +182,7 @@ class SFTTrainer(RowsTrainer):
             model.config.get_text_config().eos_token_id = self.tokenizer.eos_token_id
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        add_fused_head(model)  # before the adapters, as TRL
         if self.peft_config is not None:
             model = add_adapters(model, self.peft_config)
         opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)

@@ -12,7 +12,7 @@ import torch
 from posttrain.demo import synthetic, tiny
 from posttrain.trainers.common import rank_batches
 from posttrain.trainers.reward import RewardConfig, RewardTrainer, reward_loss
-from posttrain.trainers.sft import SFTConfig, SFTTrainer, token_terms
+from posttrain.trainers.sft import SFTConfig, SFTTrainer, add_fused_head, token_terms
 
 SFT_TRAIN = [{"text": t} for t in tiny.corpus()[:96]]
 SFT_EVAL = [{"text": t} for t in tiny.corpus()[-20:]]
@@ -66,7 +66,7 @@ def direct_sft_step(trainer, world: int) -> dict:
     trained tokens (num_items_in_batch), its value and its gradient's norm (before clipping)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(trainer.cfg.model_name_or_path, dtype=torch.float32)
+    model = add_fused_head(AutoModelForCausalLM.from_pretrained(trainer.cfg.model_name_or_path, dtype=torch.float32))
     terms = [token_terms(model, b) for per_rank in first_step_batches(trainer, world) for b in per_rank]
     loss = sum(t["loss_sum"] for t in terms) / sum(t["tokens"] for t in terms)
     loss.backward()

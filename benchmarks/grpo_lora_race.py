@@ -144,19 +144,23 @@ def targets(summary: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> l
     ours, trl = summary.get("posttrain-lora", {}), summary.get("trl-lora", {})
     if ours.get("step_s") and trl.get("step_s"):
         x = trl["step_s"] / ours["step_s"]
-        lines.append(f"LoRA 8B: posttrain {ours['step_s']:.2f} s/step against TRL's {trl['step_s']:.2f}: {x:.2f}x "
+        lines.append(f"LoRA: posttrain {ours['step_s']:.2f} s/step against TRL's {trl['step_s']:.2f}: {x:.2f}x "
                      f"(target >= 5x: {'met' if x >= 5 else 'missed'})")
     kv = max((r.get("kv_cache_gib") or 0.0 for r in rows if r["side"] == "posttrain-lora"), default=0.0)
     if ours.get("peak_allocated_gib") and trl.get("peak_allocated_gib"):
         bound = trl["peak_allocated_gib"] + kv
-        lines.append(f"LoRA 8B: posttrain peak {ours['peak_allocated_gib']:.2f} GiB against TRL's "
+        lines.append(f"LoRA: posttrain peak {ours['peak_allocated_gib']:.2f} GiB against TRL's "
                      f"{trl['peak_allocated_gib']:.2f} + KV cache {kv:.2f} = {bound:.2f} (target: at most that: "
                      f"{'met' if ours['peak_allocated_gib'] <= bound else 'missed'})")
     trained = [r for r in rows if r["side"] == "posttrain-lora" and r["status"] == "ok"]
     for r in trained:
         finite = all(loss == loss and abs(loss) != float("inf") for loss in r.get("losses", []))
+        rollout = r.get("rollout", {})
+        how = "its rollout engine" if rollout.get("backend") == "posttrain" else \
+            f"transformers' generate (the engine fell back: {rollout.get('fallback')})"
         lines.append(f"posttrain-lora round {r['round']}: losses finite {finite}, LoRA B norm {r.get('lora_b_norm')} "
-                     "(0 at initialisation)")
+                     f"(0 at initialisation); generated with {how}, compile {rollout.get('compile')}, "
+                     f"{rollout.get('graphs')} graphs, degraded {r.get('degraded')}")
     full = summary.get("posttrain-full")
     if full:
         lines.append(f"full fine-tune: {full['status']} (target: out of memory shown)")
@@ -169,7 +173,7 @@ RACE = race.Race(name="grpo_lora_race", doc=__doc__, script=__file__, sides=SIDE
                         "num_generations": (8, 2, "completions per prompt"),
                         "prompt_len": (128, 16, "prompt tokens"),
                         "response_len": (256, 8, "completion tokens at most"),
-                        "lora_r": (16, 4, "LoRA rank"), "lora_alpha": (32, 8, "LoRA alpha")})
+                        "lora_r": (16, 16, "LoRA rank"), "lora_alpha": (32, 32, "LoRA alpha")})
 
 if __name__ == "__main__":
     sys.exit(race.main(RACE))

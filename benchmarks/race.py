@@ -271,8 +271,9 @@ def render(out: Path) -> None:
                 _fmt(s.get("baseline")), _fmt(s.get("speedup"), ".2f") + ("x" if s.get("speedup") else ""),
                 _fmt(r.get("peak_allocated_gib"), ".2f"), _fmt(r.get("peak_reserved_gib"), ".2f"),
                 _fmt(s.get("memory_ratio"), ".2f"), _fmt(r.get("wall_s"), ".0f")]) + " |")
-        for line in (summaries[-1].get("targets", []) if summaries else []):
-            parts.append(f"\n- {line}")
+        found = summaries[-1].get("targets", []) if summaries else []
+        if found:
+            parts.append("\n" + "\n".join(f"- {line}" for line in found))
         parts.append("")
     (out / "results.md").write_text("\n".join(parts) + "\n")
 

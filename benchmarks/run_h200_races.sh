@@ -33,7 +33,7 @@ run timeout -k 10 $(t 330) python3 benchmarks/grpo_lora_race.py --shape $G8 $WG 
 # each row ~30 s (the first also builds the 1.1B model, ~10 s; steps ~0.5-1.5 s: under sdpa a padding-free
 # row of 8 x 2048 tokens attends over all 16k positions with a block mask): ~160 s in all
 #   trl-packed, posttrain-packed: bfd packing (TRL's default strategy) on both
-#   posttrain-padded, posttrain-padding-free, trl-padding-free: mixed lengths (128-2048 tokens), 8 per step
+#   posttrain-padded, posttrain-padding-free, trl-padding-free: mixed lengths (about 120-1900 tokens), 8 per step
 run timeout -k 10 $(t 175) python3 benchmarks/sft_race.py --shape $G1 $W --rounds 1 \
     --sides trl-packed,posttrain-packed,posttrain-padded,posttrain-padding-free,trl-padding-free --timeout $(t 90) --out "$RES"
 

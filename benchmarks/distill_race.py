@@ -1,7 +1,7 @@
 """One GPU, distillation: TRL's GKDTrainer against posttrain's DistillationTrainer (issue 25).
 
-The rows of benchmarks/dpo_race.py (alternating fresh processes, ``--rounds`` times, JSON lines as
-they finish), for a step that is all training: a 1.1B student learns a 1.1B teacher's token
+The rows of benchmarks/dpo_race.py (alternating fresh processes, ``--rounds`` times, through
+benchmarks/race.py), for a step that is all training: a 1.1B student learns a 1.1B teacher's token
 distributions on the data's completions (generalized JSD, beta 0.5, temperature 1, no generation:
 GKD's ``lmbda`` 0 and ``seq_kd`` off; TRL's DistillationTrainer always generates, so it is not the
 comparison for this step).
@@ -16,15 +16,13 @@ Both: random-weight Llama-shape models (student seed 0, teacher seed 1), ``--pai
 ``--seq-len`` tokens (half prompt, half completion) per step, bf16, no gradient checkpointing (the
 posttrain trainer has none), learning rate 1e-6, a log line every step.
 
-    python benchmarks/distill_race.py --out distill_race.jsonl      # one GPU
-    DS_ACCELERATOR=cpu python benchmarks/distill_race.py --tiny --steps 1 --warmup 1 --rounds 1
+    python benchmarks/distill_race.py --out DIR      # one GPU
+    DS_ACCELERATOR=cpu python benchmarks/distill_race.py --shape tiny --steps 1 --warmup 1 --rounds 1
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import dpo_race  # noqa: E402
+from benchmarks import dpo_race, race  # noqa: E402
+from benchmarks.race import Stamps  # noqa: E402
 
 SIDES = dpo_race.SIDES
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -70,18 +69,13 @@ def distill_rows(n: int, seq_len: int) -> list[dict[str, str]]:
     return [{"prompt": texts[2 * i]["prompt"], "completion": " " + texts[2 * i + 1]["prompt"]} for i in range(n)]
 
 
-def run_trl(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Path, stamps: list[float]) -> None:
+def run_trl(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Path, stamps: Stamps) -> None:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     from posttrain.demo import tiny
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            dpo_race._sync()
-            stamps.append(time.perf_counter())
 
     tok = tiny.load_tokenizer(student)
     tok.chat_template = TEMPLATE  # the row's text as it is: prompt + completion
@@ -94,27 +88,17 @@ def run_trl(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Pat
                      dataloader_num_workers=0)
     trainer = GKDTrainer(model=AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.bfloat16),
                          teacher_model=AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.bfloat16),
-                         args=args, train_dataset=data, processing_class=tok, callbacks=[Stamp()])
-    dpo_race._sync()
-    stamps.append(time.perf_counter())
+                         args=args, train_dataset=data, processing_class=tok, callbacks=[stamps.callback()])
+    stamps.mark()
     trainer.train()
 
 
-def run_posttrain(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Path, stamps: list[float],
+def run_posttrain(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Path, stamps: Stamps,
                   engine: str, master_weights: str) -> dict[str, Any]:
     from posttrain.session import Session
     from posttrain.trainers.distill import DistillConfig, DistillTrainer
 
-    step = Session.step
-
-    def stamped(self: Session, name: str) -> bool:  # the session is made inside train(): patched on the class
-        stepped = step(self, name)
-        if stepped:
-            dpo_race._sync()
-            stamps.append(time.perf_counter())
-        return stepped
-
-    Session.step = stamped
+    stamps.wrap_session(Session)  # the session is made inside train(): patched on the class
     cfg = DistillConfig(output_dir=str(out / f"posttrain-{engine}-{master_weights}"), overwrite_output_dir=True,
                         model_name_or_path=str(student), teacher_model_name_or_path=str(teacher),
                         per_device_train_batch_size=spec["pairs"], max_length=spec["seq_len"], learning_rate=1e-6,
@@ -122,45 +106,30 @@ def run_posttrain(spec: dict, student: Path, teacher: Path, rows: list[dict], ou
                         single_process_engine=dpo_race.ENGINES[engine], lmbda=0.0, beta=0.5, logging_steps=1,
                         disable_tqdm=True, seed=0)
     trainer = DistillTrainer(cfg, train_dataset=rows)
-    dpo_race._sync()
-    stamps.append(time.perf_counter())
+    stamps.mark()
     history = [h for h in trainer.train() if "loss" in h][spec["warmup"]:]
     s = trainer.session
-    phases = sorted({k for h in history for k in h if k.startswith("time/")})
     return {"placements": {n: s.zero_stage(n) for n in s.roles}, "master_weights": s.master_weights("student"),
             "engine": s.engine_kind("student"), "one_rank_changes": s.one_rank_changes,
-            "losses": [h["loss"] for h in history],
-            "phase_s": {k.removeprefix("time/"): statistics.median(h.get(k, 0.0) for h in history) for k in phases}}
+            "losses": [h["loss"] for h in history], "phase_s": race.phase_medians(history)}
 
 
-def child(side: str, spec: dict[str, Any], out: Path) -> dict[str, Any]:
+def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict[str, Any]:
     import torch
 
     from benchmarks.grpo_e2e import model_dir
 
     student, teacher = model_dir(spec["shape"], torch.bfloat16), teacher_dir(spec["shape"], torch.bfloat16)
     rows = distill_rows(spec["pairs"] * (spec["warmup"] + spec["steps"]), spec["seq_len"])
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    stamps: list[float] = []
-    row: dict[str, Any] = {"side": side}
     if side == "trl":
         run_trl(spec, student, teacher, rows, out, stamps)
-    else:
-        _, engine, master_weights = side.split("-")
-        row.update(run_posttrain(spec, student, teacher, rows, out, stamps, engine, master_weights))
-    steps = [b - a for a, b in zip(stamps, stamps[1:])]
-    if len(steps) != spec["warmup"] + spec["steps"]:
-        raise RuntimeError(f"{side}: timed {len(steps)} optimizer steps, expected {spec['warmup'] + spec['steps']}")
-    row["step_times"] = steps
-    row["step_s"] = statistics.median(steps[spec["warmup"]:])
-    cuda = torch.cuda.is_available()
-    row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / dpo_race.GiB if cuda else None
-    row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / dpo_race.GiB if cuda else None
-    return row
+        return {}
+    _, engine, master_weights = side.split("-")
+    return run_posttrain(spec, student, teacher, rows, out, stamps, engine, master_weights)
 
+
+RACE = race.Race(name="distill_race", doc=__doc__, script=__file__, sides=SIDES, run_side=run_side,
+                 knobs={"pairs": (4, 2, "rows per step"), "seq_len": (512, 64, "tokens per row (half prompt)")})
 
 if __name__ == "__main__":
-    sys.exit(dpo_race.main(doc=__doc__, child_fn=child, planned_fn=lambda spec: {}, script=__file__,
-                           name="distill_race"))
+    sys.exit(race.main(RACE))

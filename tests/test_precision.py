@@ -1,13 +1,9 @@
 """master_weights fp32 | bf16 (issue 25): the setting and its refusals, the presets, the one-process
-path, parity of bf16 states with TRL's DPOTrainer on a bf16 model, and benchmarks/dpo_race.py."""
+path, parity of bf16 states with TRL's DPOTrainer on a bf16 model (benchmarks/dpo_race.py: tests/test_races.py)."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, run_json
+from conftest import run_json
 
 from posttrain import dsconfig
 from posttrain.dsconfig import ConfigError
@@ -170,48 +166,3 @@ def test_torch_path_fp32_is_trainers_autocast(runs):
     assert ours["param_dtypes"] == ours["state_dtypes"] == ["torch.float32"] and ours["recorded"] == "fp32"
     assert _max_diff(ours["losses"], trl["losses"]) < 0.5 * _max_diff(ds["losses"], trl["losses"])
     assert ours["losses"][-1] < ours["losses"][0] - 0.1
-
-
-SIDES = "trl,posttrain-torch-bf16,posttrain-ds-fp32"
-
-
-def test_dpo_race_tiny(tmp_path):
-    """benchmarks/dpo_race.py on CPU: one round of TRL and of both engines and precisions (the other two
-    combinations run the same code), 2 steps each, JSON lines as it goes."""
-    out = tmp_path / "race.jsonl"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "benchmarks/dpo_race.py", "--tiny", "--steps", "1", "--warmup", "1",
-                           "--rounds", "1", "--sides", SIDES, "--out", str(out), "--workdir", str(tmp_path / "work")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert lines[0]["spec"] == {"shape": "tiny", "pairs": 2, "seq_len": 64, "steps": 1, "warmup": 1}
-    rows = {r["side"]: r for r in lines[1:-1]}
-    assert ",".join(rows) == SIDES
-    for side, row in rows.items():
-        assert row["status"] == "ok" and len(row["step_times"]) == 2 and row["step_s"] > 0, side
-        if side != "trl":
-            _, engine, master = side.split("-")
-            assert row["master_weights"] == master and row["engine"] == {"ds": "deepspeed"}.get(engine, engine), side
-            assert {"reference", "policy_forward", "backward"} <= set(row["phase_s"]), side
-    assert rows["posttrain-ds-fp32"]["placements"] == {"policy": 2, "reference": 0}
-    assert rows["posttrain-torch-bf16"]["placements"] == {"policy": 0, "reference": 0}
-    summary = lines[-1]
-    assert set(summary["summary"]) == set(rows) and summary["planned_fp32_extra_gib"] > 0
-
-
-def test_distill_race_tiny(tmp_path):
-    """benchmarks/distill_race.py on CPU: TRL's GKDTrainer and posttrain's two auto choices, 2 steps each."""
-    out = tmp_path / "race.jsonl"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "benchmarks/distill_race.py", "--tiny", "--steps", "1", "--warmup", "1",
-                           "--rounds", "1", "--sides", SIDES, "--out", str(out), "--workdir", str(tmp_path / "work")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    rows = {r["side"]: r for r in lines[1:-1]}
-    assert ",".join(rows) == SIDES and all(r["status"] == "ok" and len(r["step_times"]) == 2 for r in rows.values())
-    assert rows["posttrain-torch-bf16"]["engine"] == "torch" and rows["posttrain-ds-fp32"]["engine"] == "deepspeed"
-    assert rows["posttrain-torch-bf16"]["placements"] == {"student": 0, "teacher": 0}
-    assert {"forward", "backward"} <= set(rows["posttrain-ds-fp32"]["phase_s"])
-    assert set(lines[-1]["summary"]) == set(rows)

@@ -1,0 +1,160 @@
+"""The one-GPU races against TRL's trainers (benchmarks/race.py and the races on it): the runner's
+rows, OOM rows, summaries and results.md in-process, then each race's tiny shape on CPU, every side
+a fresh process as on the GPU (one warm-up and one timed step; the times say nothing)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+
+from benchmarks import race
+
+
+def _race(**kw) -> race.Race:
+    return race.Race(name="fake_race", doc="A fake race.", script=__file__, sides=("trl", "ours"),
+                     run_side=kw.pop("run_side", lambda *a: {}), **kw)
+
+
+def test_child_times_steps_and_makes_oom_a_row(tmp_path):
+    spec = {"shape": "tiny", "steps": 2, "warmup": 1}
+
+    def three_steps(side, spec, work, stamps):
+        stamps.mark()
+        for _ in range(3):
+            stamps.mark()
+        return {"tokens_per_step": [10.0, 20.0, 30.0]}
+
+    row = race.child(_race(run_side=three_steps), "ours", spec, tmp_path)
+    assert row["status"] == "ok" and row["steps_done"] == 3 and len(row["step_times"]) == 3
+    assert row["step_s"] == pytest.approx(sorted(row["step_times"][1:])[0] / 2 + sorted(row["step_times"][1:])[1] / 2)
+    assert row["tokens_per_s"] == pytest.approx(50.0 / sum(row["step_times"][1:]))
+
+    def oom_after_one(side, spec, work, stamps):
+        stamps.mark()
+        stamps.mark()
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.48 GiB")
+
+    row = race.child(_race(run_side=oom_after_one), "ours", spec, tmp_path)
+    assert row["status"] == "oom" and "7.48 GiB" in row["error"] and row["steps_done"] == 1 and "step_s" not in row
+
+    def too_few(side, spec, work, stamps):
+        stamps.mark()
+        stamps.mark()
+        return {}
+
+    with pytest.raises(RuntimeError, match="timed 1 optimizer steps, expected 3"):
+        race.child(_race(run_side=too_few), "ours", spec, tmp_path)
+    with pytest.raises(ValueError, match="not memory"):
+        race.child(_race(run_side=lambda *a: (_ for _ in ()).throw(ValueError("not memory"))), "ours", spec, tmp_path)
+
+
+def test_summary_ratios_and_results_md(tmp_path):
+    r = _race(targets=lambda summary, rows: [f"ours {summary['ours']['speedup']:.1f}x"])
+    rows = [{"side": "trl", "round": 0, "status": "ok", "step_s": 2.0, "step_q1_s": 1.9, "peak_allocated_gib": 20.0},
+            {"side": "ours", "round": 0, "status": "ok", "step_s": 0.5, "step_q1_s": 0.4, "peak_allocated_gib": 10.0},
+            {"side": "trl", "round": 1, "status": "ok", "step_s": 4.0, "step_q1_s": 3.0, "peak_allocated_gib": 21.0},
+            {"side": "ours", "round": 1, "status": "oom", "error": "OutOfMemoryError: CUDA out of memory",
+             "peak_allocated_gib": 30.0}]
+    s = race.summarize(r, rows, ["trl", "ours"])
+    assert s["trl"]["step_s"] == 3.0 and s["trl"]["peak_allocated_gib"] == 21.0 and "speedup" not in s["trl"]
+    assert s["ours"]["status"] == "ok/oom" and s["ours"]["step_s"] == 0.5 and s["ours"]["speedup"] == 6.0
+    assert s["ours"]["memory_ratio"] == pytest.approx(30.0 / 21.0)
+    tps = race.summarize(r, [{**rows[0], "tokens_per_s": 100.0}, {**rows[1], "tokens_per_s": 150.0}], ["trl", "ours"])
+    assert tps["ours"]["speedup"] == 1.5  # tokens/s when both sides have it
+    with (tmp_path / "fake_race.jsonl").open("w") as f:
+        for obj in [{"race": "fake_race", "spec": {"shape": "tiny"}, "command": "python x.py"}, *rows,
+                    {"summary": s, "targets": r.targets(s, rows)}]:
+            f.write(json.dumps(obj) + "\n")
+    race.render(tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "## fake_race" in md and "| ours | 1 | oom (OutOfMemoryError: CUDA out of memory)" in md
+    assert "| ours | 0 | ok | 0.500 | 0.400 |  | trl | 6.00x | 10.00 |" in md and "- ours 6.0x" in md
+
+
+def run_race(script: str, sides: str, tmp_path: Path, *args: str) -> tuple[dict, dict[str, dict], dict, str]:
+    """``script --shape tiny`` on CPU: (its header, its rows by side, its summary line, results.md)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--shape", "tiny", "--steps", "1", "--warmup", "1",
+                           "--rounds", "1", "--sides", sides, "--out", str(out), "--workdir", str(tmp_path / "work"),
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    name = script.removesuffix(".py")
+    lines = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+    rows = {r["side"]: r for r in lines[1:-1]}
+    assert ",".join(rows) == sides and set(lines[-1]["summary"]) == set(rows)
+    for side, row in rows.items():
+        assert row["status"] == "ok" and len(row["step_times"]) == 2 and row["step_s"] > 0, side
+        assert Path(row["log"]).is_file(), side
+    assert f"benchmarks/{script} --shape tiny" in (out / "commands.txt").read_text()
+    md = (out / "results.md").read_text()
+    assert f"## {name}" in md and all(f"| {side} | 0 | ok |" in md for side in rows)
+    return lines[0], rows, lines[-1], md
+
+
+DPO_SIDES = "trl,posttrain-torch-bf16,posttrain-ds-fp32"
+
+
+def test_dpo_race_tiny(tmp_path):
+    """TRL and both engines and precisions (the other two combinations run the same code)."""
+    head, rows, summary, _ = run_race("dpo_race.py", DPO_SIDES, tmp_path)
+    assert head["spec"] == {"shape": "tiny", "pairs": 2, "seq_len": 64, "steps": 1, "warmup": 1}
+    for side, row in rows.items():
+        if side != "trl":
+            _, engine, master = side.split("-")
+            assert row["master_weights"] == master and row["engine"] == {"ds": "deepspeed"}.get(engine, engine), side
+            assert {"reference", "policy_forward", "backward"} <= set(row["phase_s"]), side
+    assert rows["posttrain-ds-fp32"]["placements"] == {"policy": 2, "reference": 0}
+    assert rows["posttrain-torch-bf16"]["placements"] == {"policy": 0, "reference": 0}
+    assert summary["planned_fp32_extra_gib"] > 0 and summary["summary"]["posttrain-ds-fp32"]["baseline"] == "trl"
+
+
+def test_distill_race_tiny(tmp_path):
+    """TRL's GKDTrainer and posttrain's two auto choices."""
+    _, rows, _, _ = run_race("distill_race.py", DPO_SIDES, tmp_path)
+    assert rows["posttrain-torch-bf16"]["engine"] == "torch" and rows["posttrain-ds-fp32"]["engine"] == "deepspeed"
+    assert rows["posttrain-torch-bf16"]["placements"] == {"student": 0, "teacher": 0}
+    assert {"forward", "backward"} <= set(rows["posttrain-ds-fp32"]["phase_s"])
+
+
+def test_sft_race_tiny(tmp_path):
+    """Packed on both sides; posttrain padded and padding-free on the same mixed-length rows in the
+    same order: the same tokens each step and (bf16) nearly the same loss."""
+    _, rows, summary, md = run_race("sft_race.py", "trl-packed,posttrain-packed,posttrain-padded,posttrain-padding-free",
+                                    tmp_path)
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and all(t > 0 for t in row["tokens_per_step"]) and row["attn_implementation"] == "sdpa"
+    assert rows["posttrain-packed"]["engine"] == "torch" and rows["posttrain-packed"]["master_weights"] == "bf16"
+    padded, free = rows["posttrain-padded"], rows["posttrain-padding-free"]
+    assert padded["tokens_per_step"] == free["tokens_per_step"]
+    assert free["losses"] == pytest.approx(padded["losses"], abs=2e-2)
+    assert summary["summary"]["posttrain-packed"]["baseline"] == "trl-packed"
+    assert "packed: posttrain tokens/s" in md and "mixed lengths: posttrain padding-free tokens/s" in md
+
+
+def test_reward_race_tiny(tmp_path):
+    """Both sides keep every pair (none passes max_length) and see the same tokens over the run."""
+    _, rows, _, _ = run_race("reward_race.py", "trl,posttrain", tmp_path)
+    assert rows["trl"]["pairs_kept"] == rows["posttrain"]["pairs_kept"] == 4
+    assert sum(rows["trl"]["tokens_per_step"]) == sum(rows["posttrain"]["tokens_per_step"]) > 0
+    assert rows["posttrain"]["engine"] == "torch"
+
+
+def test_grpo_lora_race_tiny(tmp_path):
+    """TRL with the peft_config trains its adapters; posttrain with them where its GRPOTrainer has LoRA
+    (on a checkout without, the row says it ran a full fine-tune)."""
+    _, rows, summary, md = run_race("grpo_lora_race.py", "posttrain-lora,trl-lora", tmp_path)
+    trl, ours = rows["trl-lora"], rows["posttrain-lora"]
+    assert trl["lora"] and trl["lora_b_norm"] > 0 and all(math.isfinite(x) for x in trl["losses"])
+    assert all(math.isfinite(x) for x in ours["losses"]) and "generate" in ours["phase_s"]
+    if ours["lora"]:
+        assert ours["lora_b_norm"] > 0
+    else:
+        assert "no LoRA in this checkout" in ours["note"] and ours["lora_b_norm"] is None
+    assert "LoRA: posttrain" in md and summary["summary"]["posttrain-lora"]["baseline"] == "trl-lora"

@@ -62,7 +62,8 @@ def parse_shapes(workload: str, shape: str, overrides: list[str]) -> dict[str, s
 
 
 def case_name(spec: dict[str, Any]) -> str:
-    shapes = spec["shapes"]
+    # A local model folder by its name: the case names a run directory.
+    shapes = {r: s if s in memory.SHAPES else Path(s).name for r, s in spec["shapes"].items()}
     main = shapes[memory.WORKLOADS[spec["workload"]]["trained"][0]]
     odd = [f"{r}={s}" for r, s in shapes.items() if s != main]
     tag = "+".join([main, *odd])
@@ -250,8 +251,9 @@ def render(out: Path) -> None:
                            for k, v in r.get("phase_s", {}).items())
         f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
-        # Rows from before the harness ran the trainers: the hand-written step on the Session.
-        trainer = r.get("trainer", "hand-written step")
+        # Rows from before the harness ran the trainers (they carry role_memory_gib): the
+        # hand-written step on the Session.
+        trainer = r.get("trainer", "hand-written step" if "role_memory_gib" in r else "")
         lines.append(f"| {r['case']} | {r['mix']} | {trainer} | {status} | {f(r.get('step_s'), 3)} | {phases} | "
                      f"{f(r.get('tokens_per_s'), 0)} | {f(peak)} | "
                      f"{f(max(r['peak_reserved_gib']) if r.get('peak_reserved_gib') else None)} | {f(plan)} | {err} | "

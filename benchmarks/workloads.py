@@ -289,7 +289,11 @@ def trl_distill(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tupl
             for r in completion_rows(rows_needed(spec), spec["seq_len"])]
     args = GKDConfig(max_length=spec["seq_len"], lmbda=0.0, beta=0.5, seq_kd=False, temperature=1.0,
                      gradient_checkpointing=False, **common)
-    return GKDTrainer, dict(model=str(student), teacher_model=str(role_path(spec, "teacher", seed=1)), args=args,
+    # Loaded here, after the args (a ZeRO-3 config then partitions them), in TRL's default float32:
+    # TRL's own loading from a path needs config.architectures, which not every local model records.
+    load = memory.model_class("causal").from_pretrained
+    return GKDTrainer, dict(model=load(str(student), dtype=torch.float32),
+                            teacher_model=load(str(role_path(spec, "teacher", seed=1)), dtype=torch.float32), args=args,
                             train_dataset=Dataset.from_list(rows), processing_class=tok)
 
 
@@ -320,23 +324,14 @@ def rollout_stats(trainer: Any) -> dict[str, dict[str, Any]]:
 def canary(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """The correctness canary (benchmarks/canary.py) after the measured steps: each frozen role's
     outputs on a batch of the run's shape against its weights run unsharded. A canary that cannot
-    run leaves the row ``unchecked`` rather than losing its measurements.
-
-    ``spec["canary_perturb"]`` (tests): added to every weight of posttrain's frozen roles after the
-    unsharded copy is taken, as a wrong gather would change what the forward sees."""
+    run leaves the row ``unchecked`` rather than losing its measurements."""
     from benchmarks import canary as canary_check
 
     frozen = frozen_models(trainer)
     device = trainer.session.device if hasattr(trainer, "session") else trainer.accelerator.device
     ids = torch.randint(3, len(tiny.load_tokenizer()), (spec["micro_batch"], spec["seq_len"]), device=device)
-    scale = float(spec.get("canary_perturb") or 0.0)
-    diffs: dict[str, float] = {}
     try:
-        for name, (engine, fast) in frozen.items():
-            perturb = None
-            if scale:
-                perturb = lambda name=name: trainer.session.update_weights(name, lambda _, t: t.add_(scale))  # noqa: E731
-            diffs[name] = canary_check.check(engine, ids, fast, perturb)
+        diffs = {name: canary_check.check(engine, ids, fast) for name, (engine, fast) in frozen.items()}
     except Exception as err:  # noqa: BLE001 - reported in the row
         return {"canary_error": f"{type(err).__name__}: {str(err)[:500]}"}
     return {"canary": diffs, "canary_tolerance": canary_check.TOLERANCE[dtype_of(spec)]}
@@ -361,13 +356,13 @@ def run(spec: dict[str, Any], out: Path, result: dict[str, Any]) -> None:
     clock = StepClock(spec, out, int(os.environ.get("RANK", "0")))
     if baseline:
         cls, kwargs = trl_build(spec, out, trl_settings(spec, out))
+        result["trainer"] = f"{cls.__module__.split('.')[0]}.{cls.__name__}"  # named in the row if it fails
         trainer = cls(**kwargs, callbacks=[clock.callback()])
-        result["trainer"] = f"{cls.__module__.split('.')[0]}.{cls.__name__}"
     else:
         cls, kwargs = posttrain_build(spec, out, posttrain_settings(spec, out))
+        result["trainer"] = f"posttrain.{cls.__name__}" + (" (TRL's placement)" if spec["mix"] in TRL_CONFIGS else "")
         trainer = type(f"Timed{cls.__name__}", (TimedSteps, cls), {})(**kwargs)
         trainer.clock = clock
-        result["trainer"] = f"posttrain.{cls.__name__}" + (" (TRL's placement)" if spec["mix"] in TRL_CONFIGS else "")
     result["gradient_checkpointing"] = bool(getattr(getattr(trainer, "cfg", None) or trainer.args,
                                                     "gradient_checkpointing", False))
     trainer.train()

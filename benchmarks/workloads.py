@@ -84,6 +84,7 @@ class StepClock:
     def __init__(self, spec: dict[str, Any], out: Path, rank: int) -> None:
         self.times: list[float] = []
         self.losses: dict[int, float] = {}  # TRL's logged loss by step
+        self.phases: list[dict[str, float]] = []  # posttrain's, per step (TRL times none)
         self.first_begin: float | None = None
         self.profile_from = spec["warmup"] + spec["steps"] + 1
         self.profile_to = self.profile_from + spec.get("profile_steps", 0) - 1
@@ -153,7 +154,9 @@ class StepClock:
 
 
 class TimedSteps:
-    """Mixed into a posttrain trainer: its ``training_step`` between the clock's two readings."""
+    """Mixed into a posttrain trainer: its ``training_step`` between the clock's two readings, and
+    the step's phases as this rank timed them (the ``time/*`` values the step returns; the logged
+    row averages them over ranks)."""
 
     clock: StepClock
 
@@ -161,6 +164,9 @@ class TimedSteps:
         self.clock.begin(step)
         row = super().training_step(step)
         self.clock.end(step)
+        times = {**row, **row.get("times", {})}  # GRPO/RLOO return theirs under "times"
+        self.clock.phases.append({k.removeprefix("time/"): v for k, v in times.items()
+                                  if k.startswith("time/") and k not in WHOLE_STEP})
         return row
 
 
@@ -375,8 +381,7 @@ def run(spec: dict[str, Any], out: Path, result: dict[str, Any]) -> None:
     if hasattr(trainer, "session"):
         key = LOSS_KEYS.get(spec["workload"], "loss")
         losses = [h.get(key, float("nan")) for h in history][measured]
-        phases = [{k.removeprefix("time/"): v for k, v in h.items() if k.startswith("time/") and k not in WHOLE_STEP}
-                  for h in history][measured]
+        phases = clock.phases[measured]
     else:
         losses = [clock.losses.get(i + 1, float("nan")) for i in range(total_steps(spec))][measured]
         phases = [{} for _ in losses]

@@ -39,10 +39,12 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     teacher = tiny.model_path(hidden_size=96, intermediate_size=256)
     codes = {}
-    for workload, extra in RUNS.items():
-        shape = ["tiny"] if workload != "distill" else [str(tiny.model_path()), "--role-shape", f"teacher={teacher}"]
-        codes[workload] = harness.main(["--workload", workload, "--shape", *shape, *extra, "--warmup", "1",
-                                        "--steps", "2", "--out", str(out), "--timeout", "300"])
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # two processes on a 2-core machine: no oversubscribed threads
+        for workload, extra in RUNS.items():
+            shape = ["tiny"] if workload != "distill" else [str(tiny.model_path()), "--role-shape", f"teacher={teacher}"]
+            codes[workload] = harness.main(["--workload", workload, "--shape", *shape, *extra, "--warmup", "1",
+                                            "--steps", "2", "--out", str(out), "--timeout", "300"])
     return codes, out, json.loads((out / "results.json").read_text())["rows"], teacher
 
 

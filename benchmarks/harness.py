@@ -105,9 +105,10 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         "workload", "shapes", "micro_batch", "seq_len", "response_len", "mix", "warmup", "steps")},
         "generation_backend": spec.get("generation_backend"),
         "world_size": nproc, "status": status, "wall_s": round(wall, 1)}
-    for key in ("trainer", "gradient_checkpointing"):  # what ran, from any rank that got that far
-        if any(key in r for r in ranks):
-            row[key] = next(r[key] for r in ranks if key in r)
+    # What ran, from any rank that got that far ("" if none did: every new row has the key).
+    row["trainer"] = next((r["trainer"] for r in ranks if "trainer" in r), "")
+    if any("gradient_checkpointing" in r for r in ranks):
+        row["gradient_checkpointing"] = next(r["gradient_checkpointing"] for r in ranks if "gradient_checkpointing" in r)
     if status != "ok":
         errors = [r.get("error", "") for r in ranks if r.get("status") != "ok"]
         tail = (run_dir / "log.txt").read_text()[-1500:]
@@ -251,9 +252,9 @@ def render(out: Path) -> None:
                            for k, v in r.get("phase_s", {}).items())
         f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
-        # Rows from before the harness ran the trainers (they carry role_memory_gib): the
-        # hand-written step on the Session.
-        trainer = r.get("trainer", "hand-written step" if "role_memory_gib" in r else "")
+        # Rows from before the harness ran the trainers have no trainer: DPO, PPO and distillation
+        # rows then timed a hand-written step on the Session (GRPO/RLOO ones were the trainers).
+        trainer = r.get("trainer", "hand-written step" if r.get("workload") in ("dpo", "ppo", "distill") else "")
         lines.append(f"| {r['case']} | {r['mix']} | {trainer} | {status} | {f(r.get('step_s'), 3)} | {phases} | "
                      f"{f(r.get('tokens_per_s'), 0)} | {f(peak)} | "
                      f"{f(max(r['peak_reserved_gib']) if r.get('peak_reserved_gib') else None)} | {f(plan)} | {err} | "
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             left = None if args.budget is None else args.budget - (time.perf_counter() - start)
             if left is not None and left < args.min_run:
                 row = {"case": case_name(spec), **spec, "world_size": args.nproc, "status": "skipped",
-                       "error": "time budget spent"}
+                       "trainer": "", "error": "time budget spent"}
             else:
                 timeout = args.timeout if left is None else min(args.timeout, left)
                 tag = f"-round{k + 1}" if args.rounds > 1 else ""

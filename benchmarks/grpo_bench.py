@@ -6,7 +6,7 @@ and saved into the same results directory, table and plot.
         --seq-len 384 --response-len 256 --num-generations 8 --mixes zero2-zero3,trl-zero2,trl-zero3
 
 ``--micro-batch``: completions per GPU per step (TRL's per_device_train_batch_size); ``--seq-len``:
-prompt plus completion. See benchmarks/grpo_e2e.py for what runs.
+prompt plus completion. See benchmarks/grpo_e2e.py for what runs (benchmarks/workloads.py runs it).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
-
-WORKER = ROOT / "benchmarks" / "grpo_e2e.py"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,12 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     for mix in [m.strip() for m in args.mixes.split(",") if m.strip()]:
         spec = {**base, "mix": mix}
         name = f"{harness.case_name(spec)}-g{args.num_generations}"
-        row = harness.run_one(spec, out / "runs" / f"{name}-{mix}", args.nproc, args.timeout, worker=WORKER)
+        # A row whose rollout engine fell back is "degraded" (harness.rollout_verdict).
+        row = harness.run_one(spec, out / "runs" / f"{name}-{mix}", args.nproc, args.timeout)
         row.update(case=name, env=env, command=command, num_generations=args.num_generations, beta=args.beta)
-        rollout = row.get("rollout") or {}
-        if row["status"] == "ok" and (rollout.get("compile_fallbacks") or rollout.get("capture_fallbacks")):
-            row["status"] = "degraded"  # measured, but the engine lost its compiled step or its graph
-            row["error"] = "; ".join(rollout.get("fallback_reasons") or [])[:1500]
         peak = max(row["peak_allocated_gib"]) if row.get("peak_allocated_gib") else None
         print(f"[grpo-bench] {name} {mix}: {row['status']} step {row.get('step_s')} s, peak {peak} GiB, "
               f"wall {row.get('wall_s')} s" + (f" :: {row['error'][:300]}" if row["status"] != "ok" else ""),

@@ -4,8 +4,11 @@
     posttrain bench ...                       (the same)
     python benchmarks/harness.py --report DIR (re-render DIR's table and plot from its JSON)
 
-Every mix runs as its own ``torchrun`` (benchmarks/workloads.py), one after another; a run that
-runs out of memory, fails or times out becomes a row saying so. ``--rounds K`` runs the mixes K
+Every mix runs as its own ``torchrun`` of benchmarks/workloads.py, one after another: the workload's
+real trainer (posttrain's under posttrain's mixes, TRL's own under ``trl-zero2``/``trl-zero3``
+where TRL has one). A run that runs out of memory, fails or times out becomes a row saying so; one
+whose rollout engine fell back (a lost compile or graph, or ``generate`` instead of the engine) is
+``degraded``. ``--rounds K`` runs the mixes K
 times in alternating order (A B, B A, ...) and pools each mix's measured steps: on a shared host
 the speed drifts over minutes, and alternation spreads that drift over every mix alike. Rows from several invocations
 accumulate in ``DIR/results.json`` (default ``benchmarks/results/<date>-<machine>/``), and each
@@ -34,8 +37,6 @@ if str(ROOT) not in sys.path:
 from posttrain import memory  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "workloads.py"
-# GRPO/RLOO run the trainers end to end (posttrain's, or TRL's own for the trl-* rows).
-E2E_WORKER = ROOT / "benchmarks" / "grpo_e2e.py"
 ALL_MIXES = ["zero2-zero3", "zero3", "zero2-replicated", "zero2-zero3-offload", "trl-zero2", "trl-zero3",
              "zero2-zero3-stock"]
 
@@ -61,7 +62,8 @@ def parse_shapes(workload: str, shape: str, overrides: list[str]) -> dict[str, s
 
 
 def case_name(spec: dict[str, Any]) -> str:
-    shapes = spec["shapes"]
+    # A local model folder by its name: the case names a run directory.
+    shapes = {r: s if s in memory.SHAPES else Path(s).name for r, s in spec["shapes"].items()}
     main = shapes[memory.WORKLOADS[spec["workload"]]["trained"][0]]
     odd = [f"{r}={s}" for r, s in shapes.items() if s != main]
     tag = "+".join([main, *odd])
@@ -103,6 +105,10 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         "workload", "shapes", "micro_batch", "seq_len", "response_len", "mix", "warmup", "steps")},
         "generation_backend": spec.get("generation_backend"),
         "world_size": nproc, "status": status, "wall_s": round(wall, 1)}
+    # What ran, from any rank that got that far ("" if none did: every new row has the key).
+    row["trainer"] = next((r["trainer"] for r in ranks if "trainer" in r), "")
+    if any("gradient_checkpointing" in r for r in ranks):
+        row["gradient_checkpointing"] = next(r["gradient_checkpointing"] for r in ranks if "gradient_checkpointing" in r)
     if status != "ok":
         errors = [r.get("error", "") for r in ranks if r.get("status") != "ok"]
         tail = (run_dir / "log.txt").read_text()[-1500:]
@@ -126,11 +132,25 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         row["step_times"] = [{k: round(v, 5) for k, v in t.items()} for t in r0["step_times"]]  # rank 0's
         if r0.get("rollout"):
             row["rollout"] = r0["rollout"]
-        if r0.get("role_memory_gib"):
-            row["role_memory_gib"] = {k: round(max(r["role_memory_gib"][k] for r in ok), 3) for k in r0["role_memory_gib"]}
-            row["phase_peak_gib"] = {k: round(max(r["phase_peak_gib"][k] for r in ok), 3) for k in r0["phase_peak_gib"]}
         row.update(canary_verdict(ok))
+        if row["status"] == "ok":
+            row.update(rollout_verdict(ok))
     return row
+
+
+def rollout_verdict(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """``degraded`` if any rank's rollout engine lost speed: a compile or graph capture fell back,
+    or the engine gave way to transformers' ``generate`` (the row then times another path than it
+    names); the reasons are the row's error."""
+    reasons = []
+    for r in ranks:
+        for role, st in (r.get("rollout") or {}).items():
+            if st.get("compile_fallbacks") or st.get("capture_fallbacks") or st.get("fallback"):
+                why = st.get("fallback_reasons") or [st.get("fallback")]
+                reasons.append(f"rank {r.get('rank')} {role}: " + "; ".join(str(w) for w in why if w))
+    if not reasons:
+        return {}
+    return {"status": "degraded", "error": " | ".join(reasons)[:1500]}
 
 
 def canary_verdict(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -188,9 +208,8 @@ def pool_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("peak_allocated_gib", "peak_reserved_gib"):
         if key in rows[0]:
             row[key] = [max(vals) for vals in zip(*(r[key] for r in rows))]
-    for key in ("role_memory_gib", "phase_peak_gib", "canary"):
-        if key in rows[0]:
-            row[key] = {k: max(r[key][k] for r in rows) for k in rows[0][key]}
+    if "canary" in rows[0]:
+        row["canary"] = {k: max(r["canary"][k] for r in rows) for k in rows[0]["canary"]}
     if "canary_max_abs_diff" in rows[0]:
         row["canary_max_abs_diff"] = max(r["canary_max_abs_diff"] for r in rows)
     return row
@@ -202,7 +221,8 @@ def planned_peak(row: dict[str, Any]) -> float | None:
         p = memory.plan(row["workload"], row["shapes"], row["mix"], world_size=row["world_size"],
                         micro_batch=row["micro_batch"], seq_len=row["seq_len"], response_len=row["response_len"],
                         gpu_memory_gib=row.get("device_total_gib", 139.0),
-                        generation_backend=row.get("generation_backend") or "hf")
+                        generation_backend=row.get("generation_backend") or "hf",
+                        gradient_checkpointing=bool(row.get("gradient_checkpointing")))
     except Exception:  # noqa: BLE001 - e.g. a hub model the planner cannot reach offline
         return None
     return p.peak / memory.GiB
@@ -218,12 +238,13 @@ def canary_cell(row: dict[str, Any]) -> str:
 def render(out: Path) -> None:
     """results.md and results.png from results.json."""
     rows = json.loads((out / "results.json").read_text())["rows"]
-    lines = ["| case | mix | status | step s | phases s | tokens/s | peak alloc GiB (max rank) | "
-             "peak reserved GiB | planned GiB | plan err | set-up s | canary max abs diff |", "|" + "---|" * 12]
+    lines = ["| case | mix | trainer | status | step s | phases s | tokens/s | peak alloc GiB (max rank) | "
+             "peak reserved GiB | planned GiB | plan err | set-up s | canary max abs diff |", "|" + "---|" * 13]
     for r in rows:
         peak = max(r["peak_allocated_gib"]) if r.get("peak_allocated_gib") else None
-        plan = planned_peak(r) if r["status"] in ("ok", "oom") else None
-        err = f"{100 * (plan - peak) / peak:+.1f}%" if plan and peak and r["status"] == "ok" else ""
+        measured = r["status"] in ("ok", "degraded")  # degraded: measured, on a slower generation path
+        plan = planned_peak(r) if measured or r["status"] == "oom" else None
+        err = f"{100 * (plan - peak) / peak:+.1f}%" if plan and peak and measured else ""
         if r["status"] == "oom" and plan and r.get("device_total_gib"):
             err = "predicts OOM" if plan > r["device_total_gib"] else "predicted to fit"
         q1 = r.get("phase_q1_s", {})
@@ -231,7 +252,10 @@ def render(out: Path) -> None:
                            for k, v in r.get("phase_s", {}).items())
         f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
-        lines.append(f"| {r['case']} | {r['mix']} | {status} | {f(r.get('step_s'), 3)} | {phases} | "
+        # Rows from before the harness ran the trainers have no trainer: DPO, PPO and distillation
+        # rows then timed a hand-written step on the Session (GRPO/RLOO ones were the trainers).
+        trainer = r.get("trainer", "hand-written step" if r.get("workload") in ("dpo", "ppo", "distill") else "")
+        lines.append(f"| {r['case']} | {r['mix']} | {trainer} | {status} | {f(r.get('step_s'), 3)} | {phases} | "
                      f"{f(r.get('tokens_per_s'), 0)} | {f(peak)} | "
                      f"{f(max(r['peak_reserved_gib']) if r.get('peak_reserved_gib') else None)} | {f(plan)} | {err} | "
                      f"{f(r.get('setup_s'), 1)} | {canary_cell(r)} |")
@@ -259,7 +283,7 @@ def render(out: Path) -> None:
                 ax.text(total, 0.5, f"{r['mix']}: out of memory ", color="red", fontsize=8, rotation=90,
                         ha="right", va="center", transform=ax.get_xaxis_transform())
                 xmax = max(xmax, total)
-            elif r["status"] == "ok" and r.get("peak_allocated_gib"):
+            elif r["status"] in ("ok", "degraded") and r.get("peak_allocated_gib"):
                 x, y = max(r["peak_allocated_gib"]), r["step_s"]
                 # One colour per mix across panels; TRL's baselines as squares.
                 ax.scatter([x], [y], color=f"C{ALL_MIXES.index(r['mix']) if r['mix'] in ALL_MIXES else i}",
@@ -359,12 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             left = None if args.budget is None else args.budget - (time.perf_counter() - start)
             if left is not None and left < args.min_run:
                 row = {"case": case_name(spec), **spec, "world_size": args.nproc, "status": "skipped",
-                       "error": "time budget spent"}
+                       "trainer": "", "error": "time budget spent"}
             else:
                 timeout = args.timeout if left is None else min(args.timeout, left)
                 tag = f"-round{k + 1}" if args.rounds > 1 else ""
-                worker = E2E_WORKER if args.workload in ("grpo", "rloo") else WORKER
-                row = run_one(spec, out / "runs" / f"{case_name(spec)}-{mix}{tag}", args.nproc, timeout, worker)
+                row = run_one(spec, out / "runs" / f"{case_name(spec)}-{mix}{tag}", args.nproc, timeout)
                 if row["status"] == "timeout" and timeout < args.timeout:
                     # Cut short by --budget, not slower than --timeout: the mix did not fail.
                     row["status"], row["error"] = "skipped", "time budget spent while it ran"

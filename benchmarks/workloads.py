@@ -1,21 +1,28 @@
-"""One benchmark run: one workload under one mix, in the process group torchrun started.
+"""One benchmark run: one workload's real trainer under one mix, in the process group torchrun started.
 
 Run by benchmarks/harness.py as ``torchrun --nproc_per_node N benchmarks/workloads.py SPEC OUTDIR``;
-each rank writes ``OUTDIR/rank<R>.json``. The workloads drive the Session directly and mirror the
-trainers' compute on random tokens:
+each rank writes ``OUTDIR/rank<R>.json``. Every workload runs a trainer end to end, on models of the
+spec's shapes with random weights and rows of the tiny corpus cut to exact lengths
+(benchmarks/bench_models.py):
 
-- dpo: reference forward (no grad) on chosen+rejected, policy forward+backward on both, AdamW step;
-- ppo: generate (policy samples ``response_len`` tokens), score (reference forward, reward forward),
-  train (policy forward+backward+step, then value forward+backward+step);
-- distill: teacher forward (no grad), student forward+backward on the KL to it, step.
+- posttrain's mixes: posttrain's own trainer (``DPOTrainer``, ``PPOTrainer``, ``DistillTrainer``,
+  ``GRPOTrainer``, ``RLOOTrainer``) with ``mix`` set;
+- ``trl-zero2`` / ``trl-zero3``: TRL's own trainer (``trl.DPOTrainer``,
+  ``trl.experimental.gkd.GKDTrainer``, ``trl.GRPOTrainer``, ``trl.RLOOTrainer``) with that single
+  DeepSpeed config, its frozen models placed by ``prepare_deepspeed`` as TRL does. TRL 1.16 has no
+  PPOTrainer (``trl.experimental.ppo`` was removed in 1.13), so PPO's baseline rows are posttrain's
+  PPOTrainer in TRL's placement: every role under the trained config, frozen models at stage 0
+  (trl-zero2) or ZeRO-3 with DeepSpeed's own gathering and memory-efficient linear (trl-zero3).
 
-Baselines ``trl-zero2``/``trl-zero3`` give the trained roles one config and prepare the frozen models
-with TRL's ``prepare_deepspeed`` under that single plugin, as TRL's trainers do.
+A step's time is the wall time of one optimizer step with the device synchronised at both ends:
+posttrain's ``training_step`` (the loop's logging and checkpointing are outside it), TRL's
+``on_step_begin`` to ``on_step_end`` (its DataLoader fetches the batch before). Phases are the
+trainer's own ``time/*`` metrics (posttrain; TRL logs none). Memory: the allocator's peak per rank
+over the whole run, the canary after it left out.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -31,13 +38,20 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script by torchrun
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import grpo_e2e  # noqa: E402
+from benchmarks.bench_models import completion_rows, model_dir, preference_rows, prompt_rows  # noqa: E402
 from benchmarks.harness import lower_quartiles  # noqa: E402
 from posttrain import memory  # noqa: E402
-from posttrain.roles import Role, roles_for  # noqa: E402
-from posttrain.session import Session  # noqa: E402
-from posttrain.trainers.common import Phases  # noqa: E402
+from posttrain.demo import tiny  # noqa: E402
 
 GiB = 2**30
+# The single DeepSpeed config of TRL's baselines (trl.models.utils.prepare_deepspeed copies it to
+# the frozen models, at stage 0 unless it is ZeRO-3).
+TRL_CONFIGS = {"trl-zero2": "zero2_train", "trl-zero3": "zero3_train"}
+# The logged value each trainer calls its loss; PPO's is the policy's.
+LOSS_KEYS = {"ppo": "loss/policy_avg"}
+# Time metrics that are the whole step, not one of its phases.
+WHOLE_STEP = ("time/step", "time/update")
 
 
 def is_oom(err: BaseException) -> bool:
@@ -48,301 +62,357 @@ def is_oom(err: BaseException) -> bool:
     return any(s in text for s in ("out of memory", "cublas_status_alloc_failed", "cuda error: out of memory"))
 
 
-# Peak memory over the whole run: phases reset the allocator's peak to get their own.
-PEAK = {"allocated": 0.0, "reserved": 0.0}
-# Device bytes held outside PyTorch's caching allocator (Session.bytes_outside_allocator), which
-# every allocated/reserved figure adds back; constant once the models are prepared.
-OUTSIDE = {"bytes": 0}
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-def gib(allocator_bytes: int) -> float:
-    """An allocator figure in GiB, with the bytes held outside the allocator added back."""
-    return (allocator_bytes + OUTSIDE["bytes"]) / GiB
+def dtype_of(spec: dict[str, Any]) -> torch.dtype:
+    return torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
 
 
-def fold_peak() -> None:
-    if _cuda():
-        PEAK["allocated"] = max(PEAK["allocated"], gib(torch.cuda.max_memory_allocated()))
-        PEAK["reserved"] = max(PEAK["reserved"], gib(torch.cuda.max_memory_reserved()))
+def total_steps(spec: dict[str, Any]) -> int:
+    return spec["warmup"] + spec["steps"] + spec.get("profile_steps", 0)
 
 
-def _cuda() -> bool:
-    return torch.cuda.is_available()
+# -- timing ------------------------------------------------------------------------------------------
+class StepClock:
+    """Each optimizer step's wall time (device synchronised at both ends), and torch.profiler over
+    the ``profile_steps`` steps after the measured ones: rank 0 writes a gzipped Chrome trace and
+    its kernel table to the run's directory."""
 
+    def __init__(self, spec: dict[str, Any], out: Path, rank: int) -> None:
+        self.times: list[float] = []
+        self.losses: dict[int, float] = {}  # TRL's logged loss by step
+        self.phases: list[dict[str, float]] = []  # posttrain's, per step (TRL times none)
+        self.first_begin: float | None = None
+        self.profile_from = spec["warmup"] + spec["steps"] + 1
+        self.profile_to = self.profile_from + spec.get("profile_steps", 0) - 1
+        self.out, self.rank = out, rank
+        self.prof: Any = None
+        self.label: Any = None
 
-def mem_now() -> dict[str, float] | None:
-    if not _cuda():
-        return None
-    return {"allocated": gib(torch.cuda.memory_allocated()), "reserved": gib(torch.cuda.memory_reserved())}
+    def begin(self, step: int) -> None:
+        if step == self.profile_from and self.profile_to >= step:
+            from torch.profiler import ProfilerActivity, profile
 
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=activities)
+            self.prof.__enter__()
+        if self.prof is not None:
+            from torch.profiler import record_function
 
-class Bench:
-    """The session, the role engines and the timing/memory bookkeeping of one run."""
+            self.label = record_function(f"step_{step - self.profile_from}")
+            self.label.__enter__()
+        _sync()
+        self.start = time.perf_counter()
+        if self.first_begin is None:
+            self.first_begin = self.start
 
-    def __init__(self, spec: dict[str, Any]) -> None:
-        self.spec = spec
-        self.workload = spec["workload"]
-        names = memory.WORKLOADS[self.workload]
-        self.trained, self.frozen = names["trained"], names["frozen"]
-        self.mix = spec["mix"]
-        self.baseline = self.mix in memory.BASELINES
-        self.precision = spec.get("precision") or ("bf16" if _cuda() else "no")
-        self.dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        if self.baseline:
-            train_cfg = memory.BASELINES[self.mix][0]
-            roles = [Role(n, train_cfg, trains=True) for n in self.trained]
-        else:
-            roles = roles_for(self.trained, self.frozen, mix=self.mix)
-        self.session = Session(roles, micro_batch_size=spec["micro_batch"], mixed_precision=self.precision,
-                               learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0)
-        self.engines: dict[str, Any] = {}
-        self.role_memory: dict[str, float] = {}
-        self.phases = Phases()
-        self.phase_peaks: dict[str, list[float]] = {}
-        self.rollout: Any = None  # posttrain.rollout.Rollout of the ppo workload
-        # One tokenizer for all roles: a smaller preset takes the first trained role's vocabulary.
-        self.vocab = memory.shared_vocab(spec["shapes"], self.workload)
+    def end(self, step: int) -> None:
+        _sync()
+        self.times.append(time.perf_counter() - self.start)
+        if self.label is not None:
+            self.label.__exit__(None, None, None)
+            self.label = None
+        if self.prof is not None and step == self.profile_to:
+            self.prof.__exit__(None, None, None)
+            if self.rank == 0:
+                self._write(self.prof)
+            self.prof = None
 
-    # -- set-up ----------------------------------------------------------------------------
-    def load_all(self) -> None:
-        for name in self.trained + self.frozen:
-            before = gib(torch.cuda.memory_allocated()) if _cuda() else 0.0
-            self.engines[name] = self._load(name)
-            if _cuda():
-                torch.cuda.synchronize()
-                OUTSIDE["bytes"] = self.session.bytes_outside_allocator()
-                self.role_memory[name] = gib(torch.cuda.memory_allocated()) - before
+    def _write(self, prof: Any) -> None:
+        import gzip
+        import shutil
 
-    def _load(self, name: str) -> Any:
-        s = self.session
-        kind = memory.ROLE_KINDS[name]
-        cfg = memory.model_config(self.spec["shapes"][name], kind, self.vocab)
-        cls = memory.model_class(kind)
-        torch.manual_seed(self.spec.get("seed", 0) + len(self.engines))
-        if name in s.roles:
-            # Non-ZeRO-3 models are built straight on the GPU (random init there is fast); ZeRO-3
-            # models are built partitioned by zero.Init under the role's plugin.
-            place = contextlib.nullcontext() if s.zero_stage(name) == 3 or not _cuda() else torch.device(s.device)
-            with place:
-                model = s.load(name, config=cfg, model_cls=cls, dtype=self.dtype)
-            if s.role(name).trains:
-                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-                return s.prepare(name, model, opt)
-            return s.prepare(name, model)
-        # TRL's way: built under the single (trained) plugin, then prepare_deepspeed copies its config.
-        from trl.models.utils import prepare_deepspeed
-
-        zero3 = s.zero_stage(s.primary) == 3
-        with s.activate(s.primary):
-            with contextlib.nullcontext() if zero3 or not _cuda() else torch.device(s.device):
-                model = cls.from_config(cfg, dtype=self.dtype)
-            model.eval().requires_grad_(False)
-            return prepare_deepspeed(model, s.accelerator)
-
-    # -- measurement -----------------------------------------------------------------------
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        """Time a phase and record its own peak (the allocator's peak is reset for it)."""
-        if _cuda():
-            fold_peak()
-            torch.cuda.reset_peak_memory_stats()
-        with self.phases(name):
-            yield
-        if _cuda():
-            self.phase_peaks.setdefault(name, []).append(gib(torch.cuda.max_memory_allocated()))
-            fold_peak()
-
-    def tokens(self, rows: int, length: int) -> torch.Tensor:
-        return torch.randint(3, self.vocab, (rows, length), device=self.session.device)
-
-    # -- workloads ---------------------------------------------------------------------------
-    def dpo_step(self) -> dict[str, float]:
-        from trl.trainer.utils import selective_log_softmax
-
-        mb, length = self.spec["micro_batch"], self.spec["seq_len"]
-        ids = self.tokens(2 * mb, length)  # chosen rows, then rejected rows
-        policy, reference = self.engines["policy"], self.engines["reference"]
-
-        def logps(model: Any) -> torch.Tensor:
-            logits = model(input_ids=ids).logits[:, :-1]
-            return selective_log_softmax(logits, ids[:, 1:]).sum(-1)
-
-        with self.phase("reference_forward"), torch.no_grad():
-            ref = logps(reference)
-        with self.phase("policy_forward_backward"):
-            pol = logps(policy)
-            margin = (pol[:mb] - ref[:mb]) - (pol[mb:] - ref[mb:])
-            loss = -torch.nn.functional.logsigmoid(0.1 * margin).mean()
-            self.session.backward("policy", loss)
-        with self.phase("optimizer_step"):
-            self.session.step("policy")
-        return {"loss": float(loss)}
-
-    def ppo_step(self) -> dict[str, float]:
-        from trl.trainer.utils import selective_log_softmax
-
-        from posttrain.rollout import Rollout, SamplingParams
-
-        s = self.session
-        mb, length, resp = self.spec["micro_batch"], self.spec["seq_len"], self.spec["response_len"]
-        prompts = self.tokens(mb, length - resp)
-        policy = self.engines["policy"]
-        if self.rollout is None:
-            # PPO's sampling (temperature 1, no top-k/top-p, no stop token: every row full length);
-            # "hf" is transformers' generate with TRL's ZeRO-3 gathering, "posttrain" the engine.
-            sampling = SamplingParams(max_new_tokens=resp, pad_token_id=0, temperature=1.0, top_k=0, top_p=1.0)
-            self.rollout = Rollout(s, "policy", sampling, max_batch=mb, max_prompt_len=length - resp,
-                                   backend=self.spec.get("generation_backend") or "posttrain")
-        with self.phase("generate"), torch.no_grad():
-            seqs = self.rollout.generate(prompts, torch.ones_like(prompts)).sequences
-        if seqs.shape[1] != length:
-            raise RuntimeError(f"generation returned {seqs.shape[1]} tokens per row, expected {length}")
-        targets = seqs[:, 1:]
-        with self.phase("score"), torch.no_grad():
-            ref_logps = selective_log_softmax(self.engines["reference"](input_ids=seqs).logits[:, :-1], targets)
-            scores = self.engines["reward"](input_ids=seqs).logits[:, 0].float()
-        with self.phase("train"):
-            logps = selective_log_softmax(policy(input_ids=seqs).logits[:, :-1], targets)[:, -resp:]
-            # A PPO-shaped loss (clipped ratio against the rollout's log-probs, KL-penalised score).
-            adv = (scores - 0.05 * (logps.detach() - ref_logps[:, -resp:]).sum(-1)).unsqueeze(-1)
-            ratio = torch.exp(logps - logps.detach())
-            loss = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
-            s.backward("policy", loss)
-            s.step("policy")
-            values = self.engines["value"](input_ids=seqs).logits[:, -resp:, 0].float()
-            vloss = ((values - adv) ** 2).mean()
-            s.backward("value", vloss)
-            s.step("value")
-        return {"loss": float(loss), "value_loss": float(vloss), "score": float(scores.mean())}
-
-    def distill_step(self) -> dict[str, float]:
-        mb, length = self.spec["micro_batch"], self.spec["seq_len"]
-        ids = self.tokens(mb, length)
-        with self.phase("teacher_forward"), torch.no_grad():
-            t_logp = torch.log_softmax(self.engines["teacher"](input_ids=ids).logits.float(), -1)
-        with self.phase("student_forward_backward"):
-            s_logp = torch.log_softmax(self.engines["student"](input_ids=ids).logits.float(), -1)
-            loss = torch.nn.functional.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
-            self.session.backward("student", loss)
-        with self.phase("optimizer_step"):
-            self.session.step("student")
-        return {"loss": float(loss)}
-
-    def tokens_per_step(self) -> int:
-        """Tokens one step processes on this rank (DPO counts chosen and rejected)."""
-        mb, length = self.spec["micro_batch"], self.spec["seq_len"]
-        return (2 if self.workload == "dpo" else 1) * mb * length
-
-
-def profile_steps(step: Any, n: int, out_dir: Path, rank: int) -> None:
-    """``n`` more steps under torch.profiler (not measured); rank 0 writes a gzipped Chrome trace
-    and its kernel table to ``out_dir``."""
-    import gzip
-    import shutil
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
-    with profile(activities=activities) as prof:
-        for i in range(n):
-            with record_function(f"step_{i}"):
-                step()
-            if _cuda():
-                torch.cuda.synchronize()
-    if rank == 0:
-        raw = out_dir / "trace-rank0.json"
+        raw = self.out / "trace-rank0.json"
         prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as f, gzip.open(out_dir / "trace-rank0.json.gz", "wb") as z:
+        with open(raw, "rb") as f, gzip.open(self.out / "trace-rank0.json.gz", "wb") as z:
             shutil.copyfileobj(f, z)
         raw.unlink()
-        (out_dir / "kernels-rank0.txt").write_text(
-            prof.key_averages().table(sort_by="cuda_time_total" if _cuda() else "cpu_time_total", row_limit=40))
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        (self.out / "kernels-rank0.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+
+    def callback(self) -> Any:
+        """The same clock as a transformers callback, for TRL's trainers."""
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class StepTimes(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                clock.begin(state.global_step + 1)
+
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.end(state.global_step)  # already counts the step just taken
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    clock.losses[state.global_step] = float(logs["loss"])
+
+        return StepTimes()
 
 
-def frozen_canary(bench: Bench) -> dict[str, Any]:
-    """The correctness canary (benchmarks/canary.py): each frozen role's outputs on a batch of the
-    run's shape (micro batch x sequence length, where the forward's speed, and so any race in its
-    gathering, is as in the steps) against its weights run unsharded. After the measured steps, so
-    it changes no timing, and its memory is left out of the run's peak. A canary that cannot run leaves the row
-    ``unchecked`` rather than losing its measurements.
+class TimedSteps:
+    """Mixed into a posttrain trainer: its ``training_step`` between the clock's two readings, and
+    the step's phases as this rank timed them (the ``time/*`` values the step returns; the logged
+    row averages them over ranks)."""
 
-    ``spec["canary_perturb"]`` (tests): add this to every weight of the frozen roles after the
-    unsharded copy is taken, as a wrong gather would change what the forward sees."""
-    from benchmarks import canary
+    clock: StepClock
 
-    fold_peak()
-    ids = bench.tokens(bench.spec["micro_batch"], bench.spec["seq_len"])
-    diffs: dict[str, float] = {}
-    scale = float(bench.spec.get("canary_perturb") or 0.0)
+    def training_step(self, step: int) -> dict[str, Any]:
+        self.clock.begin(step)
+        row = super().training_step(step)
+        self.clock.end(step)
+        times = {**row, **row.get("times", {})}  # GRPO/RLOO return theirs under "times"
+        self.clock.phases.append({k.removeprefix("time/"): v for k, v in times.items()
+                                  if k.startswith("time/") and k not in WHOLE_STEP})
+        return row
+
+
+# -- settings both sides share -------------------------------------------------------------------
+def posttrain_settings(spec: dict[str, Any], out: Path) -> dict[str, Any]:
+    """posttrain's TrainConfig fields of every run: the placement, batch, steps and precision."""
+    mix, role_configs = spec["mix"], {}
+    if mix in TRL_CONFIGS:  # no TRL trainer for this workload: posttrain's in TRL's placement
+        mix, role_configs = trl_placement(spec["workload"], mix)
+    return dict(output_dir=str(out / "run"), overwrite_output_dir=True, disable_tqdm=True, logging_steps=1,
+                max_steps=total_steps(spec), mix=mix, role_configs=role_configs, seed=0, learning_rate=1e-6,
+                per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=1,
+                bf16=spec["precision"] == "bf16")
+
+
+def trl_placement(workload: str, mix: str) -> tuple[str, dict[str, Any]]:
+    """What ``prepare_deepspeed`` gives each frozen model under the trained role's single config,
+    as a posttrain mix and role configs: stage 0 (a full copy per GPU) under ZeRO-2; under ZeRO-3
+    the trained config itself, with DeepSpeed's gathering (the ``-stock`` mix) and its
+    memory-efficient linear on (DeepSpeed's default, which posttrain turns off for frozen roles)."""
+    from posttrain import dsconfig
+
+    roles = memory.WORKLOADS[workload]
+    train = TRL_CONFIGS[mix]
+    if mix == "trl-zero2":
+        frozen: Any = "replicated_inference"
+    else:
+        frozen = dsconfig.read_config(train)
+        frozen["zero_optimization"]["memory_efficient_linear"] = True
+    base = "zero2-replicated" if mix == "trl-zero2" else "zero2-zero3-stock"
+    return base, {**{r: train for r in roles["trained"]}, **{r: frozen for r in roles["frozen"]}}
+
+
+def trl_settings(spec: dict[str, Any], out: Path) -> dict[str, Any]:
+    """TrainingArguments fields of every TRL run (the same batch, steps, rate and precision)."""
+    from posttrain import dsconfig
+
+    cpu = not torch.cuda.is_available()  # CPU tests: gloo, or every rank runs alone as rank 0 of 1
+    if cpu:  # DeepSpeed's own group, before zero.Init sizes the ZeRO-3 partitions
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    return dict(output_dir=str(out / "run"), deepspeed=dsconfig.read_config(TRL_CONFIGS[spec["mix"]]), report_to=[],
+                save_strategy="no", logging_steps=1, use_cpu=cpu, ddp_backend="gloo" if cpu else None,
+                disable_tqdm=True, dataloader_num_workers=0, max_steps=total_steps(spec), seed=0, learning_rate=1e-6,
+                per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=1,
+                bf16=spec["precision"] == "bf16")
+
+
+def role_path(spec: dict[str, Any], role: str, kind: str = "causal", seed: int = 0) -> Path:
+    """The saved model of a role's shape, in the run's shared vocabulary."""
+    vocab = memory.shared_vocab(spec["shapes"], spec["workload"])
+    return model_dir(spec["shapes"][role], dtype_of(spec), kind, vocab, seed)
+
+
+def other_path(spec: dict[str, Any], role: str, like: str) -> str | None:
+    """A frozen role's own model when its shape differs from ``like``'s, else None (the trainer's
+    default: the same weights)."""
+    return str(role_path(spec, role)) if spec["shapes"][role] != spec["shapes"][like] else None
+
+
+def rows_needed(spec: dict[str, Any]) -> int:
+    return total_steps(spec) * spec["micro_batch"] * int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# -- the trainers: (class, keyword arguments), built by run() -----------------------------------
+def posttrain_dpo(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
+    from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+
+    cfg = DPOConfig(model_name_or_path=str(role_path(spec, "policy")),
+                    ref_model_name_or_path=other_path(spec, "reference", "policy"), max_length=spec["seq_len"],
+                    **common)
+    return DPOTrainer, dict(args=cfg, train_dataset=preference_rows(rows_needed(spec), spec["seq_len"]))
+
+
+def trl_dpo(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    policy = role_path(spec, "policy")
+    args = DPOConfig(max_length=spec["seq_len"], **common)  # after the args: a ZeRO-3 reference loads partitioned
+    ref = other_path(spec, "reference", "policy")
+    ref_model = memory.model_class("causal").from_pretrained(ref, dtype=torch.float32) if ref else None
+    return DPOTrainer, dict(model=str(policy), ref_model=ref_model, args=args,
+                            train_dataset=Dataset.from_list(preference_rows(rows_needed(spec), spec["seq_len"])),
+                            processing_class=tiny.load_tokenizer(policy))
+
+
+def posttrain_ppo(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
+    from posttrain.trainers.ppo import PPOConfig, PPOTrainer
+
+    prompt_len = spec["seq_len"] - spec["response_len"]
+    # Prompts longer than prompt_len, cut to it by max_prompt_length: every query is that long. One
+    # file per rank (the same rows), so no rank reads a file another is writing.
+    data = out / f"prompts-rank{os.environ.get('RANK', '0')}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(rows_needed(spec), prompt_len + 8)))
+    cfg = PPOConfig(model_name_or_path=str(role_path(spec, "policy")),
+                    ref_model_name_or_path=other_path(spec, "reference", "policy"),
+                    reward_model_path=str(role_path(spec, "reward", "sequence", seed=2)),
+                    value_model_path=str(role_path(spec, "value", "sequence", seed=3)),
+                    dataset_name=str(data), max_prompt_length=prompt_len, response_length=spec["response_len"],
+                    total_episodes=rows_needed(spec), local_rollout_forward_batch_size=spec["micro_batch"],
+                    generation_backend=spec.get("generation_backend") or "posttrain", **common)
+    return PPOTrainer, dict(cfg=cfg)
+
+
+def posttrain_distill(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
+    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+
+    cfg = DistillConfig(model_name_or_path=str(role_path(spec, "student")),
+                        teacher_model_name_or_path=str(role_path(spec, "teacher", seed=1)), max_length=spec["seq_len"],
+                        **common)
+    return DistillTrainer, dict(cfg=cfg, train_dataset=completion_rows(rows_needed(spec), spec["seq_len"]))
+
+
+def trl_distill(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
+    """TRL's GKDTrainer with posttrain's defaults (lmbda 0: the data's completions, beta 0.5, no
+    gradient checkpointing, which posttrain's DistillTrainer does not do)."""
+    from datasets import Dataset
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    student = role_path(spec, "student")
+    tok = tiny.load_tokenizer(student)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the row's text as it is
+    rows = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
+            for r in completion_rows(rows_needed(spec), spec["seq_len"])]
+    args = GKDConfig(max_length=spec["seq_len"], lmbda=0.0, beta=0.5, seq_kd=False, temperature=1.0,
+                     gradient_checkpointing=False, **common)
+    # Loaded here, after the args (a ZeRO-3 config then partitions them), in TRL's default float32:
+    # TRL's own loading from a path needs config.architectures, which not every local model records.
+    load = memory.model_class("causal").from_pretrained
+    return GKDTrainer, dict(model=load(str(student), dtype=torch.float32),
+                            teacher_model=load(str(role_path(spec, "teacher", seed=1)), dtype=torch.float32), args=args,
+                            train_dataset=Dataset.from_list(rows), processing_class=tok)
+
+
+BUILDERS = {"dpo": (posttrain_dpo, trl_dpo), "ppo": (posttrain_ppo, None), "distill": (posttrain_distill, trl_distill),
+            "grpo": (grpo_e2e.posttrain_trainer, grpo_e2e.trl_trainer),
+            "rloo": (grpo_e2e.posttrain_trainer, grpo_e2e.trl_trainer)}
+
+
+# -- what a run reports ------------------------------------------------------------------------------
+def frozen_models(trainer: Any) -> dict[str, tuple[Any, Any]]:
+    """Each frozen model of a trainer: (engine, posttrain's fast frozen model or None)."""
+    if hasattr(trainer, "session"):
+        s = trainer.session
+        return {n: (s.engines[n], s.fast_frozen.get(n)) for n in s.roles if not s.role(n).trains and n in s.engines}
+    found = {"reference": getattr(trainer, "ref_model", None), "teacher": getattr(trainer, "teacher_model", None)}
+    return {n: (m, None) for n, m in found.items() if m is not None}
+
+
+def rollout_stats(trainer: Any) -> dict[str, dict[str, Any]]:
+    """The rollout engines' counters by role (backend, fallbacks and their reasons, captures)."""
+    from posttrain.rollout import Rollout
+
+    engines = [getattr(trainer, "rollout", None), getattr(trainer, "rollout_engine", None),
+               *getattr(trainer, "rollouts", {}).values()]
+    return {r.role: dict(r.stats) for r in engines if isinstance(r, Rollout)}
+
+
+def canary(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The correctness canary (benchmarks/canary.py) after the measured steps: each frozen role's
+    outputs on a batch of the run's shape against its weights run unsharded. A canary that cannot
+    run leaves the row ``unchecked`` rather than losing its measurements."""
+    from benchmarks import canary as canary_check
+
+    frozen = frozen_models(trainer)
+    device = trainer.session.device if hasattr(trainer, "session") else trainer.accelerator.device
+    ids = torch.randint(3, len(tiny.load_tokenizer()), (spec["micro_batch"], spec["seq_len"]), device=device)
     try:
-        for name in bench.frozen:
-            perturb = None
-            if scale:
-                perturb = lambda name=name: bench.session.update_weights(name, lambda _, t: t.add_(scale))  # noqa: E731
-            diffs[name] = canary.check(bench.engines[name], ids, bench.session.fast_frozen.get(name), perturb)
+        diffs = {name: canary_check.check(engine, ids, fast) for name, (engine, fast) in frozen.items()}
     except Exception as err:  # noqa: BLE001 - reported in the row
         return {"canary_error": f"{type(err).__name__}: {str(err)[:500]}"}
-    finally:
-        if _cuda():
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-    return {"canary": diffs, "canary_tolerance": canary.TOLERANCE[bench.dtype]}
+    return {"canary": diffs, "canary_tolerance": canary_check.TOLERANCE[dtype_of(spec)]}
 
 
-def run(spec: dict[str, Any], out_dir: Path | None = None) -> dict[str, Any]:
-    """Set up, warm up, measure; the per-rank result (times in seconds, memory in GiB)."""
+def peak_memory(outside_bytes: int) -> dict[str, float]:
+    """The allocator's peaks in GiB, with device bytes held outside it (posttrain's fast frozen
+    shards in symmetric memory: ``Session.bytes_outside_allocator``) added back."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"peak_allocated_gib": (torch.cuda.max_memory_allocated() + outside_bytes) / GiB,
+            "peak_reserved_gib": (torch.cuda.max_memory_reserved() + outside_bytes) / GiB,
+            "device_total_gib": torch.cuda.get_device_properties(0).total_memory / GiB}
+
+
+def run(spec: dict[str, Any], out: Path, result: dict[str, Any]) -> None:
+    """Build the trainer, train warm-up + measured (+ profiled) steps, fill ``result`` (times in
+    seconds, memory in GiB); peaks are filled in before anything can fail after them."""
     t0 = time.perf_counter()
-    bench = Bench(spec)
-    bench.load_all()
-    if _cuda():
-        torch.cuda.synchronize()
-    setup_s = time.perf_counter() - t0
-    res: dict[str, Any] = {"setup_s": setup_s, "role_memory_gib": bench.role_memory, "at_rest": mem_now()}
-    step = getattr(bench, f"{bench.workload}_step")
-    phase_times: list[dict[str, float]] = []
-    losses: list[float] = []
-    for i in range(spec["warmup"] + spec["steps"]):
-        if i == spec["warmup"]:
-            bench.phase_peaks.clear()
-        with bench.phases("step"):
-            metrics = step()
-        times = bench.phases.pop()
-        if i >= spec["warmup"]:
-            phase_times.append({k.removeprefix("time/"): v for k, v in times.items()})
-            losses.append(metrics["loss"])
-    res["step_times"] = phase_times  # per measured step: the step and its phases
-    res["step_s"] = statistics.median(t["step"] for t in phase_times)
-    res["phase_s"] = {k: statistics.median(t[k] for t in phase_times) for k in phase_times[0] if k != "step"}
-    res.update(lower_quartiles(phase_times))
-    res["tokens_per_step"] = bench.tokens_per_step()
-    res["losses"] = losses
-    res["phase_peak_gib"] = {k: max(v) for k, v in bench.phase_peaks.items()}
-    res["world_size"] = bench.session.num_processes
-    if bench.rollout is not None:
-        res["rollout"] = bench.rollout.stats  # backend, fallback, captures, recaptures, capture_s
-    if spec.get("profile_steps") and out_dir is not None:
-        profile_steps(step, spec["profile_steps"], out_dir, bench.session.process_index)
-    res.update(frozen_canary(bench))
-    return res
+    baseline = spec["mix"] in TRL_CONFIGS and BUILDERS[spec["workload"]][1] is not None
+    posttrain_build, trl_build = BUILDERS[spec["workload"]]
+    clock = StepClock(spec, out, int(os.environ.get("RANK", "0")))
+    if baseline:
+        cls, kwargs = trl_build(spec, out, trl_settings(spec, out))
+        result["trainer"] = f"{cls.__module__.split('.')[0]}.{cls.__name__}"  # named in the row if it fails
+        trainer = cls(**kwargs, callbacks=[clock.callback()])
+    else:
+        cls, kwargs = posttrain_build(spec, out, posttrain_settings(spec, out))
+        result["trainer"] = f"posttrain.{cls.__name__}" + (" (TRL's placement)" if spec["mix"] in TRL_CONFIGS else "")
+        trainer = type(f"Timed{cls.__name__}", (TimedSteps, cls), {})(**kwargs)
+        trainer.clock = clock
+    result["gradient_checkpointing"] = bool(getattr(getattr(trainer, "cfg", None) or trainer.args,
+                                                    "gradient_checkpointing", False))
+    trainer.train()
+    outside = trainer.session.bytes_outside_allocator() if hasattr(trainer, "session") else 0
+    result.update(peak_memory(outside))
+    if len(clock.times) != total_steps(spec):
+        raise RuntimeError(f"timed {len(clock.times)} optimizer steps, expected {total_steps(spec)}")
+    measured = slice(spec["warmup"], spec["warmup"] + spec["steps"])
+    history = [h for h in getattr(trainer, "history", []) if not any(k.startswith("eval/") for k in h)]
+    if hasattr(trainer, "session"):
+        key = LOSS_KEYS.get(spec["workload"], "loss")
+        losses = [h.get(key, float("nan")) for h in history][measured]
+        phases = clock.phases[measured]
+    else:
+        losses = [clock.losses.get(i + 1, float("nan")) for i in range(total_steps(spec))][measured]
+        phases = [{} for _ in losses]
+    steps = [{"step": t, **p} for t, p in zip(clock.times[measured], phases)]
+    names = dict.fromkeys(k for s in steps for k in s if k != "step")
+    steps = [{k: s.get(k, 0.0) for k in ("step", *names)} for s in steps]  # a phase that did not run: 0
+    result.update(setup_s=clock.first_begin - t0, step_times=steps, losses=losses,
+                  step_s=statistics.median(s["step"] for s in steps),
+                  phase_s={k: statistics.median(s[k] for s in steps) for k in names},
+                  tokens_per_step=(2 if spec["workload"] == "dpo" else 1) * spec["micro_batch"] * spec["seq_len"],
+                  world_size=int(os.environ.get("WORLD_SIZE", "1")), rollout=rollout_stats(trainer))
+    result.update(lower_quartiles(steps))
+    result.update(canary(trainer, spec))
 
 
 def main(spec_path: str, out_dir: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    spec.setdefault("precision", None)
+    spec["precision"] = spec["precision"] or ("bf16" if torch.cuda.is_available() else "no")
     rank = int(os.environ.get("RANK", "0"))
-    out = Path(out_dir) / f"rank{rank}.json"
+    out = Path(out_dir)
     result: dict[str, Any] = {"rank": rank, "status": "ok"}
     try:
-        result.update(run(spec, Path(out_dir)))
+        run(spec, out, result)
     except BaseException as err:  # noqa: BLE001 - every failure is reported, OOM as such
         result["status"] = "oom" if is_oom(err) else "error"
         result["error"] = f"{type(err).__name__}: {str(err)[:1500]}"
         result["traceback"] = traceback.format_exc()[-4000:]
-    if _cuda():
-        fold_peak()
-        result["peak_allocated_gib"] = PEAK["allocated"]
-        result["peak_reserved_gib"] = PEAK["reserved"]
-        result["device_total_gib"] = torch.cuda.get_device_properties(0).total_memory / GiB
-    out.write_text(json.dumps(result, indent=1))
+        if "peak_allocated_gib" not in result:
+            result.update(peak_memory(0))
+    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     sys.stdout.flush()
     sys.stderr.flush()
     if result["status"] != "ok":

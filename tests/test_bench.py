@@ -15,62 +15,97 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import harness  # noqa: E402
 from benchmarks.workloads import is_oom  # noqa: E402
 
+# Each workload under one of posttrain's mixes and one TRL baseline: TRL's own DPOTrainer and
+# GKDTrainer, and (TRL has no PPOTrainer) posttrain's PPO in TRL's ZeRO-3 placement.
+RUNS = {
+    "dpo": ["--micro-batch", "2", "--seq-len", "32", "--mixes", "zero2-zero3,trl-zero2"],
+    "ppo": ["--micro-batch", "2", "--seq-len", "40", "--response-len", "8", "--mixes", "zero2-zero3,trl-zero3",
+            "--profile-steps", "1"],
+    "distill": ["--micro-batch", "2", "--seq-len", "32", "--mixes", "zero2-zero3,trl-zero3"],
+}
+TRAINERS = {("dpo", "zero2-zero3"): "posttrain.DPOTrainer", ("dpo", "trl-zero2"): "trl.DPOTrainer",
+            ("ppo", "zero2-zero3"): "posttrain.PPOTrainer", ("ppo", "trl-zero3"): "posttrain.PPOTrainer (TRL's placement)",
+            ("distill", "zero2-zero3"): "posttrain.DistillTrainer", ("distill", "trl-zero3"): "trl.GKDTrainer"}
+PHASES = {"dpo": {"reference", "policy_forward", "backward"}, "ppo": {"generate", "policy_forward", "score", "train"},
+          "distill": {"forward", "backward"}}
+
 
 @pytest.fixture(scope="module")
-def ppo_run(tmp_path_factory):
+def runs(tmp_path_factory):
+    """One results dir holding every workload's rows. Distillation's models are local folders (used
+    as they are, weights included): the tiny default and a wider teacher of its vocabulary."""
+    from posttrain.demo import tiny
+
     out = tmp_path_factory.mktemp("bench")
-    argv = ["--workload", "ppo", "--shape", "tiny", "--micro-batch", "2", "--seq-len", "40", "--response-len", "8",
-            "--mixes", "zero2-zero3,trl-zero3", "--steps", "5", "--out", str(out), "--timeout", "240",
-            "--profile-steps", "1"]
-    rc = harness.main(argv)
-    return rc, out, json.loads((out / "results.json").read_text())["rows"]
+    teacher = tiny.model_path(hidden_size=96, intermediate_size=256)
+    codes = {}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # two processes on a 2-core machine: no oversubscribed threads
+        for workload, extra in RUNS.items():
+            shape = ["tiny"] if workload != "distill" else [str(tiny.model_path()), "--role-shape", f"teacher={teacher}"]
+            codes[workload] = harness.main(["--workload", workload, "--shape", *shape, *extra, "--warmup", "1",
+                                            "--steps", "2", "--out", str(out), "--timeout", "300"])
+    return codes, out, json.loads((out / "results.json").read_text())["rows"], teacher
 
 
-def test_every_mix_runs_in_its_own_group(ppo_run):
-    rc, _, rows = ppo_run
-    assert rc == 0
-    assert [r["mix"] for r in rows] == ["zero2-zero3", "trl-zero3"]
+def test_every_workload_runs_its_trainer_under_each_mix(runs):
+    codes, _, rows, teacher = runs
+    assert codes == {"dpo": 0, "ppo": 0, "distill": 0}
+    assert [(r["workload"], r["mix"]) for r in rows] == list(TRAINERS)
     for r in rows:
         assert r["status"] == "ok", r.get("error")
-        assert r["world_size"] == 2 and r["steps"] == 5
-        assert set(r["phase_s"]) == {"generate", "score", "train"}
-        # The phases happen inside the step, so in every step they cannot take longer than it
-        # (medians need not add up, so compare step by step).
-        assert len(r["step_times"]) == 5
+        assert r["trainer"] == TRAINERS[r["workload"], r["mix"]]
+        assert r["world_size"] == 2 and r["steps"] == 2 and len(r["step_times"]) == 2
+        # posttrain's trainers report their phases, TRL's none; the phases happen inside the step,
+        # so in every step they cannot take longer than it (medians need not add up).
+        assert set(r["phase_s"]) == (PHASES[r["workload"]] if r["trainer"].startswith("posttrain") else set())
         for t in r["step_times"]:
-            assert 0 < sum(v for k, v in t.items() if k != "step") <= t["step"] + 1e-4  # rows round to 1e-5
-        assert r["tokens_per_s"] == pytest.approx(2 * 40 * 2 / r["step_s"], rel=0.01)
-        assert len(r["losses"]) == 5 and all(math.isfinite(x) for x in r["losses"])
-        assert r["setup_s"] > 0
+            assert 0 < sum(v for k, v in t.items() if k != "step") <= t["step"] + 1e-4 or not r["phase_s"]
+        per_step = {"dpo": 2 * 2 * 32, "ppo": 2 * 40, "distill": 2 * 32}[r["workload"]]
+        assert r["tokens_per_s"] == pytest.approx(per_step * 2 / r["step_s"], rel=0.01)
+        assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
+        assert r["setup_s"] > 0 and r["gradient_checkpointing"] is (r["workload"] == "dpo")
         assert "peak_allocated_gib" not in r  # no CUDA here: no memory numbers rather than zeros
-        # The canary checked both frozen roles (fast ZeRO-3 and TRL's ZeRO-3) against their
-        # unsharded weights: equal to fp32 rounding.
-        assert set(r["canary"]) == {"reference", "reward"} and r["canary_tolerance"] == 1e-3
+        # The canary checked every frozen role (posttrain's fast ZeRO-3, TRL's prepare_deepspeed
+        # engines) against its unsharded weights: equal to fp32 rounding.
+        frozen = {"dpo": {"reference"}, "ppo": {"reference", "reward"}, "distill": {"teacher"}}[r["workload"]]
+        assert set(r["canary"]) == frozen and r["canary_tolerance"] == 1e-3
         assert r["canary_max_abs_diff"] < 1e-5
+    by = {(r["workload"], r["mix"]): r for r in rows}
+    # The rollout engine's counters: PPO's policy generated with the engine, nothing fell back.
+    for mix in ("zero2-zero3", "trl-zero3"):
+        st = by["ppo", mix]["rollout"]["policy"]
+        assert st["backend"] == "posttrain" and st["fallback"] is None and st["compile_fallbacks"] == 0
+    assert by["distill", "zero2-zero3"]["shapes"]["teacher"] == str(teacher)
+    # PPO in TRL's placement is the same computation as under posttrain's mix: same losses.
+    assert by["ppo", "trl-zero3"]["losses"] == pytest.approx(by["ppo", "zero2-zero3"]["losses"], abs=1e-5)
 
 
-def test_outputs_and_command(ppo_run):
-    _, out, rows = ppo_run
+def test_outputs_and_command(runs):
+    _, out, rows, _ = runs
     table = (out / "results.md").read_text()
     assert table.count("| ppo-tiny-mb2-s40-r8 |") == 2
-    assert (out / "commands.txt").read_text().strip().endswith(f"--out {out} --timeout 240 --profile-steps 1")
+    assert "| dpo-tiny-mb2-s32 | trl-zero2 | trl.DPOTrainer | ok |" in table
+    commands = (out / "commands.txt").read_text().splitlines()
+    assert len(commands) == 3 and commands[1].endswith("--steps 2 --out " + f"{out} --timeout 300")
     # --profile-steps: rank 0's trace of one more (unmeasured) step, beside each run's log.
     for mix in ("zero2-zero3", "trl-zero3"):
         run_dir = out / "runs" / f"ppo-tiny-mb2-s40-r8-{mix}"
         assert (run_dir / "trace-rank0.json.gz").stat().st_size > 1000
         assert "step_0" in (run_dir / "kernels-rank0.txt").read_text()
-    assert rows[0]["command"].startswith("python benchmarks/harness.py --workload ppo")
+    assert rows[0]["command"].startswith("python benchmarks/harness.py --workload dpo")
     pytest.importorskip("matplotlib")
     assert (out / "results.png").stat().st_size > 1000
 
 
-def test_posttrain_bench_command_renders(ppo_run):
+def test_posttrain_bench_command_renders(runs):
     from posttrain import cli
 
-    _, out, _ = ppo_run
+    _, out, _, _ = runs
     (out / "results.md").unlink()
     assert cli.main(["bench", "--report", str(out)]) == 0
-    assert "| ppo-tiny-mb2-s40-r8 | trl-zero3 | ok |" in (out / "results.md").read_text()
+    assert "+teacher=" in (out / "results.md").read_text()
+    assert "| trl-zero3 | trl.GKDTrainer | ok |" in (out / "results.md").read_text()
 
 
 FAKE_WORKER = """
@@ -105,37 +140,47 @@ def test_oom_is_a_row_not_a_crash(tmp_path):
 def test_hung_mix_times_out(tmp_path):
     worker = tmp_path / "fake.py"
     worker.write_text(textwrap.dedent(FAKE_WORKER))
-    row = harness.run_one(spec("zero3"), tmp_path / "run", 1, timeout=10, worker=worker)
+    row = harness.run_one(spec("zero3"), tmp_path / "run", 1, timeout=5, worker=worker)
     assert row["status"] == "timeout"
-    assert row["wall_s"] < 30
+    assert row["wall_s"] < 25
 
 
-def test_distill_with_a_local_model_shape(tmp_path):
-    """A role's shape can come from a local path (its config; random weights), and distill runs."""
+def test_canary_catches_changed_weights_and_the_row_says_wrong(tmp_path):
+    """Weights that change after the canary's unsharded copy is taken (what a wrong gather does to
+    the forward) show as a difference far beyond the tolerance; such a row is `wrong` in the table."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks import canary
     from posttrain.demo import tiny
 
-    teacher = tiny.model_path(hidden_size=96, intermediate_size=256)
-    argv = ["--workload", "distill", "--shape", "tiny", "--role-shape", f"teacher={teacher}", "--micro-batch", "2",
-            "--seq-len", "32", "--mixes", "zero2-zero3", "--out", str(tmp_path)]
-    assert harness.main(argv) == 0
-    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert row["status"] == "ok" and row["shapes"]["teacher"] == str(teacher)
-    assert set(row["phase_s"]) == {"teacher_forward", "student_forward_backward", "optimizer_step"}
-    assert all(math.isfinite(x) and x > 0 for x in row["losses"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny.model_config()).eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 24))
+    assert canary.check(model, ids) == 0.0
+
+    def perturb():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+
+    assert canary.check(model, ids, perturb=perturb) > 10 * canary.TOLERANCE[torch.float32]
+    row = {"case": "perturbed", "mix": "zero2-zero3", "trainer": "posttrain.DPOTrainer", "workload": "dpo",
+           "step_s": 0.1, **harness.canary_verdict([{"canary": {"reference": 0.5}, "canary_tolerance": 1e-3}])}
+    assert row["status"] == "wrong" and "differ from the unsharded weights" in row["error"]
+    harness.save(tmp_path, [row], "")
+    assert "| perturbed | zero2-zero3 | posttrain.DPOTrainer | **wrong** | 0.100 |" in (tmp_path / "results.md").read_text()
 
 
-def test_canary_marks_a_perturbed_frozen_model_wrong(tmp_path):
-    """The frozen reference's weights change after the canary's unsharded copy is taken (what a
-    wrong gather does to the forward): the row is `wrong`, and the table says so."""
-    spec = dict(workload="dpo", shapes={"policy": "tiny", "reference": "tiny"}, micro_batch=2, seq_len=24,
-                response_len=0, warmup=0, steps=1, precision=None, profile_steps=0, mix="zero2-zero3",
-                canary_perturb=0.01)
-    row = harness.run_one(spec, tmp_path / "run", 2, timeout=300)
-    assert row["status"] == "wrong", row.get("error")
-    assert row["canary"]["reference"] > 10 * row["canary_tolerance"]
-    assert "differ from the unsharded weights" in row["error"] and "step_s" in row  # measurements kept
-    harness.save(tmp_path, [{**row, "case": "perturbed", "mix": "zero2-zero3"}], "")
-    assert "| perturbed | zero2-zero3 | **wrong** |" in (tmp_path / "results.md").read_text()
+def test_rollout_fallbacks_mark_a_row_degraded():
+    """The rollout engine's counters on any rank: a lost compile or graph, or the engine giving
+    way to generate, makes the row degraded with the reasons; none leaves it as it is."""
+    clean = {"policy": {"backend": "posttrain", "fallback": None, "compile_fallbacks": 0, "capture_fallbacks": 0}}
+    assert harness.rollout_verdict([{"rank": 0, "rollout": clean}, {"rank": 1}]) == {}
+    lost = {"policy": {**clean["policy"], "capture_fallbacks": 1, "fallback_reasons": ["capture failed: OOM"]}}
+    verdict = harness.rollout_verdict([{"rank": 0, "rollout": clean}, {"rank": 1, "rollout": lost}])
+    assert verdict == {"status": "degraded", "error": "rank 1 policy: capture failed: OOM"}
+    hf = {"policy": {**clean["policy"], "backend": "hf", "fallback": "model type 'gpt2' has no posttrain decode path"}}
+    assert "gpt2" in harness.rollout_verdict([{"rank": 0, "rollout": hf}])["error"]
 
 
 def test_canary_verdict_takes_every_rank():

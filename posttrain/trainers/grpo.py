@@ -36,6 +36,7 @@ from ..dsconfig import ConfigError
 from ..lora import LoraFields, adapters_disabled, add_adapters, check_no_head_adapter, lora_config
 from ..preference import check_conversation
 from ..reward_funcs import RewardWarnings
+from ..rollout.api import RolloutFields, check_rollout_fields
 from .common import (
     Phases,
     TrainConfig,
@@ -72,7 +73,7 @@ from .online import (
 
 
 @dataclass
-class GRPOConfig(TrainConfig, LoraFields):
+class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
     """GRPO settings; names and defaults follow TRL 1.16's ``GRPOConfig`` where the concept is the same."""
 
     # Models: hub names or local paths. None: the built-in tiny default.
@@ -139,6 +140,7 @@ class GRPOConfig(TrainConfig, LoraFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_rollout_fields(self)
         world = world_size()
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         checks = [
@@ -306,6 +308,7 @@ class GRPOTrainer(RewardSources, Trainer):
                                        stop_token_ids=self.eos_ids)
         self.rollout = Rollout(s, "policy", self.sampling, max_batch=self.local_gen_size,
                                max_prompt_len=max_prompt_len, backend=cfg.generation_backend,
+                               kv_slots=cfg.generation_kv_slots,
                                ds3_gather_for_generation=cfg.ds3_gather_for_generation)
         self.phases = Phases()
         self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches

@@ -32,6 +32,7 @@ from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..lora import LoraFields, adapters_disabled, add_adapters, lora_config
 from ..preference import check_conversation
+from ..rollout.api import RolloutFields, check_rollout_fields
 from .common import (
     Phases,
     TrainConfig,
@@ -50,7 +51,7 @@ INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a respon
 
 
 @dataclass
-class PPOConfig(TrainConfig, LoraFields):
+class PPOConfig(TrainConfig, LoraFields, RolloutFields):
     """PPO settings; names follow TRL's PPOConfig (up to 1.12) where the concept is the same."""
 
     # Models: hub names or local paths. None: the built-in tiny default.
@@ -93,6 +94,7 @@ class PPOConfig(TrainConfig, LoraFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # TrainConfig's checks
+        check_rollout_fields(self)
         if self.kl_estimator not in ("k1", "k3"):
             raise ConfigError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
         if self.stop_token not in (None, "eos"):
@@ -352,7 +354,7 @@ class PPOTrainer(Trainer):
                 self.session, "policy", sampling, max_batch=min(cfg.local_rollout_forward_batch_size,
                                                                 self.local_batch_size),
                 max_prompt_len=cfg.max_prompt_length, backend=cfg.generation_backend,
-                ds3_gather_for_generation=cfg.ds3_gather_for_generation)
+                kv_slots=cfg.generation_kv_slots, ds3_gather_for_generation=cfg.ds3_gather_for_generation)
         out = []
         for i in range(0, queries.shape[0], cfg.local_rollout_forward_batch_size):
             q = queries[i : i + cfg.local_rollout_forward_batch_size]

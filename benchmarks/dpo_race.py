@@ -103,15 +103,20 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
 
 
 def planned(spec: dict[str, Any]) -> dict[str, float]:
-    """The planner's per-GPU figures for posttrain's DeepSpeed rows (gradient checkpointing on, as run)."""
+    """The planner's per-GPU figures for posttrain's rows, DeepSpeed (ds) and torch engines
+    (gradient checkpointing on, as run)."""
     from posttrain import memory
 
-    plans = {mw: memory.plan("dpo", spec["shape"], "zero2-zero3", world_size=1, micro_batch=spec["pairs"],
-                             seq_len=spec["seq_len"], master_weights=mw, gradient_checkpointing=True)
-             for mw in ("fp32", "bf16")}
-    return {**{f"planned_peak_{mw}_gib": p.peak / GiB for mw, p in plans.items()},
-            **{f"planned_at_rest_{mw}_gib": p.at_rest / GiB for mw, p in plans.items()},
-            "planned_fp32_extra_gib": (plans["fp32"].peak - plans["bf16"].peak) / GiB}
+    plans = {(eng, mw): memory.plan("dpo", spec["shape"], "zero2-zero3", world_size=1, micro_batch=spec["pairs"],
+                                    seq_len=spec["seq_len"], master_weights=mw, gradient_checkpointing=True,
+                                    single_process_engine={"ds": "deepspeed", "torch": "torch"}[eng])
+             for eng in ("ds", "torch") for mw in ("fp32", "bf16")}
+    out = {}
+    for eng in ("ds", "torch"):
+        fp32, bf16 = plans[eng, "fp32"], plans[eng, "bf16"]
+        out.update({f"planned_peak_{eng}_fp32_gib": fp32.peak / GiB, f"planned_peak_{eng}_bf16_gib": bf16.peak / GiB,
+                    f"planned_{eng}_fp32_extra_gib": (fp32.peak - bf16.peak) / GiB})
+    return out
 
 
 RACE = race.Race(name="dpo_race", doc=__doc__, script=__file__, sides=SIDES, run_side=run_side, planned=planned,

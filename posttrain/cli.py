@@ -56,6 +56,9 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--master-weights", choices=["fp32", "bf16", "both"], default="both",
                     help="trained roles' optimizer precision: fp32 master weights and Adam states (16 bytes per "
                          "parameter, the default), bf16 (8, TRL's with a bf16 model), or both")
+    ap.add_argument("--single-process-engine", "--single_process_engine", choices=["auto", "deepspeed", "torch"],
+                    default="auto", help="world size 1: trained roles without a DeepSpeed engine (posttrain.plain; "
+                    "auto: for bf16 master weights, as the trainers' setting of that name)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="trained roles recompute activations in backward (the DPO/GRPO/RLOO trainers' default)")
     ap.add_argument("--use-peft", "--use_peft", action="store_true",
@@ -95,7 +98,8 @@ def _plan_checked(argv: list[str]) -> int:
         plans = [memory.plan(args.workload, shapes, m, world_size=args.world_size, micro_batch=args.micro_batch,
                              seq_len=args.seq_len, response_len=args.response_len, master_weights=precision,
                              gradient_checkpointing=args.gradient_checkpointing,
-                             generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory, lora=lora)
+                             generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory, lora=lora,
+                             single_process_engine=args.single_process_engine)
                  for m in mixes]
         print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
         for p in plans:

@@ -112,7 +112,8 @@ def test_dpo_race_tiny(tmp_path):
             assert {"reference", "policy_forward", "backward"} <= set(row["phase_s"]), side
     assert rows["posttrain-ds-fp32"]["placements"] == {"policy": 2, "reference": 0}
     assert rows["posttrain-torch-bf16"]["placements"] == {"policy": 0, "reference": 0}
-    assert summary["planned_fp32_extra_gib"] > 0 and summary["summary"]["posttrain-ds-fp32"]["baseline"] == "trl"
+    assert summary["planned_ds_fp32_extra_gib"] > 0 and summary["planned_torch_fp32_extra_gib"] > 0
+    assert summary["summary"]["posttrain-ds-fp32"]["baseline"] == "trl"
 
 
 def test_distill_race_tiny(tmp_path):

@@ -1,0 +1,166 @@
+"""Model shapes for the planner and the benchmarks: Llama-shaped presets, configs from presets,
+hub names or local paths, parameter counts from a model built on the meta device, and the
+parameters peft's LoRA adapters add."""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .dsconfig import ConfigError
+
+# Llama-shaped presets built from config with random weights (benchmarks and the planner).
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),
+    "125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12, vocab_size=32000),
+    # TinyLlama-1.1B's shape.
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, vocab_size=32000),
+    # Llama-3.2-3B's shape.
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    # Llama-3-8B's shape.
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+}
+
+
+def resolve_shape(spec: str, what: str = "--shape") -> str:
+    """A preset's name in any case ("1B" is "1b"), or a model folder or hub id, checked before the
+    hub is asked: a size that is not a preset, or a local path that does not exist, is refused."""
+    from .checks import check_model_path
+
+    if spec.lower() in SHAPES:
+        return spec.lower()
+    presets = ", ".join(SHAPES)
+    if re.fullmatch(r"[\d.]+[kmbt]?", spec.lower()):
+        raise ConfigError(f"{what} {spec!r} is not a preset: choose one of {presets} (any case), or give a model "
+                          "folder or hub id")
+    try:
+        check_model_path(spec, what, weights=False)
+    except ConfigError as err:
+        raise ConfigError(f"{err}, or choose a preset: {presets}") from None
+    return spec
+
+
+def model_config(spec: str, kind: str = "causal", vocab_size: int | None = None) -> Any:
+    """A transformers config: a preset from :data:`SHAPES`, or a hub name / local path.
+
+    ``vocab_size`` replaces the vocabulary: models of one run share a tokenizer, so a smaller value
+    or reward model takes the policy's."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if spec in SHAPES:
+        shape = {"tie_word_embeddings": False, **SHAPES[spec]}
+        cfg = LlamaConfig(max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
+    else:
+        try:
+            cfg = AutoConfig.from_pretrained(spec)
+        except (OSError, ValueError) as err:  # no such repo, no network, a config transformers cannot read
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"cannot read the model config of {spec!r} ({first}): give a preset "
+                              f"({', '.join(SHAPES)}), a local model folder or a reachable hub id") from None
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
+    if kind in ("token", "sequence"):
+        cfg.num_labels = 1
+        if getattr(cfg, "pad_token_id", None) is None:
+            cfg.pad_token_id = 0
+    return cfg
+
+
+def model_class(kind: str) -> Any:
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    return {"causal": AutoModelForCausalLM, "sequence": AutoModelForSequenceClassification,
+            "token": AutoModelForTokenClassification}[kind]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: int
+    largest_layer: int  # parameters of the largest module (DeepSpeed's ZeRO-3 working-set term)
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_dim: int
+    vocab: int
+    kind: str
+
+
+def meta_model(spec: str, kind: str = "causal", vocab_size: int | None = None) -> Any:
+    """The model built from its config on the meta device (no memory, no init)."""
+    import torch
+
+    with torch.device("meta"):
+        return model_class(kind).from_config(model_config(spec, kind, vocab_size))
+
+
+@functools.lru_cache(maxsize=64)
+def model_size(spec: str, kind: str = "causal", vocab_size: int | None = None) -> ModelSize:
+    """Count parameters exactly by building the model on the meta device (no memory, no init)."""
+    model = meta_model(spec, kind, vocab_size)
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return ModelSize(params=params, largest_layer=largest, hidden=text.hidden_size,
+                     intermediate=text.intermediate_size, layers=text.num_hidden_layers,
+                     kv_dim=kv_heads * head_dim, vocab=text.vocab_size, kind=kind)
+
+
+@dataclass(frozen=True)
+class Lora:
+    """Adapters of rank ``r`` on ``target_modules`` (TRL's ``lora_r`` / ``lora_target_modules``):
+    None is peft's default for the architecture, ("all-linear",) every linear layer but the head."""
+
+    r: int = 16
+    target_modules: tuple[str, ...] | None = None
+
+
+@functools.lru_cache(maxsize=64)
+def adapter_params(spec: str, kind: str, lora: Lora, vocab_size: int | None = None) -> int:
+    """Trainable parameters peft gives the model: ``r * (in + out)`` per targeted linear layer (an
+    embedding: ``r * (rows + dim)``), chosen by peft's rule (None: its table by model type;
+    "all-linear": every linear layer but the output embedding, or a classifier's head; names: a
+    module whose name is, or ends with ".", one of them), plus a classifier's head, which peft
+    trains in full (``modules_to_save``)."""
+    from peft.utils.constants import SEQ_CLS_HEAD_NAMES, TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    model = meta_model(spec, kind, vocab_size)
+    targets = lora.target_modules
+    if targets is None:
+        targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.model_type)
+        if targets is None:
+            raise ConfigError(f"peft has no default LoRA target modules for model type {model.config.model_type!r}: "
+                              "name them with --lora-target-modules (or all-linear)")
+    # A classifier's head is one of peft's modules_to_save: trained in full, never adapted.
+    saved = SEQ_CLS_HEAD_NAMES if kind != "causal" else []
+    heads = [getattr(model, n) for n in saved if getattr(model, n, None) is not None][:1]
+    total = sum(p.numel() for h in heads for p in h.parameters())
+    all_linear = [t.lower() for t in targets] == ["all-linear"]
+    for name, module in model.named_modules():
+        if any(re.match(rf"(^|.*\.){n}($|\..*)", name) for n in saved):
+            continue
+        if all_linear:
+            chosen = isinstance(module, (nn.Linear, Conv1D)) and module is not model.get_output_embeddings()
+        else:
+            chosen = any(name == t or name.endswith(f".{t}") for t in targets)
+        if chosen and isinstance(module, nn.Embedding):
+            total += lora.r * (module.num_embeddings + module.embedding_dim)
+        elif chosen and isinstance(module, (nn.Linear, Conv1D)):
+            total += lora.r * sum(module.weight.shape)
+    return total

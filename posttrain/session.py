@@ -32,7 +32,14 @@ from .dsconfig import ConfigError
 from .frozen_weights import FrozenWeightsMixin
 from .roles import Role
 from .session_saving import SavingMixin
-from .world import _destroy_process_group, _single_process_env, _skip_shm_comm_op, check_environment, on_cpu
+from .world import (
+    _destroy_process_group,
+    _single_process_env,
+    _skip_shm_comm_op,
+    check_environment,
+    forget_destroyed_group,
+    on_cpu,
+)
 from .zero_fixes import recompute_rotary_buffers, share_bf16_master
 
 
@@ -125,7 +132,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
             print(f"[posttrain] one process, so the mix's placements are simplified: {changes}", flush=True)
 
         # A session per process at a time: a new one starts from a clean accelerate state
-        # (the process group itself is kept).
+        # (the process group itself is kept, or built anew if an earlier run destroyed it).
+        forget_destroyed_group()
         AcceleratorState._reset_state()
         GradientState._reset_state()
         plugins = {name: DeepSpeedPlugin(hf_ds_config=cfg) for name, cfg in self.configs.items()}
@@ -239,18 +247,24 @@ class Session(SavingMixin, FrozenWeightsMixin):
     def load(
         self,
         name: str,
-        name_or_path: str | os.PathLike | None = None,
+        name_or_path: str | os.PathLike | torch.nn.Module | None = None,
         *,
         config: Any = None,
         model_cls: Any = None,
         **kwargs: Any,
     ) -> torch.nn.Module:
         """Build a model for a role under its plugin: ``from_pretrained`` (hub name or local path)
-        or, with only ``config``, ``from_config``. A ZeRO-3 role's parameters are created
+        or, with only ``config``, ``from_config``; a model object is taken as it is (ZeRO-3
+        partitions it when the role is prepared). A ZeRO-3 role's parameters are created
         partitioned; a frozen role's model comes back in eval mode without gradients."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         role = self.role(name)
+        if isinstance(name_or_path, torch.nn.Module):  # a model the caller built, taken as it is
+            if not role.trains:
+                name_or_path.eval()
+                name_or_path.requires_grad_(False)
+            return name_or_path
         model_cls = model_cls or AutoModelForCausalLM
         if name_or_path is None and config is None:
             raise ConfigError(f"role {name!r}: give a hub name or local path, or a model config")

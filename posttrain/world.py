@@ -69,6 +69,29 @@ def _single_process_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def forget_destroyed_group() -> None:
+    """Let a second run in one Python process build its own process group.
+
+    A run that ends by destroying the process group (accelerate's ``end_training``, TRL's trainers,
+    ``torch.distributed.destroy_process_group``) leaves DeepSpeed holding the destroyed group: its
+    communication backend and the groups ``deepspeed.utils.groups`` caches. The next engine then
+    fails with "Group ... is not registered". DeepSpeed has no call to forget them, so their module
+    globals are reset here, and only when no process group is alive."""
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        return
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
+
+    ds_comm.cdb = None
+    for name, value in vars(groups).items():
+        if name.startswith("_") and name.isupper() and "GROUP" in name:
+            if isinstance(value, dict):
+                value.clear()
+            elif value is not None:
+                setattr(groups, name, None)
+
+
 def _destroy_process_group() -> None:
     """At exit: take the process group down in step on every rank.
 

@@ -9,14 +9,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Set by an in-process session or accelerate (ACCELERATE_USE_DEEPSPEED, WORLD_SIZE, MASTER_PORT, ...):
+# never handed to a launched run (torchrun sets its own world; a child TRL trainer would read
+# ACCELERATE_USE_DEEPSPEED and train under DeepSpeed).
+LEAKED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment for a launched test run: this one without what in-process runs left in it."""
+    env = {k: v for k, v in os.environ.items() if k not in LEAKED and not k.startswith("ACCELERATE_")}
+    return {**env, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1", **extra}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_restores_the_environment():
+    """In-process trainers set environment variables (accelerate's ACCELERATE_USE_DEEPSPEED, the
+    one-process world's WORLD_SIZE and MASTER_PORT, ...); later modules and what they launch would
+    run under them. Each module leaves the environment as it found it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: int = 600, env: dict | None = None) -> str:
     """Run ``script`` on ``nproc`` CPU processes; fail the test with the output if it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *map(str, args)]
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
-                "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = launch_env(**(env or {}))
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

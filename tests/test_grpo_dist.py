@@ -192,7 +192,7 @@ def test_lora_placement_invariance(checks, mix):
     for a, b in zip(base, other):
         close(a, b, COMPARED, 1e-4)
     assert checks["roles"][f"lora-{mix}"] == ["policy", "reward"]
-    assert base[3]["kl"] > 1e-3 and base[1]["clip_ratio/region_mean"] > 0  # the adapters moved off the base
+    assert base[3]["kl"] > 1e-3 and any(r["clip_ratio/region_mean"] > 0 for r in base)  # the adapters moved
     for a, b in zip(checks["lora"]["rloo-zero2-zero3"], checks["lora"]["rloo-zero3"]):
         close(a, b, ["loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "grad_norm"], 1e-4)
 

@@ -23,6 +23,7 @@ the batch outlives one optimizer step, as TRL does.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,6 @@ from typing import Any
 
 import torch
 
-from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..lora import LoraFields, adapters_disabled, add_adapters, check_no_head_adapter, lora_config
 from ..preference import check_conversation
@@ -66,6 +66,7 @@ from .online import (
     completion_logps,
     left_pad,
     load_prompt_rows,
+    policy_source,
     tokenize_prompt,
     truncated_rows,
     write_samples,
@@ -242,7 +243,7 @@ class GRPOTrainer(RewardSources, Trainer):
         return self.cfg.beta != 0.0 and self.peft_config is None
 
     def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None,
-                 peft_config: Any = None) -> None:
+                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None) -> None:
         from ..rollout import Rollout, SamplingParams
 
         self.cfg = cfg
@@ -254,14 +255,15 @@ class GRPOTrainer(RewardSources, Trainer):
         if self.peft_config is not None:
             check_no_head_adapter(self.peft_config)
         seed_everything(cfg.seed)
-        policy_path = cfg.model_name_or_path or str(tiny.sft_model_path())
-        self.tokenizer = tok = tiny.load_tokenizer(policy_path)
+        # The policy: a model object (with its processing_class) or a path, as TRL's trainers take it.
+        policy_given, self.tokenizer, policy_path = policy_source(cfg, model, processing_class)
+        tok = self.tokenizer
         if tok.pad_token_id is None:
             raise ConfigError(f"{policy_path}: the tokenizer has no pad token; set one (e.g. tokenizer.pad_token = "
                               "tokenizer.eos_token) and save it with the model")
         self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
 
-        self.resolve_rewards(reward_funcs)
+        self.resolve_rewards(reward_funcs, tiny_default=model is None and cfg.model_name_or_path is None)
 
         self.rows = train_rows if train_rows is not None else load_prompt_rows(cfg)
         check_conversation(self.rows, ("prompt",), tok, cfg.dataset_name or "train_rows")
@@ -290,17 +292,22 @@ class GRPOTrainer(RewardSources, Trainer):
                 f"{cfg.gradient_accumulation_steps}; pick save_steps so that save_steps x gradient_accumulation_steps "
                 f"is a multiple of {self.micro_per_generation}")
 
-        self.plan_reward_models(policy_path, tok)
+        self.plan_reward_models(getattr(policy_given, "config", None) or policy_path, tok)
         frozen = (["reference"] if self.separate_reference else []) + self.reward_roles
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
+        # Without a path of its own the reference is the policy's initial weights: a copy of a given
+        # model object (before it trains or takes adapters), or the same path loaded again.
+        reference = cfg.ref_model_name_or_path or policy_given
+        if self.separate_reference and isinstance(reference, torch.nn.Module):
+            reference = copy.deepcopy(reference)
         torch.manual_seed(cfg.seed)
-        policy = s.load("policy", policy_path)
+        policy = s.load("policy", policy_given)
         policy.generation_config.pad_token_id = tok.pad_token_id
         policy = self._prepare_policy_model(policy)
         opt, sched = optimizer_and_scheduler(policy, cfg, self.total_steps)  # the adapters only, with LoRA
         s.prepare("policy", policy, opt, sched)
         if self.separate_reference:
-            s.prepare("reference", s.load("reference", cfg.ref_model_name_or_path or policy_path))
+            s.prepare("reference", s.load("reference", reference))
         self.load_reward_models()
 
         self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,

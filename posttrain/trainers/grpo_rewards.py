@@ -31,16 +31,17 @@ class RewardSources:
     _extra_columns: dict[str, list]
     _pending_metrics: dict[str, list[float]]
 
-    def resolve_rewards(self, reward_funcs: list | None) -> None:
+    def resolve_rewards(self, reward_funcs: list | None, tiny_default: bool = True) -> None:
         """Rewards in the order given: functions passed in code, the reward model flag, then
         ``reward_funcs`` (names, "module.function" or reward-model paths), every spec resolved and
-        checked before anything loads or the output dir is touched."""
+        checked before anything loads or the output dir is touched; ``tiny_default``: the policy is
+        the tiny default, whose bundled reward applies when none is given."""
         from .. import rewards
 
         cfg = self.cfg
         names = ([cfg.reward_model_name_or_path] if cfg.reward_model_name_or_path else []) + list(cfg.reward_funcs or [])
         if not names:
-            if cfg.model_name_or_path is not None and not reward_funcs:
+            if not tiny_default and not reward_funcs:  # the bundled reward is the tiny default's only
                 raise ConfigError("GRPO needs a reward: set reward_funcs (one of TRL's reward names, "
                                   "\"module.function\", or a reward model's path)")
             names = [] if reward_funcs else ["posttrain.demo.synthetic:sentiment_reward"]
@@ -72,14 +73,16 @@ class RewardSources:
     def reward_roles(self) -> list[str]:
         return [role for kind, role, _ in self.sources if kind == "model"]
 
-    def plan_reward_models(self, policy_path: str, tokenizer: Any) -> None:
+    def plan_reward_models(self, policy: Any, tokenizer: Any) -> None:
         """How each reward model reads completions (TRL's way: decoded and re-encoded with its own
-        tokenizer), decided from its files before anything loads."""
+        tokenizer), decided from its files before anything loads; ``policy`` is the policy's path
+        or config."""
         from transformers import AutoConfig
 
         from .. import rewards
 
-        policy_vocab = AutoConfig.from_pretrained(policy_path).get_text_config().vocab_size
+        config = AutoConfig.from_pretrained(policy) if isinstance(policy, (str, Path)) else policy
+        policy_vocab = config.get_text_config().vocab_size
         self.reward_inputs = {role: rewards.reward_model_input(path, tokenizer, policy_vocab, reencode=True)
                               for kind, role, path in self.sources if kind == "model"}
 

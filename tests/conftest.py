@@ -23,12 +23,25 @@ def launch_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _module_restores_the_environment():
-    """In-process trainers set environment variables (accelerate's ACCELERATE_USE_DEEPSPEED, the
-    one-process world's WORLD_SIZE and MASTER_PORT, ...); later modules and what they launch would
-    run under them. Each module leaves the environment as it found it."""
+def _module_leaves_the_process_clean():
+    """In-process trainers leave their process group, accelerate's process-wide state, transformers'
+    DeepSpeed config and the environment they set (ACCELERATE_USE_DEEPSPEED, the one-process world's
+    WORLD_SIZE and MASTER_PORT, ...) behind; later modules, and what they launch, would run under
+    them. Each module leaves the process as it found it (the next session builds its own group)."""
     saved = dict(os.environ)
     yield
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from posttrain.world import forget_destroyed_group
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    forget_destroyed_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    unset_hf_deepspeed_config()
     os.environ.clear()
     os.environ.update(saved)
 

@@ -3,7 +3,7 @@ the shipped files are what their recipes make, and any other variant builds into
 
 The full rebuild takes minutes on two cores, so CI replays the first steps of each recipe against
 the losses recorded at build time and checks the shipped weights against the recorded final loss;
-`python -m posttrain.demo.tiny /tmp/tiny && diff -r /tmp/tiny posttrain/demo/data/tiny` is the full check.
+`python -m posttrain.demo.recipes /tmp/tiny && diff -r /tmp/tiny posttrain/demo/data/tiny` is the full check.
 """
 
 import json
@@ -11,11 +11,11 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from posttrain.demo import tiny
+from posttrain.demo import recipes, tiny
 
 REPLAYED = 8  # steps of each recipe compared with the recorded losses
-SHIPPED = {"sft-s0-n300": (tiny.sft_recipe, AutoModelForCausalLM),
-           "reward-trained-s0-n200": (tiny.reward_recipe, AutoModelForSequenceClassification)}
+SHIPPED = {"sft-s0-n300": (recipes.sft_recipe, AutoModelForCausalLM),
+           "reward-trained-s0-n200": (recipes.reward_recipe, AutoModelForSequenceClassification)}
 
 
 def test_defaults_resolve_to_the_shipped_assets_without_building(tmp_path, monkeypatch):
@@ -46,9 +46,9 @@ def test_shipped_model_is_what_its_recipe_trains(name, tmp_path):
     trainer = recipe_fn(tiny.ASSETS / "tokenizer", tmp_path)  # posttrain's own trainer, one process
     assert len(recorded["losses"]) == trainer.total_steps
     # Same initial weights, data, order, optimizer and schedule: the same first losses.
-    assert tiny.replay(trainer, REPLAYED) == pytest.approx(recorded["losses"][:REPLAYED], rel=1e-5)
+    assert recipes.replay(trainer, REPLAYED) == pytest.approx(recorded["losses"][:REPLAYED], rel=1e-5)
     # The shipped weights are that run's result, and it learned.
-    assert tiny.final_loss(cls.from_pretrained(shipped), trainer) == pytest.approx(recorded["final_first_batch"],
+    assert recipes.final_loss(cls.from_pretrained(shipped), trainer) == pytest.approx(recorded["final_first_batch"],
                                                                                    rel=1e-5)
     assert recorded["final_first_batch"] < 0.5 * recorded["losses"][0]
 

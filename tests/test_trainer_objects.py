@@ -52,3 +52,20 @@ def test_a_run_after_one_that_destroyed_the_process_group(tmp_path):
     torch.distributed.destroy_process_group()
     second = GRPOTrainer(config(tmp_path / "second", max_steps=1)).train()
     assert second[0]["loss"] == pytest.approx(first[0]["loss"], abs=1e-6)
+
+
+def test_dpo_takes_a_model_object(tmp_path):
+    """DPO the same way: a policy object (the reference a copy of its initial weights) gives the
+    losses of the same weights by path."""
+    from posttrain.demo import synthetic
+    from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+
+    path, pairs = tiny.sft_model_path(), synthetic.preference_pairs(16, seed=3)
+    settings = dict(per_device_train_batch_size=4, max_steps=3, logging_steps=1, learning_rate=1e-3,
+                    disable_tqdm=True, max_length=64)
+    by_path = DPOTrainer(DPOConfig(output_dir=str(tmp_path / "path"), model_name_or_path=str(path), **settings),
+                         train_dataset=pairs).train()
+    by_object = DPOTrainer(DPOConfig(output_dir=str(tmp_path / "object"), **settings), train_dataset=pairs,
+                           model=AutoModelForCausalLM.from_pretrained(path), tokenizer=tiny.load_tokenizer(path)).train()
+    losses = [[r["loss"] for r in run if "loss" in r] for run in (by_path, by_object)]
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6) and losses[0][-1] < losses[0][0]

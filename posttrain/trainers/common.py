@@ -10,7 +10,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import checks, interrupt
+from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..jsonrows import dumps_row, read_rows
 from ..lora import LoraFields, check_lora_fields, has_adapters, save_merged
@@ -202,6 +203,25 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
         project_dir=cfg.output_dir,
         single_process_engine=cfg.single_process_engine,
     )
+
+
+def policy_source(cfg: Any, model: Any, processing_class: Any,
+                  load_tokenizer: Callable[[str], Any] | None = None) -> tuple[Any, Any, str]:
+    """The policy as a trainer was given it, as TRL's trainers take it: a model object or a hub
+    name / local path (``model``, else ``cfg.model_name_or_path``, else the tiny default); returns
+    it, its tokenizer (``processing_class``, else ``load_tokenizer`` of the path) and its name."""
+    load_tokenizer = load_tokenizer or tiny.load_tokenizer
+    if model is not None and cfg.model_name_or_path is not None:
+        raise ConfigError("the policy is given twice (model= and model_name_or_path): give one of them")
+    if isinstance(model, torch.nn.Module):
+        name = str(getattr(model, "name_or_path", "") or "")
+        if processing_class is None:
+            if not (name and Path(name).is_dir()):
+                raise ConfigError("a model object needs its tokenizer: pass processing_class=")
+            processing_class = load_tokenizer(name)
+        return model, processing_class, name or type(model).__name__
+    path = str(model or cfg.model_name_or_path or tiny.sft_model_path())
+    return path, processing_class or load_tokenizer(path), path
 
 
 def optimizer_and_scheduler(model: torch.nn.Module, cfg: TrainConfig, total_steps: int, lr: float | None = None):

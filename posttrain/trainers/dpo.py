@@ -7,6 +7,7 @@ checks them against TRL's own code on the same model, batch and reference.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import preference
-from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..lora import LoraFields, adapters_disabled, add_adapters, lora_config
 from .common import (
@@ -25,6 +25,7 @@ from .common import (
     enable_gradient_checkpointing,
     make_session,
     optimizer_and_scheduler,
+    policy_source,
     rank_batches,
     seed_everything,
     steps_for_rows,
@@ -268,13 +269,13 @@ class DPOTrainer(Trainer):
     evaluates = True
 
     def __init__(self, args: DPOConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
-                 peft_config: Any = None) -> None:
+                 peft_config: Any = None, *, model: Any = None) -> None:
         self.cfg = cfg = args
         validate(cfg)
         seed_everything(cfg.seed)
-        # No model given: the built-in tiny default, briefly fine-tuned on its corpus (cached).
-        policy_path = cfg.model_name_or_path or str(tiny.sft_model_path())
-        self.tokenizer = tokenizer or _load_tokenizer(policy_path, cfg)
+        # The policy: a model object (with its tokenizer) or a path, as TRL's trainers take it; no
+        # model given: the built-in tiny default, fine-tuned on its corpus.
+        policy, self.tokenizer, _ = policy_source(cfg, model, tokenizer, lambda path: _load_tokenizer(path, cfg))
         self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         frozen = [] if self.peft_config is not None else list(self.roles["frozen"])
@@ -292,7 +293,10 @@ class DPOTrainer(Trainer):
         kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}
 
         if frozen:
-            ref = self.session.load("reference", cfg.ref_model_name_or_path or policy_path, **kwargs)
+            # Without a path of its own the reference is the policy's initial weights (a given object's copy).
+            reference = cfg.ref_model_name_or_path or policy
+            ref = self.session.load("reference", copy.deepcopy(reference) if isinstance(reference, torch.nn.Module)
+                                    else reference, **kwargs)
             self._no_dropout(ref)
             self.reference = self.session.prepare("reference", ref)
             if cfg.precompute_ref_log_probs:
@@ -300,7 +304,7 @@ class DPOTrainer(Trainer):
                 self._precompute_all()
                 self._release_reference()
 
-        model = self.session.load("policy", policy_path, **kwargs)
+        model = self.session.load("policy", policy, **kwargs)
         self._no_dropout(model)
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)

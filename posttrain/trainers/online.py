@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..demo import synthetic, tiny
+from ..demo import synthetic
 from ..dsconfig import ConfigError
 from ..jsonrows import dumps_row
 from ..preference import load_dataset_source
@@ -130,23 +130,6 @@ def write_samples(session: Any, output_dir: str, rows: list[dict]) -> None:
 
 
 # -- prompts -------------------------------------------------------------------------------------
-def policy_source(cfg: Any, model: Any, processing_class: Any) -> tuple[Any, Any, str]:
-    """The policy as a trainer was given it, as TRL's trainers take it: a model object or a hub
-    name / local path (``model``, else ``cfg.model_name_or_path``, else the tiny default); returns
-    it, its tokenizer (``processing_class``, else loaded from the path) and the name it goes by."""
-    if model is not None and cfg.model_name_or_path is not None:
-        raise ConfigError("the policy is given twice (model= and model_name_or_path): give one of them")
-    if isinstance(model, torch.nn.Module):
-        name = str(getattr(model, "name_or_path", "") or "")
-        if processing_class is None:
-            if not (name and Path(name).is_dir()):
-                raise ConfigError("a model object needs its tokenizer: pass processing_class=")
-            processing_class = tiny.load_tokenizer(name)
-        return model, processing_class, name or type(model).__name__
-    path = str(model or cfg.model_name_or_path or tiny.sft_model_path())
-    return path, processing_class or tiny.load_tokenizer(path), path
-
-
 def load_prompt_rows(cfg: Any) -> list[dict]:
     """Rows with a "prompt" (TRL's standard text or conversational messages) and any other
     columns (passed to reward functions); the bundled prompts when no dataset is named."""

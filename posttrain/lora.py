@@ -66,13 +66,22 @@ def lora_config(cfg: LoraFields, task_type: str = "CAUSAL_LM") -> Any:
         use_rslora=cfg.use_rslora))
 
 
-def add_adapters(model: nn.Module, peft_config: Any, autocast_adapter_dtype: bool = True) -> nn.Module:
-    """``model`` wrapped by peft with ``peft_config``'s adapters (only they train).
-    ``autocast_adapter_dtype=False`` keeps them in the base's dtype (peft's default makes them
-    fp32 over a bf16 base, which ZeRO-3's gather of mixed dtypes cannot take: TRL's rule)."""
+def zero3_adapters(session: Any, role: str, peft_config: Any) -> bool:
+    """Whether ``role`` trains adapters under a ZeRO-3 DeepSpeed engine, where TRL applies two peft
+    rules: the adapters keep the base's dtype (ZeRO-3's gather of mixed bf16/fp32 parameters fails,
+    DeepSpeed#8072) and activation checkpointing is reentrant (non-reentrant recomputation meets
+    released ZeRO-3 shards, DeepSpeed#4332)."""
+    return (peft_config is not None and session.engine_kind(role) == "deepspeed"
+            and session.zero_stage(role) == 3)
+
+
+def add_adapters(model: nn.Module, peft_config: Any, session: Any, role: str) -> nn.Module:
+    """``model`` wrapped by peft with ``peft_config``'s adapters (only they train); under ZeRO-3
+    they keep the base's dtype (:func:`zero3_adapters`; peft's default makes them fp32)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config, autocast_adapter_dtype=autocast_adapter_dtype)
+    return get_peft_model(model, peft_config,
+                          autocast_adapter_dtype=not zero3_adapters(session, role, peft_config))
 
 
 def has_adapters(model: nn.Module) -> bool:

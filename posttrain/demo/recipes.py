@@ -81,11 +81,10 @@ def _all_threads() -> Iterator[None]:
 
 
 def first_batch(trainer) -> dict:
-    """The first micro-batch a recipe's trainer trains on (its data order on one process)."""
-    from ..trainers.common import rank_batches
+    """The first micro-batch a recipe's trainer trains on (its data order, one process)."""
+    from ..trainers.loop import collated_batches
 
-    idx = next(rank_batches(len(trainer.train_rows), trainer.cfg.per_device_train_batch_size, trainer.cfg.seed, 0, 1))
-    return trainer.collate([trainer.train_rows[i] for i in idx])
+    return next(collated_batches(trainer, 0))
 
 
 def final_loss(model, trainer) -> float:

@@ -4,6 +4,7 @@ algorithm in its own file."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -222,6 +223,14 @@ def policy_source(cfg: Any, model: Any, processing_class: Any,
         return model, processing_class, name or type(model).__name__
     path = str(model or cfg.model_name_or_path or tiny.sft_model_path())
     return path, processing_class or load_tokenizer(path), path
+
+
+def reference_source(ref_model_name_or_path: str | None, policy: Any) -> Any:
+    """The reference model's source: its own path, else the policy's initial weights (the policy's
+    path loaded again, or a copy of a given policy object, taken before it trains or takes adapters)."""
+    if ref_model_name_or_path:
+        return ref_model_name_or_path
+    return copy.deepcopy(policy) if isinstance(policy, torch.nn.Module) else policy
 
 
 def optimizer_and_scheduler(model: torch.nn.Module, cfg: TrainConfig, total_steps: int, lr: float | None = None):

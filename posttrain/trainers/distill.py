@@ -203,7 +203,7 @@ class DistillTrainer(Trainer):
         student = s.load("student", self.student_path)
         peft_config = lora_config(cfg)
         if peft_config is not None:
-            student = add_adapters(student, peft_config)
+            student = add_adapters(student, peft_config, s, "student")
         if cfg.disable_dropout:  # after the adapters, as GKDTrainer (SFTTrainer wraps the model first)
             from trl.trainer.utils import disable_dropout_in_model
 

@@ -7,7 +7,6 @@ checks them against TRL's own code on the same model, batch and reference.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 
 from .. import preference
 from ..dsconfig import ConfigError
-from ..lora import LoraFields, adapters_disabled, add_adapters, lora_config
+from ..lora import LoraFields, adapters_disabled, add_adapters, lora_config, zero3_adapters
 from .common import (
     Phases,
     TrainConfig,
@@ -26,12 +25,12 @@ from .common import (
     make_session,
     optimizer_and_scheduler,
     policy_source,
-    rank_batches,
+    reference_source,
     seed_everything,
     steps_for_rows,
     sum_over_ranks,
 )
-from .loop import Trainer
+from .loop import Trainer, collated_batches
 
 # Every loss_type trl.DPOTrainer 1.16 accepts; none needs a model besides policy and reference.
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -293,10 +292,7 @@ class DPOTrainer(Trainer):
         kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}
 
         if frozen:
-            # Without a path of its own the reference is the policy's initial weights (a given object's copy).
-            reference = cfg.ref_model_name_or_path or policy
-            ref = self.session.load("reference", copy.deepcopy(reference) if isinstance(reference, torch.nn.Module)
-                                    else reference, **kwargs)
+            ref = self.session.load("reference", reference_source(cfg.ref_model_name_or_path, policy), **kwargs)
             self._no_dropout(ref)
             self.reference = self.session.prepare("reference", ref)
             if cfg.precompute_ref_log_probs:
@@ -307,9 +303,10 @@ class DPOTrainer(Trainer):
         model = self.session.load("policy", policy, **kwargs)
         self._no_dropout(model)
         if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model,  # reentrant for ZeRO-3 adapters (TRL)
+                use_reentrant=zero3_adapters(self.session, "policy", self.peft_config))
         if self.peft_config is not None:
-            model = add_adapters(model, self.peft_config)
+            model = add_adapters(model, self.peft_config, self.session, "policy")
         opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
         self.policy = self.session.prepare("policy", model, opt, sched)
         if self.peft_config is not None and cfg.precompute_ref_log_probs:
@@ -394,19 +391,13 @@ class DPOTrainer(Trainer):
         return loss.mean(), pairs, token_metrics(policy, batch["completion_mask"])
 
     # -- the step (posttrain.trainers.loop runs the loop) ------------------------------------------
-    def _train_batches(self, start_micro: int):
-        cfg, s = self.cfg, self.session
-        for idx in rank_batches(len(self.train_rows), cfg.per_device_train_batch_size, cfg.seed,
-                                s.process_index, s.num_processes, start=start_micro):
-            yield self.collate([self.train_rows[i] for i in idx])
-
     def training_step(self, step: int) -> dict[str, float]:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches: the mean loss and
         pair metrics, the token metrics over the step's tokens, and this step's rate and norm."""
         cfg, s = self.cfg, self.session
         ga = cfg.gradient_accumulation_steps
         if self._batches is None:  # the data order continues at the step the run starts from
-            self._batches = self._train_batches((step - 1) * ga)
+            self._batches = collated_batches(self, (step - 1) * ga)
         sums: dict[str, float] = {}
         tokens: dict[str, list[float]] = {}
         for _ in range(ga):

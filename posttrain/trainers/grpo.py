@@ -23,7 +23,6 @@ the batch outlives one optimizer step, as TRL does.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,7 +32,14 @@ from typing import Any
 import torch
 
 from ..dsconfig import ConfigError
-from ..lora import LoraFields, adapters_disabled, add_adapters, check_no_head_adapter, lora_config
+from ..lora import (
+    LoraFields,
+    adapters_disabled,
+    add_adapters,
+    check_no_head_adapter,
+    lora_config,
+    zero3_adapters,
+)
 from ..preference import check_conversation
 from ..reward_funcs import RewardWarnings
 from ..rollout.api import RolloutFields, check_rollout_fields
@@ -48,6 +54,7 @@ from .common import (
     mix_seed,
     optimizer_and_scheduler,
     policy_source,
+    reference_source,
     seed_everything,
     sum_over_ranks,
     world_size,
@@ -295,11 +302,8 @@ class GRPOTrainer(RewardSources, Trainer):
         self.plan_reward_models(getattr(policy_given, "config", None) or policy_path, tok)
         frozen = (["reference"] if self.separate_reference else []) + self.reward_roles
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
-        # Without a path of its own the reference is the policy's initial weights: a copy of a given
-        # model object (before it trains or takes adapters), or the same path loaded again.
-        reference = cfg.ref_model_name_or_path or policy_given
-        if self.separate_reference and isinstance(reference, torch.nn.Module):
-            reference = copy.deepcopy(reference)
+        if self.separate_reference:  # taken before the policy trains or takes adapters
+            reference = reference_source(cfg.ref_model_name_or_path, policy_given)
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_given)
         policy.generation_config.pad_token_id = tok.pad_token_id
@@ -339,16 +343,14 @@ class GRPOTrainer(RewardSources, Trainer):
         from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
         cfg = self.cfg
-        zero3_lora = self.peft_config is not None and self.session.engine_kind("policy") == "deepspeed" and \
-            self.session.zero_stage("policy") == 3
         if self.peft_config is not None:
             torch.manual_seed(mix_seed(cfg.seed, "adapters"))
-            # Under ZeRO-3 the adapters keep the base's dtype (TRL's rule: mixed dtypes break its gather).
-            policy = add_adapters(policy, self.peft_config, autocast_adapter_dtype=not zero3_lora)
+            policy = add_adapters(policy, self.peft_config, self.session, "policy")
             check_no_head_adapter(policy)
         base = policy.get_base_model() if self.peft_config is not None else policy
         if cfg.gradient_checkpointing:  # on the base: it also makes the embeddings' outputs require grad
-            enable_gradient_checkpointing(base, use_reentrant=zero3_lora)  # TRL forces reentrant there
+            enable_gradient_checkpointing(base,  # reentrant for ZeRO-3 adapters (TRL)
+                use_reentrant=zero3_adapters(self.session, "policy", self.peft_config))
         if cfg.disable_dropout:
             disable_dropout_in_model(policy)
         # The policy's log-probs and entropies without float32 logits over the vocabulary (TRL does

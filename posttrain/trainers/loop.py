@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -144,6 +145,16 @@ class Trainer:
         return self.save_model(directory)
 
 
+def collated_batches(trainer: Any, start_micro: int) -> Iterator[dict]:
+    """This process's micro-batches of ``trainer.train_rows`` in the data order of
+    :func:`common.rank_batches`, from micro-batch ``start_micro`` on, collated by ``trainer.collate``
+    (DPO, SFT, reward)."""
+    cfg, s = trainer.cfg, trainer.session
+    for idx in rank_batches(len(trainer.train_rows), cfg.per_device_train_batch_size, cfg.seed,
+                            s.process_index, s.num_processes, start=start_micro):
+        yield trainer.collate([trainer.train_rows[i] for i in idx])
+
+
 class RowsTrainer(Trainer):
     """A trainer whose step is one optimizer step over prepared rows (SFT, reward): the data order
     of :func:`common.rank_batches`, the micro-batches collated by ``self.collate``, and a running
@@ -155,19 +166,13 @@ class RowsTrainer(Trainer):
     def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
         raise NotImplementedError
 
-    def _train_batches(self, start_micro: int):
-        cfg, s = self.cfg, self.session
-        for idx in rank_batches(len(self.train_rows), cfg.per_device_train_batch_size, cfg.seed,
-                                s.process_index, s.num_processes, start=start_micro):
-            yield self.collate([self.train_rows[i] for i in idx])
-
     def training_step(self, step: int) -> dict[str, Any]:
         """The next accumulation micro-batches of the data order (from the resumed step's on), one
         optimizer step, and the values the step used."""
         cfg, s, ga = self.cfg, self.session, self.cfg.gradient_accumulation_steps
         role = self.roles["trained"][0]
         if self._batches is None:
-            self._batches = self._train_batches((step - 1) * ga)
+            self._batches = collated_batches(self, (step - 1) * ga)
         row = self.optimizer_step([next(self._batches) for _ in range(ga)])
         row.update({"grad_norm": s.grad_norm(role) or 0.0, "learning_rate": s.learning_rate(role),
                     "epoch": step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),

@@ -313,7 +313,7 @@ class PPOTrainer(Trainer):
         policy = s.load("policy", policy_path)
         policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
         if self.peft_config is not None:
-            policy = add_adapters(policy, self.peft_config)
+            policy = add_adapters(policy, self.peft_config, s, "policy")
         value = s.load("value", value_path, model_cls=AutoModelForSequenceClassification, num_labels=1)
         value.config.pad_token_id = self.tokenizer.pad_token_id
         for name, model in (("policy", policy), ("value", value)):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import preference
 from ..demo import tiny
 from ..dsconfig import ConfigError
-from ..lora import LoraFields, add_adapters, lora_config
+from ..lora import LoraFields, add_adapters, lora_config, zero3_adapters
 from .common import (
     Phases,
     TrainConfig,
@@ -184,9 +184,10 @@ class RewardTrainer(RowsTrainer):
 
             disable_dropout_in_model(model)
         if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model,  # reentrant for ZeRO-3 adapters (TRL)
+                use_reentrant=zero3_adapters(self.session, ROLE, self.peft_config))
         if self.peft_config is not None:
-            model = add_adapters(model, self.peft_config)
+            model = add_adapters(model, self.peft_config, self.session, ROLE)
         opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
         self.model = self.session.prepare(ROLE, model, opt, sched)
         self.setup_times = self.phases.pop()

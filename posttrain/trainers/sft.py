@@ -22,7 +22,7 @@ import torch
 from .. import sft_data
 from ..demo import tiny
 from ..dsconfig import ConfigError
-from ..lora import LoraFields, add_adapters, lora_config
+from ..lora import LoraFields, add_adapters, lora_config, zero3_adapters
 from .common import (
     Phases,
     TrainConfig,
@@ -181,10 +181,11 @@ class SFTTrainer(RowsTrainer):
         if self.tokenizer.eos_token_id is not None and cfg.eos_token is not None:
             model.config.get_text_config().eos_token_id = self.tokenizer.eos_token_id
         if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model,  # reentrant for ZeRO-3 adapters (TRL)
+                use_reentrant=zero3_adapters(self.session, "policy", self.peft_config))
         add_fused_head(model)  # before the adapters, as TRL
         if self.peft_config is not None:
-            model = add_adapters(model, self.peft_config)
+            model = add_adapters(model, self.peft_config, self.session, "policy")
         opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
         self.policy = self.session.prepare("policy", model, opt, sched)
         self.setup_times = self.phases.pop()

@@ -69,10 +69,17 @@ def tokenized_messages_rows() -> list[dict]:
     return out
 
 
+def tokenized_packed_rows() -> list[dict]:
+    """Tokenized rows packed two by two already, with TRL's seq_lengths."""
+    rows = tokenized_prompt_completion_rows()
+    return [{"input_ids": a["input_ids"] + b["input_ids"], "seq_lengths": [len(a["input_ids"]), len(b["input_ids"])]}
+            for a, b in zip(rows[::2], rows[1::2])]
+
+
 DATA = {"text": text_rows, "prompt_completion": prompt_completion_rows, "messages": messages_rows,
         "conv_prompt_completion": conversational_prompt_completion_rows, "tokenized": tokenized_rows,
         "tokenized_prompt_completion": tokenized_prompt_completion_rows, "tokenized_labels": tokenized_labels_rows,
-        "tokenized_messages": tokenized_messages_rows}
+        "tokenized_messages": tokenized_messages_rows, "tokenized_packed": tokenized_packed_rows}
 # (name, data, SFTConfig fields shared by TRL and posttrain)
 CASES = [
     ("text", "text", {}),
@@ -100,6 +107,7 @@ CASES = [
     ("tokenized_labels_truncated", "tokenized_labels", {"completion_only_loss": True, "max_length": 12}),
     ("tokenized_assistant_masks_packed_wrapped", "tokenized_messages",
      {"packing": True, "packing_strategy": "wrapped", "max_length": 24}),
+    ("tokenized_packed_already_padding_free", "tokenized_packed", {"padding_free": True, "max_length": None}),
 ]
 
 

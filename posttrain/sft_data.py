@@ -110,27 +110,29 @@ def _holds_int_lists(feature: Any, bools: bool) -> bool:
     return isinstance(feature, (List, LargeList)) and isinstance(inner, Value) and inner.dtype in allowed
 
 
-def _first_row(column: Any, bad: Any) -> int:
-    """The row of a list column holding the first flattened value where ``bad`` is true."""
-    import numpy as np
+def _first_bad(column: Any, bad: Any) -> tuple[int, Any] | None:
+    """(row, value) of the first flattened value of a list column where the boolean array ``bad``
+    is true, or None; arrow compute throughout, so a large dataset is not copied."""
     import pyarrow.compute as pc
 
-    return int(pc.list_parent_indices(column).to_numpy()[int(np.argmax(bad))])
+    if not pc.any(bad).as_py():
+        return None
+    at = pc.index(bad, True).as_py()
+    return pc.list_parent_indices(column)[at].as_py(), pc.list_flatten(column)[at].as_py()
 
 
 def _flat_values(column: Any, what: str, name: str) -> Any:
-    """A list column's values flattened to int64 (numpy), after refusing a null row or value."""
-    import numpy as np
+    """A list column's values flattened (an arrow array), after refusing a null row or value."""
     import pyarrow.compute as pc
 
     if column.null_count:
-        index = int(np.argmax(column.is_null().to_numpy(zero_copy_only=False)))
-        raise ConfigError(f"{name}: row {index} has no {what} (null): fill it in or drop the row")
+        raise ConfigError(f"{name}: row {pc.index(column.is_null(), True).as_py()} has no {what} (null): fill it "
+                          "in or drop the row")
     flat = pc.list_flatten(column)
     if flat.null_count:
-        index = _first_row(column, flat.is_null().to_numpy(zero_copy_only=False))
-        raise ConfigError(f"{name}: row {index}'s {what} holds a null: give every token a value, or drop the row")
-    return flat.cast("int64").to_numpy(zero_copy_only=False) if len(flat) else np.zeros(0, np.int64)
+        row, _ = _first_bad(column, flat.is_null())
+        raise ConfigError(f"{name}: row {row}'s {what} holds a null: give every token a value, or drop the row")
+    return flat.cast("int64")
 
 
 def check_tokenized(dataset: Any, tokenizer: Any, *, completion_only_loss: bool, assistant_only_loss: bool,
@@ -140,7 +142,6 @@ def check_tokenized(dataset: Any, tokenizer: Any, *, completion_only_loss: bool,
     than its input_ids) or train on wrongly without a word (a longer mask, mask values other than
     0/1, padding, completion_only_loss without a completion_mask, packed rows packed again or cut).
     ``attention_mask`` is checked because TRL's collator drops it: padding it marks would be trained on."""
-    import numpy as np
     import pyarrow.compute as pc
 
     columns = dataset.column_names
@@ -167,40 +168,41 @@ def check_tokenized(dataset: Any, tokenizer: Any, *, completion_only_loss: bool,
     table = dataset.select_columns(present).with_format("arrow")[:]
     ids = table.column("input_ids").combine_chunks()
     values = _flat_values(ids, "'input_ids'", name)
-    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
-    if (lengths == 0).any():
-        raise ConfigError(f"{name}: row {int(np.argmax(lengths == 0))} has an empty 'input_ids': drop the row")
+    lengths = pc.list_value_length(ids)
+    if pc.any(pc.equal(lengths, 0)).as_py():
+        raise ConfigError(f"{name}: row {pc.index(lengths, 0).as_py()} has an empty 'input_ids': drop the row")
     vocab = len(tokenizer)
-    outside = (values < 0) | (values >= vocab)
-    if outside.any():
-        raise ConfigError(f"{name}: row {_first_row(ids, outside)} has the token id {values[np.argmax(outside)]} in "
-                          f"'input_ids', outside the tokenizer's vocabulary (0 to {vocab - 1}): tokenize the data with "
-                          "this model's tokenizer, or give it as text")
+    bad = _first_bad(ids, pc.or_(pc.less(values, 0), pc.greater_equal(values, vocab)))
+    if bad:
+        raise ConfigError(f"{name}: row {bad[0]} has the token id {bad[1]} in 'input_ids', outside the tokenizer's "
+                          f"vocabulary (0 to {vocab - 1}): tokenize the data with this model's tokenizer, or give it as "
+                          "text")
     for column in used:
         col = table.column(column).combine_chunks()
         got = _flat_values(col, repr(column), name)
-        n = pc.list_value_length(col).to_numpy(zero_copy_only=False)
-        if (n != lengths).any():
-            index = int(np.argmax(n != lengths))
+        n = pc.list_value_length(col)
+        if not pc.all(pc.equal(n, lengths)).as_py():
+            index = pc.index(pc.not_equal(n, lengths), True).as_py()
             raise ConfigError(f"{name}: row {index} has {n[index]} {column!r} values for its {lengths[index]} "
                               f"'input_ids': give one {column} value per token")
         if column == "labels":
-            bad = (got != -100) & ((got < 0) | (got >= vocab))
+            wrong = pc.and_(pc.not_equal(got, -100), pc.or_(pc.less(got, 0), pc.greater_equal(got, vocab)))
             fix = "use -100 for tokens left out of the loss and the token id elsewhere"
         elif column == "attention_mask":
-            bad = got != 1
+            wrong = pc.not_equal(got, 1)
             fix = ("SFT pads each batch itself and would train on this padding: strip the padding from its "
                    "input_ids (and drop the attention_mask column)")
         else:
-            bad = (got != 0) & (got != 1)
+            wrong = pc.and_(pc.not_equal(got, 0), pc.not_equal(got, 1))
             fix = "use 1 for tokens trained on and 0 for the others"
-        if bad.any():
-            raise ConfigError(f"{name}: row {_first_row(col, bad)}'s {column!r} holds {got[np.argmax(bad)]}: {fix}")
+        bad = _first_bad(col, wrong)
+        if bad:
+            raise ConfigError(f"{name}: row {bad[0]}'s {column!r} holds {bad[1]:d}: {fix}")
     if "seq_lengths" in columns:  # rows packed already (TRL's packed format)
         if packing:
             raise ConfigError(f"{name} is already packed (it has 'seq_lengths'): set --packing false")
-        for index, (parts, n) in enumerate(zip(table.column("seq_lengths").to_pylist(), lengths.tolist())):
-            if not parts or min(parts) <= 0 or sum(parts) != n:
+        for index, (parts, n) in enumerate(zip(table.column("seq_lengths").to_pylist(), lengths.to_pylist())):
+            if not parts or None in parts or min(parts) <= 0 or sum(parts) != n:
                 raise ConfigError(f"{name}: row {index}'s 'seq_lengths' {parts} do not split its {n} tokens: give "
                                   "the length of each sequence packed into the row")
             if max_length is not None and n > max_length:

@@ -217,8 +217,8 @@ def prepare_sft_dataset(
     truncation_mode: str = "keep_start", chat_template: str | None = None, num_proc: int | None = None,
     name: str = "dataset",
 ) -> Any:
-    """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed by "bfd"), prepared as
-    TRL's SFTTrainer prepares it. ``chat_template``: the template assistant_only_loss renders with
+    """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed by "bfd", or given
+    packed), prepared as TRL's SFTTrainer prepares it. ``chat_template``: the template assistant_only_loss renders with
     (``training_chat_template``); ``truncation_mode`` "none" refuses rows longer than max_length."""
     from trl.data_utils import is_conversational, is_conversational_from_value, maybe_convert_to_chatml
 
@@ -228,7 +228,7 @@ def prepare_sft_dataset(
     map_kwargs = {"num_proc": num_proc, "keep_in_memory": True}  # every rank maps alone, no shared cache files
     if completion_only_loss is None:  # TRL's default: on exactly for data with prompt and completion columns
         completion_only_loss = "prompt" in dataset.column_names and "completion" in dataset.column_names
-        if not completion_only_loss and "completion_mask" in dataset.column_names:
+        if not completion_only_loss and "completion_mask" in dataset.column_names and "labels" not in dataset.column_names:
             logger.warning("%s: its 'completion_mask' column is not applied, completion_only_loss being off by "
                            "default for data without prompt/completion columns (TRL's rule): set "
                            "--completion_only_loss true to train on the completion tokens only", name)

@@ -319,7 +319,7 @@ def test_bad_tokenized_rows(case, rows, fields, message):
         sft_data.prepare_sft_dataset(rows, tokenizer(), **kwargs)
 
 
-def test_good_tokenized_rows_pass_the_checks():
+def test_good_tokenized_rows_pass_the_checks(caplog):
     """What TRL takes and trains on correctly passes: bool masks, a labels column beside an unused
     mask of another length (TRL reads labels only), an unused completion_mask, a full
     attention_mask, rows packed already (TRL's seq_lengths)."""
@@ -335,6 +335,15 @@ def test_good_tokenized_rows_pass_the_checks():
         out = sft_data.prepare_sft_dataset(rows, tok, **{"max_length": None, "packing": False, **fields}).to_list()
         assert out[0]["input_ids"] == IDS[0]
     assert out[0]["seq_lengths"] == [3, 1]
+    assert not caplog.records
+    # A completion_mask that TRL's default leaves unused (no prompt/completion columns) is named.
+    out = sft_data.prepare_sft_dataset([{"input_ids": IDS[0], "completion_mask": [0, 0, 1, 1]}], tok, max_length=None,
+                                       packing=False).to_list()
+    assert out[0]["labels"] == IDS[0]
+    assert [r.getMessage() for r in caplog.records] == [
+        "dataset: its 'completion_mask' column is not applied, completion_only_loss being off by default for data "
+        "without prompt/completion columns (TRL's rule): set --completion_only_loss true to train on the completion "
+        "tokens only"]
 
 
 def test_tiny_training_template_renders_as_the_default():

@@ -228,7 +228,8 @@ def prepare_sft_dataset(
     map_kwargs = {"num_proc": num_proc, "keep_in_memory": True}  # every rank maps alone, no shared cache files
     if completion_only_loss is None:  # TRL's default: on exactly for data with prompt and completion columns
         completion_only_loss = "prompt" in dataset.column_names and "completion" in dataset.column_names
-        if not completion_only_loss and "completion_mask" in dataset.column_names and "labels" not in dataset.column_names:
+        given = dataset.column_names
+        if not completion_only_loss and "completion_mask" in given and "labels" not in given:
             logger.warning("%s: its 'completion_mask' column is not applied, completion_only_loss being off by "
                            "default for data without prompt/completion columns (TRL's rule): set "
                            "--completion_only_loss true to train on the completion tokens only", name)
@@ -237,12 +238,14 @@ def prepare_sft_dataset(
                         assistant_only_loss=assistant_only_loss, packing=packing, max_length=max_length, name=name)
         if "labels" not in dataset.column_names:  # a labels column is used as is (TRL)
             dataset = _labels_from_masks(dataset, completion_only_loss, map_kwargs)
-        dataset = dataset.select_columns([c for c in ("input_ids", "labels", "seq_lengths") if c in dataset.column_names])
+        kept = [c for c in ("input_ids", "labels", "seq_lengths") if c in dataset.column_names]  # TRL's signature
+        dataset = dataset.select_columns(kept)
         return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name)
     if "prompt_ids" in dataset.column_names or "completion_ids" in dataset.column_names:
         raise ConfigError(f"{name} has 'prompt_ids'/'completion_ids' but no 'input_ids', which SFT (as TRL) reads "
                           "tokenized rows from: give each row input_ids = prompt_ids + completion_ids and a "
-                          "completion_mask (0 per prompt token, 1 per completion token), with --completion_only_loss true")
+                          "completion_mask (0 per prompt token, 1 per completion token), with "
+                          "--completion_only_loss true")
     kind = dataset_kind(dataset, text_field, name)
     columns = {"prompt_completion": ["prompt", "completion"], "messages": None, "text": [text_field]}[kind]
     if columns is None:

@@ -55,7 +55,8 @@ def tokenized_prompt_completion_rows() -> list[dict]:
 def tokenized_labels_rows() -> list[dict]:
     """Tokenized prompt-completion rows with their own labels (-100 on the prompt), and a mask
     column beside them that labels override (TRL's rule)."""
-    return [{"input_ids": r["input_ids"], "labels": [t if m else -100 for t, m in zip(r["input_ids"], r["completion_mask"])],
+    return [{"input_ids": r["input_ids"],
+             "labels": [t if m else -100 for t, m in zip(r["input_ids"], r["completion_mask"])],
              "completion_mask": [1] * len(r["input_ids"])} for r in tokenized_prompt_completion_rows()]
 
 
@@ -174,8 +175,11 @@ def test_loss_accuracy_and_gradients_equal_trl(name, data, fields, tmp_path):
         torch.testing.assert_close(g, b["grads"][n], atol=1e-5, rtol=1e-5, msg=n)
     labels = a["batch"]["labels"]
     assert (labels != -100).any() and a["loss"] > 0
-    if (fields.get("assistant_only_loss") or data == "prompt_completion" and fields.get("completion_only_loss") is not False
-            or data.startswith("tokenized_") and (fields.get("completion_only_loss") or data != "tokenized_prompt_completion")):
+    masked = (fields.get("assistant_only_loss")
+              or data == "prompt_completion" and fields.get("completion_only_loss") is not False
+              or data.startswith("tokenized_") and (fields.get("completion_only_loss")
+                                                     or data != "tokenized_prompt_completion"))
+    if masked:
         assert (labels == -100).sum() > labels.size(0)  # prompt tokens masked beyond the first
     if data.startswith("tokenized") and not fields.get("packing"):  # the ids as given: no EOS added, none cut
         given = [r["input_ids"] for r in DATA[data]()]
@@ -270,25 +274,31 @@ def test_empty_value_and_assistant_only_on_text():
 IDS = [[5, 6, 7, 8], [9, 10]]
 # (id, rows, prepare_sft_dataset fields, the sentence's start after "dataset: " or "dataset ")
 TOKENIZED_BAD = [
-    ("strings", [{"input_ids": ["a", "b"]}], {}, r"'input_ids' holds List\(Value\('string'\)\), not a list of integers per "
+    ("strings", [{"input_ids": ["a", "b"]}], {},
+     r"'input_ids' holds List\(Value\('string'\)\), not a list of integers per "
      r"row: give each row its token ids as a list of ints"),
-    ("floats", [{"input_ids": [1.5, 2.0]}], {}, r"'input_ids' holds List\(Value\('float64'\)\), not a list of integers"),
+    ("floats", [{"input_ids": [1.5, 2.0]}], {},
+     r"'input_ids' holds List\(Value\('float64'\)\), not a list of integers"),
     ("one_string", [{"input_ids": "5 6 7"}], {}, r"'input_ids' holds Value\('string'\), not a list of integers"),
     ("nested", [{"input_ids": [[5, 6]]}], {}, r"'input_ids' holds List\(List\(Value\('int\d+'\)\)\), not a list"),
-    ("null_row", [{"input_ids": IDS[0]}, {"input_ids": None}], {}, r"row 1 has no 'input_ids' \(null\): fill it in or drop the row"),
+    ("null_row", [{"input_ids": IDS[0]}, {"input_ids": None}], {},
+     r"row 1 has no 'input_ids' \(null\): fill it in or drop the row"),
     ("empty_row", [{"input_ids": IDS[0]}, {"input_ids": []}], {}, r"row 1 has an empty 'input_ids': drop the row"),
     ("id_past_vocab", [{"input_ids": IDS[0]}, {"input_ids": [5, 547]}], {},
      r"row 1 has the token id 547 in 'input_ids', outside the tokenizer's vocabulary \(0 to 546\): tokenize the data "
      r"with this model's tokenizer, or give it as text"),
-    ("negative_id", [{"input_ids": [5, -1]}], {}, r"row 0 has the token id -1 in 'input_ids', outside the tokenizer's vocabulary"),
+    ("negative_id", [{"input_ids": [5, -1]}], {},
+     r"row 0 has the token id -1 in 'input_ids', outside the tokenizer's vocabulary"),
     ("mask_short", [{"input_ids": ids, "completion_mask": [0, 1]} for ids in IDS], {"completion_only_loss": True},
      r"row 0 has 2 'completion_mask' values for its 4 'input_ids': give one completion_mask value per token"),
     ("mask_long", [{"input_ids": ids, "completion_mask": [0, 1, 1, 1]} for ids in IDS], {"completion_only_loss": True},
      r"row 1 has 4 'completion_mask' values for its 2 'input_ids'"),
     ("mask_value", [{"input_ids": IDS[0], "completion_mask": [0, 2, 1, 1]}], {"completion_only_loss": True},
      r"row 0's 'completion_mask' holds 2: use 1 for tokens trained on and 0 for the others"),
-    ("assistant_masks_short", [{"input_ids": IDS[0], "assistant_masks": [0, 1]}], {}, r"row 0 has 2 'assistant_masks' values for its 4"),
-    ("labels_short", [{"input_ids": IDS[0], "labels": [-100, 6, 7]}], {}, r"row 0 has 3 'labels' values for its 4 'input_ids'"),
+    ("assistant_masks_short", [{"input_ids": IDS[0], "assistant_masks": [0, 1]}], {},
+     r"row 0 has 2 'assistant_masks' values for its 4"),
+    ("labels_short", [{"input_ids": IDS[0], "labels": [-100, 6, 7]}], {},
+     r"row 0 has 3 'labels' values for its 4 'input_ids'"),
     ("labels_value", [{"input_ids": IDS[0], "labels": [-1, 6, 7, 8]}], {},
      r"row 0's 'labels' holds -1: use -100 for tokens left out of the loss and the token id elsewhere"),
     ("padding", [{"input_ids": [5, 6, 0, 0], "attention_mask": [1, 1, 0, 0]}], {},
@@ -296,7 +306,8 @@ TOKENIZED_BAD = [
     ("completion_only_without_mask", [{"input_ids": ids} for ids in IDS], {"completion_only_loss": True},
      r"completion_only_loss is on \(asked for, or the default with prompt/completion columns\) but the tokenized rows "
      r"have no 'completion_mask' \(nor 'labels'\): add a completion_mask column"),
-    ("completion_only_by_default_without_mask", [{"input_ids": IDS[0], "prompt": "a", "completion": "b"}], {}, r"completion_only_loss is on"),
+    ("completion_only_by_default_without_mask", [{"input_ids": IDS[0], "prompt": "a", "completion": "b"}], {},
+     r"completion_only_loss is on"),
     ("assistant_only_loss", [{"input_ids": IDS[0], "assistant_masks": [0, 0, 1, 1]}], {"assistant_only_loss": True},
      r"is already tokenized \(it has 'input_ids'\) and assistant_only_loss needs conversations to find the assistant "
      r"turns: drop --assistant_only_loss \(an 'assistant_masks' column is applied without it\)"),

@@ -52,7 +52,8 @@ def documents(seq_len: int, min_fraction: int, *, tokens: int = 0, count: int = 
     """Text documents of the tiny corpus of about uniform lengths in [seq_len // min_fraction,
     seq_len] tokens with the EOS both trainers add (never more: no side truncates), ``count`` of
     them or until they hold ``tokens`` tokens; the same for every side that asks the same. (Text,
-    not token ids: posttrain's SFT refuses a pre-tokenized ``input_ids`` dataset, which TRL takes.)"""
+    not token ids: both sides also take a pre-tokenized ``input_ids`` dataset, tested equal to its
+    text in tests/test_sft.py, but the race times them on the path most users take.)"""
     from posttrain.demo import tiny
 
     tok = tiny.load_tokenizer()

@@ -3,9 +3,12 @@
 
 Formats: language modeling (``text``, or ``dataset_text_field``), conversational (``messages``, or
 ShareGPT's ``conversations`` of from/value, rendered with the chat template) and prompt-completion
-(``prompt``/``completion``, standard or conversational). Tokenization, the EOS rule, the completion
-and assistant masks and the ``labels`` column follow TRL step for step with TRL's own helpers
-(``_tokenize``, ``common_prefix_length``, ``pack_dataset``, ...). Written here rather than called
+(``prompt``/``completion``, standard or conversational), and already tokenized (an ``input_ids``
+column, with optional ``labels``, ``completion_mask``, ``assistant_masks``). Tokenization, the EOS
+rule, the completion and assistant masks and the ``labels`` column follow TRL step for step with
+TRL's own helpers (``_tokenize``, ``common_prefix_length``, ``pack_dataset``, ...); tokenized rows
+are checked first (ints within the vocabulary, one mask value per token), since TRL would fail on
+a bad one deep inside the model's forward, or train on it silently. Written here rather than called
 from TRL because TRL's is a method of its Trainer (it reads the trainer's tokenizer and flags and
 synchronises through ``global_then_local_main_first``), and because bad rows must end in one
 sentence that names the row and the fix. Batches are built by TRL's own
@@ -15,9 +18,12 @@ sentence that names the row and the fix. Batches are built by TRL's own
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from .dsconfig import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # The tiny default's chat template with TRL's {% generation %} markers around each assistant turn
 # (content and end-of-turn token; the role tag stays outside, as in TRL's training templates). It
@@ -29,6 +35,7 @@ TINY_TRAINING_CHAT_TEMPLATE = (
     "{{ message['content'] }}<|endoftext|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 TRUNCATION_MODES = ("keep_start", "keep_end", "none")
+MASK_COLUMNS = ("completion_mask", "assistant_masks")
 
 
 def as_dataset(data: Any) -> Any:
@@ -92,24 +99,154 @@ def _check_values(dataset: Any, columns: list[str], name: str) -> None:
                 raise ConfigError(f"{name}: row {index} has a missing or empty {column!r}; fill it in or drop the row")
 
 
+_INT_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def _holds_int_lists(feature: Any, bools: bool) -> bool:
+    from datasets import LargeList, List, Value
+
+    inner = getattr(feature, "feature", None)
+    allowed = _INT_TYPES + ("bool",) * bools + ("null",)  # "null": every list empty, refused by its length
+    return isinstance(feature, (List, LargeList)) and isinstance(inner, Value) and inner.dtype in allowed
+
+
+def _first_bad(column: Any, bad: Any) -> tuple[int, Any] | None:
+    """(row, value) of the first flattened value of a list column where the boolean array ``bad``
+    is true, or None; arrow compute throughout, so a large dataset is not copied."""
+    import pyarrow.compute as pc
+
+    if not pc.any(bad).as_py():
+        return None
+    at = pc.index(bad, True).as_py()
+    return pc.list_parent_indices(column)[at].as_py(), pc.list_flatten(column)[at].as_py()
+
+
+def _flat_values(column: Any, what: str, name: str) -> Any:
+    """A list column's values flattened (an arrow array), after refusing a null row or value."""
+    import pyarrow.compute as pc
+
+    if column.null_count:
+        raise ConfigError(f"{name}: row {pc.index(column.is_null(), True).as_py()} has no {what} (null): fill it "
+                          "in or drop the row")
+    flat = pc.list_flatten(column)
+    if flat.null_count:
+        row, _ = _first_bad(column, flat.is_null())
+        raise ConfigError(f"{name}: row {row}'s {what} holds a null: give every token a value, or drop the row")
+    return flat.cast("int64")
+
+
+def check_tokenized(dataset: Any, tokenizer: Any, *, completion_only_loss: bool, assistant_only_loss: bool,
+                    packing: bool, max_length: int | None, name: str = "dataset") -> None:
+    """Refuse, in one sentence naming the row and the fix, tokenized rows that TRL's SFTTrainer would
+    fail on inside the model (ids that are not ints or lie outside the vocabulary, a mask shorter
+    than its input_ids) or train on wrongly without a word (a longer mask, mask values other than
+    0/1, padding, completion_only_loss without a completion_mask, packed rows packed again or cut).
+    ``attention_mask`` is checked because TRL's collator drops it: padding it marks would be trained on."""
+    import pyarrow.compute as pc
+
+    columns = dataset.column_names
+    if assistant_only_loss:  # TRL refuses it too: a tokenized row is not conversational
+        raise ConfigError(f"{name} is already tokenized (it has 'input_ids') and assistant_only_loss needs "
+                          "conversations to find the assistant turns: drop --assistant_only_loss (an 'assistant_masks' "
+                          "column is applied without it)")
+    if completion_only_loss and "completion_mask" not in columns and "labels" not in columns:
+        raise ConfigError(f"{name}: completion_only_loss is on (asked for, or the default with prompt/completion "
+                          "columns) but the tokenized rows have no 'completion_mask' (nor 'labels'): add a completion_mask "
+                          "column (1 per completion token, 0 per prompt token), or set --completion_only_loss false to "
+                          "train on every token")
+    # The columns that shape the loss: labels as given, else the masks that apply (TRL's rule); unused ones
+    # are dropped unread, as TRL drops them.
+    used = ["labels"] if "labels" in columns else [c for c in MASK_COLUMNS if c in columns and (
+        c == "assistant_masks" or completion_only_loss)]
+    used += ["attention_mask"] * ("attention_mask" in columns)
+    present = ["input_ids", *used, *["seq_lengths"] * ("seq_lengths" in columns)]
+    for column in present:
+        if not _holds_int_lists(dataset.features[column], bools=column in (*MASK_COLUMNS, "attention_mask")):
+            what = "its token ids" if column == "input_ids" else f"its {column}, one per token"
+            raise ConfigError(f"{name}: {column!r} holds {dataset.features[column]}, not a list of integers per row: "
+                              f"give each row {what} as a list of ints")
+    table = dataset.select_columns(present).with_format("arrow")[:]
+    ids = table.column("input_ids").combine_chunks()
+    values = _flat_values(ids, "'input_ids'", name)
+    lengths = pc.list_value_length(ids)
+    if pc.any(pc.equal(lengths, 0)).as_py():
+        raise ConfigError(f"{name}: row {pc.index(lengths, 0).as_py()} has an empty 'input_ids': drop the row")
+    vocab = len(tokenizer)
+    bad = _first_bad(ids, pc.or_(pc.less(values, 0), pc.greater_equal(values, vocab)))
+    if bad:
+        raise ConfigError(f"{name}: row {bad[0]} has the token id {bad[1]} in 'input_ids', outside the tokenizer's "
+                          f"vocabulary (0 to {vocab - 1}): tokenize the data with this model's tokenizer, or give it as "
+                          "text")
+    for column in used:
+        col = table.column(column).combine_chunks()
+        got = _flat_values(col, repr(column), name)
+        n = pc.list_value_length(col)
+        if not pc.all(pc.equal(n, lengths)).as_py():
+            index = pc.index(pc.not_equal(n, lengths), True).as_py()
+            raise ConfigError(f"{name}: row {index} has {n[index]} {column!r} values for its {lengths[index]} "
+                              f"'input_ids': give one {column} value per token")
+        if column == "labels":
+            wrong = pc.and_(pc.not_equal(got, -100), pc.or_(pc.less(got, 0), pc.greater_equal(got, vocab)))
+            fix = "use -100 for tokens left out of the loss and the token id elsewhere"
+        elif column == "attention_mask":
+            wrong = pc.not_equal(got, 1)
+            fix = ("SFT pads each batch itself and would train on this padding: strip the padding from its "
+                   "input_ids (and drop the attention_mask column)")
+        else:
+            wrong = pc.and_(pc.not_equal(got, 0), pc.not_equal(got, 1))
+            fix = "use 1 for tokens trained on and 0 for the others"
+        bad = _first_bad(col, wrong)
+        if bad:
+            raise ConfigError(f"{name}: row {bad[0]}'s {column!r} holds {bad[1]:d}: {fix}")
+    if "seq_lengths" in columns:  # rows packed already (TRL's packed format)
+        if packing:
+            raise ConfigError(f"{name} is already packed (it has 'seq_lengths'): set --packing false")
+        for index, (parts, n) in enumerate(zip(table.column("seq_lengths").to_pylist(), lengths.to_pylist())):
+            if not parts or None in parts or min(parts) <= 0 or sum(parts) != n:
+                raise ConfigError(f"{name}: row {index}'s 'seq_lengths' {parts} do not split its {n} tokens: give "
+                                  "the length of each sequence packed into the row")
+            if max_length is not None and n > max_length:
+                raise ConfigError(f"{name}: row {index} is packed (it has 'seq_lengths') and has {n} tokens, more "
+                                  f"than max_length={max_length}, which would cut it: raise --max_length or set it "
+                                  "to none")
+
+
 def prepare_sft_dataset(
     dataset: Any, tokenizer: Any, *, max_length: int | None, packing: bool, packing_strategy: str = "bfd",
     completion_only_loss: bool | None = None, assistant_only_loss: bool = False, text_field: str = "text",
     truncation_mode: str = "keep_start", chat_template: str | None = None, num_proc: int | None = None,
     name: str = "dataset",
 ) -> Any:
-    """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed by "bfd"), prepared as
-    TRL's SFTTrainer prepares it. ``chat_template``: the template assistant_only_loss renders with
+    """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed by "bfd", or given
+    packed), prepared as TRL's SFTTrainer prepares it. ``chat_template``: the template assistant_only_loss renders with
     (``training_chat_template``); ``truncation_mode`` "none" refuses rows longer than max_length."""
     from trl.data_utils import is_conversational, is_conversational_from_value, maybe_convert_to_chatml
 
     dataset = as_dataset(dataset)
     if len(dataset) == 0:
         raise ConfigError(f"{name} has no rows: give it at least one")
-    kind = dataset_kind(dataset, text_field, name)
     map_kwargs = {"num_proc": num_proc, "keep_in_memory": True}  # every rank maps alone, no shared cache files
-    if "input_ids" in dataset.column_names:  # already tokenized (TRL's rule): used as is
+    if completion_only_loss is None:  # TRL's default: on exactly for data with prompt and completion columns
+        completion_only_loss = "prompt" in dataset.column_names and "completion" in dataset.column_names
+        given = dataset.column_names
+        if not completion_only_loss and "completion_mask" in given and "labels" not in given:
+            logger.warning("%s: its 'completion_mask' column is not applied, completion_only_loss being off by "
+                           "default for data without prompt/completion columns (TRL's rule): set "
+                           "--completion_only_loss true to train on the completion tokens only", name)
+    if "input_ids" in dataset.column_names:  # already tokenized (TRL's rule): the tokens as given, no EOS added
+        check_tokenized(dataset, tokenizer, completion_only_loss=completion_only_loss,
+                        assistant_only_loss=assistant_only_loss, packing=packing, max_length=max_length, name=name)
+        if "labels" not in dataset.column_names:  # a labels column is used as is (TRL)
+            dataset = _labels_from_masks(dataset, completion_only_loss, map_kwargs)
+        kept = [c for c in ("input_ids", "labels", "seq_lengths") if c in dataset.column_names]  # TRL's signature
+        dataset = dataset.select_columns(kept)
         return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name)
+    if "prompt_ids" in dataset.column_names or "completion_ids" in dataset.column_names:
+        raise ConfigError(f"{name} has 'prompt_ids'/'completion_ids' but no 'input_ids', which SFT (as TRL) reads "
+                          "tokenized rows from: give each row input_ids = prompt_ids + completion_ids and a "
+                          "completion_mask (0 per prompt token, 1 per completion token), with "
+                          "--completion_only_loss true")
+    kind = dataset_kind(dataset, text_field, name)
     columns = {"prompt_completion": ["prompt", "completion"], "messages": None, "text": [text_field]}[kind]
     if columns is None:
         columns = ["messages" if "messages" in dataset.column_names else "conversations"]
@@ -124,8 +261,6 @@ def prepare_sft_dataset(
     if conversational and tokenizer.chat_template is None and chat_template is None:
         raise ConfigError(f"{name} is conversational but the tokenizer has no chat template: give one with "
                           "--chat_template_path FILE.jinja (or use a tokenizer that has one)")
-    if completion_only_loss is None:  # TRL's default: on exactly for prompt-completion data
-        completion_only_loss = kind == "prompt_completion"
     if not conversational:  # TRL adds EOS to standard text and completions
         eos = tokenizer.eos_token
 
@@ -139,11 +274,7 @@ def prepare_sft_dataset(
         fn_kwargs={"tokenizer": tokenizer, "kind": kind, "text_field": text_field, "name": name,
                    "assistant_only_loss": assistant_only_loss, "chat_template": chat_template},
     )
-    mask_columns = [c for c in ("completion_mask", "assistant_masks") if c in dataset.column_names
-                    and (c == "assistant_masks" or completion_only_loss)]
-    dataset = dataset.map(_build_labels, fn_kwargs={"mask_columns": mask_columns},
-                          remove_columns=[c for c in ("completion_mask", "assistant_masks") if c in dataset.column_names],
-                          **map_kwargs)
+    dataset = _labels_from_masks(dataset, completion_only_loss, map_kwargs)
     return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name)
 
 
@@ -185,6 +316,14 @@ def _build_labels(row: dict, mask_columns: list[str]) -> dict:
     """TRL's labels: the token where every applicable mask is 1, else -100."""
     masks = [row[c] for c in mask_columns]
     return {"labels": [t if all(bits) else -100 for t, *bits in zip(row["input_ids"], *masks)]}
+
+
+def _labels_from_masks(dataset: Any, completion_only_loss: bool, map_kwargs: dict) -> Any:
+    """TRL's ``labels`` column from the masks that apply (``assistant_masks`` always,
+    ``completion_mask`` under completion_only_loss); every mask column is dropped."""
+    masks = [c for c in MASK_COLUMNS if c in dataset.column_names]
+    applied = [c for c in masks if c == "assistant_masks" or completion_only_loss]
+    return dataset.map(_build_labels, fn_kwargs={"mask_columns": applied}, remove_columns=masks, **map_kwargs)
 
 
 def _finish(dataset: Any, max_length: int | None, packing: bool, strategy: str, truncation_mode: str,

@@ -52,6 +52,10 @@ def a(tmp_path_factory):
                                               root / "prompts.jsonl")
     paths["no_column"] = preference.write_jsonl([{"question": "a", "answer": "b"}],
                                                 root / "no_column.jsonl")
+    for name, rows in {"tokens_oov": [{"input_ids": [5, 6, 7]}, {"input_ids": [5, 600]}],
+                       "tokens_mask": [{"input_ids": [5, 6, 7], "completion_mask": [0, 1]}],
+                       "tokens": [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]}.items():
+        paths[name] = preference.write_jsonl(rows, root / f"{name}.jsonl")
     (root / "roles.yaml").write_text("role_configs:\n  reference: zero3_inferense\n")
     paths["role_yaml"] = root / "roles.yaml"
     return paths
@@ -102,6 +106,17 @@ CASES = [
     ("fewer rows than a batch", "dpo --output_dir {out} --model_name_or_path {sft} --dataset_name {conv}",
      "train_dataset has 1 usable rows, fewer than one global batch (8 per device x 1 processes): lower "
      "--per_device_train_batch_size or give more rows"),
+    ("sft tokenized ids outside the vocabulary", "sft --output_dir {out} --model_name_or_path {sft} --dataset_name "
+     "{tokens_oov}", "train_dataset: row 1 has the token id 600 in 'input_ids', outside the tokenizer's vocabulary (0 "
+     "to 546): tokenize the data with this model's tokenizer, or give it as text"),
+    ("sft completion_mask of the wrong length", "sft --output_dir {out} --model_name_or_path {sft} --dataset_name "
+     "{tokens_mask} --completion_only_loss true", "train_dataset: row 0 has 2 'completion_mask' values for its 3 "
+     "'input_ids': give one completion_mask value per token"),
+    ("sft completion_only_loss without a completion_mask", "sft --output_dir {out} --model_name_or_path {sft} "
+     "--dataset_name {tokens} --completion_only_loss true", "train_dataset: completion_only_loss is on (asked for, or "
+     "the default with prompt/completion columns) but the tokenized rows have no 'completion_mask' (nor 'labels'): add "
+     "a completion_mask column (1 per completion token, 0 per prompt token), or set --completion_only_loss false to "
+     "train on every token"),
     ("dpo loss type typo", "dpo --output_dir {out} --loss_type sigmod",
      "unknown loss_type 'sigmod': choose from " + ", ".join(LOSS_TYPES)),
     ("dataset path typo", "dpo --output_dir {out} --model_name_or_path {sft} --dataset_name {root}/prefs.jsonl",

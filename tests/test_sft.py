@@ -32,8 +32,55 @@ def conversational_prompt_completion_rows() -> list[dict]:
              "completion": [{"role": "assistant", "content": r["completion"]}]} for r in prompt_completion_rows()]
 
 
+def tokenized_rows(eos: bool = False) -> list[dict]:
+    """The text rows as token ids (TRL adds no EOS to tokenized rows: with ``eos`` it is written in)."""
+    tok = tokenizer()
+    return [{"input_ids": tok(r["text"] + tok.eos_token * eos)["input_ids"]} for r in text_rows()]
+
+
+def tokenized_prompt_completion_rows() -> list[dict]:
+    """The prompt-completion rows tokenized as TRL tokenizes them (EOS after the completion, which
+    starts where the prompt's ids and the whole row's diverge), the completion as a completion_mask."""
+    from trl.data_utils import common_prefix_length
+
+    tok = tokenizer()
+    rows = []
+    for r in prompt_completion_rows():
+        ids = tok(r["prompt"] + r["completion"] + tok.eos_token)["input_ids"]
+        n = common_prefix_length(tok(r["prompt"])["input_ids"], ids)
+        rows.append({"input_ids": ids, "completion_mask": [0] * n + [1] * (len(ids) - n)})
+    return rows
+
+
+def tokenized_labels_rows() -> list[dict]:
+    """Tokenized prompt-completion rows with their own labels (-100 on the prompt), and a mask
+    column beside them that labels override (TRL's rule)."""
+    return [{"input_ids": r["input_ids"],
+             "labels": [t if m else -100 for t, m in zip(r["input_ids"], r["completion_mask"])],
+             "completion_mask": [1] * len(r["input_ids"])} for r in tokenized_prompt_completion_rows()]
+
+
+def tokenized_messages_rows() -> list[dict]:
+    """Conversations tokenized with their assistant_masks (applied without assistant_only_loss)."""
+    tok = tokenizer()
+    out = []
+    for r in messages_rows():
+        enc = tok.apply_chat_template(r["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out.append({"input_ids": list(enc["input_ids"]), "assistant_masks": list(enc["assistant_masks"])})
+    return out
+
+
+def tokenized_packed_rows() -> list[dict]:
+    """Tokenized rows packed two by two already, with TRL's seq_lengths."""
+    rows = tokenized_prompt_completion_rows()
+    return [{"input_ids": a["input_ids"] + b["input_ids"], "seq_lengths": [len(a["input_ids"]), len(b["input_ids"])]}
+            for a, b in zip(rows[::2], rows[1::2])]
+
+
 DATA = {"text": text_rows, "prompt_completion": prompt_completion_rows, "messages": messages_rows,
-        "conv_prompt_completion": conversational_prompt_completion_rows}
+        "conv_prompt_completion": conversational_prompt_completion_rows, "tokenized": tokenized_rows,
+        "tokenized_prompt_completion": tokenized_prompt_completion_rows, "tokenized_labels": tokenized_labels_rows,
+        "tokenized_messages": tokenized_messages_rows, "tokenized_packed": tokenized_packed_rows}
 # (name, data, SFTConfig fields shared by TRL and posttrain)
 CASES = [
     ("text", "text", {}),
@@ -49,6 +96,19 @@ CASES = [
     ("conv_prompt_completion", "conv_prompt_completion", {}),
     ("conv_prompt_completion_assistant_only", "conv_prompt_completion", {"assistant_only_loss": True}),
     ("text_dft_truncated", "text", {"loss_type": "dft", "max_length": 8}),
+    # Pre-tokenized (an input_ids column): used as given, no EOS added.
+    ("tokenized", "tokenized", {}),
+    ("tokenized_keep_end", "tokenized", {"max_length": 8, "truncation_mode": "keep_end"}),
+    ("tokenized_completion_mask", "tokenized_prompt_completion", {"completion_only_loss": True}),
+    ("tokenized_completion_mask_by_default_unused", "tokenized_prompt_completion", {}),  # TRL's default
+    ("tokenized_completion_mask_packed", "tokenized_prompt_completion",
+     {"completion_only_loss": True, "packing": True, "max_length": 32}),
+    ("tokenized_completion_mask_padding_free", "tokenized_prompt_completion",
+     {"completion_only_loss": True, "padding_free": True, "max_length": None}),
+    ("tokenized_labels_truncated", "tokenized_labels", {"completion_only_loss": True, "max_length": 12}),
+    ("tokenized_assistant_masks_packed_wrapped", "tokenized_messages",
+     {"packing": True, "packing_strategy": "wrapped", "max_length": 24}),
+    ("tokenized_packed_already_padding_free", "tokenized_packed", {"padding_free": True, "max_length": None}),
 ]
 
 
@@ -66,7 +126,8 @@ def ours(name: str, data: str, fields: dict) -> dict:
     tok = tokenizer()
     rows = sft_data.prepare_sft_dataset(
         DATA[data](), tok, max_length=cfg.max_length, packing=cfg.packing, packing_strategy=cfg.packing_strategy,
-        completion_only_loss=cfg.completion_only_loss, assistant_only_loss=cfg.assistant_only_loss).to_list()
+        completion_only_loss=cfg.completion_only_loss, assistant_only_loss=cfg.assistant_only_loss,
+        truncation_mode=cfg.truncation_mode).to_list()
     padding_free = cfg.padding_free or (cfg.packing and cfg.packing_strategy != "wrapped")
     batch = sft_data.collator(tok, padding_free)(rows[:4])  # packed data may have fewer rows
     model = add_fused_head(AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32))
@@ -114,8 +175,16 @@ def test_loss_accuracy_and_gradients_equal_trl(name, data, fields, tmp_path):
         torch.testing.assert_close(g, b["grads"][n], atol=1e-5, rtol=1e-5, msg=n)
     labels = a["batch"]["labels"]
     assert (labels != -100).any() and a["loss"] > 0
-    if fields.get("assistant_only_loss") or data == "prompt_completion" and fields.get("completion_only_loss") is not False:
+    masked = (fields.get("assistant_only_loss")
+              or data == "prompt_completion" and fields.get("completion_only_loss") is not False
+              or data.startswith("tokenized_") and (fields.get("completion_only_loss")
+                                                     or data != "tokenized_prompt_completion"))
+    if masked:
         assert (labels == -100).sum() > labels.size(0)  # prompt tokens masked beyond the first
+    if data.startswith("tokenized") and not fields.get("packing"):  # the ids as given: no EOS added, none cut
+        given = [r["input_ids"] for r in DATA[data]()]
+        assert all(ids == given[i][: len(ids)] or ids == given[i][-len(ids):] for i, ids in
+                   enumerate(r["input_ids"] for r in a["rows"])) and len(a["rows"]) == len(given)
 
 
 def test_padding_free_equals_padded_loss():
@@ -138,6 +207,34 @@ def test_padding_free_equals_padded_loss():
     crossed = {**flat, "position_ids": torch.arange(flat["input_ids"].size(1))[None]}
     c = token_terms(model, crossed)
     assert abs((c["loss_sum"] - b["loss_sum"]).item()) > 1e-3
+
+
+@pytest.mark.parametrize("text,tokens,fields", [
+    (text_rows, lambda: tokenized_rows(eos=True), {}),
+    (text_rows, lambda: tokenized_rows(eos=True), {"packing": True, "max_length": 24}),
+    (prompt_completion_rows, tokenized_prompt_completion_rows, {"completion_only_loss": True}),
+    (prompt_completion_rows, tokenized_prompt_completion_rows, {"completion_only_loss": True, "max_length": 10}),
+], ids=["text", "text_packed", "prompt_completion", "prompt_completion_truncated"])
+def test_text_and_its_tokenized_form_give_the_same_loss(text, tokens, fields):
+    """A text dataset and the same rows already tokenized (with the EOS and completion mask that
+    tokenizing the text adds) prepare to the same rows and give the same loss; tokenized rows
+    without their EOS are left without it."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer()
+    model = add_fused_head(AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32))
+    kwargs = {"max_length": None, "packing": False, **fields}
+    a = sft_data.prepare_sft_dataset(text(), tok, **kwargs).to_list()
+    b = sft_data.prepare_sft_dataset(tokens(), tok, **kwargs).to_list()
+    assert a == b
+    padding_free = bool(fields.get("packing"))
+    ta = token_terms(model, sft_data.collator(tok, padding_free)(a[:4]))
+    tb = token_terms(model, sft_data.collator(tok, padding_free)(b[:4]))
+    assert ta["tokens"] == tb["tokens"] > 0
+    assert (ta["loss_sum"] / ta["tokens"]).item() == pytest.approx((tb["loss_sum"] / tb["tokens"]).item(), abs=1e-6)
+    bare = sft_data.prepare_sft_dataset(tokenized_rows(), tok, max_length=None, packing=False).to_list()
+    assert [r["input_ids"] for r in bare] == [r["input_ids"] for r in tokenized_rows()]
+    assert all(r["input_ids"][-1] != tok.eos_token_id for r in bare)
 
 
 # -- bad data: one sentence naming the fix --------------------------------------------------------
@@ -172,6 +269,92 @@ def test_empty_value_and_assistant_only_on_text():
                                      tokenizer(), max_length=8, packing=False)
     with pytest.raises(ConfigError, match="assistant_only_loss needs conversational data"):
         sft_data.prepare_sft_dataset(text_rows(), tokenizer(), max_length=8, packing=False, assistant_only_loss=True)
+
+
+IDS = [[5, 6, 7, 8], [9, 10]]
+# (id, rows, prepare_sft_dataset fields, the sentence's start after "dataset: " or "dataset ")
+TOKENIZED_BAD = [
+    ("strings", [{"input_ids": ["a", "b"]}], {},
+     r"'input_ids' holds List\(Value\('string'\)\), not a list of integers per "
+     r"row: give each row its token ids as a list of ints"),
+    ("floats", [{"input_ids": [1.5, 2.0]}], {},
+     r"'input_ids' holds List\(Value\('float64'\)\), not a list of integers"),
+    ("one_string", [{"input_ids": "5 6 7"}], {}, r"'input_ids' holds Value\('string'\), not a list of integers"),
+    ("nested", [{"input_ids": [[5, 6]]}], {}, r"'input_ids' holds List\(List\(Value\('int\d+'\)\)\), not a list"),
+    ("null_row", [{"input_ids": IDS[0]}, {"input_ids": None}], {},
+     r"row 1 has no 'input_ids' \(null\): fill it in or drop the row"),
+    ("empty_row", [{"input_ids": IDS[0]}, {"input_ids": []}], {}, r"row 1 has an empty 'input_ids': drop the row"),
+    ("id_past_vocab", [{"input_ids": IDS[0]}, {"input_ids": [5, 547]}], {},
+     r"row 1 has the token id 547 in 'input_ids', outside the tokenizer's vocabulary \(0 to 546\): tokenize the data "
+     r"with this model's tokenizer, or give it as text"),
+    ("negative_id", [{"input_ids": [5, -1]}], {},
+     r"row 0 has the token id -1 in 'input_ids', outside the tokenizer's vocabulary"),
+    ("mask_short", [{"input_ids": ids, "completion_mask": [0, 1]} for ids in IDS], {"completion_only_loss": True},
+     r"row 0 has 2 'completion_mask' values for its 4 'input_ids': give one completion_mask value per token"),
+    ("mask_long", [{"input_ids": ids, "completion_mask": [0, 1, 1, 1]} for ids in IDS], {"completion_only_loss": True},
+     r"row 1 has 4 'completion_mask' values for its 2 'input_ids'"),
+    ("mask_value", [{"input_ids": IDS[0], "completion_mask": [0, 2, 1, 1]}], {"completion_only_loss": True},
+     r"row 0's 'completion_mask' holds 2: use 1 for tokens trained on and 0 for the others"),
+    ("assistant_masks_short", [{"input_ids": IDS[0], "assistant_masks": [0, 1]}], {},
+     r"row 0 has 2 'assistant_masks' values for its 4"),
+    ("labels_short", [{"input_ids": IDS[0], "labels": [-100, 6, 7]}], {},
+     r"row 0 has 3 'labels' values for its 4 'input_ids'"),
+    ("labels_value", [{"input_ids": IDS[0], "labels": [-1, 6, 7, 8]}], {},
+     r"row 0's 'labels' holds -1: use -100 for tokens left out of the loss and the token id elsewhere"),
+    ("padding", [{"input_ids": [5, 6, 0, 0], "attention_mask": [1, 1, 0, 0]}], {},
+     r"row 0's 'attention_mask' holds 0: SFT pads each batch itself and would train on this padding: strip the padding"),
+    ("completion_only_without_mask", [{"input_ids": ids} for ids in IDS], {"completion_only_loss": True},
+     r"completion_only_loss is on \(asked for, or the default with prompt/completion columns\) but the tokenized rows "
+     r"have no 'completion_mask' \(nor 'labels'\): add a completion_mask column"),
+    ("completion_only_by_default_without_mask", [{"input_ids": IDS[0], "prompt": "a", "completion": "b"}], {},
+     r"completion_only_loss is on"),
+    ("assistant_only_loss", [{"input_ids": IDS[0], "assistant_masks": [0, 0, 1, 1]}], {"assistant_only_loss": True},
+     r"is already tokenized \(it has 'input_ids'\) and assistant_only_loss needs conversations to find the assistant "
+     r"turns: drop --assistant_only_loss \(an 'assistant_masks' column is applied without it\)"),
+    ("prompt_ids", [{"prompt_ids": [5, 6], "completion_ids": [7, 8]}], {},
+     r"has 'prompt_ids'/'completion_ids' but no 'input_ids', which SFT \(as TRL\) reads tokenized rows from: give each "
+     r"row input_ids = prompt_ids \+ completion_ids and a completion_mask"),
+    ("packed_again", [{"input_ids": IDS[0], "seq_lengths": [2, 2]}], {"packing": True, "max_length": 8},
+     r"is already packed \(it has 'seq_lengths'\): set --packing false"),
+    ("seq_lengths_sum", [{"input_ids": IDS[0], "seq_lengths": [2, 1]}], {},
+     r"row 0's 'seq_lengths' \[2, 1\] do not split its 4 tokens: give the length of each sequence packed into the row"),
+    ("packed_cut", [{"input_ids": IDS[0], "seq_lengths": [2, 2]}], {"max_length": 3},
+     r"row 0 is packed \(it has 'seq_lengths'\) and has 4 tokens, more than max_length=3, which would cut it"),
+]
+
+
+@pytest.mark.parametrize("case,rows,fields,message", TOKENIZED_BAD, ids=[c[0] for c in TOKENIZED_BAD])
+def test_bad_tokenized_rows(case, rows, fields, message):
+    kwargs = {"max_length": None, "packing": False, **fields}
+    with pytest.raises(ConfigError, match=r"^dataset:? " + message):
+        sft_data.prepare_sft_dataset(rows, tokenizer(), **kwargs)
+
+
+def test_good_tokenized_rows_pass_the_checks(caplog):
+    """What TRL takes and trains on correctly passes: bool masks, a labels column beside an unused
+    mask of another length (TRL reads labels only), an unused completion_mask, a full
+    attention_mask, rows packed already (TRL's seq_lengths)."""
+    tok = tokenizer()
+    ok = [
+        ([{"input_ids": IDS[0], "assistant_masks": [False, False, True, True]}], {}),
+        ([{"input_ids": IDS[0], "labels": [-100, 6, 7, 8], "completion_mask": [1]}], {"completion_only_loss": True}),
+        ([{"input_ids": IDS[0], "completion_mask": [1]}], {"completion_only_loss": False}),
+        ([{"input_ids": IDS[0], "attention_mask": [1, 1, 1, 1]}], {}),
+        ([{"input_ids": IDS[0], "seq_lengths": [3, 1]}], {"max_length": 4}),
+    ]
+    for rows, fields in ok:
+        out = sft_data.prepare_sft_dataset(rows, tok, **{"max_length": None, "packing": False, **fields}).to_list()
+        assert out[0]["input_ids"] == IDS[0]
+    assert out[0]["seq_lengths"] == [3, 1]
+    assert not caplog.records
+    # A completion_mask that TRL's default leaves unused (no prompt/completion columns) is named.
+    out = sft_data.prepare_sft_dataset([{"input_ids": IDS[0], "completion_mask": [0, 0, 1, 1]}], tok, max_length=None,
+                                       packing=False).to_list()
+    assert out[0]["labels"] == IDS[0]
+    assert [r.getMessage() for r in caplog.records] == [
+        "dataset: its 'completion_mask' column is not applied, completion_only_loss being off by default for data "
+        "without prompt/completion columns (TRL's rule): set --completion_only_loss true to train on the completion "
+        "tokens only"]
 
 
 def test_tiny_training_template_renders_as_the_default():

@@ -4,8 +4,9 @@ DeepSpeed plugin.
 With no model it trains the built-in tiny default (a randomly initialised tiny Llama) on the bundled
 corpus (one sentence a row, TRL's language-modelling format) under the demo settings
 (posttrain/scripts/demo/sft.yaml) and reports the held-out loss before and after. With
-``--model_name_or_path`` and ``--dataset_name`` (text, messages or prompt/completion; a hub name or
-a local json/jsonl/parquet/csv file) TRL's SFTConfig defaults apply, as in ``trl sft``.
+``--model_name_or_path`` and ``--dataset_name`` (text, messages, prompt/completion or tokenized
+``input_ids``; a hub name or a local json/jsonl/parquet/csv file) TRL's SFTConfig defaults apply, as
+in ``trl sft``.
 """
 
 from __future__ import annotations

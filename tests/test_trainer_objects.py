@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from posttrain.demo import tiny
+from posttrain.demo import synthetic, tiny
 from posttrain.dsconfig import ConfigError
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
@@ -26,7 +26,10 @@ def test_a_model_object_trains_as_its_path(tmp_path):
     path = tiny.sft_model_path()
     by_path = GRPOTrainer(config(tmp_path / "path", model_name_or_path=str(path))).train()
     model = AutoModelForCausalLM.from_pretrained(path)
-    trainer = GRPOTrainer(config(tmp_path / "object"), model=model, processing_class=tiny.load_tokenizer(path))
+    # The same bundled prompts as a datasets.Dataset (TRL's train_dataset).
+    prompts = Dataset.from_list([{"prompt": p} for p in synthetic.prompts(16, seed=42)])
+    trainer = GRPOTrainer(config(tmp_path / "object"), model=model, processing_class=tiny.load_tokenizer(path),
+                          train_dataset=prompts)
     by_object = trainer.train()
     for a, b in zip(by_path, by_object):
         for k in ("reward", "kl", "loss", "grad_norm"):
@@ -60,7 +63,6 @@ def test_a_run_after_one_that_destroyed_the_process_group(tmp_path):
 def test_dpo_takes_a_model_object(tmp_path):
     """DPO the same way: a policy object (the reference a copy of its initial weights) gives the
     losses of the same weights by path."""
-    from posttrain.demo import synthetic
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
     path, pairs = tiny.sft_model_path(), synthetic.preference_pairs(16, seed=3)
@@ -79,24 +81,26 @@ def losses(run, key="loss"):
 
 
 def test_sft_and_reward_take_model_objects(tmp_path):
-    """SFT (a causal LM) and the reward trainer (a one-logit classifier) given the model as an
-    object with its processing_class, the data as a datasets.Dataset: the losses of the same
-    weights by path; the trained engine wraps the object itself."""
-    from posttrain.demo import synthetic
+    """SFT (a causal LM, on a ZeRO-3 role: the object is partitioned when prepared) and the reward
+    trainer (a one-logit classifier) given the model as an object with its processing_class, the
+    data as a datasets.Dataset: the losses of the same weights by path; the trained engine wraps
+    the object itself."""
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
     settings = dict(per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, disable_tqdm=True, max_length=64)
     text = Dataset.from_list([{"text": line} for line in tiny.corpus()[:12]])
     path = tiny.model_path("causal")
-    by_path = SFTTrainer(SFTConfig(output_dir=str(tmp_path / "sft_path"), model_name_or_path=str(path), **settings),
-                         train_dataset=text).train()
+    zero3 = dict(role_configs={"policy": "zero3_train"})
+    by_path = SFTTrainer(SFTConfig(output_dir=str(tmp_path / "sft_path"), model_name_or_path=str(path), **settings,
+                                   **zero3), train_dataset=text).train()
     model = AutoModelForCausalLM.from_pretrained(path)
-    sft = SFTTrainer(SFTConfig(output_dir=str(tmp_path / "sft_object"), **settings), train_dataset=text, model=model,
-                     processing_class=tiny.load_tokenizer(path))
+    sft = SFTTrainer(SFTConfig(output_dir=str(tmp_path / "sft_object"), **settings, **zero3), train_dataset=text,
+                     model=model, processing_class=tiny.load_tokenizer(path))
     by_object = sft.train()
     assert losses(by_object) == pytest.approx(losses(by_path), abs=1e-6) and len(losses(by_path)) == 3
     assert losses(by_path)[-1] < losses(by_path)[0] and sft.session.unwrap("policy") is model
+    assert sft.session.zero_stage("policy") == 3 and all(hasattr(p, "ds_id") for p in model.parameters())
 
     pairs = Dataset.from_list(synthetic.preference_pairs(12, seed=3))
     path = tiny.reward_model_path()
@@ -125,7 +129,6 @@ def test_ppo_takes_its_models_and_prompts_as_objects(tmp_path):
     """PPO given the policy, reward and value models as objects (the reference a copy of the
     policy's initial weights) and the prompts as a datasets.Dataset: the run by paths, number for
     number. The reference, on a ZeRO-3 role of its own here, is the copy partitioned."""
-    from posttrain.demo import synthetic
     from posttrain.trainers.ppo import PPOTrainer
 
     policy, reward = tiny.sft_model_path(), tiny.reward_model_path()

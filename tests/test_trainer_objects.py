@@ -128,7 +128,9 @@ PPO_KEYS = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_a
 def test_ppo_takes_its_models_and_prompts_as_objects(tmp_path):
     """PPO given the policy, reward and value models as objects (the reference a copy of the
     policy's initial weights) and the prompts as a datasets.Dataset: the run by paths, number for
-    number. The reference, on a ZeRO-3 role of its own here, is the copy partitioned."""
+    number. The reference, on a ZeRO-3 role of its own here, is the copy partitioned. Without a
+    value model, the value model is a copy of the reward object, as by path it is the reward
+    model's weights loaded again."""
     from posttrain.trainers.ppo import PPOTrainer
 
     policy, reward = tiny.sft_model_path(), tiny.reward_model_path()
@@ -142,12 +144,22 @@ def test_ppo_takes_its_models_and_prompts_as_objects(tmp_path):
                          reward_model=AutoModelForSequenceClassification.from_pretrained(reward),
                          value_model=AutoModelForSequenceClassification.from_pretrained(reward, num_labels=1))
     by_object = trainer.train()
-    assert len(by_path) == len(by_object) == 2
-    for a, b in zip(by_path, by_object):
+    # No value model given: a copy of the reward object (which stays frozen as given).
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward)
+    before = {k: v.clone() for k, v in reward_model.state_dict().items()}
+    default_value = PPOTrainer(ppo_config(tmp_path / "copy"), train_dataset=prompts,
+                               model=AutoModelForCausalLM.from_pretrained(policy),
+                               processing_class=tiny.load_tokenizer(policy), reward_model=reward_model)
+    by_copy = default_value.train()
+    assert len(by_path) == len(by_object) == len(by_copy) == 2
+    for a, b, c in zip(by_path, by_object, by_copy):
         for k in PPO_KEYS:
             assert b[k] == pytest.approx(a[k], abs=1e-6, rel=1e-6), k
+            assert c[k] == pytest.approx(a[k], abs=1e-6, rel=1e-6), k
     assert by_object[1]["objective/kl"] != 0.0  # the reference did not train along
     assert trainer.session.unwrap("policy") is model and trainer.session.zero_stage("reference") == 3
+    assert default_value.session.unwrap("value") is not reward_model
+    assert all(torch.equal(v, reward_model.state_dict()[k]) for k, v in before.items())
 
 
 def test_distill_takes_student_and_teacher_objects(tmp_path):

@@ -22,6 +22,10 @@ def config(out, **kw):
     return GRPOConfig(output_dir=str(out), **{**settings, **kw})
 
 
+def losses(run, key="loss"):
+    return [r[key] for r in run if key in r]
+
+
 def test_a_model_object_trains_as_its_path(tmp_path):
     path = tiny.sft_model_path()
     by_path = GRPOTrainer(config(tmp_path / "path", model_name_or_path=str(path))).train()
@@ -71,13 +75,9 @@ def test_dpo_takes_a_model_object(tmp_path):
     by_path = DPOTrainer(DPOConfig(output_dir=str(tmp_path / "path"), model_name_or_path=str(path), **settings),
                          train_dataset=pairs).train()
     by_object = DPOTrainer(DPOConfig(output_dir=str(tmp_path / "object"), **settings), train_dataset=pairs,
-                           model=AutoModelForCausalLM.from_pretrained(path), tokenizer=tiny.load_tokenizer(path)).train()
-    losses = [[r["loss"] for r in run if "loss" in r] for run in (by_path, by_object)]
-    assert losses[1] == pytest.approx(losses[0], abs=1e-6) and losses[0][-1] < losses[0][0]
-
-
-def losses(run, key="loss"):
-    return [r[key] for r in run if key in r]
+                           model=AutoModelForCausalLM.from_pretrained(path),
+                           processing_class=tiny.load_tokenizer(path)).train()
+    assert losses(by_object) == pytest.approx(losses(by_path), abs=1e-6) and losses(by_path)[-1] < losses(by_path)[0]
 
 
 def test_sft_and_reward_take_model_objects(tmp_path):

@@ -13,6 +13,9 @@ themselves (names, calling convention, checks) are in :mod:`posttrain.reward_fun
     tokenizer has the policy's vocabulary (``shares_policy_ids``) it scores the policy's token
     ids directly; otherwise as above.
 
+  A model object (PPO's ``reward_model=``/``value_model=``) is read as its folder when it has
+  one, else on the policy's ids (:func:`scorer_input`).
+
   A combination that cannot be scored (no tokenizer and another vocabulary size, ids beyond the
   reward model's embedding) is refused with the fix, instead of scoring the wrong tokens or
   failing inside ``F.embedding``.
@@ -222,6 +225,32 @@ def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int 
         return RewardModelInput(path, shares_policy_ids=True, tokenizer=tokenizer, vocab_size=vocab_size)
     logger.info("reward model %s has its own tokenizer: completions are decoded and re-encoded with it", path)
     return RewardModelInput(path, shares_policy_ids=False, tokenizer=tokenizer, vocab_size=vocab_size)
+
+
+def scorer_input(source: Any, policy_tokenizer: Any, policy_vocab: int, what: str) -> RewardModelInput:
+    """How a reward or value model (a path or an object, PPO's) reads the policy's output. An
+    object is read as the folder it was loaded from when it has one (its tokenizer decides, as for
+    a path), else as TRL's PPOTrainer read one: on the policy's token ids, so its vocabulary must
+    have the policy's size."""
+    if not isinstance(source, torch.nn.Module):
+        return reward_model_input(source, policy_tokenizer, policy_vocab)
+    labels = getattr(source.config, "num_labels", None)
+    if labels != 1:
+        raise ConfigError(f"the {what} object has num_labels={labels}; it must give one score: build it with "
+                          "AutoModelForSequenceClassification(..., num_labels=1)")
+    folder = model_name(source)
+    if folder and Path(folder).is_dir():
+        return reward_model_input(folder, policy_tokenizer, policy_vocab)
+    vocab = source.config.get_text_config().vocab_size
+    if vocab != policy_vocab:
+        raise ConfigError(f"the {what} object has a vocabulary of {vocab} tokens and the policy {policy_vocab}: it "
+                          "reads the policy's token ids, so give one built on the policy's tokenizer")
+    return RewardModelInput(folder, shares_policy_ids=True, vocab_size=vocab)
+
+
+def model_name(source: Any) -> str:
+    """A model's path, or the folder an object was loaded from ("" when none)."""
+    return str(getattr(source, "name_or_path", "") or "") if isinstance(source, torch.nn.Module) else str(source)
 
 
 def reward_texts(prompts: list, completions: list[str], tokenizer: Any,

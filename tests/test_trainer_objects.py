@@ -184,8 +184,9 @@ def test_distill_takes_student_and_teacher_objects(tmp_path):
 
 
 def test_contradictions_are_refused_in_one_sentence(tmp_path):
-    """A model given twice, an object for two roles, a reward object without one score, and a
-    tokenizer under both names: one sentence each, before the output dir is touched."""
+    """A model given twice, an object for two roles, a reward object without one score, a value
+    object (built from a config, no folder) of another vocabulary, and a tokenizer under both
+    names: one sentence each, before the output dir is touched."""
     from posttrain.trainers.distill import DistillConfig, DistillTrainer
     from posttrain.trainers.ppo import PPOTrainer
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
@@ -205,6 +206,16 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
                    ref_model=AutoModelForCausalLM.from_pretrained(path))
     with pytest.raises(ConfigError, match=r"^model= and ref_model= are the same object: each role needs a model"):
         PPOTrainer(ppo_config(tmp_path / "a"), model=model, ref_model=model, processing_class=tok)
+    with pytest.raises(ConfigError, match=r"^the reward model object has num_labels=2; it must give one score"):
+        PPOTrainer(ppo_config(tmp_path / "a"), model=model, processing_class=tok,
+                   reward_model=AutoModelForCausalLM.from_pretrained(path))
+    config = tiny.model_config("reward")
+    config.vocab_size = len(tok) + 8
+    built = AutoModelForSequenceClassification.from_config(config)
+    with pytest.raises(ConfigError, match=rf"^the value model object has a vocabulary of {len(tok) + 8} tokens and "
+                                          rf"the policy {model.config.vocab_size}: it reads the policy's token ids"):
+        PPOTrainer(ppo_config(tmp_path / "a", reward_funcs=["posttrain.demo.synthetic:sentiment_reward"]),
+                   model=model, processing_class=tok, value_model=built)
     with pytest.raises(ConfigError, match=r"^a policy object needs its value model: pass value_model="):
         PPOTrainer(ppo_config(tmp_path / "a", reward_funcs=["posttrain.demo.synthetic:sentiment_reward"]),
                    model=model, processing_class=tok)

@@ -24,7 +24,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -244,31 +243,6 @@ def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) ->
     }
 
 
-def scorer_input(source: Any, policy_tokenizer: Any, policy_vocab: int, what: str) -> rewards.RewardModelInput:
-    """How a reward or value model (a path or an object) reads the policy's output. An object is
-    read as the folder it was loaded from when it has one (its tokenizer decides), else as TRL's
-    PPOTrainer took one: on the policy's token ids, which its vocabulary must have."""
-    if not isinstance(source, torch.nn.Module):
-        return rewards.reward_model_input(source, policy_tokenizer, policy_vocab)
-    labels = getattr(source.config, "num_labels", None)
-    if labels != 1:
-        raise ConfigError(f"the {what} object has num_labels={labels}; it must give one score per token: build it "
-                          "with AutoModelForSequenceClassification(..., num_labels=1)")
-    folder = _name(source)
-    if Path(folder).is_dir():
-        return rewards.reward_model_input(folder, policy_tokenizer, policy_vocab)
-    vocab = source.config.get_text_config().vocab_size
-    if vocab != policy_vocab:
-        raise ConfigError(f"the {what} object has a vocabulary of {vocab} tokens and the policy {policy_vocab}: it "
-                          "reads the policy's token ids, so give one built on the policy's tokenizer")
-    return rewards.RewardModelInput(folder, shares_policy_ids=True, vocab_size=vocab)
-
-
-def _name(source: Any) -> str:
-    """A model's path, or the folder an object was loaded from ("" when none)."""
-    return str(getattr(source, "name_or_path", "") or "") if isinstance(source, torch.nn.Module) else str(source)
-
-
 def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
     from trl.trainer.utils import disable_dropout_in_model
 
@@ -327,7 +301,7 @@ class PPOTrainer(Trainer):
         policy_vocab = model_config(policy_given).get_text_config().vocab_size
         self.reward_input = None
         if reward_given is not None:
-            self.reward_input = scorer_input(reward_given, self.tokenizer, policy_vocab, "reward model")
+            self.reward_input = rewards.scorer_input(reward_given, self.tokenizer, policy_vocab, "reward model")
         # The value model scores every token of the policy's ids, so it needs the policy's vocabulary:
         # the default is the reward model when it has it, else the policy's own backbone.
         value_given = given_once(value_model, cfg.value_model_path, "value model", "value_model", "value_model_path")
@@ -339,8 +313,8 @@ class PPOTrainer(Trainer):
                                       "classification model with num_labels=1, as TRL's PPOTrainer takes it) or "
                                       "value_model_path")
                 value_given = copy.deepcopy(value_given)  # the value model trains; the reward model stays as given
-        elif not scorer_input(value_given, self.tokenizer, policy_vocab, "value model").shares_policy_ids:
-            raise ConfigError(f"value model {_name(value_given)} has another vocabulary than the policy's, but it "
+        elif not rewards.scorer_input(value_given, self.tokenizer, policy_vocab, "value model").shares_policy_ids:
+            raise ConfigError(f"value model {rewards.model_name(value_given)} has another vocabulary than the policy's, but it "
                               "reads the policy's token ids: give value_model_path a model with the policy's "
                               "tokenizer (or leave it unset to start from the policy)")
         self.raw_prompts = [row["prompt"] for row in load_prompt_rows(cfg, train_dataset)]

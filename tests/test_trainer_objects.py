@@ -175,12 +175,14 @@ def test_distill_takes_student_and_teacher_objects(tmp_path):
                     role_configs={"teacher": "zero3_inference"})
     by_path = DistillTrainer(DistillConfig(output_dir=str(tmp_path / "path"), model_name_or_path=str(student),
                                            teacher_model_name_or_path=str(teacher), **settings), rows).train()
-    by_object = DistillTrainer(DistillConfig(output_dir=str(tmp_path / "object"), **settings), rows,
-                               model=AutoModelForCausalLM.from_pretrained(student),
-                               teacher_model=AutoModelForCausalLM.from_pretrained(teacher),
-                               processing_class=tiny.load_tokenizer(student)).train()
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher)
+    trainer = DistillTrainer(DistillConfig(output_dir=str(tmp_path / "object"), **settings), rows,
+                             model=AutoModelForCausalLM.from_pretrained(student), teacher_model=teacher_model,
+                             processing_class=tiny.load_tokenizer(student))
+    by_object = trainer.train()
     assert losses(by_object) == pytest.approx(losses(by_path), abs=1e-6) and len(losses(by_path)) == 3
     assert losses(by_path)[-1] < losses(by_path)[0]
+    assert trainer.session.unwrap("teacher") is teacher_model and trainer.session.zero_stage("teacher") == 3
 
 
 def test_contradictions_are_refused_in_one_sentence(tmp_path):

@@ -27,19 +27,25 @@ def losses(run, key="loss"):
 
 
 def test_a_model_object_trains_as_its_path(tmp_path):
-    path = tiny.sft_model_path()
-    by_path = GRPOTrainer(config(tmp_path / "path", model_name_or_path=str(path))).train()
+    """GRPO given the policy, and a reward model among reward_funcs (with its tokenizer in
+    reward_processing_classes, TRL's way), as objects: the run by paths."""
+    path, reward = tiny.sft_model_path(), tiny.reward_model_path()
+    by_path = GRPOTrainer(config(tmp_path / "path", model_name_or_path=str(path),
+                                 reward_funcs=[str(reward), "posttrain.demo.synthetic:sentiment_reward"])).train()
     model = AutoModelForCausalLM.from_pretrained(path)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward)
     # The same bundled prompts as a datasets.Dataset (TRL's train_dataset).
     prompts = Dataset.from_list([{"prompt": p} for p in synthetic.prompts(16, seed=42)])
     trainer = GRPOTrainer(config(tmp_path / "object"), model=model, processing_class=tiny.load_tokenizer(path),
-                          train_dataset=prompts)
+                          train_dataset=prompts, reward_funcs=[reward_model],
+                          reward_processing_classes=[tiny.load_tokenizer(reward)])
     by_object = trainer.train()
+    name = f"rewards/{reward.name}/mean"
     for a, b in zip(by_path, by_object):
-        for k in ("reward", "kl", "loss", "grad_norm"):
+        for k in ("reward", "kl", "loss", "grad_norm", name):
             assert b[k] == pytest.approx(a[k], abs=1e-6, rel=1e-6), k
     assert by_object[1]["kl"] > 0  # the reference (a copy of the initial weights) did not train along
-    assert trainer.session.unwrap("policy") is model
+    assert trainer.session.unwrap("policy") is model and trainer.session.unwrap("reward") is reward_model
 
 
 def test_the_policy_given_twice_or_without_its_tokenizer_is_refused(tmp_path):
@@ -211,9 +217,9 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
     with pytest.raises(ConfigError, match=r"^the reward model object has num_labels=2; it must give one score"):
         PPOTrainer(ppo_config(tmp_path / "a"), model=model, processing_class=tok,
                    reward_model=AutoModelForCausalLM.from_pretrained(path))
-    config = tiny.model_config("reward")
-    config.vocab_size = len(tok) + 8
-    built = AutoModelForSequenceClassification.from_config(config)
+    other_vocab = tiny.model_config("reward")
+    other_vocab.vocab_size = len(tok) + 8
+    built = AutoModelForSequenceClassification.from_config(other_vocab)
     with pytest.raises(ConfigError, match=rf"^the value model object has a vocabulary of {len(tok) + 8} tokens and "
                                           rf"the policy {model.config.vocab_size}: it reads the policy's token ids"):
         PPOTrainer(ppo_config(tmp_path / "a", reward_funcs=["posttrain.demo.synthetic:sentiment_reward"]),
@@ -224,4 +230,7 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
     with pytest.raises(ConfigError, match=r"^the teacher is given twice \(teacher_model= and teacher_model_name_or_path\)"):
         DistillTrainer(DistillConfig(output_dir=str(tmp_path / "a"), teacher_model_name_or_path=str(path)),
                        [{"prompt": "a", "completion": "b"}], teacher_model=model)
+    with pytest.raises(ConfigError, match=r"^reward_processing_classes has 2 entries for 1 reward_funcs: give one per"):
+        GRPOTrainer(config(tmp_path / "a"), reward_funcs=[AutoModelForSequenceClassification.from_pretrained(
+            tiny.reward_model_path())], reward_processing_classes=[tok, tok])
     assert not (tmp_path / "a").exists()

@@ -252,7 +252,7 @@ class GRPOTrainer(RewardSources, Trainer):
 
     def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None,
                  peft_config: Any = None, *, model: Any = None, processing_class: Any = None,
-                 train_dataset: Any = None) -> None:
+                 train_dataset: Any = None, reward_processing_classes: Any = None) -> None:
         from ..rollout import Rollout, SamplingParams
 
         self.cfg = cfg
@@ -272,7 +272,7 @@ class GRPOTrainer(RewardSources, Trainer):
                               "tokenizer.eos_token) and save it with the model")
         self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
 
-        self.resolve_rewards(reward_funcs, tiny_default=model is None and cfg.model_name_or_path is None)
+        self.resolve_rewards(reward_funcs, model is None and cfg.model_name_or_path is None, reward_processing_classes)
 
         # The prompts: train_dataset (TRL's name: a datasets.Dataset or rows), train_rows (as given),
         # else the config's dataset_name or the bundled prompts.

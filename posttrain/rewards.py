@@ -258,6 +258,9 @@ def scorer_input(source: Any, policy_tokenizer: Any, policy_vocab: int, what: st
                           + ("pass the tokenizer it reads with in reward_processing_classes" if reencode else
                              "it reads the policy's token ids, so give one built on the policy's tokenizer"))
     if reencode:
+        logger.warning("the %s object %s has no tokenizer given and no folder of its own; its vocabulary has the "
+                       "policy's size (%d), so completions are re-encoded with the policy's tokenizer. Pass its "
+                       "tokenizer in reward_processing_classes to be sure.", what, name or type(source).__name__, vocab)
         return RewardModelInput(name, shares_policy_ids=False, tokenizer=policy_tokenizer, vocab_size=vocab)
     return RewardModelInput(name, shares_policy_ids=True, vocab_size=vocab)
 

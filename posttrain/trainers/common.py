@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -243,6 +244,9 @@ def policy_source(cfg: Any, model: Any, processing_class: Any,
     model = given_once(model, cfg.model_name_or_path, what, "model", "model_name_or_path")
     if isinstance(model, torch.nn.Module):
         name = str(getattr(model, "name_or_path", "") or "")
+        if getattr(cfg, "model_init_kwargs", None):  # TRL warns the same way
+            logging.getLogger(__name__).warning("model_init_kwargs is set but the %s is already built (model=): "
+                                                "model_init_kwargs is ignored", what)
         if processing_class is None:
             if not (name and Path(name).is_dir()):
                 raise ConfigError("a model object needs its tokenizer: pass processing_class=")

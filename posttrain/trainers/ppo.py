@@ -312,7 +312,9 @@ class PPOTrainer(Trainer):
                     raise ConfigError("a policy object needs its value model: pass value_model= (a sequence-"
                                       "classification model with num_labels=1, as TRL's PPOTrainer takes it) or "
                                       "value_model_path")
-                value_given = copy.deepcopy(value_given)  # the value model trains; the reward model stays as given
+                # The value model trains from the reward model's weights, as a fresh load by path
+                # would; the reward object stays as given (frozen).
+                value_given = copy.deepcopy(value_given).requires_grad_(True)
         elif not rewards.scorer_input(value_given, self.tokenizer, policy_vocab, "value model").shares_policy_ids:
             raise ConfigError(f"value model {rewards.model_name(value_given)} has another vocabulary than the policy's, but it "
                               "reads the policy's token ids: give value_model_path a model with the policy's "

@@ -13,6 +13,9 @@ themselves (names, calling convention, checks) are in :mod:`posttrain.reward_fun
     tokenizer has the policy's vocabulary (``shares_policy_ids``) it scores the policy's token
     ids directly; otherwise as above.
 
+  A model object (PPO's ``reward_model=``/``value_model=``, GRPO's among ``reward_funcs``) is
+  read with its given tokenizer, else as its folder when it has one (:func:`scorer_input`).
+
   A combination that cannot be scored (no tokenizer and another vocabulary size, ids beyond the
   reward model's embedding) is refused with the fix, instead of scoring the wrong tokens or
   failing inside ``F.embedding``.
@@ -222,6 +225,49 @@ def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int 
         return RewardModelInput(path, shares_policy_ids=True, tokenizer=tokenizer, vocab_size=vocab_size)
     logger.info("reward model %s has its own tokenizer: completions are decoded and re-encoded with it", path)
     return RewardModelInput(path, shares_policy_ids=False, tokenizer=tokenizer, vocab_size=vocab_size)
+
+
+def scorer_input(source: Any, policy_tokenizer: Any, policy_vocab: int, what: str, reencode: bool = False,
+                 tokenizer: Any = None) -> RewardModelInput:
+    """How a reward or value model, a path or an object (PPO's ``reward_model=``/``value_model=``,
+    GRPO's reward models among ``reward_funcs``), reads the policy's output, as
+    :func:`reward_model_input` decides for a path. An object reads with ``tokenizer`` when given
+    (TRL's ``reward_processing_classes``), else as the folder it was loaded from when it has one,
+    else as if saved without a tokenizer: on the policy's ids (TRL's PPOTrainer) or, with
+    ``reencode``, text re-encoded with the policy's tokenizer, so its vocabulary must have the
+    policy's size."""
+    if not isinstance(source, torch.nn.Module):
+        return reward_model_input(source, policy_tokenizer, policy_vocab, reencode)
+    labels = getattr(source.config, "num_labels", None)
+    if labels != 1:
+        raise ConfigError(f"the {what} object has num_labels={labels}; it must give one score: build it with "
+                          "AutoModelForSequenceClassification(..., num_labels=1)")
+    name = model_name(source)
+    vocab = int(source.config.get_text_config().vocab_size)
+    if tokenizer is not None:
+        if len(tokenizer) > vocab:
+            raise ConfigError(f"the {what} object's tokenizer has {len(tokenizer)} tokens but its embedding only "
+                              f"{vocab} rows: give the tokenizer it was trained with")
+        if tokenizer.pad_token_id is None:  # TRL's default
+            tokenizer.pad_token = tokenizer.eos_token
+        return RewardModelInput(name, shares_policy_ids=False, tokenizer=tokenizer, vocab_size=vocab)
+    if name and Path(name).is_dir():
+        return reward_model_input(name, policy_tokenizer, policy_vocab, reencode)
+    if vocab != policy_vocab:
+        raise ConfigError(f"the {what} object has a vocabulary of {vocab} tokens and the policy {policy_vocab}: "
+                          + ("pass the tokenizer it reads with in reward_processing_classes" if reencode else
+                             "it reads the policy's token ids, so give one built on the policy's tokenizer"))
+    if reencode:
+        logger.warning("the %s object %s has no tokenizer given and no folder of its own; its vocabulary has the "
+                       "policy's size (%d), so completions are re-encoded with the policy's tokenizer. Pass its "
+                       "tokenizer in reward_processing_classes to be sure.", what, name or type(source).__name__, vocab)
+        return RewardModelInput(name, shares_policy_ids=False, tokenizer=policy_tokenizer, vocab_size=vocab)
+    return RewardModelInput(name, shares_policy_ids=True, vocab_size=vocab)
+
+
+def model_name(source: Any) -> str:
+    """A model's path, or the folder an object was loaded from ("" when none)."""
+    return str(getattr(source, "name_or_path", "") or "") if isinstance(source, torch.nn.Module) else str(source)
 
 
 def reward_texts(prompts: list, completions: list[str], tokenizer: Any,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -206,30 +207,70 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
     )
 
 
+def given_once(obj: Any, path: Any, what: str, arg: str, field: str) -> Any:
+    """A model a trainer takes either as an object (``arg=``) or by its config's ``field``; both
+    given is one sentence. Returns the one given (None when neither is)."""
+    if obj is not None and path is not None:
+        raise ConfigError(f"the {what} is given twice ({arg}= and {field}): give one of them")
+    return obj if obj is not None else path
+
+
+def one_tokenizer(processing_class: Any, tokenizer: Any) -> Any:
+    """The tokenizer under TRL's name (``processing_class=``) or this trainer's earlier one
+    (``tokenizer=``); both is one sentence."""
+    return given_once(processing_class, tokenizer, "tokenizer", "processing_class", "tokenizer=")
+
+
+def distinct_objects(**models: Any) -> None:
+    """Each role needs a model of its own: one object given for two roles would be trained and
+    frozen (or trained twice) at once, as TRL refuses ``ref_model is model``."""
+    seen: dict[int, str] = {}
+    for name, model in models.items():
+        if isinstance(model, torch.nn.Module):
+            if id(model) in seen:
+                raise ConfigError(f"{seen[id(model)]}= and {name}= are the same object: each role needs a model of "
+                                  f"its own, so pass a copy (copy.deepcopy) or leave {name} unset")
+            seen[id(model)] = name
+
+
 def policy_source(cfg: Any, model: Any, processing_class: Any,
-                  load_tokenizer: Callable[[str], Any] | None = None) -> tuple[Any, Any, str]:
+                  load_tokenizer: Callable[[str], Any] | None = None, *,
+                  default: Callable[[], Any] | None = None, what: str = "policy") -> tuple[Any, Any, str]:
     """The policy as a trainer was given it, as TRL's trainers take it: a model object or a hub
-    name / local path (``model``, else ``cfg.model_name_or_path``, else the tiny default); returns
-    it, its tokenizer (``processing_class``, else ``load_tokenizer`` of the path) and its name."""
+    name / local path (``model``, else ``cfg.model_name_or_path``, else ``default()``, the tiny
+    default's SFT policy unless given); returns it, its tokenizer (``processing_class``, else
+    ``load_tokenizer`` of the path) and its name. ``what`` names the model in refusals."""
     load_tokenizer = load_tokenizer or tiny.load_tokenizer
-    if model is not None and cfg.model_name_or_path is not None:
-        raise ConfigError("the policy is given twice (model= and model_name_or_path): give one of them")
+    model = given_once(model, cfg.model_name_or_path, what, "model", "model_name_or_path")
     if isinstance(model, torch.nn.Module):
         name = str(getattr(model, "name_or_path", "") or "")
+        if getattr(cfg, "model_init_kwargs", None):  # TRL warns the same way
+            logging.getLogger(__name__).warning("model_init_kwargs is set but the %s is already built (model=): "
+                                                "model_init_kwargs is ignored", what)
         if processing_class is None:
             if not (name and Path(name).is_dir()):
                 raise ConfigError("a model object needs its tokenizer: pass processing_class=")
             processing_class = load_tokenizer(name)
         return model, processing_class, name or type(model).__name__
-    path = str(model or cfg.model_name_or_path or tiny.sft_model_path())
+    path = str(model or (default or tiny.sft_model_path)())
     return path, processing_class or load_tokenizer(path), path
 
 
-def reference_source(ref_model_name_or_path: str | None, policy: Any) -> Any:
-    """The reference model's source: its own path, else the policy's initial weights (the policy's
-    path loaded again, or a copy of a given policy object, taken before it trains or takes adapters)."""
-    if ref_model_name_or_path:
-        return ref_model_name_or_path
+def model_config(source: Any) -> Any:
+    """A model's config, from the object itself or read from its path (nothing loads)."""
+    if isinstance(source, torch.nn.Module):
+        return source.config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source)
+
+
+def reference_source(ref_model: Any, policy: Any) -> Any:
+    """The reference model's source: its own object or path, else the policy's initial weights (the
+    policy's path loaded again, or a copy of a given policy object, taken before it trains or takes
+    adapters)."""
+    if isinstance(ref_model, torch.nn.Module) or ref_model:
+        return ref_model
     return copy.deepcopy(policy) if isinstance(policy, torch.nn.Module) else policy
 
 

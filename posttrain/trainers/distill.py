@@ -30,9 +30,14 @@ from ..lora import LoraFields, add_adapters, lora_config
 from .common import (
     Phases,
     TrainConfig,
+    distinct_objects,
+    given_once,
     make_session,
     mix_seed,
+    model_config,
+    one_tokenizer,
     optimizer_and_scheduler,
+    policy_source,
     rank_batches,
     seed_everything,
     sum_over_ranks,
@@ -145,9 +150,14 @@ def completion_batch(
 
 
 class DistillTrainer(Trainer):
-    """Distil ``teacher_model_name_or_path`` into the student on ``{"prompt", "completion"}`` rows.
+    """Distil the teacher into the student on ``{"prompt", "completion"}`` rows (a list of dicts
+    or a ``datasets.Dataset``). Each model is the config's path or, with GKDTrainer's names, an
+    object: ``model=`` the student (with its ``processing_class``; ``tokenizer=`` is that one's
+    earlier name) and ``teacher_model=``.
 
     >>> trainer = DistillTrainer(DistillConfig(teacher_model_name_or_path="big"), train_rows, eval_rows)
+    >>> trainer = DistillTrainer(DistillConfig(), train_rows, model=student, teacher_model=teacher,
+    ...                          processing_class=tokenizer)
     >>> trainer.train()
     """
 
@@ -159,12 +169,19 @@ class DistillTrainer(Trainer):
     def __init__(
         self,
         cfg: DistillConfig,
-        train_dataset: list[dict[str, str]],
-        eval_dataset: list[dict[str, str]] | None = None,
+        train_dataset: Any,
+        eval_dataset: Any = None,
         tokenizer: Any = None,
+        *,
+        model: Any = None,
+        teacher_model: Any = None,
+        processing_class: Any = None,
     ) -> None:
-        if not cfg.teacher_model_name_or_path:
-            raise ConfigError("distillation needs a teacher: set teacher_model_name_or_path")
+        distinct_objects(model=model, teacher_model=teacher_model)
+        self.teacher_source = given_once(teacher_model, cfg.teacher_model_name_or_path or None, "teacher", "teacher_model",
+                                         "teacher_model_name_or_path")
+        if self.teacher_source is None:
+            raise ConfigError("distillation needs a teacher: set teacher_model_name_or_path (or pass teacher_model=)")
         for rows, what in ((train_dataset, "train_dataset"), (eval_dataset or [], "eval_dataset")):
             if rows and not {"prompt", "completion"} <= set(rows[0]):
                 raise ConfigError(f"{what} rows need 'prompt' and 'completion' (TRL's prompt-completion format)")
@@ -173,8 +190,9 @@ class DistillTrainer(Trainer):
                                   "conversational rows first (tokenizer.apply_chat_template(..., tokenize=False))")
         self.cfg = cfg
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.student_path = cfg.model_name_or_path or str(tiny.model_path())
-        self.tokenizer = tokenizer or tiny.load_tokenizer(self.student_path)
+        # The student: an object (with its tokenizer) or a path; none given: posttrain's tiny default.
+        self.student_source, self.tokenizer, self.student_path = policy_source(
+            cfg, model, one_tokenizer(processing_class, tokenizer), default=tiny.model_path, what="student")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.session = None
@@ -192,15 +210,12 @@ class DistillTrainer(Trainer):
 
     def setup(self) -> None:
         """Check the vocabularies, then load and prepare both models under their roles."""
-        from transformers import AutoConfig
-
         cfg = self.cfg
-        check_vocabularies(AutoConfig.from_pretrained(self.student_path),
-                           AutoConfig.from_pretrained(cfg.teacher_model_name_or_path))
+        check_vocabularies(model_config(self.student_source), model_config(self.teacher_source))
         seed_everything(cfg.seed)
         self.total_steps = self.count_steps()
         s = self.session = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps)
-        student = s.load("student", self.student_path)
+        student = s.load("student", self.student_source)
         peft_config = lora_config(cfg)
         if peft_config is not None:
             student = add_adapters(student, peft_config, s, "student")
@@ -210,7 +225,7 @@ class DistillTrainer(Trainer):
             disable_dropout_in_model(student)
         opt, sched = optimizer_and_scheduler(student, cfg, self.total_steps)
         self.student = s.prepare("student", student, opt, sched)
-        self.teacher = s.prepare("teacher", s.load("teacher", cfg.teacher_model_name_or_path))
+        self.teacher = s.prepare("teacher", s.load("teacher", self.teacher_source))
         self.phases = Phases()
         self._batches = None  # the data order, from the step the run starts at
 

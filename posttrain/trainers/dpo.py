@@ -23,6 +23,7 @@ from .common import (
     TrainConfig,
     enable_gradient_checkpointing,
     make_session,
+    one_tokenizer,
     optimizer_and_scheduler,
     policy_source,
     reference_source,
@@ -268,13 +269,14 @@ class DPOTrainer(Trainer):
     evaluates = True
 
     def __init__(self, args: DPOConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
-                 peft_config: Any = None, *, model: Any = None) -> None:
+                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None) -> None:
         self.cfg = cfg = args
         validate(cfg)
         seed_everything(cfg.seed)
         # The policy: a model object (with its tokenizer) or a path, as TRL's trainers take it; no
         # model given: the built-in tiny default, fine-tuned on its corpus.
-        policy, self.tokenizer, _ = policy_source(cfg, model, tokenizer, lambda path: _load_tokenizer(path, cfg))
+        policy, self.tokenizer, _ = policy_source(cfg, model, one_tokenizer(processing_class, tokenizer),
+                                                  lambda path: _load_tokenizer(path, cfg))
         self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         frozen = [] if self.peft_config is not None else list(self.roles["frozen"])

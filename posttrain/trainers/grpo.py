@@ -49,6 +49,7 @@ from .common import (
     enable_gradient_checkpointing,
     epoch_order,
     gather_ranks,
+    given_once,
     make_session,
     mean_over_ranks,
     mix_seed,
@@ -250,7 +251,8 @@ class GRPOTrainer(RewardSources, Trainer):
         return self.cfg.beta != 0.0 and self.peft_config is None
 
     def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None,
-                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None) -> None:
+                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None,
+                 train_dataset: Any = None, reward_processing_classes: Any = None) -> None:
         from ..rollout import Rollout, SamplingParams
 
         self.cfg = cfg
@@ -270,9 +272,12 @@ class GRPOTrainer(RewardSources, Trainer):
                               "tokenizer.eos_token) and save it with the model")
         self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
 
-        self.resolve_rewards(reward_funcs, tiny_default=model is None and cfg.model_name_or_path is None)
+        self.resolve_rewards(reward_funcs, model is None and cfg.model_name_or_path is None, reward_processing_classes)
 
-        self.rows = train_rows if train_rows is not None else load_prompt_rows(cfg)
+        # The prompts: train_dataset (TRL's name: a datasets.Dataset or rows), train_rows (as given),
+        # else the config's dataset_name or the bundled prompts.
+        given_once(train_rows, train_dataset, "prompt dataset", "train_rows", "train_dataset=")
+        self.rows = train_rows if train_rows is not None else load_prompt_rows(cfg, train_dataset)
         check_conversation(self.rows, ("prompt",), tok, cfg.dataset_name or "train_rows")
         self.check_reward_columns(self.rows)
         self.prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows]

@@ -18,7 +18,7 @@ from .online import mean_of_logged_metrics, raise_on_every_rank, weighted_reward
 
 class RewardSources:
     """The reward side of a GRPO trainer: ``sources`` (``("func", fn, name)`` or
-    ``("model", role, path)``, in the order ``reward_weights`` follows), ``reward_names`` (TRL's
+    ``("model", role, path or object)``, in the order ``reward_weights`` follows), ``reward_names`` (TRL's
     metric names), ``reward_inputs`` (how each reward model reads completions)."""
 
     cfg: Any
@@ -28,14 +28,18 @@ class RewardSources:
     reward_weights: torch.Tensor
     reward_names: list[str]
     reward_inputs: dict[str, Any]
+    reward_tokenizers: dict[str, Any]  # role -> the tokenizer given with a reward-model object
     _extra_columns: dict[str, list]
     _pending_metrics: dict[str, list[float]]
 
-    def resolve_rewards(self, reward_funcs: list | None, tiny_default: bool = True) -> None:
-        """Rewards in the order given: functions passed in code, the reward model flag, then
-        ``reward_funcs`` (names, "module.function" or reward-model paths), every spec resolved and
-        checked before anything loads or the output dir is touched; ``tiny_default``: the policy is
-        the tiny default, whose bundled reward applies when none is given."""
+    def resolve_rewards(self, reward_funcs: list | None, tiny_default: bool = True,
+                        processing_classes: Any = None) -> None:
+        """Rewards in the order given: functions and reward-model objects passed in code (TRL's
+        ``reward_funcs``, an object with its tokenizer from ``processing_classes``, TRL's
+        ``reward_processing_classes``), the reward model flag, then the config's ``reward_funcs``
+        (names, "module.function" or reward-model paths), every spec resolved and checked before
+        anything loads or the output dir is touched; ``tiny_default``: the policy is the tiny
+        default, whose bundled reward applies when none is given."""
         from .. import rewards
 
         cfg = self.cfg
@@ -45,8 +49,22 @@ class RewardSources:
                 raise ConfigError("GRPO needs a reward: set reward_funcs (one of TRL's reward names, "
                                   "\"module.function\", or a reward model's path)")
             names = [] if reward_funcs else ["posttrain.demo.synthetic:sentiment_reward"]
-        self.sources = [("func", f, rewards.func_name(f)) for f in reward_funcs or []]
+        given = list(reward_funcs or [])
+        if processing_classes is not None and not isinstance(processing_classes, list):
+            processing_classes = [processing_classes]
+        if processing_classes is not None and len(processing_classes) != len(given):
+            raise ConfigError(f"reward_processing_classes has {len(processing_classes)} entries for {len(given)} "
+                              "reward_funcs: give one per entry (None for a function)")
+        self.sources, self.reward_tokenizers = [], {}
         n_models = 0
+        for f, tok in zip(given, processing_classes or [None] * len(given)):
+            if isinstance(f, torch.nn.Module):  # a reward model object, a frozen role of its own
+                role = "reward" if not n_models else f"reward_{n_models}"
+                self.sources.append(("model", role, f))
+                self.reward_tokenizers[role] = tok
+                n_models += 1
+            else:
+                self.sources.append(("func", f, rewards.func_name(f)))
         for spec in rewards.resolve_reward_specs(names):
             if spec.is_model:
                 self.sources.append(("model", "reward" if not n_models else f"reward_{n_models}", spec.path))
@@ -57,7 +75,8 @@ class RewardSources:
             raise ConfigError("GRPO needs a reward: set reward_funcs")
         self.reward_weights = torch.tensor(rewards.check_reward_weights(cfg.reward_weights, len(self.sources),
                                                                         "rewards (functions and models)"))
-        self.reward_names = [n if kind == "func" else Path(str(n)).name for kind, _, n in self.sources]
+        self.reward_names = [n if kind == "func" else Path(rewards.model_name(n) or type(n).__name__).name
+                             for kind, _, n in self.sources]
         self._extra_columns, self._pending_metrics = {}, {}
 
     def check_reward_columns(self, rows: list[dict]) -> None:
@@ -75,25 +94,26 @@ class RewardSources:
 
     def plan_reward_models(self, policy: Any, tokenizer: Any) -> None:
         """How each reward model reads completions (TRL's way: decoded and re-encoded with its own
-        tokenizer), decided from its files before anything loads; ``policy`` is the policy's path
-        or config."""
+        tokenizer), decided from its files (or an object's given tokenizer) before anything loads;
+        ``policy`` is the policy's path or config."""
         from transformers import AutoConfig
 
         from .. import rewards
 
         config = AutoConfig.from_pretrained(policy) if isinstance(policy, (str, Path)) else policy
         policy_vocab = config.get_text_config().vocab_size
-        self.reward_inputs = {role: rewards.reward_model_input(path, tokenizer, policy_vocab, reencode=True)
-                              for kind, role, path in self.sources if kind == "model"}
+        self.reward_inputs = {role: rewards.scorer_input(source, tokenizer, policy_vocab, "reward model", reencode=True,
+                                                         tokenizer=self.reward_tokenizers.get(role))
+                              for kind, role, source in self.sources if kind == "model"}
 
     def load_reward_models(self) -> None:
         """Each reward model under its own frozen role."""
         from transformers import AutoModelForSequenceClassification
 
         s = self.session
-        for kind, role, path in self.sources:
-            if kind == "model":
-                model = s.load(role, path, model_cls=AutoModelForSequenceClassification, num_labels=1)
+        for kind, role, source in self.sources:
+            if kind == "model":  # an object is taken as it is
+                model = s.load(role, source, model_cls=AutoModelForSequenceClassification, num_labels=1)
                 self.reward_inputs[role].prepare(model)  # its pad id is its tokenizer's (TRL's), for its own pooling
                 s.prepare(role, model)
 

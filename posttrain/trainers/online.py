@@ -130,19 +130,28 @@ def write_samples(session: Any, output_dir: str, rows: list[dict]) -> None:
 
 
 # -- prompts -------------------------------------------------------------------------------------
-def load_prompt_rows(cfg: Any) -> list[dict]:
+def load_prompt_rows(cfg: Any, train_dataset: Any = None) -> list[dict]:
     """Rows with a "prompt" (TRL's standard text or conversational messages) and any other
-    columns (passed to reward functions); the bundled prompts when no dataset is named."""
+    columns (passed to reward functions): ``train_dataset`` (a ``datasets.Dataset`` or a list of
+    dicts, as TRL's trainers take it), else ``cfg.dataset_name`` loaded, else the bundled prompts."""
+    if train_dataset is not None:
+        if cfg.dataset_name is not None:
+            raise ConfigError("the prompts are given twice (train_dataset= and dataset_name): give one of them")
+        return _checked_prompts(train_dataset, "train_dataset", cfg)
     if cfg.dataset_name is None:
         return [{"prompt": p} for p in synthetic.prompts(cfg.num_prompts, seed=cfg.seed)]
-    ds = load_dataset_source(cfg.dataset_name, split=cfg.dataset_split)
-    if "prompt" not in ds.column_names:
-        raise ConfigError(f"{cfg.dataset_name}: {cfg._algorithm} needs a 'prompt' column (text or a list of messages); "
-                          f"the columns are {ds.column_names}")
-    rows = ds.to_list()
+    return _checked_prompts(load_dataset_source(cfg.dataset_name, split=cfg.dataset_split), cfg.dataset_name, cfg)
+
+
+def _checked_prompts(ds: Any, name: str, cfg: Any) -> list[dict]:
+    rows = list(ds) if isinstance(ds, (list, tuple)) else ds.to_list()
+    columns = ds.column_names if hasattr(ds, "column_names") else list(rows[0]) if rows else []
+    if "prompt" not in columns:
+        raise ConfigError(f"{name}: {cfg._algorithm} needs a 'prompt' column (text or a list of messages); "
+                          f"the columns are {columns}")
     for i, r in enumerate(rows):
-        if not r["prompt"]:
-            raise ConfigError(f"{cfg.dataset_name}: row {i} has an empty 'prompt'")
+        if not r.get("prompt"):
+            raise ConfigError(f"{name}: row {i} has an empty 'prompt'")
     return rows
 
 

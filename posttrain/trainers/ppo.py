@@ -19,6 +19,7 @@ reference memory); the value model trains in full, as TRL's did.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -36,11 +37,16 @@ from ..rollout.api import RolloutFields, check_rollout_fields
 from .common import (
     Phases,
     TrainConfig,
+    distinct_objects,
     gather_ranks,
+    given_once,
     make_session,
     mix_seed,
+    model_config,
     optimizer_and_scheduler,
+    policy_source,
     rank_batches,
+    reference_source,
     seed_everything,
     world_size,
 )
@@ -248,47 +254,72 @@ def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
 class PPOTrainer(Trainer):
     """PPO with per-role placement. ``train()`` returns the logged metrics, one dict per logging
     step (update); ``save_model()`` puts the policy at the top of the output dir and the value
-    model in ``value/`` (``AutoModelForSequenceClassification``)."""
+    model in ``value/`` (``AutoModelForSequenceClassification``).
+
+    Each model is the config's path or, as TRL's PPOTrainer (up to 1.12) took them, an object:
+    ``model=`` (with its ``processing_class``), ``ref_model=`` (default: a copy of the policy's
+    initial weights), ``reward_model=`` and ``value_model=`` (one-score sequence classifiers; the
+    value model defaults to a copy of the reward model when it reads the policy's ids). The prompts:
+    ``train_dataset=`` (a ``datasets.Dataset`` or rows with a "prompt"), else ``dataset_name``."""
 
     name = "ppo"
     shown = ("objective/scores", "objective/kl", "loss/policy_avg")
     # reward: when a reward model is given; reference: unless use_peft (then the policy's base)
     roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"]}
 
-    def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None) -> None:
-        from transformers import AutoConfig, AutoModelForSequenceClassification
+    def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None, *, model: Any = None,
+                 ref_model: Any = None, reward_model: Any = None, value_model: Any = None,
+                 processing_class: Any = None, train_dataset: Any = None) -> None:
+        from transformers import AutoModelForSequenceClassification
 
         self.cfg = cfg
         seed_everything(cfg.seed)
-        policy_path = cfg.model_name_or_path or str(tiny.sft_model_path())
-        reward_path = cfg.reward_model_path
-        if reward_path is None:
-            reward_path = str(tiny.reward_model_path()) if cfg.model_name_or_path is None else None
-        if reward_path == "none":
-            reward_path = None
+        # The models as TRL's PPOTrainer (up to 1.12) took them, objects (model= with its
+        # processing_class, ref_model=, reward_model=, value_model=), or the config's paths.
+        distinct_objects(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
+        policy_given, self.tokenizer, policy_name = policy_source(cfg, model, processing_class)
+        reference_given = given_once(ref_model, cfg.ref_model_name_or_path, "reference", "ref_model",
+                                     "ref_model_name_or_path")
+        if ref_model is not None and cfg.use_peft:
+            raise ConfigError("use_peft takes its reference from the policy's base model (adapters disabled): drop "
+                              "ref_model, or drop use_peft to use a reference model of its own")
+        reward_given = given_once(reward_model, cfg.reward_model_path, "reward model", "reward_model",
+                                  "reward_model_path")
+        if reward_given is None and model is None and cfg.model_name_or_path is None:
+            reward_given = str(tiny.reward_model_path())  # the tiny default policy's bundled reward model
+        if reward_given == "none":
+            reward_given = None
         self.reward_funcs = (reward_funcs or []) + rewards.load_reward_funcs(cfg.reward_funcs)
-        if reward_path is None and not self.reward_funcs:
+        if reward_given is None and not self.reward_funcs:
             raise ConfigError("PPO needs a reward: set reward_model_path and/or reward_funcs")
         self.reward_weights = rewards.check_reward_weights(cfg.reward_weights, len(self.reward_funcs))
 
-        self.tokenizer = tiny.load_tokenizer(policy_path)
         if self.tokenizer.pad_token_id is None:
-            raise ConfigError(f"{policy_path}: the tokenizer has no pad token; set one (e.g. a new '<pad>')")
+            raise ConfigError(f"{policy_name}: the tokenizer has no pad token; set one (e.g. a new '<pad>')")
         self.stop_token_id = self.tokenizer.eos_token_id if cfg.stop_token == "eos" else cfg.stop_token_id
         # How the reward model reads the policy's output, decided (or refused) before anything loads.
-        policy_vocab = AutoConfig.from_pretrained(policy_path).get_text_config().vocab_size
+        policy_vocab = model_config(policy_given).get_text_config().vocab_size
         self.reward_input = None
-        if reward_path:
-            self.reward_input = rewards.reward_model_input(reward_path, self.tokenizer, policy_vocab)
+        if reward_given is not None:
+            self.reward_input = rewards.scorer_input(reward_given, self.tokenizer, policy_vocab, "reward model")
         # The value model scores every token of the policy's ids, so it needs the policy's vocabulary:
         # the default is the reward model when it has it, else the policy's own backbone.
-        value_path = cfg.value_model_path or (
-            reward_path if self.reward_input and self.reward_input.shares_policy_ids else policy_path)
-        if cfg.value_model_path and not rewards.reward_model_input(value_path, self.tokenizer, policy_vocab).shares_policy_ids:
-            raise ConfigError(f"value model {value_path} has another vocabulary than the policy's, but it reads the "
-                              "policy's token ids: give value_model_path a model with the policy's tokenizer "
-                              "(or leave it unset to start from the policy)")
-        self.raw_prompts = [row["prompt"] for row in load_prompt_rows(cfg)]
+        value_given = given_once(value_model, cfg.value_model_path, "value model", "value_model", "value_model_path")
+        if value_given is None:
+            value_given = reward_given if self.reward_input and self.reward_input.shares_policy_ids else policy_given
+            if isinstance(value_given, torch.nn.Module):
+                if value_given is policy_given:
+                    raise ConfigError("a policy object needs its value model: pass value_model= (a sequence-"
+                                      "classification model with num_labels=1, as TRL's PPOTrainer takes it) or "
+                                      "value_model_path")
+                # The value model trains from the reward model's weights, as a fresh load by path
+                # would; the reward object stays as given (frozen).
+                value_given = copy.deepcopy(value_given).requires_grad_(True)
+        elif not rewards.scorer_input(value_given, self.tokenizer, policy_vocab, "value model").shares_policy_ids:
+            raise ConfigError(f"value model {rewards.model_name(value_given)} has another vocabulary than the policy's, but it "
+                              "reads the policy's token ids: give value_model_path a model with the policy's "
+                              "tokenizer (or leave it unset to start from the policy)")
+        self.raw_prompts = [row["prompt"] for row in load_prompt_rows(cfg, train_dataset)]
         check_conversation([{"prompt": p} for p in self.raw_prompts], ("prompt",), self.tokenizer,
                            cfg.dataset_name or "prompts")  # before any model loads
         self.prompts = [policy_text(p, self.tokenizer) for p in self.raw_prompts]
@@ -306,24 +337,26 @@ class PPOTrainer(Trainer):
 
         # With adapters the reference is the policy's base (adapters disabled): no role of its own.
         self.peft_config = lora_config(cfg)
-        frozen = ([] if self.peft_config is not None else ["reference"]) + (["reward"] if reward_path else [])
+        self.has_reward_model = reward_given is not None
+        frozen = ([] if self.peft_config is not None else ["reference"]) + (["reward"] if self.has_reward_model else [])
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps)
-        self.has_reward_model = reward_path is not None
+        if self.peft_config is None:  # taken before the policy trains or takes adapters
+            reference = reference_source(reference_given, policy_given)
         torch.manual_seed(cfg.seed)
-        policy = s.load("policy", policy_path)
+        policy = s.load("policy", policy_given)
         policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
         if self.peft_config is not None:
             policy = add_adapters(policy, self.peft_config, s, "policy")
-        value = s.load("value", value_path, model_cls=AutoModelForSequenceClassification, num_labels=1)
+        value = s.load("value", value_given, model_cls=AutoModelForSequenceClassification, num_labels=1)
         value.config.pad_token_id = self.tokenizer.pad_token_id
-        for name, model in (("policy", policy), ("value", value)):
-            _no_dropout(model)  # TRL's PPOTrainer, every model (LoRA's dropout too): rollout and update agree
-            opt, sched = optimizer_and_scheduler(model, cfg, optimizer_steps)
-            s.prepare(name, model, opt, sched)
+        for name, m in (("policy", policy), ("value", value)):
+            _no_dropout(m)  # TRL's PPOTrainer, every model (LoRA's dropout too): rollout and update agree
+            opt, sched = optimizer_and_scheduler(m, cfg, optimizer_steps)
+            s.prepare(name, m, opt, sched)
         if self.peft_config is None:
-            s.prepare("reference", _no_dropout(s.load("reference", cfg.ref_model_name_or_path or policy_path)))
-        if reward_path:
-            reward = _no_dropout(s.load("reward", reward_path, model_cls=AutoModelForSequenceClassification))
+            s.prepare("reference", _no_dropout(s.load("reference", reference)))
+        if self.has_reward_model:
+            reward = _no_dropout(s.load("reward", reward_given, model_cls=AutoModelForSequenceClassification))
             self.reward_input.prepare(reward)
             s.prepare("reward", reward)
         self.phases = Phases()

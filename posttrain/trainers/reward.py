@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import preference
-from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..lora import LoraFields, add_adapters, lora_config, zero3_adapters
 from .common import (
@@ -30,7 +29,9 @@ from .common import (
     enable_gradient_checkpointing,
     gather_ranks,
     make_session,
+    one_tokenizer,
     optimizer_and_scheduler,
+    policy_source,
     seed_everything,
     steps_for_rows,
 )
@@ -133,7 +134,10 @@ def reward_loss(rewards: torch.Tensor, margin: torch.Tensor | None,
 
 # -- the trainer --------------------------------------------------------------------------------------
 class RewardTrainer(RowsTrainer):
-    """A Bradley-Terry reward model with the classifier on its own DeepSpeed plugin.
+    """A Bradley-Terry reward model with the classifier on its own DeepSpeed plugin. The model is
+    ``args.model_name_or_path`` (loaded with a one-logit head) or, as TRL's RewardTrainer takes it,
+    ``model=`` (a sequence-classification object with ``num_labels=1`` and its
+    ``processing_class``, or a path); ``tokenizer=`` is ``processing_class``'s earlier name.
 
     >>> trainer = RewardTrainer(RewardConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=pairs)
     >>> trainer.train()
@@ -145,12 +149,18 @@ class RewardTrainer(RowsTrainer):
     evaluates = True
 
     def __init__(self, args: RewardConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
-                 peft_config: Any = None) -> None:
+                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None) -> None:
         self.cfg = cfg = args
         seed_everything(cfg.seed)
-        # No model given: the tiny default's SFT policy with a new one-logit head (TRL's usual start).
-        path = cfg.model_name_or_path or str(tiny.sft_model_path())
-        self.tokenizer = tokenizer or _load_tokenizer(path, cfg)
+        # A model object (with its tokenizer) or a path; no model given: the tiny default's SFT
+        # policy with a new one-logit head (TRL's usual start).
+        source, self.tokenizer, path = policy_source(cfg, model, one_tokenizer(processing_class, tokenizer),
+                                                     lambda p: _load_tokenizer(p, cfg), what="reward model")
+        if isinstance(source, torch.nn.Module) and getattr(source.config, "num_labels", None) != 1:
+            # TRL's check: the object is used as it is, so its head must give one score.
+            raise ConfigError(f"the reward model object has num_labels={source.config.num_labels}; a reward model "
+                              "needs 1: build it with AutoModelForSequenceClassification(..., num_labels=1), or pass "
+                              "its path to get a one-logit head")
         if cfg.chat_template_path is not None:
             self.tokenizer.chat_template = Path(cfg.chat_template_path).read_text()
         if cfg.eos_token is not None:
@@ -172,7 +182,7 @@ class RewardTrainer(RowsTrainer):
         from transformers import AutoModelForSequenceClassification
 
         kwargs = {"dtype": "float32", "num_labels": 1, **(cfg.model_init_kwargs or {})}
-        model = self.session.load(ROLE, path, model_cls=AutoModelForSequenceClassification, **kwargs)
+        model = self.session.load(ROLE, source, model_cls=AutoModelForSequenceClassification, **kwargs)
         if model.config.num_labels != 1:
             raise ConfigError(f"{path} has num_labels={model.config.num_labels}; a reward model needs 1: drop "
                               "num_labels from model_init_kwargs")

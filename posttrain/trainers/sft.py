@@ -28,7 +28,9 @@ from .common import (
     TrainConfig,
     enable_gradient_checkpointing,
     make_session,
+    one_tokenizer,
     optimizer_and_scheduler,
+    policy_source,
     seed_everything,
     steps_for_rows,
     sum_over_ranks,
@@ -139,9 +141,12 @@ def input_tokens(batch: dict) -> int:
 
 # -- the trainer --------------------------------------------------------------------------------------
 class SFTTrainer(RowsTrainer):
-    """Supervised fine-tuning with the trained model on its own DeepSpeed plugin.
+    """Supervised fine-tuning with the trained model on its own DeepSpeed plugin. The model is
+    ``args.model_name_or_path`` or, as TRL's SFTTrainer takes it, ``model=`` (a model object, with
+    its ``processing_class``, or a path); ``tokenizer=`` is ``processing_class``'s earlier name.
 
     >>> trainer = SFTTrainer(SFTConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
+    >>> trainer = SFTTrainer(SFTConfig(), train_dataset=rows, model=model, processing_class=tokenizer)
     >>> trainer.train()
     """
 
@@ -151,13 +156,15 @@ class SFTTrainer(RowsTrainer):
     evaluates = True
 
     def __init__(self, args: SFTConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
-                 peft_config: Any = None) -> None:
+                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None) -> None:
         self.cfg = cfg = args
         validate(cfg)
         seed_everything(cfg.seed)
-        # No model given: the built-in tiny default, randomly initialised (SFT is its first stage).
-        path = cfg.model_name_or_path or str(tiny.model_path("causal"))
-        self.tokenizer = tokenizer or _load_tokenizer(path, cfg)
+        # A model object (with its tokenizer) or a path; no model given: the built-in tiny default,
+        # randomly initialised (SFT is its first stage).
+        source, self.tokenizer, _ = policy_source(cfg, model, one_tokenizer(processing_class, tokenizer),
+                                                  lambda path: _load_tokenizer(path, cfg),
+                                                  default=lambda: tiny.model_path("causal"), what="model")
         self._set_tokens()
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         self.padding_free = cfg.padding_free or (cfg.packing and cfg.packing_strategy in ("bfd", "bfd_split"))
@@ -176,7 +183,7 @@ class SFTTrainer(RowsTrainer):
         self.session = make_session(cfg, ["policy"], [], total_steps=self.total_steps)
         self.phases = Phases()
         kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}  # TRL loads float32 unless told
-        model = self.session.load("policy", path, **kwargs)
+        model = self.session.load("policy", source, **kwargs)  # an object is taken as it is (TRL)
         model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         if self.tokenizer.eos_token_id is not None and cfg.eos_token is not None:
             model.config.get_text_config().eos_token_id = self.tokenizer.eos_token_id

@@ -199,7 +199,8 @@ class DistillTrainer(Trainer):
                            AutoConfig.from_pretrained(cfg.teacher_model_name_or_path))
         seed_everything(cfg.seed)
         self.total_steps = self.count_steps()
-        s = self.session = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps)
+        s = self.session = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps,
+                                        decoded=self.roles["trained"] if cfg.lmbda > 0 else [])  # on-policy: decodes the student
         student = s.load("student", self.student_path)
         peft_config = lora_config(cfg)
         if peft_config is not None:

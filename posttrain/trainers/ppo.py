@@ -253,7 +253,7 @@ class PPOTrainer(Trainer):
     name = "ppo"
     shown = ("objective/scores", "objective/kl", "loss/policy_avg")
     # reward: when a reward model is given; reference: unless use_peft (then the policy's base)
-    roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"]}
+    roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"], "decoded": ["policy"]}
 
     def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -307,7 +307,7 @@ class PPOTrainer(Trainer):
         # With adapters the reference is the policy's base (adapters disabled): no role of its own.
         self.peft_config = lora_config(cfg)
         frozen = ([] if self.peft_config is not None else ["reference"]) + (["reward"] if reward_path else [])
-        self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps)
+        self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps, decoded=self.roles["decoded"])
         self.has_reward_model = reward_path is not None
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_path)

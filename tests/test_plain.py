@@ -115,3 +115,24 @@ def test_trainer_refuses_before_loading(tmp_path):
     with pytest.raises(ConfigError, match="has a config of its own"):
         DPOTrainer(cfg, train_dataset=[{"prompt": "a", "chosen": " b", "rejected": " c"}] * 8)
     assert not (tmp_path / "out").exists()  # refused before the output dir was made
+
+
+@pytest.mark.parametrize("mixed_precision, frozen", [("bf16", "torch.bfloat16"), ("no", "torch.float32")])
+def test_parameters_outside_the_optimizer_keep_no_master_weights(mixed_precision, frozen):
+    """fp32 master weights on the torch path: the parameters the optimizer updates in fp32, the others
+    (a LoRA base) in bf16 under bf16 mixed precision, as DeepSpeed's engine holds them; buffers stay fp32."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    model[0].requires_grad_(False)
+    model.register_buffer("scale", torch.ones(2))
+    opt = torch.optim.AdamW(model[1].parameters(), lr=1e-3)
+    engine = plain.PlainEngine(model, opt, device=torch.device("cpu"), gradient_accumulation_steps=1,
+                               gradient_clipping=1.0, mixed_precision=mixed_precision, master_weights="fp32")
+    assert {str(p.dtype) for p in model[1].parameters()} == {"torch.float32"}
+    assert {str(p.dtype) for p in model[0].parameters()} == {frozen}
+    assert model.scale.dtype == torch.float32
+    loss = engine(torch.randn(3, 4)).float().sum()
+    engine.backward(loss)
+    engine.step()
+    assert engine.get_global_grad_norm() > 0 and all(p.grad is None for p in model[0].parameters())

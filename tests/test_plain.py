@@ -136,3 +136,18 @@ def test_parameters_outside_the_optimizer_keep_no_master_weights(mixed_precision
     engine.backward(loss)
     engine.step()
     assert engine.get_global_grad_norm() > 0 and all(p.grad is None for p in model[0].parameters())
+
+
+def test_distillation_keeps_deepspeed_for_fp32_only_when_it_decodes_its_student(tmp_path):
+    """DistillTrainer passes its student as decoded when it generates on-policy (lmbda > 0)."""
+    from posttrain.demo import tiny
+    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+
+    kinds = {}
+    for lmbda in (0.0, 0.5):
+        trainer = DistillTrainer(DistillConfig(output_dir=str(tmp_path / str(lmbda)), lmbda=lmbda, disable_tqdm=True,
+                                               teacher_model_name_or_path=str(tiny.model_path(seed=1))),
+                                 [{"prompt": "the cat", "completion": " is calm ."}] * 4)
+        trainer.setup()
+        kinds[lmbda] = trainer.session.engine_kind("student")
+    assert kinds == {0.0: "torch", 0.5: "deepspeed"}

@@ -8,9 +8,11 @@ comparison for this step).
 
 - ``trl``: ``trl.experimental.gkd.GKDTrainer`` on a bf16 student and teacher, no DeepSpeed, AdamW on
   the bf16 parameters (rows as two-message conversations under a template that only concatenates);
-- ``posttrain-{torch,ds}-{bf16,fp32}``: posttrain's DistillationTrainer, default mix (the teacher
-  replicated on one process), ``master_weights`` bf16 or fp32, the student without a DeepSpeed
-  engine (``single_process_engine: torch``) or with DeepSpeed's ZeRO-2 (``deepspeed``).
+- ``posttrain-{auto,ds,torch}-{bf16,fp32}``: posttrain's DistillationTrainer, default mix (the
+  teacher replicated on one process), ``master_weights`` bf16 or fp32, the student under
+  ``single_process_engine`` ``auto`` (posttrain's default: with ``lmbda`` 0 the student is never
+  decoded, so the torch path at both precisions), ``deepspeed`` (ZeRO-2) or ``torch`` (forced, the
+  same run as auto's here: not a default row). Each row records the ``engine`` that ran.
 
 Both: random-weight Llama-shape models (student seed 0, teacher seed 1), ``--pairs`` rows of
 ``--seq-len`` tokens (half prompt, half completion) per step, bf16, no gradient checkpointing (the
@@ -128,7 +130,8 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
     return run_posttrain(spec, student, teacher, rows, out, stamps, engine, master_weights)
 
 
-RACE = race.Race(name="distill_race", doc=__doc__, script=__file__, sides=SIDES, run_side=run_side,
+RACE = race.Race(name="distill_race", doc=__doc__, script=__file__, sides=SIDES,
+                 default_sides=dpo_race.DEFAULT_SIDES, run_side=run_side,
                  knobs={"pairs": (4, 2, "rows per step"), "seq_len": (512, 64, "tokens per row (half prompt)")})
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/race.py 
 
 - ``trl``: ``trl.DPOTrainer`` on a bf16 model with a bf16 reference, no DeepSpeed, AdamW on the
   bf16 parameters (no fp32 master weights): TRL's strongest single-GPU setting;
-- ``posttrain-{torch,ds}-{bf16,fp32}``: posttrain's DPOTrainer, default mix, ``master_weights``
-  bf16 or fp32, its policy trained without a DeepSpeed engine (``single_process_engine: torch``,
-  posttrain/plain.py: the model and torch's fused AdamW) or by DeepSpeed's ZeRO-2 engine
-  (``deepspeed``). What ``auto`` runs on one GPU: torch for bf16, DeepSpeed for fp32.
+- ``posttrain-{auto,ds,torch}-{bf16,fp32}``: posttrain's DPOTrainer, default mix, ``master_weights``
+  bf16 or fp32, under ``single_process_engine`` ``auto`` (posttrain's default: for DPO on one GPU
+  the torch path at both precisions, posttrain/plain.py: the model and torch's fused AdamW),
+  ``deepspeed`` (DeepSpeed's ZeRO-2 engine) or ``torch`` (forced; the same run as auto's here,
+  so not a default row). Each row records the ``engine`` that ran.
 
 Both sides: the same random-weight model (Llama 1.1B shape, hidden 2048, 22 layers, built from a
 config and saved once, as benchmarks/grpo_e2e.py does), ``--pairs`` preference pairs of
@@ -32,8 +33,11 @@ if str(ROOT) not in sys.path:
 from benchmarks import race  # noqa: E402
 from benchmarks.race import GiB, Stamps  # noqa: E402
 
-SIDES = ("trl", "posttrain-torch-bf16", "posttrain-ds-bf16", "posttrain-torch-fp32", "posttrain-ds-fp32")
-ENGINES = {"torch": "torch", "ds": "deepspeed"}
+# The default rows (race.Race runs every side unless --sides names some): TRL, posttrain's default
+# (auto) at both precisions, and DeepSpeed's engine at both; the forced torch rows on request.
+DEFAULT_SIDES = ("trl", "posttrain-auto-bf16", "posttrain-ds-bf16", "posttrain-auto-fp32", "posttrain-ds-fp32")
+SIDES = DEFAULT_SIDES + ("posttrain-torch-bf16", "posttrain-torch-fp32")
+ENGINES = {"auto": "auto", "ds": "deepspeed", "torch": "torch"}
 
 
 def preference_rows(n: int, seq_len: int) -> list[dict[str, str]]:
@@ -103,23 +107,24 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
 
 
 def planned(spec: dict[str, Any]) -> dict[str, float]:
-    """The planner's per-GPU figures for posttrain's rows, DeepSpeed (ds) and torch engines
-    (gradient checkpointing on, as run)."""
+    """The planner's per-GPU figures for posttrain's rows, auto (what it plans for DPO: the torch
+    path), DeepSpeed (ds) and torch engines (gradient checkpointing on, as run)."""
     from posttrain import memory
 
     plans = {(eng, mw): memory.plan("dpo", spec["shape"], "zero2-zero3", world_size=1, micro_batch=spec["pairs"],
                                     seq_len=spec["seq_len"], master_weights=mw, gradient_checkpointing=True,
-                                    single_process_engine={"ds": "deepspeed", "torch": "torch"}[eng])
-             for eng in ("ds", "torch") for mw in ("fp32", "bf16")}
+                                    single_process_engine=ENGINES[eng])
+             for eng in ENGINES for mw in ("fp32", "bf16")}
     out = {}
-    for eng in ("ds", "torch"):
+    for eng in ENGINES:
         fp32, bf16 = plans[eng, "fp32"], plans[eng, "bf16"]
         out.update({f"planned_peak_{eng}_fp32_gib": fp32.peak / GiB, f"planned_peak_{eng}_bf16_gib": bf16.peak / GiB,
                     f"planned_{eng}_fp32_extra_gib": (fp32.peak - bf16.peak) / GiB})
     return out
 
 
-RACE = race.Race(name="dpo_race", doc=__doc__, script=__file__, sides=SIDES, run_side=run_side, planned=planned,
+RACE = race.Race(name="dpo_race", doc=__doc__, script=__file__, sides=SIDES, default_sides=DEFAULT_SIDES,
+                 run_side=run_side, planned=planned,
                  knobs={"pairs": (4, 2, "preference pairs per step"),
                         "seq_len": (512, 64, "tokens per sequence, each side")})
 

@@ -130,6 +130,7 @@ class Race:
     warmup: int = 3
     rounds: int = 2
     baselines: dict[str, str] = field(default_factory=dict)  # side -> the side it is compared with (default "trl")
+    default_sides: tuple[str, ...] = ()  # the rows run without --sides (empty: every side)
     planned: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # planner figures for the summary
     # (summary, rows) -> lines for results.md: the targets, as measured
     targets: Callable[[dict[str, dict[str, Any]], list[dict[str, Any]]], list[str]] | None = None
@@ -290,7 +291,8 @@ def main(race: Race, argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=race.steps, help="measured steps per row")
     ap.add_argument("--warmup", type=int, default=race.warmup, help="first steps left out of the median")
     ap.add_argument("--rounds", type=int, default=race.rounds, help="times every row runs, alternating")
-    ap.add_argument("--sides", default=",".join(race.sides), help=f"comma-separated subset of {', '.join(race.sides)}")
+    ap.add_argument("--sides", default=",".join(race.default_sides or race.sides),
+                    help=f"comma-separated subset of {', '.join(race.sides)}")
     ap.add_argument("--out", default=None, help="results folder: <race>.jsonl, results.md, commands.txt, logs/")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one child may run")
     ap.add_argument("--workdir", default=str(ROOT / ".cache" / race.name), help="where the runs write")

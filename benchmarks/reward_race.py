@@ -8,7 +8,9 @@ sequence classifier with one logit on the random-weight Llama 1.1B shape (benchm
 ``max_length = --seq-len``, which both sides would otherwise drop), bf16 autocast, gradient
 checkpointing (TRL's default), learning rate 1e-4 (TRL's default), dropout off (both defaults).
 ``--states bf16`` (default): TRL on a bf16 model against posttrain's ``master_weights: bf16``;
-``fp32``: an fp32 model against fp32 master weights. Step time and peak memory as
+``fp32``: an fp32 model against fp32 master weights. posttrain runs its default
+``single_process_engine: auto``: on one GPU the torch path at both precisions (no DeepSpeed engine;
+the row records the ``engine``). Step time and peak memory as
 benchmarks/race.py records them; tokens/s from the logged ``num_tokens`` (no padding).
 
     python benchmarks/reward_race.py --out DIR                       # one GPU

@@ -14,8 +14,10 @@ Both sides: the same random-weight model (Llama 1.1B shape built from a config a
 benchmarks/grpo_e2e.py's ``model_dir``), the same documents (text of the tiny corpus, see
 ``documents``), bf16 autocast, gradient checkpointing (TRL's default), learning rate 2e-5, ``--attn`` attention on both.
 ``--states bf16`` (default): TRL on a bf16 model (AdamW on bf16 weights: its strongest one-GPU
-setting) against posttrain's ``master_weights: bf16`` (its torch engine); ``fp32``: TRL on an fp32
-model against posttrain's fp32 master weights (DeepSpeed at one process). tokens/s counts the
+setting) against posttrain's ``master_weights: bf16``; ``fp32``: TRL on an fp32 model against
+posttrain's fp32 master weights. posttrain runs its default ``single_process_engine: auto``, which
+for SFT on one GPU is the torch path at both precisions (no DeepSpeed engine; fp32 weights and Adam
+states with a bf16 autocast forward for ``fp32``); the row records the ``engine``. tokens/s counts the
 tokens fed to the model (no padding: TRL's and posttrain's logged ``num_tokens``) over the timed
 steps. Attention: with ``sdpa`` a padding-free row gets a block-diagonal mask (transformers builds
 it from the position ids), so its attention covers the whole row; ``flash_attention_2`` (where

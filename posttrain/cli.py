@@ -58,7 +58,8 @@ def _plan_checked(argv: list[str]) -> int:
                          "parameter, the default), bf16 (8, TRL's with a bf16 model), or both")
     ap.add_argument("--single-process-engine", "--single_process_engine", choices=["auto", "deepspeed", "torch"],
                     default="auto", help="world size 1: trained roles without a DeepSpeed engine (posttrain.plain; "
-                    "auto: for bf16 master weights, as the trainers' setting of that name)")
+                    "auto: for bf16 master weights, and for fp32 ones unless the workload decodes a trained role "
+                    "(GRPO, RLOO, PPO), as the trainers' setting of that name)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="trained roles recompute activations in backward (the DPO/GRPO/RLOO trainers' default)")
     ap.add_argument("--use-peft", "--use_peft", action="store_true",

@@ -31,8 +31,8 @@ from .model_shapes import (  # noqa: F401  (the planner's interface: memory.SHAP
     model_size,
     resolve_shape,
 )
-from .plain import uses_torch
-from .roles import MIXES, STOCK_GATHER_MIXES, trained_config
+from .plain import torch_roles
+from .roles import MIXES, STOCK_GATHER_MIXES, roles_for, trained_config
 
 GiB = 2**30
 
@@ -275,9 +275,8 @@ def _lora_states(r: RolePlan, world: int) -> None:
     model with the adapters' parameters."""
     adapters = RolePlan(r.name, replace(r.size, params=r.adapters, largest_layer=0), r.place)
     _states(adapters, world)
-    # The torch path casts every parameter to the optimizer's precision, the frozen base included.
-    width = 4 if r.place.engine == "torch" and r.place.master_weights == "fp32" else 2
-    base = width * r.size.params / (world if r.place.stage == 3 else 1)
+    # 16-bit on every path (posttrain.plain keeps parameters outside the optimizer in bf16).
+    base = 2 * r.size.params / (world if r.place.stage == 3 else 1)
     r.params = base + adapters.params
     r.grads, r.resident_grads, r.optimizer = adapters.grads, adapters.resident_grads, adapters.optimizer
 
@@ -311,7 +310,9 @@ def plan(
     ``lora``: the first trained role trains adapters (PPO's value model still trains in full, as
     the trainer does) and there is no reference role. ``single_process_engine`` (the trainers'
     setting): in a world of one, trained roles of a mix run without a DeepSpeed engine where the
-    trainers would (posttrain.plain: "auto" for bf16 master weights, "torch" always)."""
+    trainers would (posttrain.plain.uses_torch: "auto" for bf16 master weights, and for fp32 ones in
+    workloads whose trainer declares no decoded role, ``roles["decoded"]``: DPO, SFT, reward and
+    distillation, planned without on-policy generation; "torch" always)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -324,13 +325,16 @@ def plan(
     roles: list[RolePlan] = []
     # The Session simplifies a mix's placements in a world of one (not TRL's, nor the stock mix's).
     one_process = world_size == 1 and mix in MIXES and mix not in STOCK_GATHER_MIXES
+    # The roles the Session would run on the torch path, by its own rule on the trainer's declaration.
+    torch_path = torch_roles(roles_for(names["trained"], names["frozen"], mix, master_weights=master_weights,
+                                       decoded=names.get("decoded", ())), single_process_engine,
+                             world_size=world_size, mixed_precision="bf16") if mix in MIXES else set()
     for name in names["trained"] + names["frozen"]:
         trains = name in names["trained"]
         size = model_size(shapes[name], ROLE_KINDS[name], vocab)
         config = trained_config(train_cfg, master_weights, name) if trains else frozen_cfg
         r = RolePlan(name, size, placement(config, trains, one_process))
-        if trains and uses_torch(single_process_engine, world_size=world_size, trains=True, from_mix=one_process,
-                                 master_weights=master_weights):
+        if name in torch_path:
             r.place = replace(r.place, stage=0, reduce_bucket=0, overlap_comm=False, engine="torch")
         if lora is not None and name == names["trained"][0]:
             r.adapters = adapter_params(shapes[name], ROLE_KINDS[name], lora, vocab)

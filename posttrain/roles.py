@@ -34,6 +34,10 @@ class Role:
     # The config came from a mix, not from the user: in a world of one process the Session may
     # swap it for its cheapest equivalent (dsconfig.one_rank). A config given by name is kept.
     from_mix: bool = field(default=False, repr=False)
+    # Trained roles only: posttrain.rollout decodes from this role's weights (GRPO, RLOO and PPO's
+    # policy; distillation's student when it generates on-policy). At one process a run with such
+    # a role keeps DeepSpeed for fp32 master weights under single_process_engine auto (plain.uses_torch).
+    decoded: bool = False
 
 
 # mix name -> (config of trained roles, config of frozen roles)
@@ -80,21 +84,26 @@ def roles_for(
     mix: str = DEFAULT_MIX,
     configs: Mapping[str, str | dict] | None = None,
     master_weights: str = "fp32",
+    decoded: Iterable[str] = (),
 ) -> list[Role]:
     """Roles for a trainer: ``mix`` gives each its config, ``configs`` overrides per role;
-    ``master_weights`` ("fp32" or "bf16") is the optimizer precision of every trained role."""
+    ``master_weights`` ("fp32" or "bf16") is the optimizer precision of every trained role;
+    ``decoded`` names the trained roles the rollout engine decodes from (:attr:`Role.decoded`)."""
     check_mix(mix)
-    trained, frozen = list(trained), list(frozen)
+    trained, frozen, decoded = list(trained), list(frozen), set(decoded)
     configs = dict(configs or {})
     unknown = set(configs) - set(trained) - set(frozen)
     if unknown:
         raise ConfigError(
             f"config given for unknown role(s) {sorted(unknown)}: this run's roles are {trained + frozen}"
         )
+    if not decoded <= set(trained):
+        raise ConfigError(f"decoded role(s) {sorted(decoded - set(trained))} are not trained roles of this run "
+                          f"({trained}): only a trained role's engine choice depends on it")
     train_cfg, frozen_cfg = MIXES[mix]
     stock = mix in STOCK_GATHER_MIXES  # kept as named: it exists to compare DeepSpeed's own gathering
     return [Role(n, trained_config(configs.get(n, train_cfg), master_weights, n), trains=True,
-                 from_mix=n not in configs and not stock) for n in trained] + [
+                 from_mix=n not in configs and not stock, decoded=n in decoded) for n in trained] + [
         Role(n, configs.get(n, frozen_cfg), trains=False, fast_frozen=False if stock else None,
              from_mix=n not in configs and not stock)
         for n in frozen

@@ -96,13 +96,13 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
         self.configs: dict[str, dict] = {}
         self.one_rank_changes: dict[str, str] = {}  # role -> what the one-process path changed
-        self.plain_roles: set[str] = set()  # trained roles without a DeepSpeed engine (posttrain.plain)
+        # Trained roles without a DeepSpeed engine (posttrain.plain).
+        self.plain_roles: set[str] = plain.torch_roles(self.roles.values(), single_process_engine, world_size=world_size,
+                                                       mixed_precision=self.mixed_precision)
         for role in self.roles.values():
             raw = dsconfig.read_config(role.config)
-            torch_path = plain.uses_torch(single_process_engine, world_size=world_size, trains=role.trains,
-                                          from_mix=role.from_mix, master_weights=dsconfig.master_weights(raw))
+            torch_path = role.name in self.plain_roles
             if torch_path:
-                self.plain_roles.add(role.name)
                 self.one_rank_changes[role.name] = plain.describe(dsconfig.master_weights(raw), self.mixed_precision)
             elif world_size == 1 and role.from_mix:
                 raw, change = dsconfig.one_rank(raw, role.trains)

@@ -127,6 +127,8 @@ def test_trainer_writes_card_and_curves(ppo_run):
     # One process: the reference's ZeRO-3 mix placement ran replicated (dsconfig.one_rank), and the
     # card says so, with the precision the policy's optimizer kept.
     assert "| policy | yes | `zero2_train` | 2 | fp32 |" in text
+    # PPO decodes its policy: single_process_engine auto keeps DeepSpeed for both trained roles at fp32.
+    assert "| value | yes | `zero2_train` | 2 | fp32 |" in text
     assert "| reference | no | `zero3_inference` (one process: replicated) | 0 | – |" in text
     assert f'model="{ppo_run}"' in text
     assert "the trained policy at its top (`from_pretrained` of the folder loads it) and the trained value in `value/`." in text

@@ -147,7 +147,7 @@ def _max_diff(a, b):
 
 
 def test_torch_path_bf16_is_trls_numerics(runs):
-    """single_process_engine torch with bf16 states: the bf16 model, fused AdamW on its parameters
+    """The torch path (auto's) with bf16 states: the bf16 model, fused AdamW on its parameters
     and the autocast forward, as TRL runs it; at least as close to TRL as DeepSpeed's bf16 states.
     Measured: the first 3 losses and all 6 grad norms equal TRL's; then 7e-5 (DeepSpeed: 1.1e-4)."""
     ours, trl, ds = runs["torch_bf16"], runs["trl_bf16"], runs["bf16"]
@@ -159,10 +159,11 @@ def test_torch_path_bf16_is_trls_numerics(runs):
 
 
 def test_torch_path_fp32_is_trainers_autocast(runs):
-    """single_process_engine torch with fp32 states under bf16: fp32 parameters and Adam states and
+    """The torch path (auto's for DPO) with fp32 states under bf16: fp32 parameters and Adam states and
     the autocast forward, the numerics of TRL's trainer on an fp32 model with bf16=True. Measured:
     1.5e-4 from it (the reference stays a bf16 model), against 1.1e-3 for DeepSpeed's fp32 states."""
     ours, trl, ds = runs["torch_fp32"], runs["trl_fp32_model"], runs["fp32"]
+    assert ours["kind"] == "torch"  # single_process_engine auto's choice for DPO at fp32 master weights
     assert ours["param_dtypes"] == ours["state_dtypes"] == ["torch.float32"] and ours["recorded"] == "fp32"
     assert _max_diff(ours["losses"], trl["losses"]) < 0.5 * _max_diff(ds["losses"], trl["losses"])
     assert ours["losses"][-1] < ours["losses"][0] - 0.1

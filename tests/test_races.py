@@ -98,30 +98,32 @@ def run_race(script: str, sides: str, tmp_path: Path, *args: str) -> tuple[dict,
     return lines[0], rows, lines[-1], md
 
 
-DPO_SIDES = "trl,posttrain-torch-bf16,posttrain-ds-fp32"
+DPO_SIDES = "trl,posttrain-auto-fp32,posttrain-ds-bf16"
+RAN = {"auto": "torch", "ds": "deepspeed", "torch": "torch"}  # what auto runs for DPO and distillation (lmbda 0)
 
 
 def test_dpo_race_tiny(tmp_path):
-    """TRL and both engines and precisions (the other two combinations run the same code)."""
+    """TRL, posttrain's default (auto: the torch path, here with fp32 states) and DeepSpeed's engine
+    (bf16 states): both engines and both precisions (the other combinations run the same code)."""
     head, rows, summary, _ = run_race("dpo_race.py", DPO_SIDES, tmp_path)
     assert head["spec"] == {"shape": "tiny", "pairs": 2, "seq_len": 64, "steps": 1, "warmup": 1}
     for side, row in rows.items():
         if side != "trl":
             _, engine, master = side.split("-")
-            assert row["master_weights"] == master and row["engine"] == {"ds": "deepspeed"}.get(engine, engine), side
+            assert row["master_weights"] == master and row["engine"] == RAN[engine], side
             assert {"reference", "policy_forward", "backward"} <= set(row["phase_s"]), side
-    assert rows["posttrain-ds-fp32"]["placements"] == {"policy": 2, "reference": 0}
-    assert rows["posttrain-torch-bf16"]["placements"] == {"policy": 0, "reference": 0}
-    assert summary["planned_ds_fp32_extra_gib"] > 0 and summary["planned_torch_fp32_extra_gib"] > 0
-    assert summary["summary"]["posttrain-ds-fp32"]["baseline"] == "trl"
+    assert rows["posttrain-ds-bf16"]["placements"] == {"policy": 2, "reference": 0}
+    assert rows["posttrain-auto-fp32"]["placements"] == {"policy": 0, "reference": 0}
+    assert summary["planned_ds_fp32_extra_gib"] > 0 and summary["planned_auto_fp32_extra_gib"] > 0
+    assert summary["summary"]["posttrain-auto-fp32"]["baseline"] == "trl"
 
 
 def test_distill_race_tiny(tmp_path):
-    """TRL's GKDTrainer and posttrain's two auto choices."""
+    """TRL's GKDTrainer, posttrain's default (auto) and DeepSpeed's engine."""
     _, rows, _, _ = run_race("distill_race.py", DPO_SIDES, tmp_path)
-    assert rows["posttrain-torch-bf16"]["engine"] == "torch" and rows["posttrain-ds-fp32"]["engine"] == "deepspeed"
-    assert rows["posttrain-torch-bf16"]["placements"] == {"student": 0, "teacher": 0}
-    assert {"forward", "backward"} <= set(rows["posttrain-ds-fp32"]["phase_s"])
+    assert rows["posttrain-auto-fp32"]["engine"] == "torch" and rows["posttrain-ds-bf16"]["engine"] == "deepspeed"
+    assert rows["posttrain-auto-fp32"]["placements"] == {"student": 0, "teacher": 0}
+    assert {"forward", "backward"} <= set(rows["posttrain-ds-bf16"]["phase_s"])
 
 
 def test_sft_race_tiny(tmp_path):

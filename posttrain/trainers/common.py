@@ -83,8 +83,9 @@ class TrainConfig:
     # weights with bf16 gradients and Adam states (8 bytes: TRL's footprint with a bf16 model).
     # bf16 needs mixed_precision bf16 and ZeRO stage 1-3 (the zero*_train_bf16_states presets).
     master_weights: str = "fp32"
-    # One process: "auto" trains bf16-master roles of the mix without a DeepSpeed engine (posttrain.plain),
-    # "torch" does so for fp32 ones too, "deepspeed" keeps the engine.
+    # One process: "auto" trains the mix's trained roles without a DeepSpeed engine (posttrain.plain), except
+    # fp32 master weights in a run whose rollouts decode a trained role (GRPO, RLOO, PPO, on-policy distillation)
+    # or under fp16; "torch" does so for those too, "deepspeed" keeps the engine.
     single_process_engine: str = "auto"
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest" in output_dir
     # A reused output_dir (metrics.jsonl or checkpoints in it) is refused unless this is set (it then
@@ -182,10 +183,14 @@ def steps_for_rows(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> int:
     return cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
 
 
-def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None) -> Session:
+def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None,
+                 decoded: list[str] | tuple[str, ...] = ()) -> Session:
+    """The run's Session; ``decoded``: the trained roles its rollout engine decodes from (Role.decoded:
+    the trainer's ``roles["decoded"]``, which decides the one-process engine at fp32 master weights)."""
     # Everything the run is given is checked before prepare_output_dir clears anything.
     checks.check_placement(cfg.mix, cfg.role_configs)
-    roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs, master_weights=cfg.master_weights)
+    roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs, master_weights=cfg.master_weights,
+                      decoded=decoded)
     check_engine_setting(cfg.single_process_engine, world_size=world_size(),
                          mixed_precision=cfg.mixed_precision, own_configs=[r.name for r in roles if r.trains and not r.from_mix])
     checks.check_output_dir(cfg.output_dir)

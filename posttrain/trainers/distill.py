@@ -214,7 +214,8 @@ class DistillTrainer(Trainer):
         check_vocabularies(model_config(self.student_source), model_config(self.teacher_source))
         seed_everything(cfg.seed)
         self.total_steps = self.count_steps()
-        s = self.session = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps)
+        s = self.session = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps,
+                                        decoded=self.roles["trained"] if cfg.lmbda > 0 else [])  # on-policy: decodes the student
         student = s.load("student", self.student_source)
         peft_config = lora_config(cfg)
         if peft_config is not None:

@@ -242,7 +242,7 @@ class GRPOTrainer(RewardSources, Trainer):
     name = "grpo"
     shown = ("reward", "kl", "loss")
     # Reference only with beta > 0; each reward model is a frozen role of its own (reward, reward_1, ...).
-    roles = {"trained": ["policy"], "frozen": ["reference"]}
+    roles = {"trained": ["policy"], "frozen": ["reference"], "decoded": ["policy"]}
     peft_config: Any = None  # LoRA's settings (peft), None for full fine-tuning
 
     @property
@@ -306,7 +306,8 @@ class GRPOTrainer(RewardSources, Trainer):
 
         self.plan_reward_models(getattr(policy_given, "config", None) or policy_path, tok)
         frozen = (["reference"] if self.separate_reference else []) + self.reward_roles
-        self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
+        self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps,
+                                        decoded=self.roles["decoded"])
         if self.separate_reference:  # taken before the policy trains or takes adapters
             reference = reference_source(cfg.ref_model_name_or_path, policy_given)
         torch.manual_seed(cfg.seed)

@@ -30,8 +30,9 @@ class Trainer:
     """The loop's side of a trainer.
 
     A subclass sets ``name`` (the run's name in progress lines and the model card), ``shown`` (the
-    metrics the progress bar shows) and ``roles`` (its trained and frozen roles, read by the
-    memory planner), and, once its engines are prepared, ``self.cfg``, ``self.session`` and
+    metrics the progress bar shows) and ``roles`` (its trained and frozen roles, and under
+    "decoded" the trained roles its rollout engine decodes from in every run; read by the memory
+    planner and passed to ``make_session``), and, once its engines are prepared, ``self.cfg``, ``self.session`` and
     ``self.total_steps``. It supplies:
 
     - ``training_step(step)``: one optimizer step (step counts from 1); returns this rank's values

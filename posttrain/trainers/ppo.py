@@ -265,7 +265,7 @@ class PPOTrainer(Trainer):
     name = "ppo"
     shown = ("objective/scores", "objective/kl", "loss/policy_avg")
     # reward: when a reward model is given; reference: unless use_peft (then the policy's base)
-    roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"]}
+    roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"], "decoded": ["policy"]}
 
     def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None, *, model: Any = None,
                  ref_model: Any = None, reward_model: Any = None, value_model: Any = None,
@@ -339,7 +339,8 @@ class PPOTrainer(Trainer):
         self.peft_config = lora_config(cfg)
         self.has_reward_model = reward_given is not None
         frozen = ([] if self.peft_config is not None else ["reference"]) + (["reward"] if self.has_reward_model else [])
-        self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps)
+        self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps,
+                                        decoded=self.roles["decoded"])
         if self.peft_config is None:  # taken before the policy trains or takes adapters
             reference = reference_source(reference_given, policy_given)
         torch.manual_seed(cfg.seed)

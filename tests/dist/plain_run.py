@@ -1,6 +1,7 @@
 """One process: trained roles without a DeepSpeed engine (posttrain.plain) against the DeepSpeed
 ZeRO-2 path, in fp32 with gradient accumulation and clipping that engages (DPO and GRPO on the
-tiny default); checkpoint + resume on the torch path; resuming across the two engines refused;
+tiny default; DPO's torch side and GRPO's DeepSpeed side are what single_process_engine auto
+picks at fp32 master weights); checkpoint + resume on the torch path; resuming across the two engines refused;
 writes JSON for tests/test_plain.py."""
 
 import json
@@ -58,11 +59,14 @@ def main(out: str, tmp: str) -> None:
 
     base = AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0))
     weights_before["policy"] = {k: v.float().clone() for k, v in base.state_dict().items()}
-    res["dpo"] = compare({e: dpo(tmp, f"dpo-{e}", e) for e in ("torch", "deepspeed")}, "policy")
+    # fp32 master weights under auto: the torch path for DPO (no rollouts), DeepSpeed for GRPO (its
+    # rollouts decode the policy); the other side of each pair is forced.
+    res["dpo"] = compare({"torch": dpo(tmp, "dpo-torch", "auto"), "deepspeed": dpo(tmp, "dpo-deepspeed", "deepspeed")},
+                         "policy")
     card = (tmp / "dpo-torch" / "README.md").read_text()
     res["card_says_torch"] = "no DeepSpeed engine" in card
 
-    runs = {e: grpo(tmp, e) for e in ("torch", "deepspeed")}
+    runs = {"torch": grpo(tmp, "torch"), "deepspeed": grpo(tmp, "auto")}
     base = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path())
     weights_before["policy"] = {k: v.float().clone() for k, v in base.state_dict().items()}
     res["grpo"] = compare(runs, "policy")

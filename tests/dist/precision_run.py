@@ -54,9 +54,10 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
 
 
 def torch_run(tmp: Path, rows: list, master_weights: str) -> dict:
-    """The torch path (posttrain.plain): the model itself and torch's fused AdamW, no engine."""
+    """The torch path (posttrain.plain): the model itself and torch's fused AdamW, no engine; DPO
+    takes it under single_process_engine auto at either precision."""
     cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
-                    master_weights=master_weights, single_process_engine="torch",
+                    master_weights=master_weights, single_process_engine="auto",
                     **settings(tmp, f"torch-{master_weights}"))
     trainer = DPOTrainer(cfg, train_dataset=rows)
     s = trainer.session
@@ -72,8 +73,9 @@ def torch_run(tmp: Path, rows: list, master_weights: str) -> dict:
 
 
 def placement_run(tmp: Path, rows: list, name: str, **fields) -> list[float]:
-    """fp32 (no mixed precision) losses under the default mix, simplified or as named."""
-    base = {**settings(tmp, name), "bf16": False}
+    """fp32 (no mixed precision) losses under the default mix, simplified or as named (DeepSpeed's
+    engine: the simplification is of its configs)."""
+    base = {**settings(tmp, name), "bf16": False, "single_process_engine": "deepspeed"}
     cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
                     **{**base, **fields})
     trainer = DPOTrainer(cfg, train_dataset=rows)

@@ -216,6 +216,9 @@ def test_canary_verdict_takes_every_rank():
     assert wrong["status"] == "wrong" and wrong["canary_max_abs_diff"] == 2.2 and "reference 2.2" in wrong["error"]
     unchecked = harness.canary_verdict([rank(0.0), {"canary_error": "RuntimeError: no unit holds x"}])
     assert unchecked["status"] == "unchecked" and "no unit holds" in unchecked["error"]
+    # No frozen role (SFT, reward): nothing checked, so no difference, tolerance or status claimed.
+    assert harness.canary_verdict([{"canary": {}}, {"canary": {}}]) == {"canary": {}}
+    assert harness.canary_cell({"canary": {}}) == "no frozen role" and harness.canary_cell({}) == ""
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -294,3 +294,6 @@ def test_rounds_pool_every_measured_step():
     a, b = (dict(row([1.0], 1.0), canary={"reference": d}, canary_max_abs_diff=d) for d in (0.0, 0.02))
     pooled = harness.pool_rounds([a, b])
     assert pooled["canary"] == {"reference": 0.02} and pooled["canary_max_abs_diff"] == 0.02
+    # No frozen role (SFT, reward): pooled rounds still claim no difference.
+    pooled = harness.pool_rounds([dict(row([1.0], 1.0), canary={}), dict(row([2.0], 1.0), canary={})])
+    assert pooled["canary"] == {} and "canary_max_abs_diff" not in pooled

@@ -157,10 +157,12 @@ def canary_verdict(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The canary's fields of a row (benchmarks/canary.py): each frozen role's max abs difference
     from its unsharded weights over every rank (a wrong gather may show on one rank only), the
     largest of them, and the status: ``wrong`` beyond the tolerance, ``unchecked`` if the canary
-    could not run."""
+    could not run. A trainer with no frozen model (SFT, reward) has an empty ``canary`` and nothing else."""
     errors = [r["canary_error"] for r in ranks if "canary_error" in r]
     if errors or any("canary" not in r for r in ranks):
         return {"status": "unchecked", "error": f"canary: {errors[0] if errors else 'no result'}"}
+    if not any(r["canary"] for r in ranks):
+        return {"canary": {}}
     per_role = {k: max(r["canary"][k] for r in ranks) for k in ranks[0]["canary"]}
     worst = max(per_role.values(), default=0.0)
     tolerance = ranks[0]["canary_tolerance"]
@@ -231,7 +233,7 @@ def planned_peak(row: dict[str, Any]) -> float | None:
 def canary_cell(row: dict[str, Any]) -> str:
     """The canary's largest difference (and its tolerance) for the table; rows from before it: blank."""
     if "canary_max_abs_diff" not in row:
-        return ""
+        return "no frozen role" if row.get("canary") == {} else ""
     return f"{row['canary_max_abs_diff']:.2g} (tol {row['canary_tolerance']:g})"
 
 
@@ -332,8 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shape", default="tiny", help=f"a preset ({', '.join(memory.SHAPES)}), hub name or local path")
     ap.add_argument("--role-shape", action="append", default=[], metavar="ROLE=SHAPE",
                     help="a different shape for one role, e.g. value=1b")
-    ap.add_argument("--micro-batch", type=int, default=4, help="per GPU: pairs (dpo), prompts (ppo), sequences")
-    ap.add_argument("--seq-len", type=int, default=512, help="whole sequence; ppo: prompt + response")
+    ap.add_argument("--micro-batch", type=int, default=4, help="per GPU: pairs (dpo, reward), prompts (ppo), sequences")
+    ap.add_argument("--seq-len", type=int, default=512, help="whole sequence (a pair's: each side); "
+                    "ppo: prompt + response")
     ap.add_argument("--response-len", type=int, default=64, help="ppo: tokens generated per prompt")
     ap.add_argument("--generation-backend", choices=["posttrain", "hf"], default="posttrain",
                     help="ppo: posttrain.rollout's engine, or transformers' generate")

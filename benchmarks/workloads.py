@@ -6,10 +6,10 @@ spec's shapes with random weights and rows of the tiny corpus cut to exact lengt
 (benchmarks/bench_models.py):
 
 - posttrain's mixes: posttrain's own trainer (``DPOTrainer``, ``PPOTrainer``, ``DistillTrainer``,
-  ``GRPOTrainer``, ``RLOOTrainer``) with ``mix`` set;
+  ``GRPOTrainer``, ``RLOOTrainer``, ``SFTTrainer``, ``RewardTrainer``) with ``mix`` set;
 - ``trl-zero2`` / ``trl-zero3``: TRL's own trainer (``trl.DPOTrainer``,
-  ``trl.experimental.gkd.GKDTrainer``, ``trl.GRPOTrainer``, ``trl.RLOOTrainer``) with that single
-  DeepSpeed config, its frozen models placed by ``prepare_deepspeed`` as TRL does. TRL 1.16 has no
+  ``trl.experimental.gkd.GKDTrainer``, ``trl.GRPOTrainer``, ``trl.RLOOTrainer``, ``trl.SFTTrainer``,
+  ``trl.RewardTrainer``) with that single DeepSpeed config, its frozen models placed by ``prepare_deepspeed`` as TRL does. TRL 1.16 has no
   PPOTrainer (``trl.experimental.ppo`` was removed in 1.13), so PPO's baseline rows are posttrain's
   PPOTrainer in TRL's placement: every role under the trained config, frozen models at stage 0
   (trl-zero2) or ZeRO-3 with DeepSpeed's own gathering and memory-efficient linear (trl-zero3).
@@ -303,9 +303,62 @@ def trl_distill(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tupl
                             train_dataset=Dataset.from_list(rows), processing_class=tok)
 
 
+def sft_documents(spec: dict[str, Any]) -> list[dict[str, str]]:
+    """Text documents of ``seq_len`` tokens with the EOS both trainers add (benchmarks/sft_race.py's,
+    all of the longest length it makes): padded batches of ``micro_batch`` x ``seq_len``."""
+    from benchmarks.sft_race import documents
+
+    return documents(spec["seq_len"], 1, count=rows_needed(spec))
+
+
+def posttrain_sft(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    cfg = SFTConfig(model_name_or_path=str(role_path(spec, "policy")), max_length=spec["seq_len"], **common)
+    return SFTTrainer, dict(args=cfg, train_dataset=sft_documents(spec))
+
+
+def trl_sft(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    policy = role_path(spec, "policy")
+    args = SFTConfig(max_length=spec["seq_len"], **common)  # before the model loads: ZeRO-3 partitions it
+    return SFTTrainer, dict(model=str(policy), args=args, train_dataset=Dataset.from_list(sft_documents(spec)),
+                            processing_class=tiny.load_tokenizer(policy))
+
+
+def reward_rows(spec: dict[str, Any]) -> list[dict[str, str]]:
+    """Preference pairs of about ``seq_len`` tokens a side, within ``max_length`` (benchmarks/reward_race.py's)."""
+    from benchmarks.reward_race import reward_pairs
+
+    return reward_pairs(rows_needed(spec), spec["seq_len"])
+
+
+def posttrain_reward(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
+    from posttrain.trainers.reward import RewardConfig, RewardTrainer
+
+    cfg = RewardConfig(model_name_or_path=str(role_path(spec, "reward", "sequence")), max_length=spec["seq_len"],
+                       **common)
+    return RewardTrainer, dict(args=cfg, train_dataset=reward_rows(spec))
+
+
+def trl_reward(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    path = role_path(spec, "reward", "sequence")
+    args = RewardConfig(max_length=spec["seq_len"], **common)
+    return RewardTrainer, dict(model=str(path), args=args, train_dataset=Dataset.from_list(reward_rows(spec)),
+                               processing_class=tiny.load_tokenizer(path))
+
+
 BUILDERS = {"dpo": (posttrain_dpo, trl_dpo), "ppo": (posttrain_ppo, None), "distill": (posttrain_distill, trl_distill),
             "grpo": (grpo_e2e.posttrain_trainer, grpo_e2e.trl_trainer),
-            "rloo": (grpo_e2e.posttrain_trainer, grpo_e2e.trl_trainer)}
+            "rloo": (grpo_e2e.posttrain_trainer, grpo_e2e.trl_trainer),
+            "sft": (posttrain_sft, trl_sft), "reward": (posttrain_reward, trl_reward)}
+# Sequences per micro-batch entry: a DPO or reward pair is two.
+PAIRED = ("dpo", "reward")
 
 
 # -- what a run reports ------------------------------------------------------------------------------
@@ -334,6 +387,8 @@ def canary(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
     from benchmarks import canary as canary_check
 
     frozen = frozen_models(trainer)
+    if not frozen:  # SFT, reward: nothing frozen, nothing to check (the row says so)
+        return {"canary": {}}
     device = trainer.session.device if hasattr(trainer, "session") else trainer.accelerator.device
     ids = torch.randint(3, len(tiny.load_tokenizer()), (spec["micro_batch"], spec["seq_len"]), device=device)
     try:
@@ -391,7 +446,7 @@ def run(spec: dict[str, Any], out: Path, result: dict[str, Any]) -> None:
     result.update(setup_s=clock.first_begin - t0, step_times=steps, losses=losses,
                   step_s=statistics.median(s["step"] for s in steps),
                   phase_s={k: statistics.median(s[k] for s in steps) for k in names},
-                  tokens_per_step=(2 if spec["workload"] == "dpo" else 1) * spec["micro_batch"] * spec["seq_len"],
+                  tokens_per_step=(2 if spec["workload"] in PAIRED else 1) * spec["micro_batch"] * spec["seq_len"],
                   world_size=int(os.environ.get("WORLD_SIZE", "1")), rollout=rollout_stats(trainer))
     result.update(lower_quartiles(steps))
     result.update(canary(trainer, spec))

@@ -15,19 +15,26 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import harness  # noqa: E402
 from benchmarks.workloads import is_oom  # noqa: E402
 
-# Each workload under one of posttrain's mixes and one TRL baseline: TRL's own DPOTrainer and
-# GKDTrainer, and (TRL has no PPOTrainer) posttrain's PPO in TRL's ZeRO-3 placement.
+# Each workload under one of posttrain's mixes and one TRL baseline: TRL's own DPOTrainer,
+# GKDTrainer, SFTTrainer and RewardTrainer, and (TRL has no PPOTrainer) posttrain's PPO in TRL's
+# ZeRO-3 placement.
 RUNS = {
     "dpo": ["--micro-batch", "2", "--seq-len", "32", "--mixes", "zero2-zero3,trl-zero2"],
     "ppo": ["--micro-batch", "2", "--seq-len", "40", "--response-len", "8", "--mixes", "zero2-zero3,trl-zero3",
             "--profile-steps", "1"],
     "distill": ["--micro-batch", "2", "--seq-len", "32", "--mixes", "zero2-zero3,trl-zero3"],
+    "sft": ["--micro-batch", "2", "--seq-len", "32", "--mixes", "zero2-zero3,trl-zero3"],
+    "reward": ["--micro-batch", "2", "--seq-len", "32", "--mixes", "zero3,trl-zero2"],
 }
 TRAINERS = {("dpo", "zero2-zero3"): "posttrain.DPOTrainer", ("dpo", "trl-zero2"): "trl.DPOTrainer",
             ("ppo", "zero2-zero3"): "posttrain.PPOTrainer", ("ppo", "trl-zero3"): "posttrain.PPOTrainer (TRL's placement)",
-            ("distill", "zero2-zero3"): "posttrain.DistillTrainer", ("distill", "trl-zero3"): "trl.GKDTrainer"}
+            ("distill", "zero2-zero3"): "posttrain.DistillTrainer", ("distill", "trl-zero3"): "trl.GKDTrainer",
+            ("sft", "zero2-zero3"): "posttrain.SFTTrainer", ("sft", "trl-zero3"): "trl.SFTTrainer",
+            ("reward", "zero3"): "posttrain.RewardTrainer", ("reward", "trl-zero2"): "trl.RewardTrainer"}
 PHASES = {"dpo": {"reference", "policy_forward", "backward"}, "ppo": {"generate", "policy_forward", "score", "train"},
-          "distill": {"forward", "backward"}}
+          "distill": {"forward", "backward"}, "sft": {"forward", "backward"}, "reward": {"forward", "backward"}}
+# The frozen roles the canary checks; SFT and reward have none.
+FROZEN = {"dpo": {"reference"}, "ppo": {"reference", "reward"}, "distill": {"teacher"}, "sft": set(), "reward": set()}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +57,7 @@ def runs(tmp_path_factory):
 
 def test_every_workload_runs_its_trainer_under_each_mix(runs):
     codes, _, rows, teacher = runs
-    assert codes == {"dpo": 0, "ppo": 0, "distill": 0}
+    assert codes == dict.fromkeys(RUNS, 0)
     assert [(r["workload"], r["mix"]) for r in rows] == list(TRAINERS)
     for r in rows:
         assert r["status"] == "ok", r.get("error")
@@ -61,16 +68,19 @@ def test_every_workload_runs_its_trainer_under_each_mix(runs):
         assert set(r["phase_s"]) == (PHASES[r["workload"]] if r["trainer"].startswith("posttrain") else set())
         for t in r["step_times"]:
             assert 0 < sum(v for k, v in t.items() if k != "step") <= t["step"] + 1e-4 or not r["phase_s"]
-        per_step = {"dpo": 2 * 2 * 32, "ppo": 2 * 40, "distill": 2 * 32}[r["workload"]]
+        per_step = {"dpo": 2 * 2 * 32, "ppo": 2 * 40, "distill": 2 * 32, "sft": 2 * 32, "reward": 2 * 2 * 32}[r["workload"]]
         assert r["tokens_per_s"] == pytest.approx(per_step * 2 / r["step_s"], rel=0.01)
         assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
-        assert r["setup_s"] > 0 and r["gradient_checkpointing"] is (r["workload"] == "dpo")
+        # Checkpointing: TRL's default for DPO, SFT and reward on both sides; GKD and PPO have none.
+        assert r["setup_s"] > 0 and r["gradient_checkpointing"] is (r["workload"] in ("dpo", "sft", "reward"))
         assert "peak_allocated_gib" not in r  # no CUDA here: no memory numbers rather than zeros
         # The canary checked every frozen role (posttrain's fast ZeRO-3, TRL's prepare_deepspeed
         # engines) against its unsharded weights: equal to fp32 rounding.
-        frozen = {"dpo": {"reference"}, "ppo": {"reference", "reward"}, "distill": {"teacher"}}[r["workload"]]
-        assert set(r["canary"]) == frozen and r["canary_tolerance"] == 1e-3
-        assert r["canary_max_abs_diff"] < 1e-5
+        assert set(r["canary"]) == FROZEN[r["workload"]]
+        if not FROZEN[r["workload"]]:  # nothing to check: no difference or tolerance claimed
+            assert "canary_max_abs_diff" not in r and "canary_tolerance" not in r
+            continue
+        assert r["canary_tolerance"] == 1e-3 and r["canary_max_abs_diff"] < 1e-5
     by = {(r["workload"], r["mix"]): r for r in rows}
     # The rollout engine's counters: PPO's policy generated with the engine, nothing fell back.
     for mix in ("zero2-zero3", "trl-zero3"):
@@ -79,6 +89,12 @@ def test_every_workload_runs_its_trainer_under_each_mix(runs):
     assert by["distill", "zero2-zero3"]["shapes"]["teacher"] == str(teacher)
     # PPO in TRL's placement is the same computation as under posttrain's mix: same losses.
     assert by["ppo", "trl-zero3"]["losses"] == pytest.approx(by["ppo", "zero2-zero3"]["losses"], abs=1e-5)
+    # SFT and reward: posttrain's and TRL's trainers saw the same rows in the same batches (TRL's
+    # data order, the same model and step): the same losses, under different ZeRO stages.
+    for workload, mixes in (("sft", ("zero2-zero3", "trl-zero3")), ("reward", ("zero3", "trl-zero2"))):
+        ours, trl = (by[workload, m]["losses"] for m in mixes)
+        assert ours == pytest.approx(trl, abs=1e-4)
+    assert by["reward", "zero3"]["shapes"] == {"reward": "tiny"}
 
 
 def test_outputs_and_command(runs):
@@ -86,8 +102,14 @@ def test_outputs_and_command(runs):
     table = (out / "results.md").read_text()
     assert table.count("| ppo-tiny-mb2-s40-r8 |") == 2
     assert "| dpo-tiny-mb2-s32 | trl-zero2 | trl.DPOTrainer | ok |" in table
+    assert "| sft-tiny-mb2-s32 | trl-zero3 | trl.SFTTrainer | ok |" in table
+    # The planner's figure for SFT and reward rows too (no measured peak here: no CUDA); no canary.
+    for r in rows[-4:]:
+        planned = harness.planned_peak(r)
+        line = next(x for x in table.splitlines() if x.startswith(f"| {r['case']} | {r['mix']} |"))
+        assert planned > 0 and line.split(" | ")[9] == f"{planned:.2f}" and line.endswith("| no frozen role |")
     commands = (out / "commands.txt").read_text().splitlines()
-    assert len(commands) == 3 and commands[1].endswith("--steps 2 --out " + f"{out} --timeout 300")
+    assert len(commands) == len(RUNS) and commands[1].endswith("--steps 2 --out " + f"{out} --timeout 300")
     # --profile-steps: rank 0's trace of one more (unmeasured) step, beside each run's log.
     for mix in ("zero2-zero3", "trl-zero3"):
         run_dir = out / "runs" / f"ppo-tiny-mb2-s40-r8-{mix}"
@@ -194,6 +216,9 @@ def test_canary_verdict_takes_every_rank():
     assert wrong["status"] == "wrong" and wrong["canary_max_abs_diff"] == 2.2 and "reference 2.2" in wrong["error"]
     unchecked = harness.canary_verdict([rank(0.0), {"canary_error": "RuntimeError: no unit holds x"}])
     assert unchecked["status"] == "unchecked" and "no unit holds" in unchecked["error"]
+    # No frozen role (SFT, reward): nothing checked, so no difference, tolerance or status claimed.
+    assert harness.canary_verdict([{"canary": {}}, {"canary": {}}]) == {"canary": {}}
+    assert harness.canary_cell({"canary": {}}) == "no frozen role" and harness.canary_cell({}) == ""
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -269,3 +294,6 @@ def test_rounds_pool_every_measured_step():
     a, b = (dict(row([1.0], 1.0), canary={"reference": d}, canary_max_abs_diff=d) for d in (0.0, 0.02))
     pooled = harness.pool_rounds([a, b])
     assert pooled["canary"] == {"reference": 0.02} and pooled["canary_max_abs_diff"] == 0.02
+    # No frozen role (SFT, reward): pooled rounds still claim no difference.
+    pooled = harness.pool_rounds([dict(row([1.0], 1.0), canary={}), dict(row([2.0], 1.0), canary={})])
+    assert pooled["canary"] == {} and "canary_max_abs_diff" not in pooled

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .. import sft_data
+from .. import sft_data, varlen_attention
 from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..lora import LoraFields, add_adapters, lora_config, zero3_adapters
@@ -120,7 +120,8 @@ def token_terms(model: Any, batch: dict, loss_type: str = "nll") -> dict[str, to
     """Summed per-token loss (with gradient), trained-token count, summed entropy and top-1 hits
     of one collated batch, from the fused head of a model given :func:`add_fused_head` (TRL's
     computation: no full logits, the vocabulary projected in tiles)."""
-    out = model(**model_inputs(batch), labels=batch["labels"], fused_lm_head=True)
+    # No cache (TRL's compute_loss too): with one, transformers ignores padding-free position ids under sdpa.
+    out = model(**model_inputs(batch), labels=batch["labels"], fused_lm_head=True, use_cache=False)
     mask = out.label_mask
     per_token = -out.log_probs  # zero where the label is -100
     if loss_type == "dft":  # DFT (arXiv 2508.05629): each token weighted by its probability
@@ -176,6 +177,10 @@ class SFTTrainer(RowsTrainer):
         self.session = make_session(cfg, ["policy"], [], total_steps=self.total_steps)
         self.phases = Phases()
         kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}  # TRL loads float32 unless told
+        # Padding-free rows on CUDA: torch's varlen kernel, unless an attention is asked for (issue 22).
+        chosen = varlen_attention.choose(kwargs, path, self.padding_free, self.session.device)
+        if chosen and self.session.is_main_process:
+            print(chosen, flush=True)
         model = self.session.load("policy", path, **kwargs)
         model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         if self.tokenizer.eos_token_id is not None and cfg.eos_token is not None:

@@ -33,6 +33,11 @@ def main() -> int:
     fn, _ = va._kernel()
     report = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "varlen_attn": str(inspect.signature(fn)) if fn else None, "kernel_runs": va.kernel_available(device)}
+    from transformers import LlamaConfig
+
+    kwargs: dict = {}  # what posttrain's SFT picks for padding-free rows on this device when no attention is asked
+    report["sft_default_line"] = va.choose(kwargs, LlamaConfig(), True, device)
+    report["sft_default_attention"] = kwargs.get("attn_implementation", "sdpa (transformers' default)")
     rng = random.Random(0)
     lens = [rng.randint(128, 2048) for _ in range(8)] if cuda else [5, 17, 3, 30]
     heads, kv_heads, dim = 32, 4, 64

@@ -42,7 +42,12 @@ def kernel_available(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available() or _kernel()[0] is None:
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 8
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def register() -> None:

@@ -120,8 +120,7 @@ def token_terms(model: Any, batch: dict, loss_type: str = "nll") -> dict[str, to
     """Summed per-token loss (with gradient), trained-token count, summed entropy and top-1 hits
     of one collated batch, from the fused head of a model given :func:`add_fused_head` (TRL's
     computation: no full logits, the vocabulary projected in tiles)."""
-    # No cache (TRL's compute_loss too): with one, transformers ignores padding-free position ids under sdpa.
-    out = model(**model_inputs(batch), labels=batch["labels"], fused_lm_head=True, use_cache=False)
+    out = model(**model_inputs(batch), labels=batch["labels"], fused_lm_head=True)
     mask = out.label_mask
     per_token = -out.log_probs  # zero where the label is -100
     if loss_type == "dft":  # DFT (arXiv 2508.05629): each token weighted by its probability

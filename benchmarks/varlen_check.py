@@ -64,8 +64,9 @@ def main() -> int:
     def block_mask():  # transformers' sdpa on a padding-free row: a dense block-diagonal causal mask
         doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
         mask = (doc[:, None] == doc[None, :]) & torch.ones(total, total, dtype=torch.bool, device=device).tril()
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             attn_mask=mask, enable_gqa=True)
+        rep = heads // kv_heads  # with a mask transformers repeats the key/value heads (repeat_kv)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.repeat_interleave(rep, 1).transpose(0, 1)[None],
+                                             v.repeat_interleave(rep, 1).transpose(0, 1)[None], attn_mask=mask)
         return out[0].transpose(0, 1)
 
     ref = run(per_document)

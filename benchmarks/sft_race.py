@@ -21,7 +21,10 @@ states with a bf16 autocast forward for ``fp32``); the row records the ``engine`
 tokens fed to the model (no padding: TRL's and posttrain's logged ``num_tokens``) over the timed
 steps. Attention: with ``sdpa`` a padding-free row gets a block-diagonal mask (transformers builds
 it from the position ids), so its attention covers the whole row; ``flash_attention_2`` (where
-installed) and ``flex_attention`` skip the masked blocks.
+installed), ``flex_attention`` and posttrain's ``varlen`` (torch's own FlashAttention varlen kernel,
+posttrain/varlen_attention.py) attend per document. ``--attn-posttrain varlen`` runs posttrain's
+padding-free and packed rows with it while every other row keeps ``--attn``; each row records the
+attention it ran (``attn_implementation``, and the summary's "attention:" line).
 
     python benchmarks/sft_race.py --out DIR                           # one GPU
     DS_ACCELERATOR=cpu python benchmarks/sft_race.py --shape tiny --steps 1 --warmup 1 --rounds 1
@@ -104,15 +107,17 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
     path = model_dir(spec["shape"], torch.bfloat16)
     rows, packing, padding_free = side_data(side, spec)
     attn = attention(spec)
+    if side.startswith("posttrain") and (packing or padding_free) and spec["attn_posttrain"] != "same":
+        attn = None if spec["attn_posttrain"] == "default" else spec["attn_posttrain"]  # None: posttrain's choice
     dtype = "bfloat16" if spec["states"] == "bf16" else "float32"
+    init = {"dtype": dtype, **({"attn_implementation": attn} if attn else {})}
     common = dict(per_device_train_batch_size=spec["batch"], learning_rate=2e-5, max_steps=spec["warmup"] + spec["steps"],
                   bf16=True, gradient_checkpointing=True, logging_steps=1, seed=0, disable_tqdm=True,
                   packing=packing, padding_free=padding_free,
                   # padding-free without packing bounds nothing by max_length (both refuse it): the rows fit.
                   max_length=None if padding_free else spec["seq_len"],
-                  model_init_kwargs={"dtype": dtype, "attn_implementation": attn})
-    info = {"attn_implementation": attn, "states": spec["states"], "documents": len(rows),
-            }
+                  model_init_kwargs=init)
+    info = {"states": spec["states"], "documents": len(rows)}
     if side.startswith("trl"):
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
@@ -126,7 +131,7 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
         stamps.mark()
         trainer.train()
         logs = stamps.logs
-        return {**info, "losses": [r["loss"] for r in logs][spec["warmup"]:],
+        return {**info, "attn_implementation": trainer.model.config._attn_implementation, "losses": [r["loss"] for r in logs][spec["warmup"]:],
                 "tokens_per_step": race.per_step_tokens([float(r["num_tokens"]) for r in logs])}
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
@@ -137,7 +142,8 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
     stamps.wrap_session(s)
     stamps.mark()
     history = [h for h in trainer.train() if "loss" in h]
-    return {**info, "engine": s.engine_kind("policy"), "master_weights": s.master_weights("policy"),
+    return {**info, "attn_implementation": s.unwrap("policy").config._attn_implementation,
+            "engine": s.engine_kind("policy"), "master_weights": s.master_weights("policy"),
             "losses": [h["loss"] for h in history][spec["warmup"]:],
             "tokens_per_step": race.per_step_tokens([float(h["num_tokens"]) for h in history]),
             "phase_s": race.phase_medians(history[spec["warmup"]:])}
@@ -163,6 +169,9 @@ def targets(summary: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> l
         if r is not None:
             goal = f" (target >= 1.3: {'met' if r >= 1.3 else 'missed'})" if who == "posttrain" else ""
             lines.append(f"mixed lengths: {who} padding-free tokens/s {r:.2f}x padded{goal}")
+    attn = {r["side"]: r.get("attn_implementation") for r in rows if r.get("attn_implementation")}
+    if attn:
+        lines.append("attention: " + ", ".join(f"{side} {name}" for side, name in attn.items()))
     return lines
 
 
@@ -172,7 +181,10 @@ RACE = race.Race(name="sft_race", doc=__doc__, script=__file__, sides=SIDES, run
                         "seq_len": (2048, 64, "tokens per packed row, the longest document"),
                         "states": ("bf16", "bf16", "optimizer precision on both sides: bf16 or fp32"),
                         "attn": ("sdpa", "sdpa", "attention implementation on both sides (auto: flash-attention 2 "
-                                                 "if installed)")})
+                                                 "if installed)"),
+                        "attn_posttrain": ("same", "same", "attention of posttrain's padding-free and packed rows: "
+                                           "same (--attn), default (posttrain's own choice: varlen on CUDA) or a "
+                                           "name such as varlen (posttrain.varlen_attention)")})
 
 if __name__ == "__main__":
     sys.exit(race.main(RACE))

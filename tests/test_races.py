@@ -128,17 +128,21 @@ def test_distill_race_tiny(tmp_path):
 
 def test_sft_race_tiny(tmp_path):
     """Packed on both sides; posttrain padded and padding-free on the same mixed-length rows in the
-    same order: the same tokens each step and (bf16) nearly the same loss."""
+    same order: the same tokens each step and (bf16) nearly the same loss; --attn-posttrain varlen runs
+    posttrain's padding-free and packed rows on posttrain's varlen attention, the others on sdpa."""
     _, rows, summary, md = run_race("sft_race.py", "trl-packed,posttrain-packed,posttrain-padded,posttrain-padding-free",
-                                    tmp_path)
-    for row in rows.values():
-        assert row["tokens_per_s"] > 0 and all(t > 0 for t in row["tokens_per_step"]) and row["attn_implementation"] == "sdpa"
+                                    tmp_path, "--attn-posttrain", "varlen")
+    for side, row in rows.items():
+        assert row["tokens_per_s"] > 0 and all(t > 0 for t in row["tokens_per_step"])
+        assert row["attn_implementation"] == ("varlen" if side in ("posttrain-packed", "posttrain-padding-free")
+                                              else "sdpa"), side
     assert rows["posttrain-packed"]["engine"] == "torch" and rows["posttrain-packed"]["master_weights"] == "bf16"
     padded, free = rows["posttrain-padded"], rows["posttrain-padding-free"]
     assert padded["tokens_per_step"] == free["tokens_per_step"]
     assert free["losses"] == pytest.approx(padded["losses"], abs=2e-2)
     assert summary["summary"]["posttrain-packed"]["baseline"] == "trl-packed"
     assert "packed: posttrain tokens/s" in md and "mixed lengths: posttrain padding-free tokens/s" in md
+    assert "attention: trl-packed sdpa, posttrain-packed varlen, posttrain-padded sdpa, posttrain-padding-free varlen" in md
 
 
 def test_reward_race_tiny(tmp_path):

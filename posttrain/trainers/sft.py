@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .. import sft_data
+from .. import sft_data, varlen_attention
 from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..lora import LoraFields, add_adapters, lora_config, zero3_adapters
@@ -183,6 +183,11 @@ class SFTTrainer(RowsTrainer):
         self.session = make_session(cfg, ["policy"], [], total_steps=self.total_steps)
         self.phases = Phases()
         kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}  # TRL loads float32 unless told
+        if not isinstance(source, torch.nn.Module):  # an object keeps the attention it was built with
+            # Padding-free rows on CUDA: torch's varlen kernel, unless an attention is asked for (issue 22).
+            chosen = varlen_attention.choose(kwargs, source, self.padding_free, self.session.device)
+            if chosen and self.session.is_main_process:
+                print(chosen, flush=True)
         model = self.session.load("policy", source, **kwargs)  # an object is taken as it is (TRL)
         model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         if self.tokenizer.eos_token_id is not None and cfg.eos_token is not None:

@@ -6,7 +6,9 @@ in ONE process, at one shape (the 1.1B Llama by default), each variant a new eng
 - ``split`` (``POSTTRAIN_ROLLOUT_SPLIT``): the layer compiled in two halves around two eager
   ``index_copy_`` cache writes (1), or one compiled layer writing the cache in place (0);
 - ``fp32`` (``POSTTRAIN_ROLLOUT_SCORES_FP32``): attention scores from a bf16 ``bmm`` with a float32
-  output (1) or a bf16 ``bmm`` cast to float32 (0).
+  output (1) or a bf16 ``bmm`` cast to float32 (0);
+- ``sdpa`` (``POSTTRAIN_ROLLOUT_SDPA``): decode attention as one ``scaled_dot_product_attention``
+  call (a group's query heads as its queries) instead of bmm, softmax, bmm.
 
 Two workloads per variant, every row to the end (no stop tokens), on one engine of 128 slots x
 (256 + 512): (a) GRPO's, 16 rows x (256 + 256); (b) 128 rows x (256 + 512). Per workload: the
@@ -32,16 +34,18 @@ from typing import Any
 
 import torch
 
-# fused, split, fp32 scores: the engine as it was first, then by expected gain (the budget cuts the tail).
-VARIANTS = ((0, 1, 1), (1, 1, 1), (0, 0, 1), (1, 0, 1), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 0))
+# fused, split, fp32 scores, sdpa: the engine as it was first, then by expected gain (--budget-s cuts the tail).
+VARIANTS = ((0, 1, 1, 0), (1, 1, 1, 0), (0, 0, 1, 0), (1, 0, 1, 0), (1, 0, 1, 1), (1, 0, 0, 0), (0, 1, 1, 1),
+            (0, 1, 0, 0))
 LAUNCH = re.compile(r"^\s*(?:\w+\.run\(|cpp_fused_\w+\(|extern_kernels\.\w+\(|torch\.ops\.\w+\.\w+)")
 
 
-def name(variant: tuple[int, int, int]) -> str:
-    return "fused{}_split{}_fp32{}".format(*variant)
+def name(variant: tuple[int, int, int, int]) -> str:
+    fused, split, fp32, sdpa = variant
+    return f"fused{fused}_split{split}_" + ("sdpa" if sdpa else f"fp32{fp32}")
 
 
-def parse_variants(text: str) -> list[tuple[int, int, int]]:
+def parse_variants(text: str) -> list[tuple[int, int, int, int]]:
     """"all" or names like fused1_split0_fp321, comma-separated."""
     if text == "all":
         return list(VARIANTS)
@@ -132,9 +136,9 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
     compile_mode = "layer" if device.type == "cuda" or args.variants_compile else None
     reference: dict[str, torch.Tensor] = {}
     for variant in parse_variants(args.variants):
-        fused, split, fp32 = variant
+        fused, split, fp32, sdpa = variant
         base = {"shape": shape, "case": "variants", "variant": name(variant), "fused": fused, "split": split,
-                "fp32_scores": fp32}
+                "fp32_scores": fp32, "sdpa": sdpa}
         if time.perf_counter() - t_start > args.budget_s:
             out.append({**base, "error": "skipped: --budget-s spent"})
             write()
@@ -142,7 +146,7 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
         tick = time.perf_counter()
         r = e = None
         try:
-            options = dict(fused=bool(fused), split_layer=bool(split), fp32_scores=bool(fp32))
+            options = dict(fused=bool(fused), split_layer=bool(split), fp32_scores=bool(fp32), sdpa_decode=bool(sdpa))
             if compile_mode:
                 options["compile_mode"] = compile_mode
             r = Rollout(None, "policy", built, max_batch=slots, max_prompt_len=p, model=model, kv_slots=slots,
@@ -188,7 +192,8 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
                     row["tokens_equal_first_variant"] = (o.completion_ids[:k] == first).float().mean().item()
                 st = r.stats
                 row.update(compile=st.get("compile"), split_layer_ran=st.get("split_layer"),
-                           fp32_scores_ran=st.get("fp32_scores"), compile_fallbacks=st.get("compile_fallbacks"),
+                           fp32_scores_ran=st.get("fp32_scores"), sdpa_ran=st.get("sdpa_decode"),
+                           compile_fallbacks=st.get("compile_fallbacks"),
                            capture_fallbacks=st.get("capture_fallbacks"), split_fallbacks=st.get("split_fallbacks"),
                            captures=st.get("captures"), capture_s=st.get("capture_s"),
                            fused_weight_bytes=st.get("fused_weight_bytes"),

@@ -213,22 +213,23 @@ def test_fused_buffers_are_refreshed_every_rollout(tok, prompts):
 @pytest.mark.parametrize("fused", [False, True])
 def test_step_variants_trace_and_decode_the_same(fused, tok, prompts):
     """Every switch of the step (fused projections; one compiled layer writing the cache in place
-    or two halves around eager writes; bf16-output scores) traced as CUDA compiles it (fullgraph,
-    aot_eager) samples what the eager default does, with no fallback."""
+    or two halves around eager writes; bf16-output scores; SDPA decode attention) traced as CUDA
+    compiles it (fullgraph, aot_eager) samples what the eager default does, with no fallback."""
     model, (ids, mask) = build("qwen2", tok), prompts  # q/k/v biases: the fused bias too
     torch.manual_seed(7)
     eager = rollout(model, tok).generate(ids, mask)
-    for split, fp32 in ((True, True), (False, True), (False, False)):
+    for split, fp32, sdpa in ((True, True, False), (False, True, False), (False, False, False), (False, True, True)):
         torch._dynamo.reset()
         r = rollout(model, tok, engine_options=dict(
-            fused=fused, split_layer=split, fp32_scores=fp32, compile_mode="layer", compile_backend="aot_eager",
-            smallest_bucket=2, length_bucket=8, sync_every=3))
+            fused=fused, split_layer=split, fp32_scores=fp32, sdpa_decode=sdpa, compile_mode="layer",
+            compile_backend="aot_eager", smallest_bucket=2, length_bucket=8, sync_every=3))
         torch.manual_seed(7)
         out = r.generate(ids, mask)
         st = r.stats
         assert st["compile"] == "layer" and not r.degraded and st["split_fallbacks"] == 0, st
-        assert st["split_layer"] == split and st["fp32_scores"] == fp32 and (st["fused_weight_bytes"] > 0) == fused
-        assert torch.equal(eager.sequences, out.sequences), (split, fp32)
+        assert st["split_layer"] == split and st["fp32_scores"] == fp32 and st["sdpa_decode"] == sdpa
+        assert (st["fused_weight_bytes"] > 0) == fused
+        assert torch.equal(eager.sequences, out.sequences), (split, fp32, sdpa)
         assert (eager.logprobs - out.logprobs).abs().max().item() < 1e-5
     torch._dynamo.reset()
 

@@ -92,6 +92,7 @@ class DecoderSpec:
     act: Callable[[torch.Tensor], torch.Tensor]
     vocab: int
     fp32_scores: bool  # decode attention scores kept in float32 (see the module docstring)
+    sdpa_decode: bool = False  # decode attention by SDPA (one fused kernel) instead of bmm, softmax, bmm
 
     @classmethod
     def of(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> DecoderSpec:
@@ -307,6 +308,12 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
     """One query per row over the cache [B, kv_heads, L, d] (``bias`` [B, 1, 1, L]: 0 or -inf).
     The query heads of a group share one read of their key/value head (no repeat of the cache)."""
     b, groups, d = q.shape[0], spec.heads // spec.kv_heads, spec.head_dim
+    if spec.sdpa_decode:
+        # A group's query heads are SDPA's queries of its key/value head: one kernel (float32
+        # scores and softmax inside, as in the training forward's SDPA), no repeat of the cache.
+        out = F.scaled_dot_product_attention(q.reshape(b, spec.kv_heads, groups, d), keys, values,
+                                             attn_mask=bias.to(q.dtype), scale=spec.scaling)
+        return out.reshape(b, spec.heads, 1, d)
     length = keys.shape[2]
     qg = q.reshape(b * spec.kv_heads, groups, d)
     kt = keys.reshape(b * spec.kv_heads, length, d).transpose(1, 2)

@@ -150,7 +150,8 @@ class DecodeEngine:
                  admit_min: int | None = None, compile_mode: str | None = None,
                  compile_backend: str = "inductor", lora_mode: str | None = None,
                  tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, fused: bool | None = None,
-                 split_layer: bool | None = None, fp32_scores: bool | None = None) -> None:
+                 split_layer: bool | None = None, fp32_scores: bool | None = None,
+                 sdpa_decode: bool | None = None) -> None:
         self.model, self.sampling = model, sampling
         self.slots, self.prompt_len = slots, max_prompt_len
         self.max_new = sampling.max_new_tokens
@@ -170,11 +171,14 @@ class DecodeEngine:
         # cache writes; off, one compiled layer writes the cache in place (decoder.decode_layer).
         # ``fp32_scores`` (POSTTRAIN_ROLLOUT_SCORES_FP32): decode attention scores in float32
         # (on CUDA a bf16 bmm with a float32 output), off: a bf16 bmm, then float32.
+        # ``sdpa_decode`` (POSTTRAIN_ROLLOUT_SDPA): decode attention as one SDPA call instead.
         self.fused = (decoder.fused_buffers(model, self.adapters)
                       if _env_flag("POSTTRAIN_ROLLOUT_FUSE", fused, False) else None)
         self.split_layer = _env_flag("POSTTRAIN_ROLLOUT_SPLIT", split_layer, True)
         if not _env_flag("POSTTRAIN_ROLLOUT_SCORES_FP32", fp32_scores, True):
             self.spec = dataclasses.replace(self.spec, fp32_scores=False)
+        if _env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, False):
+            self.spec = dataclasses.replace(self.spec, sdpa_decode=True)
         self.weights = decoder.read_weights(model, self.fused, self.adapters)
         spec = self.spec
         shape = (slots, spec.kv_heads, self.length, spec.head_dim)
@@ -492,7 +496,8 @@ class DecodeEngine:
 
     def _prepare(self, rows: int, length: int) -> None:
         """Compile the step's parts (``compile_mode`` "layer") and run it once. A whole layer that
-        fails to compile is retried split (``stats["split_fallbacks"]``), a compile that fails is
+        fails to compile is retried split (``stats["split_fallbacks"]``), SDPA decode attention
+        with bmm and softmax (``stats["sdpa_decode"]`` says which ran), a compile that fails is
         retried with bf16 attention scores if it had float32 ones (``stats["fp32_scores"]``
         says which ran), then falls back to the eager parts: logged, and counted in
         ``stats["compile_fallbacks"]``."""
@@ -500,6 +505,7 @@ class DecodeEngine:
         self._prepared = True
         self.stats["fp32_scores"] = self.spec.fp32_scores
         self.stats["split_layer"] = self.split_layer
+        self.stats["sdpa_decode"] = self.spec.sdpa_decode
         if self.compile_mode == "none":
             return
         while True:
@@ -513,6 +519,12 @@ class DecodeEngine:
                                     "in two halves", err)
                     self.split_layer, self.stats["split_layer"] = True, True
                     self.stats["split_fallbacks"] += 1
+                    continue
+                if self.spec.sdpa_decode:
+                    self._fall_back("torch.compile of the step with SDPA decode attention failed; retrying with "
+                                    "bmm and softmax", err)
+                    self.spec = dataclasses.replace(self.spec, sdpa_decode=False)
+                    self.stats["sdpa_decode"] = False
                     continue
                 if self.spec.fp32_scores and self.dtype != torch.float32 and self.device.type == "cuda":
                     self._fall_back("torch.compile of the step with float32 attention scores failed; retrying "

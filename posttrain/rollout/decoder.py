@@ -312,7 +312,7 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
         # A group's query heads are SDPA's queries of its key/value head: one kernel (float32
         # scores and softmax inside, as in the training forward's SDPA), no repeat of the cache.
         out = F.scaled_dot_product_attention(q.reshape(b, spec.kv_heads, groups, d), keys, values,
-                                             attn_mask=bias.to(q.dtype), scale=spec.scaling)
+                                             attn_mask=bias, scale=spec.scaling)
         return out.reshape(b, spec.heads, 1, d)
     length = keys.shape[2]
     qg = q.reshape(b * spec.kv_heads, groups, d)

@@ -17,14 +17,22 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   would need its block mask rebuilt from the slot state every step. The price: KV memory is held
   per slot for the whole length, and rows sharing a prompt hold copies of its KV.
 - Compile and capture: ``torch.compile`` (inductor, dynamic shapes, fullgraph) compiles the step's
-  prologue (embedding, rotary, mask, where each row writes), one decoder layer in two halves
-  (reused by every layer: a compile of seconds, not of the whole depth), the sampler and the
-  epilogue; the cache writes between the halves stay eager, one ``index_copy_`` per cache (an
-  in-place write into a compiled function's input could be copied back whole). Each bucket's step
-  is then captured by hand as a CUDA graph; nothing in it may sync the host (stop tokens are a
-  vocabulary mask, not ``torch.isin``). A compile or capture that fails falls back (compiled ->
-  eager graph -> no graph): never silently, each is counted in ``stats`` (``compile_fallbacks``,
-  ``capture_fallbacks``) and logged.
+  prologue (embedding and the first layer's norm, rotary cos/sin once for all layers, mask, where
+  each row writes), one decoder layer (reused by every layer: a compile of seconds, not of the
+  whole depth; each layer ends with the next one's input norm, so the residual add and that norm
+  are one kernel), the sampler and the epilogue. The layer is compiled in two halves around
+  eager ``index_copy_`` cache writes (``split_layer``, the default) or whole: then inductor writes
+  the new keys and values into the cache input in place (its generated code scatters the rows,
+  checked on CPU; it does not copy the cache back). Each bucket's step is then captured by hand
+  as a CUDA graph; nothing in it may sync the host (stop tokens are a vocabulary mask, not
+  ``torch.isin``). A compile or capture that fails falls back (whole layer -> split layer, SDPA
+  -> bmm, float32 -> bf16 scores, compiled -> eager graph -> no graph): never silently, each is
+  counted in ``stats`` (``split_fallbacks``, ``compile_fallbacks``, ``capture_fallbacks``) and
+  logged.
+- The step's switches (engine options, each with an environment variable for A/B runs; README
+  "Rollouts" has the defaults and their measurement): ``fused`` q|k|v and gate|up GEMMs
+  (``POSTTRAIN_ROLLOUT_FUSE``), ``split_layer`` (``POSTTRAIN_ROLLOUT_SPLIT``), ``fp32_scores``
+  (``POSTTRAIN_ROLLOUT_SCORES_FP32``), ``sdpa_decode`` (``POSTTRAIN_ROLLOUT_SDPA``).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).
@@ -98,7 +106,8 @@ def _inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch
     x = torch.nn.functional.embedding(last.unsqueeze(1), embed)
     cos, sin = decoder.rotary(pos.unsqueeze(1), inv_freq, spec.rope_scaling, x.dtype)
     allowed = key_valid & (cols.unsqueeze(0) <= col.unsqueeze(1))
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device).masked_fill(~allowed, float("-inf"))
+    # In the model dtype (0 and -inf are exact): SDPA takes it as it is, float32 scores promote it.
+    bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
     rows = torch.arange(last.shape[0], device=x.device).unsqueeze(1)
     heads = torch.arange(spec.kv_heads, device=x.device).unsqueeze(0)
     write = col.clamp(max=cols.shape[0] - 1).unsqueeze(1)

@@ -183,6 +183,87 @@ def test_fused_projections_give_the_same_tokens(kind, models, tok, prompts, monk
     assert (plain.logprobs - fused.logprobs).abs().max().item() < 1e-5
 
 
+def test_fused_buffers_are_refreshed_every_rollout(tok, prompts):
+    """The fused q|k|v and gate|up copies are rewritten in place at each rollout's start: an
+    in-place weight update (an optimizer step) is decoded by the next rollout, nothing re-pointed."""
+    model, (ids, mask) = build("llama", tok), prompts
+    r = rollout(model, tok, engine_options=dict(fused=True))
+    torch.manual_seed(2)
+    before = r.generate(ids, mask)
+    engine = r.engine
+    layer, entry = model.model.layers[1], engine.fused[1]
+    ptrs = (entry["qkv"].data_ptr(), entry["gate_up"].data_ptr())
+    with torch.no_grad():
+        layer.self_attn.k_proj.weight.mul_(1.7)
+        layer.mlp.up_proj.weight.add_(0.05)
+    torch.manual_seed(2)
+    after = r.generate(ids, mask)
+    assert r.engine is engine and r.stats["storage_moves"] == 0
+    assert (entry["qkv"].data_ptr(), entry["gate_up"].data_ptr()) == ptrs
+    attn, mlp = layer.self_attn, layer.mlp
+    assert torch.equal(entry["qkv"], torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(entry["gate_up"], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert (forward_logprobs(model, after, mask) - after.logprobs).abs().max().item() < 1e-5
+    assert (before.logprobs - after.logprobs).abs().max().item() > 1e-3
+    rows = sum(m.out_features for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    # The memory cost: those weights once more (fp32 here, no biases).
+    assert r.stats["fused_weight_bytes"] == rows * model.config.hidden_size * 4 * len(model.model.layers)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_variants_trace_and_decode_the_same(fused, tok, prompts):
+    """Every switch of the step (fused projections; one compiled layer writing the cache in place
+    or two halves around eager writes; bf16-output scores; SDPA decode attention) traced as CUDA
+    compiles it (fullgraph, aot_eager) samples what the eager default does, with no fallback."""
+    model, (ids, mask) = build("qwen2", tok), prompts  # q/k/v biases: the fused bias too
+    torch.manual_seed(7)
+    eager = rollout(model, tok).generate(ids, mask)
+    for split, fp32, sdpa in ((True, True, False), (False, True, False), (False, False, False), (False, True, True)):
+        torch._dynamo.reset()
+        r = rollout(model, tok, engine_options=dict(
+            fused=fused, split_layer=split, fp32_scores=fp32, sdpa_decode=sdpa, compile_mode="layer",
+            compile_backend="aot_eager", smallest_bucket=2, length_bucket=8, sync_every=3))
+        torch.manual_seed(7)
+        out = r.generate(ids, mask)
+        st = r.stats
+        assert st["compile"] == "layer" and not r.degraded and st["split_fallbacks"] == 0, st
+        assert st["split_layer"] == split and st["fp32_scores"] == fp32 and st["sdpa_decode"] == sdpa
+        assert (st["fused_weight_bytes"] > 0) == fused
+        assert torch.equal(eager.sequences, out.sequences), (split, fp32, sdpa)
+        assert (eager.logprobs - out.logprobs).abs().max().item() < 1e-5
+    torch._dynamo.reset()
+
+
+def test_a_whole_layer_that_fails_to_compile_runs_split(tok, prompts, monkeypatch, caplog):
+    """split_layer off and the whole layer does not trace: the engine compiles the two halves
+    (same tokens), says so (``split_fallbacks``, the log) and stays compiled; a bad switch value
+    is refused by its name."""
+    from posttrain.rollout import decoder
+
+    original = decoder.decode_layer
+
+    def broken(*args):
+        torch._dynamo.graph_break()
+        return original(*args)
+
+    model, (ids, mask) = build("llama", tok), prompts
+    torch.manual_seed(2)
+    eager = rollout(model, tok).generate(ids, mask)
+    monkeypatch.setattr(decoder, "decode_layer", broken)
+    torch._dynamo.reset()
+    r = rollout(model, tok, engine_options=dict(split_layer=False, compile_mode="layer", compile_backend="aot_eager"))
+    torch.manual_seed(2)
+    with caplog.at_level(logging.WARNING, logger="posttrain.rollout"):
+        out = r.generate(ids, mask)
+    torch._dynamo.reset()
+    assert torch.equal(out.sequences, eager.sequences)
+    assert r.stats["split_fallbacks"] == 1 and r.stats["split_layer"] and r.stats["compile"] == "layer"
+    assert r.stats["compile_fallbacks"] == 0 and "whole layer" in r.stats["fallback_reasons"][0]
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_SPLIT", "yes")
+    with pytest.raises(ConfigError, match="POSTTRAIN_ROLLOUT_SPLIT"):
+        rollout(model, tok).generate(ids, mask)
+
+
 def prepared_policy(how: str, tok):
     """The tiny Llama as a trainer prepares its policy: GRPO/RLOO (TRL's defaults: dropout off,
     gradient checkpointing, TRL's fused LM head, train mode), PPO/distillation (train mode), or a

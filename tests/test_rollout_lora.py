@@ -170,3 +170,17 @@ def test_fused_projections_with_adapters(mode, base, tok, prompts, monkeypatch):
     out = r.generate(ids, mask)
     assert r.stats["fused_weight_bytes"] > 0 and r.stats["lora_mode"] == mode
     assert (forward_logprobs(model, out, mask) - out.logprobs).abs().max().item() < 1e-5
+    if mode == "merged":
+        # The adapted q/k/v's merged buffers are slices of the fused ones: not held twice (only the
+        # LM head's and down_proj's own merged buffers remain), refreshed in place with them.
+        adapters, fused = r.engine.adapters, r.engine.fused
+        assert len(adapters.adopted) == 3 * len(fused)
+        alone = [t for key, (w, b) in adapters.merged.items() if key not in adapters.adopted for t in (w, b)]
+        assert r.stats["lora_merged_bytes"] == sum(t.numel() * t.element_size() for t in alone if t is not None)
+        q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+        assert adapters.merged[id(q_proj)][0].data_ptr() == fused[0]["qkv"].data_ptr()
+    randomize(model, 3, 0.1)  # the adapters trained in place: the next rollout decodes them
+    torch.manual_seed(6)
+    again = r.generate(ids, mask)
+    assert (forward_logprobs(model, again, mask) - again.logprobs).abs().max().item() < 1e-5
+    assert (again.logprobs - out.logprobs).abs().max().item() > 1e-3

@@ -11,7 +11,8 @@ which returns the base weight and bias plus the adapters' terms, as one of three
   merge arithmetic: the delta in the adapter's dtype, added to the weight's), rewritten in place
   once per rollout, so the step runs the plain model's kernels and a captured graph keeps its
   addresses. Memory: one extra copy of every adapted matrix (LoRA on all linear layers of the 8B
-  Llama shape: about 14 GB in bf16; of the 1.1B: about 1.9 GB).
+  Llama shape: about 14 GB in bf16; of the 1.1B: about 1.9 GB); with the engine's fused q|k|v and
+  gate|up buffers, those matrices' merged buffers are their slices of the fused ones (no third copy).
 - ``"live"``: the step adds ``(x @ A^T) @ B^T * scaling`` to each base projection, reading the live
   adapter parameters (as peft's forward does: input cast to the adapter's dtype, the sum cast back),
   two small GEMMs more per adapted projection, no extra copy.
@@ -128,6 +129,7 @@ class Adapters:
         self.scales: dict[tuple[int, str], torch.Tensor] = {}  # (module id, adapter) -> 0-dim float32
         self.merged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # module id -> weight, bias
         self.groups: dict[tuple[int, ...], tuple[list[Any], list[str], tuple]] = {}  # mode "grouped"
+        self.adopted: set[int] = set()  # merged buffers that are slices of the engine's fused ones
 
     def tensor(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
@@ -139,8 +141,9 @@ class Adapters:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the merged buffers (mode "merged")."""
-        merged = [t for w, b in self.merged.values() for t in (w, b)]
+        """Bytes of the merged buffers (mode "merged"; not those in the engine's fused buffers)
+        and of the grouped copies."""
+        merged = [t for key, (w, b) in self.merged.items() if key not in self.adopted for t in (w, b)]
         grouped = [t for _, _, terms in self.groups.values() for term in terms for t in term]
         return sum(t.numel() * t.element_size() for t in merged + grouped if t is not None)
 
@@ -212,6 +215,39 @@ class Adapters:
                     bias[o0 : o0 + o].copy_(b) if b is not None else bias[o0 : o0 + o].zero_()
                 scale[o0 : o0 + o].fill_(float(m.scaling[a]) if a in active(m) else 0.0)
                 r0, o0 = r0 + r, o0 + o
+
+    def _lora_layer(self, m: nn.Module) -> Any:
+        """``m`` resolved, if it is a LoRA layer whose weight ``linear`` returns as a merged buffer."""
+        m = self.module(m)
+        adapted = self.lora and hasattr(m, "lora_A") and hasattr(m, "base_layer")
+        return m if adapted else None
+
+    def weight_shape(self, m: nn.Module) -> tuple[int, int, torch.dtype, torch.device]:
+        """(out, in, dtype, device) of the weight ``linear(m)`` returns, without allocating it."""
+        lora = self._lora_layer(m)
+        w = self.tensor(lora.get_base_layer().weight if lora is not None else self.module(m).weight)
+        return w.shape[0], w.shape[1], w.dtype, w.device
+
+    def has_bias(self, m: nn.Module) -> bool:
+        """Whether ``linear(m)`` returns a bias (mode "merged": also where only an adapter has one)."""
+        lora = self._lora_layer(m)
+        if lora is None:
+            return self.module(m).bias is not None
+        if self.mode == "merged":
+            return lora.get_base_layer().bias is not None or any(lora.lora_B[a].bias is not None for a in lora.lora_A)
+        return lora.get_base_layer().bias is not None
+
+    def adopt(self, m: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Mode "merged": ``weight``/``bias`` (slices of the engine's fused q|k|v or gate|up buffer)
+        become ``m``'s merged buffers, merged now and by every ``refresh``; False (nothing done)
+        for a projection without adapters or in another mode."""
+        lora = self._lora_layer(m)
+        if lora is None or self.mode != "merged":
+            return False
+        self.merged[id(lora)] = (weight, bias)
+        self.adopted.add(id(lora))
+        self._merge(lora)
+        return True
 
     def _merged_buffers(self, m: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if id(m) not in self.merged:

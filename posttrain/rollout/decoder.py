@@ -92,6 +92,7 @@ class DecoderSpec:
     act: Callable[[torch.Tensor], torch.Tensor]
     vocab: int
     fp32_scores: bool  # decode attention scores kept in float32 (see the module docstring)
+    sdpa_decode: bool = False  # decode attention by SDPA (one fused kernel) instead of bmm, softmax, bmm
 
     @classmethod
     def of(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> DecoderSpec:
@@ -165,36 +166,47 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None =
 
 
 def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]]:
-    """Empty q|k|v (+bias) and gate|up (+bias) buffers per layer (POSTTRAIN_ROLLOUT_FUSE=1): 4 GEMMs
-    per layer and token instead of 7, at the cost of a copy of those weights."""
-    def empty_cat(ts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), dtype=ts[0].dtype, device=ts[0].device)
-
+    """q|k|v (+bias) and gate|up (+bias) buffers per layer (engine option ``fused``): 4 GEMMs per
+    layer and token instead of 7, at the cost of a copy of those weights (at the 1.1B Llama shape
+    1.25 GB in bf16, 57% of the model). In LoRA's "merged" mode an adapted projection's merged
+    buffer is its slice of the fused one (:meth:`~posttrain.rollout.adapters.Adapters.adopt`),
+    so the adapted matrices are not held twice."""
     out = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         entry: dict[str, torch.Tensor | None] = {}
         for key, modules in (("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))):
-            parts = [src.linear(m) for m in modules]
-            entry[key] = empty_cat([w for w, _, _ in parts])
+            shapes = [src.weight_shape(m) for m in modules]
+            like = {"dtype": shapes[0][2], "device": shapes[0][3]}
+            rows = sum(s[0] for s in shapes)
+            weight = torch.empty(rows, shapes[0][1], **like)
             # A bias if any part has one (a LoRA bias on q alone, say); the others' parts are zeros.
-            entry[key + "b"] = empty_cat([w[:, 0] for w, _, _ in parts]) if any(b is not None for _, b, _ in parts) \
-                else None
+            bias = torch.zeros(rows, **like) if any(src.has_bias(m) for m in modules) else None
+            o = 0
+            for m, (n, *_) in zip(modules, shapes):
+                src.adopt(m, weight[o : o + n], bias[o : o + n] if bias is not None and src.has_bias(m) else None)
+                o += n
+            entry[key], entry[key + "b"] = weight, bias
         out.append(entry)
     return out
 
 
 @torch.no_grad()
 def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]], src: Any) -> None:
-    """Copy the live weights (merged ones in LoRA's "merged" mode) into the fused buffers (in place:
-    graphs keep their addresses)."""
+    """Copy the live weights into the fused buffers (in place: graphs keep their addresses). A
+    merged LoRA projection's slice is its merged buffer, rewritten by ``Adapters.refresh``."""
     for layer, entry in zip(model.model.layers, fused):
         attn, mlp = layer.self_attn, layer.mlp
         for key, modules in (("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))):
-            parts = [src.linear(m) for m in modules]
-            torch.cat([w for w, _, _ in parts], out=entry[key])
-            if entry[key + "b"] is not None:
-                torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b, _ in parts], out=entry[key + "b"])
+            o = 0
+            for m in modules:
+                w, b, _ = src.linear(m, terms=False)
+                part = entry[key][o : o + w.shape[0]]
+                if w.data_ptr() != part.data_ptr():  # not an adopted (merged) buffer
+                    part.copy_(w)
+                    if entry[key + "b"] is not None and b is not None:
+                        entry[key + "b"][o : o + w.shape[0]].copy_(b)
+                o += w.shape[0]
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, terms: Any) -> torch.Tensor:
@@ -252,8 +264,13 @@ def qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, cos: tor
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer's input norm, projections, q/k norms and rotation: q [B, heads, T, d], k and v
     [B, kv_heads, T, d]."""
-    b, t, _ = x.shape
-    h = rms_norm(x, w["ln1"], spec.eps)
+    return project_qkv(spec, w, rms_norm(x, w["ln1"], spec.eps), cos, sin)
+
+
+def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`qkv` of the layer's normed input ``h``."""
+    b, t, _ = h.shape
     d = spec.head_dim
     if "qkv" in w:
         q, k, v = F.linear(h, w["qkv"], w.get("qkvb")).split([spec.heads * d, spec.kv_heads * d, spec.kv_heads * d],
@@ -291,6 +308,12 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
     """One query per row over the cache [B, kv_heads, L, d] (``bias`` [B, 1, 1, L]: 0 or -inf).
     The query heads of a group share one read of their key/value head (no repeat of the cache)."""
     b, groups, d = q.shape[0], spec.heads // spec.kv_heads, spec.head_dim
+    if spec.sdpa_decode:
+        # A group's query heads are SDPA's queries of its key/value head: one kernel (float32
+        # scores and softmax inside, as in the training forward's SDPA), no repeat of the cache.
+        out = F.scaled_dot_product_attention(q.reshape(b, spec.kv_heads, groups, d), keys, values,
+                                             attn_mask=bias, scale=spec.scaling)
+        return out.reshape(b, spec.heads, 1, d)
     length = keys.shape[2]
     qg = q.reshape(b * spec.kv_heads, groups, d)
     kt = keys.reshape(b * spec.kv_heads, length, d).transpose(1, 2)
@@ -307,14 +330,35 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
 
 
 def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, q: torch.Tensor,
-                      keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """The rest of a decoder layer for one token per row, after its key and value are in the cache."""
-    return attention_out(spec, w, x, decode_attention(spec, q, keys, values, bias))
+                      keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, next_norm: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of a decoder layer for one token per row, after its key and value are in the cache:
+    the residual stream and its norm by ``next_norm`` (the next layer's input norm, or the final
+    norm), computed here so that the residual add and the norm are one kernel."""
+    x = attention_out(spec, w, x, decode_attention(spec, q, keys, values, bias))
+    return x, rms_norm(x, next_norm, spec.eps)
 
 
-def head(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-    """Final norm and LM head of [B, 1, H]: logits [B, V] in the model dtype (as the forward's)."""
-    h = rms_norm(x, weights["norm"], spec.eps)
+def decode_layer(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, h: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 where: torch.Tensor, bias: torch.Tensor, next_norm: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole decoder layer for one token per row (``h``: ``x`` normed by the layer's input norm),
+    its key and value written into the whole caches [slots, kv_heads, max_len, d] at flat rows
+    ``where`` (in place: inductor writes into the input, it does not copy the cache), attention over
+    rows ``:B`` and columns ``:L`` (``bias`` [B, 1, 1, L])."""
+    q, k, v = project_qkv(spec, w, h, cos, sin)
+    d = spec.head_dim
+    keys.view(-1, d).index_copy_(0, where, k.reshape(-1, d))
+    values.view(-1, d).index_copy_(0, where, v.reshape(-1, d))
+    rows, length = x.shape[0], bias.shape[-1]
+    return decode_layer_post(spec, w, x, q, keys[:rows, :, :length], values[:rows, :, :length], bias, next_norm)
+
+
+def head(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor, normed: bool = False) -> torch.Tensor:
+    """Final norm (unless ``normed``) and LM head of [B, 1, H]: logits [B, V] in the model dtype
+    (as the forward's)."""
+    h = x if normed else rms_norm(x, weights["norm"], spec.eps)
     return lora_add(F.linear(h, weights["head"], weights["head_bias"]), h, weights.get("head_lora"))[:, 0]
 
 

@@ -17,14 +17,22 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   would need its block mask rebuilt from the slot state every step. The price: KV memory is held
   per slot for the whole length, and rows sharing a prompt hold copies of its KV.
 - Compile and capture: ``torch.compile`` (inductor, dynamic shapes, fullgraph) compiles the step's
-  prologue (embedding, rotary, mask, where each row writes), one decoder layer in two halves
-  (reused by every layer: a compile of seconds, not of the whole depth), the sampler and the
-  epilogue; the cache writes between the halves stay eager, one ``index_copy_`` per cache (an
-  in-place write into a compiled function's input could be copied back whole). Each bucket's step
-  is then captured by hand as a CUDA graph; nothing in it may sync the host (stop tokens are a
-  vocabulary mask, not ``torch.isin``). A compile or capture that fails falls back (compiled ->
-  eager graph -> no graph): never silently, each is counted in ``stats`` (``compile_fallbacks``,
-  ``capture_fallbacks``) and logged.
+  prologue (embedding and the first layer's norm, rotary cos/sin once for all layers, mask, where
+  each row writes), one decoder layer (reused by every layer: a compile of seconds, not of the
+  whole depth; each layer ends with the next one's input norm, so the residual add and that norm
+  are one kernel), the sampler and the epilogue. The layer is compiled in two halves around
+  eager ``index_copy_`` cache writes (``split_layer``, the default) or whole: then inductor writes
+  the new keys and values into the cache input in place (its generated code scatters the rows,
+  checked on CPU; it does not copy the cache back). Each bucket's step is then captured by hand
+  as a CUDA graph; nothing in it may sync the host (stop tokens are a vocabulary mask, not
+  ``torch.isin``). A compile or capture that fails falls back (whole layer -> split layer, SDPA
+  -> bmm, float32 -> bf16 scores, compiled -> eager graph -> no graph): never silently, each is
+  counted in ``stats`` (``split_fallbacks``, ``compile_fallbacks``, ``capture_fallbacks``) and
+  logged.
+- The step's switches (engine options, each with an environment variable for A/B runs; README
+  "Rollouts" has the defaults and their measurement): ``fused`` q|k|v and gate|up GEMMs
+  (``POSTTRAIN_ROLLOUT_FUSE``), ``split_layer`` (``POSTTRAIN_ROLLOUT_SPLIT``), ``fp32_scores``
+  (``POSTTRAIN_ROLLOUT_SCORES_FP32``), ``sdpa_decode`` (``POSTTRAIN_ROLLOUT_SDPA``).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).
@@ -78,29 +86,44 @@ class Clock:
         return ms
 
 
-def _sample(spec: DecoderSpec, x: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, head_bias: Any,
-            head_lora: Any, step: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
+def _sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: Any, head_lora: Any,
+            step: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
             do_sample: torch.Tensor, top_p: torch.Tensor, min_new: torch.Tensor, top_k: int, use_top_p: bool,
             stop_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = decoder.head(spec, {"norm": norm, "head": head, "head_bias": head_bias, "head_lora": head_lora}, x)
+    """LM head of the last layer's output ``h`` (final norm applied) and the sampler."""
+    logits = decoder.head(spec, {"head": head, "head_bias": head_bias, "head_lora": head_lora}, h, normed=True)
     return choose_tokens(logits, step, key, seq=seq, temperature=temperature, do_sample=do_sample, top_k=top_k,
                          top_p=top_p, use_top_p=use_top_p, min_new_tokens=min_new, stop_ids=stop_ids)
 
 
 def _inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, key_valid: torch.Tensor,
-            cols: torch.Tensor, embed: torch.Tensor, inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, ...]:
-    """The step's prologue: embeddings, rotary cos/sin, the additive mask [B, 1, 1, L] and where
-    each row's new key/value heads go in a cache viewed as [slots * kv_heads * max_len, head_dim]
-    (rows that are done may point past L: clamped, they only overwrite their own stale slot)."""
+            cols: torch.Tensor, embed: torch.Tensor, ln1: torch.Tensor, inv_freq: torch.Tensor, max_len: int
+            ) -> tuple[torch.Tensor, ...]:
+    """The step's prologue: embeddings and their norm by the first layer's ``ln1``, rotary cos/sin
+    (once per step for every layer), the additive mask [B, 1, 1, L] and where each row's new
+    key/value heads go in a cache viewed as [slots * kv_heads * max_len, head_dim] (rows that are
+    done may point past L: clamped, they only overwrite their own stale slot)."""
     x = torch.nn.functional.embedding(last.unsqueeze(1), embed)
     cos, sin = decoder.rotary(pos.unsqueeze(1), inv_freq, spec.rope_scaling, x.dtype)
     allowed = key_valid & (cols.unsqueeze(0) <= col.unsqueeze(1))
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device).masked_fill(~allowed, float("-inf"))
+    # In the model dtype (0 and -inf are exact): SDPA takes it as it is, float32 scores promote it.
+    bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
     rows = torch.arange(last.shape[0], device=x.device).unsqueeze(1)
     heads = torch.arange(spec.kv_heads, device=x.device).unsqueeze(0)
     write = col.clamp(max=cols.shape[0] - 1).unsqueeze(1)
     where = ((rows * spec.kv_heads + heads) * max_len + write).reshape(-1)
-    return x, cos, sin, bias.view(allowed.shape[0], 1, 1, allowed.shape[1]), where
+    return (x, decoder.rms_norm(x, ln1, spec.eps), cos, sin, bias.view(allowed.shape[0], 1, 1, allowed.shape[1]),
+            where)
+
+
+def _env_flag(name: str, value: bool | None, default: bool) -> bool:
+    """An engine option, else its environment variable ("0" or "1"), else ``default``."""
+    if value is not None:
+        return bool(value)
+    raw = os.environ.get(name, "1" if default else "0")
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{name}={raw!r}: use 0 or 1")
+    return raw == "1"
 
 
 def _record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
@@ -135,7 +158,9 @@ class DecodeEngine:
                  length_bucket: int = 128, share_prefix: bool = True, prefill_tokens: int = 16384,
                  admit_min: int | None = None, compile_mode: str | None = None,
                  compile_backend: str = "inductor", lora_mode: str | None = None,
-                 tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, fused: bool | None = None,
+                 split_layer: bool | None = None, fp32_scores: bool | None = None,
+                 sdpa_decode: bool | None = None) -> None:
         self.model, self.sampling = model, sampling
         self.slots, self.prompt_len = slots, max_prompt_len
         self.max_new = sampling.max_new_tokens
@@ -148,9 +173,21 @@ class DecodeEngine:
         dev, self.dtype = embed.device, embed.dtype
         self.device = dev
         self.spec = DecoderSpec.of(model, self.dtype, dev)
-        # POSTTRAIN_ROLLOUT_FUSE=1: fused q|k|v and gate|up decode weights (decoder.fused_buffers).
+        # The step's variants (README "Rollouts"; NOTES section 13 has their A/B):
+        # ``fused`` (POSTTRAIN_ROLLOUT_FUSE): q|k|v and gate|up as one GEMM each, from buffers
+        # refreshed every rollout (decoder.fused_buffers: a copy of those weights).
+        # ``split_layer`` (POSTTRAIN_ROLLOUT_SPLIT): the layer compiled in two halves around eager
+        # cache writes; off, one compiled layer writes the cache in place (decoder.decode_layer).
+        # ``fp32_scores`` (POSTTRAIN_ROLLOUT_SCORES_FP32): decode attention scores in float32
+        # (on CUDA a bf16 bmm with a float32 output), off: a bf16 bmm, then float32.
+        # ``sdpa_decode`` (POSTTRAIN_ROLLOUT_SDPA): decode attention as one SDPA call instead.
         self.fused = (decoder.fused_buffers(model, self.adapters)
-                      if os.environ.get("POSTTRAIN_ROLLOUT_FUSE", "0") == "1" else None)
+                      if _env_flag("POSTTRAIN_ROLLOUT_FUSE", fused, False) else None)
+        self.split_layer = _env_flag("POSTTRAIN_ROLLOUT_SPLIT", split_layer, True)
+        if not _env_flag("POSTTRAIN_ROLLOUT_SCORES_FP32", fp32_scores, True):
+            self.spec = dataclasses.replace(self.spec, fp32_scores=False)
+        if _env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, False):
+            self.spec = dataclasses.replace(self.spec, sdpa_decode=True)
         self.weights = decoder.read_weights(model, self.fused, self.adapters)
         spec = self.spec
         shape = (slots, spec.kv_heads, self.length, spec.head_dim)
@@ -209,7 +246,7 @@ class DecodeEngine:
                                       "capture_fallbacks": 0, "storage_moves": 0, "graph_pool_bytes": 0,
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
-                                      "cache_cells_read": 0}
+                                      "cache_cells_read": 0, "split_fallbacks": 0}
         self.fallback_reasons: list[str] = []
         self._prepared = False
         self._captured_keys: set[tuple[int, int]] = set()
@@ -361,16 +398,18 @@ class DecodeEngine:
     # -- the step ------------------------------------------------------------------------------
     def _eager_parts(self) -> None:
         self._inputs_fn: Callable = _inputs
-        self._qkv_fn: Callable = decoder.qkv
+        self._qkv_fn: Callable = decoder.project_qkv
         self._post_fn: Callable = decoder.decode_layer_post
+        self._layer_fn: Callable = decoder.decode_layer
         self._sample_fn: Callable = _sample
         self._record_fn: Callable = _record
 
     def compile_parts(self, backend: str = "inductor") -> None:
-        """``torch.compile`` the prologue, the two halves of a decoder layer, the sampler and the
-        epilogue (fullgraph: a graph break raises, and _capture falls back, counted). Dynamic shapes: one
-        compile serves every (rows, columns) bucket. Inductor emulates the eager forward's casts
-        to the model dtype (``emulate_precision_casts``), so fusing changes no rounding."""
+        """``torch.compile`` the prologue, a decoder layer (whole, or its two halves with
+        ``split_layer``), the sampler and the epilogue (fullgraph: a graph break raises, and
+        _prepare falls back, counted). Dynamic shapes: one compile serves every (rows, columns)
+        bucket. Inductor emulates the eager forward's casts to the model dtype
+        (``emulate_precision_casts``), so fusing changes no rounding."""
         import torch._dynamo
 
         # Each engine (and knob set) is a recompile of the same functions: keep clear of the limit,
@@ -386,27 +425,34 @@ class DecodeEngine:
             if hasattr(inductor_config, "emulate_precision_casts"):
                 options["options"] = {"emulate_precision_casts": True}
         self._inputs_fn = torch.compile(_inputs, **options)
-        self._qkv_fn = torch.compile(decoder.qkv, **options)
-        self._post_fn = torch.compile(decoder.decode_layer_post, **options)
+        if self.split_layer:
+            self._qkv_fn = torch.compile(decoder.project_qkv, **options)
+            self._post_fn = torch.compile(decoder.decode_layer_post, **options)
+        else:
+            self._layer_fn = torch.compile(decoder.decode_layer, **options)
         self._sample_fn = torch.compile(_sample, **options)
         self._record_fn = torch.compile(_record, **options)
 
     def _step(self, rows: int, length: int) -> None:
         """One token for rows ``:rows`` over cache columns ``:length``."""
-        spec, w = self.spec, self.weights
-        x, cos, sin, bias, where = self._inputs_fn(spec, self.last[:rows], self.pos[:rows], self.col[:rows],
-                                                   self.key_valid[:rows, :length], self.cols[:length], w["embed"],
-                                                   w["inv_freq"], self.length)
+        spec, w, layers = self.spec, self.weights, self.weights["layers"]
+        x, h, cos, sin, bias, where = self._inputs_fn(spec, self.last[:rows], self.pos[:rows], self.col[:rows],
+                                                      self.key_valid[:rows, :length], self.cols[:length], w["embed"],
+                                                      layers[0]["ln1"], w["inv_freq"], self.length)
         d = spec.head_dim
-        for i, lw in enumerate(w["layers"]):
-            q, k, v = self._qkv_fn(spec, lw, x, cos, sin)
+        for i, lw in enumerate(layers):
+            # Each layer ends with the next one's input norm (the final norm after the last).
+            next_norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["norm"]
+            if not self.split_layer:
+                x, h = self._layer_fn(spec, lw, x, h, cos, sin, self.keys[i], self.values[i], where, bias, next_norm)
+                continue
+            q, k, v = self._qkv_fn(spec, lw, h, cos, sin)
             # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
             self.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))
             self.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))
-            x = self._post_fn(spec, lw, x, q, self.keys[i][:rows, :, :length], self.values[i][:rows, :, :length],
-                              bias)
-        tokens, logprobs = self._sample_fn(spec, x, w["norm"], w["head"], w["head_bias"], w["head_lora"],
-                                           self.step[:rows],
+            x, h = self._post_fn(spec, lw, x, q, self.keys[i][:rows, :, :length], self.values[i][:rows, :, :length],
+                                 bias, next_norm)
+        tokens, logprobs = self._sample_fn(spec, h, w["head"], w["head_bias"], w["head_lora"], self.step[:rows],
                                            self.seq[:rows], self.key, self.temperature, self.do_sample, self.top_p,
                                            self.min_new, self.top_k, self.use_top_p, self.stop_ids)
         self._record_fn(self.done, self.step, self.last, self.pos, self.col, self.out_tokens, self.out_logprobs,
@@ -458,13 +504,17 @@ class DecodeEngine:
         logger.warning("rollout: %s; the decode step is now slower (counted in rollout stats)", reason)
 
     def _prepare(self, rows: int, length: int) -> None:
-        """Compile the step's parts (``compile_mode`` "layer") and run it once. A compile that fails
-        is retried with bf16 attention scores if it had float32 ones (``stats["fp32_scores"]``
+        """Compile the step's parts (``compile_mode`` "layer") and run it once. A whole layer that
+        fails to compile is retried split (``stats["split_fallbacks"]``), SDPA decode attention
+        with bmm and softmax (``stats["sdpa_decode"]`` says which ran), a compile that fails is
+        retried with bf16 attention scores if it had float32 ones (``stats["fp32_scores"]``
         says which ran), then falls back to the eager parts: logged, and counted in
         ``stats["compile_fallbacks"]``."""
         tick = time.perf_counter()
         self._prepared = True
         self.stats["fp32_scores"] = self.spec.fp32_scores
+        self.stats["split_layer"] = self.split_layer
+        self.stats["sdpa_decode"] = self.spec.sdpa_decode
         if self.compile_mode == "none":
             return
         while True:
@@ -473,6 +523,18 @@ class DecodeEngine:
                 self._warm_up(rows, length)
                 break
             except Exception as err:  # noqa: BLE001 - e.g. something dynamo cannot trace in one graph
+                if not self.split_layer:
+                    self._fall_back("torch.compile of the whole layer (cache writes inside) failed; compiling it "
+                                    "in two halves", err)
+                    self.split_layer, self.stats["split_layer"] = True, True
+                    self.stats["split_fallbacks"] += 1
+                    continue
+                if self.spec.sdpa_decode:
+                    self._fall_back("torch.compile of the step with SDPA decode attention failed; retrying with "
+                                    "bmm and softmax", err)
+                    self.spec = dataclasses.replace(self.spec, sdpa_decode=False)
+                    self.stats["sdpa_decode"] = False
+                    continue
                 if self.spec.fp32_scores and self.dtype != torch.float32 and self.device.type == "cuda":
                     self._fall_back("torch.compile of the step with float32 attention scores failed; retrying "
                                     "with bf16 scores", err)

@@ -195,6 +195,7 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
                            fp32_scores_ran=st.get("fp32_scores"), sdpa_ran=st.get("sdpa_decode"),
                            compile_fallbacks=st.get("compile_fallbacks"),
                            capture_fallbacks=st.get("capture_fallbacks"), split_fallbacks=st.get("split_fallbacks"),
+                           sdpa_fallbacks=st.get("sdpa_fallbacks"),
                            captures=st.get("captures"), capture_s=st.get("capture_s"),
                            fused_weight_bytes=st.get("fused_weight_bytes"),
                            fallback_reasons=st.get("fallback_reasons"),

@@ -234,10 +234,11 @@ def test_step_variants_trace_and_decode_the_same(fused, tok, prompts):
     torch._dynamo.reset()
 
 
-def test_a_whole_layer_that_fails_to_compile_runs_split(tok, prompts, monkeypatch, caplog):
+def test_a_whole_layer_or_sdpa_that_fails_to_compile_falls_back(tok, prompts, monkeypatch, caplog):
     """split_layer off and the whole layer does not trace: the engine compiles the two halves
-    (same tokens), says so (``split_fallbacks``, the log) and stays compiled; a bad switch value
-    is refused by its name."""
+    (same tokens), says so (``split_fallbacks``, the log) and stays compiled; likewise SDPA decode
+    attention falls back to bmm and softmax (``sdpa_fallbacks``); a bad switch value is refused by
+    its name."""
     from posttrain.rollout import decoder
 
     original = decoder.decode_layer
@@ -259,6 +260,21 @@ def test_a_whole_layer_that_fails_to_compile_runs_split(tok, prompts, monkeypatc
     assert torch.equal(out.sequences, eager.sequences)
     assert r.stats["split_fallbacks"] == 1 and r.stats["split_layer"] and r.stats["compile"] == "layer"
     assert r.stats["compile_fallbacks"] == 0 and "whole layer" in r.stats["fallback_reasons"][0]
+    # SDPA decode attention that does not trace: bmm and softmax, counted, still compiled.
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def broken_sdpa(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", broken_sdpa)
+    torch._dynamo.reset()
+    r = rollout(model, tok, engine_options=dict(sdpa_decode=True, compile_mode="layer", compile_backend="aot_eager"))
+    torch.manual_seed(2)
+    out = r.generate(ids, mask)
+    torch._dynamo.reset()
+    assert torch.equal(out.sequences, eager.sequences)
+    assert r.stats["sdpa_fallbacks"] == 1 and not r.stats["sdpa_decode"] and r.stats["compile"] == "layer"
     monkeypatch.setenv("POSTTRAIN_ROLLOUT_SPLIT", "yes")
     with pytest.raises(ConfigError, match="POSTTRAIN_ROLLOUT_SPLIT"):
         rollout(model, tok).generate(ids, mask)
@@ -306,8 +322,10 @@ def test_compiled_step_traces_under_every_trainers_policy(how, tok, prompts):
     r.generate(ids, mask, SamplingParams(max_new_tokens=N, pad_token_id=tok.pad_token_id, do_sample=False,
                                          top_p=0.5, temperature=0.7, **{k: knobs[k] for k in ("stop_token_ids",)}))
     assert r.stats["compile_fallbacks"] == 0
-    # Prologue, the two layer halves, sampler, epilogue: a few graphs (dynamic shapes), not one per layer.
-    assert 5 <= counters["stats"]["unique_graphs"] <= 10, dict(counters["stats"])
+    # Prologue, the layer (or its two halves), sampler, epilogue: a few graphs (dynamic shapes), not
+    # one per layer.
+    parts = 5 if r.engine.split_layer else 4
+    assert parts <= counters["stats"]["unique_graphs"] <= 2 * parts, dict(counters["stats"])
     torch._dynamo.reset()
 
 
@@ -491,7 +509,9 @@ def test_bf16_engine_is_as_close_to_a_forward_as_generate_is():
     comp = g.sequences[:, p:]
     lp = torch.stack([torch.log_softmax(s.float(), -1) for s in g.scores], 1).gather(-1, comp[..., None])[..., 0]
     theirs = distance(g.sequences, comp, lp)
-    assert ours[0] > 0 and theirs[0] > 0  # bf16: neither is exact, so the comparison means something
+    # bf16: generate is not exact, so the comparison means something (the engine can be: with
+    # sdpa_decode its attention is the forward's own SDPA kernel on CPU).
+    assert theirs[0] > 0
     assert ours[0] <= 1.5 * theirs[0] + 1e-3, (ours, theirs)
     assert ours[1] >= theirs[1] - 0.03, (ours, theirs)
 

@@ -65,7 +65,8 @@ class Rollout:
     the other knobs per call (new top-k, top-p on/off or stop tokens make a new engine: keep them
     fixed in a run) and take up to the built ``max_new_tokens``. ``engine_options``: keyword
     arguments of :class:`DecodeEngine` (buckets, sync interval, prefix sharing, ``lora_mode``
-    "merged" or "live" for a peft model's LoRA adapters: ``adapters.py``; tests and benchmarks).
+    "merged" or "live" for a peft model's LoRA adapters: ``adapters.py``; the step's switches
+    ``fused``, ``split_layer``, ``fp32_scores``, ``sdpa_decode``: ``engine.py``; tests and benchmarks).
     A peft model (``get_peft_model``) decodes with its active adapters, as its forward would."""
 
     def __init__(self, session: Any, role: str, sampling: SamplingParams, *, max_batch: int, max_prompt_len: int,

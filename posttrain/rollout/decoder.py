@@ -12,7 +12,8 @@ writes them in place is seen with no recapture.
 Numerics follow transformers' eager forward (RMSNorm in float32 then cast, cos/sin in float32 then
 cast, rotation in the model dtype), and the decode attention keeps its scores in float32 as SDPA's
 kernels do internally (on CUDA a half-precision ``bmm`` with a float32 output, so the cache is not
-converted), then casts the probabilities to the model dtype for the product with the values.
+converted), then casts the probabilities to the model dtype for the product with the values;
+or (``sdpa_decode``) it is one ``scaled_dot_product_attention`` call, as the forward's.
 
 Why not transformers' ``StaticCache`` and the model's own forward: the cache and forward signatures
 changed within 5.x, while the module attributes read here (``q_proj``, ``input_layernorm``,

@@ -27,8 +27,8 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   as a CUDA graph; nothing in it may sync the host (stop tokens are a vocabulary mask, not
   ``torch.isin``). A compile or capture that fails falls back (whole layer -> split layer, SDPA
   -> bmm, float32 -> bf16 scores, compiled -> eager graph -> no graph): never silently, each is
-  counted in ``stats`` (``split_fallbacks``, ``compile_fallbacks``, ``capture_fallbacks``) and
-  logged.
+  counted in ``stats`` (``split_fallbacks``, ``sdpa_fallbacks``, ``compile_fallbacks``,
+  ``capture_fallbacks``) and logged.
 - The step's switches (engine options, each with an environment variable for A/B runs; README
   "Rollouts" has the defaults and their measurement): ``fused`` q|k|v and gate|up GEMMs
   (``POSTTRAIN_ROLLOUT_FUSE``), ``split_layer`` (``POSTTRAIN_ROLLOUT_SPLIT``), ``fp32_scores``
@@ -246,7 +246,7 @@ class DecodeEngine:
                                       "capture_fallbacks": 0, "storage_moves": 0, "graph_pool_bytes": 0,
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
-                                      "cache_cells_read": 0, "split_fallbacks": 0}
+                                      "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0}
         self.fallback_reasons: list[str] = []
         self._prepared = False
         self._captured_keys: set[tuple[int, int]] = set()
@@ -506,7 +506,7 @@ class DecodeEngine:
     def _prepare(self, rows: int, length: int) -> None:
         """Compile the step's parts (``compile_mode`` "layer") and run it once. A whole layer that
         fails to compile is retried split (``stats["split_fallbacks"]``), SDPA decode attention
-        with bmm and softmax (``stats["sdpa_decode"]`` says which ran), a compile that fails is
+        with bmm and softmax (``stats["sdpa_fallbacks"]``), a compile that fails is
         retried with bf16 attention scores if it had float32 ones (``stats["fp32_scores"]``
         says which ran), then falls back to the eager parts: logged, and counted in
         ``stats["compile_fallbacks"]``."""
@@ -534,6 +534,7 @@ class DecodeEngine:
                                     "bmm and softmax", err)
                     self.spec = dataclasses.replace(self.spec, sdpa_decode=False)
                     self.stats["sdpa_decode"] = False
+                    self.stats["sdpa_fallbacks"] += 1
                     continue
                 if self.spec.fp32_scores and self.dtype != torch.float32 and self.device.type == "cuda":
                     self._fall_back("torch.compile of the step with float32 attention scores failed; retrying "

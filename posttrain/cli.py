@@ -62,6 +62,9 @@ def _plan_checked(argv: list[str]) -> int:
                     "(GRPO, RLOO, PPO), as the trainers' setting of that name)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="trained roles recompute activations in backward (the DPO/GRPO/RLOO trainers' default)")
+    ap.add_argument("--generation-fused-projections", "--generation_fused_projections", action="store_true",
+                    help="count the rollout engine's fused q|k|v and gate|up buffers (the trainers' setting of "
+                         "that name: a faster decode step for one more copy of those weights)")
     ap.add_argument("--use-peft", "--use_peft", action="store_true",
                     help="LoRA (TRL's flag): the trained model's base is frozen and only its adapters train; no "
                          "reference role (the base with adapters disabled is the reference)")
@@ -100,7 +103,8 @@ def _plan_checked(argv: list[str]) -> int:
                              seq_len=args.seq_len, response_len=args.response_len, master_weights=precision,
                              gradient_checkpointing=args.gradient_checkpointing,
                              generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory, lora=lora,
-                             single_process_engine=args.single_process_engine)
+                             single_process_engine=args.single_process_engine,
+                             fused_projections=args.generation_fused_projections)
                  for m in mixes]
         print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
         for p in plans:

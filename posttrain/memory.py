@@ -134,11 +134,20 @@ def kv_cache_bytes(m: ModelSize, sequences: int, length: int) -> int:
 GRAPH_POOL_BYTES_PER_ROW_VOCAB = 32
 
 
-def rollout_engine_bytes(m: ModelSize, sequences: int, length: int, policy_stage: int) -> int:
-    """What posttrain.rollout keeps for a whole run: its KV cache, its graph pool and, for a ZeRO-3
-    policy, the persistent bf16 copy the weights are gathered into once per rollout."""
+def fused_projection_bytes(m: ModelSize) -> int:
+    """The engine's fused q|k|v and gate|up buffers (``generation_fused_projections``): those
+    weights once more, bf16 (q's width is the hidden size in the Llama family)."""
+    return m.layers * m.hidden * (m.hidden + 2 * m.kv_dim + 2 * m.intermediate) * 2
+
+
+def rollout_engine_bytes(m: ModelSize, sequences: int, length: int, policy_stage: int,
+                         fused_projections: bool = False) -> int:
+    """What posttrain.rollout keeps for a whole run: its KV cache, its graph pool, for a ZeRO-3
+    policy the persistent bf16 copy the weights are gathered into once per rollout, and the fused
+    projection buffers when they are asked for."""
     pool = GRAPH_POOL_BYTES_PER_ROW_VOCAB * sequences * m.vocab
-    return kv_cache_bytes(m, sequences, length) + pool + (2 * m.params if policy_stage == 3 else 0)
+    fused = fused_projection_bytes(m) if fused_projections else 0
+    return kv_cache_bytes(m, sequences, length) + pool + (2 * m.params if policy_stage == 3 else 0) + fused
 
 
 @dataclass(frozen=True)
@@ -296,6 +305,7 @@ def plan(
     gradient_checkpointing: bool = False,
     lora: Lora | None = None,
     single_process_engine: str = "auto",
+    fused_projections: bool = False,
 ) -> Plan:
     """Per-GPU memory of every role of ``workload`` under ``mix``.
 
@@ -312,7 +322,8 @@ def plan(
     setting): in a world of one, trained roles of a mix run without a DeepSpeed engine where the
     trainers would (posttrain.plain.uses_torch: "auto" for bf16 master weights, and for fp32 ones in
     workloads whose trainer declares no decoded role, ``roles["decoded"]``: DPO, SFT, reward and
-    distillation, planned without on-policy generation; "torch" always)."""
+    distillation, planned without on-policy generation; "torch" always). ``fused_projections``: the
+    rollout engine's fused projection buffers (``generation_fused_projections``), for a whole run."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -410,7 +421,8 @@ def plan(
                 # TRL's unwrap_model_for_generation gathers a full copy of the ZeRO-3 policy to generate.
                 gen += 2 * policy.size.params
         else:
-            policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage)
+            policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage,
+                                                  fused_projections)
         phases["generate"] = gen
         # LoRA: the reference forward is the policy's own (adapters disabled).
         phases["score"] = max([forward(by[name]) for name in names["frozen"]]

@@ -626,3 +626,38 @@ def test_shorter_rollouts_from_a_longer_engine(models, tok, grouped):
             want = rollout(model, tok, max_batch=12, stop_token_ids=stops, max_new_tokens=n).generate(ids, mask)
             assert short.completion_ids.shape == (12, n)
             assert torch.equal(short.sequences, want.sequences), (stops, n)
+
+
+def test_generation_fused_projections_is_a_config_field(models, tok, prompts):
+    """``RolloutFields.generation_fused_projections``: checked by its flag, passed to the engine
+    by ``engine_options`` (unset, the engine's default and its variable stay in charge), the same
+    samples as the unfused step, and the buffers' bytes are what ``posttrain plan`` counts for
+    them (the planner in bf16: 2 bytes an element; this model is float32)."""
+    from dataclasses import dataclass
+
+    from posttrain import memory
+    from posttrain.rollout import RolloutFields, check_rollout_fields
+    from posttrain.rollout.api import engine_options
+
+    @dataclass
+    class Cfg(RolloutFields):
+        pass
+
+    with pytest.raises(ConfigError, match="--generation_fused_projections"):
+        check_rollout_fields(Cfg(generation_fused_projections="yes"))
+    assert engine_options(Cfg()) == {} and engine_options(Cfg(generation_fused_projections=True)) == {"fused": True}
+    ids, mask = prompts
+    model = models["llama"]
+    runs = {}
+    for fused in (False, True):
+        r = rollout(model, tok, engine_options=engine_options(Cfg(generation_fused_projections=fused)))
+        torch.manual_seed(3)
+        runs[fused] = (r.generate(ids, mask), r.stats["fused_weight_bytes"])
+    assert torch.equal(runs[False][0].sequences, runs[True][0].sequences)
+    assert (runs[False][0].logprobs - runs[True][0].logprobs).abs().max().item() < 1e-5
+    size = memory.model_size(str(tiny.sft_model_path()))
+    assert runs[False][1] == 0 and runs[True][1] == memory.fused_projection_bytes(size) * 4 // 2
+    plan = {f: memory.plan("grpo", str(tiny.sft_model_path()), "zero2-zero3", world_size=1, micro_batch=4,
+                           seq_len=32, response_len=16, fused_projections=f) for f in (False, True)}
+    extra = plan[True].roles[0].rollout - plan[False].roles[0].rollout
+    assert extra == memory.fused_projection_bytes(size) > 0

@@ -45,14 +45,28 @@ class RolloutFields:
     # generation_backend / generation_batch_size; TRL has no such setting (its vLLM server's
     # counterpart is max_num_seqs).
     generation_kv_slots: int | None = None
+    # q|k|v and gate|up as one GEMM each in the decode step, from buffers rewritten once per rollout:
+    # a faster step (benchmarks/NOTES.md section 13b) for one more copy of those weights (about 57%
+    # of the model's bf16 bytes; none with LoRA's merged buffers, which become its slices).
+    # `posttrain plan --generation-fused-projections` counts it.
+    generation_fused_projections: bool = False
 
 
 def check_rollout_fields(cfg: RolloutFields) -> None:
-    """Refuse an impossible KV budget by its flag before anything loads."""
+    """Refuse an impossible KV budget or switch by its flag before anything loads."""
     slots = cfg.generation_kv_slots
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
         raise ConfigError(f"generation_kv_slots must be a whole number >= 1 or null (one slot per sequence of a "
                           f"generation batch), got {slots!r}: set --generation_kv_slots")
+    if not isinstance(cfg.generation_fused_projections, bool):
+        raise ConfigError(f"generation_fused_projections must be true or false, got "
+                          f"{cfg.generation_fused_projections!r}: set --generation_fused_projections true|false")
+
+
+def engine_options(cfg: RolloutFields) -> dict[str, Any]:
+    """The :class:`DecodeEngine` options a trainer's config asks for (unset ones leave the engine's
+    defaults and their POSTTRAIN_ROLLOUT_* variables in charge)."""
+    return {"fused": True} if cfg.generation_fused_projections else {}
 
 
 class Rollout:

@@ -42,7 +42,7 @@ from ..lora import (
 )
 from ..preference import check_conversation
 from ..reward_funcs import RewardWarnings
-from ..rollout.api import RolloutFields, check_rollout_fields
+from ..rollout.api import RolloutFields, check_rollout_fields, engine_options
 from .common import (
     Phases,
     TrainConfig,
@@ -325,7 +325,7 @@ class GRPOTrainer(RewardSources, Trainer):
                                        stop_token_ids=self.eos_ids)
         self.rollout = Rollout(s, "policy", self.sampling, max_batch=self.local_gen_size,
                                max_prompt_len=max_prompt_len, backend=cfg.generation_backend,
-                               kv_slots=cfg.generation_kv_slots,
+                               kv_slots=cfg.generation_kv_slots, engine_options=engine_options(cfg),
                                ds3_gather_for_generation=cfg.ds3_gather_for_generation)
         self.phases = Phases()
         self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches

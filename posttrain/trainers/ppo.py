@@ -33,7 +33,7 @@ from ..demo import tiny
 from ..dsconfig import ConfigError
 from ..lora import LoraFields, adapters_disabled, add_adapters, lora_config
 from ..preference import check_conversation
-from ..rollout.api import RolloutFields, check_rollout_fields
+from ..rollout.api import RolloutFields, check_rollout_fields, engine_options
 from .common import (
     Phases,
     TrainConfig,
@@ -388,7 +388,8 @@ class PPOTrainer(Trainer):
                 self.session, "policy", sampling, max_batch=min(cfg.local_rollout_forward_batch_size,
                                                                 self.local_batch_size),
                 max_prompt_len=cfg.max_prompt_length, backend=cfg.generation_backend,
-                kv_slots=cfg.generation_kv_slots, ds3_gather_for_generation=cfg.ds3_gather_for_generation)
+                kv_slots=cfg.generation_kv_slots, engine_options=engine_options(cfg),
+                ds3_gather_for_generation=cfg.ds3_gather_for_generation)
         out = []
         for i in range(0, queries.shape[0], cfg.local_rollout_forward_batch_size):
             q = queries[i : i + cfg.local_rollout_forward_batch_size]

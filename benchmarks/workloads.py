@@ -427,6 +427,8 @@ def run(spec: dict[str, Any], out: Path, result: dict[str, Any]) -> None:
     result["gradient_checkpointing"] = bool(getattr(getattr(trainer, "cfg", None) or trainer.args,
                                                     "gradient_checkpointing", False))
     trainer.train()
+    if hasattr(trainer, "session"):  # what ran each trained role (one process: DeepSpeed or the torch path)
+        result["engines"] = {r: trainer.session.engine_kind(r) for r in trainer.roles["trained"]}
     outside = trainer.session.bytes_outside_allocator() if hasattr(trainer, "session") else 0
     result.update(peak_memory(outside))
     if len(clock.times) != total_steps(spec):

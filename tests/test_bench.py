@@ -74,6 +74,8 @@ def test_every_workload_runs_its_trainer_under_each_mix(runs):
         # Checkpointing: TRL's default for DPO, SFT and reward on both sides; GKD and PPO have none.
         assert r["setup_s"] > 0 and r["gradient_checkpointing"] is (r["workload"] in ("dpo", "sft", "reward"))
         assert "peak_allocated_gib" not in r  # no CUDA here: no memory numbers rather than zeros
+        if r["trainer"].startswith("posttrain"):  # two processes: DeepSpeed runs every trained role
+            assert set(r["engines"].values()) == {"deepspeed"}, r["engines"]
         # The canary checked every frozen role (posttrain's fast ZeRO-3, TRL's prepare_deepspeed
         # engines) against its unsharded weights: equal to fp32 rounding.
         assert set(r["canary"]) == FROZEN[r["workload"]]

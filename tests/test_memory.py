@@ -18,9 +18,12 @@ def gpu_rows():
 
 
 def planned(r):
+    # What ran the trained roles: rows before the harness recorded ``engines`` ran DeepSpeed.
+    engine = "torch" if "torch" in (r.get("engines") or {}).values() else "deepspeed"
     return memory.plan(r["workload"], r["shapes"], r["mix"], world_size=r["world_size"], micro_batch=r["micro_batch"],
                        seq_len=r["seq_len"], response_len=r["response_len"], gpu_memory_gib=r["device_total_gib"],
-                       generation_backend=r.get("generation_backend") or "hf")  # rows before the engine: hf
+                       generation_backend=r.get("generation_backend") or "hf",  # rows before the engine: hf
+                       single_process_engine=engine)
 
 
 def test_committed_gpu_results_exist():

@@ -25,6 +25,7 @@ from .model_shapes import (  # noqa: F401  (the planner's interface: memory.SHAP
     Lora,
     ModelSize,
     adapter_params,
+    merged_adapter_params,
     meta_model,
     model_class,
     model_config,
@@ -423,6 +424,8 @@ def plan(
         else:
             policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage,
                                                   fused_projections)
+            if lora is not None:  # the engine's merged adapted weights (its default lora_mode), bf16
+                policy.rollout += 2 * merged_adapter_params(shapes["policy"], lora, vocab)
         phases["generate"] = gen
         # LoRA: the reference forward is the policy's own (adapters disabled).
         phases["score"] = max([forward(by[name]) for name in names["frozen"]]
@@ -486,6 +489,7 @@ def format_plan(p: Plan) -> str:
         if r.rollout:
             lines.append(f"({r.name}: posttrain.rollout keeps {r.rollout / GiB:.2f} GiB for the run, counted at rest: "
                          "KV cache, graph pool" + (", the gathered ZeRO-3 copy" if r.place.stage == 3 else "")
+                         + (", the merged LoRA weights" if r.adapters else "")
                          + "; generation_backend hf holds the cache only while generating)")
     for r in p.roles:
         if r.adapters:

@@ -136,21 +136,40 @@ def adapter_params(spec: str, kind: str, lora: Lora, vocab_size: int | None = No
     "all-linear": every linear layer but the output embedding, or a classifier's head; names: a
     module whose name is, or ends with ".", one of them), plus a classifier's head, which peft
     trains in full (``modules_to_save``)."""
-    from peft.utils.constants import SEQ_CLS_HEAD_NAMES, TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    from peft.utils.constants import SEQ_CLS_HEAD_NAMES
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
     model = meta_model(spec, kind, vocab_size)
-    targets = lora.target_modules
-    if targets is None:
-        targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.model_type)
-        if targets is None:
-            raise ConfigError(f"peft has no default LoRA target modules for model type {model.config.model_type!r}: "
-                              "name them with --lora-target-modules (or all-linear)")
+    targets = lora.target_modules or _default_targets(model)
     # A classifier's head is one of peft's modules_to_save: trained in full, never adapted.
     saved = SEQ_CLS_HEAD_NAMES if kind != "causal" else []
     heads = [getattr(model, n) for n in saved if getattr(model, n, None) is not None][:1]
     total = sum(p.numel() for h in heads for p in h.parameters())
+    for module in _adapted(model, targets, saved):
+        if isinstance(module, nn.Embedding):
+            total += lora.r * (module.num_embeddings + module.embedding_dim)
+        elif isinstance(module, (nn.Linear, Conv1D)):
+            total += lora.r * sum(module.weight.shape)
+    return total
+
+
+def _default_targets(model: Any) -> Any:
+    """peft's default target modules for the model's architecture."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.model_type)
+    if targets is None:
+        raise ConfigError(f"peft has no default LoRA target modules for model type {model.config.model_type!r}: "
+                          "name them with --lora-target-modules (or all-linear)")
+    return targets
+
+
+def _adapted(model: Any, targets: Any, saved: list[str]) -> Any:
+    """The modules peft puts adapters on (see :func:`adapter_params`)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
     all_linear = [t.lower() for t in targets] == ["all-linear"]
     for name, module in model.named_modules():
         if any(re.match(rf"(^|.*\.){n}($|\..*)", name) for n in saved):
@@ -159,8 +178,17 @@ def adapter_params(spec: str, kind: str, lora: Lora, vocab_size: int | None = No
             chosen = isinstance(module, (nn.Linear, Conv1D)) and module is not model.get_output_embeddings()
         else:
             chosen = any(name == t or name.endswith(f".{t}") for t in targets)
-        if chosen and isinstance(module, nn.Embedding):
-            total += lora.r * (module.num_embeddings + module.embedding_dim)
-        elif chosen and isinstance(module, (nn.Linear, Conv1D)):
-            total += lora.r * sum(module.weight.shape)
-    return total
+        if chosen and isinstance(module, (nn.Embedding, nn.Linear, Conv1D)):
+            yield module
+
+
+@functools.lru_cache(maxsize=64)
+def merged_adapter_params(spec: str, lora: Lora, vocab_size: int | None = None) -> int:
+    """Weights the rollout engine keeps merged (W + scaling * B A, its default ``lora_mode``) for a
+    causal policy with these adapters: every adapted linear layer's weight once more."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    model = meta_model(spec, "causal", vocab_size)
+    targets = lora.target_modules or _default_targets(model)
+    return sum(m.weight.numel() for m in _adapted(model, targets, []) if isinstance(m, (nn.Linear, Conv1D)))

@@ -281,3 +281,18 @@ def test_lora_plan_freezes_the_base_and_drops_the_reference(capsys):
     assert "41.94M adapter parameters" in out and "no reference role" in out and "reference  " not in out
     assert cli.main(["plan", "--lora-r", "8"]) == 2
     assert "add --use-peft" in capsys.readouterr().err
+
+
+def test_lora_plan_counts_the_engines_merged_weights():
+    """GRPO with LoRA decodes from merged weights (the rollout engine's default ``lora_mode``): the
+    planner keeps every adapted linear layer's bf16 weight once more for the run. At the 8B shape
+    with all-linear adapters that is the 13,958,643,712 bytes the H200 race's engine reported
+    (``lora_merged_bytes``, benchmarks/results/2026-12-01-1xH200-races/grpo_lora_race.jsonl)."""
+    lora = memory.Lora(16, ("all-linear",))
+    assert 2 * memory.merged_adapter_params("8b", lora) == 13958643712
+    kw = dict(world_size=1, micro_batch=16, seq_len=384, response_len=256, gradient_checkpointing=True)
+    plain = memory.plan("grpo", "8b", "zero2-zero3", **kw).roles[0].rollout
+    adapted = memory.plan("grpo", "8b", "zero2-zero3", lora=lora, **kw).roles[0].rollout
+    assert adapted - plain == 13958643712
+    # peft's default targets for Llama (q_proj, v_proj) merge only those.
+    assert memory.merged_adapter_params("8b", memory.Lora()) == 32 * (4096 * 4096 + 1024 * 4096)

@@ -73,6 +73,38 @@ def case_name(spec: dict[str, Any]) -> str:
     return f"{spec['workload']}-{tag}-mb{spec['micro_batch']}-s{spec['seq_len']}{extra}"
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a torchrun and every worker it started. torch elastic starts each worker in a session of
+    its own, so killing torchrun's group leaves them running (on a GPU: beside the next mix). SIGTERM
+    first: torchrun's agent stops its workers (SIGTERM, then SIGKILL after 30 s); then SIGKILL for
+    whatever is left of torchrun's group and of each worker's session."""
+    workers = children(proc.pid)
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pid in workers:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, worker: Path = WORKER) -> dict[str, Any]:
     """One mix in a fresh process group; the row for it."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -93,8 +125,7 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop(proc)
             rc, status = -9, "timeout"
     wall = time.perf_counter() - start
     ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]

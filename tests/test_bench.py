@@ -138,6 +138,7 @@ spec, out = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
 mode = json.load(open(spec))["mix"]
 if mode == "zero3":  # stands for a mix that hangs
+    open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
     time.sleep(120)
 res = {"rank": rank, "status": "oom" if rank == 0 else "ok", "peak_allocated_gib": 130.5,
        "peak_reserved_gib": 131.0, "device_total_gib": 139.8, "error": "OutOfMemoryError: CUDA out of memory"}
@@ -167,6 +168,10 @@ def test_hung_mix_times_out(tmp_path):
     row = harness.run_one(spec("zero3"), tmp_path / "run", 1, timeout=5, worker=worker)
     assert row["status"] == "timeout"
     assert row["wall_s"] < 25
+    # The hung worker (its own session under torch elastic) is gone, not left beside the next mix.
+    pid = int((tmp_path / "run" / "pid0").read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "the hung worker still runs"
 
 
 def test_canary_catches_changed_weights_and_the_row_says_wrong(tmp_path):

@@ -46,11 +46,9 @@ def uses_torch(setting: str, *, world_size: int, trains: bool, from_mix: bool, m
     ``auto``: at world size 1, for a trained role whose config comes from a mix, with bf16 master
     weights always, and with fp32 ones unless the run's rollout engine decodes one of its trained
     roles (``decoded``: :attr:`posttrain.roles.Role.decoded`, which GRPO, RLOO and PPO declare for
-    their policy and distillation for its student when it generates on-policy). Measured on one
-    H200 (DPO 1.1B, benchmarks/NOTES.md section 12): with bf16 states the torch path ran TRL's step
-    and footprint (0.182 s / 10.58 GiB against TRL's 0.200 / 10.58 and DeepSpeed's 0.296 / 12.36);
-    with fp32 states it was 1.34x faster than DeepSpeed's engine and 5.9 GiB smaller (0.208 s /
-    18.73 GiB against 0.278 / 24.65). A run that decodes a trained role keeps DeepSpeed for fp32
+    their policy and distillation for its student when it generates on-policy): on one GPU the
+    torch path is faster and smaller than DeepSpeed's engine at both precisions (benchmarks/NOTES.md
+    sections 12 and 16). A run that decodes a trained role keeps DeepSpeed for fp32
     (PPO's value model too, so that its two trained roles run one engine kind): the rollout engine
     decodes from the model's weights, which the torch path keeps in fp32, where DeepSpeed's forward
     and the rollouts run on bf16 weights as at every world size. fp16 keeps DeepSpeed under auto

@@ -140,11 +140,19 @@ class Race:
         return None if base == side else base
 
 
+def is_oom(err: BaseException) -> bool:
+    """CUDA allocator failures, and the library errors that wrap one (cuBLAS, NCCL, DeepSpeed)."""
+    import torch
+
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err).lower()
+    return any(s in text for s in ("out of memory", "cublas_status_alloc_failed", "cuda error: out of memory"))
+
+
 # -- the child: one side in this process ---------------------------------------------------------
 def child(race: Race, side: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
     import torch
-
-    from benchmarks.workloads import is_oom
 
     cuda = torch.cuda.is_available()
     if cuda:

@@ -554,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
         if "variants" in cases:
             import rollout_variants
 
-            rollout_variants.bench_variants(shape, args, device, variant_rows, write, start)
+            rollout_variants.bench_variants(shape, args, device, variant_rows, write, start, build=build,
+                                            forward_gap=forward_gap, sync=sync)
             print(rollout_variants.table(variant_rows))
     print(table(rows))
     for r in lora_rows:

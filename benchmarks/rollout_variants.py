@@ -117,9 +117,9 @@ def cuda_kernel_count(engine: Any, rows: int, length: int) -> dict[str, int]:
 
 
 def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, out: list[dict[str, Any]],
-                   write: Any, t_start: float) -> None:
-    """One row per (variant, workload) appended to ``out`` (see the module docstring)."""
-    from rollout_bench import build, forward_gap, sync
+                   write: Any, t_start: float, *, build: Any, forward_gap: Any, sync: Any) -> None:
+    """One row per (variant, workload) appended to ``out`` (see the module docstring); ``build``,
+    ``forward_gap`` and ``sync`` are rollout_bench's (passed in: this module is its part, not its user)."""
 
     from posttrain.rollout import Rollout, SamplingParams
     from posttrain.rollout.engine import Clock

@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun
 from benchmarks import grpo_e2e  # noqa: E402
 from benchmarks.bench_models import completion_rows, model_dir, preference_rows, prompt_rows  # noqa: E402
 from benchmarks.harness import lower_quartiles  # noqa: E402
+from benchmarks.race import is_oom  # noqa: E402,F401  (also the harness's name for it)
 from posttrain import memory  # noqa: E402
 from posttrain.demo import tiny  # noqa: E402
 
@@ -52,14 +53,6 @@ TRL_CONFIGS = {"trl-zero2": "zero2_train", "trl-zero3": "zero3_train"}
 LOSS_KEYS = {"ppo": "loss/policy_avg"}
 # Time metrics that are the whole step, not one of its phases.
 WHOLE_STEP = ("time/step", "time/update")
-
-
-def is_oom(err: BaseException) -> bool:
-    """CUDA allocator failures, and the library errors that wrap one (cuBLAS, NCCL, DeepSpeed)."""
-    if isinstance(err, torch.OutOfMemoryError):
-        return True
-    text = str(err).lower()
-    return any(s in text for s in ("out of memory", "cublas_status_alloc_failed", "cuda error: out of memory"))
 
 
 def _sync() -> None:

@@ -234,6 +234,14 @@ def test_step_variants_trace_and_decode_the_same(fused, tok, prompts):
     torch._dynamo.reset()
 
 
+def graph_breaking(fn):
+    """``fn`` with a graph break first: a part dynamo cannot trace in one graph."""
+    def broken(*args):
+        torch._dynamo.graph_break()
+        return fn(*args)
+    return broken
+
+
 def test_a_whole_layer_or_sdpa_that_fails_to_compile_falls_back(tok, prompts, monkeypatch, caplog):
     """split_layer off and the whole layer does not trace: the engine compiles the two halves
     (same tokens), says so (``split_fallbacks``, the log) and stays compiled; likewise SDPA decode
@@ -241,16 +249,10 @@ def test_a_whole_layer_or_sdpa_that_fails_to_compile_falls_back(tok, prompts, mo
     its name."""
     from posttrain.rollout import decoder
 
-    original = decoder.decode_layer
-
-    def broken(*args):
-        torch._dynamo.graph_break()
-        return original(*args)
-
     model, (ids, mask) = build("llama", tok), prompts
     torch.manual_seed(2)
     eager = rollout(model, tok).generate(ids, mask)
-    monkeypatch.setattr(decoder, "decode_layer", broken)
+    monkeypatch.setattr(decoder, "decode_layer", graph_breaking(decoder.decode_layer))
     torch._dynamo.reset()
     r = rollout(model, tok, engine_options=dict(split_layer=False, compile_mode="layer", compile_backend="aot_eager"))
     torch.manual_seed(2)
@@ -334,16 +336,10 @@ def test_a_compile_that_fails_is_counted_not_silent(tok, prompts, monkeypatch, c
     says so in its stats, its metrics and the log; benchmarks mark such rows degraded."""
     from posttrain.rollout import engine as engine_module
 
-    original = engine_module._inputs
-
-    def broken(*args):
-        torch._dynamo.graph_break()
-        return original(*args)
-
     model, (ids, mask) = build("llama", tok), prompts
     torch.manual_seed(2)
     eager = rollout(model, tok).generate(ids, mask)
-    monkeypatch.setattr(engine_module, "_inputs", broken)
+    monkeypatch.setattr(engine_module, "_inputs", graph_breaking(engine_module._inputs))
     torch._dynamo.reset()
     r = rollout(model, tok, engine_options=dict(compile_mode="layer", compile_backend="aot_eager"))
     torch.manual_seed(2)

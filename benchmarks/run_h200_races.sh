@@ -34,7 +34,8 @@ run timeout -k 10 $(t 330) python3 benchmarks/grpo_lora_race.py --shape $G8 $WG 
 # row of 8 x 2048 tokens attends over all 16k positions with a block mask): ~160 s in all
 #   trl-packed, posttrain-packed: bfd packing (TRL's default strategy) on both
 #   posttrain-padded, posttrain-padding-free, trl-padding-free: mixed lengths (about 120-1900 tokens), 8 per step
-run timeout -k 10 $(t 175) python3 benchmarks/sft_race.py --shape $G1 $W --rounds 1 \
+# posttrain's padding-free and packed rows run its own default attention (varlen on CUDA: NOTES section 17)
+run timeout -k 10 $(t 175) python3 benchmarks/sft_race.py --shape $G1 $W --rounds 1 --attn-posttrain default \
     --sides trl-packed,posttrain-packed,posttrain-padded,posttrain-padding-free,trl-padding-free --timeout $(t 90) --out "$RES"
 
 # Reward model 1.1B, 8 pairs x 1024 tokens per side per step, bf16 states both sides, 2 warm-up + 5 timed;

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun
 from benchmarks import grpo_e2e  # noqa: E402
 from benchmarks.bench_models import completion_rows, model_dir, preference_rows, prompt_rows  # noqa: E402
 from benchmarks.harness import lower_quartiles  # noqa: E402
-from benchmarks.race import is_oom  # noqa: E402,F401  (also the harness's name for it)
+from benchmarks.race import is_oom  # noqa: E402
 from posttrain import memory  # noqa: E402
 from posttrain.demo import tiny  # noqa: E402
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.workloads import is_oom  # noqa: E402
+from benchmarks.race import is_oom  # noqa: E402
 
 # Each workload under one of posttrain's mixes and one TRL baseline: TRL's own DPOTrainer,
 # GKDTrainer, SFTTrainer and RewardTrainer, and (TRL has no PPOTrainer) posttrain's PPO in TRL's

@@ -530,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "none",
-           "command": " ".join(["python", "benchmarks/rollout_bench.py", *(argv if argv is not None else sys.argv[1:])])}
+           "command": " ".join(["python", "benchmarks/rollout_bench.py", *(argv if argv is not None else sys.argv[1:])]),
+           "rollout_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("POSTTRAIN_ROLLOUT_")}}
     rows: list[dict[str, Any]] = []
     lora_rows: list[dict[str, Any]] = []
     variant_rows: list[dict[str, Any]] = []

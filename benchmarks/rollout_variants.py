@@ -36,7 +36,7 @@ import torch
 
 # fused, split, fp32 scores, sdpa: the engine as it was first, then by expected gain (--budget-s cuts the tail).
 VARIANTS = ((0, 1, 1, 0), (1, 1, 1, 0), (0, 0, 1, 0), (1, 0, 1, 0), (1, 0, 1, 1), (1, 0, 0, 0), (0, 1, 1, 1),
-            (0, 1, 0, 0))
+            (0, 1, 0, 0), (1, 1, 1, 1), (1, 1, 0, 0))
 LAUNCH = re.compile(r"^\s*(?:\w+\.run\(|cpp_fused_\w+\(|extern_kernels\.\w+\(|torch\.ops\.\w+\.\w+)")
 
 
@@ -94,11 +94,12 @@ def cpu_kernel_count(engine: Any, rows: int, length: int) -> dict[str, int]:
 
 def cuda_kernel_count(engine: Any, rows: int, length: int) -> dict[str, int]:
     """Device kernels (and memcpy/memset) of one compiled step run outside the graph, and of one
-    graph replay of the bucket (0 where the profiler does not see inside graphs)."""
+    graph replay of the bucket (0 where the profiler does not see inside graphs); ``top_us``: the
+    step's device microseconds and launches by kernel name, largest first (outside the graph)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    def count(fn: Any) -> int:
+    def count(fn: Any) -> tuple[int, list[list[Any]]]:
         saved = [t.clone() for t in engine._state()]
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
@@ -106,12 +107,20 @@ def cuda_kernel_count(engine: Any, rows: int, length: int) -> dict[str, int]:
             torch.cuda.synchronize()
         for t, s in zip(engine._state(), saved):
             t.copy_(s)
-        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:  # where the step's device time goes: microseconds and launches per kernel name
+            entry = by_name.setdefault(e.name[:90], [0.0, 0])
+            entry[0] += e.device_time
+            entry[1] += 1
+        top = sorted(([n, round(us, 1), c] for n, (us, c) in by_name.items()), key=lambda x: -x[1])
+        return len(kernels), top[:14]
 
-    out = {"per_step": count(lambda: engine._step(rows, length))}
+    out: dict[str, Any] = {}
+    out["per_step"], out["top_us"] = count(lambda: engine._step(rows, length))
     graph = engine.graphs.get((rows, length))
     if graph is not None:
-        out["per_replay"] = count(graph.replay)
+        out["per_replay"] = count(graph.replay)[0]
     out["per_layer_est"] = round(out["per_step"] / len(engine.weights["layers"]), 1)
     return out
 

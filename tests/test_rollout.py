@@ -210,6 +210,57 @@ def test_fused_buffers_are_refreshed_every_rollout(tok, prompts):
     assert r.stats["fused_weight_bytes"] == rows * model.config.hidden_size * 4 * len(model.model.layers)
 
 
+def flat_parameters(model):
+    """The parameters made views of one flat buffer in module order, as DeepSpeed's ZeRO-1/2
+    optimizer keeps them."""
+    params = list(model.parameters())
+    flat = torch._utils._flatten_dense_tensors([p.data for p in params])
+    for p, view in zip(params, torch._utils._unflatten_dense_tensors(flat, [p.data for p in params])):
+        p.data = view
+
+
+def test_fused_views_of_a_flat_buffer(tok, prompts):
+    """Where q|k|v and gate|up lie end to end (a flat buffer), the fused GEMMs read views of the
+    live weights by default: no copy, the same tokens, an in-place update decoded by the next
+    rollout. A weight re-allocated apart from its group turns fusing off, counted; separately
+    allocated weights, or biases between the matrices, are not fused unless asked (copies)."""
+    model, (ids, mask) = build("llama", tok), prompts
+    r = rollout(model, tok)
+    torch.manual_seed(3)
+    plain = r.generate(ids, mask)
+    assert r.stats["fused_projections"] == "off" and r.stats["fused_weight_bytes"] == 0
+    flat_parameters(model)
+    r = rollout(model, tok)
+    torch.manual_seed(3)
+    out = r.generate(ids, mask)
+    assert r.stats["fused_projections"] == "views" and r.stats["fused_weight_bytes"] == 0
+    assert torch.equal(plain.sequences, out.sequences)
+    assert (plain.logprobs - out.logprobs).abs().max().item() < 1e-5
+    layer = model.model.layers[1]
+    entry = r.engine.weights["layers"][1]
+    assert entry["qkv"].data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+    assert entry["gate_up"].data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
+    with torch.no_grad():
+        layer.self_attn.k_proj.weight.mul_(1.7)
+        layer.mlp.up_proj.weight.add_(0.05)
+    torch.manual_seed(3)
+    after = r.generate(ids, mask)
+    assert r.stats["storage_moves"] == 0 and not r.degraded
+    assert (forward_logprobs(model, after, mask) - after.logprobs).abs().max().item() < 1e-5
+    assert (out.logprobs - after.logprobs).abs().max().item() > 1e-3
+    up = model.model.layers[0].mlp.up_proj
+    up.weight.data = up.weight.data.clone()  # re-allocated: no longer beside gate_proj
+    moved = r.generate(ids, mask)
+    assert r.stats["fused_fallbacks"] == 1 and r.degraded and r.stats["fused_projections"] == "off"
+    assert (forward_logprobs(model, moved, mask) - moved.logprobs).abs().max().item() < 1e-5
+    qwen = build("qwen2", tok)
+    flat_parameters(qwen)  # q.weight, q.bias, k.weight, ...: the matrices are not end to end
+    for options, how in ((None, "off"), ({"fused": True}, "copies")):
+        q = rollout(qwen, tok, engine_options=options)
+        q.generate(ids, mask)
+        assert q.stats["fused_projections"] == how
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_step_variants_trace_and_decode_the_same(fused, tok, prompts):
     """Every switch of the step (fused projections; one compiled layer writing the cache in place
@@ -218,7 +269,8 @@ def test_step_variants_trace_and_decode_the_same(fused, tok, prompts):
     model, (ids, mask) = build("qwen2", tok), prompts  # q/k/v biases: the fused bias too
     torch.manual_seed(7)
     eager = rollout(model, tok).generate(ids, mask)
-    for split, fp32, sdpa in ((True, True, False), (False, True, False), (False, False, False), (False, True, True)):
+    for split, fp32, sdpa in ((True, True, False), (False, True, False), (False, False, False), (False, True, True),
+                              (True, True, True), (True, False, False)):
         torch._dynamo.reset()
         r = rollout(model, tok, engine_options=dict(
             fused=fused, split_layer=split, fp32_scores=fp32, sdpa_decode=sdpa, compile_mode="layer",
@@ -456,6 +508,10 @@ def test_zero2_parameters_keep_their_storage_across_steps(dist):
     assert dist["world"] == 2
     assert dist["zero2_ptrs_unchanged"] and dist["zero2_weights_changed"]
     assert dist["zero2_storage_moves"] == 0  # the engine saw no parameter move across the steps
+    # DeepSpeed's flat buffer and the ZeRO-3 shadow hold q|k|v and gate|up end to end: fused, no copy.
+    for name in ("p2", "p3", "frozen3"):
+        st = dist["stats"][name]
+        assert st["fused_projections"] == "views" and st["fused_weight_bytes"] == 0, (name, st)
     assert dist["bf16"] == {"dtype": "torch.bfloat16", "ptrs_unchanged": True, "changed": True}
 
 

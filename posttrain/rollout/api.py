@@ -45,10 +45,11 @@ class RolloutFields:
     # generation_backend / generation_batch_size; TRL has no such setting (its vLLM server's
     # counterpart is max_num_seqs).
     generation_kv_slots: int | None = None
-    # q|k|v and gate|up as one GEMM each in the decode step, from buffers rewritten once per rollout:
-    # a faster step (benchmarks/NOTES.md section 13b) for one more copy of those weights (about 57%
-    # of the model's bf16 bytes; none with LoRA's merged buffers, which become its slices).
-    # `posttrain plan --generation-fused-projections` counts it.
+    # The decode step runs q|k|v and gate|up as one GEMM each wherever those weights lie end to end
+    # (DeepSpeed's ZeRO-1/2 flat buffers, the ZeRO-3 shadow: views, no copy). True: elsewhere too
+    # (separately allocated parameters, biases between the matrices, LoRA), from copies rewritten
+    # once per rollout: about 57% of the model's bf16 bytes more (none with LoRA's merged buffers,
+    # which become its slices); `posttrain plan --generation-fused-projections` counts that copy.
     generation_fused_projections: bool = False
 
 
@@ -131,10 +132,10 @@ class Rollout:
 
     @property
     def degraded(self) -> bool:
-        """Whether generation runs slower than it should: a compile or capture fell back, or a
-        rollout ran ``generate`` for its adapters' state."""
+        """Whether generation runs slower than it should: a compile, capture or fused-views
+        fallback, or a rollout that ran ``generate`` for its adapters' state."""
         return bool(self.stats["compile_fallbacks"] or self.stats["capture_fallbacks"]
-                    or self.stats["adapter_fallbacks"])
+                    or self.stats["adapter_fallbacks"] or self.stats.get("fused_fallbacks"))
 
     # -- where the weights are ---------------------------------------------------------------------
     def _module(self) -> nn.Module:
@@ -223,12 +224,13 @@ class Rollout:
                 del old
             self.stats["kv_cache_bytes"] = self.engine.cache_nbytes
             self.stats["fused_weight_bytes"] = self.engine.fused_nbytes
+            self.stats["fused_projections"] = self.engine.fused_projections
             self.stats["lora_mode"] = self.engine.lora_mode
         tokens, logprobs, self.timings = scheduler.generate(self.engine, prompt_ids, prompt_mask, key,
                                                             sampling.max_new_tokens, profile=self.profile)
         est = self.engine.stats
         self.stats.update({k: v for k, v in est.items()}, capture_s=round(est["capture_s"], 3),
                           compile=self.engine.compile_mode, graphs=len(self.engine.graphs),
-                          lora_merged_bytes=self.engine.lora_nbytes,
+                          lora_merged_bytes=self.engine.lora_nbytes, fused_projections=self.engine.fused_projections,
                           fallback_reasons=list(self.engine.fallback_reasons))
         return tokens, logprobs

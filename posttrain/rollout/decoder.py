@@ -166,6 +166,46 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None =
             "inv_freq": base.rotary_emb.inv_freq, "layers": layers}
 
 
+def _groups(layer: nn.Module) -> tuple[tuple[str, tuple[nn.Module, ...]], ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return ("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))
+
+
+def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(parts)`` as a view, if the parts lie end to end in one storage; else None."""
+    first = parts[0]
+    end = first.data_ptr()
+    for t in parts:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != end):
+            return None
+        end += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def fused_views(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]] | None:
+    """q|k|v (+bias) and gate|up per layer as views of the live weights, where every layer's
+    matrices lie end to end in one storage, as in DeepSpeed's ZeRO-1/2 flat buffers and the ZeRO-3
+    shadow (parameters in module order): the fused GEMMs at no copy and nothing to refresh. None
+    where any group does not (separately allocated parameters, biases between the matrices, LoRA)."""
+    if src.lora:
+        return None
+    out = []
+    for layer in model.model.layers:
+        entry: dict[str, torch.Tensor | None] = {}
+        for key, modules in _groups(layer):
+            weights, biases = zip(*(src.linear(m, terms=False)[:2] for m in modules))
+            weight = _end_to_end(list(weights))
+            has_bias = [b is not None for b in biases]
+            bias = _end_to_end(list(biases)) if all(has_bias) else None
+            if weight is None or (any(has_bias) and bias is None):
+                return None
+            entry[key], entry[key + "b"] = weight, bias
+        out.append(entry)
+    return out
+
+
 def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]]:
     """q|k|v (+bias) and gate|up (+bias) buffers per layer (engine option ``fused``): 4 GEMMs per
     layer and token instead of 7, at the cost of a copy of those weights (at the 1.1B Llama shape
@@ -174,9 +214,8 @@ def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | N
     so the adapted matrices are not held twice."""
     out = []
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
         entry: dict[str, torch.Tensor | None] = {}
-        for key, modules in (("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))):
+        for key, modules in _groups(layer):
             shapes = [src.weight_shape(m) for m in modules]
             like = {"dtype": shapes[0][2], "device": shapes[0][3]}
             rows = sum(s[0] for s in shapes)
@@ -197,8 +236,7 @@ def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]],
     """Copy the live weights into the fused buffers (in place: graphs keep their addresses). A
     merged LoRA projection's slice is its merged buffer, rewritten by ``Adapters.refresh``."""
     for layer, entry in zip(model.model.layers, fused):
-        attn, mlp = layer.self_attn, layer.mlp
-        for key, modules in (("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))):
+        for key, modules in _groups(layer):
             o = 0
             for m in modules:
                 w, b, _ = src.linear(m, terms=False)

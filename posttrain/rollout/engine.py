@@ -126,6 +126,16 @@ def _env_flag(name: str, value: bool | None, default: bool) -> bool:
     return raw == "1"
 
 
+def _env_choice(name: str, value: bool | None) -> bool | None:
+    """An engine option, else its environment variable ("0" or "1"), else None (the default)."""
+    if value is not None:
+        return bool(value)
+    raw = os.environ.get(name, "")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{name}={raw!r}: use 0 or 1")
+    return None if raw == "" else raw == "1"
+
+
 def _record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
             out_tokens: torch.Tensor, out_logprobs: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
             limit: torch.Tensor, stop_mask: torch.Tensor | None, pad: int) -> None:
@@ -174,21 +184,25 @@ class DecodeEngine:
         self.device = dev
         self.spec = DecoderSpec.of(model, self.dtype, dev)
         # The step's variants (README "Rollouts"; NOTES section 13 has their A/B):
-        # ``fused`` (POSTTRAIN_ROLLOUT_FUSE): q|k|v and gate|up as one GEMM each, from buffers
-        # refreshed every rollout (decoder.fused_buffers: a copy of those weights).
+        # ``fused`` (POSTTRAIN_ROLLOUT_FUSE): q|k|v and gate|up as one GEMM each. Default: where
+        # the weights lie end to end (decoder.fused_views: DeepSpeed's flat buffers, the ZeRO-3
+        # shadow), views of them; True: else copies refreshed every rollout (decoder.fused_buffers);
+        # False: never.
         # ``split_layer`` (POSTTRAIN_ROLLOUT_SPLIT): the layer compiled in two halves around eager
         # cache writes; off, one compiled layer writes the cache in place (decoder.decode_layer).
         # ``fp32_scores`` (POSTTRAIN_ROLLOUT_SCORES_FP32): decode attention scores in float32
         # (on CUDA a bf16 bmm with a float32 output), off: a bf16 bmm, then float32.
         # ``sdpa_decode`` (POSTTRAIN_ROLLOUT_SDPA): decode attention as one SDPA call instead.
-        self.fused = (decoder.fused_buffers(model, self.adapters)
-                      if _env_flag("POSTTRAIN_ROLLOUT_FUSE", fused, False) else None)
+        fuse = _env_choice("POSTTRAIN_ROLLOUT_FUSE", fused)
+        views = decoder.fused_views(model, self.adapters) if fuse is not False else None
+        self.fuse_views = views is not None
+        self.fused = decoder.fused_buffers(model, self.adapters) if fuse and views is None else None
         self.split_layer = _env_flag("POSTTRAIN_ROLLOUT_SPLIT", split_layer, True)
         if not _env_flag("POSTTRAIN_ROLLOUT_SCORES_FP32", fp32_scores, True):
             self.spec = dataclasses.replace(self.spec, fp32_scores=False)
         if _env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, False):
             self.spec = dataclasses.replace(self.spec, sdpa_decode=True)
-        self.weights = decoder.read_weights(model, self.fused, self.adapters)
+        self.weights = decoder.read_weights(model, views or self.fused, self.adapters)
         spec = self.spec
         shape = (slots, spec.kv_heads, self.length, spec.head_dim)
         layers = len(self.weights["layers"])
@@ -246,7 +260,8 @@ class DecodeEngine:
                                       "capture_fallbacks": 0, "storage_moves": 0, "graph_pool_bytes": 0,
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
-                                      "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0}
+                                      "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0,
+                                      "fused_fallbacks": 0}
         self.fallback_reasons: list[str] = []
         self._prepared = False
         self._captured_keys: set[tuple[int, int]] = set()
@@ -276,6 +291,11 @@ class DecodeEngine:
         return sum(t.numel() * t.element_size() for e in self.fused or [] for t in e.values() if t is not None)
 
     @property
+    def fused_projections(self) -> str:
+        """How q|k|v and gate|up run: "views" (fused, no copy), "copies" (fused) or "off"."""
+        return "views" if self.fuse_views else "copies" if self.fused else "off"
+
+    @property
     def lora_nbytes(self) -> int:
         """Bytes of LoRA's merged buffers (mode "merged"; 0 otherwise)."""
         return self.adapters.nbytes
@@ -303,7 +323,14 @@ class DecodeEngine:
         self.adapters.refresh()  # LoRA: merged buffers or scalings, in place
         if self.fused:
             decoder.refresh_fused(self.model, self.fused, self.adapters)
-        self.weights = decoder.read_weights(self.model, self.fused, self.adapters)
+        fused = self.fused
+        if self.fuse_views:
+            fused = decoder.fused_views(self.model, self.adapters)
+            if fused is None:  # a parameter was re-allocated apart from its group: unfused from now on
+                self.fuse_views = False
+                self.stats["fused_fallbacks"] += 1
+                self._fall_back("fused q|k|v and gate|up views", RuntimeError("a weight no longer lies beside its group"))
+        self.weights = decoder.read_weights(self.model, fused, self.adapters)
         ptrs = self._weight_ptrs()
         if self.ptrs and ptrs != self.ptrs:
             # A parameter's storage moved (replaced, not written in place): graphs would read the old

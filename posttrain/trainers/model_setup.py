@@ -33,11 +33,10 @@ class TokenizerFields:
     chat_template_path: str | None = None  # a .jinja file: the chat template to render conversations with
     eos_token: str | None = None  # the token that ends a turn or sequence; None: the tokenizer's own
 
-
-def check_tokenizer_fields(cfg: TokenizerFields) -> None:
-    if cfg.chat_template_path is not None and not str(cfg.chat_template_path).endswith((".jinja", ".j2")):
-        raise ConfigError(f"chat_template_path {cfg.chat_template_path!r} is not a .jinja/.j2 file: give the "
-                          "template as a Jinja file")
+    def check_tokenizer_fields(self) -> None:
+        if self.chat_template_path is not None and not str(self.chat_template_path).endswith((".jinja", ".j2")):
+            raise ConfigError(f"chat_template_path {self.chat_template_path!r} is not a .jinja/.j2 file: give the "
+                              "template as a Jinja file")
 
 
 def set_tokens(tokenizer: Any, cfg: TokenizerFields) -> None:

@@ -24,14 +24,7 @@ from ..dsconfig import ConfigError
 from ..lora import LoraFields, lora_config
 from .common import Phases, TrainConfig, gather_ranks, make_session, seed_everything, steps_for_rows
 from .loop import RowsTrainer, eval_shards
-from .model_setup import (
-    ModelFields,
-    TokenizerFields,
-    check_tokenizer_fields,
-    model_and_tokenizer,
-    prepare_trained,
-    set_tokens,
-)
+from .model_setup import ModelFields, TokenizerFields, model_and_tokenizer, prepare_trained, set_tokens
 
 ROLE = "reward"
 
@@ -52,7 +45,7 @@ class RewardConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_tokenizer_fields(self)
+        self.check_tokenizer_fields()
 
 
 # -- data ------------------------------------------------------------------------------------------

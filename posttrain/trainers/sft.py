@@ -23,14 +23,7 @@ from ..dsconfig import ConfigError
 from ..lora import LoraFields, lora_config
 from .common import Phases, TrainConfig, make_session, seed_everything, steps_for_rows, sum_over_ranks
 from .loop import RowsTrainer, eval_shards
-from .model_setup import (
-    ModelFields,
-    TokenizerFields,
-    check_tokenizer_fields,
-    model_and_tokenizer,
-    prepare_trained,
-    set_tokens,
-)
+from .model_setup import ModelFields, TokenizerFields, model_and_tokenizer, prepare_trained, set_tokens
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 LOSS_TYPES = ("nll", "dft")
@@ -82,7 +75,7 @@ def validate(cfg: SFTConfig) -> None:
         # TRL's rule: padding-free rows are concatenated, so max_length would bound nothing.
         raise ConfigError("padding_free without packing does not enforce max_length: add --packing true, set "
                           "--max_length none, or set --truncation_mode none (rows longer than max_length refused)")
-    check_tokenizer_fields(cfg)
+    cfg.check_tokenizer_fields()
 
 
 # -- the math (TRL 1.16's SFTTrainer.compute_loss) ---------------------------------------------------

@@ -20,7 +20,7 @@ from .rows import PairArguments, run
 
 @dataclass
 class DataArguments(PairArguments):
-    """DPO's data flags, with more bundled pairs."""
+    """The preference-pair flags (PairArguments), with more bundled pairs than DPO's."""
 
     synthetic_train_size: int = 1024
     synthetic_eval_size: int = 256

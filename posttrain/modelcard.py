@@ -4,9 +4,10 @@ trainers write a card into their output dir.
 TRL's ``trl.trainer.utils.generate_model_card`` renders a fixed template that says the model was
 trained with TRL and links the base model as a hub name (``[None](https://huggingface.co/None)``
 for a local one). posttrain renders its own template with the same parts: huggingface_hub's
-``ModelCardData`` header, TRL's tags, the method's paper and citation (read from TRL's trainer
-classes), a quick start and the framework versions; and adds what a posttrain run knows: each
-role's DeepSpeed placement, the config, the final metrics and the curves from ``metrics.jsonl``.
+``ModelCardData`` header, TRL's tags, the method's paper and citation (TRL's trainer classes',
+copied in modelcard_methods.yaml), a quick start and the framework versions; and adds what a
+posttrain run knows: each role's DeepSpeed placement, the config, the final metrics and the
+curves from ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import json
 import math
 import re
 import sys
-import textwrap
 from dataclasses import asdict, is_dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from .jsonrows import read_rows
 
@@ -27,79 +29,11 @@ CARD_FILE = "README.md"
 CURVES_FILE = "learning_curves.png"
 
 # Each method's name, tags and paper as TRL 1.16's trainer class carries them (``_name``,
-# ``_tag_names``, ``_paper``; tests/test_modelcard.py checks they still match). Copied rather than
-# read at run time: importing DPOTrainer or GKDTrainer costs seconds at the end of every run.
-# TRL removed PPOTrainer in 1.13; its entry is what that trainer's card carried up to 1.12.
-METHODS: dict[str, dict[str, Any]] = {
-    "dpo": {
-        "name": "DPO",
-        "tags": ["trl", "dpo"],
-        "paper": {
-            "title": "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
-            "id": "2305.18290",
-            "citation": textwrap.dedent("""\
-                @inproceedings{rafailov2023direct,
-                    title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},
-                    author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and Stefano Ermon and Chelsea Finn},
-                    year         = 2023,
-                    booktitle    = {Advances in Neural Information Processing Systems 36: Annual Conference on Neural Information Processing Systems 2023, NeurIPS 2023, New Orleans, LA, USA, December 10 - 16, 2023},
-                    url          = {http://papers.nips.cc/paper_files/paper/2023/hash/a85b405ed65c6477a4fe8302b5e06ce7-Abstract-Conference.html},
-                    editor       = {Alice Oh and Tristan Naumann and Amir Globerson and Kate Saenko and Moritz Hardt and Sergey Levine},
-                }"""),
-        },
-    },
-    "grpo": {
-        "name": "GRPO",
-        "tags": ["trl", "grpo"],
-        "paper": {
-            "title": "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
-            "id": "2402.03300",
-            "citation": textwrap.dedent("""\
-                @article{shao2024deepseekmath,
-                    title        = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},
-                    author       = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},
-                    year         = 2024,
-                    eprint       = {arXiv:2402.03300},
-                }"""),
-        },
-    },
-    "distill": {  # the GKD loss (generalized JSD, on-policy fraction): trl.experimental.gkd.GKDTrainer
-        "name": "GKD",
-        "tags": ["trl", "gkd"],
-        "paper": {
-            "title": "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
-            "id": "2306.13649",
-            "citation": textwrap.dedent("""\
-                @inproceedings{agarwal2024on-policy,
-                    title        = {{On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes}},
-                    author       = {Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and Piotr Stanczyk and Sabela Ramos Garea and Matthieu Geist and Olivier Bachem},
-                    year         = 2024,
-                    booktitle    = {The Twelfth International Conference on Learning Representations, {ICLR} 2024, Vienna, Austria, May 7-11, 2024},
-                    publisher    = {OpenReview.net},
-                    url          = {https://openreview.net/forum?id=3zKtaqxLhW},
-                }"""),
-        },
-    },
-    "ppo": {
-        "name": "PPO",
-        "tags": ["trl", "ppo"],
-        "paper": {
-            "title": "Fine-Tuning Language Models from Human Preferences",
-            "id": "1909.08593",
-            "citation": textwrap.dedent("""\
-                @article{mziegler2019fine-tuning,
-                    title        = {{Fine-Tuning Language Models from Human Preferences}},
-                    author       = {Daniel M. Ziegler and Nisan Stiennon and Jeffrey Wu and Tom B. Brown and Alec Radford and Dario Amodei and Paul F. Christiano and Geoffrey Irving},
-                    year         = 2019,
-                    eprint       = {arXiv:1909.08593}
-                }"""),
-        },
-    },
-    "multi": {"name": "multi-model training", "tags": ["multi-model"], "paper": {}},
-    # TRL's SFTTrainer and RewardTrainer name no paper.
-    "sft": {"name": "SFT", "tags": ["trl", "sft"], "paper": {}},
-    "reward": {"name": "Reward", "tags": ["trl", "reward-trainer"], "paper": {}},
-}
+# ``_tag_names``, ``_paper``; tests/test_modelcard.py checks they still match), copied into
+# modelcard_methods.yaml beside this file. Copied rather than read at run time: importing
+# DPOTrainer or GKDTrainer costs seconds at the end of every run.
+METHODS: dict[str, dict[str, Any]] = yaml.safe_load(
+    (Path(__file__).resolve().parent / "modelcard_methods.yaml").read_text(encoding="utf-8"))
 
 # The main per-step curves, by metric name without an "eval/" or "train/" prefix (TRL's names);
 # a train curve and its eval counterpart share a panel. Any "<model>/loss" (multi-model runs) too.
@@ -402,7 +336,5 @@ def _source_text(name: str | None, hub_url: str, default: str | None) -> str | N
 
 
 def _config_yaml(cfg: Any) -> str:
-    import yaml
-
     values = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
     return yaml.safe_dump(json.loads(json.dumps(values, default=str)), sort_keys=False)

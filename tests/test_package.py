@@ -88,6 +88,7 @@ def test_wheel_ships_presets_and_data(installed):
             if p.is_file() and "__pycache__" not in p.parts}
     assert {"posttrain/demo/data/tiny_corpus.txt", "posttrain/demo/data/words.txt"} <= data
     assert data <= names, sorted(data - names)
+    assert "posttrain/modelcard_methods.yaml" in names  # each method's name, tags and paper for the model card
 
 
 def test_installed_package_resolves_presets_and_caches_outside_site_packages(installed):

@@ -3,6 +3,7 @@ flags, held-out data, --push_to_hub, and one plain process without a launcher.""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -161,3 +162,12 @@ def test_one_plain_process_without_a_launcher(tmp_path):
     assert (out / "model.safetensors").exists()  # the trained policy at the top, as TRL
     assert (out / "checkpoint-2" / "policy" / "model.safetensors").exists()
     assert "bundled synthetic preference pairs" in (out / "README.md").read_text()  # the card names the data
+    # The rows scripts' report (posttrain/scripts/rows.py): held-out before -> after, summary.json, the saved model.
+    assert re.search(r"^held-out eval/rewards/accuracies: \d\.\d{3} -> \d\.\d{3} \(eval/loss \d\.\d{4} -> \d\.\d{4}\)$",
+                     proc.stdout, re.M), proc.stdout[-2000:]
+    assert f"policy saved to {out}; metrics in {out}/metrics.jsonl" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == ["steps", "final_model", "eval_rewards/accuracies_before", "eval_rewards/accuracies",
+                             "eval_loss", "eval_rewards/margins"]
+    last_eval = [r for r in metrics if "eval/loss" in r][-1]
+    assert (summary["steps"], summary["final_model"], summary["eval_loss"]) == (2, str(out), last_eval["eval/loss"])

@@ -379,6 +379,28 @@ def test_config_errors(fields, message):
         SFTConfig(output_dir="unused", **fields)
 
 
+@pytest.mark.parametrize("config", ["sft", "reward"])
+def test_tokenizer_fields(config, tmp_path):
+    """SFT's and reward's chat_template_path and eos_token (trainers/model_setup.py): a template that is
+    not a Jinja file is refused with the config, an EOS token outside the vocabulary when it is set."""
+    from posttrain.trainers.model_setup import set_tokens
+    from posttrain.trainers.reward import RewardConfig
+
+    config_cls = {"sft": SFTConfig, "reward": RewardConfig}[config]
+    with pytest.raises(ConfigError, match="chat_template_path 'template.txt' is not a .jinja/.j2 file"):
+        config_cls(output_dir="unused", chat_template_path="template.txt")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tok = tiny.load_tokenizer()
+    assert tok.eos_token == "<|endoftext|>"
+    tok.pad_token = None
+    set_tokens(tok, config_cls(output_dir="unused", chat_template_path=str(template), eos_token="<|pad|>"))
+    assert tok.chat_template == template.read_text()
+    assert tok.eos_token == tok.pad_token == "<|pad|>"  # no pad token: the EOS token pads (TRL's default)
+    with pytest.raises(ConfigError, match="eos_token '<nope>' is not in the tokenizer's vocabulary"):
+        set_tokens(tok, config_cls(output_dir="unused", eos_token="<nope>"))
+
+
 # -- two processes, one launch: SFT and reward trainers on the role layer -------------------------
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):

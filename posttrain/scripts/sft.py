@@ -11,21 +11,13 @@ in ``trl sft``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
-from trl import ScriptArguments
+from typing import ClassVar
 
 from ..demo import tiny
-from ..modelcard import write_model_card
 from ..trainers.sft import SFTConfig, SFTTrainer
-from .args import demo_config, parse_config, require_dataset, run_script
-from .data import trainer_on_data
-from .hub import push_to_hub
-
-BUNDLED = "posttrain's bundled corpus (one sentence a row)"
+from .args import run_script
+from .rows import run
 
 
 @dataclass
@@ -36,38 +28,23 @@ class DataArguments:
     # the dataset has no test split (a single file has only "train").
     test_split_size: float = 0.0
     corpus_eval_size: int = 300  # bundled corpus (no dataset_name): its last rows are held out
+    bundled_name: ClassVar[str] = "posttrain's bundled corpus (one sentence a row)"  # in the model card
+
+    def bundled(self) -> tuple[list[dict], list[dict]]:
+        """The bundled corpus (no dataset_name) as (train, held-out) rows: its last rows are held out."""
+        lines, n = tiny.corpus(), self.corpus_eval_size
+        return [{"text": t} for t in lines[:-n]], [{"text": t} for t in lines[-n:]]
 
 
-def bundled_corpus(data: DataArguments) -> tuple[list[dict], list[dict]]:
-    """The bundled corpus (no dataset_name) as (train, held-out) rows: its last rows are held out."""
-    lines, n = tiny.corpus(), data.corpus_eval_size
-    return [{"text": t} for t in lines[:-n]], [{"text": t} for t in lines[-n:]]
+def train_losses(history: list[dict]) -> dict:
+    """The first and last logged training loss."""
+    return {"train_loss_first": history[0].get("loss") if history else None,
+            "train_loss_last": next((r["loss"] for r in reversed(history) if "loss" in r), None)}
 
 
 def main(argv: list[str] | None = None) -> None:
-    script, data, cfg = parse_config((ScriptArguments, DataArguments, SFTConfig), demo_config("sft"), argv,
-                                     prog="posttrain sft")
-    require_dataset([script, cfg])
-    trainer, before = trainer_on_data(SFTTrainer, cfg, script, data.test_split_size, lambda: bundled_corpus(data))
-    history = trainer.train()
-    final = trainer.save_model()  # the output dir itself, as TRL
-    if not trainer.session.is_main_process:
-        return
-    summary: dict[str, Any] = {"steps": trainer.step, "final_model": str(final),
-                               "train_loss_first": history[0].get("loss") if history else None,
-                               "train_loss_last": next((r["loss"] for r in reversed(history) if "loss" in r), None)}
-    if before:
-        after = next(r for r in reversed(history) if "eval/loss" in r)
-        summary.update({"eval_loss_before": before["eval/loss"], "eval_loss": after["eval/loss"],
-                        "eval_mean_token_accuracy": after["eval/mean_token_accuracy"]})
-        print(f"held-out eval/loss: {before['eval/loss']:.4f} -> {after['eval/loss']:.4f} (eval/mean_token_accuracy "
-              f"{before['eval/mean_token_accuracy']:.3f} -> {after['eval/mean_token_accuracy']:.3f})")
-    Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
-    # The card written at the end of training cannot know the data (the trainer takes rows): name it.
-    write_model_card(cfg.output_dir, cfg, "sft", trainer.session, dataset_name=script.dataset_name or BUNDLED)
-    print(f"model saved to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
-    if cfg.push_to_hub:
-        print(f"pushed to {push_to_hub(cfg, final)}")
+    run(SFTTrainer, SFTConfig, DataArguments, argv,
+        metrics=("loss", "mean_token_accuracy"), saved="model", train_summary=train_losses)
 
 
 if __name__ == "__main__":

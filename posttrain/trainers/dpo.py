@@ -17,21 +17,18 @@ import torch.nn.functional as F
 
 from .. import preference
 from ..dsconfig import ConfigError
-from ..lora import LoraFields, adapters_disabled, add_adapters, lora_config, zero3_adapters
+from ..lora import LoraFields, adapters_disabled, lora_config
 from .common import (
     Phases,
     TrainConfig,
-    enable_gradient_checkpointing,
     make_session,
-    one_tokenizer,
-    optimizer_and_scheduler,
-    policy_source,
     reference_source,
     seed_everything,
     steps_for_rows,
     sum_over_ranks,
 )
 from .loop import Trainer, collated_batches
+from .model_setup import ModelFields, model_and_tokenizer, prepare_trained
 
 # Every loss_type trl.DPOTrainer 1.16 accepts; none needs a model besides policy and reference.
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -42,18 +39,15 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 
 
 @dataclass
-class DPOConfig(TrainConfig, LoraFields):
+class DPOConfig(TrainConfig, LoraFields, ModelFields):
     """DPO settings; names and defaults follow ``trl.DPOConfig`` where the concept is the same."""
 
     output_dir: str = "runs/dpo"
     learning_rate: float = 1e-6
     logging_steps: int = 10
-    # Models: a hub name or local path each; the reference defaults to the policy's weights.
-    model_name_or_path: str | None = None
+    # A hub name or local path, as model_name_or_path; default: the policy's weights.
     ref_model_name_or_path: str | None = None
-    model_init_kwargs: dict[str, Any] | None = None
     disable_dropout: bool = True
-    gradient_checkpointing: bool = True  # TRL's DPO default: activations recomputed in backward
     # Data
     dataset_num_proc: int | None = None
     max_length: int | None = 1024
@@ -275,8 +269,7 @@ class DPOTrainer(Trainer):
         seed_everything(cfg.seed)
         # The policy: a model object (with its tokenizer) or a path, as TRL's trainers take it; no
         # model given: the built-in tiny default, fine-tuned on its corpus.
-        policy, self.tokenizer, _ = policy_source(cfg, model, one_tokenizer(processing_class, tokenizer),
-                                                  lambda path: _load_tokenizer(path, cfg))
+        policy, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class, tokenizer)
         self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         frozen = [] if self.peft_config is not None else list(self.roles["frozen"])
@@ -304,13 +297,7 @@ class DPOTrainer(Trainer):
 
         model = self.session.load("policy", policy, **kwargs)
         self._no_dropout(model)
-        if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(model,  # reentrant for ZeRO-3 adapters (TRL)
-                use_reentrant=zero3_adapters(self.session, "policy", self.peft_config))
-        if self.peft_config is not None:
-            model = add_adapters(model, self.peft_config, self.session, "policy")
-        opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
-        self.policy = self.session.prepare("policy", model, opt, sched)
+        self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, self.total_steps)
         if self.peft_config is not None and cfg.precompute_ref_log_probs:
             self._precompute_all()  # the base model, adapters disabled: saves a forward per step
         self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
@@ -464,13 +451,4 @@ class DPOTrainer(Trainer):
 def _pair_only(row: dict) -> dict:
     return {k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
 
-
-def _load_tokenizer(path: str, cfg: DPOConfig) -> Any:
-    from transformers import AutoTokenizer
-
-    kwargs = {k: v for k, v in (cfg.model_init_kwargs or {}).items() if k in ("revision", "trust_remote_code")}
-    tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    if tok.pad_token is None:  # TRL's default
-        tok.pad_token = tok.eos_token
-    return tok
 

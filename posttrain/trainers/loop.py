@@ -6,6 +6,7 @@ supplies its step (:meth:`Trainer.training_step`), optionally its evaluation
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +155,16 @@ def collated_batches(trainer: Any, start_micro: int) -> Iterator[dict]:
     for idx in rank_batches(len(trainer.train_rows), cfg.per_device_train_batch_size, cfg.seed,
                             s.process_index, s.num_processes, start=start_micro):
         yield trainer.collate([trainer.train_rows[i] for i in idx])
+
+
+def eval_shards(session: Any, n: int, batch_size: int) -> Iterator[list[int]]:
+    """This process's share of ``range(n)`` (every ``num_processes``-th index) in batches of up to
+    ``batch_size``. Every process gets the same number of batches, as ZeRO-3 forwards are
+    collective: one out of indices gets empty batches, and still runs a forward on some row that
+    it does not count (SFT, reward)."""
+    mine = list(range(session.process_index, n, session.num_processes))
+    for j in range(math.ceil(math.ceil(n / session.num_processes) / batch_size)):
+        yield mine[j * batch_size : (j + 1) * batch_size]
 
 
 class RowsTrainer(Trainer):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,39 +21,23 @@ import torch.nn.functional as F
 
 from .. import preference
 from ..dsconfig import ConfigError
-from ..lora import LoraFields, add_adapters, lora_config, zero3_adapters
-from .common import (
-    Phases,
-    TrainConfig,
-    enable_gradient_checkpointing,
-    gather_ranks,
-    make_session,
-    one_tokenizer,
-    optimizer_and_scheduler,
-    policy_source,
-    seed_everything,
-    steps_for_rows,
-)
-from .dpo import _load_tokenizer
-from .loop import RowsTrainer
+from ..lora import LoraFields, lora_config
+from .common import Phases, TrainConfig, gather_ranks, make_session, seed_everything, steps_for_rows
+from .loop import RowsTrainer, eval_shards
+from .model_setup import ModelFields, TokenizerFields, model_and_tokenizer, prepare_trained, set_tokens
 
 ROLE = "reward"
 
 
 @dataclass
-class RewardConfig(TrainConfig, LoraFields):
+class RewardConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
     """Reward-model settings; names and defaults follow ``trl.RewardConfig`` where the concept is the same."""
 
     output_dir: str = "runs/reward"
     learning_rate: float = 1e-4
-    model_name_or_path: str | None = None
-    model_init_kwargs: dict[str, Any] | None = None
-    chat_template_path: str | None = None  # a .jinja file
     disable_dropout: bool = True
-    gradient_checkpointing: bool = True  # TRL's default
     # Data
     dataset_num_proc: int | None = None
-    eos_token: str | None = None
     max_length: int | None = 1024  # pairs with a side longer than this are dropped (TRL's rule)
     pad_to_multiple_of: int | None = None
     # Loss
@@ -62,9 +45,7 @@ class RewardConfig(TrainConfig, LoraFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.chat_template_path is not None and not str(self.chat_template_path).endswith((".jinja", ".j2")):
-            raise ConfigError(f"chat_template_path {self.chat_template_path!r} is not a .jinja/.j2 file: give the "
-                              "template as a Jinja file")
+        self.check_tokenizer_fields()
 
 
 # -- data ------------------------------------------------------------------------------------------
@@ -154,21 +135,14 @@ class RewardTrainer(RowsTrainer):
         seed_everything(cfg.seed)
         # A model object (with its tokenizer) or a path; no model given: the tiny default's SFT
         # policy with a new one-logit head (TRL's usual start).
-        source, self.tokenizer, path = policy_source(cfg, model, one_tokenizer(processing_class, tokenizer),
-                                                     lambda p: _load_tokenizer(p, cfg), what="reward model")
+        source, self.tokenizer, path = model_and_tokenizer(cfg, model, processing_class, tokenizer,
+                                                           what="reward model")
         if isinstance(source, torch.nn.Module) and getattr(source.config, "num_labels", None) != 1:
             # TRL's check: the object is used as it is, so its head must give one score.
             raise ConfigError(f"the reward model object has num_labels={source.config.num_labels}; a reward model "
                               "needs 1: build it with AutoModelForSequenceClassification(..., num_labels=1), or pass "
                               "its path to get a one-logit head")
-        if cfg.chat_template_path is not None:
-            self.tokenizer.chat_template = Path(cfg.chat_template_path).read_text()
-        if cfg.eos_token is not None:
-            if cfg.eos_token not in self.tokenizer.get_vocab():
-                raise ConfigError(f"eos_token {cfg.eos_token!r} is not in the tokenizer's vocabulary: give one of its tokens")
-            self.tokenizer.eos_token = cfg.eos_token
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        set_tokens(self.tokenizer, cfg)
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg, "SEQ_CLS")
         self.collate = collator(self.tokenizer, cfg.pad_to_multiple_of)
         prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, num_proc=cfg.dataset_num_proc)
@@ -193,13 +167,7 @@ class RewardTrainer(RowsTrainer):
             from trl.trainer.utils import disable_dropout_in_model
 
             disable_dropout_in_model(model)
-        if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(model,  # reentrant for ZeRO-3 adapters (TRL)
-                use_reentrant=zero3_adapters(self.session, ROLE, self.peft_config))
-        if self.peft_config is not None:
-            model = add_adapters(model, self.peft_config, self.session, ROLE)
-        opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
-        self.model = self.session.prepare(ROLE, model, opt, sched)
+        self.model = prepare_trained(self.session, ROLE, model, cfg, self.peft_config, self.total_steps)
         self.setup_times = self.phases.pop()
         self.step = 0
         self.num_tokens = 0
@@ -249,14 +217,11 @@ class RewardTrainer(RowsTrainer):
             raise ValueError("no eval_dataset was given")
         s, bs = self.session, self.cfg.per_device_eval_batch_size
         self.model.eval()
-        mine = list(range(s.process_index, len(rows), s.num_processes))
-        n_batches = math.ceil(math.ceil(len(rows) / s.num_processes) / bs)  # the same on every rank (ZeRO-3)
         sums = torch.zeros(5, dtype=torch.float64, device=s.device)  # loss, accuracy, margin, pairs, reward sum
         lo = torch.full((1,), math.inf, dtype=torch.float64, device=s.device)
         hi = torch.full((1,), -math.inf, dtype=torch.float64, device=s.device)
         cfg = self.cfg
-        for j in range(n_batches):
-            idx = mine[j * bs : (j + 1) * bs]
+        for idx in eval_shards(s, len(rows), bs):
             loss_rows = idx or [0]  # a rank out of pairs still joins the collective forward
             batch = self._to_device(self.collate([rows[i] for i in loss_rows]))
             rewards = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

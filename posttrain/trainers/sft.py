@@ -12,9 +12,7 @@ tests/test_sft.py checks loss, token accuracy and gradients against TRL's own tr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,21 +20,10 @@ import torch
 from .. import sft_data, varlen_attention
 from ..demo import tiny
 from ..dsconfig import ConfigError
-from ..lora import LoraFields, add_adapters, lora_config, zero3_adapters
-from .common import (
-    Phases,
-    TrainConfig,
-    enable_gradient_checkpointing,
-    make_session,
-    one_tokenizer,
-    optimizer_and_scheduler,
-    policy_source,
-    seed_everything,
-    steps_for_rows,
-    sum_over_ranks,
-)
-from .dpo import _load_tokenizer
-from .loop import RowsTrainer
+from ..lora import LoraFields, lora_config
+from .common import Phases, TrainConfig, make_session, seed_everything, steps_for_rows, sum_over_ranks
+from .loop import RowsTrainer, eval_shards
+from .model_setup import ModelFields, TokenizerFields, model_and_tokenizer, prepare_trained, set_tokens
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 LOSS_TYPES = ("nll", "dft")
@@ -46,19 +33,14 @@ _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "
 
 
 @dataclass
-class SFTConfig(TrainConfig, LoraFields):
+class SFTConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
     """SFT settings; names and defaults follow ``trl.SFTConfig`` where the concept is the same."""
 
     output_dir: str = "runs/sft"
     learning_rate: float = 2e-5
-    model_name_or_path: str | None = None
-    model_init_kwargs: dict[str, Any] | None = None
-    chat_template_path: str | None = None  # a .jinja file: the chat template to render conversations with
-    gradient_checkpointing: bool = True  # TRL's default
     # Data
     dataset_text_field: str = "text"
     dataset_num_proc: int | None = None
-    eos_token: str | None = None
     max_length: int | None = 1024
     # TRL's keep_start/keep_end, and posttrain's "none": a row longer than max_length is refused.
     truncation_mode: str = "keep_start"
@@ -93,9 +75,7 @@ def validate(cfg: SFTConfig) -> None:
         # TRL's rule: padding-free rows are concatenated, so max_length would bound nothing.
         raise ConfigError("padding_free without packing does not enforce max_length: add --packing true, set "
                           "--max_length none, or set --truncation_mode none (rows longer than max_length refused)")
-    if cfg.chat_template_path is not None and not str(cfg.chat_template_path).endswith((".jinja", ".j2")):
-        raise ConfigError(f"chat_template_path {cfg.chat_template_path!r} is not a .jinja/.j2 file: give the "
-                          "template as a Jinja file")
+    cfg.check_tokenizer_fields()
 
 
 # -- the math (TRL 1.16's SFTTrainer.compute_loss) ---------------------------------------------------
@@ -162,10 +142,9 @@ class SFTTrainer(RowsTrainer):
         seed_everything(cfg.seed)
         # A model object (with its tokenizer) or a path; no model given: the built-in tiny default,
         # randomly initialised (SFT is its first stage).
-        source, self.tokenizer, _ = policy_source(cfg, model, one_tokenizer(processing_class, tokenizer),
-                                                  lambda path: _load_tokenizer(path, cfg),
-                                                  default=lambda: tiny.model_path("causal"), what="model")
-        self._set_tokens()
+        source, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class, tokenizer,
+                                                        default=lambda: tiny.model_path("causal"), what="model")
+        set_tokens(self.tokenizer, cfg)
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         self.padding_free = cfg.padding_free or (cfg.packing and cfg.packing_strategy in ("bfd", "bfd_split"))
         self.collate = sft_data.collator(self.tokenizer, self.padding_free, cfg.pad_to_multiple_of)
@@ -192,28 +171,11 @@ class SFTTrainer(RowsTrainer):
         model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         if self.tokenizer.eos_token_id is not None and cfg.eos_token is not None:
             model.config.get_text_config().eos_token_id = self.tokenizer.eos_token_id
-        if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(model,  # reentrant for ZeRO-3 adapters (TRL)
-                use_reentrant=zero3_adapters(self.session, "policy", self.peft_config))
         add_fused_head(model)  # before the adapters, as TRL
-        if self.peft_config is not None:
-            model = add_adapters(model, self.peft_config, self.session, "policy")
-        opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps)
-        self.policy = self.session.prepare("policy", model, opt, sched)
+        self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, self.total_steps)
         self.setup_times = self.phases.pop()
         self.step = 0
         self.num_tokens = 0
-
-    def _set_tokens(self) -> None:
-        cfg, tok = self.cfg, self.tokenizer
-        if cfg.chat_template_path is not None:
-            tok.chat_template = Path(cfg.chat_template_path).read_text()
-        if cfg.eos_token is not None:
-            if cfg.eos_token not in tok.get_vocab():
-                raise ConfigError(f"eos_token {cfg.eos_token!r} is not in the tokenizer's vocabulary: give one of its tokens")
-            tok.eos_token = cfg.eos_token
-        if tok.pad_token is None:  # TRL's default
-            tok.pad_token = tok.eos_token
 
     def _prepare(self, dataset: Any, name: str, packing: bool, prep: dict) -> list[dict]:
         rows = sft_data.prepare_sft_dataset(dataset, packing=packing, name=name, **prep)
@@ -266,11 +228,8 @@ class SFTTrainer(RowsTrainer):
             raise ValueError("no eval_dataset was given")
         s, bs = self.session, self.cfg.per_device_eval_batch_size
         self.policy.eval()
-        mine = list(range(s.process_index, len(rows), s.num_processes))
-        n_batches = math.ceil(math.ceil(len(rows) / s.num_processes) / bs)  # the same on every rank (ZeRO-3)
         sums = [0.0, 0.0, 0.0, 0.0]
-        for j in range(n_batches):
-            idx = mine[j * bs : (j + 1) * bs]
+        for idx in eval_shards(s, len(rows), bs):
             weight = 1.0 if idx else 0.0  # a rank out of rows still joins the collective forward
             terms = token_terms(self.policy, self._to_device(self.collate([rows[i] for i in idx or [0]])),
                                 self.cfg.loss_type)

@@ -114,6 +114,12 @@ def load_prompts(script: ScriptArguments, num_prompts: int, seed: int, algorithm
 
     if script.dataset_name is None:
         return bundled_prompts(num_prompts, seed), BUNDLED_PROMPTS
-    name = script.dataset_name
-    dataset = load_dataset_source(name, script.dataset_train_split, script.dataset_config)
+    name, split = script.dataset_name, script.dataset_train_split
+    try:
+        dataset = load_dataset_source(name, split, script.dataset_config)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError) as err:  # a single file, or a hub dataset without that split
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{name} (split {split!r}): {first}; set --dataset_train_split to one of its splits") from None
     return check_prompt_rows(dataset, name, algorithm), name

@@ -252,18 +252,15 @@ def posttrain_ppo(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tu
     from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
     prompt_len = spec["seq_len"] - spec["response_len"]
-    # Prompts longer than prompt_len, cut to it by max_prompt_length: every query is that long. One
-    # file per rank (the same rows), so no rank reads a file another is writing.
-    data = out / f"prompts-rank{os.environ.get('RANK', '0')}.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(rows_needed(spec), prompt_len + 8)))
     cfg = PPOConfig(model_name_or_path=str(role_path(spec, "policy")),
                     ref_model_name_or_path=other_path(spec, "reference", "policy"),
                     reward_model_path=str(role_path(spec, "reward", "sequence", seed=2)),
                     value_model_path=str(role_path(spec, "value", "sequence", seed=3)),
-                    dataset_name=str(data), max_prompt_length=prompt_len, response_length=spec["response_len"],
+                    max_prompt_length=prompt_len, response_length=spec["response_len"],
                     total_episodes=rows_needed(spec), local_rollout_forward_batch_size=spec["micro_batch"],
                     generation_backend=spec.get("generation_backend") or "posttrain", **common)
-    return PPOTrainer, dict(cfg=cfg)
+    # Prompts longer than prompt_len, cut to it by max_prompt_length: every query is that long.
+    return PPOTrainer, dict(cfg=cfg, train_dataset=prompt_rows(rows_needed(spec), prompt_len + 8))
 
 
 def posttrain_distill(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:

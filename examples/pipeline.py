@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GRPO_PROMPTS = 2048  # GRPOConfig.num_prompts: the bundled prompts a GRPO run on the tiny default draws
 
 
 def launch(launcher: str, script: str, args: list[str]) -> None:
@@ -55,10 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     # without --dataset_name is refused): the tiny default's bundled pairs and prompts, as files.
     from posttrain.demo import synthetic
     from posttrain.preference import write_jsonl
+    from posttrain.scripts.data import PromptArguments, bundled_prompts
 
     pairs = write_jsonl(synthetic.preference_pairs(1024, seed=0) + synthetic.preference_pairs(256, seed=1),
                         out / "data" / "pairs.jsonl")
-    prompts = write_jsonl([{"prompt": p} for p in synthetic.prompts(GRPO_PROMPTS, seed=42)], out / "data" / "prompts.jsonl")
+    # The prompts `posttrain grpo` draws on the tiny default (its --num_prompts, configs/grpo.yaml's seed).
+    prompts = write_jsonl(bundled_prompts(PromptArguments.num_prompts, seed=42), out / "data" / "prompts.jsonl")
     quiet = ["--disable_tqdm", "true", "--overwrite_output_dir", "true"]
     start = time.perf_counter()
     times = {}

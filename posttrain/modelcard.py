@@ -200,8 +200,9 @@ def write_model_card(
     """Write ``README.md`` and ``learning_curves.png`` into ``output_dir`` from ``cfg`` (a trainer
     config dataclass) and the run's ``metrics.jsonl``; returns the card's path.
 
-    ``base_model`` defaults to ``cfg.model_name_or_path`` and ``dataset_name`` to
-    ``cfg.dataset_name`` (None: posttrain's built-in tiny default / bundled data). ``session``
+    ``base_model`` defaults to ``cfg.model_name_or_path`` (None: posttrain's built-in tiny
+    default); ``dataset_name`` is what the caller trained on (the trainers take data objects, so
+    only the scripts know it; None: the card names no data). ``session``
     adds each role's DeepSpeed placement. Call it on the main process only.
     """
     from huggingface_hub import ModelCard, ModelCardData
@@ -212,10 +213,6 @@ def write_model_card(
     out.mkdir(parents=True, exist_ok=True)
     info = METHODS.get(method, {"name": method, "tags": [method], "paper": {}})
     base_model = base_model or getattr(cfg, "model_name_or_path", None)
-    if dataset_name is None and getattr(cfg, "dataset_name", None):
-        dataset_name = cfg.dataset_name
-    # Without a dataset field, what the trainer got is unknown (the DPO trainer takes rows).
-    bundled_data = dataset_name is None and hasattr(cfg, "dataset_name")
 
     rows = read_metrics(out / "metrics.jsonl")
     try:
@@ -257,8 +254,7 @@ def write_model_card(
         template_str=_TEMPLATE,
         model_name=model_name,
         base_model_text=_source_text(base_model, "https://huggingface.co", "posttrain's built-in tiny default"),
-        dataset_text=_source_text(dataset_name, "https://huggingface.co/datasets",
-                                  "posttrain's bundled synthetic data" if bundled_data else None),
+        dataset_text=_source_text(dataset_name, "https://huggingface.co/datasets", None),
         trainer_name=info["name"],
         paper_title=info["paper"].get("title"),
         paper_id=info["paper"].get("id"),

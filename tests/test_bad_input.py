@@ -52,6 +52,8 @@ def a(tmp_path_factory):
                                               root / "prompts.jsonl")
     paths["no_column"] = preference.write_jsonl([{"question": "a", "answer": "b"}],
                                                 root / "no_column.jsonl")
+    paths["empty_prompt"] = preference.write_jsonl([{"prompt": "the cat is"}, {"prompt": ""}],
+                                                   root / "empty_prompt.jsonl")
     for name, rows in {"tokens_oov": [{"input_ids": [5, 6, 7]}, {"input_ids": [5, 600]}],
                        "tokens_mask": [{"input_ids": [5, 6, 7], "completion_mask": [0, 1]}],
                        "tokens": [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]}.items():
@@ -92,7 +94,7 @@ CASES = [
      "plain text"),
     ("no chat template, ppo",
      "ppo --output_dir {out} --model_name_or_path {no_template} --reward_model_path {reward} --dataset_name {conv}",
-     "{conv} is conversational (lists of messages) but the tokenizer of {no_template} has no chat template: use a "
+     "train_dataset is conversational (lists of messages) but the tokenizer of {no_template} has no chat template: use a "
      "chat model's tokenizer, set tokenizer.chat_template and save it with the model, or give the data as plain "
      "text"),
     ("unknown role", "dpo --output_dir {out} --model_name_or_path {sft} --dataset_name {bad_role}",
@@ -161,9 +163,17 @@ GRPO_CASES = [
     pytest.param("rloo model without data", "rloo --output_dir {out} --model_name_or_path {sft}", NO_DATA),
     pytest.param("no chat template, grpo", "grpo --output_dir {out} --model_name_or_path {no_template} "
                  "--dataset_name {prompts} --reward_funcs posttrain.demo.synthetic:sentiment_reward",
-                 "{prompts} is conversational (lists of messages) but the tokenizer of {no_template} has no chat "
+                 "train_dataset is conversational (lists of messages) but the tokenizer of {no_template} has no chat "
                  "template: use a chat model's tokenizer, set tokenizer.chat_template and save it with the model, or "
                  "give the data as plain text"),
+    # Prompt data: the script loads --dataset_name and names it.
+    pytest.param("prompts without a prompt column, ppo", "ppo --output_dir {out} --model_name_or_path {sft} "
+                 "--reward_model_path {reward} --dataset_name {no_column}",
+                 "{no_column}: PPO needs a 'prompt' column (text or a list of messages); the columns are ['question', "
+                 "'answer']"),
+    pytest.param("an empty prompt, rloo", "rloo --output_dir {out} --model_name_or_path {sft} --dataset_name "
+                 "{empty_prompt} --reward_funcs posttrain.demo.synthetic:sentiment_reward",
+                 "{empty_prompt}: row 1 has an empty 'prompt'"),
 ]
 
 

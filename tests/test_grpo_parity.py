@@ -244,12 +244,13 @@ def test_rloo_settings():
 def test_checkpoints_only_on_generation_boundaries(tmp_path):
     """A checkpoint holds no generation batch, so it must fall where a new one is sampled."""
     from posttrain.dsconfig import ConfigError
+    from posttrain.scripts.data import bundled_prompts
     from posttrain.trainers.grpo import GRPOTrainer
 
     cfg = GRPOConfig(per_device_train_batch_size=8, num_generations=4, steps_per_generation=2, save_steps=1,
                      output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="generation boundary"):
-        GRPOTrainer(cfg)
+        GRPOTrainer(cfg, train_dataset=bundled_prompts(16))
 
 
 @pytest.mark.parametrize("prompts,steps_per_generation,num_iterations", [(8, 1, 1), (10, 2, 2), (9, 3, 1)])

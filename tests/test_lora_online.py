@@ -21,6 +21,7 @@ from test_grpo_parity import TEMPERATURE, G, N, fixed_rollout, sparse_reward, to
 
 from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
+from posttrain.scripts.data import bundled_prompts
 from posttrain.trainers.common import save_trained_model
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, reduce_loss_stats
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
@@ -203,8 +204,8 @@ def test_the_torch_path_trains_as_the_deepspeed_engine(tmp_path):
         cfg = GRPOConfig(output_dir=str(tmp_path / engine), use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
                          beta=0.04, learning_rate=1e-2, per_device_train_batch_size=8, num_generations=4,
                          max_completion_length=6, steps_per_generation=2, max_steps=2, generation_backend="hf",
-                         disable_tqdm=True, single_process_engine=engine, num_prompts=16)
-        trainer = GRPOTrainer(cfg)
+                         disable_tqdm=True, single_process_engine=engine)
+        trainer = GRPOTrainer(cfg, train_dataset=bundled_prompts(16))
         assert trainer.session.engine_kind("policy") == engine
         rows[engine] = trainer.train()
     for a, b in zip(rows["torch"], rows["deepspeed"]):
@@ -235,9 +236,8 @@ def test_the_rollout_engine_samples_the_adapted_policy(tmp_path):
         cfg = GRPOConfig(output_dir=str(tmp_path / backend), use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
                          lora_target_modules=["all-linear"], beta=0.04, learning_rate=5e-2,
                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
-                         max_steps=2, generation_backend=backend, generation_kv_slots=slots, disable_tqdm=True,
-                         num_prompts=16)
-        rows[backend] = GRPOTrainer(cfg).train()
+                         max_steps=2, generation_backend=backend, generation_kv_slots=slots, disable_tqdm=True)
+        rows[backend] = GRPOTrainer(cfg, train_dataset=bundled_prompts(16)).train()
     for a, b in zip(rows["posttrain"], rows["hf"]):
         for k in ("reward", "kl", "loss", "completions/mean_length"):
             assert a[k] == pytest.approx(b[k], abs=TOL, rel=TOL), k

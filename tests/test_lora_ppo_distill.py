@@ -11,6 +11,7 @@ from conftest import run_json
 from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
 from posttrain.lora import lora_config
+from posttrain.scripts.data import bundled_prompts
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -128,7 +129,7 @@ def test_ppo_lora_loss_and_adapter_gradients_equal_a_separate_base_reference(tmp
     )
 
     cfg = PPOConfig(output_dir=str(tmp_path / "run"), **PPO_ONE_UPDATE, **LORA, **FP32_ONE_PROCESS)
-    t = PPOTrainer(cfg)
+    t = PPOTrainer(cfg, train_dataset=bundled_prompts(2048))  # `posttrain ppo`'s prompts
     s, pad = t.session, t.tokenizer.pad_token_id
     assert sorted(s.engines) == ["policy", "reward", "value"]  # no reference role
     policy = s.unwrap("policy")

@@ -80,10 +80,16 @@ def test_card_and_curves_from_metrics(tmp_path):
 
 
 def test_local_model_and_bundled_data(tmp_path):
+    from posttrain.scripts.data import BUNDLED_PROMPTS
+
     _metrics(tmp_path / "metrics.jsonl")
+    # The trainers take data objects, so a card names the data only when its caller (a script) does.
     card = ModelCard.load(modelcard.write_model_card(tmp_path, PPOConfig(output_dir=str(tmp_path)), "ppo"))
-    assert card.data.base_model is None  # the hub validates base_model: hub names only
-    assert "fine-tuned version of posttrain's built-in tiny default on posttrain's bundled synthetic data" in card.text
+    assert "fine-tuned version of posttrain's built-in tiny default.\n" in card.text
+    card = ModelCard.load(modelcard.write_model_card(tmp_path, PPOConfig(output_dir=str(tmp_path)), "ppo",
+                                                     dataset_name=BUNDLED_PROMPTS))
+    assert card.data.base_model is None and card.data.datasets is None  # the hub validates both: hub names only
+    assert "fine-tuned version of posttrain's built-in tiny default on `posttrain's bundled synthetic prompts`" in card.text
     assert "huggingface.co/None" not in card.text
     assert "trained with PPO, a method introduced in [Fine-Tuning Language Models from Human Preferences]" in card.text
 
@@ -120,7 +126,8 @@ def ppo_run(tmp_path_factory) -> Path:
 
 
 def test_trainer_writes_card_and_curves(ppo_run):
-    """A real run: RunLog.close writes the card from the run's own config, roles and metrics.jsonl."""
+    """A real run of the script: RunLog.close writes the card from the run's own config, roles and
+    metrics.jsonl, and the script names the data in it."""
     text = (ppo_run / "README.md").read_text()
     assert f"fine-tuned version of `{tiny.sft_model_path()}` on `{ppo_run.parent / 'prompts.jsonl'}`" in text
     assert "trained with PPO" in text

@@ -171,3 +171,31 @@ def test_one_plain_process_without_a_launcher(tmp_path):
                              "eval_loss", "eval_rewards/margins"]
     last_eval = [r for r in metrics if "eval/loss" in r][-1]
     assert (summary["steps"], summary["final_model"], summary["eval_loss"]) == (2, str(out), last_eval["eval/loss"])
+
+
+def test_online_scripts_take_trls_script_arguments(tmp_path):
+    """`posttrain grpo|rloo|ppo` parse TRL's ScriptArguments beside the trainer's config: a YAML's
+    dataset_name and split go there (the configs have no dataset settings), the script loads the
+    prompts (other columns kept, for reward functions) or, with no dataset, its bundled ones."""
+    from posttrain.preference import write_jsonl
+    from posttrain.scripts.data import BUNDLED_PROMPTS, PromptArguments, bundled_prompts, load_prompts
+    from posttrain.trainers.grpo import GRPOConfig
+    from posttrain.trainers.rloo import RLOOConfig
+
+    rows = [{"prompt": f"the cat {i} is", "answer": str(i)} for i in range(4)]
+    path = str(write_jsonl(rows, tmp_path / "prompts.jsonl"))
+    (tmp_path / "c.yaml").write_text(f"dataset_name: {path}\ndataset_train_split: train\nnum_prompts: 8\n"
+                                     f"output_dir: {tmp_path / 'out'}\n")
+    for config_cls, name in ((GRPOConfig, "grpo"), (RLOOConfig, "rloo"), (PPOConfig, "ppo")):
+        script, data, cfg = parse_config((ScriptArguments, PromptArguments, config_cls), demo_config(name),
+                                         ["--config", str(tmp_path / "c.yaml")])
+        assert (script.dataset_name, script.dataset_train_split, data.num_prompts) == (path, "train", 8)
+        assert not hasattr(cfg, "dataset_name") and not hasattr(cfg, "num_prompts")
+        with pytest.raises(ConfigError, match=r"^unknown flag --dataset_split: did you mean --dataset_train_split\?$"):
+            parse_config((ScriptArguments, PromptArguments, config_cls), demo_config(name), ["--dataset_split", "train"])
+    assert load_prompts(script, 8, 42, "PPO") == (rows, path)
+    assert load_prompts(ScriptArguments(), 8, 42, "PPO") == (bundled_prompts(8, seed=42), BUNDLED_PROMPTS)
+    with pytest.raises(ConfigError) as err:
+        load_prompts(ScriptArguments(dataset_name=path, dataset_train_split="test"), 8, 42, "PPO")
+    assert str(err.value) == (f"{path} (split 'test'): {path} is a single file: it has only the split 'train', not "
+                              "'test'; set --dataset_train_split to one of its splits")

@@ -12,13 +12,16 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from posttrain.demo import synthetic, tiny
 from posttrain.dsconfig import ConfigError
+from posttrain.scripts.data import bundled_prompts
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+PROMPTS = bundled_prompts(16)  # what `posttrain grpo --num_prompts 16` trains on
 
 
 def config(out, **kw):
     settings = dict(beta=0.04, reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], learning_rate=5e-2,
                     per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
-                    disable_tqdm=True, num_prompts=16)
+                    disable_tqdm=True)
     return GRPOConfig(output_dir=str(out), **{**settings, **kw})
 
 
@@ -31,11 +34,12 @@ def test_a_model_object_trains_as_its_path(tmp_path):
     reward_processing_classes, TRL's way), as objects: the run by paths."""
     path, reward = tiny.sft_model_path(), tiny.reward_model_path()
     by_path = GRPOTrainer(config(tmp_path / "path", model_name_or_path=str(path),
-                                 reward_funcs=[str(reward), "posttrain.demo.synthetic:sentiment_reward"])).train()
+                                 reward_funcs=[str(reward), "posttrain.demo.synthetic:sentiment_reward"]),
+                          train_dataset=PROMPTS).train()
     model = AutoModelForCausalLM.from_pretrained(path)
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward)
     # The same bundled prompts as a datasets.Dataset (TRL's train_dataset).
-    prompts = Dataset.from_list([{"prompt": p} for p in synthetic.prompts(16, seed=42)])
+    prompts = Dataset.from_list(PROMPTS)
     trainer = GRPOTrainer(config(tmp_path / "object"), model=model, processing_class=tiny.load_tokenizer(path),
                           train_dataset=prompts, reward_funcs=[reward_model],
                           reward_processing_classes=[tiny.load_tokenizer(reward)])
@@ -64,9 +68,9 @@ def test_a_run_after_one_that_destroyed_the_process_group(tmp_path):
     """accelerate's end_training (and TRL's trainers) destroy the process group at the end of a run;
     DeepSpeed keeps the destroyed group, and the next engine in the process failed with "Group ...
     is not registered". The session lets the next run build its own."""
-    first = GRPOTrainer(config(tmp_path / "first", max_steps=1)).train()
+    first = GRPOTrainer(config(tmp_path / "first", max_steps=1), train_dataset=PROMPTS).train()
     torch.distributed.destroy_process_group()
-    second = GRPOTrainer(config(tmp_path / "second", max_steps=1)).train()
+    second = GRPOTrainer(config(tmp_path / "second", max_steps=1), train_dataset=PROMPTS).train()
     assert second[0]["loss"] == pytest.approx(first[0]["loss"], abs=1e-6)
 
 
@@ -233,4 +237,9 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
     with pytest.raises(ConfigError, match=r"^reward_processing_classes has 2 entries for 1 reward_funcs: give one per"):
         GRPOTrainer(config(tmp_path / "a"), reward_funcs=[AutoModelForSequenceClassification.from_pretrained(
             tiny.reward_model_path())], reward_processing_classes=[tok, tok])
+    # The prompts are required, as in TRL's trainers (the scripts load --dataset_name or the bundled ones).
+    for trainer in (lambda: GRPOTrainer(config(tmp_path / "a")), lambda: PPOTrainer(ppo_config(tmp_path / "a"))):
+        with pytest.raises(ConfigError, match=r"^(GRPO|PPO) needs prompts: pass train_dataset= \(a datasets.Dataset "
+                                              r"or a list of dicts with a 'prompt'\)"):
+            trainer()
     assert not (tmp_path / "a").exists()

@@ -106,8 +106,14 @@ def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -
     return tuple(outputs)
 
 
+# Settings posttrain renamed, with their names now (difflib would pick another one).
+RENAMED = {"dataset_split": "dataset_train_split"}  # GRPO/PPO's prompt split, now TRL's ScriptArguments'
+
+
 def _nearest(name: str, known: set[str], prefix: str = "") -> str:
     """The sentence's end: the closest known name (difflib) or where the list is."""
+    if RENAMED.get(name) in known:
+        return f": did you mean {prefix}{RENAMED[name]}?"
     match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
     if match:
         return f": did you mean {prefix}{match[0]}?"

@@ -5,6 +5,7 @@ without a dataset the script's bundled demo rows."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from trl import ScriptArguments
@@ -84,3 +85,41 @@ def bundled_pairs(train_size: int, eval_size: int) -> tuple[list[dict], list[dic
     """The bundled synthetic preference pairs (DPO's and reward's data without a dataset) as (train,
     held-out) rows; the held-out ones are another seed."""
     return synthetic.preference_pairs(train_size, seed=0), synthetic.preference_pairs(eval_size, seed=1)
+
+
+# -- the online scripts' prompts (GRPO, RLOO, PPO) ----------------------------------------------
+BUNDLED_PROMPTS = "posttrain's bundled synthetic prompts"
+
+
+@dataclass
+class PromptArguments:
+    """Beside TRL's ScriptArguments (dataset_name, dataset_train_split, ...) in ``posttrain grpo``,
+    ``rloo`` and ``ppo``."""
+
+    num_prompts: int = 2048  # bundled prompts (no dataset_name)
+
+
+def bundled_prompts(count: int, seed: int = 42) -> list[dict]:
+    """The tiny default's bundled prompts (openings of its sentences) as rows with a "prompt"; the
+    default seed is the trainers' (TrainConfig.seed)."""
+    return [{"prompt": p} for p in synthetic.prompts(count, seed=seed)]
+
+
+def load_prompts(script: ScriptArguments, num_prompts: int, seed: int, algorithm: str) -> tuple[list[dict], str]:
+    """The online scripts' prompt rows and what the model card calls them: ``--dataset_name``'s
+    ``dataset_train_split`` (a hub name, a local json/jsonl/parquet/csv file or a saved dataset
+    folder), its rows checked under the dataset's name before any model loads, or without a
+    dataset ``num_prompts`` bundled prompts drawn with the run's seed."""
+    from ..trainers.online import check_prompt_rows
+
+    if script.dataset_name is None:
+        return bundled_prompts(num_prompts, seed), BUNDLED_PROMPTS
+    name, split = script.dataset_name, script.dataset_train_split
+    try:
+        dataset = load_dataset_source(name, split, script.dataset_config)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError) as err:  # a single file, or a hub dataset without that split
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{name} (split {split!r}): {first}; set --dataset_train_split to one of its splits") from None
+    return check_prompt_rows(dataset, name, algorithm), name

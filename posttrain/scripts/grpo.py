@@ -3,8 +3,10 @@ at ``beta: 0``, TRL's default) and reward models as ZeRO-3 roles of their own.
 
 With no model it runs on the built-in tiny default (a tiny policy fine-tuned on bundled text; the
 bundled reward function counts positive adjectives) under the demo settings
-(posttrain/scripts/demo/grpo.yaml). With ``--model_name_or_path``, ``--reward_funcs`` and
-``--dataset_name`` the GRPOConfig defaults apply (TRL 1.16's); ``--config FILE`` gives your own.
+(posttrain/scripts/demo/grpo.yaml), on ``--num_prompts`` bundled prompts. With ``--model_name_or_path``,
+``--reward_funcs`` and ``--dataset_name`` (TRL's ScriptArguments: a hub name or a local
+json/jsonl/parquet/csv file with a "prompt" column; its ``--dataset_train_split``) the GRPOConfig
+defaults apply (TRL 1.16's); ``--config FILE`` gives your own.
 ``--use_peft`` (with TRL's ``lora_*`` flags) trains LoRA adapters, with the base as the reference.
 """
 
@@ -14,8 +16,12 @@ import json
 import math
 from pathlib import Path
 
+from trl import ScriptArguments
+
+from ..modelcard import write_model_card
 from ..trainers.grpo import GRPOConfig, GRPOTrainer
 from .args import demo_config, parse_config, require_dataset, run_script
+from .data import PromptArguments, load_prompts
 from .hub import push_to_hub
 
 PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
@@ -40,11 +46,16 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
     """Parse, train, save the policy and print the summary (shared with ``posttrain rloo``)."""
     import time
 
-    (cfg,) = parse_config(config_cls, demo_config(name), argv, prog=f"posttrain {name}")
-    require_dataset([cfg])
+    script, data, cfg = parse_config((ScriptArguments, PromptArguments, config_cls), demo_config(name), argv,
+                                     prog=f"posttrain {name}")
+    require_dataset([script, cfg])
     start = time.perf_counter()
-    trainer = trainer_cls(cfg)
+    prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
+    trainer = trainer_cls(cfg, train_dataset=prompts)
     history = trainer.train()
+    if trainer.session.is_main_process:
+        # The card written at the end of training cannot know the data (the trainer takes rows): name it.
+        write_model_card(cfg.output_dir, cfg, name, trainer.session, dataset_name=dataset_name)
     final = trainer.save_model()  # the output dir itself, as TRL
     if not trainer.session.is_main_process:
         return

@@ -3,8 +3,10 @@ reference and reward models.
 
 With no model it runs on the built-in tiny default (a tiny policy fine-tuned on bundled text and a
 tiny reward model trained on bundled preferences for positive adjectives) under the demo settings
-(posttrain/scripts/demo/ppo.yaml). With ``--model_name_or_path``, ``--reward_model_path`` and
-``--dataset_name`` the PPOConfig defaults apply (TRL's, up to 1.12); ``--config FILE`` gives your own.
+(posttrain/scripts/demo/ppo.yaml), on ``--num_prompts`` bundled prompts. With ``--model_name_or_path``,
+``--reward_model_path`` and ``--dataset_name`` (TRL's ScriptArguments: a hub name or a local
+json/jsonl/parquet/csv file with a "prompt" column; its ``--dataset_train_split``) the PPOConfig
+defaults apply (TRL's, up to 1.12); ``--config FILE`` gives your own.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trl import ScriptArguments
+
 from ..lora import LoraFields
+from ..modelcard import write_model_card
 from ..trainers.ppo import PPOConfig, PPOTrainer
 from .args import demo_config, parse_config, require_dataset, run_script
+from .data import PromptArguments, load_prompts
 from .hub import push_to_hub
 
 
@@ -40,10 +46,15 @@ def saved_as(cfg: LoraFields) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    (cfg,) = parse_config(PPOConfig, demo_config("ppo"), argv, prog="posttrain ppo")
-    require_dataset([cfg])
-    trainer = PPOTrainer(cfg)
+    script, data, cfg = parse_config((ScriptArguments, PromptArguments, PPOConfig), demo_config("ppo"), argv,
+                                     prog="posttrain ppo")
+    require_dataset([script, cfg])
+    prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
+    trainer = PPOTrainer(cfg, train_dataset=prompts)
     history = trainer.train()
+    if trainer.session.is_main_process:
+        # The card written at the end of training cannot know the data (the trainer takes rows): name it.
+        write_model_card(cfg.output_dir, cfg, "ppo", trainer.session, dataset_name=dataset_name)
     final = trainer.save_model()  # the output dir itself, as TRL; the value model in value/
     if not trainer.session.is_main_process:
         return

@@ -74,7 +74,7 @@ from .loop import Trainer, window_mean
 from .online import (
     completion_logps,
     left_pad,
-    load_prompt_rows,
+    prompt_rows,
     tokenize_prompt,
     truncated_rows,
     write_samples,
@@ -97,11 +97,8 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
     reward_model_name_or_path: str | None = None  # TRL's scripts' flag: a reward model put before reward_funcs
     reward_weights: list[float] | None = None
     multi_objective_aggregation: str = "sum_then_normalize"  # | "normalize_then_sum"
-    # Prompts: a dataset with a "prompt" column, TRL's standard (text) or conversational (messages) format.
-    dataset_name: str | None = None  # hub name or local json/jsonl/parquet/csv; None: bundled prompts
-    dataset_split: str = "train"
+    # Prompts (the trainer's train_dataset=): TRL's standard (text) or conversational (messages) format.
     max_prompt_length: int | None = 512  # prompts are truncated from the left
-    num_prompts: int = 2048  # bundled prompts only
     chat_template_kwargs: dict | None = None
     learning_rate: float = 1e-6
     disable_dropout: bool = False
@@ -274,11 +271,10 @@ class GRPOTrainer(RewardSources, Trainer):
 
         self.resolve_rewards(reward_funcs, model is None and cfg.model_name_or_path is None, reward_processing_classes)
 
-        # The prompts: train_dataset (TRL's name: a datasets.Dataset or rows), train_rows (as given),
-        # else the config's dataset_name or the bundled prompts.
+        # The prompts: train_dataset (TRL's name: a datasets.Dataset or rows, required) or train_rows (as given).
         given_once(train_rows, train_dataset, "prompt dataset", "train_rows", "train_dataset=")
-        self.rows = train_rows if train_rows is not None else load_prompt_rows(cfg, train_dataset)
-        check_conversation(self.rows, ("prompt",), tok, cfg.dataset_name or "train_rows")
+        self.rows = train_rows if train_rows is not None else prompt_rows(train_dataset, cfg._algorithm)
+        check_conversation(self.rows, ("prompt",), tok, "train_rows" if train_rows is not None else "train_dataset")
         self.check_reward_columns(self.rows)
         self.prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows]
         max_prompt_len = max(len(p) for p in self.prompt_ids)

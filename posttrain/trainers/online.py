@@ -11,10 +11,8 @@ from typing import Any
 
 import torch
 
-from ..demo import synthetic
 from ..dsconfig import ConfigError
 from ..jsonrows import dumps_row
-from ..preference import load_dataset_source
 from ..reward_funcs import RewardFuncError, weighted_sum
 from .common import sum_over_ranks
 
@@ -130,24 +128,25 @@ def write_samples(session: Any, output_dir: str, rows: list[dict]) -> None:
 
 
 # -- prompts -------------------------------------------------------------------------------------
-def load_prompt_rows(cfg: Any, train_dataset: Any = None) -> list[dict]:
+def prompt_rows(train_dataset: Any, algorithm: str) -> list[dict]:
     """Rows with a "prompt" (TRL's standard text or conversational messages) and any other
-    columns (passed to reward functions): ``train_dataset`` (a ``datasets.Dataset`` or a list of
-    dicts, as TRL's trainers take it), else ``cfg.dataset_name`` loaded, else the bundled prompts."""
-    if train_dataset is not None:
-        if cfg.dataset_name is not None:
-            raise ConfigError("the prompts are given twice (train_dataset= and dataset_name): give one of them")
-        return _checked_prompts(train_dataset, "train_dataset", cfg)
-    if cfg.dataset_name is None:
-        return [{"prompt": p} for p in synthetic.prompts(cfg.num_prompts, seed=cfg.seed)]
-    return _checked_prompts(load_dataset_source(cfg.dataset_name, split=cfg.dataset_split), cfg.dataset_name, cfg)
+    columns (passed to reward functions) from ``train_dataset``: a ``datasets.Dataset`` or a list
+    of dicts, as TRL's trainers take it. Required, as in TRL: the scripts load ``--dataset_name``
+    (or the tiny default's bundled prompts) and pass it."""
+    if train_dataset is None:
+        raise ConfigError(f"{algorithm} needs prompts: pass train_dataset= (a datasets.Dataset or a list of dicts "
+                          "with a 'prompt'), as TRL's trainers take it; posttrain.scripts.data.bundled_prompts(n) "
+                          "gives the tiny default's bundled ones")
+    return check_prompt_rows(train_dataset, "train_dataset", algorithm)
 
 
-def _checked_prompts(ds: Any, name: str, cfg: Any) -> list[dict]:
+def check_prompt_rows(ds: Any, name: str, algorithm: str) -> list[dict]:
+    """``ds``'s rows, refused in one sentence naming ``name`` without a "prompt" column or with an
+    empty prompt."""
     rows = list(ds) if isinstance(ds, (list, tuple)) else ds.to_list()
     columns = ds.column_names if hasattr(ds, "column_names") else list(rows[0]) if rows else []
     if "prompt" not in columns:
-        raise ConfigError(f"{name}: {cfg._algorithm} needs a 'prompt' column (text or a list of messages); "
+        raise ConfigError(f"{name}: {algorithm} needs a 'prompt' column (text or a list of messages); "
                           f"the columns are {columns}")
     for i, r in enumerate(rows):
         if not r.get("prompt"):

@@ -51,7 +51,7 @@ from .common import (
     world_size,
 )
 from .loop import Trainer
-from .online import load_prompt_rows, policy_text, position_ids, write_samples
+from .online import policy_text, position_ids, prompt_rows, write_samples
 
 INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a response
 
@@ -67,11 +67,8 @@ class PPOConfig(TrainConfig, LoraFields, RolloutFields):
     value_model_path: str | None = None  # default: the reward model; any causal LM backbone also works
     reward_funcs: list[str] = field(default_factory=list)  # "module:function" on decoded text
     reward_weights: list[float] | None = None  # one per function; the reward model's weight is 1
-    # Prompts: a dataset with a "prompt" column (text or conversational messages).
-    dataset_name: str | None = None  # hub name or local json/jsonl/parquet/csv; None: bundled prompts
-    dataset_split: str = "train"
+    # Prompts (the trainer's train_dataset=): text or conversational messages.
     max_prompt_length: int = 64
-    num_prompts: int = 2048  # bundled prompts only
     # PPO (TRL's names and defaults)
     num_ppo_epochs: int = 4
     num_mini_batches: int = 1
@@ -260,7 +257,7 @@ class PPOTrainer(Trainer):
     ``model=`` (with its ``processing_class``), ``ref_model=`` (default: a copy of the policy's
     initial weights), ``reward_model=`` and ``value_model=`` (one-score sequence classifiers; the
     value model defaults to a copy of the reward model when it reads the policy's ids). The prompts:
-    ``train_dataset=`` (a ``datasets.Dataset`` or rows with a "prompt"), else ``dataset_name``."""
+    ``train_dataset=`` (a ``datasets.Dataset`` or rows with a "prompt"; required, as in TRL)."""
 
     name = "ppo"
     shown = ("objective/scores", "objective/kl", "loss/policy_avg")
@@ -319,9 +316,9 @@ class PPOTrainer(Trainer):
             raise ConfigError(f"value model {rewards.model_name(value_given)} has another vocabulary than the policy's, but it "
                               "reads the policy's token ids: give value_model_path a model with the policy's "
                               "tokenizer (or leave it unset to start from the policy)")
-        self.raw_prompts = [row["prompt"] for row in load_prompt_rows(cfg, train_dataset)]
+        self.raw_prompts = [row["prompt"] for row in prompt_rows(train_dataset, cfg._algorithm)]
         check_conversation([{"prompt": p} for p in self.raw_prompts], ("prompt",), self.tokenizer,
-                           cfg.dataset_name or "prompts")  # before any model loads
+                           "train_dataset")  # before any model loads
         self.prompts = [policy_text(p, self.tokenizer) for p in self.raw_prompts]
 
         world = world_size()

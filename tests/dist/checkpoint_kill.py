@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from ppo_run import prompts as ppo_prompts
 
 from posttrain import rewards
 from posttrain.dsconfig import ConfigError
@@ -27,8 +28,9 @@ BASE = dict(learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_b
             total_episodes=128, save_steps=2)  # 4 updates of 2 x 16 rollouts
 
 
-def run(**kw) -> PPOTrainer:
-    trainer = PPOTrainer(PPOConfig(**{**BASE, **kw}))
+def run(dataset_name: str | None = None, **kw) -> PPOTrainer:
+    cfg = PPOConfig(**{**BASE, **kw})
+    trainer = PPOTrainer(cfg, train_dataset=ppo_prompts(cfg, dataset_name))
     trainer.history = trainer.train()
     return trainer
 
@@ -85,7 +87,8 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
         die_while_saving(4)
         run(output_dir=str(tmp / "killed"))
     elif mode == "resume":
-        trainer = PPOTrainer(PPOConfig(**{**BASE, "output_dir": str(tmp / "killed"), "resume_from_checkpoint": "latest"}))
+        cfg = PPOConfig(**{**BASE, "output_dir": str(tmp / "killed"), "resume_from_checkpoint": "latest"})
+        trainer = PPOTrainer(cfg, train_dataset=ppo_prompts(cfg))
         s = trainer.session
         # A state missing one rank's RNG file (what the old save order could leave) is refused on every rank.
         broken = tmp / "broken-state"

@@ -15,6 +15,7 @@ import json
 import sys
 
 from posttrain.demo import tiny
+from posttrain.scripts.data import bundled_prompts
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
@@ -27,7 +28,8 @@ LEARN = dict(learning_rate=2e-4, lr_scheduler_type="constant", per_device_train_
 
 
 def run(config_cls, trainer_cls, save=False, **fields) -> tuple[list[dict], list[str], dict]:
-    trainer = trainer_cls(config_cls(**fields))
+    cfg = config_cls(**fields)
+    trainer = trainer_cls(cfg, train_dataset=bundled_prompts(2048, cfg.seed))  # `posttrain grpo`'s prompts
     history = trainer.train()
     if save:
         trainer.save()  # the output dir itself, as TRL
@@ -77,7 +79,8 @@ def main(out: str, tmp: str) -> None:
     res["lora_dir"] = tmp
     # Gradient accumulation with one generation per micro-step: num_tokens is the cumulative count.
     trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 2, "gradient_accumulation_steps": 2,
-                                        "steps_per_generation": 1}, output_dir=f"{tmp}/ga2"))
+                                        "steps_per_generation": 1}, output_dir=f"{tmp}/ga2"),
+                          train_dataset=bundled_prompts(2048, LEARN["seed"]))
     res["ga2"] = {"history": trainer.train(), "num_tokens": trainer.num_tokens}
 
     import torch.distributed as dist
@@ -92,7 +95,7 @@ def main(out: str, tmp: str) -> None:
 
     # A reward function failing on one rank: every rank stops with its sentence (none hangs in a gather).
     trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 1}, output_dir=f"{tmp}/fail"),
-                          reward_funcs=[judge_down_on_rank_1])
+                          reward_funcs=[judge_down_on_rank_1], train_dataset=bundled_prompts(2048, LEARN["seed"]))
     try:
         trainer.train()
         said = "no error"

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from distill_checks import TEACHER, losses, rows
-from ppo_run import BASE
+from ppo_run import BASE, prompts
 
 from posttrain.demo import tiny
 from posttrain.trainers.distill import DistillConfig, DistillTrainer
@@ -22,7 +22,7 @@ PPO_KEYS = ["objective/scores", "objective/kl", "objective/entropy", "loss/polic
 
 def ppo(tmp: Path, name: str, **kw) -> tuple[PPOTrainer, list[dict]]:
     cfg = PPOConfig(output_dir=str(tmp / name), **{**BASE, "learning_rate": 1e-2, "total_episodes": 64, **LORA, **kw})
-    trainer = PPOTrainer(cfg)
+    trainer = PPOTrainer(cfg, train_dataset=prompts(cfg))
     return trainer, [{k: h[k] for k in PPO_KEYS} for h in trainer.train()]
 
 

@@ -13,6 +13,7 @@ import torch
 
 from posttrain.demo import synthetic, tiny
 from posttrain.dsconfig import ConfigError
+from posttrain.scripts.data import bundled_prompts
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
@@ -35,7 +36,7 @@ def grpo(tmp: Path, engine: str) -> tuple[GRPOTrainer, list[dict]]:
                      per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                      gradient_accumulation_steps=2, max_steps=2, beta=0.04, max_grad_norm=0.05, disable_tqdm=True,
                      seed=7, reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], single_process_engine=engine)
-    trainer = GRPOTrainer(cfg)
+    trainer = GRPOTrainer(cfg, train_dataset=bundled_prompts(2048, cfg.seed))  # `posttrain grpo`'s prompts
     return trainer, trainer.train()
 
 

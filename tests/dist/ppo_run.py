@@ -3,6 +3,9 @@
 import json
 import sys
 
+from trl import ScriptArguments
+
+from posttrain.scripts.data import load_prompts
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
 BASE = dict(learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=8, num_mini_batches=2,
@@ -10,9 +13,16 @@ BASE = dict(learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_b
             local_rollout_forward_batch_size=16, disable_tqdm=True, num_sample_generations=1)
 
 
+def prompts(cfg: PPOConfig, dataset_name: str | None = None) -> list[dict]:
+    """What `posttrain ppo` trains on: --dataset_name's rows, else its 2048 bundled prompts."""
+    return load_prompts(ScriptArguments(dataset_name=dataset_name), 2048, cfg.seed, "PPO")[0]
+
+
 def main(out: str, overrides: str) -> None:
-    cfg = PPOConfig(**{**BASE, **json.loads(overrides)})
-    trainer = PPOTrainer(cfg)
+    fields = json.loads(overrides)
+    dataset_name = fields.pop("dataset_name", None)  # a prompt file, loaded as the script loads it
+    cfg = PPOConfig(**{**BASE, **fields})
+    trainer = PPOTrainer(cfg, train_dataset=prompts(cfg, dataset_name))
     history = trainer.train()
     if trainer.session.is_main_process:
         json.dump(history, open(out, "w"))

@@ -131,12 +131,13 @@ def main(out: str, tmp: str) -> None:
                                   "class": type(loaded).__name__}
 
     # GRPO takes the saved reward model unchanged as its reward function (a ZeRO-3 role of its own).
+    from posttrain.scripts.data import bundled_prompts
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     grpo = GRPOTrainer(GRPOConfig(output_dir=str(tmp / "grpo"), model_name_or_path=str(tmp / "sft-zero2" / "final"),
                                   reward_funcs=[str(final)], per_device_train_batch_size=4, num_generations=4,
                                   max_completion_length=4, max_prompt_length=8, max_steps=1, disable_tqdm=True,
-                                  gradient_checkpointing=False))
+                                  gradient_checkpointing=False), train_dataset=bundled_prompts(2048))
     rows = grpo.train()
     res["grpo"] = {"roles": sorted(grpo.session.roles), "rewards": [r.get("reward") for r in rows],
                    "reward_std": [r.get("reward_std") for r in rows]}

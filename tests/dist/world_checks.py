@@ -15,6 +15,7 @@ import torch.distributed as dist
 # tests/dist is this script's directory: the 2-rank scripts' runs are reused, not copied.
 from dpo_train import run as dpo_run
 from ppo_run import BASE as PPO_BASE
+from ppo_run import prompts as ppo_prompts
 
 from posttrain import Role, Session
 from posttrain.demo import tiny
@@ -161,7 +162,7 @@ def main(out: str, tmp: str) -> None:
     for mix in MIXES:
         cfg = PPOConfig(**{**PPO_BASE, "mix": mix, "total_episodes": 2 * 16 * world,
                            "output_dir": str(tmp / "ppo" / mix)})
-        history = PPOTrainer(cfg).train()
+        history = PPOTrainer(cfg, train_dataset=ppo_prompts(cfg)).train()
         res["ppo"][mix] = [{k: row[k] for k in PPO_COMPARED} for row in history]
     seconds["ppo"] = time.perf_counter() - start - sum(seconds.values())
     res["seconds"] = {k: round(v, 1) for k, v in seconds.items()}

@@ -158,6 +158,8 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         row["step_q1_s"] = round(max(r["step_q1_s"] for r in ok), 4)
         row["phase_q1_s"] = {k: round(max(r["phase_q1_s"][k] for r in ok), 4) for k in r0["phase_q1_s"]}
         row["setup_s"] = round(max(r["setup_s"] for r in ok), 1)
+        # Between steps (models, optimizer states, the engine's cache): the peak's floor.
+        row["resting_allocated_gib"] = [round(r.get("resting_allocated_gib", 0.0), 3) for r in ok]
         row["tokens_per_s"] = round(r0["tokens_per_step"] * nproc / row["step_s"], 1)
         row["losses"] = [round(x, 5) for x in r0["losses"]]
         row["step_times"] = [{k: round(v, 5) for k, v in t.items()} for t in r0["step_times"]]  # rank 0's
@@ -172,13 +174,14 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
 
 
 def rollout_verdict(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """``degraded`` if any rank's rollout engine lost speed: a compile or graph capture fell back,
-    or the engine gave way to transformers' ``generate`` (the row then times another path than it
-    names); the reasons are the row's error."""
+    """``degraded`` if any rank's rollout engine lost speed: a compile, graph capture, SDPA decode
+    attention or fused views fell back, or the engine gave way to transformers' ``generate`` (the
+    row then times another path than it names); the reasons are the row's error."""
     reasons = []
     for r in ranks:
         for role, st in (r.get("rollout") or {}).items():
-            if st.get("compile_fallbacks") or st.get("capture_fallbacks") or st.get("fallback"):
+            if (st.get("compile_fallbacks") or st.get("capture_fallbacks") or st.get("sdpa_fallbacks")
+                    or st.get("fused_fallbacks") or st.get("fallback")):
                 why = st.get("fallback_reasons") or [st.get("fallback")]
                 reasons.append(f"rank {r.get('rank')} {role}: " + "; ".join(str(w) for w in why if w))
     if not reasons:

@@ -78,6 +78,7 @@ class StepClock:
         self.times: list[float] = []
         self.losses: dict[int, float] = {}  # TRL's logged loss by step
         self.phases: list[dict[str, float]] = []  # posttrain's, per step (TRL times none)
+        self.resting: list[int] = []  # bytes allocated as each step begins (what stays between steps)
         self.first_begin: float | None = None
         self.profile_from = spec["warmup"] + spec["steps"] + 1
         self.profile_to = self.profile_from + spec.get("profile_steps", 0) - 1
@@ -98,6 +99,7 @@ class StepClock:
             self.label = record_function(f"step_{step - self.profile_from}")
             self.label.__enter__()
         _sync()
+        self.resting.append(torch.cuda.memory_allocated() if torch.cuda.is_available() else 0)
         self.start = time.perf_counter()
         if self.first_begin is None:
             self.first_begin = self.start
@@ -439,7 +441,8 @@ def run(spec: dict[str, Any], out: Path, result: dict[str, Any]) -> None:
                   step_s=statistics.median(s["step"] for s in steps),
                   phase_s={k: statistics.median(s[k] for s in steps) for k in names},
                   tokens_per_step=(2 if spec["workload"] in PAIRED else 1) * spec["micro_batch"] * spec["seq_len"],
-                  world_size=int(os.environ.get("WORLD_SIZE", "1")), rollout=rollout_stats(trainer))
+                  world_size=int(os.environ.get("WORLD_SIZE", "1")), rollout=rollout_stats(trainer),
+                  resting_allocated_gib=max(clock.resting[measured]) / 2**30)
     result.update(lower_quartiles(steps))
     result.update(canary(trainer, spec))
 

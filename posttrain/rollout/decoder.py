@@ -9,11 +9,11 @@ rotary embedding computed from their parameters and buffers) makes the decode st
 traceable function whatever the trainer did, and reads the live parameters: an optimizer step that
 writes them in place is seen with no recapture.
 
-Numerics follow transformers' eager forward (RMSNorm in float32 then cast, cos/sin in float32 then
-cast, rotation in the model dtype), and the decode attention keeps its scores in float32 as SDPA's
+Numerics follow transformers' forward (RMSNorm in float32 then cast, cos/sin in float32 then
+cast, rotation in the model dtype), and the decode attention is one ``scaled_dot_product_attention``
+call, as the forward's (``sdpa_decode``, the default); off, it keeps its scores in float32 as SDPA's
 kernels do internally (on CUDA a half-precision ``bmm`` with a float32 output, so the cache is not
-converted), then casts the probabilities to the model dtype for the product with the values;
-or (``sdpa_decode``) it is one ``scaled_dot_product_attention`` call, as the forward's.
+converted), then casts the probabilities to the model dtype for the product with the values.
 
 Why not transformers' ``StaticCache`` and the model's own forward: the cache and forward signatures
 changed within 5.x, while the module attributes read here (``q_proj``, ``input_layernorm``,
@@ -93,7 +93,7 @@ class DecoderSpec:
     act: Callable[[torch.Tensor], torch.Tensor]
     vocab: int
     fp32_scores: bool  # decode attention scores kept in float32 (see the module docstring)
-    sdpa_decode: bool = False  # decode attention by SDPA (one fused kernel) instead of bmm, softmax, bmm
+    sdpa_decode: bool = True  # decode attention by SDPA (one fused kernel) instead of bmm, softmax, bmm
 
     @classmethod
     def of(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> DecoderSpec:

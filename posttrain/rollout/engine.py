@@ -192,7 +192,9 @@ class DecodeEngine:
         # cache writes; off, one compiled layer writes the cache in place (decoder.decode_layer).
         # ``fp32_scores`` (POSTTRAIN_ROLLOUT_SCORES_FP32): decode attention scores in float32
         # (on CUDA a bf16 bmm with a float32 output), off: a bf16 bmm, then float32.
-        # ``sdpa_decode`` (POSTTRAIN_ROLLOUT_SDPA): decode attention as one SDPA call instead.
+        # ``sdpa_decode`` (POSTTRAIN_ROLLOUT_SDPA, default on): decode attention as one SDPA call,
+        # the training forward's own attention (log-probs as close to it as generate's; off: bmm,
+        # softmax, bmm).
         fuse = _env_choice("POSTTRAIN_ROLLOUT_FUSE", fused)
         views = decoder.fused_views(model, self.adapters) if fuse is not False else None
         self.fuse_views = views is not None
@@ -200,8 +202,7 @@ class DecodeEngine:
         self.split_layer = _env_flag("POSTTRAIN_ROLLOUT_SPLIT", split_layer, True)
         if not _env_flag("POSTTRAIN_ROLLOUT_SCORES_FP32", fp32_scores, True):
             self.spec = dataclasses.replace(self.spec, fp32_scores=False)
-        if _env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, False):
-            self.spec = dataclasses.replace(self.spec, sdpa_decode=True)
+        self.spec = dataclasses.replace(self.spec, sdpa_decode=_env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, True))
         self.weights = decoder.read_weights(model, views or self.fused, self.adapters)
         spec = self.spec
         shape = (slots, spec.kv_heads, self.length, spec.head_dim)

@@ -99,6 +99,11 @@ class Session(SavingMixin, FrozenWeightsMixin):
         # Trained roles without a DeepSpeed engine (posttrain.plain).
         self.plain_roles: set[str] = plain.torch_roles(self.roles.values(), single_process_engine, world_size=world_size,
                                                        mixed_precision=self.mixed_precision)
+        # What every role's DeepSpeed config is resolved with (the run's batch, precision, schedule).
+        run_settings = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
+                            world_size=world_size, mixed_precision=self.mixed_precision, max_grad_norm=max_grad_norm,
+                            learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps,
+                            total_steps=total_steps)
         for role in self.roles.values():
             raw = dsconfig.read_config(role.config)
             torch_path = role.name in self.plain_roles
@@ -108,21 +113,9 @@ class Session(SavingMixin, FrozenWeightsMixin):
                 raw, change = dsconfig.one_rank(raw, role.trains)
                 if change:
                     self.one_rank_changes[role.name] = change
-            self.configs[role.name] = dsconfig.resolve(
-                raw,
-                role=role.name,
-                trains=role.trains,
-                micro_batch_size=micro_batch_size,
-                gradient_accumulation_steps=gradient_accumulation_steps,
-                world_size=world_size,
-                mixed_precision=self.mixed_precision,
-                max_grad_norm=max_grad_norm,
-                learning_rate=learning_rate,
-                weight_decay=weight_decay,
-                warmup_steps=warmup_steps,
-                total_steps=total_steps,
-                memory_efficient_linear=role.memory_efficient_linear,
-            )
+            self.configs[role.name] = dsconfig.resolve(raw, role=role.name, trains=role.trains,
+                                                       memory_efficient_linear=role.memory_efficient_linear,
+                                                       **run_settings)
             if torch_path:  # checked as DeepSpeed would take it; its plugin only ever sees loading (no zero.Init)
                 self.configs[role.name]["zero_optimization"] = {"stage": 0}
 

@@ -5,6 +5,7 @@ One idea per module:
 - ``sampling``: what to sample (``SamplingParams``), top-k/top-p, keyed Gumbel-max, truncation;
 - ``decoder``: the Llama-family decoder as pure functions of the model's weights (no module calls,
   so it compiles however a trainer prepared the policy);
+- ``step``: the step's other compiled parts: prologue, LM head and sampler, epilogue;
 - ``engine``: KV cache slots, the step over (rows, columns) buckets, compiled and captured as CUDA
   graphs, every fallback counted;
 - ``scheduler``: continuous batching over the slots (refill, compaction, prefix sharing);

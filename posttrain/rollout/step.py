@@ -1,0 +1,66 @@
+"""The decode step's parts that the engine compiles beside the decoder layer: the prologue (inputs),
+the LM head with the sampler, and the epilogue on the slot state. Pure functions of their tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import decoder
+from .decoder import DecoderSpec
+from .sampling import choose_tokens
+
+
+def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: Any, head_lora: Any,
+            step: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
+            do_sample: torch.Tensor, top_p: torch.Tensor, min_new: torch.Tensor, top_k: int, use_top_p: bool,
+            stop_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """LM head of the last layer's output ``h`` (final norm applied) and the sampler."""
+    logits = decoder.head(spec, {"head": head, "head_bias": head_bias, "head_lora": head_lora}, h, normed=True)
+    return choose_tokens(logits, step, key, seq=seq, temperature=temperature, do_sample=do_sample, top_k=top_k,
+                         top_p=top_p, use_top_p=use_top_p, min_new_tokens=min_new, stop_ids=stop_ids)
+
+
+def inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, key_valid: torch.Tensor,
+            cols: torch.Tensor, embed: torch.Tensor, ln1: torch.Tensor, inv_freq: torch.Tensor, max_len: int
+            ) -> tuple[torch.Tensor, ...]:
+    """The step's prologue: embeddings and their norm by the first layer's ``ln1``, rotary cos/sin
+    (once per step for every layer), the additive mask [B, 1, 1, L] and where each row's new
+    key/value heads go in a cache viewed as [slots * kv_heads * max_len, head_dim] (rows that are
+    done may point past L: clamped, they only overwrite their own stale slot)."""
+    x = torch.nn.functional.embedding(last.unsqueeze(1), embed)
+    cos, sin = decoder.rotary(pos.unsqueeze(1), inv_freq, spec.rope_scaling, x.dtype)
+    allowed = key_valid & (cols.unsqueeze(0) <= col.unsqueeze(1))
+    # In the model dtype (0 and -inf are exact): SDPA takes it as it is, float32 scores promote it.
+    bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+    rows = torch.arange(last.shape[0], device=x.device).unsqueeze(1)
+    heads = torch.arange(spec.kv_heads, device=x.device).unsqueeze(0)
+    write = col.clamp(max=cols.shape[0] - 1).unsqueeze(1)
+    where = ((rows * spec.kv_heads + heads) * max_len + write).reshape(-1)
+    return (x, decoder.rms_norm(x, ln1, spec.eps), cos, sin, bias.view(allowed.shape[0], 1, 1, allowed.shape[1]),
+            where)
+
+
+def record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
+            out_tokens: torch.Tensor, out_logprobs: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+            limit: torch.Tensor, stop_mask: torch.Tensor | None, pad: int) -> None:
+    """The step's epilogue on the slot state (rows ``:len(tokens)``, in place): outputs, done flags,
+    counters. Stop tokens are looked up in a vocabulary mask (``torch.isin`` may sync the host,
+    which a CUDA graph capture cannot)."""
+    rows = tokens.shape[0]
+    d, st = done[:rows], step[:rows]
+    tokens = torch.where(d, pad, tokens)
+    r, c = torch.arange(rows, device=tokens.device), st.clamp(max=out_tokens.shape[1] - 1)
+    # A done row keeps what it wrote (its clamped column may hold its last real token).
+    out_tokens[r, c] = torch.where(d, out_tokens[r, c], tokens)
+    out_logprobs[r, c] = torch.where(d, out_logprobs[r, c], logprobs)
+    finished = st >= limit - 1
+    if stop_mask is not None:
+        finished = finished | stop_mask[tokens]
+    live = (~d).long()
+    last[:rows] = tokens
+    step[:rows] += live
+    pos[:rows] += live
+    col[:rows] += live
+    done[:rows] = d | finished

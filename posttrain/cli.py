@@ -63,8 +63,9 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="trained roles recompute activations in backward (the DPO/GRPO/RLOO trainers' default)")
     ap.add_argument("--generation-fused-projections", "--generation_fused_projections", action="store_true",
-                    help="count the rollout engine's fused q|k|v and gate|up buffers (the trainers' setting of "
-                         "that name: a faster decode step for one more copy of those weights)")
+                    help="the trainers' setting of that name: count the rollout engine's fused q|k|v and "
+                         "gate|up copies where it makes them (a policy on the torch path, or with LoRA; "
+                         "DeepSpeed's weights are fused as views, at no cost)")
     ap.add_argument("--use-peft", "--use_peft", action="store_true",
                     help="LoRA (TRL's flag): the trained model's base is frozen and only its adapters train; no "
                          "reference role (the base with adapters disabled is the reference)")

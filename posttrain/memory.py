@@ -324,7 +324,8 @@ def plan(
     trainers would (posttrain.plain.uses_torch: "auto" for bf16 master weights, and for fp32 ones in
     workloads whose trainer declares no decoded role, ``roles["decoded"]``: DPO, SFT, reward and
     distillation, planned without on-policy generation; "torch" always). ``fused_projections``: the
-    rollout engine's fused projection buffers (``generation_fused_projections``), for a whole run."""
+    rollout engine's fused projection copies (``generation_fused_projections``), for a whole run,
+    where it copies: a policy on the torch path or with adapters (DeepSpeed's weights are views)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -422,8 +423,10 @@ def plan(
                 # TRL's unwrap_model_for_generation gathers a full copy of the ZeRO-3 policy to generate.
                 gen += 2 * policy.size.params
         else:
-            policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage,
-                                                  fused_projections)
+            # The engine fuses DeepSpeed's flat buffers (and the ZeRO-3 copy) as views; it copies
+            # only a torch-path policy's separately allocated weights, or with adapters.
+            copies = fused_projections and (lora is not None or "policy" in torch_path)
+            policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage, copies)
             if lora is not None:  # the engine's merged adapted weights (its default lora_mode), bf16
                 policy.rollout += 2 * merged_adapter_params(shapes["policy"], lora, vocab)
         phases["generate"] = gen

@@ -684,7 +684,7 @@ def test_generation_fused_projections_is_a_config_field(models, tok, prompts):
     """``RolloutFields.generation_fused_projections``: checked by its flag, passed to the engine
     by ``engine_options`` (unset, the engine's default and its variable stay in charge), the same
     samples as the unfused step, and the buffers' bytes are what ``posttrain plan`` counts for
-    them (the planner in bf16: 2 bytes an element; this model is float32)."""
+    them where the engine copies (the planner in bf16: 2 bytes an element; this model is float32)."""
     from dataclasses import dataclass
 
     from posttrain import memory
@@ -709,7 +709,9 @@ def test_generation_fused_projections_is_a_config_field(models, tok, prompts):
     assert (runs[False][0].logprobs - runs[True][0].logprobs).abs().max().item() < 1e-5
     size = memory.model_size(str(tiny.sft_model_path()))
     assert runs[False][1] == 0 and runs[True][1] == memory.fused_projection_bytes(size) * 4 // 2
-    plan = {f: memory.plan("grpo", str(tiny.sft_model_path()), "zero2-zero3", world_size=1, micro_batch=4,
-                           seq_len=32, response_len=16, fused_projections=f) for f in (False, True)}
-    extra = plan[True].roles[0].rollout - plan[False].roles[0].rollout
-    assert extra == memory.fused_projection_bytes(size) > 0
+    for master, copied in (("bf16", True), ("fp32", False)):  # the torch path's weights are copied, DeepSpeed's not
+        plan = {f: memory.plan("grpo", str(tiny.sft_model_path()), "zero2-zero3", world_size=1, micro_batch=4,
+                               seq_len=32, response_len=16, fused_projections=f, master_weights=master)
+                for f in (False, True)}
+        extra = plan[True].roles[0].rollout - plan[False].roles[0].rollout
+        assert extra == (memory.fused_projection_bytes(size) if copied else 0), master

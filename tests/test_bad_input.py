@@ -157,6 +157,10 @@ CASES = [
      "latest (the newest in {out})"),
     ("output dir is a file", "rloo --output_dir {conv}",
      "output_dir '{conv}' is a file: choose a folder with --output_dir"),
+    ("a streamed dataset", "sft --output_dir {run} --overwrite_output_dir true --dataset_streaming true",
+     "--dataset_streaming: posttrain's trainers take a whole datasets.Dataset (or rows), not a stream; drop the flag"),
+    ("a streamed prompt dataset", "grpo --output_dir {out} --dataset_streaming true",
+     "--dataset_streaming: posttrain's trainers take a whole datasets.Dataset (or rows), not a stream; drop the flag"),
 ]
 GRPO_CASES = [
     pytest.param("grpo model without data", "grpo --output_dir {out} --model_name_or_path {sft}", NO_DATA),

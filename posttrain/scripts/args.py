@@ -188,10 +188,13 @@ def check_model_paths(outputs: Sequence[Any]) -> None:
 
 def check_inputs(outputs: Sequence[Any]) -> None:
     """What the run is given, before anything is written or loaded: model paths, a dataset that is
-    a local path, the placement (mix, role configs), the checkpoint to resume from and a writable
+    a local path (not a stream), the placement (mix, role configs), the checkpoint to resume from and a writable
     output dir (posttrain.checks; the trainers repeat the last three for Python callers)."""
     check_model_paths(outputs)
     values = {f.name: getattr(o, f.name) for o in outputs for f in fields(o)}
+    if values.get("dataset_streaming"):  # TRL's ScriptArguments flag: the trainers take whole datasets
+        raise ConfigError("--dataset_streaming: posttrain's trainers take a whole datasets.Dataset (or rows), not a "
+                          "stream; drop the flag")
     if isinstance(values.get("dataset_name"), str):
         checks.check_data_path(values["dataset_name"])
     if "mix" in values:

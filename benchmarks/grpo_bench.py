@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--precision", choices=["bf16", "no"], default=None)
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--memory-at-rest", action="store_true", help="as the harness's: what is live between steps, "
+                    "by origin (a diagnostic run: recording slows the steps)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if (args.micro_batch * args.nproc) % args.num_generations:
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     base = dict(workload=args.workload, shapes=harness.parse_shapes(args.workload, args.shape, []),
                 micro_batch=args.micro_batch, seq_len=args.seq_len, response_len=args.response_len,
                 num_generations=args.num_generations, beta=args.beta, warmup=args.warmup, steps=args.steps,
-                precision=precision, generation_backend=args.generation_backend)
+                precision=precision, generation_backend=args.generation_backend, memory_at_rest=args.memory_at_rest)
     command = shlex.join(["python", "benchmarks/grpo_bench.py", *argv])
     env = harness.environment()
     rows = []

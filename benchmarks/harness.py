@@ -383,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "and pool the measured steps")
     ap.add_argument("--profile-steps", type=int, default=0, help="after measuring, this many more steps under "
                     "torch.profiler; rank 0's trace and kernel table land in the run's directory under runs/")
+    ap.add_argument("--memory-at-rest", action="store_true", help="record allocations (slower steps: a diagnostic "
+                    "run) and write what is live as the last measured step begins, by origin, to each run's "
+                    "memory-at-rest-rank*.json")
     ap.add_argument("--nproc", type=int, default=2, help="processes (GPUs)")
     ap.add_argument("--precision", choices=["bf16", "no"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mix")
@@ -411,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                 micro_batch=args.micro_batch, seq_len=args.seq_len,
                 response_len=args.response_len if args.workload in ("ppo", "grpo", "rloo") else 0,
                 generation_backend=args.generation_backend if args.workload == "ppo" else None,
-                warmup=args.warmup, steps=args.steps, precision=args.precision, profile_steps=args.profile_steps)
+                warmup=args.warmup, steps=args.steps, precision=args.precision, profile_steps=args.profile_steps,
+                memory_at_rest=args.memory_at_rest)
     command = shlex.join(["python", "benchmarks/harness.py", *argv])
     env = environment()
     start = time.perf_counter()

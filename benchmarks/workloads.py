@@ -69,6 +69,26 @@ def total_steps(spec: dict[str, Any]) -> int:
 
 
 # -- timing ------------------------------------------------------------------------------------------
+def allocations_by_origin(snapshot: dict[str, Any], top: int = 40) -> list[list[Any]]:
+    """Live allocations of a ``torch.cuda.memory._snapshot()`` grouped by the innermost frame of
+    posttrain, the benchmarks, TRL, transformers, DeepSpeed, accelerate or peft that made them:
+    [origin, GiB, count], largest first."""
+    libraries = ("posttrain/", "benchmarks/", "trl/", "transformers/", "deepspeed/", "accelerate/", "peft/")
+    by_origin: dict[str, list[float]] = {}
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frame = next((f for f in block.get("frames") or [] if any(lib in f["filename"] for lib in libraries)),
+                         None)
+            origin = (f"{'/'.join(frame['filename'].split('/')[-2:])}:{frame['line']} {frame['name']}"
+                      if frame else "(no frame recorded)")
+            entry = by_origin.setdefault(origin, [0.0, 0])
+            entry[0] += block["size"] / 2**30
+            entry[1] += 1
+    return sorted(([o, round(g, 4), n] for o, (g, n) in by_origin.items()), key=lambda r: -r[1])[:top]
+
+
 class StepClock:
     """Each optimizer step's wall time (device synchronised at both ends), and torch.profiler over
     the ``profile_steps`` steps after the measured ones: rank 0 writes a gzipped Chrome trace and
@@ -85,8 +105,23 @@ class StepClock:
         self.out, self.rank = out, rank
         self.prof: Any = None
         self.label: Any = None
+        # Where the memory held between steps comes from (``memory_at_rest``: allocations recorded
+        # from the trainer's construction, summarised by origin as the last measured step begins).
+        self.memory_at_rest = bool(spec.get("memory_at_rest")) and torch.cuda.is_available()
+        if self.memory_at_rest:
+            torch.cuda.memory._record_memory_history(max_entries=200000)
+
+    def _write_memory_at_rest(self) -> None:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.memory_at_rest = False
+        rows = allocations_by_origin(snapshot)
+        (self.out / f"memory-at-rest-rank{self.rank}.json").write_text(json.dumps(
+            {"allocated_gib": torch.cuda.memory_allocated() / 2**30, "by_origin": rows}, indent=1))
 
     def begin(self, step: int) -> None:
+        if self.memory_at_rest and step == self.profile_from - 1:
+            self._write_memory_at_rest()
         if step == self.profile_from and self.profile_to >= step:
             from torch.profiler import ProfilerActivity, profile
 

@@ -210,6 +210,31 @@ def test_rollout_fallbacks_mark_a_row_degraded():
     assert verdict == {"status": "degraded", "error": "rank 1 policy: capture failed: OOM"}
     hf = {"policy": {**clean["policy"], "backend": "hf", "fallback": "model type 'gpt2' has no posttrain decode path"}}
     assert "gpt2" in harness.rollout_verdict([{"rank": 0, "rollout": hf}])["error"]
+    for counter in ("sdpa_fallbacks", "fused_fallbacks"):  # the step's default variants lost: slower, so degraded
+        slow = {"policy": {**clean["policy"], counter: 1, "fallback_reasons": [counter]}}
+        assert harness.rollout_verdict([{"rank": 0, "rollout": slow}])["status"] == "degraded"
+
+
+def test_memory_at_rest_groups_live_allocations_by_origin():
+    """--memory-at-rest's summary: live blocks only, by the innermost frame of a library that made
+    them, largest first."""
+    from benchmarks.workloads import allocations_by_origin
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    kv = [frame("/x/torch/_tensor.py", 1, "zeros"), frame("/x/posttrain/rollout/engine.py", 180, "__init__"),
+          frame("/x/posttrain/rollout/api.py", 220, "generate")]
+    adam = [frame("/x/deepspeed/runtime/zero/stage_1_and_2.py", 700, "initialize_optimizer_states")]
+    snapshot = {"segments": [
+        {"blocks": [{"state": "active_allocated", "size": 2**29, "frames": kv},
+                    {"state": "inactive", "size": 2**32, "frames": kv},
+                    {"state": "active_allocated", "size": 2**30, "frames": adam}]},
+        {"blocks": [{"state": "active_allocated", "size": 2**29, "frames": kv},
+                    {"state": "active_allocated", "size": 2**20, "frames": []}]}]}
+    assert allocations_by_origin(snapshot) == [["rollout/engine.py:180 __init__", 1.0, 2],
+                                               ["zero/stage_1_and_2.py:700 initialize_optimizer_states", 1.0, 1],
+                                               ["(no frame recorded)", round(2**20 / 2**30, 4), 1]]
 
 
 def test_canary_verdict_takes_every_rank():

@@ -386,12 +386,12 @@ def test_compiled_step_traces_under_every_trainers_policy(how, tok, prompts):
 def test_a_compile_that_fails_is_counted_not_silent(tok, prompts, monkeypatch, caplog):
     """A part dynamo cannot trace in one graph: the engine runs the eager step (same tokens), and
     says so in its stats, its metrics and the log; benchmarks mark such rows degraded."""
-    from posttrain.rollout import engine as engine_module
+    from posttrain.rollout import step as step_module
 
     model, (ids, mask) = build("llama", tok), prompts
     torch.manual_seed(2)
     eager = rollout(model, tok).generate(ids, mask)
-    monkeypatch.setattr(engine_module, "_inputs", graph_breaking(engine_module._inputs))
+    monkeypatch.setattr(step_module, "inputs", graph_breaking(step_module.inputs))
     torch._dynamo.reset()
     r = rollout(model, tok, engine_options=dict(compile_mode="layer", compile_backend="aot_eager"))
     torch.manual_seed(2)

@@ -53,12 +53,12 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
     prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
     trainer = trainer_cls(cfg, train_dataset=prompts)
     history = trainer.train()
-    if trainer.session.is_main_process:
-        # The card written at the end of training cannot know the data (the trainer takes rows): name it.
-        write_model_card(cfg.output_dir, cfg, name, trainer.session, dataset_name=dataset_name)
     final = trainer.save_model()  # the output dir itself, as TRL
     if not trainer.session.is_main_process:
         return
+    # The card written at the end of training cannot know the data (the trainer takes rows): name it,
+    # after the save (as the rows scripts: a peft save would rewrite the card's tags).
+    write_model_card(cfg.output_dir, cfg, name, trainer.session, dataset_name=dataset_name)
     if history:
         summary = summarize(history, cfg, time.perf_counter() - start)
         summary["generation_backend"] = trainer.rollout.stats.get("backend")

@@ -52,12 +52,12 @@ def main(argv: list[str] | None = None) -> None:
     prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
     trainer = PPOTrainer(cfg, train_dataset=prompts)
     history = trainer.train()
-    if trainer.session.is_main_process:
-        # The card written at the end of training cannot know the data (the trainer takes rows): name it.
-        write_model_card(cfg.output_dir, cfg, "ppo", trainer.session, dataset_name=dataset_name)
     final = trainer.save_model()  # the output dir itself, as TRL; the value model in value/
     if not trainer.session.is_main_process:
         return
+    # The card written at the end of training cannot know the data (the trainer takes rows): name it,
+    # after the save (as the rows scripts: a peft save would rewrite the card's tags).
+    write_model_card(cfg.output_dir, cfg, "ppo", trainer.session, dataset_name=dataset_name)
     if history:
         summary = summarize(history, cfg)
         Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))

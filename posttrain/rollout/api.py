@@ -225,7 +225,6 @@ class Rollout:
                 del old
             self.stats["kv_cache_bytes"] = self.engine.cache_nbytes
             self.stats["fused_weight_bytes"] = self.engine.fused_nbytes
-            self.stats["fused_projections"] = self.engine.fused_projections
             self.stats["lora_mode"] = self.engine.lora_mode
         tokens, logprobs, self.timings = scheduler.generate(self.engine, prompt_ids, prompt_mask, key,
                                                             sampling.max_new_tokens, profile=self.profile)

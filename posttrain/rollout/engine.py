@@ -86,24 +86,22 @@ class Clock:
         return ms
 
 
-def _env_flag(name: str, value: bool | None, default: bool) -> bool:
-    """An engine option, else its environment variable ("0" or "1"), else ``default``."""
+def _env_choice(name: str, value: bool | None) -> bool | None:
+    """An engine option, else its environment variable ("0" or "1"), else None (unset)."""
     if value is not None:
         return bool(value)
-    raw = os.environ.get(name, "1" if default else "0")
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
     if raw not in ("0", "1"):
         raise ConfigError(f"{name}={raw!r}: use 0 or 1")
     return raw == "1"
 
 
-def _env_choice(name: str, value: bool | None) -> bool | None:
-    """An engine option, else its environment variable ("0" or "1"), else None (the default)."""
-    if value is not None:
-        return bool(value)
-    raw = os.environ.get(name, "")
-    if raw not in ("", "0", "1"):
-        raise ConfigError(f"{name}={raw!r}: use 0 or 1")
-    return None if raw == "" else raw == "1"
+def _env_flag(name: str, value: bool | None, default: bool) -> bool:
+    """:func:`_env_choice`, ``default`` where neither is set."""
+    choice = _env_choice(name, value)
+    return default if choice is None else choice
 
 
 class DecodeEngine:

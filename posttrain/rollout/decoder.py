@@ -355,33 +355,90 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
         return out.reshape(b, spec.heads, 1, d)
     length = keys.shape[2]
     qg = q.reshape(b * spec.kv_heads, groups, d)
-    kt = keys.reshape(b * spec.kv_heads, length, d).transpose(1, 2)
-    if spec.fp32_scores and q.dtype != torch.float32:
-        if q.is_cuda:
-            scores = torch.bmm(qg, kt, out_dtype=torch.float32)
-        else:  # CPU: no half bmm with a float32 output; the cost does not matter there
-            scores = torch.bmm(qg.float(), kt.float())
-    else:
-        scores = torch.bmm(qg, kt).float()
+    scores = _scores(spec, qg, keys.reshape(b * spec.kv_heads, length, d).transpose(1, 2))
     scores = scores.view(b, spec.kv_heads, groups, length) * spec.scaling + bias
     probs = scores.softmax(dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(b, spec.heads, 1, d)
 
 
+def _scores(spec: DecoderSpec, q: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:
+    """``q @ kt`` in float32 (bf16 operands: a float32 output on CUDA, upcast on CPU) or, without
+    ``fp32_scores``, a bf16 product then float32."""
+    if spec.fp32_scores and q.dtype != torch.float32:
+        if q.is_cuda:
+            return torch.bmm(q, kt, out_dtype=torch.float32)
+        return torch.bmm(q.float(), kt.float())  # CPU: no half bmm with a float32 output
+    return torch.bmm(q, kt).float()
+
+
+def _attend(spec: DecoderSpec, scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of float32 ``scores`` [n, q, L] times ``values`` [n, L, d]: the output (float32) and
+    the scores' log-sum-exp [n, q]. A row whose every key is masked gives 0 and a log-sum-exp of
+    about -3e38 (it then weighs nothing in :func:`decode_attention_shared`'s merge)."""
+    top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+    exp = (scores - top).exp()
+    total = exp.sum(-1, keepdim=True)
+    probs = (exp / total.clamp(min=torch.finfo(torch.float32).tiny)).to(values.dtype)
+    if spec.fp32_scores and values.is_cuda and values.dtype != torch.float32:
+        out = torch.bmm(probs, values, out_dtype=torch.float32)
+    else:
+        out = torch.bmm(probs, values).float()
+    return out, (top + total.log()).squeeze(-1)
+
+
+def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            bias: torch.Tensor, prompt: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """:func:`decode_attention` with each row's prompt in a shared prompt slot (the engine's
+    shared-prompt mode, ``prompt_cache.py``): ``keys``/``values`` [B, kv_heads, Lc, d] hold the
+    rows' completions (``bias`` [B, 1, 1, Lc]), ``prompt`` = (prompt keys and values [S, kv_heads,
+    W, d], their mask ``pbias`` [S, 1, 1, W], ``members`` [S, G]: the rows of each prompt slot, B
+    where none, ``place`` [B]: each row's prompt slot * G + its member index). The prompt part
+    reads each prompt's keys and values once for the queries of all its rows (one GEMM with G x
+    the query rows); the two parts are merged by their log-sum-exp, which is the softmax over the
+    concatenated keys (up to rounding)."""
+    pkeys, pvalues, pbias, members, place = prompt
+    b, kvh, g, d = q.shape[0], spec.kv_heads, spec.heads // spec.kv_heads, spec.head_dim
+    s, width, n = pkeys.shape[0], pkeys.shape[2], members.shape[1]
+    qg = q.reshape(b, kvh, g, d)
+    # The completions: one query group per row and key/value head.
+    length = keys.shape[2]
+    sc = _scores(spec, qg.reshape(b * kvh, g, d), keys.reshape(b * kvh, length, d).transpose(1, 2))
+    sc = sc.view(b, kvh, g, length) * spec.scaling + bias
+    out_c, lse_c = _attend(spec, sc.view(b * kvh, g, length), values.reshape(b * kvh, length, d))
+    # The prompts: a slot's members' queries side by side (a zero query where a member is missing).
+    padded = torch.cat([qg, qg.new_zeros(1, kvh, g, d)])
+    qp = padded[members].permute(0, 2, 1, 3, 4).reshape(s * kvh, n * g, d)  # [S * kvh, G * g, d]
+    sp = _scores(spec, qp, pkeys.reshape(s * kvh, width, d).transpose(1, 2))
+    sp = sp.view(s, kvh, n * g, width) * spec.scaling + pbias
+    out_p, lse_p = _attend(spec, sp.view(s * kvh, n * g, width), pvalues.reshape(s * kvh, width, d))
+    # Back to rows: [S, kvh, G, g, ...] -> [S * G, kvh, g, ...], row r at place[r].
+    out_p = out_p.view(s, kvh, n, g, d).transpose(1, 2).reshape(s * n, kvh, g, d).index_select(0, place)
+    lse_p = lse_p.view(s, kvh, n, g).transpose(1, 2).reshape(s * n, kvh, g).index_select(0, place)
+    out_c, lse_c = out_c.view(b, kvh, g, d), lse_c.view(b, kvh, g)
+    lse = torch.logaddexp(lse_p, lse_c)
+    out = out_p * (lse_p - lse).exp().unsqueeze(-1) + out_c * (lse_c - lse).exp().unsqueeze(-1)
+    return out.to(q.dtype).view(b, spec.heads, 1, d)
+
+
 def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, q: torch.Tensor,
-                      keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, next_norm: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, next_norm: torch.Tensor,
+                      prompt: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rest of a decoder layer for one token per row, after its key and value are in the cache:
     the residual stream and its norm by ``next_norm`` (the next layer's input norm, or the final
-    norm), computed here so that the residual add and the norm are one kernel."""
-    x = attention_out(spec, w, x, decode_attention(spec, q, keys, values, bias))
+    norm), computed here so that the residual add and the norm are one kernel. ``prompt``: the
+    rows' prompts in shared slots (:func:`decode_attention_shared`)."""
+    if prompt is None:
+        attn = decode_attention(spec, q, keys, values, bias)
+    else:
+        attn = decode_attention_shared(spec, q, keys, values, bias, prompt)
+    x = attention_out(spec, w, x, attn)
     return x, rms_norm(x, next_norm, spec.eps)
 
 
 def decode_layer(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, h: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 where: torch.Tensor, bias: torch.Tensor, next_norm: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 where: torch.Tensor, bias: torch.Tensor, next_norm: torch.Tensor,
+                 prompt: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole decoder layer for one token per row (``h``: ``x`` normed by the layer's input norm),
     its key and value written into the whole caches [slots, kv_heads, max_len, d] at flat rows
     ``where`` (in place: inductor writes into the input, it does not copy the cache), attention over
@@ -391,7 +448,8 @@ def decode_layer(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor,
     keys.view(-1, d).index_copy_(0, where, k.reshape(-1, d))
     values.view(-1, d).index_copy_(0, where, v.reshape(-1, d))
     rows, length = x.shape[0], bias.shape[-1]
-    return decode_layer_post(spec, w, x, q, keys[:rows, :, :length], values[:rows, :, :length], bias, next_norm)
+    return decode_layer_post(spec, w, x, q, keys[:rows, :, :length], values[:rows, :, :length], bias, next_norm,
+                             prompt)
 
 
 def head(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor, normed: bool = False) -> torch.Tensor:

@@ -54,6 +54,7 @@ from ..dsconfig import ConfigError
 from . import decoder, step
 from .adapters import Adapters
 from .decoder import DecoderSpec
+from .prompt_cache import SharedPrompts
 from .sampling import SamplingParams, choose_tokens
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,8 @@ class DecodeEngine:
                  compile_backend: str = "inductor", lora_mode: str | None = None,
                  tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, fused: bool | None = None,
                  split_layer: bool | None = None, fp32_scores: bool | None = None,
-                 sdpa_decode: bool | None = None) -> None:
+                 sdpa_decode: bool | None = None, shared_prompt_kv: bool | None = None, group_size: int = 1,
+                 prompt_slots: int | None = None) -> None:
         self.model, self.sampling = model, sampling
         self.slots, self.prompt_len = slots, max_prompt_len
         self.max_new = sampling.max_new_tokens
@@ -149,8 +151,21 @@ class DecodeEngine:
         self.spec = dataclasses.replace(self.spec, sdpa_decode=_env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, True))
         self.weights = decoder.read_weights(model, views or self.fused, self.adapters)
         spec = self.spec
-        shape = (slots, spec.kv_heads, self.length, spec.head_dim)
         layers = len(self.weights["layers"])
+        # ``shared_prompt_kv`` (POSTTRAIN_ROLLOUT_SHARED_PROMPT): each prompt's keys and values once,
+        # in prompt slots of ``group_size`` rows (prompt_cache.py); the rows' cache then holds only
+        # their completions. ``prompt_slots`` (default slots / group_size) bounds the prompts in flight.
+        self.prompts: SharedPrompts | None = None
+        self.cache_len = self.length
+        if _env_flag("POSTTRAIN_ROLLOUT_SHARED_PROMPT", shared_prompt_kv, False):
+            if group_size < 1 or (prompt_slots is not None and prompt_slots < 1):
+                raise ConfigError(f"group_size ({group_size}) and prompt_slots ({prompt_slots}) must be >= 1")
+            self.prompts = SharedPrompts(spec, layers, prompt_slots or math.ceil(slots / group_size), group_size,
+                                         max_prompt_len, slots, self.dtype, dev)
+            self.cache_len = self.max_new
+            # Its decode attention is two parts merged by their log-sum-exp, which SDPA does not return.
+            self.spec = dataclasses.replace(self.spec, sdpa_decode=False)
+        shape = (slots, spec.kv_heads, self.cache_len, spec.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
         self.sync_every, self.length_bucket = sync_every, max(1, length_bucket)
@@ -179,11 +194,11 @@ class DecodeEngine:
         self.step = torch.zeros(slots, dtype=torch.long, device=dev)  # index of the token chosen next
         self.seq = torch.zeros(slots, dtype=torch.long, device=dev)  # the sequence's index in the rollout
         self.done = torch.ones(slots, dtype=torch.bool, device=dev)
-        self.key_valid = torch.zeros(slots, self.length, dtype=torch.bool, device=dev)  # prompt mask, then ones
+        self.key_valid = torch.zeros(slots, self.cache_len, dtype=torch.bool, device=dev)  # prompt mask, then ones
         self.out_tokens = torch.zeros(slots, n, dtype=torch.long, device=dev)
         self.out_logprobs = torch.zeros(slots, n, dtype=torch.float32, device=dev)
         self.row_ids = torch.arange(slots, device=dev)
-        self.cols = torch.arange(self.length, device=dev)
+        self.cols = torch.arange(self.cache_len, device=dev)
         self.key = torch.zeros((), dtype=torch.long, device=dev)  # sampling key of this rollout
         self.limit = torch.full((), n, dtype=torch.long, device=dev)  # this rollout's max_new_tokens
         self.stop_ids = (torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
@@ -198,7 +213,9 @@ class DecodeEngine:
         self.top_k, self.use_top_p = sampling.top_k, sampling.top_p < 1.0
         self.set_knobs(sampling)
         self.width = max_prompt_len  # this rollout's prompt width (set by begin)
-        self.graphs: dict[tuple[int, int], Any] = {}
+        self.prompt_width = 0  # the prompt slots' columns the step reads (shared_prompt_kv; set by begin)
+        self.prompt_rows = 0  # the prompt slots the step reads (set by run)
+        self.graphs: dict[tuple[int, ...], Any] = {}
         self.pool: Any = None
         self.ptrs: list[int] = []  # the weights' addresses the graphs read
         self.stats: dict[str, Any] = {"captures": 0, "recaptures": 0, "capture_s": 0.0, "compile_fallbacks": 0,
@@ -206,10 +223,12 @@ class DecodeEngine:
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
                                       "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0,
-                                      "fused_fallbacks": 0}
+                                      "fused_fallbacks": 0, "prompt_compactions": 0,
+                                      "shared_prompt_kv": self.prompts is not None,
+                                      "prompt_kv_bytes": self.prompts.nbytes if self.prompts else 0}
         self.fallback_reasons: list[str] = []
         self._prepared = False
-        self._captured_keys: set[tuple[int, int]] = set()
+        self._captured_keys: set[tuple[int, ...]] = set()
         self._eager_parts()
 
     # -- knobs and weights ---------------------------------------------------------------------
@@ -229,7 +248,9 @@ class DecodeEngine:
 
     @property
     def cache_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        """The KV cache's bytes: the rows' slots and the shared prompt slots."""
+        rows = sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return rows + (self.prompts.nbytes if self.prompts else 0)
 
     @property
     def fused_nbytes(self) -> int:
@@ -288,58 +309,103 @@ class DecodeEngine:
         self.key.fill_(key)
         self.limit.fill_(max_new_tokens)
         self.width = width
+        if self.prompts is not None:
+            self.prompts.reset()
+            self.prompt_width = min(self.prompt_len, math.ceil(max(1, width) / self.length_bucket) * self.length_bucket)
         self.done.fill_(True)
 
     # -- admission, moves, harvest (host-driven, eager) ----------------------------------------
     @torch.no_grad()
-    def admit(self, slots: list[int], seq_ids: list[int], ids: torch.Tensor, mask: torch.Tensor) -> None:
+    def admit(self, slots: list[int], seq_ids: list[int], ids: torch.Tensor, mask: torch.Tensor,
+              groups: list[int] | None = None) -> None:
         """Prefill sequences ``seq_ids`` (prompts ``ids``/``mask`` [k, width], left-padded) into
         ``slots`` and choose their first token. Rows with the same prompt are prefilled once
-        (``share_prefix``) and its keys and values copied into each of their slots."""
-        dev, p, spec = self.device, self.width, self.spec
+        (``share_prefix``) and its keys and values copied into each of their slots; with shared
+        prompt slots, ``groups`` (each prompt's id in the rollout) places them, and a row whose
+        group's prompt is in flight is not prefilled at all."""
+        dev, p = self.device, self.width
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         seq_t = torch.tensor(seq_ids, dtype=torch.long, device=dev)
         ids, mask = ids.to(dev), mask.to(dev).long()
-        content = ids.masked_fill(mask == 0, -1)
-        if self.share_prefix:
-            uniq, inv = torch.unique(content, dim=0, return_inverse=True)
+        valid = torch.ones(len(slots), self.cache_len, dtype=torch.bool, device=dev)
+        if self.prompts is not None:
+            logits = self._admit_prompts(slots, ids, mask, groups if groups is not None else list(range(len(slots))))
         else:
-            uniq, inv = content, torch.arange(len(slots), device=dev)
-        umask = (uniq >= 0).long()
-        uids, positions = uniq.clamp(min=0), (umask.cumsum(1) - 1).clamp(min=0)
-        u = uniq.shape[0]
-        logits = torch.empty(u, spec.vocab, dtype=self.dtype, device=dev)
-        chunk = max(1, self.prefill_tokens // max(1, p))
-        for u0 in range(0, u, chunk):
-            u1 = min(u, u0 + chunk)
-            sel = ((inv >= u0) & (inv < u1)).nonzero()[:, 0]
-            dst, src = slot_t[sel], inv[sel] - u0
-
-            def write(i: int, k: torch.Tensor, v: torch.Tensor, dst=dst, src=src) -> None:
-                self.keys[i][:, :, :p].index_copy_(0, dst, k.index_select(0, src))
-                self.values[i][:, :, :p].index_copy_(0, dst, v.index_select(0, src))
-
-            logits[u0:u1] = decoder.prefill(spec, self.weights, uids[u0:u1], positions[u0:u1], umask[u0:u1], write)
+            logits = self._admit_rows(slot_t, ids, mask)
+            valid[:, :p] = mask.bool()
         tokens, logprobs = choose_tokens(
-            logits[inv], torch.zeros(len(slots), dtype=torch.long, device=dev), self.key, seq=seq_t,
+            logits, torch.zeros(len(slots), dtype=torch.long, device=dev), self.key, seq=seq_t,
             temperature=self.temperature, do_sample=self.do_sample, top_k=self.top_k, top_p=self.top_p,
             use_top_p=self.use_top_p, min_new_tokens=self.min_new, stop_ids=self.stop_ids)
-        self.stats["prefill_rows"] += u
         self.stats["prefill_sequences"] += len(slots)
         self.stats["admissions"] += 1
         out_t = torch.full((len(slots), self.max_new), self.sampling.pad_token_id, dtype=torch.long, device=dev)
         out_l = torch.zeros(len(slots), self.max_new, dtype=torch.float32, device=dev)
         out_t[:, 0], out_l[:, 0] = tokens, logprobs
-        valid = torch.ones(len(slots), self.length, dtype=torch.bool, device=dev)
-        valid[:, :p] = mask.bool()
         done = self.limit <= 1
         if self.stop_ids is not None:
             done = done | self.stop_mask[tokens]
+        col = 0 if self.prompts is not None else p  # the first completion token's cache column
         for buf, value in ((self.out_tokens, out_t), (self.out_logprobs, out_l), (self.key_valid, valid),
-                           (self.last, tokens), (self.pos, mask.sum(1)), (self.col, torch.full_like(tokens, p)),
+                           (self.last, tokens), (self.pos, mask.sum(1)), (self.col, torch.full_like(tokens, col)),
                            (self.step, torch.ones_like(tokens)), (self.seq, seq_t),
                            (self.done, done.expand(len(slots)).clone())):
             buf.index_copy_(0, slot_t, value)
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor,
+                 write: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+        """Prefill distinct prompts ``ids`` [u, width] in chunks of ``prefill_tokens``; ``write(layer,
+        k, v, rows)`` stores chunk rows ``rows``' keys and values. Their last logits [u, V]."""
+        u, p = ids.shape
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = torch.empty(u, self.spec.vocab, dtype=self.dtype, device=self.device)
+        chunk = max(1, self.prefill_tokens // max(1, p))
+        for u0 in range(0, u, chunk):
+            u1 = min(u, u0 + chunk)
+            rows = torch.arange(u0, u1, device=self.device)
+            logits[u0:u1] = decoder.prefill(self.spec, self.weights, ids[u0:u1], positions[u0:u1], mask[u0:u1],
+                                            lambda i, k, v, rows=rows: write(i, k, v, rows))
+        self.stats["prefill_rows"] += u
+        return logits
+
+    def _admit_rows(self, slot_t: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Each row's prompt into its own slot (a prompt prefilled once, ``share_prefix``); the
+        rows' first logits."""
+        p = self.width
+        content = ids.masked_fill(mask == 0, -1)
+        if self.share_prefix:
+            uniq, inv = torch.unique(content, dim=0, return_inverse=True)
+        else:
+            uniq, inv = content, torch.arange(len(slot_t), device=self.device)
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+            sel = ((inv >= rows[0]) & (inv <= rows[-1])).nonzero()[:, 0]
+            dst, src = slot_t[sel], inv[sel] - rows[0]
+            self.keys[i][:, :, :p].index_copy_(0, dst, k.index_select(0, src))
+            self.values[i][:, :, :p].index_copy_(0, dst, v.index_select(0, src))
+
+        return self._prefill(uniq.clamp(min=0), (uniq >= 0).long(), write)[inv]
+
+    def _admit_prompts(self, slots: list[int], ids: torch.Tensor, mask: torch.Tensor, groups: list[int]
+                       ) -> torch.Tensor:
+        """Rows into their groups' shared prompt slots, prefilling the prompts that take a slot now;
+        the rows' first logits (their prompt slot's)."""
+        sp, p, dev = self.prompts, self.width, self.device
+        placed, taken = sp.enter(slots, groups)
+        if taken:
+            dst = torch.tensor([s for s, _ in taken], dtype=torch.long, device=dev)
+            first = torch.tensor([i for _, i in taken], dtype=torch.long, device=dev)
+            pmask = mask[first]
+
+            def write(i: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+                sp.keys[i][:, :, :p].index_copy_(0, dst[rows], k)
+                sp.values[i][:, :, :p].index_copy_(0, dst[rows], v)
+
+            sp.logits.index_copy_(0, dst, self._prefill(ids[first], pmask, write))
+            valid = torch.zeros(len(taken), sp.valid.shape[1], dtype=torch.bool, device=dev)
+            valid[:, :p] = pmask.bool()
+            sp.valid.index_copy_(0, dst, valid)
+        return sp.logits.index_select(0, torch.tensor(placed, dtype=torch.long, device=dev))
 
     @torch.no_grad()
     def move(self, src: list[int], dst: list[int], length: int) -> None:
@@ -354,7 +420,19 @@ class DecodeEngine:
                     self.out_logprobs):
             buf.index_copy_(0, d, buf.index_select(0, s))
         self.done.index_fill_(0, s, True)
+        if self.prompts is not None:
+            self.prompts.move_rows(src, dst)
         self.stats["compactions"] += 1
+
+    def compact_prompts(self) -> None:
+        """Shared prompt slots: move the highest in use down into free ones, where that lets the
+        step read fewer (``prompt_cache.SharedPrompts.compact``)."""
+        if self.prompts is not None and self.prompts.compact(self.width):
+            self.stats["prompt_compactions"] += 1
+
+    def columns(self, new_tokens: int) -> int:
+        """The row cache's columns that hold a row with ``new_tokens`` completion tokens."""
+        return new_tokens if self.prompts is not None else self.width + new_tokens
 
     def harvest(self, slots: list[int], seq_ids: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Copy finished slots' outputs into the rollout's results at their sequences' rows."""
@@ -363,6 +441,8 @@ class DecodeEngine:
         n = tokens.shape[1]
         tokens.index_copy_(0, q, self.out_tokens.index_select(0, s)[:, :n])
         logprobs.index_copy_(0, q, self.out_logprobs.index_select(0, s)[:, :n])
+        if self.prompts is not None:
+            self.prompts.leave(slots)
 
     def done_flags(self, rows: int) -> list[bool]:
         return self.done[:rows].tolist()  # one host sync
@@ -375,6 +455,7 @@ class DecodeEngine:
         self._layer_fn: Callable = decoder.decode_layer
         self._sample_fn: Callable = step.sample
         self._record_fn: Callable = step.record
+        self._prompt_fn: Callable = step.prompt_inputs
 
     def compile_parts(self, backend: str = "inductor") -> None:
         """``torch.compile`` the prologue, a decoder layer (whole, or its two halves with
@@ -404,26 +485,33 @@ class DecodeEngine:
             self._layer_fn = torch.compile(decoder.decode_layer, **options)
         self._sample_fn = torch.compile(step.sample, **options)
         self._record_fn = torch.compile(step.record, **options)
+        self._prompt_fn = torch.compile(step.prompt_inputs, **options)
 
     def _step(self, rows: int, length: int) -> None:
-        """One token for rows ``:rows`` over cache columns ``:length``."""
+        """One token for rows ``:rows`` over cache columns ``:length`` (and, with shared prompt
+        slots, slots ``:prompt_rows`` over their columns ``:prompt_width``)."""
         spec, w, layers = self.spec, self.weights, self.weights["layers"]
         x, h, cos, sin, bias, where = self._inputs_fn(spec, self.last[:rows], self.pos[:rows], self.col[:rows],
                                                       self.key_valid[:rows, :length], self.cols[:length], w["embed"],
-                                                      layers[0]["ln1"], w["inv_freq"], self.length)
+                                                      layers[0]["ln1"], w["inv_freq"], self.cache_len)
+        sp, s, pw = self.prompts, self.prompt_rows, self.prompt_width
+        if sp is not None:
+            pbias, members, place = self._prompt_fn(sp.valid[:s, :pw], sp.members[:s], sp.place[:rows], x.dtype)
         d = spec.head_dim
         for i, lw in enumerate(layers):
             # Each layer ends with the next one's input norm (the final norm after the last).
             next_norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["norm"]
+            prompt = None if sp is None else (sp.keys[i][:s, :, :pw], sp.values[i][:s, :, :pw], pbias, members, place)
             if not self.split_layer:
-                x, h = self._layer_fn(spec, lw, x, h, cos, sin, self.keys[i], self.values[i], where, bias, next_norm)
+                x, h = self._layer_fn(spec, lw, x, h, cos, sin, self.keys[i], self.values[i], where, bias, next_norm,
+                                      prompt)
                 continue
             q, k, v = self._qkv_fn(spec, lw, h, cos, sin)
             # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
             self.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))
             self.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))
             x, h = self._post_fn(spec, lw, x, q, self.keys[i][:rows, :, :length], self.values[i][:rows, :, :length],
-                                 bias, next_norm)
+                                 bias, next_norm, prompt)
         tokens, logprobs = self._sample_fn(spec, h, w["head"], w["head_bias"], w["head_lora"], self.step[:rows],
                                            self.seq[:rows], self.key, self.temperature, self.do_sample, self.top_p,
                                            self.min_new, self.top_k, self.use_top_p, self.stop_ids)
@@ -435,9 +523,12 @@ class DecodeEngine:
         self.stats["decode_steps"] += steps
         self.stats["row_steps"] += steps * rows
         self.stats["cache_cells_read"] += steps * rows * length
+        if self.prompts is not None:
+            self.prompt_rows = self.prompts.bucket()
+            self.stats["cache_cells_read"] += steps * self.prompt_rows * self.prompt_width
         if not self._prepared:
             self._prepare(rows, length)
-        graph = self.graphs.get((rows, length))
+        graph = self.graphs.get(self._graph_key(rows, length))
         if graph is None and self.use_graphs:
             graph = self._capture(rows, length)
         with torch.no_grad():
@@ -448,6 +539,9 @@ class DecodeEngine:
                     graph.replay()
 
     # -- compile and capture -------------------------------------------------------------------
+    def _graph_key(self, rows: int, length: int) -> tuple[int, ...]:
+        return (rows, length, self.prompt_rows, self.prompt_width) if self.prompts is not None else (rows, length)
+
     def _state(self) -> list[torch.Tensor]:
         return [self.last, self.pos, self.col, self.step, self.done, self.out_tokens, self.out_logprobs]
 
@@ -544,10 +638,11 @@ class DecodeEngine:
         for t, s in zip(self._state(), saved):
             t.copy_(s)
         if graph is not None:
-            if (rows, length) in self._captured_keys:
+            key = self._graph_key(rows, length)
+            if key in self._captured_keys:
                 self.stats["recaptures"] += 1
-            self._captured_keys.add((rows, length))
-            self.graphs[(rows, length)] = graph
+            self._captured_keys.add(key)
+            self.graphs[key] = graph
             self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - tick
         return graph
@@ -557,4 +652,4 @@ class DecodeEngine:
         return next(b for b in self.batch_buckets if b >= rows)
 
     def length_bucket_for(self, columns: int) -> int:
-        return min(self.length, math.ceil(columns / self.length_bucket) * self.length_bucket)
+        return min(self.cache_len, math.ceil(columns / self.length_bucket) * self.length_bucket)

@@ -33,6 +33,10 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
     slot_seq: dict[int, int] = {}  # occupied slot -> sequence index
     age: dict[int, int] = {}  # decode steps run since the sequence entered
     admitted = 0
+    groups = None
+    if engine.prompts is not None:  # shared prompt slots: each sequence's prompt as an id
+        content = prompt_ids.masked_fill(prompt_mask == 0, -1)
+        groups = torch.unique(content, dim=0, return_inverse=True)[1].tolist()
     last_step = max_new_tokens - 1  # a row's last token has step index max_new_tokens - 1
     timings = {"prefill_ms": 0.0, "decode_ms": 0.0, "decode_steps": 0, "row_steps": 0}
     clock = Clock(dev) if profile else None
@@ -46,6 +50,8 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
                     del slot_seq[s], age[s]
         free, waiting = engine.slots - len(slot_seq), n - admitted
         k = min(free, waiting)
+        if groups is not None:  # and as many as the free prompt slots and member places take
+            k = engine.prompts.fits(groups[admitted : admitted + k])
         admit = k > 0 and (k == waiting or k >= engine.admit_min or not slot_seq)
         live = len(slot_seq) + (k if admit else 0)
         if live == 0:
@@ -57,7 +63,7 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
             movers = sorted(s for s in slot_seq if s >= live)
             if movers:
                 oldest = max(age[s] for s in movers)
-                engine.move(movers, holes[: len(movers)], engine.length_bucket_for(width + oldest + 1))
+                engine.move(movers, holes[: len(movers)], engine.length_bucket_for(engine.columns(oldest + 1)))
                 for s, d in zip(movers, holes):
                     slot_seq[d], age[d] = slot_seq.pop(s), age.pop(s)
             if admit:
@@ -65,7 +71,8 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
                     timings["decode_ms"] += clock.lap()
                 new_slots = holes[len(movers):]
                 engine.admit(new_slots, list(range(admitted, admitted + k)), prompt_ids[admitted : admitted + k],
-                             prompt_mask[admitted : admitted + k])
+                             prompt_mask[admitted : admitted + k],
+                             groups[admitted : admitted + k] if groups is not None else None)
                 for i, s in enumerate(new_slots):
                     slot_seq[s], age[s] = admitted + i, 0
                 admitted += k
@@ -74,8 +81,9 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
         steps = min(engine.sync_every, max(last_step - a for a in age.values()))
         if steps <= 0:
             continue  # every live row has its last token: retire them
+        engine.compact_prompts()
         rows = engine.rows_bucket(max(slot_seq) + 1)
-        length = engine.length_bucket_for(width + max(age.values()) + steps)
+        length = engine.length_bucket_for(engine.columns(max(age.values()) + steps))
         engine.run(rows, length, steps)
         timings["decode_steps"] += steps
         timings["row_steps"] += steps * rows

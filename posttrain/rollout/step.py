@@ -64,3 +64,15 @@ def record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torc
     pos[:rows] += live
     col[:rows] += live
     done[:rows] = d | finished
+
+
+def prompt_inputs(valid: torch.Tensor, members: torch.Tensor, place: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shared prompt slots' part of the prologue for rows ``:len(place)``: the slots' additive mask
+    [S, 1, 1, W] from ``valid`` [S, W], ``members`` [S, G] with every row at or past B (no
+    member) pointing at B (the zero query ``decoder.decode_attention_shared`` appends), and each
+    row's place clamped into the S slots read (a done row may hold a stale one)."""
+    rows = place.shape[0]
+    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
+    return (bias.view(valid.shape[0], 1, 1, valid.shape[1]), members.clamp(max=rows),
+            place.clamp(max=members.numel() - 1))

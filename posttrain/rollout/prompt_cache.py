@@ -1,0 +1,164 @@
+"""Shared prompt slots: one copy of a prompt's keys and values for all the rows that continue it
+(a GRPO/RLOO group's ``num_generations`` rows), the engine's ``shared_prompt_kv`` mode.
+
+The cache is split in two. Prompt slots ([prompt_slots, kv_heads, max_prompt_len, head_dim] per
+layer) hold each prompt in flight once, with its last position's logits, from which each row's
+first token is sampled. The rows' own slots hold only their completions. Decode attention reads a
+prompt slot once for the queries of all its rows (``decoder.decode_attention_shared``), so the
+prompt's KV memory and its reads per step are divided by the group's size.
+
+- A prompt slot has ``group_size`` member places. A row enters its group's slot while a place is
+  free (a row of a group split across admission waves joins the slot its group's first wave
+  prefilled: no second prefill), else the group takes a free prompt slot (one prefill).
+- A slot is free again when its last member is harvested. ``compact`` moves the highest slots into
+  the holes below, so the step reads the smallest bucket of prompt slots.
+- Why this layout rather than a paged cache with a block table (vLLM's): the prompt part stays one
+  dense batched GEMM over contiguous slots, as the completion part, the engine's other buffers and
+  its captured graphs are; the only indirection is over the queries (a gather of [B, heads, d]).
+
+The host keeps the assignment (which group owns which slot, which row is which member) and
+uploads the two small index tensors the step reads (``members``, ``place``) when it changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decoder import DecoderSpec
+
+
+class SharedPrompts:
+    """The prompt slots, their assignment and the index tensors the decode step reads."""
+
+    def __init__(self, spec: DecoderSpec, layers: int, prompt_slots: int, group_size: int, max_prompt_len: int,
+                 slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.capacity, self.group, self.slots, self.device = prompt_slots, group_size, slots, device
+        shape = (prompt_slots, spec.kv_heads, max_prompt_len, spec.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.valid = torch.zeros(prompt_slots, max_prompt_len, dtype=torch.bool, device=device)
+        self.logits = torch.zeros(prompt_slots, spec.vocab, dtype=dtype, device=device)
+        # members[s, j]: the row slot of prompt slot s's j-th member (``slots``: none); place[r]:
+        # row r's s * group_size + j. The graphs hold these addresses: written in place only.
+        self.members = torch.full((prompt_slots, group_size), slots, dtype=torch.long, device=device)
+        self.place = torch.zeros(slots, dtype=torch.long, device=device)
+        sizes, b = {prompt_slots}, 1
+        while b < prompt_slots:
+            sizes.add(b)
+            b *= 2
+        self.buckets = sorted(sizes)
+        self.reset()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def reset(self) -> None:
+        """A new rollout: every prompt slot free."""
+        self.owner: list[int | None] = [None] * self.capacity  # the group (prompt) in each slot
+        self.rows: list[list[int | None]] = [[None] * self.group for _ in range(self.capacity)]
+        self.where: dict[int, tuple[int, int]] = {}  # row slot -> (prompt slot, member index)
+        self._upload()
+
+    def _upload(self) -> None:
+        members = [[self.slots if r is None else r for r in row] for row in self.rows]
+        place = [0] * self.slots
+        for r, (s, j) in self.where.items():
+            place[r] = s * self.group + j
+        self.members.copy_(torch.tensor(members, dtype=torch.long))
+        self.place.copy_(torch.tensor(place, dtype=torch.long))
+
+    def _open(self) -> dict[int, list[int]]:
+        """Each group's slots that have a free member place."""
+        out: dict[int, list[int]] = {}
+        for s, g in enumerate(self.owner):
+            if g is not None and None in self.rows[s]:
+                out.setdefault(g, []).append(s)
+        return out
+
+    def fits(self, groups: list[int]) -> int:
+        """How many of the sequences of ``groups`` (their prompts' ids, in order) can enter now."""
+        places = {g: sum(self.rows[s].count(None) for s in ss) for g, ss in self._open().items()}
+        free = self.owner.count(None)
+        for n, g in enumerate(groups):
+            if places.get(g, 0) > 0:
+                places[g] -= 1
+            elif free > 0:
+                free -= 1
+                places[g] = places.get(g, 0) + self.group - 1
+            else:
+                return n
+        return len(groups)
+
+    def enter(self, slots: list[int], groups: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Give rows ``slots`` (of prompts ``groups``; :meth:`fits` said they fit) member places.
+        Returns each row's prompt slot, and the slots taken now as (prompt slot, index of the
+        first of ``slots`` with that prompt): those need their prompt prefilled."""
+        open_slots = self._open()
+        taken: list[tuple[int, int]] = []
+        out = []
+        for i, (r, g) in enumerate(zip(slots, groups)):
+            ss = open_slots.get(g, [])
+            while ss and None not in self.rows[ss[0]]:
+                ss.pop(0)
+            if not ss:
+                s = self.owner.index(None)
+                self.owner[s] = g
+                taken.append((s, i))
+                ss.append(s)
+                open_slots[g] = ss
+            s = ss[0]
+            j = self.rows[s].index(None)
+            self.rows[s][j] = r
+            self.where[r] = (s, j)
+            out.append(s)
+        self._upload()
+        return out, taken
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Rows moved from slots ``src`` to ``dst`` (the engine's compaction)."""
+        for a, b in zip(src, dst):
+            s, j = self.where.pop(a)
+            self.rows[s][j] = b
+            self.where[b] = (s, j)
+        self._upload()
+
+    def leave(self, slots: list[int]) -> None:
+        """Harvested rows leave their places; a prompt slot without members is free."""
+        for r in slots:
+            s, j = self.where.pop(r)
+            self.rows[s][j] = None
+            if all(x is None for x in self.rows[s]):
+                self.owner[s] = None
+        self._upload()
+
+    def bucket(self) -> int:
+        """The prompt slots the step reads: the smallest bucket holding the highest slot in use."""
+        highest = max((s for s, g in enumerate(self.owner) if g is not None), default=0) + 1
+        return next(b for b in self.buckets if b >= highest)
+
+    @torch.no_grad()
+    def compact(self, width: int) -> bool:
+        """Move the highest prompt slots in use into free ones below (their first ``width``
+        columns), if that makes :meth:`bucket` smaller. Returns whether any moved."""
+        used = [s for s, g in enumerate(self.owner) if g is not None]
+        target = next(b for b in self.buckets if b >= max(1, len(used)))
+        if self.bucket() <= target:
+            return False
+        holes = [s for s in range(len(used)) if self.owner[s] is None]
+        movers = sorted(s for s in used if s >= len(used))
+        src = torch.tensor(movers, dtype=torch.long, device=self.device)
+        dst = torch.tensor(holes[: len(movers)], dtype=torch.long, device=self.device)
+        for cache in self.keys + self.values:
+            view = cache[:, :, :width]
+            view.index_copy_(0, dst, view.index_select(0, src))
+        for buf in (self.valid, self.logits):
+            buf.index_copy_(0, dst, buf.index_select(0, src))
+        for a, b in zip(movers, holes):
+            self.owner[b], self.owner[a] = self.owner[a], None
+            self.rows[b], self.rows[a] = self.rows[a], [None] * self.group
+            for j, r in enumerate(self.rows[b]):
+                if r is not None:
+                    self.where[r] = (b, j)
+        self._upload()
+        return True

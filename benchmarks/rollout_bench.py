@@ -278,7 +278,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
                        "weight_bytes": param_bytes, "kv_bytes": kv}
 
     def prefix() -> None:
-        from posttrain.rollout import DecodeEngine
+        from posttrain.rollout import DecodeEngine, admission
 
         total = ids.shape[0]
         e = holder["prefix"] = DecodeEngine(model, stopping, total, p)
@@ -287,7 +287,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         def admit(x: torch.Tensor, share: bool) -> None:
             e.share_prefix = share
             e.begin(1, n, p)
-            e.admit(list(range(x.shape[0])), list(range(x.shape[0])), x, torch.ones_like(x))
+            admission.admit(e, list(range(x.shape[0])), list(range(x.shape[0])), x, torch.ones_like(x))
 
         for name, x, share in (("unique", prompts.to(device), True), ("shared", ids, True), ("each", ids, False)):
             admit(x, share)  # warm-up

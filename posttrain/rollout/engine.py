@@ -55,7 +55,7 @@ from . import decoder, step
 from .adapters import Adapters
 from .decoder import DecoderSpec
 from .prompt_cache import SharedPrompts
-from .sampling import SamplingParams, choose_tokens
+from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -314,135 +314,9 @@ class DecodeEngine:
             self.prompt_width = min(self.prompt_len, math.ceil(max(1, width) / self.length_bucket) * self.length_bucket)
         self.done.fill_(True)
 
-    # -- admission, moves, harvest (host-driven, eager) ----------------------------------------
-    @torch.no_grad()
-    def admit(self, slots: list[int], seq_ids: list[int], ids: torch.Tensor, mask: torch.Tensor,
-              groups: list[int] | None = None) -> None:
-        """Prefill sequences ``seq_ids`` (prompts ``ids``/``mask`` [k, width], left-padded) into
-        ``slots`` and choose their first token. Rows with the same prompt are prefilled once
-        (``share_prefix``) and its keys and values copied into each of their slots; with shared
-        prompt slots, ``groups`` (each prompt's id in the rollout) places them, and a row whose
-        group's prompt is in flight is not prefilled at all."""
-        dev, p = self.device, self.width
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        seq_t = torch.tensor(seq_ids, dtype=torch.long, device=dev)
-        ids, mask = ids.to(dev), mask.to(dev).long()
-        valid = torch.ones(len(slots), self.cache_len, dtype=torch.bool, device=dev)
-        if self.prompts is not None:
-            logits = self._admit_prompts(slots, ids, mask, groups if groups is not None else list(range(len(slots))))
-        else:
-            logits = self._admit_rows(slot_t, ids, mask)
-            valid[:, :p] = mask.bool()
-        tokens, logprobs = choose_tokens(
-            logits, torch.zeros(len(slots), dtype=torch.long, device=dev), self.key, seq=seq_t,
-            temperature=self.temperature, do_sample=self.do_sample, top_k=self.top_k, top_p=self.top_p,
-            use_top_p=self.use_top_p, min_new_tokens=self.min_new, stop_ids=self.stop_ids)
-        self.stats["prefill_sequences"] += len(slots)
-        self.stats["admissions"] += 1
-        out_t = torch.full((len(slots), self.max_new), self.sampling.pad_token_id, dtype=torch.long, device=dev)
-        out_l = torch.zeros(len(slots), self.max_new, dtype=torch.float32, device=dev)
-        out_t[:, 0], out_l[:, 0] = tokens, logprobs
-        done = self.limit <= 1
-        if self.stop_ids is not None:
-            done = done | self.stop_mask[tokens]
-        col = 0 if self.prompts is not None else p  # the first completion token's cache column
-        for buf, value in ((self.out_tokens, out_t), (self.out_logprobs, out_l), (self.key_valid, valid),
-                           (self.last, tokens), (self.pos, mask.sum(1)), (self.col, torch.full_like(tokens, col)),
-                           (self.step, torch.ones_like(tokens)), (self.seq, seq_t),
-                           (self.done, done.expand(len(slots)).clone())):
-            buf.index_copy_(0, slot_t, value)
-
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor,
-                 write: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
-        """Prefill distinct prompts ``ids`` [u, width] in chunks of ``prefill_tokens``; ``write(layer,
-        k, v, rows)`` stores chunk rows ``rows``' keys and values. Their last logits [u, V]."""
-        u, p = ids.shape
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        logits = torch.empty(u, self.spec.vocab, dtype=self.dtype, device=self.device)
-        chunk = max(1, self.prefill_tokens // max(1, p))
-        for u0 in range(0, u, chunk):
-            u1 = min(u, u0 + chunk)
-            rows = torch.arange(u0, u1, device=self.device)
-            logits[u0:u1] = decoder.prefill(self.spec, self.weights, ids[u0:u1], positions[u0:u1], mask[u0:u1],
-                                            lambda i, k, v, rows=rows: write(i, k, v, rows))
-        self.stats["prefill_rows"] += u
-        return logits
-
-    def _admit_rows(self, slot_t: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Each row's prompt into its own slot (a prompt prefilled once, ``share_prefix``); the
-        rows' first logits."""
-        p = self.width
-        content = ids.masked_fill(mask == 0, -1)
-        if self.share_prefix:
-            uniq, inv = torch.unique(content, dim=0, return_inverse=True)
-        else:
-            uniq, inv = content, torch.arange(len(slot_t), device=self.device)
-
-        def write(i: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
-            sel = ((inv >= rows[0]) & (inv <= rows[-1])).nonzero()[:, 0]
-            dst, src = slot_t[sel], inv[sel] - rows[0]
-            self.keys[i][:, :, :p].index_copy_(0, dst, k.index_select(0, src))
-            self.values[i][:, :, :p].index_copy_(0, dst, v.index_select(0, src))
-
-        return self._prefill(uniq.clamp(min=0), (uniq >= 0).long(), write)[inv]
-
-    def _admit_prompts(self, slots: list[int], ids: torch.Tensor, mask: torch.Tensor, groups: list[int]
-                       ) -> torch.Tensor:
-        """Rows into their groups' shared prompt slots, prefilling the prompts that take a slot now;
-        the rows' first logits (their prompt slot's)."""
-        sp, p, dev = self.prompts, self.width, self.device
-        placed, taken = sp.enter(slots, groups)
-        if taken:
-            dst = torch.tensor([s for s, _ in taken], dtype=torch.long, device=dev)
-            first = torch.tensor([i for _, i in taken], dtype=torch.long, device=dev)
-            pmask = mask[first]
-
-            def write(i: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
-                sp.keys[i][:, :, :p].index_copy_(0, dst[rows], k)
-                sp.values[i][:, :, :p].index_copy_(0, dst[rows], v)
-
-            sp.logits.index_copy_(0, dst, self._prefill(ids[first], pmask, write))
-            valid = torch.zeros(len(taken), sp.valid.shape[1], dtype=torch.bool, device=dev)
-            valid[:, :p] = pmask.bool()
-            sp.valid.index_copy_(0, dst, valid)
-        return sp.logits.index_select(0, torch.tensor(placed, dtype=torch.long, device=dev))
-
-    @torch.no_grad()
-    def move(self, src: list[int], dst: list[int], length: int) -> None:
-        """Move sequences from slots ``src`` to free slots ``dst`` (cache columns ``:length`` and
-        state); ``src`` are left done."""
-        s = torch.tensor(src, dtype=torch.long, device=self.device)
-        d = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for cache in self.keys + self.values:
-            view = cache[:, :, :length]
-            view.index_copy_(0, d, view.index_select(0, s))
-        for buf in (self.last, self.pos, self.col, self.step, self.seq, self.done, self.key_valid, self.out_tokens,
-                    self.out_logprobs):
-            buf.index_copy_(0, d, buf.index_select(0, s))
-        self.done.index_fill_(0, s, True)
-        if self.prompts is not None:
-            self.prompts.move_rows(src, dst)
-        self.stats["compactions"] += 1
-
-    def compact_prompts(self) -> None:
-        """Shared prompt slots: move the highest in use down into free ones, where that lets the
-        step read fewer (``prompt_cache.SharedPrompts.compact``)."""
-        if self.prompts is not None and self.prompts.compact(self.width):
-            self.stats["prompt_compactions"] += 1
-
     def columns(self, new_tokens: int) -> int:
         """The row cache's columns that hold a row with ``new_tokens`` completion tokens."""
         return new_tokens if self.prompts is not None else self.width + new_tokens
-
-    def harvest(self, slots: list[int], seq_ids: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Copy finished slots' outputs into the rollout's results at their sequences' rows."""
-        s = torch.tensor(slots, dtype=torch.long, device=self.device)
-        q = torch.tensor(seq_ids, dtype=torch.long, device=self.device)
-        n = tokens.shape[1]
-        tokens.index_copy_(0, q, self.out_tokens.index_select(0, s)[:, :n])
-        logprobs.index_copy_(0, q, self.out_logprobs.index_select(0, s)[:, :n])
-        if self.prompts is not None:
-            self.prompts.leave(slots)
 
     def done_flags(self, rows: int) -> list[bool]:
         return self.done[:rows].tolist()  # one host sync

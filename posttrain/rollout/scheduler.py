@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from . import admission
 from .engine import Clock, DecodeEngine
 
 
@@ -45,7 +46,7 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
             flags = engine.done_flags(max(slot_seq) + 1) if engine.stop_ids is not None else None
             finished = [s for s in slot_seq if age[s] >= last_step or (flags is not None and flags[s])]
             if finished:
-                engine.harvest(finished, [slot_seq[s] for s in finished], tokens, logprobs)
+                admission.harvest(engine, finished, [slot_seq[s] for s in finished], tokens, logprobs)
                 for s in finished:
                     del slot_seq[s], age[s]
         free, waiting = engine.slots - len(slot_seq), n - admitted
@@ -63,16 +64,17 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
             movers = sorted(s for s in slot_seq if s >= live)
             if movers:
                 oldest = max(age[s] for s in movers)
-                engine.move(movers, holes[: len(movers)], engine.length_bucket_for(engine.columns(oldest + 1)))
+                length = engine.length_bucket_for(engine.columns(oldest + 1))
+                admission.move(engine, movers, holes[: len(movers)], length)
                 for s, d in zip(movers, holes):
                     slot_seq[d], age[d] = slot_seq.pop(s), age.pop(s)
             if admit:
                 if clock is not None:
                     timings["decode_ms"] += clock.lap()
                 new_slots = holes[len(movers):]
-                engine.admit(new_slots, list(range(admitted, admitted + k)), prompt_ids[admitted : admitted + k],
-                             prompt_mask[admitted : admitted + k],
-                             groups[admitted : admitted + k] if groups is not None else None)
+                wave = slice(admitted, admitted + k)
+                admission.admit(engine, new_slots, list(range(admitted, admitted + k)), prompt_ids[wave],
+                                prompt_mask[wave], groups[wave] if groups is not None else None)
                 for i, s in enumerate(new_slots):
                     slot_seq[s], age[s] = admitted + i, 0
                 admitted += k
@@ -81,7 +83,7 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
         steps = min(engine.sync_every, max(last_step - a for a in age.values()))
         if steps <= 0:
             continue  # every live row has its last token: retire them
-        engine.compact_prompts()
+        admission.compact_prompts(engine)
         rows = engine.rows_bucket(max(slot_seq) + 1)
         length = engine.length_bucket_for(engine.columns(max(age.values()) + steps))
         engine.run(rows, length, steps)

@@ -66,6 +66,11 @@ def _plan_checked(argv: list[str]) -> int:
                     help="the trainers' setting of that name: count the rollout engine's fused q|k|v and "
                          "gate|up copies where it makes them (a policy on the torch path, or with LoRA; "
                          "DeepSpeed's weights are fused as views, at no cost)")
+    ap.add_argument("--generation-shared-prompt-kv", "--generation_shared_prompt_kv", action="store_true",
+                    help="the trainers' setting of that name: the rollout engine holds each prompt's KV once per "
+                         "group of --num-generations rows (GRPO, RLOO)")
+    ap.add_argument("--num-generations", "--num_generations", type=int, default=8,
+                    help="completions per prompt (TRL's default 8), with --generation-shared-prompt-kv")
     ap.add_argument("--use-peft", "--use_peft", action="store_true",
                     help="LoRA (TRL's flag): the trained model's base is frozen and only its adapters train; no "
                          "reference role (the base with adapters disabled is the reference)")
@@ -73,7 +78,7 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--lora-target-modules", "--lora_target_modules", nargs="+", default=None, metavar="NAME",
                     help="modules that get adapters: names, or all-linear (default: peft's for the architecture)")
     args = ap.parse_args(argv)
-    for name in ("world_size", "micro_batch", "seq_len", "lora_r"):
+    for name in ("world_size", "micro_batch", "seq_len", "lora_r", "num_generations"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
     if args.response_len < 0 or args.gpu_memory <= 0:
@@ -105,7 +110,8 @@ def _plan_checked(argv: list[str]) -> int:
                              gradient_checkpointing=args.gradient_checkpointing,
                              generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory, lora=lora,
                              single_process_engine=args.single_process_engine,
-                             fused_projections=args.generation_fused_projections)
+                             fused_projections=args.generation_fused_projections,
+                             shared_prompt_group=args.num_generations if args.generation_shared_prompt_kv else None)
                  for m in mixes]
         print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
         for p in plans:

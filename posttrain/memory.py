@@ -122,10 +122,14 @@ def inference_bytes(m: ModelSize, tokens: int) -> int:
     return tokens * (layer + head)
 
 
-def kv_cache_bytes(m: ModelSize, sequences: int, length: int) -> int:
+def kv_cache_bytes(m: ModelSize, sequences: int, length: int, prompt_slots: int | None = None,
+                   prompt_len: int = 0) -> int:
     """Generation's KV cache: keys and values, bf16, every layer
-    (2 * layers * kv_heads * head_dim * batch * (prompt + response) * 2 bytes)."""
-    return sequences * length * m.layers * 2 * m.kv_dim * 2
+    (2 * layers * kv_heads * head_dim * batch * (prompt + response) * 2 bytes). With the engine's
+    shared prompt slots (``generation_shared_prompt_kv``), the rows hold their completions and
+    each of ``prompt_slots`` slots a prompt of ``prompt_len``."""
+    columns = sequences * length if prompt_slots is None else sequences * (length - prompt_len) + prompt_slots * prompt_len
+    return columns * m.layers * 2 * m.kv_dim * 2
 
 
 # posttrain.rollout's CUDA graph pool: the decode step's intermediates for one token, dominated
@@ -142,13 +146,15 @@ def fused_projection_bytes(m: ModelSize) -> int:
 
 
 def rollout_engine_bytes(m: ModelSize, sequences: int, length: int, policy_stage: int,
-                         fused_projections: bool = False) -> int:
-    """What posttrain.rollout keeps for a whole run: its KV cache, its graph pool, for a ZeRO-3
-    policy the persistent bf16 copy the weights are gathered into once per rollout, and the fused
-    projection buffers when they are asked for."""
+                         fused_projections: bool = False, kv_cache: int | None = None) -> int:
+    """What posttrain.rollout keeps for a whole run: its KV cache (``kv_cache``, default
+    :func:`kv_cache_bytes` of every row), its graph pool, for a ZeRO-3 policy the persistent bf16
+    copy the weights are gathered into once per rollout, and the fused projection buffers when
+    they are asked for."""
     pool = GRAPH_POOL_BYTES_PER_ROW_VOCAB * sequences * m.vocab
     fused = fused_projection_bytes(m) if fused_projections else 0
-    return kv_cache_bytes(m, sequences, length) + pool + (2 * m.params if policy_stage == 3 else 0) + fused
+    kv = kv_cache_bytes(m, sequences, length) if kv_cache is None else kv_cache
+    return kv + pool + (2 * m.params if policy_stage == 3 else 0) + fused
 
 
 @dataclass(frozen=True)
@@ -307,6 +313,7 @@ def plan(
     lora: Lora | None = None,
     single_process_engine: str = "auto",
     fused_projections: bool = False,
+    shared_prompt_group: int | None = None,
 ) -> Plan:
     """Per-GPU memory of every role of ``workload`` under ``mix``.
 
@@ -325,7 +332,9 @@ def plan(
     workloads whose trainer declares no decoded role, ``roles["decoded"]``: DPO, SFT, reward and
     distillation, planned without on-policy generation; "torch" always). ``fused_projections``: the
     rollout engine's fused projection copies (``generation_fused_projections``), for a whole run,
-    where it copies: a policy on the torch path or with adapters (DeepSpeed's weights are views)."""
+    where it copies: a policy on the torch path or with adapters (DeepSpeed's weights are views).
+    ``shared_prompt_group``: the engine holds each prompt once for groups of that many rows
+    (``generation_shared_prompt_kv`` with ``num_generations``)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -415,6 +424,12 @@ def plan(
     else:
         policy = by["policy"]
         policy.kv_cache = kv_cache_bytes(policy.size, micro_batch, seq_len)
+        engine_kv = policy.kv_cache
+        if shared_prompt_group:
+            from .rollout.prompt_cache import default_prompt_slots
+
+            engine_kv = kv_cache_bytes(policy.size, micro_batch, seq_len,
+                                       default_prompt_slots(micro_batch, shared_prompt_group), seq_len - response_len)
         prompt = micro_batch * (seq_len - response_len)
         gen = inference_bytes(policy.size, prompt) - HEAD_INFER_V * policy.size.vocab * prompt
         if generation_backend == "hf":
@@ -426,7 +441,9 @@ def plan(
             # The engine fuses DeepSpeed's flat buffers (and the ZeRO-3 copy) as views; it copies
             # only a torch-path policy's separately allocated weights, or with adapters.
             copies = fused_projections and (lora is not None or "policy" in torch_path)
-            policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage, copies)
+            policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage, copies,
+                                                  engine_kv)
+            policy.kv_cache = engine_kv
             if lora is not None:  # the engine's merged adapted weights (its default lora_mode), bf16
                 policy.rollout += 2 * merged_adapter_params(shapes["policy"], lora, vocab)
         phases["generate"] = gen

@@ -96,7 +96,9 @@ def _into_prompt_slots(engine: DecodeEngine, slots: list[int], ids: torch.Tensor
     """Rows into their groups' shared prompt slots, prefilling the prompts that take a slot now;
     the rows' first logits (their prompt slot's)."""
     sp, p, dev = engine.prompts, engine.width, engine.device
+    joined = sp.joined
     placed, taken = sp.enter(slots, groups)
+    engine.stats["prompt_joins"] += sp.joined - joined
     if taken:
         dst = torch.tensor([s for s, _ in taken], dtype=torch.long, device=dev)
         first = torch.tensor([i for _, i in taken], dtype=torch.long, device=dev)

@@ -51,6 +51,12 @@ class RolloutFields:
     # once per rollout: about 57% of the model's bf16 bytes more (none with LoRA's merged buffers,
     # which become its slices); `posttrain plan --generation-fused-projections` counts that copy.
     generation_fused_projections: bool = False
+    # Each prompt's keys and values held once for the rows that continue it (a GRPO/RLOO group's
+    # num_generations rows) instead of once per row: the prompts' KV memory / num_generations, and
+    # decode attention reads each prompt once a step for its whole group. The rows' cache then holds
+    # only completions, and the engine holds one prompt slot per group of its KV budget, plus one.
+    # `posttrain plan --generation-shared-prompt-kv` counts it.
+    generation_shared_prompt_kv: bool = False
 
 
 def check_rollout_fields(cfg: RolloutFields) -> None:
@@ -59,15 +65,18 @@ def check_rollout_fields(cfg: RolloutFields) -> None:
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
         raise ConfigError(f"generation_kv_slots must be a whole number >= 1 or null (one slot per sequence of a "
                           f"generation batch), got {slots!r}: set --generation_kv_slots")
-    if not isinstance(cfg.generation_fused_projections, bool):
-        raise ConfigError(f"generation_fused_projections must be true or false, got "
-                          f"{cfg.generation_fused_projections!r}: set --generation_fused_projections true|false")
+    for name in ("generation_fused_projections", "generation_shared_prompt_kv"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name} must be true or false, got {getattr(cfg, name)!r}: set --{name} true|false")
 
 
 def engine_options(cfg: RolloutFields) -> dict[str, Any]:
     """The :class:`DecodeEngine` options a trainer's config asks for (unset ones leave the engine's
     defaults and their POSTTRAIN_ROLLOUT_* variables in charge)."""
-    return {"fused": True} if cfg.generation_fused_projections else {}
+    options: dict[str, Any] = {"fused": True} if cfg.generation_fused_projections else {}
+    if cfg.generation_shared_prompt_kv:
+        options.update(shared_prompt_kv=True, group_size=getattr(cfg, "num_generations", 1))
+    return options
 
 
 class Rollout:

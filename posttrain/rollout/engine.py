@@ -54,7 +54,7 @@ from ..dsconfig import ConfigError
 from . import decoder, step
 from .adapters import Adapters
 from .decoder import DecoderSpec
-from .prompt_cache import SharedPrompts
+from .prompt_cache import SharedPrompts, default_prompt_slots
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -154,13 +154,13 @@ class DecodeEngine:
         layers = len(self.weights["layers"])
         # ``shared_prompt_kv`` (POSTTRAIN_ROLLOUT_SHARED_PROMPT): each prompt's keys and values once,
         # in prompt slots of ``group_size`` rows (prompt_cache.py); the rows' cache then holds only
-        # their completions. ``prompt_slots`` (default slots / group_size) bounds the prompts in flight.
+        # their completions. ``prompt_slots`` bounds the prompts in flight (default_prompt_slots).
         self.prompts: SharedPrompts | None = None
         self.cache_len = self.length
         if _env_flag("POSTTRAIN_ROLLOUT_SHARED_PROMPT", shared_prompt_kv, False):
             if group_size < 1 or (prompt_slots is not None and prompt_slots < 1):
                 raise ConfigError(f"group_size ({group_size}) and prompt_slots ({prompt_slots}) must be >= 1")
-            self.prompts = SharedPrompts(spec, layers, prompt_slots or math.ceil(slots / group_size), group_size,
+            self.prompts = SharedPrompts(spec, layers, prompt_slots or default_prompt_slots(slots, group_size), group_size,
                                          max_prompt_len, slots, self.dtype, dev)
             self.cache_len = self.max_new
             # Its decode attention is two parts merged by their log-sum-exp, which SDPA does not return.
@@ -223,7 +223,7 @@ class DecodeEngine:
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
                                       "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0,
-                                      "fused_fallbacks": 0, "prompt_compactions": 0,
+                                      "fused_fallbacks": 0, "prompt_compactions": 0, "prompt_joins": 0,
                                       "shared_prompt_kv": self.prompts is not None,
                                       "prompt_kv_bytes": self.prompts.nbytes if self.prompts else 0}
         self.fallback_reasons: list[str] = []

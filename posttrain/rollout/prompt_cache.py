@@ -22,9 +22,18 @@ uploads the two small index tensors the step reads (``members``, ``place``) when
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .decoder import DecoderSpec
+
+
+def default_prompt_slots(slots: int, group_size: int) -> int:
+    """An engine's prompt slots for ``slots`` row slots and groups of ``group_size``: one per group,
+    plus one where groups have several rows (a process's share of a generation batch may cut a
+    group at each end)."""
+    return math.ceil(slots / group_size) + (1 if group_size > 1 else 0)
 
 
 class SharedPrompts:
@@ -58,6 +67,7 @@ class SharedPrompts:
         self.owner: list[int | None] = [None] * self.capacity  # the group (prompt) in each slot
         self.rows: list[list[int | None]] = [[None] * self.group for _ in range(self.capacity)]
         self.where: dict[int, tuple[int, int]] = {}  # row slot -> (prompt slot, member index)
+        self.joined = 0
         self._upload()
 
     def _upload(self) -> None:
@@ -93,8 +103,10 @@ class SharedPrompts:
     def enter(self, slots: list[int], groups: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Give rows ``slots`` (of prompts ``groups``; :meth:`fits` said they fit) member places.
         Returns each row's prompt slot, and the slots taken now as (prompt slot, index of the
-        first of ``slots`` with that prompt): those need their prompt prefilled."""
+        first of ``slots`` with that prompt): those need their prompt prefilled. ``joined`` counts
+        the rows that entered a slot already in flight (no prefill)."""
         open_slots = self._open()
+        before = {s for ss in open_slots.values() for s in ss}
         taken: list[tuple[int, int]] = []
         out = []
         for i, (r, g) in enumerate(zip(slots, groups)):
@@ -108,6 +120,7 @@ class SharedPrompts:
                 ss.append(s)
                 open_slots[g] = ss
             s = ss[0]
+            self.joined += s in before
             j = self.rows[s].index(None)
             self.rows[s][j] = r
             self.where[r] = (s, j)

@@ -137,15 +137,17 @@ def forward_gap(model: Any, out: Any, rows: int = 8) -> dict[str, float]:
 def engine_summary(stats: dict[str, Any]) -> dict[str, Any]:
     keys = ("compile", "captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks",
             "fp32_scores", "kv_cache_bytes", "prefill_rows", "prefill_sequences", "admissions", "compactions",
-            "decode_steps", "row_steps", "cache_cells_read", "graphs", "fallback_reasons")
+            "decode_steps", "row_steps", "cache_cells_read", "graphs", "fallback_reasons", "shared_prompt_kv",
+            "prompt_kv_bytes", "prompt_joins", "prompt_compactions", "sdpa_decode", "fused_projections")
     out = {k: stats[k] for k in keys if k in stats}
-    out["status"] = "degraded" if stats.get("compile_fallbacks") or stats.get("capture_fallbacks") else "ok"
+    fell = ("compile_fallbacks", "capture_fallbacks", "sdpa_fallbacks", "fused_fallbacks")
+    out["status"] = "degraded" if any(stats.get(k) for k in fell) else "ok"
     return out
 
 
 def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, baseline: Any, t_start: float
                 ) -> dict[str, Any]:
-    from posttrain.rollout import Rollout, SamplingParams
+    from posttrain.rollout import Rollout, SamplingParams, admission
     from posttrain.rollout.engine import Clock
 
     chunk = args.chunk or CHUNK.get(shape, 64)
@@ -168,6 +170,15 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     stopping = SamplingParams(max_new_tokens=n, pad_token_id=0, temperature=1.0, stop_token_ids=stop_ids)
     repeats = args.repeats
     holder: dict[str, Any] = {}
+    # ``--shared-prompt``: the engine as it is by default, and with shared prompt slots (groups of
+    # ``--generations`` rows hold their prompt once), side by side.
+    shared_modes = [m == "on" for m in args.shared_prompt.split(",") if m]
+
+    def shared_options(shared: bool) -> dict[str, Any]:
+        return dict(shared_prompt_kv=True, group_size=args.generations) if shared else {}
+
+    def kv_bytes(e: Any, rows: int, columns: int) -> int:
+        return 2 * len(e.keys) * rows * columns * e.spec.kv_heads * e.spec.head_dim * 2
     baseline_all = baseline
 
     def base_for(case: str) -> Any:
@@ -237,10 +248,12 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         if base_for("varlen") is not None:
             run_baseline("varlen", ids, mask, stopping)
         for slots in [int(s) for s in args.kv_slots.split(",") if s]:
-            run_engine("varlen", f"slots{slots}", ids, mask, stopping, min(slots, ids.shape[0]))
-            holder.clear()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            for shared in shared_modes:
+                run_engine("varlen", f"slots{slots}" + ("-shared" if shared else ""), ids, mask, stopping,
+                           min(slots, ids.shape[0]), **shared_options(shared))
+                holder.clear()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         if args.hf:  # transformers' own sampling, no logits kept (they would be 34 GB at 1.1B x 128 x 512)
             from posttrain.rollout import finish
 
@@ -262,23 +275,32 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         res["full"] = {"rows": chunk}
         if base_for("full") is not None:
             run_baseline("full", x, m, free)
-        r = run_engine("full", "engine", x, m, free, chunk)
-        holder["full"] = r
-        e = r.engine
-        # The step alone, at the bucket (chunk rows, whole cache): CUDA events around 64 replays.
-        length = e.length_bucket_for(p + n)
-        steps = 64
-        clock = Clock(device)
-        e.run(chunk, length, steps)
-        ms = clock.lap() / steps
-        spec = e.spec
-        kv = 2 * len(e.keys) * chunk * length * spec.kv_heads * spec.head_dim * 2
-        floor = (param_bytes + kv) / BANDWIDTH * 1e3
-        res["step"] = {"rows": chunk, "columns": length, "ms": ms, "floor_ms": floor, "ratio_to_floor": ms / floor,
-                       "weight_bytes": param_bytes, "kv_bytes": kv}
+        groups = [i // args.generations for i in range(chunk)]
+        for shared in shared_modes:
+            r = run_engine("full", "engine-shared" if shared else "engine", x, m, free, chunk, **shared_options(shared))
+            e = r.engine
+            # The step alone, at the bucket (chunk rows, whole cache; the chunk's prompt slots):
+            # CUDA events around 64 replays, the chunk admitted (its prompts in their slots).
+            e.begin(1, n, p)
+            admission.admit(e, list(range(chunk)), list(range(chunk)), x, m, groups)
+            length = e.length_bucket_for(e.columns(n))
+            steps = 64
+            clock = Clock(device)
+            e.run(chunk, length, steps)
+            ms = clock.lap() / steps
+            kv = kv_bytes(e, chunk, length) + (kv_bytes(e, e.prompt_rows, e.prompt_width) if shared else 0)
+            floor = (param_bytes + kv) / BANDWIDTH * 1e3
+            # The same work's floor with every row holding its prompt (the default engine's bytes).
+            unshared = (param_bytes + kv_bytes(e, chunk, p + n)) / BANDWIDTH * 1e3
+            row = {"rows": chunk, "columns": length, "ms": ms, "floor_ms": floor, "ratio_to_floor": ms / floor,
+                   "weight_bytes": param_bytes, "kv_bytes": kv, "ratio_to_unshared_floor": ms / unshared}
+            if shared:
+                row.update(prompt_rows=e.prompt_rows, prompt_columns=e.prompt_width)
+            res["step-shared" if shared else "step"] = row
+            holder.clear()
 
     def prefix() -> None:
-        from posttrain.rollout import DecodeEngine, admission
+        from posttrain.rollout import DecodeEngine
 
         total = ids.shape[0]
         e = holder["prefix"] = DecodeEngine(model, stopping, total, p)
@@ -295,6 +317,23 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
             res["prefix"][f"{name}_s"], res["prefix"][f"{name}_all_s"] = s, times
         res["prefix"]["shared_over_unique"] = res["prefix"]["shared_s"] / res["prefix"]["unique_s"]
         res["prefix"]["prompt_kv_bytes_per_sequence"] = e.cache_nbytes // total * p // e.length
+        if True in shared_modes:  # prompt slots: each prompt prefilled and held once
+            holder.clear()
+            e = holder["prefix"] = DecodeEngine(model, stopping, total, p, shared_prompt_kv=True,
+                                                group_size=args.generations)
+            groups = [i // args.generations for i in range(total)]
+
+            def slots() -> None:
+                e.begin(1, n, p)
+                admission.admit(e, list(range(total)), list(range(total)), ids, torch.ones_like(ids), groups)
+
+            slots()
+            s, times, _ = timed(slots, repeats)
+            every_row = total * p * e.prompts.nbytes // (e.prompts.capacity * p)
+            res["prefix"].update(slots_s=s, slots_all_s=times, slots_over_unique=s / res["prefix"]["unique_s"],
+                                 prompt_slots=e.prompts.capacity, prompt_kv_bytes=e.prompts.nbytes,
+                                 prompt_kv_bytes_every_row=every_row,
+                                 prompt_kv_ratio=every_row / e.prompts.nbytes)
 
     def logprobs() -> None:
         rows, new = 32, 128
@@ -464,14 +503,19 @@ def table(rows: list[dict[str, Any]]) -> str:
                 if isinstance(v, dict) and "s" in v:
                     lines.append(f"| {case} | {name} | {v['s']:.3f} s | {v.get('useful_tokens', '-')} tokens | "
                                  f"{v.get('useful_tokens_per_s', 0):.0f} tok/s | {v.get('status', v.get('compile'))} |")
-        if r.get("step"):
-            s = r["step"]
-            lines.append(f"| step {s['rows']}x{s['columns']} | {s['ms']:.3f} ms | floor {s['floor_ms']:.3f} ms | "
-                         f"{s['ratio_to_floor']:.2f}x |")
+        for key in ("step", "step-shared"):
+            if r.get(key):
+                s = r[key]
+                lines.append(f"| {key} {s['rows']}x{s['columns']} | {s['ms']:.3f} ms | floor {s['floor_ms']:.3f} ms | "
+                             f"{s['ratio_to_floor']:.2f}x | {s['ratio_to_unshared_floor']:.2f}x the unshared floor |")
         if r.get("prefix"):
             x = r["prefix"]
             lines.append(f"| prefill | unique {x['unique_s']:.3f} s | shared {x['shared_s']:.3f} s | each "
                          f"{x['each_s']:.3f} s | shared/unique {x['shared_over_unique']:.2f} |")
+            if "slots_s" in x:
+                lines.append(f"| prefill into prompt slots | {x['slots_s']:.3f} s | /unique {x['slots_over_unique']:.2f} | "
+                             f"prompt KV {x['prompt_kv_bytes'] / 2**20:.1f} MiB, every row "
+                             f"{x['prompt_kv_bytes_every_row'] / 2**20:.1f} MiB: / {x['prompt_kv_ratio']:.2f} |")
         if r.get("logprobs"):
             x = r["logprobs"]
             lines.append("| logprob gap mean/max | " + " | ".join(
@@ -494,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-fraction", type=float, default=0.01)
     ap.add_argument("--chunk", type=int, default=0, help="the baseline's max_batch (default per shape: 128 at 1b)")
     ap.add_argument("--kv-slots", default="128,512", help="the engine's KV budget(s), in sequences")
+    ap.add_argument("--shared-prompt", default="off,on", help="the engine's shared prompt slots: off, on or both "
+                    "(off,on: varlen, full, step and prefix side by side)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 timed rollouts per measure (older scripts' flag)")
     ap.add_argument("--baseline", default=None, help="path of the old single-file posttrain/rollout.py")

@@ -60,7 +60,7 @@ def test_a_group_holds_its_prompt_once_and_samples_what_copies_sample(kind, mode
         assert not rs.degraded and st["sdpa_decode"] is False  # two parts merged by log-sum-exp: no SDPA
     n, p, new = ids.shape[0], rc.engine.prompt_len, rc.engine.max_new
     slots = default_prompt_slots(n, GROUPS)
-    assert rs.engine.prompts.capacity == slots == 4
+    assert rs.engine.prompts.capacity == slots == 3  # whole groups: one slot each
     per_column = rc.engine.cache_nbytes // (n * (p + new))
     assert st["prompt_kv_bytes"] == slots * p * per_column  # against the copies' n * p
     assert st["kv_cache_bytes"] == rs.engine.cache_nbytes == (n * new + slots * p) * per_column
@@ -180,4 +180,5 @@ def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
     plans = {g: memory.plan("grpo", str(tiny.sft_model_path()), "zero2-zero3", world_size=1, micro_batch=8,
                             seq_len=32, response_len=16, shared_prompt_group=g) for g in (None, 4)}
     saved = plans[None].roles[0].rollout - plans[4].roles[0].rollout
-    assert saved == memory.kv_cache_bytes(size, 8, 32) - memory.kv_cache_bytes(size, 8, 32, 3, 16) > 0
+    assert saved == memory.kv_cache_bytes(size, 8, 32) - memory.kv_cache_bytes(size, 8, 32, 2, 16) > 0
+    assert default_prompt_slots(8, 4) == 2 and default_prompt_slots(6, 4) == 3 and default_prompt_slots(5, 1) == 5

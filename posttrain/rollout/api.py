@@ -54,8 +54,8 @@ class RolloutFields:
     # Each prompt's keys and values held once for the rows that continue it (a GRPO/RLOO group's
     # num_generations rows) instead of once per row: the prompts' KV memory / num_generations, and
     # decode attention reads each prompt once a step for its whole group. The rows' cache then holds
-    # only completions, and the engine holds one prompt slot per group of its KV budget, plus one.
-    # `posttrain plan --generation-shared-prompt-kv` counts it.
+    # only completions, and the engine one prompt slot per group of its KV budget (plus one where
+    # the budget is not whole groups). `posttrain plan --generation-shared-prompt-kv` counts it.
     generation_shared_prompt_kv: bool = False
 
 

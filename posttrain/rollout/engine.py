@@ -15,7 +15,8 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   new bucket costs one graph capture (about 0.1 s on an H200; inductor compiles once, with dynamic
   shapes), while a block table adds an indirection to every attention read and flex_attention
   would need its block mask rebuilt from the slot state every step. The price: KV memory is held
-  per slot for the whole length, and rows sharing a prompt hold copies of its KV.
+  per slot for the whole length, and rows sharing a prompt hold copies of its KV, unless the
+  prompts are held once in shared prompt slots (``shared_prompt_kv``, ``prompt_cache.py``).
 - Compile and capture: ``torch.compile`` (inductor, dynamic shapes, fullgraph) compiles the step's
   prologue (embedding and the first layer's norm, rotary cos/sin once for all layers, mask, where
   each row writes), one decoder layer (reused by every layer: a compile of seconds, not of the
@@ -32,7 +33,8 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
 - The step's switches (engine options, each with an environment variable for A/B runs; README
   "Rollouts" has the defaults and their measurement): ``fused`` q|k|v and gate|up GEMMs
   (``POSTTRAIN_ROLLOUT_FUSE``), ``split_layer`` (``POSTTRAIN_ROLLOUT_SPLIT``), ``fp32_scores``
-  (``POSTTRAIN_ROLLOUT_SCORES_FP32``), ``sdpa_decode`` (``POSTTRAIN_ROLLOUT_SDPA``).
+  (``POSTTRAIN_ROLLOUT_SCORES_FP32``), ``sdpa_decode`` (``POSTTRAIN_ROLLOUT_SDPA``),
+  ``shared_prompt_kv`` (``POSTTRAIN_ROLLOUT_SHARED_PROMPT``, default off until measured on a GPU).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).
@@ -224,6 +226,7 @@ class DecodeEngine:
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
                                       "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0,
                                       "fused_fallbacks": 0, "prompt_compactions": 0, "prompt_joins": 0,
+                                      "prompt_waits": 0,
                                       "shared_prompt_kv": self.prompts is not None,
                                       "prompt_kv_bytes": self.prompts.nbytes if self.prompts else 0}
         self.fallback_reasons: list[str] = []

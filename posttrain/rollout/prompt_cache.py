@@ -30,10 +30,11 @@ from .decoder import DecoderSpec
 
 
 def default_prompt_slots(slots: int, group_size: int) -> int:
-    """An engine's prompt slots for ``slots`` row slots and groups of ``group_size``: one per group,
-    plus one where groups have several rows (a process's share of a generation batch may cut a
-    group at each end)."""
-    return math.ceil(slots / group_size) + (1 if group_size > 1 else 0)
+    """An engine's prompt slots for ``slots`` row slots and groups of ``group_size``: one per group
+    when the slots hold whole groups (a process's share of a generation batch of whole groups),
+    else one more (such a share may cut a group at each end). Sequences streaming through fewer
+    slots than they are wait for a free prompt slot (``stats["prompt_waits"]``)."""
+    return math.ceil(slots / group_size) + (1 if slots % group_size else 0)
 
 
 class SharedPrompts:

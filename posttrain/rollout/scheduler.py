@@ -52,7 +52,9 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
         free, waiting = engine.slots - len(slot_seq), n - admitted
         k = min(free, waiting)
         if groups is not None:  # and as many as the free prompt slots and member places take
-            k = engine.prompts.fits(groups[admitted : admitted + k])
+            fit = engine.prompts.fits(groups[admitted : admitted + k])
+            engine.stats["prompt_waits"] += fit < k
+            k = fit
         admit = k > 0 and (k == waiting or k >= engine.admit_min or not slot_seq)
         live = len(slot_seq) + (k if admit else 0)
         if live == 0:

@@ -345,6 +345,13 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         out["engine"] = forward_gap(model, r.generate(x, m))
         out["engine"]["status"] = engine_summary(r.stats)["status"]
         del r
+        if True in shared_modes:  # shared prompt slots' two-part attention
+            r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model,
+                        engine_options=shared_options(True))
+            torch.manual_seed(3)
+            out["engine_shared"] = forward_gap(model, r.generate(x, m))
+            out["engine_shared"]["status"] = engine_summary(r.stats)["status"]
+            del r
         if base_for("logprobs") is not None:
             b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
             torch.manual_seed(3)
@@ -354,6 +361,8 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         torch.manual_seed(3)
         out["generate"] = forward_gap(model, hf.generate(x, m))
         out["engine_over_generate_mean"] = out["engine"]["mean"] / out["generate"]["mean"]
+        if "engine_shared" in out:
+            out["engine_shared_over_generate_mean"] = out["engine_shared"]["mean"] / out["generate"]["mean"]
         res["logprobs"] = {"rows": rows, "new_tokens": new, **out}
 
     def prepared() -> None:
@@ -519,7 +528,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         if r.get("logprobs"):
             x = r["logprobs"]
             lines.append("| logprob gap mean/max | " + " | ".join(
-                f"{k} {x[k]['mean']:.4f}/{x[k]['max']:.3f}" for k in ("engine", "baseline", "generate") if k in x) + " |")
+                f"{k} {x[k]['mean']:.4f}/{x[k]['max']:.3f}" for k in ("engine", "engine_shared", "baseline", "generate")
+                if k in x) + " |")
         if r.get("prepared"):
             lines.append(f"| GRPO-prepared policy | {json.dumps(r['prepared'], default=str)[:300]} |")
         if r["errors"]:

@@ -8,7 +8,10 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 # `git show 2c7536f:posttrain/rollout.py > baseline_rollout.py` (untracked: it travels with the tree):
 #   PART=1 bash benchmarks/run_h200_rollout.sh   (the two GRPO rounds, ~5.5 minutes)
 #   PART=2 bash benchmarks/run_h200_rollout.sh   (memory at rest, 8B every row to the end, ~5.5 minutes)
-# Two calls (a call may run 10 minutes). Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/
+#   PART=3 bash benchmarks/run_h200_rollout.sh   (shared prompt slots beside the default engine, 1.1B: 512
+#                                                 sequences through 512 slots, 128 to the end and its step,
+#                                                 the prefill into slots, log-prob gaps; then GRPO with them)
+# Three calls (a call may run 10 minutes). Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/
 # as each part finishes; every part is bounded by `timeout`.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -21,10 +24,19 @@ timeout 180 python benchmarks/grpo_bench.py $G --mixes zero2-zero3,trl-zero2 --w
   --out "$RES/grpo_round1" > "$RES/grpo_round1.log" 2>&1; echo "grpo round 1 rc=$?" >> "$RES/rc.txt"; pack
 timeout 180 python benchmarks/grpo_bench.py $G --mixes trl-zero2,zero2-zero3 --warmup 1 --steps 3 --timeout 88 \
   --out "$RES/grpo_round2" > "$RES/grpo_round2.log" 2>&1; echo "grpo round 2 rc=$?" >> "$RES/rc.txt"; pack
-else
+elif [ "${PART:-1}" = 2 ]; then
 timeout 180 python benchmarks/grpo_bench.py $G --mixes zero2-zero3,trl-zero2 --warmup 1 --steps 1 --timeout 88 \
   --memory-at-rest --out "$RES/grpo_memory" > "$RES/grpo_memory.log" 2>&1; echo "memory rc=$?" >> "$RES/rc.txt"; pack
 timeout 170 python benchmarks/rollout_bench.py --shapes 8b --cases full --chunk 64 --baseline baseline_rollout.py \
-  --baseline-cases full --repeats 2 --budget-s 140 --out "$RES/rollout_8b_full.json" > "$RES/rollout_8b.log" 2>&1
+  --baseline-cases full --shared-prompt off --repeats 2 --budget-s 140 --out "$RES/rollout_8b_full.json" \
+  > "$RES/rollout_8b.log" 2>&1
 echo "8b full rc=$?" >> "$RES/rc.txt"; pack
+fi
+if [ "${PART:-1}" = 3 ]; then
+timeout 330 python benchmarks/rollout_bench.py --shapes 1b --cases varlen,full,prefix,logprobs --kv-slots 512 \
+  --shared-prompt off,on --repeats 2 --budget-s 280 --out "$RES/rollout_1b_shared.json" > "$RES/rollout_shared.log" 2>&1
+echo "1b shared rc=$?" >> "$RES/rc.txt"; pack
+POSTTRAIN_ROLLOUT_SHARED_PROMPT=1 timeout 150 python benchmarks/grpo_bench.py $G --mixes zero2-zero3 --warmup 1 \
+  --steps 3 --timeout 100 --out "$RES/grpo_shared" > "$RES/grpo_shared.log" 2>&1; echo "grpo shared rc=$?" >> "$RES/rc.txt"
+pack
 fi

@@ -75,7 +75,9 @@ def engine_options(cfg: RolloutFields) -> dict[str, Any]:
     defaults and their POSTTRAIN_ROLLOUT_* variables in charge)."""
     options: dict[str, Any] = {"fused": True} if cfg.generation_fused_projections else {}
     if cfg.generation_shared_prompt_kv:
-        options.update(shared_prompt_kv=True, group_size=getattr(cfg, "num_generations", 1))
+        options["shared_prompt_kv"] = True
+    if hasattr(cfg, "num_generations"):  # GRPO/RLOO: the group size of shared prompt slots (also when
+        options["group_size"] = cfg.num_generations  # POSTTRAIN_ROLLOUT_SHARED_PROMPT turns them on)
     return options
 
 

@@ -378,11 +378,13 @@ def _attend(spec: DecoderSpec, scores: torch.Tensor, values: torch.Tensor) -> tu
     top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
     exp = (scores - top).exp()
     total = exp.sum(-1, keepdim=True)
-    probs = (exp / total.clamp(min=torch.finfo(torch.float32).tiny)).to(values.dtype)
-    if spec.fp32_scores and values.is_cuda and values.dtype != torch.float32:
-        out = torch.bmm(probs, values, out_dtype=torch.float32)
+    probs = exp / total.clamp(min=torch.finfo(torch.float32).tiny)
+    if not values.is_cuda:  # CPU: float32 throughout, as its SDPA kernels (the cost does not matter there)
+        out = torch.bmm(probs, values.float())
+    elif spec.fp32_scores and values.dtype != torch.float32:  # half probabilities, a float32 output
+        out = torch.bmm(probs.to(values.dtype), values, out_dtype=torch.float32)
     else:
-        out = torch.bmm(probs, values).float()
+        out = torch.bmm(probs.to(values.dtype), values).float()
     return out, (top + total.log()).squeeze(-1)
 
 

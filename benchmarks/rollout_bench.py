@@ -170,12 +170,17 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     stopping = SamplingParams(max_new_tokens=n, pad_token_id=0, temperature=1.0, stop_token_ids=stop_ids)
     repeats = args.repeats
     holder: dict[str, Any] = {}
-    # ``--shared-prompt``: the engine as it is by default, and with shared prompt slots (groups of
-    # ``--generations`` rows hold their prompt once), side by side.
-    shared_modes = [m == "on" for m in args.shared_prompt.split(",") if m]
+    # ``--shared-prompt``: the engine as it is by default ("off"), with shared prompt slots (groups
+    # of ``--generations`` rows hold their prompt once: "on"), and those with flex_attention
+    # ("flex"), side by side.
+    shared_modes = [m for m in args.shared_prompt.split(",") if m]
+    suffix = {"off": "", "on": "-shared", "flex": "-shared-flex"}
+    if set(shared_modes) - set(suffix):
+        raise SystemExit(f"--shared-prompt {args.shared_prompt!r}: use some of off, on, flex")
 
-    def shared_options(shared: bool) -> dict[str, Any]:
-        return dict(shared_prompt_kv=True, group_size=args.generations) if shared else {}
+    def shared_options(mode: str) -> dict[str, Any]:
+        shared = dict(shared_prompt_kv=True, group_size=args.generations) if mode != "off" else {}
+        return {**shared, "flex_decode": True} if mode == "flex" else shared
 
     def kv_bytes(e: Any, rows: int, columns: int) -> int:
         return 2 * len(e.keys) * rows * columns * e.spec.kv_heads * e.spec.head_dim * 2
@@ -248,9 +253,9 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         if base_for("varlen") is not None:
             run_baseline("varlen", ids, mask, stopping)
         for slots in [int(s) for s in args.kv_slots.split(",") if s]:
-            for shared in shared_modes:
-                run_engine("varlen", f"slots{slots}" + ("-shared" if shared else ""), ids, mask, stopping,
-                           min(slots, ids.shape[0]), **shared_options(shared))
+            for mode in shared_modes:
+                run_engine("varlen", f"slots{slots}{suffix[mode]}", ids, mask, stopping, min(slots, ids.shape[0]),
+                           **shared_options(mode))
                 holder.clear()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -276,8 +281,9 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         if base_for("full") is not None:
             run_baseline("full", x, m, free)
         groups = [i // args.generations for i in range(chunk)]
-        for shared in shared_modes:
-            r = run_engine("full", "engine-shared" if shared else "engine", x, m, free, chunk, **shared_options(shared))
+        for mode in shared_modes:
+            shared = mode != "off"
+            r = run_engine("full", f"engine{suffix[mode]}", x, m, free, chunk, **shared_options(mode))
             e = r.engine
             # The step alone, at the bucket (chunk rows, whole cache; the chunk's prompt slots):
             # CUDA events around 64 replays, the chunk admitted (its prompts in their slots).
@@ -296,7 +302,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
                    "weight_bytes": param_bytes, "kv_bytes": kv, "ratio_to_unshared_floor": ms / unshared}
             if shared:
                 row.update(prompt_rows=e.prompt_rows, prompt_columns=e.prompt_width)
-            res["step-shared" if shared else "step"] = row
+            res[f"step{suffix[mode]}"] = row
             holder.clear()
 
     def prefix() -> None:
@@ -317,7 +323,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
             res["prefix"][f"{name}_s"], res["prefix"][f"{name}_all_s"] = s, times
         res["prefix"]["shared_over_unique"] = res["prefix"]["shared_s"] / res["prefix"]["unique_s"]
         res["prefix"]["prompt_kv_bytes_per_sequence"] = e.cache_nbytes // total * p // e.length
-        if True in shared_modes:  # prompt slots: each prompt prefilled and held once
+        if set(shared_modes) - {"off"}:  # prompt slots: each prompt prefilled and held once
             holder.clear()
             e = holder["prefix"] = DecodeEngine(model, stopping, total, p, shared_prompt_kv=True,
                                                 group_size=args.generations)
@@ -345,12 +351,14 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         out["engine"] = forward_gap(model, r.generate(x, m))
         out["engine"]["status"] = engine_summary(r.stats)["status"]
         del r
-        if True in shared_modes:  # shared prompt slots' two-part attention
+        for mode in set(shared_modes) - {"off"}:  # shared prompt slots' two-part attention
             r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model,
-                        engine_options=shared_options(True))
+                        engine_options=shared_options(mode))
             torch.manual_seed(3)
-            out["engine_shared"] = forward_gap(model, r.generate(x, m))
-            out["engine_shared"]["status"] = engine_summary(r.stats)["status"]
+            key = f"engine{suffix[mode]}".replace("-", "_")
+            out[key] = forward_gap(model, r.generate(x, m))
+            out[key]["status"] = engine_summary(r.stats)["status"]
+            out[f"{key}_over_generate_mean"] = None  # filled below, beside the engine's
             del r
         if base_for("logprobs") is not None:
             b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
@@ -360,9 +368,8 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         hf = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model, backend="hf")
         torch.manual_seed(3)
         out["generate"] = forward_gap(model, hf.generate(x, m))
-        out["engine_over_generate_mean"] = out["engine"]["mean"] / out["generate"]["mean"]
-        if "engine_shared" in out:
-            out["engine_shared_over_generate_mean"] = out["engine_shared"]["mean"] / out["generate"]["mean"]
+        for key in [k for k in out if k.startswith("engine") and not k.endswith("_mean")]:
+            out[f"{key}_over_generate_mean"] = out[key]["mean"] / out["generate"]["mean"]
         res["logprobs"] = {"rows": rows, "new_tokens": new, **out}
 
     def prepared() -> None:
@@ -409,7 +416,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 if isinstance(v, dict) and "s" in v:
                     lines.append(f"| {case} | {name} | {v['s']:.3f} s | {v.get('useful_tokens', '-')} tokens | "
                                  f"{v.get('useful_tokens_per_s', 0):.0f} tok/s | {v.get('status', v.get('compile'))} |")
-        for key in ("step", "step-shared"):
+        for key in ("step", "step-shared", "step-shared-flex"):
             if r.get(key):
                 s = r[key]
                 lines.append(f"| {key} {s['rows']}x{s['columns']} | {s['ms']:.3f} ms | floor {s['floor_ms']:.3f} ms | "
@@ -425,8 +432,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         if r.get("logprobs"):
             x = r["logprobs"]
             lines.append("| logprob gap mean/max | " + " | ".join(
-                f"{k} {x[k]['mean']:.4f}/{x[k]['max']:.3f}" for k in ("engine", "engine_shared", "baseline", "generate")
-                if k in x) + " |")
+                f"{k} {x[k]['mean']:.4f}/{x[k]['max']:.3f}" for k in ("engine", "engine_shared", "engine_shared_flex",
+                                                          "baseline", "generate") if k in x) + " |")
         if r.get("prepared"):
             lines.append(f"| GRPO-prepared policy | {json.dumps(r['prepared'], default=str)[:300]} |")
         if r["errors"]:
@@ -445,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-fraction", type=float, default=0.01)
     ap.add_argument("--chunk", type=int, default=0, help="the baseline's max_batch (default per shape: 128 at 1b)")
     ap.add_argument("--kv-slots", default="128,512", help="the engine's KV budget(s), in sequences")
-    ap.add_argument("--shared-prompt", default="off,on", help="the engine's shared prompt slots: off, on or both "
-                    "(off,on: varlen, full, step and prefix side by side)")
+    ap.add_argument("--shared-prompt", default="off,on", help="the engine's shared prompt slots, side by side in "
+                    "varlen, full, step, prefix and logprobs: off, on, flex (on, with flex_attention), comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 timed rollouts per measure (older scripts' flag)")
     ap.add_argument("--baseline", default=None, help="path of the old single-file posttrain/rollout.py")

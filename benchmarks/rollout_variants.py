@@ -8,7 +8,8 @@ in ONE process, at one shape (the 1.1B Llama by default), each variant a new eng
 - ``fp32`` (``POSTTRAIN_ROLLOUT_SCORES_FP32``): attention scores from a bf16 ``bmm`` with a float32
   output (1) or a bf16 ``bmm`` cast to float32 (0);
 - ``sdpa`` (``POSTTRAIN_ROLLOUT_SDPA``): decode attention as one ``scaled_dot_product_attention``
-  call (a group's query heads as its queries) instead of bmm, softmax, bmm.
+  call (a group's query heads as its queries) instead of bmm, softmax, bmm; or (``flex`` in the
+  name, ``POSTTRAIN_ROLLOUT_FLEX``) ``flex_attention``, inductor's flex decoding kernel.
 
 Two workloads per variant, every row to the end (no stop tokens), on one engine of 128 slots x
 (256 + 512): (a) GRPO's, 16 rows x (256 + 256); (b) 128 rows x (256 + 512). Per workload: the
@@ -34,15 +35,16 @@ from typing import Any
 
 import torch
 
-# fused, split, fp32 scores, sdpa: the engine as it was first, then by expected gain (--budget-s cuts the tail).
+# fused, split, fp32 scores, attention (0 bmm, 1 SDPA, 2 flex_attention): the engine as it was first, then by
+# expected gain (--budget-s cuts the tail); flex last (section 19).
 VARIANTS = ((0, 1, 1, 0), (1, 1, 1, 0), (0, 0, 1, 0), (1, 0, 1, 0), (1, 0, 1, 1), (1, 0, 0, 0), (0, 1, 1, 1),
-            (0, 1, 0, 0), (1, 1, 1, 1), (1, 1, 0, 0))
+            (0, 1, 0, 0), (1, 1, 1, 1), (1, 1, 0, 0), (1, 1, 1, 2), (0, 1, 1, 2))
 LAUNCH = re.compile(r"^\s*(?:\w+\.run\(|cpp_fused_\w+\(|extern_kernels\.\w+\(|torch\.ops\.\w+\.\w+)")
 
 
 def name(variant: tuple[int, int, int, int]) -> str:
-    fused, split, fp32, sdpa = variant
-    return f"fused{fused}_split{split}_" + ("sdpa" if sdpa else f"fp32{fp32}")
+    fused, split, fp32, attention = variant
+    return f"fused{fused}_split{split}_" + ("sdpa" if attention == 1 else "flex" if attention == 2 else f"fp32{fp32}")
 
 
 def parse_variants(text: str) -> list[tuple[int, int, int, int]]:
@@ -160,7 +162,8 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
         tick = time.perf_counter()
         r = e = None
         try:
-            options = dict(fused=bool(fused), split_layer=bool(split), fp32_scores=bool(fp32), sdpa_decode=bool(sdpa))
+            options = dict(fused=bool(fused), split_layer=bool(split), fp32_scores=bool(fp32), sdpa_decode=sdpa == 1,
+                           flex_decode=sdpa == 2)
             if compile_mode:
                 options["compile_mode"] = compile_mode
             r = Rollout(None, "policy", built, max_batch=slots, max_prompt_len=p, model=model, kv_slots=slots,
@@ -209,11 +212,13 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
                            fp32_scores_ran=st.get("fp32_scores"), sdpa_ran=st.get("sdpa_decode"),
                            compile_fallbacks=st.get("compile_fallbacks"),
                            capture_fallbacks=st.get("capture_fallbacks"), split_fallbacks=st.get("split_fallbacks"),
-                           sdpa_fallbacks=st.get("sdpa_fallbacks"),
+                           sdpa_fallbacks=st.get("sdpa_fallbacks"), flex_ran=st.get("flex_decode"),
+                           flex_fallbacks=st.get("flex_fallbacks"),
                            captures=st.get("captures"), capture_s=st.get("capture_s"),
                            fused_weight_bytes=st.get("fused_weight_bytes"),
                            fallback_reasons=st.get("fallback_reasons"),
-                           status="degraded" if st.get("compile_fallbacks") or st.get("capture_fallbacks") else "ok",
+                           status="degraded" if any(st.get(k) for k in ("compile_fallbacks", "capture_fallbacks",
+                                                                        "sdpa_fallbacks", "flex_fallbacks")) else "ok",
                            variant_s=round(time.perf_counter() - tick, 1))
                 if device.type == "cuda":
                     row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

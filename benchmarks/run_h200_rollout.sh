@@ -8,10 +8,12 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 # `git show 2c7536f:posttrain/rollout.py > baseline_rollout.py` (untracked: it travels with the tree):
 #   PART=1 bash benchmarks/run_h200_rollout.sh   (the two GRPO rounds, ~5.5 minutes)
 #   PART=2 bash benchmarks/run_h200_rollout.sh   (memory at rest, 8B every row to the end, ~5.5 minutes)
-#   PART=3 bash benchmarks/run_h200_rollout.sh   (shared prompt slots beside the default engine, 1.1B: 512
-#                                                 sequences through 512 slots, 128 to the end and its step,
-#                                                 the prefill into slots, log-prob gaps; then GRPO with them)
-# Three calls (a call may run 10 minutes). Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/
+#   PART=3 bash benchmarks/run_h200_rollout.sh   (shared prompt slots, with and without flex_attention, beside
+#                                                 the default engine, 1.1B: 512 sequences through 512 slots,
+#                                                 128 to the end and its step, the prefill, log-prob gaps; ~8 min)
+#   PART=4 bash benchmarks/run_h200_rollout.sh   (flex_attention beside SDPA in the variants bench; GRPO with
+#                                                 shared prompt slots, and with flex too; ~8 min)
+# Four calls (a call may run 10 minutes; NOTES sections 18-19 say what each measures). Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/
 # as each part finishes; every part is bounded by `timeout`.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -33,10 +35,19 @@ timeout 170 python benchmarks/rollout_bench.py --shapes 8b --cases full --chunk 
 echo "8b full rc=$?" >> "$RES/rc.txt"; pack
 fi
 if [ "${PART:-1}" = 3 ]; then
-timeout 330 python benchmarks/rollout_bench.py --shapes 1b --cases varlen,full,prefix,logprobs --kv-slots 512 \
-  --shared-prompt off,on --repeats 2 --budget-s 280 --out "$RES/rollout_1b_shared.json" > "$RES/rollout_shared.log" 2>&1
+timeout 480 python benchmarks/rollout_bench.py --shapes 1b --cases varlen,full,prefix,logprobs --kv-slots 512 \
+  --shared-prompt off,on,flex --repeats 2 --budget-s 400 --out "$RES/rollout_1b_shared.json" \
+  > "$RES/rollout_shared.log" 2>&1
 echo "1b shared rc=$?" >> "$RES/rc.txt"; pack
+fi
+if [ "${PART:-1}" = 4 ]; then
+timeout 200 python benchmarks/rollout_bench.py --shapes 1b --cases variants --variants fused1_split1_sdpa,fused1_split1_flex \
+  --budget-s 170 --out "$RES/variants_flex_1b.json" > "$RES/variants_flex.log" 2>&1; echo "flex variants rc=$?" >> "$RES/rc.txt"
+pack
 POSTTRAIN_ROLLOUT_SHARED_PROMPT=1 timeout 150 python benchmarks/grpo_bench.py $G --mixes zero2-zero3 --warmup 1 \
   --steps 3 --timeout 100 --out "$RES/grpo_shared" > "$RES/grpo_shared.log" 2>&1; echo "grpo shared rc=$?" >> "$RES/rc.txt"
 pack
+POSTTRAIN_ROLLOUT_SHARED_PROMPT=1 POSTTRAIN_ROLLOUT_FLEX=1 timeout 150 python benchmarks/grpo_bench.py $G \
+  --mixes zero2-zero3 --warmup 1 --steps 3 --timeout 100 --out "$RES/grpo_shared_flex" > "$RES/grpo_shared_flex.log" 2>&1
+echo "grpo shared flex rc=$?" >> "$RES/rc.txt"; pack
 fi

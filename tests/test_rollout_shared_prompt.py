@@ -134,19 +134,41 @@ def test_prompt_slots_bookkeeping():
     assert sp.owner == [None] * 4 and sp.members.eq(8).all()
 
 
-def test_the_shared_step_traces_as_cuda_compiles_it(models, tok, grouped):
+@pytest.mark.parametrize("flex", [False, True])
+def test_the_shared_step_traces_as_cuda_compiles_it(flex, models, tok, grouped):
     """The step with shared prompt slots compiled as on CUDA (fullgraph, dynamic shapes; aot_eager
-    here): no fallback, the eager default's samples."""
+    here), its two parts by explicit attention or by flex_attention: no fallback, the eager
+    default's samples (every row to the end: one bucket, one compile)."""
     model, (ids, mask) = models["qwen2"], grouped
-    copies, _ = run(model, tok, ids, mask)
+
+    def go(**options):
+        r = rollout(model, tok, max_batch=ids.shape[0], engine_options=options)
+        torch.manual_seed(5)
+        return r.generate(ids, mask), r
+
+    copies, _ = go()
     torch._dynamo.reset()
-    # One row bucket and one length bucket: what varies is the prompt slots' bucket (4, 2, 1).
-    out, r = run(model, tok, ids, mask, shared_prompt_kv=True, group_size=GROUPS, compile_mode="layer",
-                 compile_backend="aot_eager", smallest_bucket=ids.shape[0], length_bucket=10**6, sync_every=3)
+    out, r = go(shared_prompt_kv=True, group_size=GROUPS, flex_decode=flex, compile_mode="layer",
+                compile_backend="aot_eager")
     torch._dynamo.reset()
     st = r.stats
     assert st["compile"] == "layer" and not r.degraded and not st["fallback_reasons"], st
+    assert st["flex_decode"] is flex
     same(copies, out)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_flex_attention_decodes_what_the_default_decodes(shared, models, tok, grouped):
+    """``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX): decode attention by flex_attention, each row's own
+    cache or shared prompt slots (whose parts' log-sum-exp it returns), streamed through fewer
+    slots: the default engine's samples."""
+    model, (ids, mask) = models["llama"], grouped
+    copies, _ = run(model, tok, ids, mask)
+    options = dict(shared_prompt_kv=True, group_size=GROUPS) if shared else {}
+    out, r = run(model, tok, ids, mask, flex_decode=True, kv_slots=5, smallest_bucket=1, length_bucket=4,
+                 sync_every=2, **options)
+    same(copies, out)
+    assert r.stats["flex_decode"] and r.stats["shared_prompt_kv"] is shared and not r.degraded
 
 
 def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):

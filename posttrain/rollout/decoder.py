@@ -94,6 +94,7 @@ class DecoderSpec:
     vocab: int
     fp32_scores: bool  # decode attention scores kept in float32 (see the module docstring)
     sdpa_decode: bool = True  # decode attention by SDPA (one fused kernel) instead of bmm, softmax, bmm
+    flex_decode: bool = False  # decode attention by flex_attention (before SDPA; shared prompt slots too)
 
     @classmethod
     def of(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> DecoderSpec:
@@ -347,6 +348,8 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
     """One query per row over the cache [B, kv_heads, L, d] (``bias`` [B, 1, 1, L]: 0 or -inf).
     The query heads of a group share one read of their key/value head (no repeat of the cache)."""
     b, groups, d = q.shape[0], spec.heads // spec.kv_heads, spec.head_dim
+    if spec.flex_decode:
+        return flex(q, keys, values, bias, spec.scaling)[0]
     if spec.sdpa_decode:
         # A group's query heads are SDPA's queries of its key/value head: one kernel (float32
         # scores and softmax inside, as in the training forward's SDPA), no repeat of the cache.
@@ -359,6 +362,31 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
     scores = scores.view(b, spec.kv_heads, groups, length) * spec.scaling + bias
     probs = scores.softmax(dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(b, spec.heads, 1, d)
+
+
+def flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flex_attention`` of ``q`` [n, hq, t, d] over ``keys``/``values`` [n, hkv, L, d] (hq a
+    multiple of hkv: a group's query heads share their key/value head) with the additive mask
+    ``bias`` [n, 1, 1, L]: the output [n, hq, t, d] and the log-sum-exp of the scores [n, hq, t]
+    (natural log, float32). On CUDA inductor generates its kernel (flex decoding for one query a
+    head); on CPU it runs the reference implementation."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = bias.view(bias.shape[0], bias.shape[-1])
+
+    def add_mask(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+                 ) -> torch.Tensor:
+        return score + mask[b, ki]
+
+    try:  # torch >= 2.9: the auxiliary outputs by request (return_lse is deprecated there)
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return flex_attention(q, keys, values, score_mod=add_mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+                              return_lse=True)
+    out, aux = flex_attention(q, keys, values, score_mod=add_mask, scale=scale,
+                              enable_gqa=q.shape[1] != keys.shape[1], return_aux=AuxRequest(lse=True))
+    return out, aux.lse
 
 
 def _scores(spec: DecoderSpec, q: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:
@@ -402,17 +430,23 @@ def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tens
     b, kvh, g, d = q.shape[0], spec.kv_heads, spec.heads // spec.kv_heads, spec.head_dim
     s, width, n = pkeys.shape[0], pkeys.shape[2], members.shape[1]
     qg = q.reshape(b, kvh, g, d)
-    # The completions: one query group per row and key/value head.
-    length = keys.shape[2]
-    sc = _scores(spec, qg.reshape(b * kvh, g, d), keys.reshape(b * kvh, length, d).transpose(1, 2))
-    sc = sc.view(b, kvh, g, length) * spec.scaling + bias
-    out_c, lse_c = _attend(spec, sc.view(b * kvh, g, length), values.reshape(b * kvh, length, d))
-    # The prompts: a slot's members' queries side by side (a zero query where a member is missing).
+    # The prompts' queries: a slot's members side by side (a zero query where a member is missing).
     padded = torch.cat([qg, qg.new_zeros(1, kvh, g, d)])
-    qp = padded[members].permute(0, 2, 1, 3, 4).reshape(s * kvh, n * g, d)  # [S * kvh, G * g, d]
-    sp = _scores(spec, qp, pkeys.reshape(s * kvh, width, d).transpose(1, 2))
-    sp = sp.view(s, kvh, n * g, width) * spec.scaling + pbias
-    out_p, lse_p = _attend(spec, sp.view(s * kvh, n * g, width), pvalues.reshape(s * kvh, width, d))
+    qp = padded[members].permute(0, 2, 1, 3, 4).reshape(s, kvh, n * g, d)  # [S, kvh, G * g, d]
+    length = keys.shape[2]
+    if spec.flex_decode:  # both parts by flex_attention, which returns their log-sum-exp
+        out_c, lse_c = flex(q, keys, values, bias, spec.scaling)
+        out_p, lse_p = flex(qp, pkeys, pvalues, pbias, spec.scaling)
+        out_c, lse_c, out_p = out_c.float(), lse_c.view(b * kvh, g), out_p.float().view(s * kvh, n * g, d)
+        lse_p = lse_p.view(s * kvh, n * g)
+    else:
+        # The completions: one query group per row and key/value head.
+        sc = _scores(spec, qg.reshape(b * kvh, g, d), keys.reshape(b * kvh, length, d).transpose(1, 2))
+        sc = sc.view(b, kvh, g, length) * spec.scaling + bias
+        out_c, lse_c = _attend(spec, sc.view(b * kvh, g, length), values.reshape(b * kvh, length, d))
+        sp = _scores(spec, qp.view(s * kvh, n * g, d), pkeys.reshape(s * kvh, width, d).transpose(1, 2))
+        sp = sp.view(s, kvh, n * g, width) * spec.scaling + pbias
+        out_p, lse_p = _attend(spec, sp.view(s * kvh, n * g, width), pvalues.reshape(s * kvh, width, d))
     # Back to rows: [S, kvh, G, g, ...] -> [S * G, kvh, g, ...], row r at place[r].
     out_p = out_p.view(s, kvh, n, g, d).transpose(1, 2).reshape(s * n, kvh, g, d).index_select(0, place)
     lse_p = lse_p.view(s, kvh, n, g).transpose(1, 2).reshape(s * n, kvh, g).index_select(0, place)

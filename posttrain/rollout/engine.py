@@ -117,8 +117,8 @@ class DecodeEngine:
                  compile_backend: str = "inductor", lora_mode: str | None = None,
                  tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, fused: bool | None = None,
                  split_layer: bool | None = None, fp32_scores: bool | None = None,
-                 sdpa_decode: bool | None = None, shared_prompt_kv: bool | None = None, group_size: int = 1,
-                 prompt_slots: int | None = None) -> None:
+                 sdpa_decode: bool | None = None, flex_decode: bool | None = None,
+                 shared_prompt_kv: bool | None = None, group_size: int = 1, prompt_slots: int | None = None) -> None:
         self.model, self.sampling = model, sampling
         self.slots, self.prompt_len = slots, max_prompt_len
         self.max_new = sampling.max_new_tokens
@@ -142,7 +142,8 @@ class DecodeEngine:
         # (on CUDA a bf16 bmm with a float32 output), off: a bf16 bmm, then float32.
         # ``sdpa_decode`` (POSTTRAIN_ROLLOUT_SDPA, default on): decode attention as one SDPA call,
         # the training forward's own attention (log-probs as close to it as generate's; off: bmm,
-        # softmax, bmm).
+        # softmax, bmm). ``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX, default off until timed on a GPU):
+        # flex_attention instead (inductor's flex decoding kernel; shared prompt slots' parts too).
         fuse = _env_choice("POSTTRAIN_ROLLOUT_FUSE", fused)
         views = decoder.fused_views(model, self.adapters) if fuse is not False else None
         self.fuse_views = views is not None
@@ -150,7 +151,8 @@ class DecodeEngine:
         self.split_layer = _env_flag("POSTTRAIN_ROLLOUT_SPLIT", split_layer, True)
         if not _env_flag("POSTTRAIN_ROLLOUT_SCORES_FP32", fp32_scores, True):
             self.spec = dataclasses.replace(self.spec, fp32_scores=False)
-        self.spec = dataclasses.replace(self.spec, sdpa_decode=_env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, True))
+        self.spec = dataclasses.replace(self.spec, sdpa_decode=_env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, True),
+                                        flex_decode=_env_flag("POSTTRAIN_ROLLOUT_FLEX", flex_decode, False))
         self.weights = decoder.read_weights(model, views or self.fused, self.adapters)
         spec = self.spec
         layers = len(self.weights["layers"])
@@ -165,7 +167,8 @@ class DecodeEngine:
             self.prompts = SharedPrompts(spec, layers, prompt_slots or default_prompt_slots(slots, group_size), group_size,
                                          max_prompt_len, slots, self.dtype, dev)
             self.cache_len = self.max_new
-            # Its decode attention is two parts merged by their log-sum-exp, which SDPA does not return.
+            # Its decode attention is two parts merged by their log-sum-exp, which SDPA does not return
+            # (flex_attention does).
             self.spec = dataclasses.replace(self.spec, sdpa_decode=False)
         shape = (slots, spec.kv_heads, self.cache_len, spec.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
@@ -224,7 +227,7 @@ class DecodeEngine:
                                       "capture_fallbacks": 0, "storage_moves": 0, "graph_pool_bytes": 0,
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
-                                      "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0,
+                                      "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0, "flex_fallbacks": 0,
                                       "fused_fallbacks": 0, "prompt_compactions": 0, "prompt_joins": 0,
                                       "prompt_waits": 0,
                                       "shared_prompt_kv": self.prompts is not None,
@@ -448,8 +451,9 @@ class DecodeEngine:
 
     def _prepare(self, rows: int, length: int) -> None:
         """Compile the step's parts (``compile_mode`` "layer") and run it once. A whole layer that
-        fails to compile is retried split (``stats["split_fallbacks"]``), SDPA decode attention
-        with bmm and softmax (``stats["sdpa_fallbacks"]``), a compile that fails is
+        fails to compile is retried split (``stats["split_fallbacks"]``), flex_attention with SDPA
+        (``stats["flex_fallbacks"]``), SDPA decode attention with bmm and softmax
+        (``stats["sdpa_fallbacks"]``), a compile that fails is
         retried with bf16 attention scores if it had float32 ones (``stats["fp32_scores"]``
         says which ran), then falls back to the eager parts: logged, and counted in
         ``stats["compile_fallbacks"]``."""
@@ -458,6 +462,7 @@ class DecodeEngine:
         self.stats["fp32_scores"] = self.spec.fp32_scores
         self.stats["split_layer"] = self.split_layer
         self.stats["sdpa_decode"] = self.spec.sdpa_decode
+        self.stats["flex_decode"] = self.spec.flex_decode
         if self.compile_mode == "none":
             return
         while True:
@@ -471,6 +476,14 @@ class DecodeEngine:
                                     "in two halves", err)
                     self.split_layer, self.stats["split_layer"] = True, True
                     self.stats["split_fallbacks"] += 1
+                    continue
+                if self.spec.flex_decode:
+                    instead = "SDPA" if self.prompts is None and self.spec.sdpa_decode else "bmm and softmax"
+                    self._fall_back(f"torch.compile of the step with flex_attention failed; retrying with {instead}",
+                                    err)
+                    self.spec = dataclasses.replace(self.spec, flex_decode=False)
+                    self.stats["flex_decode"] = False
+                    self.stats["flex_fallbacks"] += 1
                     continue
                 if self.spec.sdpa_decode:
                     self._fall_back("torch.compile of the step with SDPA decode attention failed; retrying with "

@@ -107,6 +107,17 @@ def _env_flag(name: str, value: bool | None, default: bool) -> bool:
     return default if choice is None else choice
 
 
+def _release_cublas_workspaces() -> None:
+    """Free cuBLAS's workspaces (it keeps one per stream it ran on, allocated through torch's
+    allocator and held for the whole run: a warm-up stream's or a capture's would otherwise stay
+    allocated beside training, as inductor's CUDA graph trees also avoid). Matmuls allocate them
+    again on first use (from the allocator's cache); a captured graph's stays in its pool."""
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 class DecodeEngine:
     """Cache slots, their state, the bucketed step and its graphs. See the module docstring."""
 
@@ -222,6 +233,7 @@ class DecodeEngine:
         self.prompt_rows = 0  # the prompt slots the step reads (set by run)
         self.graphs: dict[tuple[int, ...], Any] = {}
         self.pool: Any = None
+        self._side: Any = None  # the CUDA stream warm-ups run on
         self.ptrs: list[int] = []  # the weights' addresses the graphs read
         self.stats: dict[str, Any] = {"captures": 0, "recaptures": 0, "capture_s": 0.0, "compile_fallbacks": 0,
                                       "capture_fallbacks": 0, "storage_moves": 0, "graph_pool_bytes": 0,
@@ -432,12 +444,14 @@ class DecodeEngine:
         try:
             with torch.no_grad():
                 if self.device.type == "cuda":
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
+                    if self._side is None:  # one side stream for every warm-up
+                        self._side = torch.cuda.Stream()
+                    self._side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(self._side):
                         for _ in range(3):
                             self._step(rows, length)
-                    torch.cuda.current_stream().wait_stream(side)
+                    torch.cuda.current_stream().wait_stream(self._side)
+                    _release_cublas_workspaces()
                 else:
                     self._step(rows, length)
         finally:
@@ -524,6 +538,7 @@ class DecodeEngine:
             self.stats["capture_fallbacks"] += 1
             torch.cuda.synchronize()
             graph, self.use_graphs = None, False
+        _release_cublas_workspaces()
         self.stats["graph_pool_bytes"] += torch.cuda.memory_reserved() - reserved
         for t, s in zip(self._state(), saved):
             t.copy_(s)

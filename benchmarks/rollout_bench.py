@@ -426,7 +426,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| prefill | unique {x['unique_s']:.3f} s | shared {x['shared_s']:.3f} s | each "
                          f"{x['each_s']:.3f} s | shared/unique {x['shared_over_unique']:.2f} |")
             if "slots_s" in x:
-                lines.append(f"| prefill into prompt slots | {x['slots_s']:.3f} s | /unique {x['slots_over_unique']:.2f} | "
+                lines.append(f"| prefill into prompt slots | {x['slots_s']:.3f} s | "
+                             f"/unique {x['slots_over_unique']:.2f} | "
                              f"prompt KV {x['prompt_kv_bytes'] / 2**20:.1f} MiB, every row "
                              f"{x['prompt_kv_bytes_every_row'] / 2**20:.1f} MiB: / {x['prompt_kv_ratio']:.2f} |")
         if r.get("logprobs"):

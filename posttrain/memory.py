@@ -128,7 +128,9 @@ def kv_cache_bytes(m: ModelSize, sequences: int, length: int, prompt_slots: int 
     (2 * layers * kv_heads * head_dim * batch * (prompt + response) * 2 bytes). With the engine's
     shared prompt slots (``generation_shared_prompt_kv``), the rows hold their completions and
     each of ``prompt_slots`` slots a prompt of ``prompt_len``."""
-    columns = sequences * length if prompt_slots is None else sequences * (length - prompt_len) + prompt_slots * prompt_len
+    columns = sequences * length
+    if prompt_slots is not None:
+        columns = sequences * (length - prompt_len) + prompt_slots * prompt_len
     return columns * m.layers * 2 * m.kv_dim * 2
 
 

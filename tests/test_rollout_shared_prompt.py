@@ -105,8 +105,8 @@ def test_prompt_slots_bookkeeping():
     compaction into the smallest bucket of slots (the moved slot's keys, mask and logits with it)."""
     from posttrain.rollout.decoder import DecoderSpec
 
-    spec = DecoderSpec(heads=2, kv_heads=1, head_dim=4, scaling=0.5, eps=1e-6, rope_scaling=1.0, act=torch.nn.functional.silu,
-                       vocab=7, fp32_scores=True)
+    spec = DecoderSpec(heads=2, kv_heads=1, head_dim=4, scaling=0.5, eps=1e-6, rope_scaling=1.0,
+                       act=torch.nn.functional.silu, vocab=7, fp32_scores=True)
     sp = SharedPrompts(spec, layers=2, prompt_slots=4, group_size=2, max_prompt_len=3, slots=8, dtype=torch.float32,
                        device=torch.device("cpu"))
     assert sp.buckets == [1, 2, 4] and sp.bucket() == 1
@@ -192,7 +192,8 @@ def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
                                                                                      "group_size": 4}
     runs = {}
     for on in (False, True):
-        trainer = GRPOTrainer(cfg(tmp_path / str(on), generation_shared_prompt_kv=on), train_dataset=bundled_prompts(16))
+        trainer = GRPOTrainer(cfg(tmp_path / str(on), generation_shared_prompt_kv=on),
+                              train_dataset=bundled_prompts(16))
         runs[on] = trainer.train()
         assert trainer.rollout.stats["shared_prompt_kv"] is on
     for a, b in zip(runs[False], runs[True]):

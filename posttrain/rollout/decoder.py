@@ -14,6 +14,9 @@ cast, rotation in the model dtype), and the decode attention is one ``scaled_dot
 call, as the forward's (``sdpa_decode``, the default); off, it keeps its scores in float32 as SDPA's
 kernels do internally (on CUDA a half-precision ``bmm`` with a float32 output, so the cache is not
 converted), then casts the probabilities to the model dtype for the product with the values.
+With ``flex_decode`` it is a ``flex_attention`` call (the mask as a score modification). Rows whose
+prompt is in a shared prompt slot attend in two parts merged by their log-sum-exp
+(:func:`decode_attention_shared`).
 
 Why not transformers' ``StaticCache`` and the model's own forward: the cache and forward signatures
 changed within 5.x, while the module attributes read here (``q_proj``, ``input_layernorm``,

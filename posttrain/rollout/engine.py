@@ -175,8 +175,8 @@ class DecodeEngine:
         if _env_flag("POSTTRAIN_ROLLOUT_SHARED_PROMPT", shared_prompt_kv, False):
             if group_size < 1 or (prompt_slots is not None and prompt_slots < 1):
                 raise ConfigError(f"group_size ({group_size}) and prompt_slots ({prompt_slots}) must be >= 1")
-            self.prompts = SharedPrompts(spec, layers, prompt_slots or default_prompt_slots(slots, group_size), group_size,
-                                         max_prompt_len, slots, self.dtype, dev)
+            capacity = prompt_slots or default_prompt_slots(slots, group_size)
+            self.prompts = SharedPrompts(spec, layers, capacity, group_size, max_prompt_len, slots, self.dtype, dev)
             self.cache_len = self.max_new
             # Its decode attention is two parts merged by their log-sum-exp, which SDPA does not return
             # (flex_attention does).
@@ -239,9 +239,9 @@ class DecodeEngine:
                                       "capture_fallbacks": 0, "storage_moves": 0, "graph_pool_bytes": 0,
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
-                                      "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0, "flex_fallbacks": 0,
-                                      "fused_fallbacks": 0, "prompt_compactions": 0, "prompt_joins": 0,
-                                      "prompt_waits": 0,
+                                      "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0,
+                                      "flex_fallbacks": 0, "fused_fallbacks": 0, "prompt_compactions": 0,
+                                      "prompt_joins": 0, "prompt_waits": 0,
                                       "shared_prompt_kv": self.prompts is not None,
                                       "prompt_kv_bytes": self.prompts.nbytes if self.prompts else 0}
         self.fallback_reasons: list[str] = []

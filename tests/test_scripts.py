@@ -159,6 +159,8 @@ def test_one_plain_process_without_a_launcher(tmp_path):
     assert any("eval/rewards/accuracies" in r for r in metrics)
     saved = json.loads((out / "posttrain_config.json").read_text())  # the effective settings
     assert (saved["max_steps"], saved["learning_rate"], saved["eval_strategy"], saved["eval_steps"]) == (2, 1e-3, "steps", 2)
+    # ... and the script's own arguments (TRL's ScriptArguments, the data's), which the trainer does not take.
+    assert saved["script_arguments"]["synthetic_train_size"] == 64 and saved["script_arguments"]["dataset_name"] is None
     assert (out / "model.safetensors").exists()  # the trained policy at the top, as TRL
     assert (out / "checkpoint-2" / "policy" / "model.safetensors").exists()
     assert "bundled synthetic preference pairs" in (out / "README.md").read_text()  # the card names the data

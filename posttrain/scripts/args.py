@@ -15,13 +15,14 @@ printed once (rank 0) and the trainer writes them to ``<output_dir>/posttrain_co
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -157,10 +158,23 @@ def describe(outputs: Sequence[Any], source: str, prog: str | None = None) -> st
     key = [f"{k}={values[k]}" for k in KEY_SETTINGS if k in values and values[k] is not None]
     head = f"{prog or 'posttrain'}: settings from {source}"
     if output_dir:
-        head += f"; all of them go to {output_dir}/posttrain_config.json"
+        head += f"; all of them go to {output_dir}/posttrain_config.json"  # record_script_arguments: the rest
     body = textwrap.fill(" ".join(key + changed), width=108, initial_indent="  ", subsequent_indent="  ",
                          break_on_hyphens=False)
     return f"{head}\n{body}"
+
+
+def record_script_arguments(output_dir: str | os.PathLike, *arguments: Any) -> None:
+    """Add the script's own dataclasses (TRL's ScriptArguments, the data's arguments: what the run
+    trained on) to the trainer's ``posttrain_config.json``, under "script_arguments". The trainer
+    writes that file when training starts; a script calls this after it ends (main process)."""
+    from ..trainers.output_dir import SETTINGS_FILE
+
+    path = Path(output_dir) / SETTINGS_FILE
+    settings = json.loads(path.read_text()) if path.exists() else {}
+    settings["script_arguments"] = {k: v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v)
+                                    for a in arguments for k, v in asdict(a).items()}
+    path.write_text(json.dumps(settings, indent=1))
 
 
 def _shown_path(path: str | os.PathLike) -> str:

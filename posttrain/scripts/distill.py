@@ -24,7 +24,7 @@ from ..dsconfig import ConfigError
 from ..modelcard import write_model_card
 from ..trainers.distill import DistillConfig, DistillTrainer
 from ..trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
-from .args import demo_config, parse_config, require_dataset, run_script
+from .args import demo_config, parse_config, record_script_arguments, require_dataset, run_script
 from .data import eval_steps_per_epoch, load_train_eval
 from .hub import push_to_hub
 from .ppo import saved_as
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     # The card written at the end of training cannot know the data (the trainer takes rows): name it.
     write_model_card(cfg.output_dir, cfg, "distill", trainer.session,
                      dataset_name=script.dataset_name or "lines of posttrain's bundled text")
+    record_script_arguments(cfg.output_dir, script, targs)
     evals = before + [h for h in history if "eval/forward_kl" in h]
     summary = {
         "heldout_lines": len(eval_rows or []),  # held-out rows (lines of the bundled text)

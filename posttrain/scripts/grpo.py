@@ -20,7 +20,7 @@ from trl import ScriptArguments
 
 from ..modelcard import write_model_card
 from ..trainers.grpo import GRPOConfig, GRPOTrainer
-from .args import demo_config, parse_config, require_dataset, run_script
+from .args import demo_config, parse_config, record_script_arguments, require_dataset, run_script
 from .data import PromptArguments, load_prompts
 from .hub import push_to_hub
 
@@ -59,6 +59,7 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
     # The card written at the end of training cannot know the data (the trainer takes rows): name it,
     # after the save (as the rows scripts: a peft save would rewrite the card's tags).
     write_model_card(cfg.output_dir, cfg, name, trainer.session, dataset_name=dataset_name)
+    record_script_arguments(cfg.output_dir, script, data)
     if history:
         summary = summarize(history, cfg, time.perf_counter() - start)
         summary["generation_backend"] = trainer.rollout.stats.get("backend")

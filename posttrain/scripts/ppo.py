@@ -19,7 +19,7 @@ from trl import ScriptArguments
 from ..lora import LoraFields
 from ..modelcard import write_model_card
 from ..trainers.ppo import PPOConfig, PPOTrainer
-from .args import demo_config, parse_config, require_dataset, run_script
+from .args import demo_config, parse_config, record_script_arguments, require_dataset, run_script
 from .data import PromptArguments, load_prompts
 from .hub import push_to_hub
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     # The card written at the end of training cannot know the data (the trainer takes rows): name it,
     # after the save (as the rows scripts: a peft save would rewrite the card's tags).
     write_model_card(cfg.output_dir, cfg, "ppo", trainer.session, dataset_name=dataset_name)
+    record_script_arguments(cfg.output_dir, script, data)
     if history:
         summary = summarize(history, cfg)
         Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from trl import ScriptArguments
 
 from ..modelcard import write_model_card
-from .args import demo_config, parse_config, require_dataset
+from .args import demo_config, parse_config, record_script_arguments, require_dataset
 from .data import bundled_pairs, trainer_on_data
 from .hub import push_to_hub
 
@@ -69,6 +69,7 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
     # The card written at the end of training cannot know the data (the trainer takes rows): name it.
     write_model_card(cfg.output_dir, cfg, name, trainer.session,
                      dataset_name=script.dataset_name or data.bundled_name)
+    record_script_arguments(cfg.output_dir, script, data)
     print(f"{saved} saved to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
     if cfg.push_to_hub:
         print(f"pushed to {push_to_hub(cfg, final)}")

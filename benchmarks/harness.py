@@ -384,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-steps", type=int, default=0, help="after measuring, this many more steps under "
                     "torch.profiler; rank 0's trace and kernel table land in the run's directory under runs/")
     ap.add_argument("--memory-at-rest", action="store_true", help="record allocations (slower steps: a diagnostic "
-                    "run) and write what is live as the last measured step begins, by origin, to each run's "
-                    "memory-at-rest-rank*.json")
+                    "run) and write what is live as the last measured step begins, and at the recording's peak, "
+                    "by origin, to each run's memory-at-rest-rank*.json")
     ap.add_argument("--nproc", type=int, default=2, help="processes (GPUs)")
     ap.add_argument("--precision", choices=["bf16", "no"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mix")

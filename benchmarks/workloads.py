@@ -69,24 +69,59 @@ def total_steps(spec: dict[str, Any]) -> int:
 
 
 # -- timing ------------------------------------------------------------------------------------------
-def allocations_by_origin(snapshot: dict[str, Any], top: int = 40) -> list[list[Any]]:
-    """Live allocations of a ``torch.cuda.memory._snapshot()`` grouped by the innermost frame of
-    posttrain, the benchmarks, TRL, transformers, DeepSpeed, accelerate or peft that made them:
-    [origin, GiB, count], largest first."""
-    libraries = ("posttrain/", "benchmarks/", "trl/", "transformers/", "deepspeed/", "accelerate/", "peft/")
+LIBRARIES = ("posttrain/", "benchmarks/", "trl/", "transformers/", "deepspeed/", "accelerate/", "peft/")
+
+
+def _by_origin(blocks: Any, top: int) -> list[list[Any]]:
+    """(size, frames) pairs grouped by the innermost frame of posttrain, the benchmarks, TRL,
+    transformers, DeepSpeed, accelerate or peft: [origin, GiB, count], largest first."""
     by_origin: dict[str, list[float]] = {}
-    for segment in snapshot["segments"]:
-        for block in segment["blocks"]:
-            if block["state"] != "active_allocated":
-                continue
-            frame = next((f for f in block.get("frames") or [] if any(lib in f["filename"] for lib in libraries)),
-                         None)
-            origin = (f"{'/'.join(frame['filename'].split('/')[-2:])}:{frame['line']} {frame['name']}"
-                      if frame else "(no frame recorded)")
-            entry = by_origin.setdefault(origin, [0.0, 0])
-            entry[0] += block["size"] / 2**30
-            entry[1] += 1
+    for size, frames in blocks:
+        frame = next((f for f in frames or [] if any(lib in f["filename"] for lib in LIBRARIES)), None)
+        origin = (f"{'/'.join(frame['filename'].split('/')[-2:])}:{frame['line']} {frame['name']}"
+                  if frame else "(no frame recorded)")
+        entry = by_origin.setdefault(origin, [0.0, 0])
+        entry[0] += size / 2**30
+        entry[1] += 1
     return sorted(([o, round(g, 4), n] for o, (g, n) in by_origin.items()), key=lambda r: -r[1])[:top]
+
+
+def allocations_by_origin(snapshot: dict[str, Any], top: int = 40) -> list[list[Any]]:
+    """Live allocations of a ``torch.cuda.memory._snapshot()`` by origin (:func:`_by_origin`)."""
+    return _by_origin(((b["size"], b.get("frames")) for s in snapshot["segments"] for b in s["blocks"]
+                       if b["state"] == "active_allocated"), top)
+
+
+def allocations_at_peak(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
+    """Where the peak came from: the snapshot's allocation trace (device 0's ``device_traces``)
+    replayed, and the allocations live at its highest point grouped by origin. Relative to the
+    trace's start (allocations made before recording began are not in it; ``truncated``: the
+    trace filled its ring, so its first events are lost)."""
+    traces = snapshot.get("device_traces") or [[]]
+    events = traces[0] if traces else []
+
+    def replay(upto: int) -> tuple[dict[int, tuple[int, Any]], int, int]:
+        """The allocations live after event ``upto``, and the highest total (and its event) on the way."""
+        live: dict[int, tuple[int, Any]] = {}
+        current = peak = 0
+        peak_at = -1
+        for i, e in enumerate(events[: upto + 1]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = (e["size"], e.get("frames"))
+                current += e["size"]
+            elif e["action"] == "free_completed" and e["addr"] in live:
+                current -= live.pop(e["addr"])[0]
+            if current > peak:
+                peak, peak_at = current, i
+        return live, peak, peak_at
+
+    _, peak, peak_at = replay(len(events) - 1)
+    live, _, _ = replay(peak_at)
+    return {"peak_over_trace_start_gib": round(peak / 2**30, 4), "events": len(events), "peak_event": peak_at,
+            "by_origin": _by_origin(live.values(), top)}
+
+
+TRACE_ENTRIES = 1_000_000  # allocation events kept by --memory-at-rest (a GRPO step makes ~1e5 with its compile)
 
 
 class StepClock:
@@ -106,18 +141,21 @@ class StepClock:
         self.prof: Any = None
         self.label: Any = None
         # Where the memory held between steps comes from (``memory_at_rest``: allocations recorded
-        # from the trainer's construction, summarised by origin as the last measured step begins).
+        # from the trainer's construction, summarised by origin as the last measured step begins),
+        # and what was live at the highest point of that recording (allocations_at_peak).
         self.memory_at_rest = bool(spec.get("memory_at_rest")) and torch.cuda.is_available()
         if self.memory_at_rest:
-            torch.cuda.memory._record_memory_history(max_entries=200000)
+            torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES)
 
     def _write_memory_at_rest(self) -> None:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         self.memory_at_rest = False
         rows = allocations_by_origin(snapshot)
+        peak = allocations_at_peak(snapshot)
+        peak["truncated"] = peak["events"] >= TRACE_ENTRIES
         (self.out / f"memory-at-rest-rank{self.rank}.json").write_text(json.dumps(
-            {"allocated_gib": torch.cuda.memory_allocated() / 2**30, "by_origin": rows}, indent=1))
+            {"allocated_gib": torch.cuda.memory_allocated() / 2**30, "by_origin": rows, "at_peak": peak}, indent=1))
 
     def begin(self, step: int) -> None:
         if self.memory_at_rest and step == self.profile_from - 1:

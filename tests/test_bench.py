@@ -237,6 +237,30 @@ def test_memory_at_rest_groups_live_allocations_by_origin():
                                                ["(no frame recorded)", round(2**20 / 2**30, 4), 1]]
 
 
+def test_memory_at_peak_replays_the_allocation_trace():
+    """--memory-at-rest's peak: the trace replayed (frees matched by address, frees of blocks from
+    before the recording ignored), what was live at its highest point by origin."""
+    from benchmarks.workloads import allocations_at_peak
+
+    def frames(name):
+        return [{"filename": f"/x/posttrain/trainers/{name}.py", "line": 1, "name": name}]
+
+    def alloc(addr, size, name):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames(name)}
+
+    def free(addr, size):
+        return {"action": "free_completed", "addr": addr, "size": size}
+
+    g = 2**30
+    trace = [free(99, g), alloc(1, g, "weights"), alloc(2, 2 * g, "grads"), alloc(3, g, "flat"), free(3, g),
+             free(2, 2 * g), alloc(4, g, "logits"), free(4, g)]
+    out = allocations_at_peak({"device_traces": [trace]})
+    assert out["peak_over_trace_start_gib"] == 4.0 and out["peak_event"] == 3 and out["events"] == 8
+    assert out["by_origin"] == [["trainers/grads.py:1 grads", 2.0, 1], ["trainers/weights.py:1 weights", 1.0, 1],
+                                ["trainers/flat.py:1 flat", 1.0, 1]]
+    assert allocations_at_peak({"device_traces": []})["peak_over_trace_start_gib"] == 0.0
+
+
 def test_canary_verdict_takes_every_rank():
     def rank(ref, **extra):
         return {"canary": {"reference": ref, "reward": 0.0}, "canary_tolerance": 0.1, **extra}

@@ -95,6 +95,26 @@ def timed(fn: Any, repeats: int) -> tuple[float, list[float], Any]:
     return statistics.median(times), times, out
 
 
+def profiled_rollouts(r: Any, x: torch.Tensor, m: torch.Tensor, repeats: int
+                      ) -> tuple[float, float, list[float], Any, list[dict[str, float]]]:
+    """A Rollout's first rollout (compiles, captures), one more (buckets the first did not reach),
+    then ``repeats`` timed ones with their prefill/decode timings: (first s, median s, every s, the
+    last output, each timed rollout's timings)."""
+    torch.manual_seed(0)
+    first, _, _ = timed(lambda: r.generate(x, m), 1)
+    timed(lambda: r.generate(x, m), 1)
+    r.profile = True
+    prof: list[dict[str, float]] = []
+
+    def one() -> Any:
+        out = r.generate(x, m)
+        prof.append(dict(r.timings))
+        return out
+
+    s, times, out = timed(one, repeats)
+    return first, s, times, out, prof
+
+
 def load_baseline(path: str) -> Any:
     """The old single-file engine as module ``posttrain._rollout_baseline`` (its relative imports
     resolve inside the package)."""
@@ -226,18 +246,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
                    **options: Any) -> Any:
         r = holder["engine"] = Rollout(None, "policy", sampling, max_batch=slots, max_prompt_len=p, model=model,
                                        kv_slots=slots, engine_options=options or None)
-        torch.manual_seed(0)
-        first, _, _ = timed(lambda: r.generate(x, m), 1)
-        timed(lambda: r.generate(x, m), 1)  # buckets the first rollout did not reach
-        r.profile = True
-        prof: list[dict[str, float]] = []
-
-        def one() -> Any:
-            out = r.generate(x, m)
-            prof.append(dict(r.timings))
-            return out
-
-        s, times, out = timed(one, repeats)
+        first, s, times, out, prof = profiled_rollouts(r, x, m, repeats)
         tok = int(out.completion_mask.sum().item())
         v = {"s": s, "all_s": times, "first_s": first, "useful_tokens": tok, "useful_tokens_per_s": tok / s,
              "prefill_ms": statistics.median(t["prefill_ms"] for t in prof),
@@ -512,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         if "lora" in cases:
             import rollout_lora_case
 
-            rollout_lora_case.bench_lora(shape, args, device, lora_rows, write, start, build=build, timed=timed,
+            rollout_lora_case.bench_lora(shape, args, device, lora_rows, write, start, build=build,
+                                         profiled_rollouts=profiled_rollouts,
                                          forward_gap=forward_gap, engine_summary=engine_summary, sync=sync,
                                          chunk=args.chunk or CHUNK.get(shape, 64))
             if device.type == "cuda":

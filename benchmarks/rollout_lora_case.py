@@ -19,8 +19,8 @@ import torch
 
 
 def bench_lora(shape: str, args: argparse.Namespace, device: torch.device, out: list[dict[str, Any]],
-               write: Any, t_start: float, *, build: Any, timed: Any, forward_gap: Any, engine_summary: Any,
-               sync: Any, chunk: int) -> None:
+               write: Any, t_start: float, *, build: Any, profiled_rollouts: Any, forward_gap: Any,
+               engine_summary: Any, sync: Any, chunk: int) -> None:
     """The ``lora`` case (see the module docstring): one row per variant appended to ``out``."""
     from peft import LoraConfig, get_peft_model
 
@@ -56,18 +56,7 @@ def bench_lora(shape: str, args: argparse.Namespace, device: torch.device, out: 
         try:
             r = Rollout(None, "policy", sampling, max_batch=chunk, max_prompt_len=p, model=model,
                         engine_options=options or None)
-            torch.manual_seed(0)
-            first, _, _ = timed(lambda: r.generate(ids, mask), 1)
-            timed(lambda: r.generate(ids, mask), 1)
-            r.profile = True
-            prof: list[dict[str, float]] = []
-
-            def one() -> Any:
-                o = r.generate(ids, mask)
-                prof.append(dict(r.timings))
-                return o
-
-            s, times, o = timed(one, args.repeats)
+            first, s, times, o, prof = profiled_rollouts(r, ids, mask, args.repeats)
             e = r.engine
             length = e.length_bucket_for(p + n)
             e.run(chunk, length, 4)  # the bucket captured, outside the timing

@@ -103,6 +103,10 @@ def _plan_checked(argv: list[str]) -> int:
     elif args.lora_target_modules or args.lora_r != 16:
         raise ConfigError("--lora-r and --lora-target-modules plan adapters: add --use-peft")
     precisions = ["fp32", "bf16"] if args.master_weights == "both" else [args.master_weights]
+    # GRPO/RLOO's groups share a prompt; PPO and distillation decode one completion a prompt.
+    shared_group = None
+    if args.generation_shared_prompt_kv:
+        shared_group = args.num_generations if args.workload in ("grpo", "rloo") else 1
     best_of: dict[str, memory.Plan | None] = {}
     for precision in precisions:
         plans = [memory.plan(args.workload, shapes, m, world_size=args.world_size, micro_batch=args.micro_batch,
@@ -111,7 +115,7 @@ def _plan_checked(argv: list[str]) -> int:
                              generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory, lora=lora,
                              single_process_engine=args.single_process_engine,
                              fused_projections=args.generation_fused_projections,
-                             shared_prompt_group=args.num_generations if args.generation_shared_prompt_kv else None)
+                             shared_prompt_group=shared_group)
                  for m in mixes]
         print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
         for p in plans:

@@ -205,3 +205,7 @@ def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
     saved = plans[None].roles[0].rollout - plans[4].roles[0].rollout
     assert saved == memory.kv_cache_bytes(size, 8, 32) - memory.kv_cache_bytes(size, 8, 32, 2, 16) > 0
     assert default_prompt_slots(8, 4) == 2 and default_prompt_slots(6, 4) == 3 and default_prompt_slots(5, 1) == 5
+    # Groups of one (PPO: one completion a prompt) hold as many prompts as rows: the same bytes.
+    ppo = [memory.plan("ppo", str(tiny.sft_model_path()), "zero2-zero3", world_size=1, micro_batch=8, seq_len=32,
+                       response_len=16, shared_prompt_group=g).roles[0].rollout for g in (None, 1)]
+    assert ppo[0] == ppo[1]

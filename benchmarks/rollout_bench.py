@@ -154,14 +154,16 @@ def forward_gap(model: Any, out: Any, rows: int = 8) -> dict[str, float]:
     return {"mean": g.mean().item(), "max": g.max().item(), "argmax_agreement": torch.cat(agree).float().mean().item()}
 
 
-def engine_summary(stats: dict[str, Any]) -> dict[str, Any]:
+def engine_summary(r: Any) -> dict[str, Any]:
+    """A Rollout's engine stats for a row, and its status: "degraded" where the engine lost speed
+    to a fallback (``Rollout.degraded``), else "ok"."""
+    stats = r.stats
     keys = ("compile", "captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks",
             "fp32_scores", "kv_cache_bytes", "prefill_rows", "prefill_sequences", "admissions", "compactions",
             "decode_steps", "row_steps", "cache_cells_read", "graphs", "fallback_reasons", "shared_prompt_kv",
             "prompt_kv_bytes", "prompt_joins", "prompt_compactions", "sdpa_decode", "fused_projections")
     out = {k: stats[k] for k in keys if k in stats}
-    fell = ("compile_fallbacks", "capture_fallbacks", "sdpa_fallbacks", "fused_fallbacks")
-    out["status"] = "degraded" if any(stats.get(k) for k in fell) else "ok"
+    out["status"] = "degraded" if r.degraded else "ok"
     return out
 
 
@@ -252,7 +254,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
              "prefill_ms": statistics.median(t["prefill_ms"] for t in prof),
              "decode_ms": statistics.median(t["decode_ms"] for t in prof),
              "decode_steps": prof[-1]["decode_steps"], "row_steps": prof[-1]["row_steps"],
-             **engine_summary(r.stats)}
+             **engine_summary(r)}
         res[key][name] = v
         return r
 
@@ -358,7 +360,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
         torch.manual_seed(3)
         out["engine"] = forward_gap(model, r.generate(x, m))
-        out["engine"]["status"] = engine_summary(r.stats)["status"]
+        out["engine"]["status"] = engine_summary(r)["status"]
         del r
         for mode in set(shared_modes) - {"off"}:  # shared prompt slots' two-part attention
             r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model,
@@ -366,8 +368,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
             torch.manual_seed(3)
             key = f"engine{suffix[mode]}".replace("-", "_")
             out[key] = forward_gap(model, r.generate(x, m))
-            out[key]["status"] = engine_summary(r.stats)["status"]
-            out[f"{key}_over_generate_mean"] = None  # filled below, beside the engine's
+            out[key]["status"] = engine_summary(r)["status"]
             del r
         if base_for("logprobs") is not None:
             b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
@@ -396,7 +397,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=policy)
         r.generate(ids[:rows], mask[:rows])
         s, _, _ = timed(lambda: r.generate(ids[:rows], mask[:rows]), repeats)
-        out["engine"] = {"s": s, **engine_summary(r.stats)}
+        out["engine"] = {"s": s, **engine_summary(r)}
         if base_for("prepared") is not None:
             b = baseline.Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=policy)
             b.generate(ids[:rows], mask[:rows])

@@ -72,7 +72,7 @@ def bench_lora(shape: str, args: argparse.Namespace, device: torch.device, out: 
             row.update(step_ms=step_ms, rollout_s=s, rollout_all_s=times, first_s=first, decode_ms_per_step=decode,
                        prefill_ms=statistics.median(t["prefill_ms"] for t in prof),
                        refresh_ms=statistics.median(refresh), lora_mode=r.stats.get("lora_mode"),
-                       lora_merged_bytes=r.stats.get("lora_merged_bytes", 0), **engine_summary(r.stats))
+                       lora_merged_bytes=r.stats.get("lora_merged_bytes", 0), **engine_summary(r))
             row["logprob_gap"] = forward_gap(gap_model, o if o.sequences.shape[0] <= 8 else type(o)(
                 sequences=o.sequences[:8], completion_ids=o.completion_ids[:8], completion_mask=o.completion_mask[:8],
                 logprobs=o.logprobs[:8]))

@@ -217,8 +217,7 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
                            captures=st.get("captures"), capture_s=st.get("capture_s"),
                            fused_weight_bytes=st.get("fused_weight_bytes"),
                            fallback_reasons=st.get("fallback_reasons"),
-                           status="degraded" if any(st.get(k) for k in ("compile_fallbacks", "capture_fallbacks",
-                                                                        "sdpa_fallbacks", "flex_fallbacks")) else "ok",
+                           status="degraded" if r.degraded else "ok",
                            variant_s=round(time.perf_counter() - tick, 1))
                 if device.type == "cuda":
                     row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -15,8 +15,6 @@ from .sampling import choose_tokens
 
 
 @torch.no_grad()
-
-
 def admit(engine: DecodeEngine, slots: list[int], seq_ids: list[int], ids: torch.Tensor, mask: torch.Tensor,
           groups: list[int] | None = None) -> None:
     """Prefill sequences ``seq_ids`` (prompts ``ids``/``mask`` [k, width], left-padded) into
@@ -55,19 +53,22 @@ def admit(engine: DecodeEngine, slots: list[int], seq_ids: list[int], ids: torch
         buf.index_copy_(0, slot_t, value)
 
 
+Writer = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, keys, values) of a prefill chunk
+
+
 def _prefill(engine: DecodeEngine, ids: torch.Tensor, mask: torch.Tensor,
-             write: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
-    """Prefill distinct prompts ``ids`` [u, width] in chunks of ``prefill_tokens``; ``write(layer,
-    k, v, rows)`` stores chunk rows ``rows``' keys and values. Their last logits [u, V]."""
+             writer: Callable[[int, int], Writer]) -> torch.Tensor:
+    """Prefill distinct prompts ``ids`` [u, width] in chunks of ``prefill_tokens``;
+    ``writer(u0, u1)`` gives the function that stores chunk rows ``u0:u1``' keys and values of
+    each layer. Their last logits [u, V]."""
     u, p = ids.shape
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     logits = torch.empty(u, engine.spec.vocab, dtype=engine.dtype, device=engine.device)
     chunk = max(1, engine.prefill_tokens // max(1, p))
     for u0 in range(0, u, chunk):
         u1 = min(u, u0 + chunk)
-        rows = torch.arange(u0, u1, device=engine.device)
         logits[u0:u1] = decoder.prefill(engine.spec, engine.weights, ids[u0:u1], positions[u0:u1], mask[u0:u1],
-                                        lambda i, k, v, rows=rows: write(i, k, v, rows))
+                                        writer(u0, u1))
     engine.stats["prefill_rows"] += u
     return logits
 
@@ -82,13 +83,17 @@ def _into_rows(engine: DecodeEngine, slot_t: torch.Tensor, ids: torch.Tensor, ma
     else:
         uniq, inv = content, torch.arange(len(slot_t), device=engine.device)
 
-    def write(i: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
-        sel = ((inv >= rows[0]) & (inv <= rows[-1])).nonzero()[:, 0]
-        dst, src = slot_t[sel], inv[sel] - rows[0]
-        engine.keys[i][:, :, :p].index_copy_(0, dst, k.index_select(0, src))
-        engine.values[i][:, :, :p].index_copy_(0, dst, v.index_select(0, src))
+    def writer(u0: int, u1: int) -> Writer:
+        sel = ((inv >= u0) & (inv < u1)).nonzero()[:, 0]  # the chunk's rows (one host sync a chunk)
+        dst, src = slot_t[sel], inv[sel] - u0
 
-    return _prefill(engine, uniq.clamp(min=0), (uniq >= 0).long(), write)[inv]
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            engine.keys[i][:, :, :p].index_copy_(0, dst, k.index_select(0, src))
+            engine.values[i][:, :, :p].index_copy_(0, dst, v.index_select(0, src))
+
+        return write
+
+    return _prefill(engine, uniq.clamp(min=0), (uniq >= 0).long(), writer)[inv]
 
 
 def _into_prompt_slots(engine: DecodeEngine, slots: list[int], ids: torch.Tensor, mask: torch.Tensor,
@@ -96,19 +101,22 @@ def _into_prompt_slots(engine: DecodeEngine, slots: list[int], ids: torch.Tensor
     """Rows into their groups' shared prompt slots, prefilling the prompts that take a slot now;
     the rows' first logits (their prompt slot's)."""
     sp, p, dev = engine.prompts, engine.width, engine.device
-    joined = sp.joined
     placed, taken = sp.enter(slots, groups)
-    engine.stats["prompt_joins"] += sp.joined - joined
+    new = {s for s, _ in taken}
+    engine.stats["prompt_joins"] += sum(s not in new for s in placed)  # rows of a prompt in flight: no prefill
     if taken:
         dst = torch.tensor([s for s, _ in taken], dtype=torch.long, device=dev)
         first = torch.tensor([i for _, i in taken], dtype=torch.long, device=dev)
         pmask = mask[first]
 
-        def write(i: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
-            sp.keys[i][:, :, :p].index_copy_(0, dst[rows], k)
-            sp.values[i][:, :, :p].index_copy_(0, dst[rows], v)
+        def writer(u0: int, u1: int) -> Writer:
+            def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                sp.keys[i][:, :, :p].index_copy_(0, dst[u0:u1], k)
+                sp.values[i][:, :, :p].index_copy_(0, dst[u0:u1], v)
 
-        sp.logits.index_copy_(0, dst, _prefill(engine, ids[first], pmask, write))
+            return write
+
+        sp.logits.index_copy_(0, dst, _prefill(engine, ids[first], pmask, writer))
         valid = torch.zeros(len(taken), sp.valid.shape[1], dtype=torch.bool, device=dev)
         valid[:, :p] = pmask.bool()
         sp.valid.index_copy_(0, dst, valid)

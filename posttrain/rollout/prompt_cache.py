@@ -68,7 +68,6 @@ class SharedPrompts:
         self.owner: list[int | None] = [None] * self.capacity  # the group (prompt) in each slot
         self.rows: list[list[int | None]] = [[None] * self.group for _ in range(self.capacity)]
         self.where: dict[int, tuple[int, int]] = {}  # row slot -> (prompt slot, member index)
-        self.joined = 0
         self._upload()
 
     def _upload(self) -> None:
@@ -104,10 +103,8 @@ class SharedPrompts:
     def enter(self, slots: list[int], groups: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Give rows ``slots`` (of prompts ``groups``; :meth:`fits` said they fit) member places.
         Returns each row's prompt slot, and the slots taken now as (prompt slot, index of the
-        first of ``slots`` with that prompt): those need their prompt prefilled. ``joined`` counts
-        the rows that entered a slot already in flight (no prefill)."""
+        first of ``slots`` with that prompt): those need their prompt prefilled."""
         open_slots = self._open()
-        before = {s for ss in open_slots.values() for s in ss}
         taken: list[tuple[int, int]] = []
         out = []
         for i, (r, g) in enumerate(zip(slots, groups)):
@@ -121,7 +118,6 @@ class SharedPrompts:
                 ss.append(s)
                 open_slots[g] = ss
             s = ss[0]
-            self.joined += s in before
             j = self.rows[s].index(None)
             self.rows[s][j] = r
             self.where[r] = (s, j)

@@ -92,13 +92,13 @@ def allocations_by_origin(snapshot: dict[str, Any], top: int = 40) -> list[list[
                        if b["state"] == "active_allocated"), top)
 
 
-def allocations_at_peak(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
-    """Where the peak came from: the snapshot's allocation trace (device 0's ``device_traces``)
-    replayed, and the allocations live at its highest point grouped by origin. Relative to the
-    trace's start (allocations made before recording began are not in it; ``truncated``: the
-    trace filled its ring, so its first events are lost)."""
-    traces = snapshot.get("device_traces") or [[]]
-    events = traces[0] if traces else []
+def allocations_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 40) -> dict[str, Any]:
+    """Where the peak came from: the snapshot's allocation trace of ``device`` (its index in
+    ``device_traces``) replayed, and the allocations live at its highest point grouped by origin.
+    Relative to the trace's start (allocations made before recording began are not in it;
+    ``truncated``: the trace filled its ring, so its first events are lost)."""
+    traces = snapshot.get("device_traces") or []
+    events = traces[device] if device < len(traces) else []
 
     def replay(upto: int) -> tuple[dict[int, tuple[int, Any]], int, int]:
         """The allocations live after event ``upto``, and the highest total (and its event) on the way."""
@@ -121,7 +121,7 @@ def allocations_at_peak(snapshot: dict[str, Any], top: int = 40) -> dict[str, An
             "by_origin": _by_origin(live.values(), top)}
 
 
-TRACE_ENTRIES = 1_000_000  # allocation events kept by --memory-at-rest (a GRPO step makes ~1e5 with its compile)
+TRACE_ENTRIES = 1_000_000  # allocation events --memory-at-rest keeps (its "truncated" says when too few)
 
 
 class StepClock:
@@ -152,7 +152,7 @@ class StepClock:
         torch.cuda.memory._record_memory_history(enabled=None)
         self.memory_at_rest = False
         rows = allocations_by_origin(snapshot)
-        peak = allocations_at_peak(snapshot)
+        peak = allocations_at_peak(snapshot, torch.cuda.current_device())  # this rank's GPU
         peak["truncated"] = peak["events"] >= TRACE_ENTRIES
         (self.out / f"memory-at-rest-rank{self.rank}.json").write_text(json.dumps(
             {"allocated_gib": torch.cuda.memory_allocated() / 2**30, "by_origin": rows, "at_peak": peak}, indent=1))

@@ -142,24 +142,33 @@ class StepClock:
         self.label: Any = None
         # Where the memory held between steps comes from (``memory_at_rest``: allocations recorded
         # from the trainer's construction, summarised by origin as the last measured step begins),
-        # and what was live at the highest point of that recording (allocations_at_peak).
+        # and what was live at the highest point of that recording (allocations_at_peak): before that
+        # step, and through its end (a later step can peak higher than the first: Adam's states are
+        # allocated inside the first one).
         self.memory_at_rest = bool(spec.get("memory_at_rest")) and torch.cuda.is_available()
+        self.at_rest: dict[str, Any] | None = None
         if self.memory_at_rest:
             torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES)
 
-    def _write_memory_at_rest(self) -> None:
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        self.memory_at_rest = False
-        rows = allocations_by_origin(snapshot)
+    def _peak(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         peak = allocations_at_peak(snapshot, torch.cuda.current_device())  # this rank's GPU
         peak["truncated"] = peak["events"] >= TRACE_ENTRIES
-        (self.out / f"memory-at-rest-rank{self.rank}.json").write_text(json.dumps(
-            {"allocated_gib": torch.cuda.memory_allocated() / 2**30, "by_origin": rows, "at_peak": peak}, indent=1))
+        return peak
+
+    def _write_memory_at_rest(self, final: bool) -> None:
+        snapshot = torch.cuda.memory._snapshot()
+        if final:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.memory_at_rest = False
+            self.at_rest["at_peak_through_last_step"] = self._peak(snapshot)
+        else:
+            self.at_rest = {"allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                            "by_origin": allocations_by_origin(snapshot), "at_peak": self._peak(snapshot)}
+        (self.out / f"memory-at-rest-rank{self.rank}.json").write_text(json.dumps(self.at_rest, indent=1))
 
     def begin(self, step: int) -> None:
         if self.memory_at_rest and step == self.profile_from - 1:
-            self._write_memory_at_rest()
+            self._write_memory_at_rest(final=False)
         if step == self.profile_from and self.profile_to >= step:
             from torch.profiler import ProfilerActivity, profile
 
@@ -180,6 +189,8 @@ class StepClock:
     def end(self, step: int) -> None:
         _sync()
         self.times.append(time.perf_counter() - self.start)
+        if self.memory_at_rest and self.at_rest is not None and step == self.profile_from - 1:
+            self._write_memory_at_rest(final=True)
         if self.label is not None:
             self.label.__exit__(None, None, None)
             self.label = None

@@ -122,7 +122,7 @@ class PlainEngine(nn.Module):
         model.to(device)
         if mixed_precision == "bf16":
             _autocast_forward(model, device)
-        _use_fused(optimizer)
+        use_fused_adamw(optimizer)
         self.module = model
         self.optimizer = optimizer
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -209,10 +209,12 @@ def _autocast_forward(model: nn.Module, device: torch.device) -> None:
     model.forward = MethodType(convert_outputs_to_fp32(forward), model)
 
 
-def _use_fused(optimizer: torch.optim.Optimizer) -> None:
+def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
     """Give an AdamW the fused kernel (transformers' default optimizer, ``adamw_torch_fused``) where
     the parameters' device and dtypes have one. torch reads the flag at every step, so setting it
-    before the first step is ``AdamW(..., fused=True)``."""
+    before the first step is ``AdamW(..., fused=True)``. Also for the torch AdamW inside a DeepSpeed
+    engine: its default (foreach) allocates a temporary the size of the master weights at every step
+    (``_foreach_sqrt`` of the second moments), which is the training step's memory peak."""
     if type(optimizer) is not torch.optim.AdamW or optimizer.state:
         return
     from torch.optim.optimizer import _device_dtype_check_for_fused

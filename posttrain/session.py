@@ -328,6 +328,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
             if self.num_processes == 1 and share_bf16_master(engine.optimizer):
                 print(f"[posttrain] one process: role {name!r}'s bf16 master weights are the model's own weights "
                       "(no second copy)", flush=True)
+            # The torch optimizer DeepSpeed steps: inside a ZeRO or bf16 wrapper, or the engine's own.
+            plain.use_fused_adamw(getattr(engine.optimizer, "optimizer", engine.optimizer))
             self.optimizers[name] = optimizer
             if scheduler is not None:
                 self.schedulers[name] = scheduler

@@ -107,6 +107,9 @@ def test_bf16_states_are_bf16_and_recorded(runs):
     assert runs["trl_bf16"]["state_dtypes"] == ["torch.bfloat16"]  # TRL: AdamW on the bf16 parameters
     assert (bf16["recorded"], bf16["config_json"]) == ("bf16", "bf16")
     assert (fp32["recorded"], fp32["config_json"]) == ("fp32", "fp32")
+    # DeepSpeed steps the torch AdamW fused (transformers' default), as the torch path does: its
+    # foreach default holds a temporary the size of the master weights at every step.
+    assert bf16["fused"] and fp32["fused"] and runs["bf16_copy"]["fused"]
 
 
 def test_one_process_path(runs):

@@ -157,6 +157,44 @@ def test_the_shared_step_traces_as_cuda_compiles_it(flex, models, tok, grouped):
     same(copies, out)
 
 
+def test_flex_attention_compiles_with_static_rows(models, tok, grouped, monkeypatch):
+    """inductor gives flex_attention its decoding kernel only for a batch size known when it
+    compiles: under flex the compiled step's flex_attention calls see constant rows (one compile
+    per rows bucket); without the engine's marking they would be symbolic. (Its samples:
+    test_flex_attention_decodes_what_the_default_decodes.)"""
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    from posttrain.rollout import engine
+
+    model, (ids, mask) = models["llama"], grouped
+
+    def flex_rows(**patch):
+        seen = []
+
+        def backend(gm, example_inputs):
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and "flex_attention" in str(node.target):
+                    seen.append(node.args[0].meta["example_value"].shape[0])
+            return lookup_backend("aot_eager")(gm, example_inputs)
+
+        torch._dynamo.reset()
+        with monkeypatch.context() as m:
+            for name, value in patch.items():
+                m.setattr(engine, name, value)
+            _, r = run(model, tok, ids, mask, flex_decode=True, compile_mode="layer", compile_backend=backend,
+                       kv_slots=5, smallest_bucket=2, length_bucket=8, sync_every=3)
+        torch._dynamo.reset()
+        assert r.stats["compile"] == "layer" and not r.degraded, r.stats
+        return seen
+
+    seen = flex_rows()
+    assert seen and all(is_concrete_int(n) for n in seen), seen
+    assert len({int(n) for n in seen}) > 1  # several rows buckets, each its own compile
+    dynamic = flex_rows(_static_rows=engine._as_they_are)
+    assert any(not is_concrete_int(n) for n in dynamic), dynamic
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_flex_attention_decodes_what_the_default_decodes(shared, models, tok, grouped):
     """``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX): decode attention by flex_attention, each row's own

@@ -34,7 +34,8 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   "Rollouts" has the defaults and their measurement): ``fused`` q|k|v and gate|up GEMMs
   (``POSTTRAIN_ROLLOUT_FUSE``), ``split_layer`` (``POSTTRAIN_ROLLOUT_SPLIT``), ``fp32_scores``
   (``POSTTRAIN_ROLLOUT_SCORES_FP32``), ``sdpa_decode`` (``POSTTRAIN_ROLLOUT_SDPA``),
-  ``shared_prompt_kv`` (``POSTTRAIN_ROLLOUT_SHARED_PROMPT``, default off until measured on a GPU).
+  ``shared_prompt_kv`` (``POSTTRAIN_ROLLOUT_SHARED_PROMPT``, default off: 0.73x the default where
+  timed, NOTES 21), ``flex_decode`` (``POSTTRAIN_ROLLOUT_FLEX``, default off).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).
@@ -107,6 +108,22 @@ def _env_flag(name: str, value: bool | None, default: bool) -> bool:
     return default if choice is None else choice
 
 
+def _static_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` with their first (rows) dimension marked static for the compile. inductor gives
+    flex_attention its decoding kernel (the keys split over thread blocks, for a few queries a
+    head) only where the batch size is known when it compiles (``_use_flex_decoding``); a dynamic
+    one gets its general kernel. Static rows: one compile a rows bucket."""
+    import torch._dynamo
+
+    for t in tensors:
+        torch._dynamo.mark_static(t, 0)
+    return tensors
+
+
+def _as_they_are(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tensors
+
+
 def _release_cublas_workspaces() -> None:
     """Free cuBLAS's workspaces (it keeps one per stream it ran on, allocated through torch's
     allocator and held for the whole run: a warm-up stream's or a capture's would otherwise stay
@@ -153,8 +170,9 @@ class DecodeEngine:
         # (on CUDA a bf16 bmm with a float32 output), off: a bf16 bmm, then float32.
         # ``sdpa_decode`` (POSTTRAIN_ROLLOUT_SDPA, default on): decode attention as one SDPA call,
         # the training forward's own attention (log-probs as close to it as generate's; off: bmm,
-        # softmax, bmm). ``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX, default off until timed on a GPU):
-        # flex_attention instead (inductor's flex decoding kernel; shared prompt slots' parts too).
+        # softmax, bmm). ``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX, default off: slower than SDPA where
+        # timed, NOTES 21): flex_attention instead (rows static for its decoding kernel; shared
+        # prompt slots' parts too).
         fuse = _env_choice("POSTTRAIN_ROLLOUT_FUSE", fused)
         views = decoder.fused_views(model, self.adapters) if fuse is not False else None
         self.fuse_views = views is not None
@@ -389,12 +407,15 @@ class DecodeEngine:
         sp, s, pw = self.prompts, self.prompt_rows, self.prompt_width
         if sp is not None:
             pbias, members, place = self._prompt_fn(sp.valid[:s, :pw], sp.members[:s], sp.place[:rows], x.dtype)
+        static = _static_rows if spec.flex_decode and self.compile_mode != "none" else _as_they_are
         d = spec.head_dim
         for i, lw in enumerate(layers):
             # Each layer ends with the next one's input norm (the final norm after the last).
             next_norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["norm"]
-            prompt = None if sp is None else (sp.keys[i][:s, :, :pw], sp.values[i][:s, :, :pw], pbias, members, place)
+            prompt = None if sp is None else static(sp.keys[i][:s, :, :pw], sp.values[i][:s, :, :pw], pbias, members,
+                                                    place)
             if not self.split_layer:
+                x, h, bias = static(x, h, bias)
                 x, h = self._layer_fn(spec, lw, x, h, cos, sin, self.keys[i], self.values[i], where, bias, next_norm,
                                       prompt)
                 continue
@@ -402,8 +423,9 @@ class DecodeEngine:
             # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
             self.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))
             self.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))
-            x, h = self._post_fn(spec, lw, x, q, self.keys[i][:rows, :, :length], self.values[i][:rows, :, :length],
-                                 bias, next_norm, prompt)
+            x, q, keys, values, bias = static(x, q, self.keys[i][:rows, :, :length], self.values[i][:rows, :, :length],
+                                              bias)
+            x, h = self._post_fn(spec, lw, x, q, keys, values, bias, next_norm, prompt)
         tokens, logprobs = self._sample_fn(spec, h, w["head"], w["head_bias"], w["head_lora"], self.step[:rows],
                                            self.seq[:rows], self.key, self.temperature, self.do_sample, self.top_p,
                                            self.min_new, self.top_k, self.use_top_p, self.stop_ids)

@@ -43,6 +43,7 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
         return {"losses": [h["loss"] for h in history if "loss" in h],
                 "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
                 "master_dtype": str(master.dtype), "state_dtypes": sorted({str(t.dtype) for t in states}),
+                "fused": zero.optimizer.param_groups[0]["fused"],
                 "master_is_weights": master.data_ptr() == flat.data_ptr(),
                 "param_in_flat": flat.data_ptr() <= param.data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size(),
                 "recorded": s.master_weights("policy"), "reference_stage": s.zero_stage("reference"),

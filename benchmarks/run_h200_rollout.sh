@@ -7,8 +7,9 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 #                                                 from; then a GRPO round, TRL first; ~6 minutes)
 #   PART=2 bash benchmarks/run_h200_rollout.sh   (flex_attention with static rows beside SDPA in the variants
 #                                                 bench: GRPO's step and the long step; ~4 minutes)
-#   PART=3 bash benchmarks/run_h200_rollout.sh   (shared prompt slots beside the default at 1.1B: every row to
-#                                                 the end and its step, the prefill, log-prob gaps; ~7 minutes)
+#   PART=3 bash benchmarks/run_h200_rollout.sh   (shared prompt slots, their parts on SDPA's kernels, beside the
+#                                                 default at 1.1B: 512 sequences through 512 slots, log-prob
+#                                                 gaps, every row to the end and its step; ~8 minutes)
 # Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/ as each part finishes; every part is
 # bounded by `timeout`; PACK=file.tgz tars the results after each.
 set -u
@@ -29,7 +30,7 @@ timeout 260 python benchmarks/rollout_bench.py --shapes 1b --cases variants --va
 pack
 fi
 if [ "${PART:-1}" = 3 ]; then
-timeout 430 python benchmarks/rollout_bench.py --shapes 1b --cases full,prefix,logprobs --shared-prompt off,on \
-  --repeats 2 --budget-s 380 --out "$RES/rollout_1b_shared.json" > "$RES/rollout_shared.log" 2>&1
+timeout 500 python benchmarks/rollout_bench.py --shapes 1b --cases varlen,logprobs,full --kv-slots 512 --shared-prompt off,on \
+  --repeats 2 --budget-s 450 --out "$RES/rollout_1b_shared.json" > "$RES/rollout_shared.log" 2>&1
 echo "1b shared rc=$?" >> "$RES/rc.txt"; pack
 fi

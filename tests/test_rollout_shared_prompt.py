@@ -52,12 +52,15 @@ def test_a_group_holds_its_prompt_once_and_samples_what_copies_sample(kind, mode
 
     model, (ids, mask) = models[kind], grouped
     copies, rc = run(model, tok, ids, mask)
-    for split in (True, False):  # the layer in two halves around eager cache writes, or whole
-        shared, rs = run(model, tok, ids, mask, shared_prompt_kv=True, group_size=GROUPS, split_layer=split)
+    # The layer in two halves around eager cache writes, or whole; the two parts by SDPA's kernels
+    # (their log-sum-exp returned) or by explicit float32 attention.
+    for split, sdpa in ((True, True), (False, True), (True, False)):
+        shared, rs = run(model, tok, ids, mask, shared_prompt_kv=True, group_size=GROUPS, split_layer=split,
+                         sdpa_decode=sdpa)
         same(copies, shared)
         st = rs.stats
         assert st["shared_prompt_kv"] and st["prefill_rows"] == 3 and st["prefill_sequences"] == 12
-        assert not rs.degraded and st["sdpa_decode"] is False  # two parts merged by log-sum-exp: no SDPA
+        assert not rs.degraded and st["sdpa_decode"] is sdpa
     n, p, new = ids.shape[0], rc.engine.prompt_len, rc.engine.max_new
     slots = default_prompt_slots(n, GROUPS)
     assert rs.engine.prompts.capacity == slots == 3  # whole groups: one slot each
@@ -134,11 +137,30 @@ def test_prompt_slots_bookkeeping():
     assert sp.owner == [None] * 4 and sp.members.eq(8).all()
 
 
-@pytest.mark.parametrize("flex", [False, True])
-def test_the_shared_step_traces_as_cuda_compiles_it(flex, models, tok, grouped):
+def test_sdpa_with_its_log_sum_exp():
+    """decoder.sdpa_lse: SDPA's output and the scores' log-sum-exp under an additive mask; a row
+    whose every key is masked gives 0 and float32's lowest, as the explicit parts do."""
+    from posttrain.rollout.decoder import sdpa_lse
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 4, 16), torch.randn(3, 2, 10, 16), torch.randn(3, 2, 10, 16)
+    bias = torch.zeros(3, 1, 1, 10)
+    bias[0, ..., 7:] = float("-inf")
+    bias[2] = float("-inf")
+    out, lse = sdpa_lse(q, k, v, bias, 0.25)
+    scores = q @ k.transpose(-1, -2) * 0.25 + bias
+    live = slice(0, 2)
+    assert torch.allclose(out[live], (scores[live].softmax(-1) @ v[live]), atol=1e-5)
+    assert torch.allclose(lse[live], scores[live].logsumexp(-1), atol=1e-5)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and (lse[2] == torch.finfo(torch.float32).min).all()
+
+
+@pytest.mark.parametrize("parts", ["sdpa", "explicit", "flex"])
+def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped):
     """The step with shared prompt slots compiled as on CUDA (fullgraph, dynamic shapes; aot_eager
-    here), its two parts by explicit attention or by flex_attention: no fallback, the eager
-    default's samples (every row to the end: one bucket, one compile)."""
+    here), its two parts by SDPA's kernels, explicit attention or flex_attention: no fallback, the
+    eager default's samples (every row to the end: one bucket, one compile)."""
+    flex = parts == "flex"
     model, (ids, mask) = models["qwen2"], grouped
 
     def go(**options):
@@ -148,12 +170,12 @@ def test_the_shared_step_traces_as_cuda_compiles_it(flex, models, tok, grouped):
 
     copies, _ = go()
     torch._dynamo.reset()
-    out, r = go(shared_prompt_kv=True, group_size=GROUPS, flex_decode=flex, compile_mode="layer",
-                compile_backend="aot_eager")
+    out, r = go(shared_prompt_kv=True, group_size=GROUPS, flex_decode=flex, sdpa_decode=parts != "explicit",
+                compile_mode="layer", compile_backend="aot_eager")
     torch._dynamo.reset()
     st = r.stats
     assert st["compile"] == "layer" and not r.degraded and not st["fallback_reasons"], st
-    assert st["flex_decode"] is flex
+    assert st["flex_decode"] is flex and st["sdpa_decode"] is (parts != "explicit")
     same(copies, out)
 
 

@@ -16,7 +16,7 @@ kernels do internally (on CUDA a half-precision ``bmm`` with a float32 output, s
 converted), then casts the probabilities to the model dtype for the product with the values.
 With ``flex_decode`` it is a ``flex_attention`` call (the mask as a score modification). Rows whose
 prompt is in a shared prompt slot attend in two parts merged by their log-sum-exp
-(:func:`decode_attention_shared`).
+(:func:`decode_attention_shared`): SDPA's kernels that return it, or explicit float32 attention.
 
 Why not transformers' ``StaticCache`` and the model's own forward: the cache and forward signatures
 changed within 5.x, while the module attributes read here (``q_proj``, ``input_layernorm``,
@@ -392,6 +392,28 @@ def flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.
     return out, aux.lse
 
 
+def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's own kernels with the log-sum-exp they compute, which ``F.scaled_dot_product_attention``
+    does not return: ``q`` [n, h, t, d] over ``keys``/``values`` [n, h, L, d] with the additive
+    mask ``bias`` [n, 1, 1, L]; the output (q's dtype) and the log-sum-exp [n, h, t] (float32).
+    On CUDA the memory-efficient kernel (the SDPA kernel that takes a mask and returns it), on CPU
+    the flash kernel. A row whose every key is masked gives 0 and float32's lowest log-sum-exp, so
+    it weighs nothing in :func:`decode_attention_shared`'s merge."""
+    mask = bias.expand(q.shape[0], q.shape[1], q.shape[2], keys.shape[2])
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, mask, True,
+                                                                          scale=scale)[:2]
+        lse = lse[..., : q.shape[2]]  # padded to its kernel's query block
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=mask,
+                                                                              scale=scale)
+    # Fully masked rows: the CPU kernel returns a log-sum-exp of 0, CUDA's -inf; set both apart.
+    masked = (bias == float("-inf")).all(-1)  # [n, 1, 1]
+    lowest = torch.finfo(torch.float32).min
+    return out.nan_to_num(0.0), lse.float().masked_fill(masked, lowest)
+
+
 def _scores(spec: DecoderSpec, q: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:
     """``q @ kt`` in float32 (bf16 operands: a float32 output on CUDA, upcast on CPU) or, without
     ``fp32_scores``, a bf16 product then float32."""
@@ -442,6 +464,10 @@ def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tens
         out_p, lse_p = flex(qp, pkeys, pvalues, pbias, spec.scaling)
         out_c, lse_c, out_p = out_c.float(), lse_c.view(b * kvh, g), out_p.float().view(s * kvh, n * g, d)
         lse_p = lse_p.view(s * kvh, n * g)
+    elif spec.sdpa_decode:  # both parts by SDPA's kernels, with their log-sum-exp
+        out_c, lse_c = sdpa_lse(qg, keys, values, bias, spec.scaling)
+        out_p, lse_p = sdpa_lse(qp, pkeys, pvalues, pbias, spec.scaling)
+        out_c, out_p = out_c.float(), out_p.float()
     else:
         # The completions: one query group per row and key/value head.
         sc = _scores(spec, qg.reshape(b * kvh, g, d), keys.reshape(b * kvh, length, d).transpose(1, 2))
@@ -451,9 +477,9 @@ def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tens
         sp = sp.view(s, kvh, n * g, width) * spec.scaling + pbias
         out_p, lse_p = _attend(spec, sp.view(s * kvh, n * g, width), pvalues.reshape(s * kvh, width, d))
     # Back to rows: [S, kvh, G, g, ...] -> [S * G, kvh, g, ...], row r at place[r].
-    out_p = out_p.view(s, kvh, n, g, d).transpose(1, 2).reshape(s * n, kvh, g, d).index_select(0, place)
-    lse_p = lse_p.view(s, kvh, n, g).transpose(1, 2).reshape(s * n, kvh, g).index_select(0, place)
-    out_c, lse_c = out_c.view(b, kvh, g, d), lse_c.view(b, kvh, g)
+    out_p = out_p.reshape(s, kvh, n, g, d).transpose(1, 2).reshape(s * n, kvh, g, d).index_select(0, place)
+    lse_p = lse_p.reshape(s, kvh, n, g).transpose(1, 2).reshape(s * n, kvh, g).index_select(0, place)
+    out_c, lse_c = out_c.reshape(b, kvh, g, d), lse_c.reshape(b, kvh, g)
     lse = torch.logaddexp(lse_p, lse_c)
     out = out_p * (lse_p - lse).exp().unsqueeze(-1) + out_c * (lse_c - lse).exp().unsqueeze(-1)
     return out.to(q.dtype).view(b, spec.heads, 1, d)

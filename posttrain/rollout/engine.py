@@ -196,9 +196,6 @@ class DecodeEngine:
             capacity = prompt_slots or default_prompt_slots(slots, group_size)
             self.prompts = SharedPrompts(spec, layers, capacity, group_size, max_prompt_len, slots, self.dtype, dev)
             self.cache_len = self.max_new
-            # Its decode attention is two parts merged by their log-sum-exp, which SDPA does not return
-            # (flex_attention does).
-            self.spec = dataclasses.replace(self.spec, sdpa_decode=False)
         shape = (slots, spec.kv_heads, self.cache_len, spec.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
@@ -514,7 +511,7 @@ class DecodeEngine:
                     self.stats["split_fallbacks"] += 1
                     continue
                 if self.spec.flex_decode:
-                    instead = "SDPA" if self.prompts is None and self.spec.sdpa_decode else "bmm and softmax"
+                    instead = "SDPA" if self.spec.sdpa_decode else "bmm and softmax"
                     self._fall_back(f"torch.compile of the step with flex_attention failed; retrying with {instead}",
                                     err)
                     self.spec = dataclasses.replace(self.spec, flex_decode=False)

@@ -213,8 +213,8 @@ def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
     """Give an AdamW the fused kernel (transformers' default optimizer, ``adamw_torch_fused``) where
     the parameters' device and dtypes have one. torch reads the flag at every step, so setting it
     before the first step is ``AdamW(..., fused=True)``. Also for the torch AdamW inside a DeepSpeed
-    engine: its default (foreach) allocates a temporary the size of the master weights at every step
-    (``_foreach_sqrt`` of the second moments), which is the training step's memory peak."""
+    engine: its default (foreach) allocates a temporary the size of the master weights in every
+    step (``_foreach_sqrt`` of the second moments; the first step's memory peak, NOTES 21)."""
     if type(optimizer) is not torch.optim.AdamW or optimizer.state:
         return
     from torch.optim.optimizer import _device_dtype_check_for_fused

@@ -155,13 +155,28 @@ def test_sdpa_with_its_log_sum_exp():
     assert torch.equal(out[2], torch.zeros_like(out[2])) and (lse[2] == torch.finfo(torch.float32).min).all()
 
 
-@pytest.mark.parametrize("parts", ["sdpa", "explicit", "flex"])
-def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped):
+@pytest.mark.parametrize("parts", ["sdpa", "flex", "flex_dynamic_rows"])
+def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped, monkeypatch):
     """The step with shared prompt slots compiled as on CUDA (fullgraph, dynamic shapes; aot_eager
-    here), its two parts by SDPA's kernels, explicit attention or flex_attention: no fallback, the
-    eager default's samples (every row to the end: one bucket, one compile)."""
-    flex = parts == "flex"
+    here), its two parts by SDPA's kernels or flex_attention: no fallback, the eager default's
+    samples (every row to the end: one bucket, one compile). inductor gives flex_attention its
+    decoding kernel only for a batch size known when it compiles, so under flex both parts'
+    flex_attention calls see constant rows; without the engine's marking (``flex_dynamic_rows``)
+    they would be symbolic."""
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    from posttrain.rollout import engine
+
+    flex = parts.startswith("flex")
     model, (ids, mask) = models["qwen2"], grouped
+    flex_rows = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "flex_attention" in str(node.target):
+                flex_rows.append(node.args[0].meta["example_value"].shape[0])
+        return lookup_backend("aot_eager")(gm, example_inputs)
 
     def go(**options):
         r = rollout(model, tok, max_batch=ids.shape[0], engine_options=options)
@@ -169,52 +184,22 @@ def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped)
         return r.generate(ids, mask), r
 
     copies, _ = go()
+    if parts == "flex_dynamic_rows":
+        monkeypatch.setattr(engine, "_static_rows", engine._as_they_are)
     torch._dynamo.reset()
-    out, r = go(shared_prompt_kv=True, group_size=GROUPS, flex_decode=flex, sdpa_decode=parts != "explicit",
-                compile_mode="layer", compile_backend="aot_eager")
+    out, r = go(shared_prompt_kv=True, group_size=GROUPS, flex_decode=flex, compile_mode="layer",
+                compile_backend=backend)
     torch._dynamo.reset()
     st = r.stats
     assert st["compile"] == "layer" and not r.degraded and not st["fallback_reasons"], st
-    assert st["flex_decode"] is flex and st["sdpa_decode"] is (parts != "explicit")
+    assert st["flex_decode"] is flex and st["sdpa_decode"]
     same(copies, out)
-
-
-def test_flex_attention_compiles_with_static_rows(models, tok, grouped, monkeypatch):
-    """inductor gives flex_attention its decoding kernel only for a batch size known when it
-    compiles: under flex the compiled step's flex_attention calls see constant rows (one compile
-    per rows bucket); without the engine's marking they would be symbolic. (Its samples:
-    test_flex_attention_decodes_what_the_default_decodes.)"""
-    from torch._dynamo.backends.registry import lookup_backend
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
-    from posttrain.rollout import engine
-
-    model, (ids, mask) = models["llama"], grouped
-
-    def flex_rows(**patch):
-        seen = []
-
-        def backend(gm, example_inputs):
-            for node in gm.graph.nodes:
-                if node.op == "call_function" and "flex_attention" in str(node.target):
-                    seen.append(node.args[0].meta["example_value"].shape[0])
-            return lookup_backend("aot_eager")(gm, example_inputs)
-
-        torch._dynamo.reset()
-        with monkeypatch.context() as m:
-            for name, value in patch.items():
-                m.setattr(engine, name, value)
-            _, r = run(model, tok, ids, mask, flex_decode=True, compile_mode="layer", compile_backend=backend,
-                       kv_slots=5, smallest_bucket=2, length_bucket=8, sync_every=3)
-        torch._dynamo.reset()
-        assert r.stats["compile"] == "layer" and not r.degraded, r.stats
-        return seen
-
-    seen = flex_rows()
-    assert seen and all(is_concrete_int(n) for n in seen), seen
-    assert len({int(n) for n in seen}) > 1  # several rows buckets, each its own compile
-    dynamic = flex_rows(_static_rows=engine._as_they_are)
-    assert any(not is_concrete_int(n) for n in dynamic), dynamic
+    if parts == "flex":
+        assert len(flex_rows) >= 2 and all(is_concrete_int(n) for n in flex_rows), flex_rows  # both parts
+    elif parts == "flex_dynamic_rows":
+        assert any(not is_concrete_int(n) for n in flex_rows), flex_rows
+    else:
+        assert not flex_rows
 
 
 @pytest.mark.parametrize("shared", [False, True])

@@ -400,12 +400,15 @@ def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: to
     On CUDA the memory-efficient kernel (the SDPA kernel that takes a mask and returns it), on CPU
     the flash kernel. A row whose every key is masked gives 0 and float32's lowest log-sum-exp, so
     it weighs nothing in :func:`decode_attention_shared`'s merge."""
-    mask = bias.expand(q.shape[0], q.shape[1], q.shape[2], keys.shape[2])
+    length = keys.shape[2]
     if q.is_cuda:
+        # The kernel wants the mask's rows 16-element aligned (SDPA pads it the same way).
+        mask = F.pad(bias, (0, -length % 16))[..., :length].expand(q.shape[0], q.shape[1], q.shape[2], length)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, mask, True,
                                                                           scale=scale)[:2]
         lse = lse[..., : q.shape[2]]  # padded to its kernel's query block
     else:
+        mask = bias.expand(q.shape[0], q.shape[1], q.shape[2], length)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=mask,
                                                                               scale=scale)
     # Fully masked rows: the CPU kernel returns a log-sum-exp of 0, CUDA's -inf; set both apart.

@@ -56,7 +56,8 @@ class RolloutFields:
     # decode attention reads each prompt once a step for its whole group. The rows' cache then holds
     # only completions, and the engine one prompt slot per group of its KV budget (plus one where
     # the budget is not whole groups). `posttrain plan --generation-shared-prompt-kv` counts it.
-    # A memory setting: where timed (1.1B, one H200) the step ran at 0.73x the default's speed.
+    # A memory setting: where timed (1.1B, one H200, before its parts ran on SDPA kernels) the
+    # rollout ran at 0.73x the default's speed.
     generation_shared_prompt_kv: bool = False
 
 

@@ -34,8 +34,8 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   "Rollouts" has the defaults and their measurement): ``fused`` q|k|v and gate|up GEMMs
   (``POSTTRAIN_ROLLOUT_FUSE``), ``split_layer`` (``POSTTRAIN_ROLLOUT_SPLIT``), ``fp32_scores``
   (``POSTTRAIN_ROLLOUT_SCORES_FP32``), ``sdpa_decode`` (``POSTTRAIN_ROLLOUT_SDPA``),
-  ``shared_prompt_kv`` (``POSTTRAIN_ROLLOUT_SHARED_PROMPT``, default off: 0.73x the default where
-  timed, NOTES 21), ``flex_decode`` (``POSTTRAIN_ROLLOUT_FLEX``, default off).
+  ``shared_prompt_kv`` (``POSTTRAIN_ROLLOUT_SHARED_PROMPT``, default off: slower where timed,
+  NOTES 21), ``flex_decode`` (``POSTTRAIN_ROLLOUT_FLEX``, default off).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).

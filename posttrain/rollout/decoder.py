@@ -402,8 +402,11 @@ def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: to
     it weighs nothing in :func:`decode_attention_shared`'s merge."""
     length = keys.shape[2]
     if q.is_cuda:
-        # The kernel wants the mask's rows 16-element aligned (SDPA pads it the same way).
-        mask = F.pad(bias, (0, -length % 16))[..., :length].expand(q.shape[0], q.shape[1], q.shape[2], length)
+        mask = bias
+        if not torch.compiler.is_compiling():  # inductor aligns this op's mask itself (sdpa_constraint)
+            # Eager, the kernel wants the mask's rows 16-element aligned (SDPA pads it the same way).
+            mask = F.pad(bias, (0, -length % 16))[..., :length]
+        mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], length)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, mask, True,
                                                                           scale=scale)[:2]
         lse = lse[..., : q.shape[2]]  # padded to its kernel's query block

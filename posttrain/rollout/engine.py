@@ -215,6 +215,9 @@ class DecodeEngine:
         default = os.environ.get("POSTTRAIN_ROLLOUT_COMPILE", "layer") if self.use_graphs else "none"
         self.compile_mode = compile_mode or default
         self.compile_backend = compile_backend
+        # POSTTRAIN_ROLLOUT_AUTOTUNE (A/B only, default off): inductor autotunes the step's GEMMs
+        # (its Triton templates beside cuBLAS, per rows bucket: rows are then static, as for flex).
+        self.autotune = _env_flag("POSTTRAIN_ROLLOUT_AUTOTUNE", None, False)
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"POSTTRAIN_ROLLOUT_COMPILE={self.compile_mode!r}: use one of {COMPILE_MODES}")
         n = self.max_new
@@ -384,6 +387,8 @@ class DecodeEngine:
 
             if hasattr(inductor_config, "emulate_precision_casts"):
                 options["options"] = {"emulate_precision_casts": True}
+            if self.autotune:
+                options.setdefault("options", {}).update(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON")
         self._inputs_fn = torch.compile(step.inputs, **options)
         if self.split_layer:
             self._qkv_fn = torch.compile(decoder.project_qkv, **options)
@@ -404,7 +409,7 @@ class DecodeEngine:
         sp, s, pw = self.prompts, self.prompt_rows, self.prompt_width
         if sp is not None:
             pbias, members, place = self._prompt_fn(sp.valid[:s, :pw], sp.members[:s], sp.place[:rows], x.dtype)
-        static = _static_rows if spec.flex_decode and self.compile_mode != "none" else _as_they_are
+        static = _static_rows if (spec.flex_decode or self.autotune) and self.compile_mode != "none" else _as_they_are
         d = spec.head_dim
         for i, lw in enumerate(layers):
             # Each layer ends with the next one's input norm (the final norm after the last).
@@ -416,6 +421,7 @@ class DecodeEngine:
                 x, h = self._layer_fn(spec, lw, x, h, cos, sin, self.keys[i], self.values[i], where, bias, next_norm,
                                       prompt)
                 continue
+            (h,) = static(h)
             q, k, v = self._qkv_fn(spec, lw, h, cos, sin)
             # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
             self.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))
@@ -496,6 +502,7 @@ class DecodeEngine:
         self.stats["split_layer"] = self.split_layer
         self.stats["sdpa_decode"] = self.spec.sdpa_decode
         self.stats["flex_decode"] = self.spec.flex_decode
+        self.stats["autotune"] = self.autotune
         if self.compile_mode == "none":
             return
         while True:

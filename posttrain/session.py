@@ -40,7 +40,7 @@ from .world import (
     forget_destroyed_group,
     on_cpu,
 )
-from .zero_fixes import recompute_rotary_buffers, share_bf16_master
+from .zero_fixes import cast_grads_while_flattening, recompute_rotary_buffers, share_bf16_master
 
 
 class Session(SavingMixin, FrozenWeightsMixin):
@@ -328,6 +328,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
             if self.num_processes == 1 and share_bf16_master(engine.optimizer):
                 print(f"[posttrain] one process: role {name!r}'s bf16 master weights are the model's own weights "
                       "(no second copy)", flush=True)
+            cast_grads_while_flattening(engine.optimizer)
             # The torch optimizer DeepSpeed steps: inside a ZeRO or bf16 wrapper, or the engine's own.
             plain.use_fused_adamw(getattr(engine.optimizer, "optimizer", engine.optimizer))
             self.optimizers[name] = optimizer

@@ -1,6 +1,7 @@
-"""Two corrections to what DeepSpeed's ZeRO does to a model, applied by the Session as it loads and
-prepares one: rotary buffers recomputed in fp32 after zero.Init, and one process's ZeRO-1/2 bf16
-master weights shared with the model instead of copied."""
+"""Corrections to what DeepSpeed's ZeRO does to a model, applied by the Session as it loads and
+prepares one: rotary buffers recomputed in fp32 after zero.Init, one process's ZeRO-1/2 bf16
+master weights shared with the model instead of copied, and ZeRO-1/2's gradients cast to the master
+dtype as they are flattened instead of after."""
 
 from __future__ import annotations
 
@@ -36,6 +37,48 @@ def share_bf16_master(zero_optimizer: Any) -> bool:
         opt.single_partition_of_fp32_groups[i] = own
         group["params"] = [own]
     opt._link_all_hp_params()  # the per-parameter views into the master partition
+    return True
+
+
+def cast_grads_while_flattening(zero_optimizer: Any) -> bool:
+    """Make a ZeRO-1/2 optimizer whose master weights are of another dtype than its gradients
+    (bf16 gradients, fp32 master) flatten this rank's gradient partition straight into the master
+    dtype; returns whether it did.
+
+    DeepSpeed 0.19.8's step (stage_1_and_2.py, ``step``) concatenates the partition's gradients
+    into one flat bf16 tensor, then casts that to fp32: for the moment of the cast it holds the
+    gradients, their flat copy and the fp32 copy, and that moment is the step's (and a GRPO or DPO
+    step's) memory peak. Its ``_get_preflattened_grad_partition`` hook (used by its fp32
+    accumulation path) is given the partition already flat in fp32 here, each gradient copied into
+    its place (the same layout: in order, zero-padded to the partition's size), so the flat bf16
+    copy, 2 bytes a parameter of this rank's partition, never exists. The values are the same:
+    casting before or after the concatenation rounds nothing differently."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = zero_optimizer
+    if (not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or getattr(opt, "zenflow", False)
+            or not hasattr(opt, "_get_preflattened_grad_partition")):
+        return False
+    if all(m.dtype == opt.dtype for m in opt.single_partition_of_fp32_groups):
+        return False  # flattening already gives the master dtype: no second copy to save
+    preflattened = opt._get_preflattened_grad_partition
+
+    def flat_in_master_dtype(i: int) -> torch.Tensor | None:
+        flat, grads = preflattened(i), opt.averaged_gradients.get(i)
+        master = opt.single_partition_of_fp32_groups[i]
+        size = int(opt.partition_size[i])
+        if flat is not None or grads is None or master.dtype == opt.dtype or sum(g.numel() for g in grads) > size:
+            return flat  # None: DeepSpeed's own flatten (and its size assertion)
+        out = torch.empty(size, dtype=master.dtype, device=master.device)
+        offset = 0
+        for g in grads:
+            out.narrow(0, offset, g.numel()).copy_(g.reshape(-1))
+            offset += g.numel()
+        out.narrow(0, offset, size - offset).zero_()
+        opt.posttrain_flat_casts = getattr(opt, "posttrain_flat_casts", 0) + 1
+        return out
+
+    opt._get_preflattened_grad_partition = flat_in_master_dtype
     return True
 
 

@@ -122,6 +122,17 @@ def test_one_process_path(runs):
     assert bf16["losses"] == runs["bf16_copy"]["losses"] and bf16["grad_norms"] == runs["bf16_copy"]["grad_norms"]
 
 
+def test_fp32_master_gets_its_gradients_cast_while_flattened(runs):
+    """bf16 gradients, fp32 master: each step's partition is flattened straight into fp32 (no flat
+    bf16 copy at the step's peak, zero_fixes.cast_grads_while_flattening), to the bit DeepSpeed's
+    flatten-then-cast; bf16 master weights need no cast and keep DeepSpeed's path."""
+    fp32, plain = runs["fp32"], runs["fp32_flatten_then_cast"]
+    assert fp32["flat_casts"] == len(fp32["losses"]) == 6 and plain["flat_casts"] == 0
+    assert runs["bf16"]["flat_casts"] == 0 and runs["bf16_copy"]["flat_casts"] == 0
+    assert fp32["losses"] == plain["losses"] and fp32["grad_norms"] == plain["grad_norms"]
+    assert fp32["losses"][-1] < fp32["losses"][0]
+
+
 def test_shared_master_resumes_exactly(runs):
     assert len(runs["resume"]["full"]) == 3 and runs["resume"]["resumed"] == runs["resume"]["full"]
     # The torch path (no engine) in bf16 too.

@@ -23,14 +23,17 @@ def settings(tmp: Path, name: str) -> dict:
                 bf16=True, seed=0)
 
 
-def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True) -> dict:
-    original = session_module.share_bf16_master
+def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True, cast: bool = True) -> dict:
+    """``share``/``cast`` False: without zero_fixes' shared bf16 master / its cast while flattening."""
+    original, original_cast = session_module.share_bf16_master, session_module.cast_grads_while_flattening
     if not share:
         session_module.share_bf16_master = lambda optimizer: False
+    if not cast:
+        session_module.cast_grads_while_flattening = lambda optimizer: False
     try:
         cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
                         master_weights=master_weights, single_process_engine="deepspeed",
-                        **settings(tmp, f"{master_weights}-{share}"))
+                        **settings(tmp, f"{master_weights}-{share}-{cast}"))
         trainer = DPOTrainer(cfg, train_dataset=rows)
         s = trainer.session
         engine = s.engines["policy"]
@@ -43,15 +46,15 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
         return {"losses": [h["loss"] for h in history if "loss" in h],
                 "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
                 "master_dtype": str(master.dtype), "state_dtypes": sorted({str(t.dtype) for t in states}),
-                "fused": zero.optimizer.param_groups[0]["fused"],
+                "fused": zero.optimizer.param_groups[0]["fused"], "flat_casts": getattr(zero, "posttrain_flat_casts", 0),
                 "master_is_weights": master.data_ptr() == flat.data_ptr(),
                 "param_in_flat": flat.data_ptr() <= param.data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size(),
                 "recorded": s.master_weights("policy"), "reference_stage": s.zero_stage("reference"),
                 "policy_zero": {k: s.configs["policy"]["zero_optimization"].get(k) for k in ("overlap_comm", "reduce_scatter")},
                 "one_rank_changes": s.one_rank_changes,
-                "config_json": json.loads((tmp / f"{master_weights}-{share}" / "posttrain_config.json").read_text()).get("master_weights")}
+                "config_json": json.loads((tmp / f"{master_weights}-{share}-{cast}" / "posttrain_config.json").read_text()).get("master_weights")}
     finally:
-        session_module.share_bf16_master = original
+        session_module.share_bf16_master, session_module.cast_grads_while_flattening = original, original_cast
 
 
 def torch_run(tmp: Path, rows: list, master_weights: str) -> dict:
@@ -131,6 +134,7 @@ def main(out: str, tmp: str) -> None:
     res.update({"bf16": posttrain_run(tmp_path, rows, "bf16"),
                 "bf16_copy": posttrain_run(tmp_path, rows, "bf16", share=False),
                 "fp32": posttrain_run(tmp_path, rows, "fp32"),
+                "fp32_flatten_then_cast": posttrain_run(tmp_path, rows, "fp32", cast=False),
                 "torch_bf16": torch_run(tmp_path, rows, "bf16"), "torch_fp32": torch_run(tmp_path, rows, "fp32")})
     # The one-process simplification against the same placements named explicitly (kept as given).
     res["fp32_simplified"] = placement_run(tmp_path, rows, "simplified")

@@ -81,10 +81,14 @@ HEAD_TRAIN_V = 6
 # A frozen forward keeps no activations: its working set is the bf16 logits plus one layer's
 # intermediates.
 HEAD_INFER_V = 2
-# Optimizer step of a trained role, per parameter over N: the fp32 gradient partition (4) and
-# AdamW's foreach temporaries (4). Measured on H200: 8.1 bytes/param/N at 1.1B and 8B under ZeRO-2;
-# ZeRO-3 steps one sub-group (sub_group_size, 1e9 parameters) at a time.
+# Optimizer step of a trained role with fp32 master weights, per parameter over N: under ZeRO-1/2
+# DeepSpeed's step holds the bf16 gradient partition (2), its flat bf16 copy (2) and that copy cast
+# to fp32 (4): 8.1 bytes/param/N measured on H200 at 1.1B and 8B (TRL's rows). posttrain's Session
+# casts while flattening (zero_fixes.cast_grads_while_flattening): no flat bf16 copy, 6 (GRPO
+# 1.1B on one H200: 22.73 GiB against 24.78 before, NOTES section 22). ZeRO-3 steps one sub-group
+# (sub_group_size, 1e9 parameters) at a time, counted at 8.
 STEP_BYTES = 8
+STEP_BYTES_CAST = 6
 # The same with bf16 master weights (master_weights: bf16): the gradient partition the optimizer
 # reads is bf16 (2) and so are AdamW's temporaries (2). Derived from the fp32 figure, not measured.
 STEP_BYTES_BF16 = 4
@@ -168,6 +172,7 @@ class Placement:
     overlap_comm: bool = False
     master_weights: str = "fp32"  # a trained role's optimizer precision (dsconfig.master_weights)
     engine: str = "deepspeed"  # "torch": one process without a DeepSpeed engine (posttrain.plain)
+    cast_flat_grads: bool = False  # ZeRO-1/2 under posttrain's Session: STEP_BYTES_CAST
 
     @property
     def label(self) -> str:
@@ -358,6 +363,8 @@ def plan(
         size = model_size(shapes[name], ROLE_KINDS[name], vocab)
         config = trained_config(train_cfg, master_weights, name) if trains else frozen_cfg
         r = RolePlan(name, size, placement(config, trains, one_process))
+        if trains and mix in MIXES:
+            r.place = replace(r.place, cast_flat_grads=True)
         if name in torch_path:
             r.place = replace(r.place, stage=0, reduce_bucket=0, overlap_comm=False, engine="torch")
         if lora is not None and name == names["trained"][0]:
@@ -374,7 +381,8 @@ def plan(
     def train(r: RolePlan) -> float:
         """The larger of forward+backward (activations saved, gradient buffers) and the step."""
         m, place = r.size, r.place
-        step_bytes = STEP_BYTES_BF16 if place.master_weights == "bf16" else STEP_BYTES
+        step_bytes = (STEP_BYTES_BF16 if place.master_weights == "bf16"
+                      else STEP_BYTES_CAST if place.cast_flat_grads and place.stage in (1, 2) else STEP_BYTES)
         # With LoRA the frozen layers' activations are still saved (backward runs through them to
         # reach earlier adapters); only the adapters get gradients and an optimizer step.
         trained = r.adapters or m.params

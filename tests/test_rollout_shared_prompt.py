@@ -155,18 +155,16 @@ def test_sdpa_with_its_log_sum_exp():
     assert torch.equal(out[2], torch.zeros_like(out[2])) and (lse[2] == torch.finfo(torch.float32).min).all()
 
 
-@pytest.mark.parametrize("parts", ["sdpa", "flex", "flex_dynamic_rows"])
-def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped, monkeypatch):
+@pytest.mark.parametrize("parts", ["sdpa", "flex"])
+def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped):
     """The step with shared prompt slots compiled as on CUDA (fullgraph, dynamic shapes; aot_eager
     here), its two parts by SDPA's kernels or flex_attention: no fallback, the eager default's
     samples (every row to the end: one bucket, one compile). inductor gives flex_attention its
     decoding kernel only for a batch size known when it compiles, so under flex both parts'
-    flex_attention calls see constant rows; without the engine's marking (``flex_dynamic_rows``)
-    they would be symbolic."""
+    flex_attention calls see constant rows (dynamic shapes would make them symbolic without the
+    engine's marking, ``engine._static_rows``)."""
     from torch._dynamo.backends.registry import lookup_backend
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
-    from posttrain.rollout import engine
 
     flex = parts.startswith("flex")
     model, (ids, mask) = models["qwen2"], grouped
@@ -184,8 +182,6 @@ def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped,
         return r.generate(ids, mask), r
 
     copies, _ = go()
-    if parts == "flex_dynamic_rows":
-        monkeypatch.setattr(engine, "_static_rows", engine._as_they_are)
     torch._dynamo.reset()
     out, r = go(shared_prompt_kv=True, group_size=GROUPS, flex_decode=flex, compile_mode="layer",
                 compile_backend=backend)
@@ -196,8 +192,6 @@ def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped,
     same(copies, out)
     if parts == "flex":
         assert len(flex_rows) >= 2 and all(is_concrete_int(n) for n in flex_rows), flex_rows  # both parts
-    elif parts == "flex_dynamic_rows":
-        assert any(not is_concrete_int(n) for n in flex_rows), flex_rows
     else:
         assert not flex_rows
 

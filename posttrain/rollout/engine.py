@@ -215,9 +215,6 @@ class DecodeEngine:
         default = os.environ.get("POSTTRAIN_ROLLOUT_COMPILE", "layer") if self.use_graphs else "none"
         self.compile_mode = compile_mode or default
         self.compile_backend = compile_backend
-        # POSTTRAIN_ROLLOUT_AUTOTUNE (A/B only, default off): inductor autotunes the step's GEMMs
-        # (its Triton templates beside cuBLAS, per rows bucket: rows are then static, as for flex).
-        self.autotune = _env_flag("POSTTRAIN_ROLLOUT_AUTOTUNE", None, False)
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"POSTTRAIN_ROLLOUT_COMPILE={self.compile_mode!r}: use one of {COMPILE_MODES}")
         n = self.max_new
@@ -387,8 +384,6 @@ class DecodeEngine:
 
             if hasattr(inductor_config, "emulate_precision_casts"):
                 options["options"] = {"emulate_precision_casts": True}
-            if self.autotune:
-                options.setdefault("options", {}).update(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON")
         self._inputs_fn = torch.compile(step.inputs, **options)
         if self.split_layer:
             self._qkv_fn = torch.compile(decoder.project_qkv, **options)
@@ -409,7 +404,7 @@ class DecodeEngine:
         sp, s, pw = self.prompts, self.prompt_rows, self.prompt_width
         if sp is not None:
             pbias, members, place = self._prompt_fn(sp.valid[:s, :pw], sp.members[:s], sp.place[:rows], x.dtype)
-        static = _static_rows if (spec.flex_decode or self.autotune) and self.compile_mode != "none" else _as_they_are
+        static = _static_rows if spec.flex_decode and self.compile_mode != "none" else _as_they_are
         d = spec.head_dim
         for i, lw in enumerate(layers):
             # Each layer ends with the next one's input norm (the final norm after the last).
@@ -502,7 +497,6 @@ class DecodeEngine:
         self.stats["split_layer"] = self.split_layer
         self.stats["sdpa_decode"] = self.spec.sdpa_decode
         self.stats["flex_decode"] = self.spec.flex_decode
-        self.stats["autotune"] = self.autotune
         if self.compile_mode == "none":
             return
         while True:

@@ -1,0 +1,150 @@
+"""Decode attention alone at the rollout engine's shapes (issue 20: the 1.1B step at 128 x 768 is
+attention-bound, NOTES sections 21-22): one query per row and query head, the query heads of a
+group over their key/value head, an additive key mask, as ``decoder.decode_attention`` calls SDPA.
+
+Beside that call (``sdpa``, whatever kernel SDPA dispatches to), each SDPA backend forced, and the
+keys split into S chunks ("split-K", as flash decoding does): the cache slice viewed, without a
+copy, as [rows * kv_heads, S, L / S, head_dim] (the splits take the place of the heads), each
+chunk's output and log-sum-exp from SDPA's memory-efficient kernel (``decoder.sdpa_lse``), merged
+by their log-sum-exps. Each variant runs once per layer on its own cache (22 of them: the L2 cache
+does not hold the keys between layers) inside one CUDA graph; the time is a replay's over 22.
+
+    python benchmarks/decode_attention_probe.py --shapes 128x768,16x512 --out probe.json
+    python benchmarks/decode_attention_probe.py --device cpu --shapes 4x64 --layers 2   (outputs only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from posttrain.rollout.decoder import sdpa_lse  # noqa: E402
+
+KV_HEADS, GROUPS, HEAD_DIM = 4, 8, 64  # the 1.1B Llama: 32 query heads, 4 key/value heads
+
+
+def split_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, split_bias: torch.Tensor, splits: int,
+               scale: float) -> torch.Tensor:
+    """Attention over the keys in ``splits`` chunks, merged. ``q`` [B, H, G, d]; ``keys``/``values``
+    [B, H, L, d] (a slice of a longer cache: only its rows and heads merge); ``split_bias``
+    [B * H, S, 1, L / S] (the mask, laid out once a step)."""
+    b, h, g, d = q.shape
+    chunk = keys.shape[2] // splits
+    ks = keys.reshape(b * h, splits, chunk, d)  # a view: rows and heads merge, the keys split
+    vs = values.reshape(b * h, splits, chunk, d)
+    qs = q.reshape(b * h, 1, g, d).expand(b * h, splits, g, d).contiguous()
+    out, lse = sdpa_lse(qs, ks, vs, split_bias, scale)  # [BH, S, G, d], [BH, S, G]
+    weight = torch.softmax(lse, dim=1).unsqueeze(-1)  # each chunk's share of the softmax's mass
+    return (out.float() * weight).sum(1).to(q.dtype).view(b, h, g, d)
+
+
+def variants(splits: list[int], cuda: bool) -> dict[str, Callable[..., torch.Tensor]]:
+    def forced(backend: SDPBackend, masked: bool = True) -> Callable[..., torch.Tensor]:
+        def run(q, k, v, bias, _split_bias, scale):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias if masked else None, scale=scale)
+        return run
+
+    out: dict[str, Callable[..., torch.Tensor]] = {
+        "sdpa": lambda q, k, v, bias, _sb, scale: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)}
+    if cuda:
+        out.update(cudnn=forced(SDPBackend.CUDNN_ATTENTION), efficient=forced(SDPBackend.EFFICIENT_ATTENTION),
+                   flash_no_mask=forced(SDPBackend.FLASH_ATTENTION, masked=False),
+                   cudnn_no_mask=forced(SDPBackend.CUDNN_ATTENTION, masked=False))
+    for s in splits:
+        out[f"split{s}"] = (lambda s: lambda q, k, v, _b, sb, scale: split_keys(q, k, v, sb[s], s, scale))(s)
+    return out
+
+
+def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.device, replays: int
+          ) -> list[dict[str, Any]]:
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    cache_len = length + 128  # the engine reads a column bucket of a longer cache
+    q = torch.randn(rows, KV_HEADS, GROUPS, HEAD_DIM, device=device, dtype=dtype)
+    caches = [(torch.randn(rows, KV_HEADS, cache_len, HEAD_DIM, device=device, dtype=dtype),
+               torch.randn(rows, KV_HEADS, cache_len, HEAD_DIM, device=device, dtype=dtype)) for _ in range(layers)]
+    valid = torch.arange(length) >= (torch.arange(rows) % 7).unsqueeze(1) * 3  # some left padding
+    bias = torch.zeros(rows, 1, 1, length, dtype=dtype).masked_fill(~valid.view(rows, 1, 1, length), float("-inf"))
+    bias = bias.to(device)
+    split_bias = {s: bias.view(rows, 1, s, length // s).expand(rows, KV_HEADS, s, length // s)
+                  .reshape(rows * KV_HEADS, s, 1, length // s).contiguous() for s in splits if length % s == 0}
+    scale = HEAD_DIM ** -0.5
+    ref_k, ref_v = caches[0][0][:, :, :length].float(), caches[0][1][:, :, :length].float()
+    reference = torch.softmax(q.float() @ ref_k.transpose(-1, -2) * scale + bias.float(), -1) @ ref_v
+    results = []
+    for name, fn in variants([s for s in splits if s in split_bias], cuda).items():
+        row: dict[str, Any] = {"rows": rows, "columns": length, "variant": name}
+        try:
+            def layer_calls() -> torch.Tensor:
+                out = None
+                for k, v in caches:
+                    out = fn(q, k[:, :, :length], v[:, :, :length], bias, split_bias, scale)
+                return out
+
+            first = fn(q, caches[0][0][:, :, :length], caches[0][1][:, :, :length], bias, split_bias, scale)
+            row["max_abs_diff"] = (first.float() - reference).abs().max().item()
+            if cuda:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        layer_calls()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    layer_calls()
+                graph.replay()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(replays):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                us = start.elapsed_time(end) * 1000 / replays / layers
+                kv_bytes = 2 * rows * KV_HEADS * length * HEAD_DIM * q.element_size()
+                row.update(us_per_layer=round(us, 2), kv_tb_per_s=round(kv_bytes / us / 1e6, 3))
+            row["status"] = "ok"
+        except Exception as err:  # noqa: BLE001 - one variant that cannot run must not lose the others
+            row.update(status="error", error=f"{type(err).__name__}: {str(err)[:300]}")
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="128x768,16x512", help="rows x columns, comma-separated")
+    ap.add_argument("--splits", default="2,4,8")
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    splits = [int(s) for s in args.splits.split(",")]
+    t0 = time.perf_counter()
+    rows = []
+    for shape in args.shapes.split(","):
+        r, c = (int(x) for x in shape.split("x"))
+        rows += probe(r, c, args.layers, splits, device, args.replays)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "seconds": round(time.perf_counter() - t0, 1)}
+    if args.out:
+        Path(args.out).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -19,8 +19,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +62,10 @@ def variants(splits: list[int], cuda: bool) -> dict[str, Callable[..., torch.Ten
         out.update(cudnn=forced(SDPBackend.CUDNN_ATTENTION), efficient=forced(SDPBackend.EFFICIENT_ATTENTION),
                    flash_no_mask=forced(SDPBackend.FLASH_ATTENTION, masked=False),
                    cudnn_no_mask=forced(SDPBackend.CUDNN_ATTENTION, masked=False))
-    for s in splits:
-        out[f"split{s}"] = (lambda s: lambda q, k, v, _b, sb, scale: split_keys(q, k, v, sb[s], s, scale))(s)
+    def split(s: int) -> Callable[..., torch.Tensor]:
+        return lambda q, k, v, _bias, split_bias, scale: split_keys(q, k, v, split_bias[s], s, scale)
+
+    out.update({f"split{s}": split(s) for s in splits})
     return out
 
 
@@ -87,7 +90,7 @@ def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.
     for name, fn in variants([s for s in splits if s in split_bias], cuda).items():
         row: dict[str, Any] = {"rows": rows, "columns": length, "variant": name}
         try:
-            def layer_calls() -> torch.Tensor:
+            def layer_calls(fn: Callable[..., torch.Tensor] = fn) -> torch.Tensor:
                 out = None
                 for k, v in caches:
                     out = fn(q, k[:, :, :length], v[:, :, :length], bias, split_bias, scale)

@@ -86,7 +86,8 @@ HEAD_INFER_V = 2
 # to fp32 (4): 8.1 bytes/param/N measured on H200 at 1.1B and 8B (TRL's rows). posttrain's Session
 # casts while flattening (zero_fixes.cast_grads_while_flattening): no flat bf16 copy, 6 (GRPO
 # 1.1B on one H200: 22.73 GiB against 24.78 before, NOTES section 22). ZeRO-3 steps one sub-group
-# (sub_group_size, 1e9 parameters) at a time, counted at 8.
+# (sub_group_size, 1e9 parameters) at a time, with the same copies (6 under the Session: derived,
+# not measured).
 STEP_BYTES = 8
 STEP_BYTES_CAST = 6
 # The same with bf16 master weights (master_weights: bf16): the gradient partition the optimizer
@@ -172,7 +173,7 @@ class Placement:
     overlap_comm: bool = False
     master_weights: str = "fp32"  # a trained role's optimizer precision (dsconfig.master_weights)
     engine: str = "deepspeed"  # "torch": one process without a DeepSpeed engine (posttrain.plain)
-    cast_flat_grads: bool = False  # ZeRO-1/2 under posttrain's Session: STEP_BYTES_CAST
+    cast_flat_grads: bool = False  # a trained role under posttrain's Session: STEP_BYTES_CAST
 
     @property
     def label(self) -> str:
@@ -382,7 +383,7 @@ def plan(
         """The larger of forward+backward (activations saved, gradient buffers) and the step."""
         m, place = r.size, r.place
         step_bytes = (STEP_BYTES_BF16 if place.master_weights == "bf16"
-                      else STEP_BYTES_CAST if place.cast_flat_grads and place.stage in (1, 2) else STEP_BYTES)
+                      else STEP_BYTES_CAST if place.cast_flat_grads and place.stage > 0 else STEP_BYTES)
         # With LoRA the frozen layers' activations are still saved (backward runs through them to
         # reach earlier adapters); only the adapters get gradients and an optimizer step.
         trained = r.adapters or m.params

@@ -1,7 +1,7 @@
 """Corrections to what DeepSpeed's ZeRO does to a model, applied by the Session as it loads and
 prepares one: rotary buffers recomputed in fp32 after zero.Init, one process's ZeRO-1/2 bf16
-master weights shared with the model instead of copied, and ZeRO-1/2's gradients cast to the master
-dtype as they are flattened instead of after."""
+master weights shared with the model instead of copied, and the gradients cast to the master dtype
+as they are flattened instead of after."""
 
 from __future__ import annotations
 
@@ -41,26 +41,50 @@ def share_bf16_master(zero_optimizer: Any) -> bool:
 
 
 def cast_grads_while_flattening(zero_optimizer: Any) -> bool:
-    """Make a ZeRO-1/2 optimizer whose master weights are of another dtype than its gradients
-    (bf16 gradients, fp32 master) flatten this rank's gradient partition straight into the master
-    dtype; returns whether it did.
+    """Make a ZeRO optimizer whose master weights are of another dtype than its gradients (bf16
+    gradients, fp32 master) flatten this rank's gradient partition straight into the master dtype;
+    returns whether it did.
 
-    DeepSpeed 0.19.8's step (stage_1_and_2.py, ``step``) concatenates the partition's gradients
-    into one flat bf16 tensor, then casts that to fp32: for the moment of the cast it holds the
-    gradients, their flat copy and the fp32 copy, and that moment is the step's (and a GRPO or DPO
-    step's) memory peak. Its ``_get_preflattened_grad_partition`` hook (used by its fp32
-    accumulation path) is given the partition already flat in fp32 here, each gradient copied into
-    its place (the same layout: in order, zero-padded to the partition's size), so the flat bf16
-    copy, 2 bytes a parameter of this rank's partition, never exists. The values are the same:
-    casting before or after the concatenation rounds nothing differently."""
+    DeepSpeed 0.19.8's step concatenates the partition's gradients into one flat bf16 tensor, then
+    casts that to fp32 (stage_1_and_2.py ``step``; stage3.py ``_prepare_fp32_grad_for_sub_group``,
+    a sub-group at a time): for the moment of the cast it holds the gradients, their flat copy and
+    the fp32 copy, and that moment is the step's (and a GRPO or DPO step's) memory peak. Here each
+    gradient is copied into its place in an fp32 partition instead (the same layout: in order,
+    ZeRO-1/2's zero padding to the partition's size), so the flat bf16 copy, 2 bytes a parameter of
+    the partition, never exists and DeepSpeed's cast is a no-op. The values are the same: casting
+    before or after the concatenation rounds nothing differently. ZeRO-1/2 take the partition
+    through their own ``_get_preflattened_grad_partition`` hook (used by their fp32-accumulation
+    path); ZeRO-3's prepare step runs as it is with its ``flatten`` giving the fp32 partition."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     opt = zero_optimizer
-    if (not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or getattr(opt, "zenflow", False)
-            or not hasattr(opt, "_get_preflattened_grad_partition")):
-        return False
-    if all(m.dtype == opt.dtype for m in opt.single_partition_of_fp32_groups):
-        return False  # flattening already gives the master dtype: no second copy to save
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        return _zero12_flat_in_master_dtype(opt)
+    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        return _zero3_flat_in_master_dtype(opt)
+    return False
+
+
+def _flat_into(grads: list[torch.Tensor], master: torch.Tensor, size: int) -> torch.Tensor:
+    """``grads`` end to end in a new [size] tensor of ``master``'s dtype, zero-padded."""
+    out = torch.empty(size, dtype=master.dtype, device=master.device)
+    offset = 0
+    for g in grads:
+        out.narrow(0, offset, g.numel()).copy_(g.reshape(-1))
+        offset += g.numel()
+    out.narrow(0, offset, size - offset).zero_()
+    return out
+
+
+def _counted(opt: Any) -> None:
+    opt.posttrain_flat_casts = getattr(opt, "posttrain_flat_casts", 0) + 1
+
+
+def _zero12_flat_in_master_dtype(opt: Any) -> bool:
+    if (opt.cpu_offload or getattr(opt, "zenflow", False) or not hasattr(opt, "_get_preflattened_grad_partition")
+            or all(m.dtype == opt.dtype for m in opt.single_partition_of_fp32_groups)):
+        return False  # no offload path here; same dtypes: flattening gives the master dtype already
     preflattened = opt._get_preflattened_grad_partition
 
     def flat_in_master_dtype(i: int) -> torch.Tensor | None:
@@ -69,16 +93,36 @@ def cast_grads_while_flattening(zero_optimizer: Any) -> bool:
         size = int(opt.partition_size[i])
         if flat is not None or grads is None or master.dtype == opt.dtype or sum(g.numel() for g in grads) > size:
             return flat  # None: DeepSpeed's own flatten (and its size assertion)
-        out = torch.empty(size, dtype=master.dtype, device=master.device)
-        offset = 0
-        for g in grads:
-            out.narrow(0, offset, g.numel()).copy_(g.reshape(-1))
-            offset += g.numel()
-        out.narrow(0, offset, size - offset).zero_()
-        opt.posttrain_flat_casts = getattr(opt, "posttrain_flat_casts", 0) + 1
-        return out
+        _counted(opt)
+        return _flat_into(grads, master, size)
 
     opt._get_preflattened_grad_partition = flat_in_master_dtype
+    return True
+
+
+def _zero3_flat_in_master_dtype(opt: Any) -> bool:
+    if (opt.offload_optimizer or not hasattr(opt, "_prepare_fp32_grad_for_sub_group")
+            or all(m.dtype == opt.dtype for m in opt.fp32_partitioned_groups_flat)):
+        return False
+    prepare = opt._prepare_fp32_grad_for_sub_group
+
+    def prepare_in_master_dtype(sub_group_id: int) -> None:
+        master = opt.fp32_partitioned_groups_flat[sub_group_id]
+        flatten = opt.flatten
+
+        def flat(grads: list[torch.Tensor]) -> torch.Tensor:
+            if sum(g.numel() for g in grads) != master.numel():
+                return flatten(grads)  # DeepSpeed's own, and its size assertion
+            _counted(opt)
+            return _flat_into(grads, master, master.numel())
+
+        opt.flatten = flat  # the one flatten of that method
+        try:
+            prepare(sub_group_id)
+        finally:
+            opt.flatten = flatten
+
+    opt._prepare_fp32_grad_for_sub_group = prepare_in_master_dtype
     return True
 
 

@@ -134,13 +134,16 @@ def test_fp32_master_gets_its_gradients_cast_while_flattened(runs):
 
 
 def test_cast_while_flattening_at_two_ranks(tmp_path):
-    """Two ranks: each flattens its own partition of the gradients (parameters split across
-    them) straight into fp32, to the bit DeepSpeed's flatten-then-cast (tests/dist/flat_cast_run.py)."""
+    """Two ranks, the policy under ZeRO-2 and ZeRO-3: each rank flattens its own partition of the
+    gradients (parameters split across them) straight into fp32, to the bit DeepSpeed's
+    flatten-then-cast (tests/dist/flat_cast_run.py)."""
     res = run_json("flat_cast_run.py", str(tmp_path), tmp_path=tmp_path, nproc=2)
-    cast, plain = res["cast"], res["flatten_then_cast"]
-    assert cast["flat_casts"] == [4, 4] and plain["flat_casts"] == [0, 0]
-    assert cast["losses"] == plain["losses"] and cast["grad_norms"] == plain["grad_norms"]
-    assert len(cast["losses"]) == 4
+    for policy, stage in (("zero2_train", 2), ("zero3_train", 3)):
+        cast, plain = res[f"{policy}-True"], res[f"{policy}-False"]
+        assert cast["stage"] == plain["stage"] == stage
+        assert cast["flat_casts"] == [4, 4] and plain["flat_casts"] == [0, 0], (policy, cast["flat_casts"])
+        assert cast["losses"] == plain["losses"] and cast["grad_norms"] == plain["grad_norms"], policy
+        assert len(cast["losses"]) == 4
 
 
 def test_shared_master_resumes_exactly(runs):

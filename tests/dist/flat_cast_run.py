@@ -1,6 +1,7 @@
-"""Two or more processes, bf16 gradients and fp32 master weights under ZeRO-2: posttrain's DPO with
-and without zero_fixes.cast_grads_while_flattening, on the same pairs; rank 0 writes the losses,
-grad norms and how often each rank's partition was cast while flattened (tests/test_precision.py)."""
+"""Two or more processes, bf16 gradients and fp32 master weights, the policy under ZeRO-2 and under
+ZeRO-3: posttrain's DPO with and without zero_fixes.cast_grads_while_flattening, on the same pairs;
+rank 0 writes the losses, grad norms and how often each rank's partition was cast while flattened
+(tests/test_precision.py)."""
 
 import json
 import sys
@@ -13,15 +14,16 @@ from posttrain.demo import synthetic, tiny
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 
-def run(tmp: Path, cast: bool) -> dict:
+def run(tmp: Path, cast: bool, policy: str) -> dict:
     original = session_module.cast_grads_while_flattening
     if not cast:
         session_module.cast_grads_while_flattening = lambda optimizer: False
     try:
         cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
-                        output_dir=str(tmp / f"cast-{cast}"), overwrite_output_dir=True, max_steps=4, learning_rate=1e-3,
+                        output_dir=str(tmp / f"cast-{cast}-{policy}"), overwrite_output_dir=True, max_steps=4, learning_rate=1e-3,
                         per_device_train_batch_size=2, logging_steps=1, gradient_checkpointing=False,
-                        disable_tqdm=True, bf16=True, seed=0, master_weights="fp32")
+                        disable_tqdm=True, bf16=True, seed=0, master_weights="fp32",
+                        role_configs={"policy": policy})
         trainer = DPOTrainer(cfg, train_dataset=synthetic.preference_pairs(8, seed=3))
         zero = trainer.session.engines["policy"].optimizer
         history = trainer.train()
@@ -29,13 +31,14 @@ def run(tmp: Path, cast: bool) -> dict:
         dist.all_gather_object(casts, getattr(zero, "posttrain_flat_casts", 0))
         return {"losses": [h["loss"] for h in history if "loss" in h],
                 "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
-                "flat_casts": casts, "partition_sizes": [int(s) for s in zero.partition_size]}
+                "flat_casts": casts, "stage": trainer.session.zero_stage("policy")}
     finally:
         session_module.cast_grads_while_flattening = original
 
 
 def main(out: str, tmp: str) -> None:
-    res = {"cast": run(Path(tmp), True), "flatten_then_cast": run(Path(tmp), False)}
+    res = {f"{policy}-{cast}": run(Path(tmp), cast, policy) for policy in ("zero2_train", "zero3_train")
+           for cast in (True, False)}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(res))
 

@@ -7,6 +7,9 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 #                                                 from; then a GRPO round, TRL first; ~6 minutes)
 #   PART=2 bash benchmarks/run_h200_rollout.sh   (flex_attention with static rows beside SDPA in the variants
 #                                                 bench: GRPO's step and the long step; ~4 minutes)
+#   PART=4 bash benchmarks/run_h200_rollout.sh   (DPO and distillation 1.1B under DeepSpeed with fp32 master
+#                                                 weights beside TRL: NOTES section 22 predicts the step's
+#                                                 peak 2.05 GiB under section 12's 24.65; ~6 minutes)
 #   PART=3 bash benchmarks/run_h200_rollout.sh   (shared prompt slots, their parts on SDPA's kernels, beside the
 #                                                 default at 1.1B: 512 sequences through 512 slots, log-prob
 #                                                 gaps, every row to the end and its step; ~8 minutes)
@@ -33,4 +36,10 @@ if [ "${PART:-1}" = 3 ]; then
 timeout 500 python benchmarks/rollout_bench.py --shapes 1b --cases varlen,logprobs,full --kv-slots 512 --shared-prompt off,on \
   --repeats 2 --budget-s 450 --out "$RES/rollout_1b_shared.json" > "$RES/rollout_shared.log" 2>&1
 echo "1b shared rc=$?" >> "$RES/rc.txt"; pack
+fi
+if [ "${PART:-1}" = 4 ]; then
+timeout 280 python benchmarks/dpo_race.py --out "$RES/dpo_race.jsonl" --sides trl,posttrain-ds-fp32 --rounds 1 \
+  > "$RES/dpo_race.log" 2>&1; echo "dpo race rc=$?" >> "$RES/rc.txt"; pack
+timeout 280 python benchmarks/distill_race.py --out "$RES/distill_race.jsonl" --sides trl,posttrain-ds-fp32 --rounds 1 \
+  > "$RES/distill_race.log" 2>&1; echo "distill race rc=$?" >> "$RES/rc.txt"; pack
 fi

@@ -416,7 +416,6 @@ class DecodeEngine:
                 x, h = self._layer_fn(spec, lw, x, h, cos, sin, self.keys[i], self.values[i], where, bias, next_norm,
                                       prompt)
                 continue
-            (h,) = static(h)
             q, k, v = self._qkv_fn(spec, lw, h, cos, sin)
             # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
             self.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))

@@ -9,6 +9,11 @@ a half-updated model. Deferring the interrupt to a step boundary would make the 
 but then Ctrl-C does not stop a long step, torchrun SIGKILLs its workers 30 s after forwarding
 the signal (often mid-save), and GRPO/RLOO can only resume on generation boundaries. So the line
 names the newest complete checkpoint (``save_steps`` writes them) instead.
+
+The KeyboardInterrupt can also cut an object's ``__init__`` short, and that object's ``__del__``
+then fails when it is collected (tqdm's bar has no ``pos`` yet), which Python prints as "Exception
+ignored in ... Traceback". After the signal such destructor errors are the interrupt's own
+debris, so they are dropped; before it they reach the usual hook.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 SAME_INTERRUPT_S = 2.0
 EXIT_STATUS = 130
 
-_state: dict[str, Any] = {"signal": None, "at": 0.0, "describe": None}
+_state: dict[str, Any] = {"signal": None, "at": 0.0, "describe": None, "unraisablehook": sys.unraisablehook}
 
 
 def install() -> None:
@@ -36,6 +41,14 @@ def install() -> None:
         return
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
+    if sys.unraisablehook is not _drop_after_signal:
+        _state["unraisablehook"] = sys.unraisablehook
+        sys.unraisablehook = _drop_after_signal
+
+
+def _drop_after_signal(unraisable: Any) -> None:
+    if _state["signal"] is None:
+        _state["unraisablehook"](unraisable)
 
 
 def track(describe: Callable[[], str] | None) -> None:

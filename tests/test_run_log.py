@@ -138,6 +138,40 @@ def test_sigterm_gives_the_line_once_and_130(tmp_path, capsys):
     assert log.done == 1
 
 
+HALF_BUILT_BAR = """
+import os, signal, sys, time
+from posttrain.scripts.args import run_script
+
+class Bar:  # tqdm's shape: __del__ reads what __init__ sets last
+    def __init__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        self.pos = 0
+
+    def __del__(self):
+        abs(self.pos)
+
+class Early:  # collected before any signal: its error is still printed
+    def __del__(self):
+        raise RuntimeError("a destructor error before the interrupt")
+
+def main(argv):
+    Early()
+    Bar()
+
+sys.exit(run_script(main, []))
+"""
+
+
+def test_ctrl_c_inside_an_objects_init_prints_no_destructor_traceback():
+    proc = subprocess.run([sys.executable, "-c", HALF_BUILT_BAR], cwd=ROOT, env=launch_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    before, after = proc.stderr.split("[posttrain] interrupted before training started")
+    assert "a destructor error before the interrupt" in before
+    assert "Traceback" not in after and "pos" not in after, proc.stderr
+
+
 # -- Ctrl-C on real runs ----------------------------------------------------------------------------
 DPO_ARGS = ["--max_steps", "400", "--synthetic_train_size", "64", "--synthetic_eval_size", "16", "--eval_strategy",
             "no", "--logging_steps", "1", "--save_steps", "2", "--disable_tqdm", "true"]

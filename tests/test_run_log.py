@@ -115,6 +115,7 @@ def test_sigterm_gives_the_line_once_and_130(tmp_path, capsys):
     from posttrain import interrupt
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    saved_hook = sys.unraisablehook
     try:
         interrupt.install()
         log = log_rows(tmp_path, [(1, {"loss": 1.0})])
@@ -132,6 +133,7 @@ def test_sigterm_gives_the_line_once_and_130(tmp_path, capsys):
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        sys.unraisablehook = saved_hook
         interrupt.track(None)
     err = capsys.readouterr().err
     assert err.count("[posttrain] stopped by SIGTERM at step 1 of 10; no checkpoint yet") == 1

@@ -57,7 +57,7 @@ from ..dsconfig import ConfigError
 from . import decoder, step
 from .adapters import Adapters
 from .decoder import DecoderSpec
-from .prompt_cache import SharedPrompts, default_prompt_slots
+from .prompt_cache import SharedPrompts, bucket_sizes, default_prompt_slots
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -202,12 +202,7 @@ class DecodeEngine:
         self.sync_every, self.length_bucket = sync_every, max(1, length_bucket)
         self.share_prefix, self.prefill_tokens = share_prefix, prefill_tokens
         self.admit_min = admit_min if admit_min is not None else max(1, slots // 8)
-        sizes = {slots}
-        b = max(1, smallest_bucket)
-        while b < slots:
-            sizes.add(b)
-            b *= 2
-        self.batch_buckets = sorted(sizes)
+        self.batch_buckets = bucket_sizes(smallest_bucket, slots)
         self.use_graphs = (dev.type == "cuda") if use_graphs is None else use_graphs
         # What torch.compile covers (POSTTRAIN_ROLLOUT_COMPILE): "layer" (default on CUDA) the parts
         # above, "none" nothing (eager kernels captured as they are; CPU's default). ``compile_backend``

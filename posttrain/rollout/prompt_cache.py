@@ -37,6 +37,16 @@ def default_prompt_slots(slots: int, group_size: int) -> int:
     return math.ceil(slots / group_size) + (1 if slots % group_size else 0)
 
 
+def bucket_sizes(smallest: int, largest: int) -> list[int]:
+    """Powers of two from ``smallest`` below ``largest``, and ``largest``: the batch sizes a step
+    is compiled and captured for (row slots here and in the engine)."""
+    sizes, b = {largest}, max(1, smallest)
+    while b < largest:
+        sizes.add(b)
+        b *= 2
+    return sorted(sizes)
+
+
 class SharedPrompts:
     """The prompt slots, their assignment and the index tensors the decode step reads."""
 
@@ -52,11 +62,7 @@ class SharedPrompts:
         # row r's s * group_size + j. The graphs hold these addresses: written in place only.
         self.members = torch.full((prompt_slots, group_size), slots, dtype=torch.long, device=device)
         self.place = torch.zeros(slots, dtype=torch.long, device=device)
-        sizes, b = {prompt_slots}, 1
-        while b < prompt_slots:
-            sizes.add(b)
-            b *= 2
-        self.buckets = sorted(sizes)
+        self.buckets = bucket_sizes(1, prompt_slots)
         self.reset()
 
     @property

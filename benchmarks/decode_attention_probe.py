@@ -6,7 +6,9 @@ Beside that call (``sdpa``, whatever kernel SDPA dispatches to), each SDPA backe
 keys split into S chunks ("split-K", as flash decoding does): the cache slice viewed, without a
 copy, as [rows * kv_heads, S, L / S, head_dim] (the splits take the place of the heads), each
 chunk's output and log-sum-exp from SDPA's memory-efficient kernel (``decoder.sdpa_lse``), merged
-by their log-sum-exps. Each variant runs once per layer on its own cache (22 of them: the L2 cache
+by their log-sum-exps. ``triton_*``: posttrain's Triton kernel split over the keys
+(``posttrain/rollout/triton_decode.py``, S splits or its own choice, key blocks of N), loaded from
+its file so that the probe needs only torch and Triton. Each variant runs once per layer on its own cache (22 of them: the L2 cache
 does not hold the keys between layers) inside one CUDA graph; the time is a replay's over 22.
 
     python benchmarks/decode_attention_probe.py --shapes 128x768,16x512 --out probe.json
@@ -16,6 +18,7 @@ does not hold the keys between layers) inside one CUDA graph; the time is a repl
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -27,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from posttrain.rollout.decoder import sdpa_lse  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 KV_HEADS, GROUPS, HEAD_DIM = 4, 8, 64  # the 1.1B Llama: 32 query heads, 4 key/value heads
 
@@ -43,13 +45,24 @@ def split_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, split_
     chunk = keys.shape[2] // splits
     ks = keys.reshape(b * h, splits, chunk, d)  # a view: rows and heads merge, the keys split
     vs = values.reshape(b * h, splits, chunk, d)
+    from posttrain.rollout.decoder import sdpa_lse
+
     qs = q.reshape(b * h, 1, g, d).expand(b * h, splits, g, d).contiguous()
     out, lse = sdpa_lse(qs, ks, vs, split_bias, scale)  # [BH, S, G, d], [BH, S, G]
     weight = torch.softmax(lse, dim=1).unsqueeze(-1)  # each chunk's share of the softmax's mass
     return (out.float() * weight).sum(1).to(q.dtype).view(b, h, g, d)
 
 
-def variants(splits: list[int], cuda: bool) -> dict[str, Callable[..., torch.Tensor]]:
+def triton_kernel() -> Any:
+    """posttrain's Triton decode kernel from its file (not through the package, which imports transformers)."""
+    spec = importlib.util.spec_from_file_location("triton_decode", ROOT / "posttrain" / "rollout" / "triton_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def variants(splits: list[int], cuda: bool, triton_configs: list[tuple[int | None, int]]
+             ) -> dict[str, Callable[..., torch.Tensor]]:
     def forced(backend: SDPBackend, masked: bool = True) -> Callable[..., torch.Tensor]:
         def run(q, k, v, bias, _split_bias, scale):
             with sdpa_kernel([backend]):
@@ -66,11 +79,18 @@ def variants(splits: list[int], cuda: bool) -> dict[str, Callable[..., torch.Ten
         return lambda q, k, v, _bias, split_bias, scale: split_keys(q, k, v, split_bias[s], s, scale)
 
     out.update({f"split{s}": split(s) for s in splits})
+    if triton_configs:
+        kernel = triton_kernel()
+
+        def triton_variant(s: int | None, n: int) -> Callable[..., torch.Tensor]:
+            return lambda q, k, v, bias, _sb, scale: kernel.decode_attention(q, k, v, bias, scale, splits=s, block_n=n)
+
+        out.update({f"triton_s{s or 'auto'}_n{n}": triton_variant(s, n) for s, n in triton_configs})
     return out
 
 
-def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.device, replays: int
-          ) -> list[dict[str, Any]]:
+def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.device, replays: int,
+          triton_configs: list[tuple[int | None, int]]) -> list[dict[str, Any]]:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
@@ -87,7 +107,7 @@ def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.
     ref_k, ref_v = caches[0][0][:, :, :length].float(), caches[0][1][:, :, :length].float()
     reference = torch.softmax(q.float() @ ref_k.transpose(-1, -2) * scale + bias.float(), -1) @ ref_v
     results = []
-    for name, fn in variants([s for s in splits if s in split_bias], cuda).items():
+    for name, fn in variants([s for s in splits if s in split_bias], cuda, triton_configs).items():
         row: dict[str, Any] = {"rows": rows, "columns": length, "variant": name}
         try:
             def layer_calls(fn: Callable[..., torch.Tensor] = fn) -> torch.Tensor:
@@ -130,19 +150,23 @@ def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="128x768,16x512", help="rows x columns, comma-separated")
-    ap.add_argument("--splits", default="2,4,8")
+    ap.add_argument("--splits", default="2,4,8", help="split-K over SDPA's kernel ('' for none)")
+    ap.add_argument("--triton", default="", help="the Triton kernel's splits x key block, e.g. auto x64,2x64 "
+                    "('' for none)")
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    splits = [int(s) for s in args.splits.split(",")]
+    splits = [int(s) for s in args.splits.split(",") if s]
+    triton_configs = [(None if s == "auto" else int(s), int(n))
+                      for s, n in (c.split("x") for c in args.triton.split(",") if c)]
     t0 = time.perf_counter()
     rows = []
     for shape in args.shapes.split(","):
         r, c = (int(x) for x in shape.split("x"))
-        rows += probe(r, c, args.layers, splits, device, args.replays)
+        rows += probe(r, c, args.layers, splits, device, args.replays, triton_configs)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "seconds": round(time.perf_counter() - t0, 1)}
     if args.out:

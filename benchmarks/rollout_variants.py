@@ -9,7 +9,8 @@ in ONE process, at one shape (the 1.1B Llama by default), each variant a new eng
   output (1) or a bf16 ``bmm`` cast to float32 (0);
 - ``sdpa`` (``POSTTRAIN_ROLLOUT_SDPA``): decode attention as one ``scaled_dot_product_attention``
   call (a group's query heads as its queries) instead of bmm, softmax, bmm; or (``flex`` in the
-  name, ``POSTTRAIN_ROLLOUT_FLEX``) ``flex_attention``, inductor's flex decoding kernel.
+  name, ``POSTTRAIN_ROLLOUT_FLEX``) ``flex_attention``, inductor's flex decoding kernel; or
+  (``triton``, ``POSTTRAIN_ROLLOUT_TRITON``) posttrain's Triton kernel (``rollout/triton_decode.py``).
 
 Two workloads per variant, every row to the end (no stop tokens), on one engine of 128 slots x
 (256 + 512): (a) GRPO's, 16 rows x (256 + 256); (b) 128 rows x (256 + 512). Per workload: the
@@ -35,16 +36,16 @@ from typing import Any
 
 import torch
 
-# fused, split, fp32 scores, attention (0 bmm, 1 SDPA, 2 flex_attention): the engine as it was first, then by
-# expected gain (--budget-s cuts the tail); flex last (section 19).
+# fused, split, fp32 scores, attention (0 bmm, 1 SDPA, 2 flex_attention, 3 posttrain's Triton kernel): the
+# engine as it was first, then by expected gain (--budget-s cuts the tail); flex (section 19), then Triton last.
 VARIANTS = ((0, 1, 1, 0), (1, 1, 1, 0), (0, 0, 1, 0), (1, 0, 1, 0), (1, 0, 1, 1), (1, 0, 0, 0), (0, 1, 1, 1),
-            (0, 1, 0, 0), (1, 1, 1, 1), (1, 1, 0, 0), (1, 1, 1, 2), (0, 1, 1, 2))
+            (0, 1, 0, 0), (1, 1, 1, 1), (1, 1, 0, 0), (1, 1, 1, 2), (0, 1, 1, 2), (1, 1, 1, 3))
 LAUNCH = re.compile(r"^\s*(?:\w+\.run\(|cpp_fused_\w+\(|extern_kernels\.\w+\(|torch\.ops\.\w+\.\w+)")
 
 
 def name(variant: tuple[int, int, int, int]) -> str:
     fused, split, fp32, attention = variant
-    return f"fused{fused}_split{split}_" + ("sdpa" if attention == 1 else "flex" if attention == 2 else f"fp32{fp32}")
+    return f"fused{fused}_split{split}_" + {1: "sdpa", 2: "flex", 3: "triton"}.get(attention, f"fp32{fp32}")
 
 
 def parse_variants(text: str) -> list[tuple[int, int, int, int]]:
@@ -163,7 +164,7 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
         r = e = None
         try:
             options = dict(fused=bool(fused), split_layer=bool(split), fp32_scores=bool(fp32), sdpa_decode=sdpa == 1,
-                           flex_decode=sdpa == 2)
+                           flex_decode=sdpa == 2, triton_decode=sdpa == 3)
             if compile_mode:
                 options["compile_mode"] = compile_mode
             r = Rollout(None, "policy", built, max_batch=slots, max_prompt_len=p, model=model, kv_slots=slots,
@@ -213,7 +214,8 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
                            compile_fallbacks=st.get("compile_fallbacks"),
                            capture_fallbacks=st.get("capture_fallbacks"), split_fallbacks=st.get("split_fallbacks"),
                            sdpa_fallbacks=st.get("sdpa_fallbacks"), flex_ran=st.get("flex_decode"),
-                           flex_fallbacks=st.get("flex_fallbacks"),
+                           flex_fallbacks=st.get("flex_fallbacks"), triton_ran=st.get("triton_decode"),
+                           triton_fallbacks=st.get("triton_fallbacks"),
                            captures=st.get("captures"), capture_s=st.get("capture_s"),
                            fused_weight_bytes=st.get("fused_weight_bytes"),
                            fallback_reasons=st.get("fallback_reasons"),

@@ -13,6 +13,9 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 #   PART=3 bash benchmarks/run_h200_rollout.sh   (shared prompt slots, their parts on SDPA's kernels, beside the
 #                                                 default at 1.1B: 512 sequences through 512 slots, log-prob
 #                                                 gaps, every row to the end and its step; ~8 minutes)
+#   PART=5 bash benchmarks/run_h200_rollout.sh   (posttrain's Triton decode kernel: alone beside SDPA's kernels
+#                                                 in the decode probe, then in the step beside SDPA in the
+#                                                 variants bench; NOTES section 23's predictions; ~5 minutes)
 # Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/ as each part finishes; every part is
 # bounded by `timeout`; PACK=file.tgz tars the results after each.
 set -u
@@ -42,4 +45,12 @@ timeout 280 python benchmarks/dpo_race.py --out "$RES/dpo_race.jsonl" --sides tr
   > "$RES/dpo_race.log" 2>&1; echo "dpo race rc=$?" >> "$RES/rc.txt"; pack
 timeout 280 python benchmarks/distill_race.py --out "$RES/distill_race.jsonl" --sides trl,posttrain-ds-fp32 --rounds 1 \
   > "$RES/distill_race.log" 2>&1; echo "distill race rc=$?" >> "$RES/rc.txt"; pack
+fi
+if [ "${PART:-1}" = 5 ]; then
+timeout 120 python benchmarks/decode_attention_probe.py --shapes 128x768,16x512 --splits "" \
+  --triton autox64,1x64,2x64,4x64,8x64,autox32,autox128 --out "$RES/decode_probe_triton.json" \
+  > "$RES/decode_probe_triton.log" 2>&1; echo "triton probe rc=$?" >> "$RES/rc.txt"; pack
+timeout 260 python benchmarks/rollout_bench.py --shapes 1b --cases variants --variants fused1_split1_sdpa,fused1_split1_triton \
+  --budget-s 230 --out "$RES/variants_triton_1b.json" > "$RES/variants_triton.log" 2>&1; echo "triton variants rc=$?" >> "$RES/rc.txt"
+pack
 fi

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# posttrain's Triton kernel runs in Triton's interpreter on this CPU; Triton reads this when a
+# kernel's module is imported, so it is set before any test imports one.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 # Set by an in-process session or accelerate (ACCELERATE_USE_DEEPSPEED, WORLD_SIZE, MASTER_PORT, ...):
 # never handed to a launched run (torchrun sets its own world; a child TRL trainer would read
 # ACCELERATE_USE_DEEPSPEED and train under DeepSpeed).

@@ -147,10 +147,11 @@ class Rollout:
     @property
     def degraded(self) -> bool:
         """Whether generation runs slower than it should: a compile, capture, flex, SDPA or
-        fused-views fallback, or a rollout that ran ``generate`` for its adapters' state."""
+        Triton-kernel or fused-views fallback, or a rollout that ran ``generate`` for its adapters' state."""
         return bool(self.stats["compile_fallbacks"] or self.stats["capture_fallbacks"]
                     or self.stats["adapter_fallbacks"] or self.stats.get("fused_fallbacks")
-                    or self.stats.get("sdpa_fallbacks") or self.stats.get("flex_fallbacks"))
+                    or self.stats.get("sdpa_fallbacks") or self.stats.get("flex_fallbacks")
+                    or self.stats.get("triton_fallbacks"))
 
     # -- where the weights are ---------------------------------------------------------------------
     def _module(self) -> nn.Module:

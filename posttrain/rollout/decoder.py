@@ -14,7 +14,8 @@ cast, rotation in the model dtype), and the decode attention is one ``scaled_dot
 call, as the forward's (``sdpa_decode``, the default); off, it keeps its scores in float32 as SDPA's
 kernels do internally (on CUDA a half-precision ``bmm`` with a float32 output, so the cache is not
 converted), then casts the probabilities to the model dtype for the product with the values.
-With ``flex_decode`` it is a ``flex_attention`` call (the mask as a score modification). Rows whose
+With ``flex_decode`` it is a ``flex_attention`` call (the mask as a score modification), with
+``triton_decode`` posttrain's own kernel (``triton_decode.py``). Rows whose
 prompt is in a shared prompt slot attend in two parts merged by their log-sum-exp
 (:func:`decode_attention_shared`): SDPA's kernels that return it, or explicit float32 attention.
 
@@ -98,6 +99,7 @@ class DecoderSpec:
     fp32_scores: bool  # decode attention scores kept in float32 (see the module docstring)
     sdpa_decode: bool = True  # decode attention by SDPA (one fused kernel) instead of bmm, softmax, bmm
     flex_decode: bool = False  # decode attention by flex_attention (before SDPA; shared prompt slots too)
+    triton_decode: bool = False  # decode attention by posttrain's Triton kernel (triton_decode.py; before flex)
 
     @classmethod
     def of(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> DecoderSpec:
@@ -351,6 +353,10 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
     """One query per row over the cache [B, kv_heads, L, d] (``bias`` [B, 1, 1, L]: 0 or -inf).
     The query heads of a group share one read of their key/value head (no repeat of the cache)."""
     b, groups, d = q.shape[0], spec.heads // spec.kv_heads, spec.head_dim
+    if spec.triton_decode:  # the op is registered by the engine's import of triton_decode
+        out = torch.ops.posttrain.decode_attention(q.reshape(b, spec.kv_heads, groups, d), keys, values, bias,
+                                                   spec.scaling)
+        return out.reshape(b, spec.heads, 1, d)
     if spec.flex_decode:
         return flex(q, keys, values, bias, spec.scaling)[0]
     if spec.sdpa_decode:

@@ -35,7 +35,8 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   (``POSTTRAIN_ROLLOUT_FUSE``), ``split_layer`` (``POSTTRAIN_ROLLOUT_SPLIT``), ``fp32_scores``
   (``POSTTRAIN_ROLLOUT_SCORES_FP32``), ``sdpa_decode`` (``POSTTRAIN_ROLLOUT_SDPA``),
   ``shared_prompt_kv`` (``POSTTRAIN_ROLLOUT_SHARED_PROMPT``, default off: slower where timed,
-  NOTES 21), ``flex_decode`` (``POSTTRAIN_ROLLOUT_FLEX``, default off).
+  NOTES 21), ``flex_decode`` (``POSTTRAIN_ROLLOUT_FLEX``, default off), ``triton_decode``
+  (``POSTTRAIN_ROLLOUT_TRITON``, default off: not yet timed, NOTES 23).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).
@@ -108,6 +109,19 @@ def _env_flag(name: str, value: bool | None, default: bool) -> bool:
     return default if choice is None else choice
 
 
+def _require_triton(device: torch.device) -> None:
+    """Import the Triton kernel (which registers its op), or say what is missing."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        raise ConfigError(f"triton_decode runs on CUDA, not {device.type}: unset POSTTRAIN_ROLLOUT_TRITON (or set "
+                          "TRITON_INTERPRET=1 to run the kernel in Triton's interpreter)")
+    try:
+        from . import triton_decode  # noqa: F401 - registers torch.ops.posttrain.decode_attention
+    except ImportError as err:
+        raise ConfigError(f"triton_decode needs Triton ({err}): install the triton that matches your torch, or "
+                          "unset POSTTRAIN_ROLLOUT_TRITON") from err
+
+
 def _static_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``tensors`` with their first (rows) dimension marked static for the compile. inductor gives
     flex_attention its decoding kernel (the keys split over thread blocks, for a few queries a
@@ -146,7 +160,7 @@ class DecodeEngine:
                  tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, fused: bool | None = None,
                  split_layer: bool | None = None, fp32_scores: bool | None = None,
                  sdpa_decode: bool | None = None, flex_decode: bool | None = None,
-                 shared_prompt_kv: bool | None = None, group_size: int = 1, prompt_slots: int | None = None) -> None:
+                 triton_decode: bool | None = None, shared_prompt_kv: bool | None = None, group_size: int = 1, prompt_slots: int | None = None) -> None:
         self.model, self.sampling = model, sampling
         self.slots, self.prompt_len = slots, max_prompt_len
         self.max_new = sampling.max_new_tokens
@@ -172,7 +186,8 @@ class DecodeEngine:
         # the training forward's own attention (log-probs as close to it as generate's; off: bmm,
         # softmax, bmm). ``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX, default off: slower than SDPA where
         # timed, NOTES 21): flex_attention instead (rows static for its decoding kernel; shared
-        # prompt slots' parts too).
+        # prompt slots' parts too). ``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON, default off):
+        # posttrain's Triton kernel (triton_decode.py), where no shared prompt slot is read.
         fuse = _env_choice("POSTTRAIN_ROLLOUT_FUSE", fused)
         views = decoder.fused_views(model, self.adapters) if fuse is not False else None
         self.fuse_views = views is not None
@@ -182,6 +197,9 @@ class DecodeEngine:
             self.spec = dataclasses.replace(self.spec, fp32_scores=False)
         self.spec = dataclasses.replace(self.spec, sdpa_decode=_env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, True),
                                         flex_decode=_env_flag("POSTTRAIN_ROLLOUT_FLEX", flex_decode, False))
+        if _env_flag("POSTTRAIN_ROLLOUT_TRITON", triton_decode, False):
+            _require_triton(dev)
+            self.spec = dataclasses.replace(self.spec, triton_decode=True)
         self.weights = decoder.read_weights(model, views or self.fused, self.adapters)
         spec = self.spec
         layers = len(self.weights["layers"])
@@ -250,7 +268,7 @@ class DecodeEngine:
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
                                       "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0,
-                                      "flex_fallbacks": 0, "fused_fallbacks": 0, "prompt_compactions": 0,
+                                      "flex_fallbacks": 0, "triton_fallbacks": 0, "fused_fallbacks": 0, "prompt_compactions": 0,
                                       "prompt_joins": 0, "prompt_waits": 0,
                                       "shared_prompt_kv": self.prompts is not None,
                                       "prompt_kv_bytes": self.prompts.nbytes if self.prompts else 0}
@@ -480,7 +498,7 @@ class DecodeEngine:
     def _prepare(self, rows: int, length: int) -> None:
         """Compile the step's parts (``compile_mode`` "layer") and run it once. A whole layer that
         fails to compile is retried split (``stats["split_fallbacks"]``), flex_attention with SDPA
-        (``stats["flex_fallbacks"]``), SDPA decode attention with bmm and softmax
+        (``stats["flex_fallbacks"]``; the Triton kernel likewise, ``triton_fallbacks``), SDPA decode attention with bmm and softmax
         (``stats["sdpa_fallbacks"]``), a compile that fails is
         retried with bf16 attention scores if it had float32 ones (``stats["fp32_scores"]``
         says which ran), then falls back to the eager parts: logged, and counted in
@@ -491,6 +509,7 @@ class DecodeEngine:
         self.stats["split_layer"] = self.split_layer
         self.stats["sdpa_decode"] = self.spec.sdpa_decode
         self.stats["flex_decode"] = self.spec.flex_decode
+        self.stats["triton_decode"] = self.spec.triton_decode
         if self.compile_mode == "none":
             return
         while True:
@@ -504,6 +523,13 @@ class DecodeEngine:
                                     "in two halves", err)
                     self.split_layer, self.stats["split_layer"] = True, True
                     self.stats["split_fallbacks"] += 1
+                    continue
+                if self.spec.triton_decode:
+                    self._fall_back("torch.compile of the step with the Triton decode kernel failed; retrying "
+                                    "without it", err)
+                    self.spec = dataclasses.replace(self.spec, triton_decode=False)
+                    self.stats["triton_decode"] = False
+                    self.stats["triton_fallbacks"] += 1
                     continue
                 if self.spec.flex_decode:
                     instead = "SDPA" if self.spec.sdpa_decode else "bmm and softmax"

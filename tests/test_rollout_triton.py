@@ -1,0 +1,92 @@
+"""posttrain's Triton decode-attention kernel (posttrain/rollout/triton_decode.py), run on the CPU
+by Triton's interpreter (TRITON_INTERPRET=1, set by conftest before Triton is imported): against
+the attention it replaces, and inside the engine, eager and traced as CUDA compiles it.
+(The interpreter's bf16 matrix product is wrong, so float32 and float16 here.)"""
+
+import pytest
+import torch
+from test_rollout import build, rollout
+
+from posttrain.demo import tiny
+from posttrain.dsconfig import ConfigError
+
+
+def attention(q, keys, values, bias, scale, ends=None):
+    """What the kernel computes, in float32: softmax over the unmasked keys below each row's end;
+    a row with none gives zeros."""
+    length = keys.shape[2]
+    bias = bias.reshape(q.shape[0], 1, 1, length).float()
+    if ends is not None:
+        past = torch.arange(length).view(1, 1, 1, length) >= ends.view(-1, 1, 1, 1)
+        bias = bias.masked_fill(past, float("-inf"))
+    scores = q.float() @ keys.float().transpose(-1, -2) * scale + bias
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ values.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("groups, head_dim, length, block_n, splits, with_ends", [
+    (2, 16, 40, 16, 1, False),  # the tiny default's shape, one program a row and head: no merge
+    (2, 16, 40, 16, 2, True),
+    (8, 64, 200, 64, 4, True),  # the 1.1B Llama's group and head size, the last split partial
+    (8, 64, 200, 64, None, False),  # the kernel's own split count
+])
+def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, block_n, splits, with_ends):
+    from posttrain.rollout.triton_decode import decode_attention
+
+    torch.manual_seed(0)
+    rows, kv_heads, cache_len = 5, 2, length + 24
+    q = torch.randn(rows, kv_heads, groups, head_dim, dtype=dtype)
+    # A bucket of a longer cache, read in place.
+    keys = torch.randn(rows + 2, kv_heads, cache_len, head_dim, dtype=dtype)[:rows, :, :length]
+    values = torch.randn(rows + 2, kv_heads, cache_len, head_dim, dtype=dtype)[:rows, :, :length]
+    valid = torch.arange(length) >= (torch.arange(rows) * 3).unsqueeze(1)  # left padding
+    valid[1] = False  # a row with every key masked
+    bias = torch.zeros(rows, 1, 1, length, dtype=dtype).masked_fill(~valid.view(rows, 1, 1, length), float("-inf"))
+    ends = torch.tensor([length - 7 * i for i in range(rows)], dtype=torch.int32) if with_ends else None
+    out = decode_attention(q, keys, values, bias, head_dim**-0.5, ends=ends, splits=splits, block_n=block_n)
+    want = attention(q, keys, values, bias, head_dim**-0.5, ends)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-3)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    if with_ends:  # the keys past a row's end are not read: garbage there changes nothing
+        keys[3, :, int(ends[3]):] = float("nan")
+        again = decode_attention(q, keys, values, bias, head_dim**-0.5, ends=ends, splits=splits, block_n=block_n)
+        assert torch.equal(again, out)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.load_tokenizer()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, tok):
+    """``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON): eager, and traced in whole graphs as CUDA
+    compiles it (fullgraph, aot_eager; the kernel one opaque op), streamed through fewer slots with
+    small buckets: the default engine's samples and log-probs, with no fallback."""
+    model = build("llama", tok)
+    enc = tok(["the cat sat on the", "a", "hello world how are you", "we went to"], return_tensors="pt",
+              padding=True, padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    torch.manual_seed(3)
+    want = rollout(model, tok).generate(ids, mask)
+    options = dict(triton_decode=True, kv_slots=3, smallest_bucket=1, length_bucket=8, sync_every=2)
+    if compiled:
+        torch._dynamo.reset()
+        options.update(compile_mode="layer", compile_backend="aot_eager")
+    r = rollout(model, tok, kv_slots=options.pop("kv_slots"), engine_options=options)
+    torch.manual_seed(3)
+    out = r.generate(ids, mask)
+    torch._dynamo.reset()
+    assert r.stats["triton_decode"] and r.stats["triton_fallbacks"] == 0 and not r.degraded, r.stats
+    assert r.stats["compile"] == ("layer" if compiled else "none")
+    assert torch.equal(want.sequences, out.sequences) and torch.equal(want.completion_mask, out.completion_mask)
+    assert (want.logprobs - out.logprobs).abs().max().item() < 1e-5
+
+
+def test_the_kernel_on_a_cpu_without_the_interpreter_is_refused(tok, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("POSTTRAIN_ROLLOUT_TRITON", "1")
+    ids = tok(["a"], return_tensors="pt")["input_ids"]
+    with pytest.raises(ConfigError, match="unset POSTTRAIN_ROLLOUT_TRITON"):
+        rollout(build("llama", tok), tok).generate(ids, torch.ones_like(ids))

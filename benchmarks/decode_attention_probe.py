@@ -7,7 +7,8 @@ keys split into S chunks ("split-K", as flash decoding does): the cache slice vi
 copy, as [rows * kv_heads, S, L / S, head_dim] (the splits take the place of the heads), each
 chunk's output and log-sum-exp from SDPA's memory-efficient kernel (``decoder.sdpa_lse``), merged
 by their log-sum-exps. ``triton_*``: posttrain's Triton kernel split over the keys
-(``posttrain/rollout/triton_decode.py``, S splits or its own choice, key blocks of N), loaded from
+(``posttrain/rollout/triton_decode.py``, S splits or its own choice, key blocks of N; a trailing
+``r``: masked keys read too, not skipped), loaded from
 its file so that the probe needs only torch and Triton. Each variant runs once per layer on its own cache (22 of them: the L2 cache
 does not hold the keys between layers) inside one CUDA graph; the time is a replay's over 22.
 
@@ -61,7 +62,7 @@ def triton_kernel() -> Any:
     return module
 
 
-def variants(splits: list[int], cuda: bool, triton_configs: list[tuple[int | None, int]]
+def variants(splits: list[int], cuda: bool, triton_configs: list[tuple[int | None, int, bool]]
              ) -> dict[str, Callable[..., torch.Tensor]]:
     def forced(backend: SDPBackend, masked: bool = True) -> Callable[..., torch.Tensor]:
         def run(q, k, v, bias, _split_bias, scale):
@@ -82,15 +83,17 @@ def variants(splits: list[int], cuda: bool, triton_configs: list[tuple[int | Non
     if triton_configs:
         kernel = triton_kernel()
 
-        def triton_variant(s: int | None, n: int) -> Callable[..., torch.Tensor]:
-            return lambda q, k, v, bias, _sb, scale: kernel.decode_attention(q, k, v, bias, scale, splits=s, block_n=n)
+        def triton_variant(s: int | None, n: int, skip: bool) -> Callable[..., torch.Tensor]:
+            return lambda q, k, v, bias, _sb, scale: kernel.decode_attention(q, k, v, bias, scale, splits=s, block_n=n,
+                                                                               skip_masked=skip)
 
-        out.update({f"triton_s{s or 'auto'}_n{n}": triton_variant(s, n) for s, n in triton_configs})
+        out.update({f"triton_s{s or 'auto'}_n{n}{'' if skip else '_read_masked'}": triton_variant(s, n, skip)
+                    for s, n, skip in triton_configs})
     return out
 
 
 def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.device, replays: int,
-          triton_configs: list[tuple[int | None, int]]) -> list[dict[str, Any]]:
+          triton_configs: list[tuple[int | None, int, bool]]) -> list[dict[str, Any]]:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
@@ -151,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="128x768,16x512", help="rows x columns, comma-separated")
     ap.add_argument("--splits", default="2,4,8", help="split-K over SDPA's kernel ('' for none)")
-    ap.add_argument("--triton", default="", help="the Triton kernel's splits x key block, e.g. auto x64,2x64 "
-                    "('' for none)")
+    ap.add_argument("--triton", default="", help="the Triton kernel's splits x key block, e.g. autox64,2x64,"
+                    "autox64r (r: masked keys read; '' for none)")
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     splits = [int(s) for s in args.splits.split(",") if s]
-    triton_configs = [(None if s == "auto" else int(s), int(n))
+    triton_configs = [(None if s == "auto" else int(s), int(n.rstrip("r")), not n.endswith("r"))
                       for s, n in (c.split("x") for c in args.triton.split(",") if c)]
     t0 = time.perf_counter()
     rows = []

@@ -11,26 +11,22 @@ from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
 
 
-def attention(q, keys, values, bias, scale, ends=None):
-    """What the kernel computes, in float32: softmax over the unmasked keys below each row's end;
-    a row with none gives zeros."""
-    length = keys.shape[2]
-    bias = bias.reshape(q.shape[0], 1, 1, length).float()
-    if ends is not None:
-        past = torch.arange(length).view(1, 1, 1, length) >= ends.view(-1, 1, 1, 1)
-        bias = bias.masked_fill(past, float("-inf"))
+def attention(q, keys, values, bias, scale):
+    """What the kernel computes, in float32: softmax over the unmasked keys; a row with none gives
+    zeros."""
+    bias = bias.reshape(q.shape[0], 1, 1, keys.shape[2]).float()
     scores = q.float() @ keys.float().transpose(-1, -2) * scale + bias
     return torch.softmax(scores, -1).nan_to_num(0.0) @ values.float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("groups, head_dim, length, block_n, splits, with_ends", [
-    (2, 16, 40, 16, 1, False),  # the tiny default's shape, one program a row and head: no merge
-    (2, 16, 40, 16, 2, True),
+@pytest.mark.parametrize("groups, head_dim, length, block_n, splits, skip", [
+    (2, 16, 40, 16, 1, True),  # the tiny default's shape, one program a row and head: no merge
+    (2, 16, 40, 16, 2, False),
     (8, 64, 200, 64, 4, True),  # the 1.1B Llama's group and head size, the last split partial
-    (8, 64, 200, 64, None, False),  # the kernel's own split count
+    (8, 64, 200, 64, None, True),  # the kernel's own split count
 ])
-def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, block_n, splits, with_ends):
+def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, block_n, splits, skip):
     from posttrain.rollout.triton_decode import decode_attention
 
     torch.manual_seed(0)
@@ -40,17 +36,18 @@ def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, b
     keys = torch.randn(rows + 2, kv_heads, cache_len, head_dim, dtype=dtype)[:rows, :, :length]
     values = torch.randn(rows + 2, kv_heads, cache_len, head_dim, dtype=dtype)[:rows, :, :length]
     valid = torch.arange(length) >= (torch.arange(rows) * 3).unsqueeze(1)  # left padding
+    valid &= torch.arange(length) < (length - 7 * torch.arange(rows)).unsqueeze(1)  # rows that end earlier
     valid[1] = False  # a row with every key masked
     bias = torch.zeros(rows, 1, 1, length, dtype=dtype).masked_fill(~valid.view(rows, 1, 1, length), float("-inf"))
-    ends = torch.tensor([length - 7 * i for i in range(rows)], dtype=torch.int32) if with_ends else None
-    out = decode_attention(q, keys, values, bias, head_dim**-0.5, ends=ends, splits=splits, block_n=block_n)
-    want = attention(q, keys, values, bias, head_dim**-0.5, ends)
+    out = decode_attention(q, keys, values, bias, head_dim**-0.5, splits=splits, block_n=block_n, skip_masked=skip)
+    want = attention(q, keys, values, bias, head_dim**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-3)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
-    if with_ends:  # the keys past a row's end are not read: garbage there changes nothing
-        keys[3, :, int(ends[3]):] = float("nan")
-        again = decode_attention(q, keys, values, bias, head_dim**-0.5, ends=ends, splits=splits, block_n=block_n)
+    if skip:  # masked keys are not read: garbage there changes nothing
+        for cache in (keys, values):
+            cache.masked_fill_(~valid.view(rows, 1, length, 1), float("nan"))
+        again = decode_attention(q, keys, values, bias, head_dim**-0.5, splits=splits, block_n=block_n)
         assert torch.equal(again, out)
 
 
@@ -90,3 +87,50 @@ def test_the_kernel_on_a_cpu_without_the_interpreter_is_refused(tok, monkeypatch
     ids = tok(["a"], return_tensors="pt")["input_ids"]
     with pytest.raises(ConfigError, match="unset POSTTRAIN_ROLLOUT_TRITON"):
         rollout(build("llama", tok), tok).generate(ids, torch.ones_like(ids))
+
+
+AHEAD_OF_TIME = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from posttrain.rollout import triton_decode as td
+
+def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr")):
+    def one(n):
+        if n in constexprs:
+            return "constexpr"
+        if n.endswith("_ptr"):
+            return "*fp32" if n in fp32 else "*bf16"
+        return "fp32" if n in floats else "i32"
+    return {n: one(n) for n in fn.arg_names}
+
+target = GPUTarget("cuda", 90, 32)  # an H100 / H200
+for final in (False, True):
+    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=final)
+    k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target, options={"num_warps": 4})
+    print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"])
+c = dict(G=8, BLOCK_G=16, D=64, BLOCK_S=4)
+k = triton.compile(ASTSource(td._merge, types(td._merge, c), c), target=target, options={"num_warps": 4})
+print("merge", k.metadata.shared)
+"""
+
+
+def test_the_kernels_compile_for_an_h200(tmp_path):
+    """Triton compiles both kernels for sm_90 on this CPU (no GPU needed): what the interpreter
+    does not check (a kernel reading a plain global, a shape no MMA tile takes)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, launch_env
+
+    env = {k: v for k, v in launch_env(TRITON_CACHE_DIR=str(tmp_path)).items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("partial False") and lines[0].endswith("True"), lines  # tensor-core products
+    assert lines[1].startswith("partial True") and lines[2].startswith("merge"), lines
+    assert os.listdir(tmp_path)  # compiled, not only parsed

@@ -2,10 +2,10 @@
 
 One query token per row; the query heads of a group read their key/value head once. SDPA's cudnn
 kernel, which the engine calls by default, reads the cache at 1.85 TB/s with the engine's additive
-mask and at 2.84 without it (NOTES 22). This kernel takes the same mask ([B, L], 0 or -inf) and,
-per row, how many columns hold keys (``ends``), so it reads no keys past a row's last column and
-splits each row's columns over ``splits`` programs (a row's few heads alone do not fill the GPU),
-whose partial outputs a second kernel merges by their log-sum-exps.
+mask and at 2.84 without it (NOTES 22). This kernel takes the same mask ([B, L], 0 or -inf), reads
+no masked key (a row's left padding, its columns past its end: the loads are predicated off per
+key) and splits each row's columns over ``splits`` programs (a row's few heads alone do not fill
+the GPU), whose partial outputs a second kernel merges by their log-sum-exps.
 
 Numerics as SDPA's fused kernels: scores, softmax and the sums in float32, the probabilities cast
 to the cache dtype for the value product. A row whose every key is masked gives zeros.
@@ -27,36 +27,36 @@ _LOG2E = tl.constexpr(LOG2E)  # what a kernel may read of a global
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, ends_ptr, out_ptr, lse_ptr, final_ptr,
+def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr,
              sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b,
              so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g,
              scale_log2, length, split_len,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-             HAS_ENDS: tl.constexpr, FINAL: tl.constexpr):
+             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)
-    end = length
-    if HAS_ENDS:
-        end = tl.minimum(tl.load(ends_ptr + b), length)
     lo = s * split_len
-    hi = tl.minimum(lo + split_len, end)
+    hi = tl.minimum(lo + split_len, length)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores (base 2)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < hi
-        k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
         bias = tl.load(bias_ptr + b * sbias_b + n, mask=inside, other=float("-inf")).to(tl.float32)
+        read = inside
+        if SKIP_MASKED:  # a masked key's row is not loaded (its 0 scores count nothing beside -inf)
+            read = inside & (bias > float("-inf"))
+        k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_l + d[None, :], mask=read[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale_log2 + bias[None, :] * _LOG2E
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing unmasked yet: exp2(-inf) = 0
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_l + d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_l + d[None, :], mask=read[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
@@ -97,12 +97,12 @@ def default_splits(rows: int, kv_heads: int, length: int, block_n: int, device: 
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
-                     ends: torch.Tensor | None = None, splits: int | None = None, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     splits: int | None = None, block_n: int = 64, skip_masked: bool = True, num_warps: int = 4,
+                     num_stages: int = 2) -> torch.Tensor:
     """``q`` [B, kv_heads, G, d] (a group's query heads over their key/value head); ``keys`` and
     ``values`` [B, kv_heads, L, d] (views of a longer cache are read in place); ``bias`` [B, L] or
-    [B, 1, 1, L] (0 or -inf); ``ends`` [B] the columns a row reads at most (None: all L). Returns
-    [B, kv_heads, G, d] in q's dtype."""
+    [B, 1, 1, L] (0 or -inf). ``skip_masked``: masked keys are not read (left padding, columns
+    past a row's end). Returns [B, kv_heads, G, d] in q's dtype."""
     b, hkv, groups, d = q.shape
     length = keys.shape[2]
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or q.stride(-1) != 1:
@@ -121,11 +121,11 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     so = parts.stride()[:4] if splits > 1 else (0, 0, 0, 0)
     sl = lse.stride()[:3] if splits > 1 else (0, 0, 0)
     _partial[(b, hkv, splits)](
-        q, keys, values, bias, ends if ends is not None else bias, parts, lse, final,
+        q, keys, values, bias, parts, lse, final,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl,
         final.stride(0), final.stride(1), final.stride(2), scale * LOG2E, length, split_len,
-        G=groups, BLOCK_G=block_g, D=d, BLOCK_N=block_n, HAS_ENDS=ends is not None, FINAL=splits == 1,
+        G=groups, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=splits == 1,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge[(b, hkv)](parts, lse, final, *so, *sl, final.stride(0), final.stride(1), final.stride(2), splits,

@@ -51,23 +51,73 @@ def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, b
         assert torch.equal(again, out)
 
 
+def shared_attention(q, keys, values, bias, pkeys, pvalues, pbias, members, place, scale):
+    """Each row over its prompt slot's keys then its own, one softmax; a row that is not the member
+    its place names (a finished row's stale place) over its own keys only."""
+    n, out = members.shape[1], []
+    for r in range(q.shape[0]):
+        slot, j = divmod(int(place[r]), n)
+        k, v, bias_r = keys[r], values[r], bias[r]
+        if int(members[slot, j]) == r:
+            k, v, bias_r = torch.cat([pkeys[slot], k], 1), torch.cat([pvalues[slot], v], 1), torch.cat([pbias[slot], bias_r])
+        scores = q[r].float() @ k.float().transpose(-1, -2) * scale + bias_r.float()
+        out.append(torch.softmax(scores, -1).nan_to_num(0.0) @ v.float())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, slots, members, kv_heads, groups, head_dim, length, width, splits, prompt_splits", [
+    (7, 3, 3, 2, 2, 16, 24, 40, 2, 2),  # the tiny default's heads; a slot with a missing member
+    (7, 3, 3, 2, 2, 16, 24, 40, None, None),  # the kernels' own split counts
+    (9, 2, 4, 4, 8, 64, 70, 130, 1, 3),  # the 1.1B Llama's heads: a tile of 4 rows x 8 query heads
+])
+def test_the_shared_prompt_kernels_compute_attention_over_both_parts(dtype, rows, slots, members, kv_heads, groups,
+                                                                     head_dim, length, width, splits, prompt_splits):
+    from posttrain.rollout.triton_decode import decode_attention_shared
+
+    torch.manual_seed(1)
+    q = torch.randn(rows, kv_heads, groups, head_dim, dtype=dtype)
+    keys, values = (torch.randn(rows, kv_heads, length, head_dim, dtype=dtype) for _ in range(2))
+    pkeys, pvalues = (torch.randn(slots, kv_heads, width, head_dim, dtype=dtype) for _ in range(2))
+    filled = torch.arange(length) < torch.randint(0, length + 1, (rows, 1))  # some rows with no completion yet
+    padded = torch.arange(width) >= torch.randint(0, width // 2, (slots, 1))  # prompts left-padded
+    bias = torch.zeros(rows, length, dtype=dtype).masked_fill(~filled, float("-inf"))
+    pbias = torch.zeros(slots, width, dtype=dtype).masked_fill(~padded, float("-inf"))
+    member_rows = torch.full((slots, members), rows, dtype=torch.long)  # rows: no member
+    place = torch.zeros(rows, dtype=torch.long)
+    order = torch.randperm(rows)
+    for i, r in enumerate(order[:-1].tolist()):
+        slot, j = divmod(i, members)
+        if slot < slots:
+            member_rows[slot, j], place[r] = r, slot * members + j
+    place[int(order[-1])] = 0  # a finished row whose place is stale: its own keys only
+    scale = head_dim**-0.5
+    out = decode_attention_shared(q, keys, values, bias, pkeys, pvalues, pbias, member_rows, place, scale,
+                                  splits=splits, prompt_splits=prompt_splits, block_n=16 if head_dim == 16 else 64)
+    want = shared_attention(q, keys, values, bias, pkeys, pvalues, pbias, member_rows, place, scale)
+    assert (out.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
 @pytest.fixture(scope="module")
 def tok():
     return tiny.load_tokenizer()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, tok):
-    """``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON): eager, and traced in whole graphs as CUDA
-    compiles it (fullgraph, aot_eager; the kernel one opaque op), streamed through fewer slots with
-    small buckets: the default engine's samples and log-probs, with no fallback."""
+@pytest.mark.parametrize("compiled, shared", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, shared, tok):
+    """``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON), each row's own cache or shared prompt slots:
+    eager, and traced in whole graphs as CUDA compiles it (fullgraph, aot_eager; the kernels one
+    opaque op), streamed through fewer slots with small buckets: the default engine's samples and
+    log-probs, with no fallback."""
     model = build("llama", tok)
-    enc = tok(["the cat sat on the", "a", "hello world how are you", "we went to"], return_tensors="pt",
-              padding=True, padding_side="left")
-    ids, mask = enc["input_ids"], enc["attention_mask"]
+    enc = tok(["the cat sat on the", "a", "hello world how are you"], return_tensors="pt", padding=True,
+              padding_side="left")
+    ids, mask = enc["input_ids"].repeat_interleave(2, 0), enc["attention_mask"].repeat_interleave(2, 0)
     torch.manual_seed(3)
     want = rollout(model, tok).generate(ids, mask)
     options = dict(triton_decode=True, kv_slots=3, smallest_bucket=1, length_bucket=8, sync_every=2)
+    if shared:
+        options.update(shared_prompt_kv=True, group_size=2)
     if compiled:
         torch._dynamo.reset()
         options.update(compile_mode="layer", compile_backend="aot_eager")
@@ -76,7 +126,7 @@ def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, t
     out = r.generate(ids, mask)
     torch._dynamo.reset()
     assert r.stats["triton_decode"] and r.stats["triton_fallbacks"] == 0 and not r.degraded, r.stats
-    assert r.stats["compile"] == ("layer" if compiled else "none")
+    assert r.stats["compile"] == ("layer" if compiled else "none") and r.stats["shared_prompt_kv"] is shared
     assert torch.equal(want.sequences, out.sequences) and torch.equal(want.completion_mask, out.completion_mask)
     assert (want.logprobs - out.logprobs).abs().max().item() < 1e-5
 
@@ -102,7 +152,7 @@ def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr")):
         if n in constexprs:
             return "constexpr"
         if n.endswith("_ptr"):
-            return "*fp32" if n in fp32 else "*bf16"
+            return "*i64" if n == "members_ptr" else "*fp32" if n in fp32 else "*bf16"
         return "fp32" if n in floats else "i32"
     return {n: one(n) for n in fn.arg_names}
 
@@ -111,14 +161,21 @@ for final in (False, True):
     c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=final)
     k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target, options={"num_warps": 4})
     print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"])
-c = dict(G=8, BLOCK_G=16, D=64, BLOCK_S=4)
-k = triton.compile(ASTSource(td._merge, types(td._merge, c), c), target=target, options={"num_warps": 4})
-print("merge", k.metadata.shared)
+c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True)  # GRPO's 8 rows a prompt
+k = triton.compile(ASTSource(td._partial_prompt, types(td._partial_prompt, c), c), target=target,
+                   options={"num_warps": 4})
+print("prompt", k.metadata.shared, "mma" in k.asm["ptx"])
+for shared in (False, True):
+    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_S=4, MEMBERS=8, SHARED=shared)
+    sig = types(td._merge, c)
+    sig.update(place_ptr="*i64", members_ptr="*i64")
+    k = triton.compile(ASTSource(td._merge, sig, c), target=target, options={"num_warps": 4})
+    print("merge", shared, k.metadata.shared)
 """
 
 
 def test_the_kernels_compile_for_an_h200(tmp_path):
-    """Triton compiles both kernels for sm_90 on this CPU (no GPU needed): what the interpreter
+    """Triton compiles the kernels for sm_90 on this CPU (no GPU needed): what the interpreter
     does not check (a kernel reading a plain global, a shape no MMA tile takes)."""
     import os
     import subprocess
@@ -132,5 +189,6 @@ def test_the_kernels_compile_for_an_h200(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("partial False") and lines[0].endswith("True"), lines  # tensor-core products
-    assert lines[1].startswith("partial True") and lines[2].startswith("merge"), lines
+    assert lines[1].startswith("partial True") and lines[2].startswith("prompt") and lines[2].endswith("True"), lines
+    assert lines[3].startswith("merge False") and lines[4].startswith("merge True"), lines
     assert os.listdir(tmp_path)  # compiled, not only parsed

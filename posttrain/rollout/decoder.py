@@ -15,9 +15,10 @@ call, as the forward's (``sdpa_decode``, the default); off, it keeps its scores 
 kernels do internally (on CUDA a half-precision ``bmm`` with a float32 output, so the cache is not
 converted), then casts the probabilities to the model dtype for the product with the values.
 With ``flex_decode`` it is a ``flex_attention`` call (the mask as a score modification), with
-``triton_decode`` posttrain's own kernel (``triton_decode.py``). Rows whose
+``triton_decode`` posttrain's own kernels (``triton_decode.py``). Rows whose
 prompt is in a shared prompt slot attend in two parts merged by their log-sum-exp
-(:func:`decode_attention_shared`): SDPA's kernels that return it, or explicit float32 attention.
+(:func:`decode_attention_shared`): SDPA's kernels that return it, or explicit float32 attention, or
+posttrain's kernels (both parts and the merge).
 
 Why not transformers' ``StaticCache`` and the model's own forward: the cache and forward signatures
 changed within 5.x, while the module attributes read here (``q_proj``, ``input_layernorm``,
@@ -467,6 +468,10 @@ def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tens
     b, kvh, g, d = q.shape[0], spec.kv_heads, spec.heads // spec.kv_heads, spec.head_dim
     s, width, n = pkeys.shape[0], pkeys.shape[2], members.shape[1]
     qg = q.reshape(b, kvh, g, d)
+    if spec.triton_decode:  # both parts and their merge in posttrain's kernels (registered by the engine)
+        out = torch.ops.posttrain.decode_attention_shared(qg, keys, values, bias, pkeys, pvalues, pbias, members,
+                                                          place, spec.scaling)
+        return out.reshape(b, spec.heads, 1, d)
     # The prompts' queries: a slot's members side by side (a zero query where a member is missing).
     padded = torch.cat([qg, qg.new_zeros(1, kvh, g, d)])
     qp = padded[members].permute(0, 2, 1, 3, 4).reshape(s, kvh, n * g, d)  # [S, kvh, G * g, d]

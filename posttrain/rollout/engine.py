@@ -187,7 +187,7 @@ class DecodeEngine:
         # softmax, bmm). ``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX, default off: slower than SDPA where
         # timed, NOTES 21): flex_attention instead (rows static for its decoding kernel; shared
         # prompt slots' parts too). ``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON, default off):
-        # posttrain's Triton kernel (triton_decode.py), where no shared prompt slot is read.
+        # posttrain's Triton kernels (triton_decode.py; shared prompt slots' parts too).
         fuse = _env_choice("POSTTRAIN_ROLLOUT_FUSE", fused)
         views = decoder.fused_views(model, self.adapters) if fuse is not False else None
         self.fuse_views = views is not None

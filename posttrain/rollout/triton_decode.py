@@ -1,17 +1,23 @@
-"""Decode attention as a Triton kernel split over the keys (flash decoding), for the engine's cache.
+"""Decode attention as Triton kernels split over the keys (flash decoding), for the engine's cache.
 
 One query token per row; the query heads of a group read their key/value head once. SDPA's cudnn
 kernel, which the engine calls by default, reads the cache at 1.85 TB/s with the engine's additive
-mask and at 2.84 without it (NOTES 22). This kernel takes the same mask ([B, L], 0 or -inf), reads
+mask and at 2.84 without it (NOTES 22). These kernels take the same mask ([B, L], 0 or -inf), read
 no masked key (a row's left padding, its columns past its end: the loads are predicated off per
-key) and splits each row's columns over ``splits`` programs (a row's few heads alone do not fill
-the GPU), whose partial outputs a second kernel merges by their log-sum-exps.
+key) and split each row's columns over programs (a row's few heads alone do not fill the GPU),
+whose partial outputs a merge kernel combines by their log-sum-exps.
+
+With shared prompt slots (``prompt_cache.py``) a row's keys are its prompt's, held once per group
+of rows, and its own completion's. One program per prompt slot, head and split reads the prompt's
+keys once for the queries of all the slot's rows (an MMA tile of rows x query heads); the rows'
+own programs read their completions; the merge combines both kinds of partials. That is three
+launches a layer, where SDPA's kernels need two attention calls and a dozen gathers and merges.
 
 Numerics as SDPA's fused kernels: scores, softmax and the sums in float32, the probabilities cast
 to the cache dtype for the value product. A row whose every key is masked gives zeros.
 
-CPU runs it under Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported), which
-is how the tests check it against SDPA.
+CPU runs them under Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported),
+which is how the tests check them.
 """
 
 from __future__ import annotations
@@ -27,56 +33,104 @@ _LOG2E = tl.constexpr(LOG2E)  # what a kernel may read of a global
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr,
-             sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b,
-             so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g,
-             scale_log2, length, split_len,
-             G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr):
-    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = tl.arange(0, BLOCK_G)
+def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2,
+            M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr):
+    """Queries ``q`` [M, D] over keys ``lo:hi``: the normalized output [M, D] and the log2-sum-exp
+    [M] (-inf where every key is masked)."""
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)
-    lo = s * split_len
-    hi = tl.minimum(lo + split_len, length)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores (base 2)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    m = tl.full([M], float("-inf"), tl.float32)  # running max of the scores (base 2)
+    total = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < hi
-        bias = tl.load(bias_ptr + b * sbias_b + n, mask=inside, other=float("-inf")).to(tl.float32)
+        bias = tl.load(bias_base + n, mask=inside, other=float("-inf")).to(tl.float32)
         read = inside
         if SKIP_MASKED:  # a masked key's row is not loaded (its 0 scores count nothing beside -inf)
             read = inside & (bias > float("-inf"))
-        k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_l + d[None, :], mask=read[:, None], other=0.0)
+        k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=read[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale_log2 + bias[None, :] * _LOG2E
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing unmasked yet: exp2(-inf) = 0
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_l + d[None, :], mask=read[:, None], other=0.0)
+        v = tl.load(v_base + n[:, None] * sv_l + d[None, :], mask=read[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    return out, tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, total)))
+
+
+@triton.jit
+def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr,
+             sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b,
+             so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g,
+             scale_log2, length, split_len,
+             G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr):
+    """Row b's query heads of key/value head h over its split s of the row's own keys."""
+    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)
+    lo = s * split_len
+    out, lse = _attend(q, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, bias_ptr + b * sbias_b,
+                       sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, BLOCK_G, D, BLOCK_N,
+                       SKIP_MASKED)
     if FINAL:  # one split: this is the output
         tl.store(final_ptr + b * sf_b + h * sf_h + g[:, None] * sf_g + d[None, :],
                  out.to(final_ptr.dtype.element_ty), mask=g[:, None] < G)
     else:
-        lse = tl.where(total == 0.0, float("-inf"), m + tl.log2(tl.where(total == 0.0, 1.0, total)))
         tl.store(out_ptr + b * so_b + h * so_h + s * so_s + g[:, None] * so_g + d[None, :], out, mask=g[:, None] < G)
         tl.store(lse_ptr + b * sl_b + h * sl_h + s * sl_s + g, lse, mask=g < G)
 
 
 @triton.jit
-def _merge(out_ptr, lse_ptr, final_ptr, so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g, splits,
-           G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr,
+                    sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b, smem,
+                    so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s,
+                    scale_log2, length, split_len, rows, first_split,
+                    G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr):
+    """Prompt slot p's rows (their query heads of key/value head h, side by side) over split s of
+    the prompt's keys, written as each row's partial ``first_split + s``."""
+    p, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    r = tl.load(members_ptr + p * smem + i // G, mask=i < MEMBERS * G, other=rows)  # rows: no member
+    live = (i < MEMBERS * G) & (r < rows)
+    g = i % G
+    q = tl.load(q_ptr + r[:, None] * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=live[:, None], other=0.0)
+    lo = s * split_len
+    out, lse = _attend(q, k_ptr + p * sk_b + h * sk_h, v_ptr + p * sv_b + h * sv_h, bias_ptr + p * sbias_b,
+                       sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, BLOCK_M, D, BLOCK_N,
+                       SKIP_MASKED)
+    at = first_split + s
+    tl.store(out_ptr + r[:, None] * so_b + h * so_h + at * so_s + g[:, None] * so_g + d[None, :], out,
+             mask=live[:, None])
+    tl.store(lse_ptr + r * sl_b + h * sl_h + at * sl_s + g, lse, mask=live)
+
+
+@triton.jit
+def _merge(out_ptr, lse_ptr, final_ptr, place_ptr, members_ptr, so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s,
+           sf_b, sf_h, sf_g, smem, splits, own_splits,
+           G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+           MEMBERS: tl.constexpr, SHARED: tl.constexpr):
+    """Row b's partials of head h merged by their log-sum-exps. ``SHARED``: the partials from
+    ``own_splits`` on are its prompt slot's, counted only if the row is a member of the slot its
+    ``place`` names (a finished row's place may be stale)."""
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    live = (s[:, None] < splits) & (g[None, :] < G)
+    count = splits
+    if SHARED:
+        place = tl.load(place_ptr + b)
+        member = tl.load(members_ptr + (place // MEMBERS) * smem + place % MEMBERS) == b
+        count = tl.where(member, splits, own_splits)
+    live = (s[:, None] < count) & (g[None, :] < G)
     lse = tl.load(lse_ptr + b * sl_b + h * sl_h + s[:, None] * sl_s + g[None, :], mask=live, other=float("-inf"))
     top = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[None, :])  # [S, G]; empty splits give 0
@@ -89,11 +143,23 @@ def _merge(out_ptr, lse_ptr, final_ptr, so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s
              mask=g[:, None] < G)
 
 
-def default_splits(rows: int, kv_heads: int, length: int, block_n: int, device: torch.device) -> int:
-    """Enough programs for every SM about four times over, no split shorter than one key block."""
+def default_splits(programs: int, length: int, block_n: int, device: torch.device) -> int:
+    """Splits of ``length`` keys that give ``programs`` (rows x heads) enough company to cover
+    every SM about four times, none shorter than one key block."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    want = math.ceil(4 * sms / max(1, rows * kv_heads))
+    want = math.ceil(4 * sms / max(1, programs))
     return max(1, min(triton.next_power_of_2(want), triton.next_power_of_2(math.ceil(length / block_n)), 16))
+
+
+def _split(length: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split): whole key blocks per split, no empty split."""
+    split_len = math.ceil(math.ceil(max(1, length) / splits) / block_n) * block_n
+    return math.ceil(max(1, length) / split_len), split_len
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError("decode attention needs the head dimension contiguous in q, keys and values")
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
@@ -105,21 +171,18 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     past a row's end). Returns [B, kv_heads, G, d] in q's dtype."""
     b, hkv, groups, d = q.shape
     length = keys.shape[2]
-    if keys.stride(-1) != 1 or values.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("decode_attention needs the head dimension contiguous in q, keys and values")
+    _check(q, keys, values)
     bias = bias.reshape(b, length)
-    splits = splits or default_splits(b, hkv, length, block_n, q.device)
-    split_len = math.ceil(math.ceil(length / splits) / block_n) * block_n
-    splits = math.ceil(length / split_len)
+    splits, split_len = _split(length, splits or default_splits(b * hkv, length, block_n, q.device), block_n)
     final = torch.empty_like(q)
     block_g = max(16, triton.next_power_of_2(groups))  # tl.dot's smallest tile
     if splits > 1:
         parts = torch.empty(b, hkv, splits, groups, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, hkv, splits, groups, dtype=torch.float32, device=q.device)
+        so, sl = parts.stride()[:4], lse.stride()[:3]
     else:
         parts = lse = final  # not written
-    so = parts.stride()[:4] if splits > 1 else (0, 0, 0, 0)
-    sl = lse.stride()[:3] if splits > 1 else (0, 0, 0)
+        so, sl = (0, 0, 0, 0), (0, 0, 0)
     _partial[(b, hkv, splits)](
         q, keys, values, bias, parts, lse, final,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
@@ -128,14 +191,58 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         G=groups, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=splits == 1,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _merge[(b, hkv)](parts, lse, final, *so, *sl, final.stride(0), final.stride(1), final.stride(2), splits,
-                         G=groups, BLOCK_G=block_g, D=d, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        _merge[(b, hkv)](parts, lse, final, final, final, *so, *sl, final.stride(0), final.stride(1),
+                         final.stride(2), 0, splits, splits, G=groups, BLOCK_G=block_g, D=d,
+                         BLOCK_S=max(2, triton.next_power_of_2(splits)), MEMBERS=1, SHARED=False,
                          num_warps=num_warps)
     return final
 
 
-# The engine's step calls the kernel through this op, so torch.compile and CUDA graph capture see
-# one opaque call with a known output (inductor does not trace into the launch).
+def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                            pkeys: torch.Tensor, pvalues: torch.Tensor, pbias: torch.Tensor, members: torch.Tensor,
+                            place: torch.Tensor, scale: float, splits: int | None = None,
+                            prompt_splits: int | None = None, block_n: int = 64, skip_masked: bool = True,
+                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """:func:`decode_attention` over each row's prompt in a shared slot and its own completion:
+    ``keys``/``values`` [B, kv_heads, Lc, d] and ``bias`` [B, Lc] the completions'; ``pkeys``/
+    ``pvalues`` [S, kv_heads, W, d] and ``pbias`` [S, W] the prompt slots'; ``members`` [S, n] each
+    slot's rows (B or more where none); ``place`` [B] each row's slot * n + its member index.
+    The softmax is over both parts' keys together."""
+    b, hkv, groups, d = q.shape
+    slots, n = members.shape
+    length, width = keys.shape[2], pkeys.shape[2]
+    _check(q, keys, values, pkeys, pvalues)
+    bias, pbias = bias.reshape(b, length), pbias.reshape(slots, width)
+    members, place = members.contiguous(), place.contiguous()
+    own, own_len = _split(length, splits or default_splits(b * hkv, length, block_n, q.device), block_n)
+    shared, shared_len = _split(width, prompt_splits or default_splits(slots * hkv, width, block_n, q.device),
+                                block_n)
+    final = torch.empty_like(q)
+    parts = torch.empty(b, hkv, own + shared, groups, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hkv, own + shared, groups, dtype=torch.float32, device=q.device)
+    so, sl = parts.stride()[:4], lse.stride()[:3]
+    block_g = max(16, triton.next_power_of_2(groups))
+    qs = (q.stride(0), q.stride(1), q.stride(2))
+    _partial[(b, hkv, own)](
+        q, keys, values, bias, parts, lse, final, *qs, keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl, 0, 0, 0,
+        scale * LOG2E, length, own_len, G=groups, BLOCK_G=block_g, D=d, BLOCK_N=block_n,
+        SKIP_MASKED=skip_masked, FINAL=False, num_warps=num_warps, num_stages=num_stages)
+    _partial_prompt[(slots, hkv, shared)](
+        q, pkeys, pvalues, pbias, members, parts, lse, *qs, pkeys.stride(0), pkeys.stride(1), pkeys.stride(2),
+        pvalues.stride(0), pvalues.stride(1), pvalues.stride(2), pbias.stride(0), members.stride(0), *so, *sl,
+        scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n,
+        BLOCK_M=max(16, triton.next_power_of_2(n * groups)), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked,
+        num_warps=num_warps, num_stages=num_stages)
+    _merge[(b, hkv)](parts, lse, final, place, members, *so, *sl, final.stride(0), final.stride(1),
+                     final.stride(2), members.stride(0), own + shared, own, G=groups, BLOCK_G=block_g, D=d,
+                     BLOCK_S=max(2, triton.next_power_of_2(own + shared)), MEMBERS=n, SHARED=True,
+                     num_warps=num_warps)
+    return final
+
+
+# The engine's step calls the kernels through these ops, so torch.compile and CUDA graph capture
+# see one opaque call with a known output (inductor does not trace into the launches).
 @torch.library.custom_op("posttrain::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                         scale: float) -> torch.Tensor:
@@ -144,4 +251,18 @@ def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 @decode_attention_op.register_fake
 def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("posttrain::decode_attention_shared", mutates_args=())
+def decode_attention_shared_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                               pkeys: torch.Tensor, pvalues: torch.Tensor, pbias: torch.Tensor,
+                               members: torch.Tensor, place: torch.Tensor, scale: float) -> torch.Tensor:
+    return decode_attention_shared(q, keys, values, bias, pkeys, pvalues, pbias, members, place, scale)
+
+
+@decode_attention_shared_op.register_fake
+def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, pkeys: torch.Tensor,
+      pvalues: torch.Tensor, pbias: torch.Tensor, members: torch.Tensor, place: torch.Tensor,
+      scale: float) -> torch.Tensor:
     return torch.empty_like(q)

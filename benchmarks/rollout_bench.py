@@ -194,15 +194,17 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     holder: dict[str, Any] = {}
     # ``--shared-prompt``: the engine as it is by default ("off"), with shared prompt slots (groups
     # of ``--generations`` rows hold their prompt once: "on"), and those with flex_attention
-    # ("flex"), side by side.
+    # ("flex"); "triton" and "shared-triton": the first two with posttrain's Triton kernels; side by side.
     shared_modes = [m for m in args.shared_prompt.split(",") if m]
-    suffix = {"off": "", "on": "-shared", "flex": "-shared-flex"}
+    suffix = {"off": "", "on": "-shared", "flex": "-shared-flex", "triton": "-triton", "shared-triton": "-shared-triton"}
     if set(shared_modes) - set(suffix):
-        raise SystemExit(f"--shared-prompt {args.shared_prompt!r}: use some of off, on, flex")
+        raise SystemExit(f"--shared-prompt {args.shared_prompt!r}: use some of {', '.join(suffix)}")
 
     def shared_options(mode: str) -> dict[str, Any]:
-        shared = dict(shared_prompt_kv=True, group_size=args.generations) if mode != "off" else {}
-        return {**shared, "flex_decode": True} if mode == "flex" else shared
+        shared = dict(shared_prompt_kv=True, group_size=args.generations) if mode not in ("off", "triton") else {}
+        kernel = {"flex": {"flex_decode": True}, "triton": {"triton_decode": True},
+                  "shared-triton": {"triton_decode": True}}.get(mode, {})
+        return {**shared, **kernel}
 
     def kv_bytes(e: Any, rows: int, columns: int) -> int:
         return 2 * len(e.keys) * rows * columns * e.spec.kv_heads * e.spec.head_dim * 2
@@ -293,7 +295,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
             run_baseline("full", x, m, free)
         groups = [i // args.generations for i in range(chunk)]
         for mode in shared_modes:
-            shared = mode != "off"
+            shared = mode not in ("off", "triton")
             r = run_engine("full", f"engine{suffix[mode]}", x, m, free, chunk, **shared_options(mode))
             e = r.engine
             # The step alone, at the bucket (chunk rows, whole cache; the chunk's prompt slots):
@@ -426,7 +428,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 if isinstance(v, dict) and "s" in v:
                     lines.append(f"| {case} | {name} | {v['s']:.3f} s | {v.get('useful_tokens', '-')} tokens | "
                                  f"{v.get('useful_tokens_per_s', 0):.0f} tok/s | {v.get('status', v.get('compile'))} |")
-        for key in ("step", "step-shared", "step-shared-flex"):
+        for key in ("step", "step-shared", "step-shared-flex", "step-triton", "step-shared-triton"):
             if r.get(key):
                 s = r[key]
                 lines.append(f"| {key} {s['rows']}x{s['columns']} | {s['ms']:.3f} ms | floor {s['floor_ms']:.3f} ms | "
@@ -443,7 +445,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         if r.get("logprobs"):
             x = r["logprobs"]
             lines.append("| logprob gap mean/max | " + " | ".join(
-                f"{k} {x[k]['mean']:.4f}/{x[k]['max']:.3f}" for k in ("engine", "engine_shared", "engine_shared_flex",
+                f"{k} {x[k]['mean']:.4f}/{x[k]['max']:.3f}" for k in ("engine", "engine_shared", "engine_shared_flex", "engine_triton",
+                                                          "engine_shared_triton",
                                                           "baseline", "generate") if k in x) + " |")
         if r.get("prepared"):
             lines.append(f"| GRPO-prepared policy | {json.dumps(r['prepared'], default=str)[:300]} |")
@@ -464,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=0, help="the baseline's max_batch (default per shape: 128 at 1b)")
     ap.add_argument("--kv-slots", default="128,512", help="the engine's KV budget(s), in sequences")
     ap.add_argument("--shared-prompt", default="off,on", help="the engine's shared prompt slots, side by side in "
-                    "varlen, full, step, prefix and logprobs: off, on, flex (on, with flex_attention), comma-separated")
+                    "varlen, full, step, prefix and logprobs: off, on, flex (on, with flex_attention), triton and shared-triton "
+                    "(off and on with posttrain's Triton kernels), comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 timed rollouts per measure (older scripts' flag)")
     ap.add_argument("--baseline", default=None, help="path of the old single-file posttrain/rollout.py")

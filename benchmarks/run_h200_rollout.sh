@@ -13,9 +13,11 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 #   PART=3 bash benchmarks/run_h200_rollout.sh   (shared prompt slots, their parts on SDPA's kernels, beside the
 #                                                 default at 1.1B: 512 sequences through 512 slots, log-prob
 #                                                 gaps, every row to the end and its step; ~8 minutes)
-#   PART=5 bash benchmarks/run_h200_rollout.sh   (posttrain's Triton decode kernel: alone beside SDPA's kernels
-#                                                 in the decode probe, then in the step beside SDPA in the
-#                                                 variants bench; NOTES section 23's predictions; ~5 minutes)
+#   PART=5 bash benchmarks/run_h200_rollout.sh   (posttrain's Triton decode kernels: alone beside SDPA's kernels
+#                                                 in the decode probe, in the step beside SDPA in the variants
+#                                                 bench, then 512 sequences through 512 slots by default, with
+#                                                 the kernels, and with them over shared prompt slots; NOTES
+#                                                 section 23's predictions; ~11 minutes)
 # Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/ as each part finishes; every part is
 # bounded by `timeout`; PACK=file.tgz tars the results after each.
 set -u
@@ -53,4 +55,7 @@ timeout 120 python benchmarks/decode_attention_probe.py --shapes 128x768,16x512 
 timeout 260 python benchmarks/rollout_bench.py --shapes 1b --cases variants --variants fused1_split1_sdpa,fused1_split1_triton \
   --budget-s 230 --out "$RES/variants_triton_1b.json" > "$RES/variants_triton.log" 2>&1; echo "triton variants rc=$?" >> "$RES/rc.txt"
 pack
+timeout 360 python benchmarks/rollout_bench.py --shapes 1b --cases varlen,step --kv-slots 512 \
+  --shared-prompt off,triton,shared-triton --repeats 2 --budget-s 320 --out "$RES/rollout_1b_triton.json" \
+  > "$RES/rollout_triton.log" 2>&1; echo "1b triton rc=$?" >> "$RES/rc.txt"; pack
 fi

@@ -94,8 +94,8 @@ class Rollout:
     fixed in a run) and take up to the built ``max_new_tokens``. ``engine_options``: keyword
     arguments of :class:`DecodeEngine` (buckets, sync interval, prefix sharing, ``lora_mode``
     "merged" or "live" for a peft model's LoRA adapters: ``adapters.py``; the step's switches
-    ``fused``, ``split_layer``, ``fp32_scores``, ``sdpa_decode``, ``flex_decode``: ``engine.py``; tests and
-    benchmarks).
+    ``fused``, ``split_layer``, ``fp32_scores``, ``sdpa_decode``, ``flex_decode``, ``triton_decode``:
+    ``engine.py``; tests and benchmarks).
     A peft model (``get_peft_model``) decodes with its active adapters, as its forward would."""
 
     def __init__(self, session: Any, role: str, sampling: SamplingParams, *, max_batch: int, max_prompt_len: int,
@@ -146,8 +146,8 @@ class Rollout:
 
     @property
     def degraded(self) -> bool:
-        """Whether generation runs slower than it should: a compile, capture, flex, SDPA or
-        Triton-kernel or fused-views fallback, or a rollout that ran ``generate`` for its adapters' state."""
+        """Whether generation runs slower than it should: a compile, capture, flex, Triton-kernel,
+        SDPA or fused-views fallback, or a rollout that ran ``generate`` for its adapters' state."""
         return bool(self.stats["compile_fallbacks"] or self.stats["capture_fallbacks"]
                     or self.stats["adapter_fallbacks"] or self.stats.get("fused_fallbacks")
                     or self.stats.get("sdpa_fallbacks") or self.stats.get("flex_fallbacks")

@@ -100,7 +100,7 @@ class DecoderSpec:
     fp32_scores: bool  # decode attention scores kept in float32 (see the module docstring)
     sdpa_decode: bool = True  # decode attention by SDPA (one fused kernel) instead of bmm, softmax, bmm
     flex_decode: bool = False  # decode attention by flex_attention (before SDPA; shared prompt slots too)
-    triton_decode: bool = False  # decode attention by posttrain's Triton kernel (triton_decode.py; before flex)
+    triton_decode: bool = False  # decode attention by posttrain's Triton kernels (triton_decode.py; before flex)
 
     @classmethod
     def of(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> DecoderSpec:

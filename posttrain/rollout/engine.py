@@ -160,7 +160,8 @@ class DecodeEngine:
                  tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, fused: bool | None = None,
                  split_layer: bool | None = None, fp32_scores: bool | None = None,
                  sdpa_decode: bool | None = None, flex_decode: bool | None = None,
-                 triton_decode: bool | None = None, shared_prompt_kv: bool | None = None, group_size: int = 1, prompt_slots: int | None = None) -> None:
+                 triton_decode: bool | None = None, shared_prompt_kv: bool | None = None, group_size: int = 1,
+                 prompt_slots: int | None = None) -> None:
         self.model, self.sampling = model, sampling
         self.slots, self.prompt_len = slots, max_prompt_len
         self.max_new = sampling.max_new_tokens
@@ -186,8 +187,7 @@ class DecodeEngine:
         # the training forward's own attention (log-probs as close to it as generate's; off: bmm,
         # softmax, bmm). ``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX, default off: slower than SDPA where
         # timed, NOTES 21): flex_attention instead (rows static for its decoding kernel; shared
-        # prompt slots' parts too). ``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON, default off):
-        # posttrain's Triton kernels (triton_decode.py; shared prompt slots' parts too).
+        # prompt slots' parts too); ``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON) triton_decode.py's.
         fuse = _env_choice("POSTTRAIN_ROLLOUT_FUSE", fused)
         views = decoder.fused_views(model, self.adapters) if fuse is not False else None
         self.fuse_views = views is not None
@@ -268,8 +268,8 @@ class DecodeEngine:
                                       "prefill_rows": 0, "prefill_sequences": 0, "admissions": 0,
                                       "compactions": 0, "decode_steps": 0, "row_steps": 0,
                                       "cache_cells_read": 0, "split_fallbacks": 0, "sdpa_fallbacks": 0,
-                                      "flex_fallbacks": 0, "triton_fallbacks": 0, "fused_fallbacks": 0, "prompt_compactions": 0,
-                                      "prompt_joins": 0, "prompt_waits": 0,
+                                      "flex_fallbacks": 0, "triton_fallbacks": 0, "fused_fallbacks": 0,
+                                      "prompt_compactions": 0, "prompt_joins": 0, "prompt_waits": 0,
                                       "shared_prompt_kv": self.prompts is not None,
                                       "prompt_kv_bytes": self.prompts.nbytes if self.prompts else 0}
         self.fallback_reasons: list[str] = []
@@ -498,8 +498,8 @@ class DecodeEngine:
     def _prepare(self, rows: int, length: int) -> None:
         """Compile the step's parts (``compile_mode`` "layer") and run it once. A whole layer that
         fails to compile is retried split (``stats["split_fallbacks"]``), flex_attention with SDPA
-        (``stats["flex_fallbacks"]``; the Triton kernel likewise, ``triton_fallbacks``), SDPA decode attention with bmm and softmax
-        (``stats["sdpa_fallbacks"]``), a compile that fails is
+        (``stats["flex_fallbacks"]``; the Triton kernels likewise, ``triton_fallbacks``), SDPA decode
+        attention with bmm and softmax (``stats["sdpa_fallbacks"]``), a compile that fails is
         retried with bf16 attention scores if it had float32 ones (``stats["fp32_scores"]``
         says which ran), then falls back to the eager parts: logged, and counted in
         ``stats["compile_fallbacks"]``."""

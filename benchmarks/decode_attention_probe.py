@@ -7,8 +7,8 @@ keys split into S chunks ("split-K", as flash decoding does): the cache slice vi
 copy, as [rows * kv_heads, S, L / S, head_dim] (the splits take the place of the heads), each
 chunk's output and log-sum-exp from SDPA's memory-efficient kernel (``decoder.sdpa_lse``), merged
 by their log-sum-exps. ``triton_*``: posttrain's Triton kernel split over the keys
-(``posttrain/rollout/triton_decode.py``, S splits or its own choice, key blocks of N; a trailing
-``r``: masked keys read too, not skipped), loaded from
+(``posttrain/rollout/triton_decode.py``, ``SxN``: S splits or ``auto`` its own choice, key blocks
+of N; then ``:r`` masked keys read too, not skipped, ``:wW`` W warps, ``:stK`` K stages), loaded from
 its file so that the probe needs only torch and Triton. Each variant runs once per layer on its own cache (22 of them: the L2 cache
 does not hold the keys between layers) inside one CUDA graph; the time is a replay's over 22.
 
@@ -62,8 +62,24 @@ def triton_kernel() -> Any:
     return module
 
 
-def variants(splits: list[int], cuda: bool, triton_configs: list[tuple[int | None, int, bool]]
-             ) -> dict[str, Callable[..., torch.Tensor]]:
+def triton_options(config: str) -> dict[str, Any]:
+    """``SxN[:r][:wW][:stK]`` as the kernel's keyword arguments."""
+    head, *flags = config.split(":")
+    s, n = head.split("x")
+    options: dict[str, Any] = {"splits": None if s == "auto" else int(s), "block_n": int(n)}
+    for flag in flags:
+        if flag == "r":
+            options["skip_masked"] = False
+        elif flag.startswith("st"):
+            options["num_stages"] = int(flag[2:])
+        elif flag.startswith("w"):
+            options["num_warps"] = int(flag[1:])
+        else:
+            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK")
+    return options
+
+
+def variants(splits: list[int], cuda: bool, triton_configs: list[str]) -> dict[str, Callable[..., torch.Tensor]]:
     def forced(backend: SDPBackend, masked: bool = True) -> Callable[..., torch.Tensor]:
         def run(q, k, v, bias, _split_bias, scale):
             with sdpa_kernel([backend]):
@@ -83,17 +99,15 @@ def variants(splits: list[int], cuda: bool, triton_configs: list[tuple[int | Non
     if triton_configs:
         kernel = triton_kernel()
 
-        def triton_variant(s: int | None, n: int, skip: bool) -> Callable[..., torch.Tensor]:
-            return lambda q, k, v, bias, _sb, scale: kernel.decode_attention(q, k, v, bias, scale, splits=s, block_n=n,
-                                                                               skip_masked=skip)
+        def triton_variant(options: dict[str, Any]) -> Callable[..., torch.Tensor]:
+            return lambda q, k, v, bias, _sb, scale: kernel.decode_attention(q, k, v, bias, scale, **options)
 
-        out.update({f"triton_s{s or 'auto'}_n{n}{'' if skip else '_read_masked'}": triton_variant(s, n, skip)
-                    for s, n, skip in triton_configs})
+        out.update({f"triton_{c.replace(':', '_')}": triton_variant(triton_options(c)) for c in triton_configs})
     return out
 
 
 def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.device, replays: int,
-          triton_configs: list[tuple[int | None, int, bool]]) -> list[dict[str, Any]]:
+          triton_configs: list[str]) -> list[dict[str, Any]]:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
@@ -154,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="128x768,16x512", help="rows x columns, comma-separated")
     ap.add_argument("--splits", default="2,4,8", help="split-K over SDPA's kernel ('' for none)")
-    ap.add_argument("--triton", default="", help="the Triton kernel's splits x key block, e.g. autox64,2x64,"
-                    "autox64r (r: masked keys read; '' for none)")
+    ap.add_argument("--triton", default="", help="the Triton kernel's configurations, e.g. autox64,2x64,"
+                    "autox64:r,autox64:w8:st3 (r: masked keys read; '' for none)")
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -163,8 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     splits = [int(s) for s in args.splits.split(",") if s]
-    triton_configs = [(None if s == "auto" else int(s), int(n.rstrip("r")), not n.endswith("r"))
-                      for s, n in (c.split("x") for c in args.triton.split(",") if c)]
+    triton_configs = [c for c in args.triton.split(",") if c]
+    for c in triton_configs:
+        triton_options(c)  # a bad configuration fails before anything runs
     t0 = time.perf_counter()
     rows = []
     for shape in args.shapes.split(","):

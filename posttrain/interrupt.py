@@ -13,7 +13,7 @@ names the newest complete checkpoint (``save_steps`` writes them) instead.
 The KeyboardInterrupt can also cut an object's ``__init__`` short, and that object's ``__del__``
 then fails when it is collected (tqdm's bar has no ``pos`` yet), which Python prints as "Exception
 ignored in ... Traceback". After the signal such destructor errors are the interrupt's own
-debris, so they are dropped; before it they reach the usual hook.
+debris, so they are dropped; before it, and any other unraisable error, reach the usual hook.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def install() -> None:
 
 
 def _drop_after_signal(unraisable: Any) -> None:
-    if _state["signal"] is None:
+    destructor = getattr(unraisable.object, "__name__", None) == "__del__"
+    if _state["signal"] is None or not destructor:
         _state["unraisablehook"](unraisable)
 
 

@@ -192,3 +192,30 @@ def test_the_kernels_compile_for_an_h200(tmp_path):
     assert lines[1].startswith("partial True") and lines[2].startswith("prompt") and lines[2].endswith("True"), lines
     assert lines[3].startswith("merge False") and lines[4].startswith("merge True"), lines
     assert os.listdir(tmp_path)  # compiled, not only parsed
+
+
+def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, monkeypatch):
+    """The kernels' op does not trace in one graph: the engine compiles the step with SDPA instead,
+    samples what the default does, and the rollout says it is degraded (``triton_fallbacks``)."""
+    from posttrain.rollout import triton_decode
+
+    model = build("llama", tok)
+    enc = tok(["the cat sat on the", "a"], return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    torch.manual_seed(4)
+    want = rollout(model, tok).generate(ids, mask)
+
+    def broken(*args):
+        torch._dynamo.graph_break()
+        return triton_decode.decode_attention_op(*args)
+
+    monkeypatch.setattr(torch.ops.posttrain, "decode_attention", broken)
+    torch._dynamo.reset()
+    r = rollout(model, tok, engine_options=dict(triton_decode=True, compile_mode="layer", compile_backend="aot_eager"))
+    torch.manual_seed(4)
+    out = r.generate(ids, mask)
+    torch._dynamo.reset()
+    assert r.stats["triton_fallbacks"] == 1 and not r.stats["triton_decode"] and r.stats["sdpa_decode"]
+    assert r.stats["compile"] == "layer" and r.degraded
+    assert any("Triton decode kernels" in why for why in r.stats["fallback_reasons"]), r.stats["fallback_reasons"]
+    assert torch.equal(out.sequences, want.sequences)

@@ -109,6 +109,10 @@ def _env_flag(name: str, value: bool | None, default: bool) -> bool:
     return default if choice is None else choice
 
 
+ATTENTION_NAMES = {"triton_decode": "the Triton decode kernels", "flex_decode": "flex_attention",
+                   "sdpa_decode": "SDPA decode attention"}
+
+
 def _require_triton(device: torch.device) -> None:
     """Import the Triton kernel (which registers its op), or say what is missing."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -524,27 +528,16 @@ class DecodeEngine:
                     self.split_layer, self.stats["split_layer"] = True, True
                     self.stats["split_fallbacks"] += 1
                     continue
-                if self.spec.triton_decode:
-                    self._fall_back("torch.compile of the step with the Triton decode kernel failed; retrying "
-                                    "without it", err)
-                    self.spec = dataclasses.replace(self.spec, triton_decode=False)
-                    self.stats["triton_decode"] = False
-                    self.stats["triton_fallbacks"] += 1
-                    continue
-                if self.spec.flex_decode:
-                    instead = "SDPA" if self.spec.sdpa_decode else "bmm and softmax"
-                    self._fall_back(f"torch.compile of the step with flex_attention failed; retrying with {instead}",
-                                    err)
-                    self.spec = dataclasses.replace(self.spec, flex_decode=False)
-                    self.stats["flex_decode"] = False
-                    self.stats["flex_fallbacks"] += 1
-                    continue
-                if self.spec.sdpa_decode:
-                    self._fall_back("torch.compile of the step with SDPA decode attention failed; retrying with "
-                                    "bmm and softmax", err)
-                    self.spec = dataclasses.replace(self.spec, sdpa_decode=False)
-                    self.stats["sdpa_decode"] = False
-                    self.stats["sdpa_fallbacks"] += 1
+                # The decode attention's switches, first on first off: Triton -> flex -> SDPA -> bmm.
+                on = next((f for f in ("triton_decode", "flex_decode", "sdpa_decode") if getattr(self.spec, f)), None)
+                if on is not None:
+                    self.spec = dataclasses.replace(self.spec, **{on: False})
+                    instead = ("flex_attention" if self.spec.flex_decode else "SDPA" if self.spec.sdpa_decode
+                               else "bmm and softmax")
+                    self._fall_back(f"torch.compile of the step with {ATTENTION_NAMES[on]} failed; retrying with "
+                                    f"{instead}", err)
+                    self.stats[on] = False
+                    self.stats[on.replace("_decode", "_fallbacks")] += 1
                     continue
                 if self.spec.fp32_scores and self.dtype != torch.float32 and self.device.type == "cuda":
                     self._fall_back("torch.compile of the step with float32 attention scores failed; retrying "

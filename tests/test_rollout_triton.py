@@ -147,21 +147,25 @@ from triton.compiler import ASTSource
 
 from posttrain.rollout import triton_decode as td
 
-def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr")):
+def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr"), cache="*bf16"):
     def one(n):
         if n in constexprs:
             return "constexpr"
         if n.endswith("_ptr"):
-            return "*i64" if n == "members_ptr" else "*fp32" if n in fp32 else "*bf16"
+            return "*i64" if n == "members_ptr" else "*fp32" if n in fp32 else cache
         return "fp32" if n in floats else "i32"
     return {n: one(n) for n in fn.arg_names}
 
 target = GPUTarget("cuda", 90, 32)  # an H100 / H200
 for final in (False, True):
-    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=final)
+    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32")
     k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target, options={"num_warps": 4})
     print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"])
-c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True)  # GRPO's 8 rows a prompt
+c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee")  # a float32 model
+k = triton.compile(ASTSource(td._partial, types(td._partial, c, cache="*fp32"), c), target=target,
+                   options={"num_warps": 4})
+print("partial float32", "tf32" not in k.asm["ptx"])
+c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True, PRECISION="tf32")  # 8 rows a prompt
 k = triton.compile(ASTSource(td._partial_prompt, types(td._partial_prompt, c), c), target=target,
                    options={"num_warps": 4})
 print("prompt", k.metadata.shared, "mma" in k.asm["ptx"])
@@ -189,8 +193,9 @@ def test_the_kernels_compile_for_an_h200(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("partial False") and lines[0].endswith("True"), lines  # tensor-core products
-    assert lines[1].startswith("partial True") and lines[2].startswith("prompt") and lines[2].endswith("True"), lines
-    assert lines[3].startswith("merge False") and lines[4].startswith("merge True"), lines
+    assert lines[1].startswith("partial True") and lines[2] == "partial float32 True", lines  # no TF32 product
+    assert lines[3].startswith("prompt") and lines[3].endswith("True"), lines
+    assert lines[4].startswith("merge False") and lines[5].startswith("merge True"), lines
     assert os.listdir(tmp_path)  # compiled, not only parsed
 
 

@@ -34,9 +34,10 @@ _LOG2E = tl.constexpr(LOG2E)  # what a kernel may read of a global
 
 @triton.jit
 def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2,
-            M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr):
+            M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr,
+            PRECISION: tl.constexpr):
     """Queries ``q`` [M, D] over keys ``lo:hi``: the normalized output [M, D] and the log2-sum-exp
-    [M] (-inf where every key is masked)."""
+    [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs (not TF32)."""
     d = tl.arange(0, D)
     m = tl.full([M], float("-inf"), tl.float32)  # running max of the scores (base 2)
     total = tl.zeros([M], tl.float32)
@@ -49,14 +50,14 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2,
         if SKIP_MASKED:  # a masked key's row is not loaded (its 0 scores count nothing beside -inf)
             read = inside & (bias > float("-inf"))
         k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=read[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale_log2 + bias[None, :] * _LOG2E
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2 + bias[None, :] * _LOG2E
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing unmasked yet: exp2(-inf) = 0
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_base + n[:, None] * sv_l + d[None, :], mask=read[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)[:, None]
@@ -69,7 +70,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr,
              so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g,
              scale_log2, length, split_len,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr):
+             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr):
     """Row b's query heads of key/value head h over its split s of the row's own keys."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
@@ -78,7 +79,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr,
     lo = s * split_len
     out, lse = _attend(q, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, bias_ptr + b * sbias_b,
                        sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, BLOCK_G, D, BLOCK_N,
-                       SKIP_MASKED)
+                       SKIP_MASKED, PRECISION)
     if FINAL:  # one split: this is the output
         tl.store(final_ptr + b * sf_b + h * sf_h + g[:, None] * sf_g + d[None, :],
                  out.to(final_ptr.dtype.element_ty), mask=g[:, None] < G)
@@ -93,7 +94,7 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
                     so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s,
                     scale_log2, length, split_len, rows, first_split,
                     G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Prompt slot p's rows (their query heads of key/value head h, side by side) over split s of
     the prompt's keys, written as each row's partial ``first_split + s``."""
     p, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -106,7 +107,7 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
     lo = s * split_len
     out, lse = _attend(q, k_ptr + p * sk_b + h * sk_h, v_ptr + p * sv_b + h * sv_h, bias_ptr + p * sbias_b,
                        sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, BLOCK_M, D, BLOCK_N,
-                       SKIP_MASKED)
+                       SKIP_MASKED, PRECISION)
     at = first_split + s
     tl.store(out_ptr + r[:, None] * so_b + h * so_h + at * so_s + g[:, None] * so_g + d[None, :], out,
              mask=live[:, None])
@@ -157,6 +158,11 @@ def _split(length: int, splits: int, block_n: int) -> tuple[int, int]:
     return math.ceil(max(1, length) / split_len), split_len
 
 
+def _precision(q: torch.Tensor) -> str:
+    """float32 products as float32 (SDPA's), not TF32; half types multiply exactly either way."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 def _check(*tensors: torch.Tensor) -> None:
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("decode attention needs the head dimension contiguous in q, keys and values")
@@ -189,7 +195,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl,
         final.stride(0), final.stride(1), final.stride(2), scale * LOG2E, length, split_len,
         G=groups, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=splits == 1,
-        num_warps=num_warps, num_stages=num_stages)
+        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge[(b, hkv)](parts, lse, final, final, final, *so, *sl, final.stride(0), final.stride(1),
                          final.stride(2), 0, splits, splits, G=groups, BLOCK_G=block_g, D=d,
@@ -227,13 +233,14 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q, keys, values, bias, parts, lse, final, *qs, keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl, 0, 0, 0,
         scale * LOG2E, length, own_len, G=groups, BLOCK_G=block_g, D=d, BLOCK_N=block_n,
-        SKIP_MASKED=skip_masked, FINAL=False, num_warps=num_warps, num_stages=num_stages)
+        SKIP_MASKED=skip_masked, FINAL=False, PRECISION=_precision(q), num_warps=num_warps,
+        num_stages=num_stages)
     _partial_prompt[(slots, hkv, shared)](
         q, pkeys, pvalues, pbias, members, parts, lse, *qs, pkeys.stride(0), pkeys.stride(1), pkeys.stride(2),
         pvalues.stride(0), pvalues.stride(1), pvalues.stride(2), pbias.stride(0), members.stride(0), *so, *sl,
         scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n,
         BLOCK_M=max(16, triton.next_power_of_2(n * groups)), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked,
-        num_warps=num_warps, num_stages=num_stages)
+        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
     _merge[(b, hkv)](parts, lse, final, place, members, *so, *sl, final.stride(0), final.stride(1),
                      final.stride(2), members.stride(0), own + shared, own, G=groups, BLOCK_G=block_g, D=d,
                      BLOCK_S=max(2, triton.next_power_of_2(own + shared)), MEMBERS=n, SHARED=True,

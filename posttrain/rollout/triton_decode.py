@@ -72,7 +72,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
              SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr):
     """Row b's query heads of key/value head h over its split s of the row's own keys."""
-    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # b * a cache stride: past 2**31
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)
@@ -97,7 +97,7 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
                     BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Prompt slot p's rows (their query heads of key/value head h, side by side) over split s of
     the prompt's keys, written as each row's partial ``first_split + s``."""
-    p, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    p, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     r = tl.load(members_ptr + p * smem + i // G, mask=i < MEMBERS * G, other=rows)  # rows: no member
@@ -122,7 +122,7 @@ def _merge(out_ptr, lse_ptr, final_ptr, place_ptr, members_ptr, so_b, so_h, so_s
     """Row b's partials of head h merged by their log-sum-exps. ``SHARED``: the partials from
     ``own_splits`` on are its prompt slot's, counted only if the row is a member of the slot its
     ``place`` names (a finished row's place may be stale)."""
-    b, h = tl.program_id(0), tl.program_id(1)
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)

@@ -174,15 +174,15 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
 
 
 def rollout_verdict(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """``degraded`` if any rank's rollout engine lost speed: a compile, graph capture, SDPA decode
-    attention, fused views, or an asked-for flex_attention or Triton kernel fell back, or the engine gave way to transformers' ``generate`` (the
-    row then times another path than it names); the reasons are the row's error."""
+    """``degraded`` if any rank's rollout engine lost speed (``posttrain.rollout.api.slowed``: the
+    counters ``Rollout.degraded`` reads) or gave way to transformers' ``generate`` (the row then
+    times another path than it names); the reasons are the row's error."""
+    from posttrain.rollout.api import slowed
+
     reasons = []
     for r in ranks:
         for role, st in (r.get("rollout") or {}).items():
-            if (st.get("compile_fallbacks") or st.get("capture_fallbacks") or st.get("sdpa_fallbacks")
-                    or st.get("fused_fallbacks") or st.get("flex_fallbacks") or st.get("triton_fallbacks")
-                    or st.get("fallback")):
+            if slowed(st) or st.get("fallback"):
                 why = st.get("fallback_reasons") or [st.get("fallback")]
                 reasons.append(f"rank {r.get('rank')} {role}: " + "; ".join(str(w) for w in why if w))
     if not reasons:

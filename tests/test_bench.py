@@ -210,8 +210,8 @@ def test_rollout_fallbacks_mark_a_row_degraded():
     assert verdict == {"status": "degraded", "error": "rank 1 policy: capture failed: OOM"}
     hf = {"policy": {**clean["policy"], "backend": "hf", "fallback": "model type 'gpt2' has no posttrain decode path"}}
     assert "gpt2" in harness.rollout_verdict([{"rank": 0, "rollout": hf}])["error"]
-    # The step's default variants lost, or the attention a run asked for: slower, so degraded.
-    for counter in ("sdpa_fallbacks", "fused_fallbacks", "flex_fallbacks", "triton_fallbacks"):
+    # The step's default variants lost, the attention a run asked for, or generate run for the adapters.
+    for counter in ("sdpa_fallbacks", "fused_fallbacks", "flex_fallbacks", "triton_fallbacks", "adapter_fallbacks"):
         slow = {"policy": {**clean["policy"], counter: 1, "fallback_reasons": [counter]}}
         assert harness.rollout_verdict([{"rank": 0, "rollout": slow}])["status"] == "degraded"
 

@@ -83,6 +83,18 @@ def engine_options(cfg: RolloutFields) -> dict[str, Any]:
     return options
 
 
+# The rollout stats' counters of a path lost to a fallback: a compile, capture, flex, Triton-kernel,
+# SDPA or fused-views fallback, or a rollout that ran ``generate`` for its adapters' state.
+SLOW_FALLBACKS = ("compile_fallbacks", "capture_fallbacks", "adapter_fallbacks", "fused_fallbacks",
+                  "sdpa_fallbacks", "flex_fallbacks", "triton_fallbacks")
+
+
+def slowed(stats: dict[str, Any]) -> bool:
+    """Whether rollout ``stats`` (:attr:`Rollout.stats`, or a rank's copy of them) count a fallback
+    that makes generation slower than it should be."""
+    return any(stats.get(k) for k in SLOW_FALLBACKS)
+
+
 class Rollout:
     """``max_batch``: the sequences a rollout usually has, and the default KV budget; a rollout may
     pass more (they stream through the slots). ``kv_slots``: the KV budget in sequences (the cache
@@ -146,12 +158,8 @@ class Rollout:
 
     @property
     def degraded(self) -> bool:
-        """Whether generation runs slower than it should: a compile, capture, flex, Triton-kernel,
-        SDPA or fused-views fallback, or a rollout that ran ``generate`` for its adapters' state."""
-        return bool(self.stats["compile_fallbacks"] or self.stats["capture_fallbacks"]
-                    or self.stats["adapter_fallbacks"] or self.stats.get("fused_fallbacks")
-                    or self.stats.get("sdpa_fallbacks") or self.stats.get("flex_fallbacks")
-                    or self.stats.get("triton_fallbacks"))
+        """Whether generation runs slower than it should (:func:`slowed`)."""
+        return slowed(self.stats)
 
     # -- where the weights are ---------------------------------------------------------------------
     def _module(self) -> nn.Module:

@@ -5,7 +5,7 @@ the attention it replaces, and inside the engine, eager and traced as CUDA compi
 
 import pytest
 import torch
-from test_rollout import build, rollout
+from test_rollout import build, graph_breaking, rollout
 
 from posttrain.demo import tiny
 from posttrain.dsconfig import ConfigError
@@ -209,12 +209,7 @@ def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, mon
     ids, mask = enc["input_ids"], enc["attention_mask"]
     torch.manual_seed(4)
     want = rollout(model, tok).generate(ids, mask)
-
-    def broken(*args):
-        torch._dynamo.graph_break()
-        return triton_decode.decode_attention_op(*args)
-
-    monkeypatch.setattr(torch.ops.posttrain, "decode_attention", broken)
+    monkeypatch.setattr(torch.ops.posttrain, "decode_attention", graph_breaking(triton_decode.decode_attention_op))
     torch._dynamo.reset()
     r = rollout(model, tok, engine_options=dict(triton_decode=True, compile_mode="layer", compile_backend="aot_eager"))
     torch.manual_seed(4)

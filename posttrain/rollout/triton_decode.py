@@ -168,6 +168,48 @@ def _check(*tensors: torch.Tensor) -> None:
         raise ValueError("decode attention needs the head dimension contiguous in q, keys and values")
 
 
+def _tile(rows: int) -> int:
+    """An MMA tile's rows for ``rows`` queries: tl.dot's smallest is 16."""
+    return max(16, triton.next_power_of_2(rows))
+
+
+def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                  parts: torch.Tensor | None, lse: torch.Tensor | None, final: torch.Tensor, splits: int,
+                  split_len: int, scale: float, block_n: int, skip_masked: bool, num_warps: int,
+                  num_stages: int) -> None:
+    """Launch :func:`_partial` over the rows' own keys: split ``s`` into ``parts[:, :, s]`` and
+    ``lse[:, :, s]``, or (``parts`` None, one split) straight into ``final``."""
+    b, hkv, groups, d = q.shape
+    so, sl = (parts.stride()[:4], lse.stride()[:3]) if parts is not None else ((0, 0, 0, 0), (0, 0, 0))
+    _partial[(b, hkv, splits)](
+        q, keys, values, bias, final if parts is None else parts, final if lse is None else lse, final,
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl,
+        final.stride(0), final.stride(1), final.stride(2), scale * LOG2E, keys.shape[2], split_len,
+        G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=parts is None,
+        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
+
+
+def _merged(parts: torch.Tensor, lse: torch.Tensor, final: torch.Tensor, own_splits: int, num_warps: int,
+            place: torch.Tensor | None = None, members: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch :func:`_merge` of every row's partials into ``final``; with ``place`` and
+    ``members``, the partials from ``own_splits`` on are the rows' prompt slots'."""
+    b, hkv, splits, groups, d = parts.shape
+    shared = members is not None
+    _merge[(b, hkv)](parts, lse, final, place if shared else final, members if shared else final,
+                     *parts.stride()[:4], *lse.stride()[:3], final.stride(0), final.stride(1), final.stride(2),
+                     members.stride(0) if shared else 0, splits, own_splits, G=groups, BLOCK_G=_tile(groups), D=d,
+                     BLOCK_S=max(2, triton.next_power_of_2(splits)), MEMBERS=members.shape[1] if shared else 1,
+                     SHARED=shared, num_warps=num_warps)
+    return final
+
+
+def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b, hkv, groups, d = q.shape
+    return (torch.empty(b, hkv, splits, groups, d, dtype=torch.float32, device=q.device),
+            torch.empty(b, hkv, splits, groups, dtype=torch.float32, device=q.device))
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
                      splits: int | None = None, block_n: int = 64, skip_masked: bool = True, num_warps: int = 4,
                      num_stages: int = 2) -> torch.Tensor:
@@ -175,33 +217,16 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     ``values`` [B, kv_heads, L, d] (views of a longer cache are read in place); ``bias`` [B, L] or
     [B, 1, 1, L] (0 or -inf). ``skip_masked``: masked keys are not read (left padding, columns
     past a row's end). Returns [B, kv_heads, G, d] in q's dtype."""
-    b, hkv, groups, d = q.shape
+    b, hkv = q.shape[:2]
     length = keys.shape[2]
     _check(q, keys, values)
     bias = bias.reshape(b, length)
     splits, split_len = _split(length, splits or default_splits(b * hkv, length, block_n, q.device), block_n)
     final = torch.empty_like(q)
-    block_g = max(16, triton.next_power_of_2(groups))  # tl.dot's smallest tile
-    if splits > 1:
-        parts = torch.empty(b, hkv, splits, groups, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(b, hkv, splits, groups, dtype=torch.float32, device=q.device)
-        so, sl = parts.stride()[:4], lse.stride()[:3]
-    else:
-        parts = lse = final  # not written
-        so, sl = (0, 0, 0, 0), (0, 0, 0)
-    _partial[(b, hkv, splits)](
-        q, keys, values, bias, parts, lse, final,
-        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl,
-        final.stride(0), final.stride(1), final.stride(2), scale * LOG2E, length, split_len,
-        G=groups, BLOCK_G=block_g, D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=splits == 1,
-        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
-        _merge[(b, hkv)](parts, lse, final, final, final, *so, *sl, final.stride(0), final.stride(1),
-                         final.stride(2), 0, splits, splits, G=groups, BLOCK_G=block_g, D=d,
-                         BLOCK_S=max(2, triton.next_power_of_2(splits)), MEMBERS=1, SHARED=False,
-                         num_warps=num_warps)
-    return final
+    parts, lse = _partials(q, splits) if splits > 1 else (None, None)
+    _own_partials(q, keys, values, bias, parts, lse, final, splits, split_len, scale, block_n, skip_masked,
+                  num_warps, num_stages)
+    return final if parts is None else _merged(parts, lse, final, splits, num_warps)
 
 
 def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
@@ -224,28 +249,17 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     shared, shared_len = _split(width, prompt_splits or default_splits(slots * hkv, width, block_n, q.device),
                                 block_n)
     final = torch.empty_like(q)
-    parts = torch.empty(b, hkv, own + shared, groups, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, hkv, own + shared, groups, dtype=torch.float32, device=q.device)
-    so, sl = parts.stride()[:4], lse.stride()[:3]
-    block_g = max(16, triton.next_power_of_2(groups))
-    qs = (q.stride(0), q.stride(1), q.stride(2))
-    _partial[(b, hkv, own)](
-        q, keys, values, bias, parts, lse, final, *qs, keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl, 0, 0, 0,
-        scale * LOG2E, length, own_len, G=groups, BLOCK_G=block_g, D=d, BLOCK_N=block_n,
-        SKIP_MASKED=skip_masked, FINAL=False, PRECISION=_precision(q), num_warps=num_warps,
-        num_stages=num_stages)
+    parts, lse = _partials(q, own + shared)
+    _own_partials(q, keys, values, bias, parts, lse, final, own, own_len, scale, block_n, skip_masked, num_warps,
+                  num_stages)
     _partial_prompt[(slots, hkv, shared)](
-        q, pkeys, pvalues, pbias, members, parts, lse, *qs, pkeys.stride(0), pkeys.stride(1), pkeys.stride(2),
-        pvalues.stride(0), pvalues.stride(1), pvalues.stride(2), pbias.stride(0), members.stride(0), *so, *sl,
-        scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n,
-        BLOCK_M=max(16, triton.next_power_of_2(n * groups)), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked,
-        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
-    _merge[(b, hkv)](parts, lse, final, place, members, *so, *sl, final.stride(0), final.stride(1),
-                     final.stride(2), members.stride(0), own + shared, own, G=groups, BLOCK_G=block_g, D=d,
-                     BLOCK_S=max(2, triton.next_power_of_2(own + shared)), MEMBERS=n, SHARED=True,
-                     num_warps=num_warps)
-    return final
+        q, pkeys, pvalues, pbias, members, parts, lse, q.stride(0), q.stride(1), q.stride(2),
+        pkeys.stride(0), pkeys.stride(1), pkeys.stride(2), pvalues.stride(0), pvalues.stride(1), pvalues.stride(2),
+        pbias.stride(0), members.stride(0), *parts.stride()[:4], *lse.stride()[:3],
+        scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d,
+        BLOCK_N=block_n, SKIP_MASKED=skip_masked, PRECISION=_precision(q), num_warps=num_warps,
+        num_stages=num_stages)
+    return _merged(parts, lse, final, own, num_warps, place, members)
 
 
 # The engine's step calls the kernels through these ops, so torch.compile and CUDA graph capture

@@ -201,10 +201,13 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         raise SystemExit(f"--shared-prompt {args.shared_prompt!r}: use some of {', '.join(suffix)}")
 
     def shared_options(mode: str) -> dict[str, Any]:
-        shared = dict(shared_prompt_kv=True, group_size=args.generations) if mode not in ("off", "triton") else {}
+        shared = dict(shared_prompt_kv=True, group_size=args.generations) if is_shared(mode) else {}
         kernel = {"flex": {"flex_decode": True}, "triton": {"triton_decode": True},
                   "shared-triton": {"triton_decode": True}}.get(mode, {})
         return {**shared, **kernel}
+
+    def is_shared(mode: str) -> bool:
+        return mode in ("on", "flex", "shared-triton")
 
     def kv_bytes(e: Any, rows: int, columns: int) -> int:
         return 2 * len(e.keys) * rows * columns * e.spec.kv_heads * e.spec.head_dim * 2
@@ -295,7 +298,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
             run_baseline("full", x, m, free)
         groups = [i // args.generations for i in range(chunk)]
         for mode in shared_modes:
-            shared = mode not in ("off", "triton")
+            shared = is_shared(mode)
             r = run_engine("full", f"engine{suffix[mode]}", x, m, free, chunk, **shared_options(mode))
             e = r.engine
             # The step alone, at the bucket (chunk rows, whole cache; the chunk's prompt slots):

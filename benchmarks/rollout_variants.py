@@ -48,17 +48,32 @@ def name(variant: tuple[int, int, int, int]) -> str:
     return f"fused{fused}_split{split}_" + {1: "sdpa", 2: "flex", 3: "triton"}.get(attention, f"fp32{fp32}")
 
 
-def parse_variants(text: str) -> list[tuple[int, int, int, int]]:
-    """"all" or names like fused1_split0_fp321, comma-separated."""
+TRITON_FLAGS = {"p32": ("P_FP32", True), "b128": ("BLOCK_N", 128), "b32": ("BLOCK_N", 32)}
+
+
+def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]]]:
+    """"all" or names like fused1_split0_fp321, comma-separated; a Triton variant may take the
+    kernel's settings as flags (``fused1_split1_triton:p32:b128``, :data:`TRITON_FLAGS`)."""
     if text == "all":
-        return list(VARIANTS)
+        return [(v, []) for v in VARIANTS]
     by_name = {name(v): v for v in VARIANTS}
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        if part not in by_name:
-            raise SystemExit(f"--variants {part!r}: use 'all' or some of {', '.join(by_name)}")
-        out.append(by_name[part])
+        base, *flags = part.split(":")
+        if base not in by_name or (flags and by_name[base][3] != 3) or set(flags) - set(TRITON_FLAGS):
+            raise SystemExit(f"--variants {part!r}: use 'all' or some of {', '.join(by_name)} (the Triton one "
+                             f"with flags among {', '.join(TRITON_FLAGS)})")
+        out.append((by_name[base], flags))
     return out
+
+
+def set_triton_flags(flags: list[str]) -> None:
+    """The Triton kernel's module settings for one variant (its defaults where ``flags`` is empty)."""
+    from posttrain.rollout import triton_decode
+
+    triton_decode.P_FP32, triton_decode.BLOCK_N = False, 64
+    for flag in flags:
+        setattr(triton_decode, *TRITON_FLAGS[flag])
 
 
 def launches(code: str) -> int:
@@ -152,10 +167,12 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
             (ids[:2].float() @ ids[:2].float().T).sum().item()
-    for variant in parse_variants(args.variants):
+    for variant, flags in parse_variants(args.variants):
         fused, split, fp32, sdpa = variant
-        base = {"shape": shape, "case": "variants", "variant": name(variant), "fused": fused, "split": split,
-                "fp32_scores": fp32, "sdpa": sdpa}
+        base = {"shape": shape, "case": "variants", "variant": ":".join([name(variant), *flags]), "fused": fused,
+                "split": split, "fp32_scores": fp32, "sdpa": sdpa}
+        if sdpa == 3:
+            set_triton_flags(flags)
         if time.perf_counter() - t_start > args.budget_s:
             out.append({**base, "error": "skipped: --budget-s spent"})
             write()

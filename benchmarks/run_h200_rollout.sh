@@ -49,13 +49,13 @@ timeout 280 python benchmarks/distill_race.py --out "$RES/distill_race.jsonl" --
   > "$RES/distill_race.log" 2>&1; echo "distill race rc=$?" >> "$RES/rc.txt"; pack
 fi
 if [ "${PART:-1}" = 5 ]; then
-timeout 120 python benchmarks/decode_attention_probe.py --shapes 128x768,16x512 --splits "" \
+timeout 90 python benchmarks/decode_attention_probe.py --shapes 128x768,16x512 --splits "" \
   --triton autox64,autox64:r,1x64,2x64,4x64,8x64,autox32,autox128,autox64:w2,autox64:w8,autox64:st3,autox128:w8 --out "$RES/decode_probe_triton.json" \
   > "$RES/decode_probe_triton.log" 2>&1; echo "triton probe rc=$?" >> "$RES/rc.txt"; pack
-timeout 260 python benchmarks/rollout_bench.py --shapes 1b --cases variants --variants fused1_split1_sdpa,fused1_split1_triton \
-  --budget-s 230 --out "$RES/variants_triton_1b.json" > "$RES/variants_triton.log" 2>&1; echo "triton variants rc=$?" >> "$RES/rc.txt"
+timeout 200 python benchmarks/rollout_bench.py --shapes 1b --cases variants --variants fused1_split1_sdpa,fused1_split1_triton \
+  --budget-s 170 --out "$RES/variants_triton_1b.json" > "$RES/variants_triton.log" 2>&1; echo "triton variants rc=$?" >> "$RES/rc.txt"
 pack
-timeout 360 python benchmarks/rollout_bench.py --shapes 1b --cases varlen,step --kv-slots 512 \
-  --shared-prompt off,triton,shared-triton --repeats 2 --budget-s 320 --out "$RES/rollout_1b_triton.json" \
+timeout 270 python benchmarks/rollout_bench.py --shapes 1b --cases varlen,step --kv-slots 512 \
+  --shared-prompt off,triton,shared-triton --repeats 2 --budget-s 200 --out "$RES/rollout_1b_triton.json" \
   > "$RES/rollout_triton.log" 2>&1; echo "1b triton rc=$?" >> "$RES/rc.txt"; pack
 fi

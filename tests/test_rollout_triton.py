@@ -51,6 +51,45 @@ def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, b
         assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits):
+    """``new``: the step's keys and values go into the cache views at each row's column (clamped to
+    the bucket's last), attended from registers (the stale cell, NaN here, is never read): what two
+    ``index_copy_`` into the cache and then the kernel give, cache and output alike."""
+    from posttrain.rollout.triton_decode import decode_attention, decode_attention_shared
+
+    torch.manual_seed(2)
+    rows, kv_heads, groups, d, length, cache_len = 5, 2, 2, 16, 40, 56
+    q = torch.randn(rows, kv_heads, groups, d)
+    caches = [torch.randn(rows + 1, kv_heads, cache_len, d) for _ in range(2)]
+    col = torch.tensor([3, 17, 39, 60, 25])  # row 3 is done: its column is past the bucket, clamped to 39
+    cells = col.clamp(max=length - 1)
+    for cache in caches:
+        cache[torch.arange(rows), :, cells] = float("nan")
+    new = [torch.randn(rows, 1, kv_heads, d).transpose(1, 2) for _ in range(2)]  # [B, kv_heads, 1, d], as q/k/v
+    valid = (torch.arange(length) <= cells.unsqueeze(1)) & (torch.arange(length) >= torch.arange(rows).unsqueeze(1))
+    bias = torch.zeros(rows, length).masked_fill(~valid, float("-inf"))
+    want_caches = [c.clone() for c in caches]
+    for cache, kv in zip(want_caches, new):
+        cache[torch.arange(rows), :, cells] = kv[:, :, 0]
+    views = [c[:rows, :, :length] for c in caches]
+    want_views = [c[:rows, :, :length] for c in want_caches]
+    scale = d**-0.5
+    if shared:
+        pkeys, pvalues = torch.randn(2, kv_heads, 24, d), torch.randn(2, kv_heads, 24, d)
+        prompt = (pkeys, pvalues, torch.zeros(2, 24), torch.tensor([[0, 1, 2], [3, 4, rows]]),
+                  torch.tensor([0, 1, 2, 3, 4]))
+        want = decode_attention_shared(q, *want_views, bias, *prompt, scale, splits=splits, block_n=16)
+        out = decode_attention_shared(q, *views, bias, *prompt, scale, splits=splits, block_n=16, new=(*new, col))
+    else:
+        want = decode_attention(q, *want_views, bias, scale, splits=splits, block_n=16)
+        out = decode_attention(q, *views, bias, scale, splits=splits, block_n=16, new=(*new, col))
+    assert (out - want).abs().max().item() < 1e-6
+    for cache, want_cache in zip(caches, want_caches):
+        assert torch.equal(cache, want_cache)  # the cells outside the bucket untouched
+
+
 def shared_attention(q, keys, values, bias, pkeys, pvalues, pbias, members, place, scale):
     """Each row over its prompt slot's keys then its own, one softmax; a row that is not the member
     its place names (a finished row's stale place) over its own keys only."""
@@ -152,16 +191,16 @@ def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr"), c
         if n in constexprs:
             return "constexpr"
         if n.endswith("_ptr"):
-            return "*i64" if n == "members_ptr" else "*fp32" if n in fp32 else cache
+            return "*i64" if n in ("members_ptr", "col_ptr") else "*fp32" if n in fp32 else cache
         return "fp32" if n in floats else "i32"
     return {n: one(n) for n in fn.arg_names}
 
 target = GPUTarget("cuda", 90, 32)  # an H100 / H200
-for final in (False, True):
-    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32")
-    k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target, options={"num_warps": 4})
+for final in (False, True):  # the engine's step writes the new keys (HAS_NEW); the probe's calls do not
+    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32", HAS_NEW=final)
+    k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target, options={"num_warps": 2})
     print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"])
-c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee")  # a float32 model
+c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True)  # float32
 k = triton.compile(ASTSource(td._partial, types(td._partial, c, cache="*fp32"), c), target=target,
                    options={"num_warps": 4})
 print("partial float32", "tf32" not in k.asm["ptx"])
@@ -200,8 +239,10 @@ def test_the_kernels_compile_for_an_h200(tmp_path):
 
 
 def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, monkeypatch):
-    """The kernels' op does not trace in one graph: the engine compiles the step with SDPA instead,
-    samples what the default does, and the rollout says it is degraded (``triton_fallbacks``)."""
+    """The kernels fail: in the whole layer, their op does not trace in one graph; in the split
+    layer, the step's eager launch raises (a kernel this GPU cannot build, say). The engine
+    compiles the step with SDPA instead, samples what the default does, and the rollout says it is
+    degraded (``triton_fallbacks``)."""
     from posttrain.rollout import triton_decode
 
     model = build("llama", tok)
@@ -210,12 +251,20 @@ def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, mon
     torch.manual_seed(4)
     want = rollout(model, tok).generate(ids, mask)
     monkeypatch.setattr(torch.ops.posttrain, "decode_attention", graph_breaking(triton_decode.decode_attention_op))
+
+    def out_of_resources(*args, **kwargs):
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(triton_decode, "attend_step", out_of_resources)
     torch._dynamo.reset()
-    r = rollout(model, tok, engine_options=dict(triton_decode=True, compile_mode="layer", compile_backend="aot_eager"))
+    r = rollout(model, tok, engine_options=dict(triton_decode=True, compile_mode="layer", compile_backend="aot_eager",
+                                                split_layer=False))
     torch.manual_seed(4)
     out = r.generate(ids, mask)
     torch._dynamo.reset()
-    assert r.stats["triton_fallbacks"] == 1 and not r.stats["triton_decode"] and r.stats["sdpa_decode"]
+    # whole layer -> split layer (the op traced no more), then the split layer's launch -> SDPA
+    assert r.stats["split_fallbacks"] == 1 and r.stats["triton_fallbacks"] == 1, r.stats
+    assert not r.stats["triton_decode"] and r.stats["sdpa_decode"]
     assert r.stats["compile"] == "layer" and r.degraded
     assert any("Triton decode kernels" in why for why in r.stats["fallback_reasons"]), r.stats["fallback_reasons"]
     assert torch.equal(out.sequences, want.sequences)

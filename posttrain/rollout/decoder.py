@@ -513,6 +513,12 @@ def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Te
         attn = decode_attention(spec, q, keys, values, bias)
     else:
         attn = decode_attention_shared(spec, q, keys, values, bias, prompt)
+    return decode_layer_out(spec, w, x, attn, next_norm)
+
+
+def decode_layer_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
+                     next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_layer_post` after the attention (``attn`` [B, heads, 1, d])."""
     x = attention_out(spec, w, x, attn)
     return x, rms_norm(x, next_norm, spec.eps)
 

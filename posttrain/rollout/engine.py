@@ -376,6 +376,7 @@ class DecodeEngine:
         self._inputs_fn: Callable = step.inputs
         self._qkv_fn: Callable = decoder.project_qkv
         self._post_fn: Callable = decoder.decode_layer_post
+        self._out_fn: Callable = decoder.decode_layer_out
         self._layer_fn: Callable = decoder.decode_layer
         self._sample_fn: Callable = step.sample
         self._record_fn: Callable = step.record
@@ -405,6 +406,7 @@ class DecodeEngine:
         if self.split_layer:
             self._qkv_fn = torch.compile(decoder.project_qkv, **options)
             self._post_fn = torch.compile(decoder.decode_layer_post, **options)
+            self._out_fn = torch.compile(decoder.decode_layer_out, **options)
         else:
             self._layer_fn = torch.compile(decoder.decode_layer, **options)
         self._sample_fn = torch.compile(step.sample, **options)
@@ -434,6 +436,14 @@ class DecodeEngine:
                                       prompt)
                 continue
             q, k, v = self._qkv_fn(spec, lw, h, cos, sin)
+            if spec.triton_decode:  # the kernel writes k and v into the cache as it attends them
+                from . import triton_decode  # imported (Triton present) when triton_decode was chosen
+
+                attn = triton_decode.attend_step(q, k, v, self.keys[i][:rows, :, :length],
+                                                 self.values[i][:rows, :, :length], bias, self.col[:rows],
+                                                 spec.scaling, prompt)
+                x, h = self._out_fn(spec, lw, x, attn, next_norm)
+                continue
             # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
             self.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))
             self.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))

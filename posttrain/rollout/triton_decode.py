@@ -30,14 +30,22 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # what a kernel may read of a global
+NUM_WARPS = 2  # the fastest of 2, 4 and 8 at 128 x 768 and at 16 x 512 on an H200 (NOTES 24)
+BLOCK_N = 64  # keys a block
+P_FP32 = False  # the value product's probabilities in float32 (TF32) instead of the cache dtype
+
+NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, values [B, kv_heads, 1, d], columns [B]
 
 
 @triton.jit
-def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2,
+def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr, P_FP32: tl.constexpr):
     """Queries ``q`` [M, D] over keys ``lo:hi``: the normalized output [M, D] and the log2-sum-exp
-    [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs (not TF32)."""
+    [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs (not TF32).
+    ``HAS_NEW``: column ``col``'s key and value are ``k_new``/``v_new`` [D] (this step's, not yet
+    in the cache as read). ``P_FP32``: the probabilities stay float32 for the value product (TF32,
+    or IEEE for float32 caches), where SDPA's kernels round them to the cache dtype."""
     d = tl.arange(0, D)
     m = tl.full([M], float("-inf"), tl.float32)  # running max of the scores (base 2)
     total = tl.zeros([M], tl.float32)
@@ -49,7 +57,12 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2,
         read = inside
         if SKIP_MASKED:  # a masked key's row is not loaded (its 0 scores count nothing beside -inf)
             read = inside & (bias > float("-inf"))
+        if HAS_NEW:
+            is_new = n == col
+            read = read & ~is_new
         k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=read[:, None], other=0.0)
+        if HAS_NEW:
+            k = tl.where(is_new[:, None], k_new[None, :], k)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2 + bias[None, :] * _LOG2E
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing unmasked yet: exp2(-inf) = 0
@@ -57,7 +70,13 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2,
         p = tl.exp2(scores - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_base + n[:, None] * sv_l + d[None, :], mask=read[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if HAS_NEW:
+            v = tl.where(is_new[:, None], v_new[None, :], v)
+        if P_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m = m_new
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)[:, None]
@@ -65,21 +84,36 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2,
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr,
+def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr, vn_ptr, col_ptr,
              sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b,
-             so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g,
+             so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g, skn_b, skn_h, svn_b, svn_h,
              scale_log2, length, split_len,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr):
-    """Row b's query heads of key/value head h over its split s of the row's own keys."""
+             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr,
+             P_FP32: tl.constexpr):
+    """Row b's query heads of key/value head h over its split s of the row's own keys. ``HAS_NEW``:
+    the row's new key and value go into the cache at its column ``col`` (clamped to the last), by
+    the split that holds that column, which attends them from registers."""
     b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # b * a cache stride: past 2**31
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)
     lo = s * split_len
-    out, lse = _attend(q, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, bias_ptr + b * sbias_b,
-                       sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, BLOCK_G, D, BLOCK_N,
-                       SKIP_MASKED, PRECISION)
+    hi = tl.minimum(lo + split_len, length)
+    k_base, v_base = k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h
+    col = -1
+    k_new = tl.zeros([D], k_ptr.dtype.element_ty)
+    v_new = tl.zeros([D], v_ptr.dtype.element_ty)
+    if HAS_NEW:
+        col = tl.minimum(tl.load(col_ptr + b), length - 1)
+        k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d)
+        v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d)
+        at = tl.zeros([D], tl.int64) + col  # as a vector: the interpreter does not broadcast a scalar mask
+        here = (at >= lo) & (at < hi)
+        tl.store(k_base + col * sk_l + d, k_new, mask=here)
+        tl.store(v_base + col * sv_l + d, v_new, mask=here)
+    out, lse = _attend(q, k_base, v_base, bias_ptr + b * sbias_b, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
+                       BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW, P_FP32)
     if FINAL:  # one split: this is the output
         tl.store(final_ptr + b * sf_b + h * sf_h + g[:, None] * sf_g + d[None, :],
                  out.to(final_ptr.dtype.element_ty), mask=g[:, None] < G)
@@ -94,7 +128,8 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
                     so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s,
                     scale_log2, length, split_len, rows, first_split,
                     G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                    P_FP32: tl.constexpr):
     """Prompt slot p's rows (their query heads of key/value head h, side by side) over split s of
     the prompt's keys, written as each row's partial ``first_split + s``."""
     p, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -105,9 +140,10 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
     g = i % G
     q = tl.load(q_ptr + r[:, None] * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=live[:, None], other=0.0)
     lo = s * split_len
+    zero = tl.zeros([D], k_ptr.dtype.element_ty)
     out, lse = _attend(q, k_ptr + p * sk_b + h * sk_h, v_ptr + p * sv_b + h * sv_h, bias_ptr + p * sbias_b,
-                       sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, BLOCK_M, D, BLOCK_N,
-                       SKIP_MASKED, PRECISION)
+                       sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, zero, zero, -1, BLOCK_M, D,
+                       BLOCK_N, SKIP_MASKED, PRECISION, False, P_FP32)
     at = first_split + s
     tl.store(out_ptr + r[:, None] * so_b + h * so_h + at * so_s + g[:, None] * so_g + d[None, :], out,
              mask=live[:, None])
@@ -176,18 +212,25 @@ def _tile(rows: int) -> int:
 def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                   parts: torch.Tensor | None, lse: torch.Tensor | None, final: torch.Tensor, splits: int,
                   split_len: int, scale: float, block_n: int, skip_masked: bool, num_warps: int,
-                  num_stages: int) -> None:
+                  num_stages: int, new: NewKV | None) -> None:
     """Launch :func:`_partial` over the rows' own keys: split ``s`` into ``parts[:, :, s]`` and
-    ``lse[:, :, s]``, or (``parts`` None, one split) straight into ``final``."""
+    ``lse[:, :, s]``, or (``parts`` None, one split) straight into ``final``; ``new``: the step's
+    keys and values written into the cache as they are attended."""
     b, hkv, groups, d = q.shape
     so, sl = (parts.stride()[:4], lse.stride()[:3]) if parts is not None else ((0, 0, 0, 0), (0, 0, 0))
+    k_new, v_new, col = new if new is not None else (keys, values, final)
+    if new is not None:
+        _check(k_new, v_new)
     _partial[(b, hkv, splits)](
         q, keys, values, bias, final if parts is None else parts, final if lse is None else lse, final,
+        k_new, v_new, col,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl,
-        final.stride(0), final.stride(1), final.stride(2), scale * LOG2E, keys.shape[2], split_len,
+        final.stride(0), final.stride(1), final.stride(2), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1), scale * LOG2E, keys.shape[2], split_len,
         G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=parts is None,
-        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
+        PRECISION=_precision(q), HAS_NEW=new is not None, P_FP32=P_FP32, num_warps=num_warps,
+        num_stages=num_stages)
 
 
 def _merged(parts: torch.Tensor, lse: torch.Tensor, final: torch.Tensor, own_splits: int, num_warps: int,
@@ -211,37 +254,44 @@ def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
-                     splits: int | None = None, block_n: int = 64, skip_masked: bool = True, num_warps: int = 4,
-                     num_stages: int = 2) -> torch.Tensor:
+                     splits: int | None = None, block_n: int | None = None, skip_masked: bool = True,
+                     num_warps: int = NUM_WARPS, num_stages: int = 2, new: NewKV | None = None) -> torch.Tensor:
     """``q`` [B, kv_heads, G, d] (a group's query heads over their key/value head); ``keys`` and
     ``values`` [B, kv_heads, L, d] (views of a longer cache are read in place); ``bias`` [B, L] or
     [B, 1, 1, L] (0 or -inf). ``skip_masked``: masked keys are not read (left padding, columns
-    past a row's end). Returns [B, kv_heads, G, d] in q's dtype."""
+    past a row's end). ``new`` = (k, v [B, kv_heads, 1, d], col [B]): the step's keys and values,
+    written into ``keys``/``values`` at column ``col`` (clamped to L - 1) by the kernel that
+    attends them, so the cache write is no launch of its own. Returns [B, kv_heads, G, d] in q's
+    dtype."""
     b, hkv = q.shape[:2]
     length = keys.shape[2]
+    block_n = block_n or BLOCK_N
     _check(q, keys, values)
     bias = bias.reshape(b, length)
     splits, split_len = _split(length, splits or default_splits(b * hkv, length, block_n, q.device), block_n)
     final = torch.empty_like(q)
     parts, lse = _partials(q, splits) if splits > 1 else (None, None)
     _own_partials(q, keys, values, bias, parts, lse, final, splits, split_len, scale, block_n, skip_masked,
-                  num_warps, num_stages)
+                  num_warps, num_stages, new)
     return final if parts is None else _merged(parts, lse, final, splits, num_warps)
 
 
 def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                             pkeys: torch.Tensor, pvalues: torch.Tensor, pbias: torch.Tensor, members: torch.Tensor,
                             place: torch.Tensor, scale: float, splits: int | None = None,
-                            prompt_splits: int | None = None, block_n: int = 64, skip_masked: bool = True,
-                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                            prompt_splits: int | None = None, block_n: int | None = None, skip_masked: bool = True,
+                            num_warps: int = NUM_WARPS, num_stages: int = 2, new: NewKV | None = None
+                            ) -> torch.Tensor:
     """:func:`decode_attention` over each row's prompt in a shared slot and its own completion:
     ``keys``/``values`` [B, kv_heads, Lc, d] and ``bias`` [B, Lc] the completions'; ``pkeys``/
     ``pvalues`` [S, kv_heads, W, d] and ``pbias`` [S, W] the prompt slots'; ``members`` [S, n] each
     slot's rows (B or more where none); ``place`` [B] each row's slot * n + its member index.
-    The softmax is over both parts' keys together."""
+    The softmax is over both parts' keys together. ``new``: as in :func:`decode_attention`, into
+    the completions' cache."""
     b, hkv, groups, d = q.shape
     slots, n = members.shape
     length, width = keys.shape[2], pkeys.shape[2]
+    block_n = block_n or BLOCK_N
     _check(q, keys, values, pkeys, pvalues)
     bias, pbias = bias.reshape(b, length), pbias.reshape(slots, width)
     members, place = members.contiguous(), place.contiguous()
@@ -251,15 +301,33 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     final = torch.empty_like(q)
     parts, lse = _partials(q, own + shared)
     _own_partials(q, keys, values, bias, parts, lse, final, own, own_len, scale, block_n, skip_masked, num_warps,
-                  num_stages)
+                  num_stages, new)
     _partial_prompt[(slots, hkv, shared)](
         q, pkeys, pvalues, pbias, members, parts, lse, q.stride(0), q.stride(1), q.stride(2),
         pkeys.stride(0), pkeys.stride(1), pkeys.stride(2), pvalues.stride(0), pvalues.stride(1), pvalues.stride(2),
         pbias.stride(0), members.stride(0), *parts.stride()[:4], *lse.stride()[:3],
         scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d,
-        BLOCK_N=block_n, SKIP_MASKED=skip_masked, PRECISION=_precision(q), num_warps=num_warps,
+        BLOCK_N=block_n, SKIP_MASKED=skip_masked, PRECISION=_precision(q), P_FP32=P_FP32, num_warps=num_warps,
         num_stages=num_stages)
     return _merged(parts, lse, final, own, num_warps, place, members)
+
+
+def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                bias: torch.Tensor, col: torch.Tensor, scale: float, prompt: tuple[torch.Tensor, ...] | None = None
+                ) -> torch.Tensor:
+    """One decode step's attention as the engine's split layer runs it, eagerly between its two
+    compiled halves: ``q`` [B, heads, 1, d], this step's ``k``/``v`` [B, kv_heads, 1, d] written
+    into the cache views ``keys``/``values`` [B, kv_heads, L, d] at columns ``col`` by the kernel
+    (in place of two ``index_copy_`` launches), ``prompt`` the shared prompt slots (pkeys, pvalues,
+    pbias, members, place) or None. Returns [B, heads, 1, d]."""
+    b, heads, _, d = q.shape
+    qg = q.reshape(b, keys.shape[1], heads // keys.shape[1], d)
+    new = (k, v, col)
+    if prompt is None:
+        out = decode_attention(qg, keys, values, bias, scale, new=new)
+    else:
+        out = decode_attention_shared(qg, keys, values, bias, *prompt, scale, new=new)
+    return out.reshape(b, heads, 1, d)
 
 
 # The engine's step calls the kernels through these ops, so torch.compile and CUDA graph capture

@@ -8,7 +8,7 @@ copy, as [rows * kv_heads, S, L / S, head_dim] (the splits take the place of the
 chunk's output and log-sum-exp from SDPA's memory-efficient kernel (``decoder.sdpa_lse``), merged
 by their log-sum-exps. ``triton_*``: posttrain's Triton kernel split over the keys
 (``posttrain/rollout/triton_decode.py``, ``SxN``: S splits or ``auto`` its own choice, key blocks
-of N; then ``:r`` masked keys read too, not skipped, ``:wW`` W warps, ``:stK`` K stages, ``:p32`` the value product's probabilities in float32), loaded from
+of N; then ``:r`` masked keys read too, not skipped, ``:wW`` W warps, ``:stK`` K stages, ``:rev`` key blocks last to first), loaded from
 its file so that the probe needs only torch and Triton. Each variant runs once per layer on its own cache (22 of them: the L2 cache
 does not hold the keys between layers) inside one CUDA graph; the time is a replay's over 22.
 
@@ -74,10 +74,10 @@ def triton_options(config: str) -> dict[str, Any]:
             options["num_stages"] = int(flag[2:])
         elif flag.startswith("w"):
             options["num_warps"] = int(flag[1:])
-        elif flag == "p32":
-            options["p_fp32"] = True
+        elif flag == "rev":
+            options["reverse"] = True
         else:
-            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK, p32")
+            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK, rev")
     return options
 
 
@@ -102,14 +102,14 @@ def variants(splits: list[int], cuda: bool, triton_configs: list[str]) -> dict[s
         kernel = triton_kernel()
 
         def triton_variant(options: dict[str, Any]) -> Callable[..., torch.Tensor]:
-            p_fp32 = options.pop("p_fp32", False)
+            reverse = options.pop("reverse", False)
 
             def run(q, k, v, bias, _sb, scale):
-                kernel.P_FP32 = p_fp32  # a module setting, read as the kernel launches (and is captured)
+                kernel.REVERSE = reverse  # a module setting, read as the kernel launches (and is captured)
                 try:
                     return kernel.decode_attention(q, k, v, bias, scale, **options)
                 finally:
-                    kernel.P_FP32 = False
+                    kernel.REVERSE = False
             return run
 
         out.update({f"triton_{c.replace(':', '_')}": triton_variant(triton_options(c)) for c in triton_configs})

@@ -52,13 +52,15 @@ def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, b
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits):
+@pytest.mark.parametrize("splits, reverse", [(1, False), (3, False), (1, True), (3, True)])
+def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits, reverse, monkeypatch):
     """``new``: the step's keys and values go into the cache views at each row's column (clamped to
     the bucket's last), attended from registers (the stale cell, NaN here, is never read): what two
     ``index_copy_`` into the cache and then the kernel give, cache and output alike."""
+    from posttrain.rollout import triton_decode
     from posttrain.rollout.triton_decode import decode_attention, decode_attention_shared
 
+    monkeypatch.setattr(triton_decode, "REVERSE", reverse)  # key blocks last to first: the same attention
     torch.manual_seed(2)
     rows, kv_heads, groups, d, length, cache_len = 5, 2, 2, 16, 40, 56
     q = torch.randn(rows, kv_heads, groups, d)
@@ -86,6 +88,9 @@ def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits):
         want = decode_attention(q, *want_views, bias, scale, splits=splits, block_n=16)
         out = decode_attention(q, *views, bias, scale, splits=splits, block_n=16, new=(*new, col))
     assert (out - want).abs().max().item() < 1e-6
+    exact = (shared_attention(q, *want_views, bias, *prompt, scale) if shared
+             else attention(q, *want_views, bias, scale))
+    assert (out - exact).abs().max().item() < 1e-5
     for cache, want_cache in zip(caches, want_caches):
         assert torch.equal(cache, want_cache)  # the cells outside the bucket untouched
 
@@ -197,14 +202,15 @@ def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr"), c
 
 target = GPUTarget("cuda", 90, 32)  # an H100 / H200
 for final in (False, True):  # the engine's step writes the new keys (HAS_NEW); the probe's calls do not
-    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32", HAS_NEW=final)
+    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32", HAS_NEW=final,
+             REVERSE=final)
     k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target, options={"num_warps": 2})
     print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"])
-c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True)  # float32
+c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True, REVERSE=False)  # float32
 k = triton.compile(ASTSource(td._partial, types(td._partial, c, cache="*fp32"), c), target=target,
                    options={"num_warps": 4})
 print("partial float32", "tf32" not in k.asm["ptx"])
-c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True, PRECISION="tf32")  # 8 rows a prompt
+c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True, PRECISION="tf32", REVERSE=False)  # 8 rows a prompt
 k = triton.compile(ASTSource(td._partial_prompt, types(td._partial_prompt, c), c), target=target,
                    options={"num_warps": 4})
 print("prompt", k.metadata.shared, "mma" in k.asm["ptx"])

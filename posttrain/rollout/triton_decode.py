@@ -32,7 +32,8 @@ LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # what a kernel may read of a global
 NUM_WARPS = 2  # the fastest of 2, 4 and 8 at 128 x 768 and at 16 x 512 on an H200 (NOTES 24)
 BLOCK_N = 64  # keys a block
-P_FP32 = False  # the value product's probabilities in float32 (TF32) instead of the cache dtype
+REVERSE = False  # key blocks from the last to the first
+SPLITS: int | None = None  # splits of a row's keys (None: default_splits)
 
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, values [B, kv_heads, 1, d], columns [B]
 
@@ -40,17 +41,22 @@ NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, valu
 @triton.jit
 def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr,
-            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr, P_FP32: tl.constexpr):
+            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr, REVERSE: tl.constexpr):
     """Queries ``q`` [M, D] over keys ``lo:hi``: the normalized output [M, D] and the log2-sum-exp
     [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs (not TF32).
     ``HAS_NEW``: column ``col``'s key and value are ``k_new``/``v_new`` [D] (this step's, not yet
-    in the cache as read). ``P_FP32``: the probabilities stay float32 for the value product (TF32,
-    or IEEE for float32 caches), where SDPA's kernels round them to the cache dtype."""
+    in the cache as read). ``REVERSE``: the key blocks from the last to the first, as flash
+    attention's forward visits them. The softmax steps are flash attention's (the max over
+    unscaled scores, exp2 of one fused multiply-add, the probabilities rounded to the cache dtype
+    for the value product, the sum's reciprocal at the end), so that each probability is rounded
+    where the training forward rounds it."""
     d = tl.arange(0, D)
-    m = tl.full([M], float("-inf"), tl.float32)  # running max of the scores (base 2)
+    m = tl.full([M], float("-inf"), tl.float32)  # running max of the unscaled scores
     total = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    blocks = tl.cdiv(hi - lo, BLOCK_N)
+    for i in range(0, blocks):
+        start = lo + (blocks - 1 - i) * BLOCK_N if REVERSE else lo + i * BLOCK_N
         n = start + tl.arange(0, BLOCK_N)
         inside = n < hi
         bias = tl.load(bias_base + n, mask=inside, other=float("-inf")).to(tl.float32)
@@ -63,24 +69,20 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new,
         k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=read[:, None], other=0.0)
         if HAS_NEW:
             k = tl.where(is_new[:, None], k_new[None, :], k)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2 + bias[None, :] * _LOG2E
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias[None, :]
         m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing unmasked yet: exp2(-inf) = 0
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing unmasked yet: p = 0, alpha = 0
+        alpha = tl.exp2((m - m_safe) * scale_log2)
+        p = tl.exp2(tl.fma(scores, scale_log2, -(m_safe * scale_log2)[:, None]))
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_base + n[:, None] * sv_l + d[None, :], mask=read[:, None], other=0.0)
         if HAS_NEW:
             v = tl.where(is_new[:, None], v_new[None, :], v)
-        if P_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     empty = total == 0.0
-    out = acc / tl.where(empty, 1.0, total)[:, None]
-    return out, tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, total)))
+    out = acc * (1.0 / tl.where(empty, 1.0, total))[:, None]
+    return out, tl.where(empty, float("-inf"), m * scale_log2 + tl.log2(tl.where(empty, 1.0, total)))
 
 
 @triton.jit
@@ -90,7 +92,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
              scale_log2, length, split_len,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
              SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr,
-             P_FP32: tl.constexpr):
+             REVERSE: tl.constexpr):
     """Row b's query heads of key/value head h over its split s of the row's own keys. ``HAS_NEW``:
     the row's new key and value go into the cache at its column ``col`` (clamped to the last), by
     the split that holds that column, which attends them from registers."""
@@ -113,7 +115,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
         tl.store(k_base + col * sk_l + d, k_new, mask=here)
         tl.store(v_base + col * sv_l + d, v_new, mask=here)
     out, lse = _attend(q, k_base, v_base, bias_ptr + b * sbias_b, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
-                       BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW, P_FP32)
+                       BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW, REVERSE)
     if FINAL:  # one split: this is the output
         tl.store(final_ptr + b * sf_b + h * sf_h + g[:, None] * sf_g + d[None, :],
                  out.to(final_ptr.dtype.element_ty), mask=g[:, None] < G)
@@ -129,7 +131,7 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
                     scale_log2, length, split_len, rows, first_split,
                     G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
                     BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                    P_FP32: tl.constexpr):
+                    REVERSE: tl.constexpr):
     """Prompt slot p's rows (their query heads of key/value head h, side by side) over split s of
     the prompt's keys, written as each row's partial ``first_split + s``."""
     p, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -143,7 +145,7 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
     zero = tl.zeros([D], k_ptr.dtype.element_ty)
     out, lse = _attend(q, k_ptr + p * sk_b + h * sk_h, v_ptr + p * sv_b + h * sv_h, bias_ptr + p * sbias_b,
                        sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, zero, zero, -1, BLOCK_M, D,
-                       BLOCK_N, SKIP_MASKED, PRECISION, False, P_FP32)
+                       BLOCK_N, SKIP_MASKED, PRECISION, False, REVERSE)
     at = first_split + s
     tl.store(out_ptr + r[:, None] * so_b + h * so_h + at * so_s + g[:, None] * so_g + d[None, :], out,
              mask=live[:, None])
@@ -229,7 +231,7 @@ def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
         final.stride(0), final.stride(1), final.stride(2), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), scale * LOG2E, keys.shape[2], split_len,
         G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=parts is None,
-        PRECISION=_precision(q), HAS_NEW=new is not None, P_FP32=P_FP32, num_warps=num_warps,
+        PRECISION=_precision(q), HAS_NEW=new is not None, REVERSE=REVERSE, num_warps=num_warps,
         num_stages=num_stages)
 
 
@@ -268,7 +270,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     block_n = block_n or BLOCK_N
     _check(q, keys, values)
     bias = bias.reshape(b, length)
-    splits, split_len = _split(length, splits or default_splits(b * hkv, length, block_n, q.device), block_n)
+    splits, split_len = _split(length, splits or SPLITS or default_splits(b * hkv, length, block_n, q.device), block_n)
     final = torch.empty_like(q)
     parts, lse = _partials(q, splits) if splits > 1 else (None, None)
     _own_partials(q, keys, values, bias, parts, lse, final, splits, split_len, scale, block_n, skip_masked,
@@ -295,8 +297,8 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     _check(q, keys, values, pkeys, pvalues)
     bias, pbias = bias.reshape(b, length), pbias.reshape(slots, width)
     members, place = members.contiguous(), place.contiguous()
-    own, own_len = _split(length, splits or default_splits(b * hkv, length, block_n, q.device), block_n)
-    shared, shared_len = _split(width, prompt_splits or default_splits(slots * hkv, width, block_n, q.device),
+    own, own_len = _split(length, splits or SPLITS or default_splits(b * hkv, length, block_n, q.device), block_n)
+    shared, shared_len = _split(width, prompt_splits or SPLITS or default_splits(slots * hkv, width, block_n, q.device),
                                 block_n)
     final = torch.empty_like(q)
     parts, lse = _partials(q, own + shared)
@@ -307,7 +309,7 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         pkeys.stride(0), pkeys.stride(1), pkeys.stride(2), pvalues.stride(0), pvalues.stride(1), pvalues.stride(2),
         pbias.stride(0), members.stride(0), *parts.stride()[:4], *lse.stride()[:3],
         scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d,
-        BLOCK_N=block_n, SKIP_MASKED=skip_masked, PRECISION=_precision(q), P_FP32=P_FP32, num_warps=num_warps,
+        BLOCK_N=block_n, SKIP_MASKED=skip_masked, PRECISION=_precision(q), REVERSE=REVERSE, num_warps=num_warps,
         num_stages=num_stages)
     return _merged(parts, lse, final, own, num_warps, place, members)
 

@@ -7,10 +7,11 @@ keys split into S chunks ("split-K", as flash decoding does): the cache slice vi
 copy, as [rows * kv_heads, S, L / S, head_dim] (the splits take the place of the heads), each
 chunk's output and log-sum-exp from SDPA's memory-efficient kernel (``decoder.sdpa_lse``), merged
 by their log-sum-exps. ``triton_*``: posttrain's Triton kernel split over the keys
-(``posttrain/rollout/triton_decode.py``, ``SxN``: S splits or ``auto`` its own choice, key blocks
-of N; then ``:r`` masked keys read too, not skipped, ``:wW`` W warps, ``:stK`` K stages, ``:rev`` key blocks last to first), loaded from
-its file so that the probe needs only torch and Triton. Each variant runs once per layer on its own cache (22 of them: the L2 cache
-does not hold the keys between layers) inside one CUDA graph; the time is a replay's over 22.
+(``posttrain/rollout/triton_decode.py``, ``SxN``: S splits and key blocks of N, either ``auto``
+for the kernel's own choice; then ``:r`` masked keys read too, not skipped, ``:wW`` W warps,
+``:stK`` K stages), loaded from its file so that the probe needs only torch and Triton. Each
+variant runs once per layer on its own cache (22 of them: the L2 cache does not hold the keys
+between layers) inside one CUDA graph; the time is a replay's over 22.
 
     python benchmarks/decode_attention_probe.py --shapes 128x768,16x512 --out probe.json
     python benchmarks/decode_attention_probe.py --device cpu --shapes 4x64 --layers 2   (outputs only)
@@ -66,7 +67,7 @@ def triton_options(config: str) -> dict[str, Any]:
     """``SxN[:r][:wW][:stK]`` as the kernel's keyword arguments."""
     head, *flags = config.split(":")
     s, n = head.split("x")
-    options: dict[str, Any] = {"splits": None if s == "auto" else int(s), "block_n": int(n)}
+    options: dict[str, Any] = {"splits": None if s == "auto" else int(s), "block_n": None if n == "auto" else int(n)}
     for flag in flags:
         if flag == "r":
             options["skip_masked"] = False
@@ -74,10 +75,8 @@ def triton_options(config: str) -> dict[str, Any]:
             options["num_stages"] = int(flag[2:])
         elif flag.startswith("w"):
             options["num_warps"] = int(flag[1:])
-        elif flag == "rev":
-            options["reverse"] = True
         else:
-            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK, rev")
+            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK")
     return options
 
 
@@ -102,15 +101,7 @@ def variants(splits: list[int], cuda: bool, triton_configs: list[str]) -> dict[s
         kernel = triton_kernel()
 
         def triton_variant(options: dict[str, Any]) -> Callable[..., torch.Tensor]:
-            reverse = options.pop("reverse", False)
-
-            def run(q, k, v, bias, _sb, scale):
-                kernel.REVERSE = reverse  # a module setting, read as the kernel launches (and is captured)
-                try:
-                    return kernel.decode_attention(q, k, v, bias, scale, **options)
-                finally:
-                    kernel.REVERSE = False
-            return run
+            return lambda q, k, v, bias, _sb, scale: kernel.decode_attention(q, k, v, bias, scale, **options)
 
         out.update({f"triton_{c.replace(':', '_')}": triton_variant(triton_options(c)) for c in triton_configs})
     return out

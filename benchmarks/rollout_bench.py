@@ -194,16 +194,18 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     holder: dict[str, Any] = {}
     # ``--shared-prompt``: the engine as it is by default ("off"), with shared prompt slots (groups
     # of ``--generations`` rows hold their prompt once: "on"), and those with flex_attention
-    # ("flex"); "triton" and "shared-triton": the first two with posttrain's Triton kernels; side by side.
+    # ("flex"); "triton" and "shared-triton": the first two with posttrain's Triton kernels; "sdpa": the
+    # default without them (SDPA's kernel, the default on CUDA before them); side by side.
     shared_modes = [m for m in args.shared_prompt.split(",") if m]
-    suffix = {"off": "", "on": "-shared", "flex": "-shared-flex", "triton": "-triton", "shared-triton": "-shared-triton"}
+    suffix = {"off": "", "on": "-shared", "flex": "-shared-flex", "triton": "-triton", "shared-triton": "-shared-triton",
+              "sdpa": "-sdpa"}
     if set(shared_modes) - set(suffix):
         raise SystemExit(f"--shared-prompt {args.shared_prompt!r}: use some of {', '.join(suffix)}")
 
     def shared_options(mode: str) -> dict[str, Any]:
         shared = dict(shared_prompt_kv=True, group_size=args.generations) if is_shared(mode) else {}
         kernel = {"flex": {"flex_decode": True}, "triton": {"triton_decode": True},
-                  "shared-triton": {"triton_decode": True}}.get(mode, {})
+                  "shared-triton": {"triton_decode": True}, "sdpa": {"triton_decode": False}}.get(mode, {})
         return {**shared, **kernel}
 
     def is_shared(mode: str) -> bool:

@@ -48,12 +48,12 @@ def name(variant: tuple[int, int, int, int]) -> str:
     return f"fused{fused}_split{split}_" + {1: "sdpa", 2: "flex", 3: "triton"}.get(attention, f"fp32{fp32}")
 
 
-TRITON_FLAGS = {"rev": ("REVERSE", True), "s1": ("SPLITS", 1), "b128": ("BLOCK_N", 128), "b32": ("BLOCK_N", 32)}
+TRITON_FLAGS = {"s1": ("SPLITS", 1), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128)}
 
 
 def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]]]:
     """"all" or names like fused1_split0_fp321, comma-separated; a Triton variant may take the
-    kernel's settings as flags (``fused1_split1_triton:rev:s1:b128``, :data:`TRITON_FLAGS`)."""
+    kernel's settings as flags (``fused1_split1_triton:s1:b128``, :data:`TRITON_FLAGS`)."""
     if text == "all":
         return [(v, []) for v in VARIANTS]
     by_name = {name(v): v for v in VARIANTS}
@@ -71,7 +71,7 @@ def set_triton_flags(flags: list[str]) -> None:
     """The Triton kernel's module settings for one variant (its defaults where ``flags`` is empty)."""
     from posttrain.rollout import triton_decode
 
-    triton_decode.REVERSE, triton_decode.SPLITS, triton_decode.BLOCK_N = False, None, 64
+    triton_decode.SPLITS, triton_decode.BLOCK_N = None, None
     for flag in flags:
         setattr(triton_decode, *TRITON_FLAGS[flag])
 

@@ -52,15 +52,13 @@ def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, b
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("splits, reverse", [(1, False), (3, False), (1, True), (3, True)])
-def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits, reverse, monkeypatch):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits):
     """``new``: the step's keys and values go into the cache views at each row's column (clamped to
     the bucket's last), attended from registers (the stale cell, NaN here, is never read): what two
     ``index_copy_`` into the cache and then the kernel give, cache and output alike."""
-    from posttrain.rollout import triton_decode
     from posttrain.rollout.triton_decode import decode_attention, decode_attention_shared
 
-    monkeypatch.setattr(triton_decode, "REVERSE", reverse)  # key blocks last to first: the same attention
     torch.manual_seed(2)
     rows, kv_heads, groups, d, length, cache_len = 5, 2, 2, 16, 40, 56
     q = torch.randn(rows, kv_heads, groups, d)
@@ -202,15 +200,15 @@ def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr"), c
 
 target = GPUTarget("cuda", 90, 32)  # an H100 / H200
 for final in (False, True):  # the engine's step writes the new keys (HAS_NEW); the probe's calls do not
-    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32", HAS_NEW=final,
-             REVERSE=final)
+    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=128 if final else 64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32",
+             HAS_NEW=final)
     k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target, options={"num_warps": 2})
     print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"])
-c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True, REVERSE=False)  # float32
+c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True)  # float32
 k = triton.compile(ASTSource(td._partial, types(td._partial, c, cache="*fp32"), c), target=target,
                    options={"num_warps": 4})
 print("partial float32", "tf32" not in k.asm["ptx"])
-c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True, PRECISION="tf32", REVERSE=False)  # 8 rows a prompt
+c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True, PRECISION="tf32")  # 8 rows a prompt
 k = triton.compile(ASTSource(td._partial_prompt, types(td._partial_prompt, c), c), target=target,
                    options={"num_warps": 4})
 print("prompt", k.metadata.shared, "mma" in k.asm["ptx"])
@@ -274,3 +272,25 @@ def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, mon
     assert r.stats["compile"] == "layer" and r.degraded
     assert any("Triton decode kernels" in why for why in r.stats["fallback_reasons"]), r.stats["fallback_reasons"]
     assert torch.equal(out.sequences, want.sequences)
+
+
+def test_the_kernels_layout_and_where_they_are_the_default(monkeypatch):
+    """One split of 128-key blocks (heads of 64) where rows x heads fill an H200's 132 SMs (no
+    merge launch); 64-key blocks split over the SMs at GRPO's 16 rows (NOTES 24). The kernels are the engine's
+    default on CUDA for head sizes they take, never on a CPU."""
+    from types import SimpleNamespace
+
+    from posttrain.rollout import triton_decode
+    from posttrain.rollout.engine import _triton_by_default
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda")
+    assert triton_decode.layout(128 * 4, 768, 64, cuda) == (1, 768, 128)
+    assert triton_decode.layout(64 * 8, 768, 128, cuda) == (1, 768, 64)  # the 8B's heads: blocks not timed at 128
+    assert triton_decode.layout(16 * 4, 512, 64, cuda) == (8, 64, 64)
+    assert triton_decode.layout(16 * 4, 100, 64, cuda) == (2, 64, 64)  # no empty split
+    assert triton_decode.layout(16 * 4, 512, 64, cuda, splits=2, block_n=32) == (2, 256, 32)
+    assert _triton_by_default(cuda, SimpleNamespace(head_dim=64))
+    assert _triton_by_default(cuda, SimpleNamespace(head_dim=128))
+    assert not _triton_by_default(cuda, SimpleNamespace(head_dim=96))  # tl.arange takes powers of two
+    assert not _triton_by_default(torch.device("cpu"), SimpleNamespace(head_dim=64))

@@ -31,9 +31,8 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # what a kernel may read of a global
 NUM_WARPS = 2  # the fastest of 2, 4 and 8 at 128 x 768 and at 16 x 512 on an H200 (NOTES 24)
-BLOCK_N = 64  # keys a block
-REVERSE = False  # key blocks from the last to the first
-SPLITS: int | None = None  # splits of a row's keys (None: default_splits)
+BLOCK_N: int | None = None  # keys a block (None: layout's choice)
+SPLITS: int | None = None  # splits of a row's keys (None: layout's choice)
 
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, values [B, kv_heads, 1, d], columns [B]
 
@@ -41,22 +40,18 @@ NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, valu
 @triton.jit
 def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr,
-            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr, REVERSE: tl.constexpr):
+            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr):
     """Queries ``q`` [M, D] over keys ``lo:hi``: the normalized output [M, D] and the log2-sum-exp
     [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs (not TF32).
     ``HAS_NEW``: column ``col``'s key and value are ``k_new``/``v_new`` [D] (this step's, not yet
-    in the cache as read). ``REVERSE``: the key blocks from the last to the first, as flash
-    attention's forward visits them. The softmax steps are flash attention's (the max over
-    unscaled scores, exp2 of one fused multiply-add, the probabilities rounded to the cache dtype
-    for the value product, the sum's reciprocal at the end), so that each probability is rounded
-    where the training forward rounds it."""
+    in the cache as read). The softmax steps are flash attention's: the max over unscaled scores,
+    exp2 of one fused multiply-add, the probabilities rounded to the cache dtype for the value
+    product, the sum's reciprocal at the end."""
     d = tl.arange(0, D)
     m = tl.full([M], float("-inf"), tl.float32)  # running max of the unscaled scores
     total = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
-    blocks = tl.cdiv(hi - lo, BLOCK_N)
-    for i in range(0, blocks):
-        start = lo + (blocks - 1 - i) * BLOCK_N if REVERSE else lo + i * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < hi
         bias = tl.load(bias_base + n, mask=inside, other=float("-inf")).to(tl.float32)
@@ -91,8 +86,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
              so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g, skn_b, skn_h, svn_b, svn_h,
              scale_log2, length, split_len,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr,
-             REVERSE: tl.constexpr):
+             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr):
     """Row b's query heads of key/value head h over its split s of the row's own keys. ``HAS_NEW``:
     the row's new key and value go into the cache at its column ``col`` (clamped to the last), by
     the split that holds that column, which attends them from registers."""
@@ -115,7 +109,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
         tl.store(k_base + col * sk_l + d, k_new, mask=here)
         tl.store(v_base + col * sv_l + d, v_new, mask=here)
     out, lse = _attend(q, k_base, v_base, bias_ptr + b * sbias_b, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
-                       BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW, REVERSE)
+                       BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW)
     if FINAL:  # one split: this is the output
         tl.store(final_ptr + b * sf_b + h * sf_h + g[:, None] * sf_g + d[None, :],
                  out.to(final_ptr.dtype.element_ty), mask=g[:, None] < G)
@@ -130,8 +124,7 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
                     so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s,
                     scale_log2, length, split_len, rows, first_split,
                     G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                    REVERSE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Prompt slot p's rows (their query heads of key/value head h, side by side) over split s of
     the prompt's keys, written as each row's partial ``first_split + s``."""
     p, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -145,7 +138,7 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
     zero = tl.zeros([D], k_ptr.dtype.element_ty)
     out, lse = _attend(q, k_ptr + p * sk_b + h * sk_h, v_ptr + p * sv_b + h * sv_h, bias_ptr + p * sbias_b,
                        sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, zero, zero, -1, BLOCK_M, D,
-                       BLOCK_N, SKIP_MASKED, PRECISION, False, REVERSE)
+                       BLOCK_N, SKIP_MASKED, PRECISION, False)
     at = first_split + s
     tl.store(out_ptr + r[:, None] * so_b + h * so_h + at * so_s + g[:, None] * so_g + d[None, :], out,
              mask=live[:, None])
@@ -182,18 +175,21 @@ def _merge(out_ptr, lse_ptr, final_ptr, place_ptr, members_ptr, so_b, so_h, so_s
              mask=g[:, None] < G)
 
 
-def default_splits(programs: int, length: int, block_n: int, device: torch.device) -> int:
-    """Splits of ``length`` keys that give ``programs`` (rows x heads) enough company to cover
-    every SM about four times, none shorter than one key block."""
+def layout(programs: int, length: int, head_dim: int, device: torch.device, splits: int | None = None,
+           block_n: int | None = None) -> tuple[int, int, int]:
+    """(splits, keys per split, keys a block) of ``length`` keys for ``programs`` (rows x key/value
+    heads). Where the programs alone fill every SM: one split, no merge launch, of 128-key blocks
+    for heads of up to 64 (64 above: not timed). Else 64-key blocks, split to cover every SM
+    about four times. The fastest measured at the 1.1B Llama's heads on an H200 (NOTES 24).
+    ``splits``/``block_n`` (or the module's SPLITS/BLOCK_N) override; no split is empty or
+    shorter than a block."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    want = math.ceil(4 * sms / max(1, programs))
-    return max(1, min(triton.next_power_of_2(want), triton.next_power_of_2(math.ceil(length / block_n)), 16))
-
-
-def _split(length: int, splits: int, block_n: int) -> tuple[int, int]:
-    """(splits, keys per split): whole key blocks per split, no empty split."""
+    splits = splits or SPLITS
+    if splits is None:
+        splits = 1 if programs >= sms else min(triton.next_power_of_2(math.ceil(4 * sms / max(1, programs))), 16)
+    block_n = block_n or BLOCK_N or (128 if splits == 1 and head_dim <= 64 else 64)
     split_len = math.ceil(math.ceil(max(1, length) / splits) / block_n) * block_n
-    return math.ceil(max(1, length) / split_len), split_len
+    return math.ceil(max(1, length) / split_len), split_len, block_n
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -231,7 +227,7 @@ def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
         final.stride(0), final.stride(1), final.stride(2), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), scale * LOG2E, keys.shape[2], split_len,
         G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=parts is None,
-        PRECISION=_precision(q), HAS_NEW=new is not None, REVERSE=REVERSE, num_warps=num_warps,
+        PRECISION=_precision(q), HAS_NEW=new is not None, num_warps=num_warps,
         num_stages=num_stages)
 
 
@@ -265,12 +261,11 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     written into ``keys``/``values`` at column ``col`` (clamped to L - 1) by the kernel that
     attends them, so the cache write is no launch of its own. Returns [B, kv_heads, G, d] in q's
     dtype."""
-    b, hkv = q.shape[:2]
+    b, hkv, _, d = q.shape
     length = keys.shape[2]
-    block_n = block_n or BLOCK_N
     _check(q, keys, values)
     bias = bias.reshape(b, length)
-    splits, split_len = _split(length, splits or SPLITS or default_splits(b * hkv, length, block_n, q.device), block_n)
+    splits, split_len, block_n = layout(b * hkv, length, d, q.device, splits, block_n)
     final = torch.empty_like(q)
     parts, lse = _partials(q, splits) if splits > 1 else (None, None)
     _own_partials(q, keys, values, bias, parts, lse, final, splits, split_len, scale, block_n, skip_masked,
@@ -293,23 +288,21 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     b, hkv, groups, d = q.shape
     slots, n = members.shape
     length, width = keys.shape[2], pkeys.shape[2]
-    block_n = block_n or BLOCK_N
     _check(q, keys, values, pkeys, pvalues)
     bias, pbias = bias.reshape(b, length), pbias.reshape(slots, width)
     members, place = members.contiguous(), place.contiguous()
-    own, own_len = _split(length, splits or SPLITS or default_splits(b * hkv, length, block_n, q.device), block_n)
-    shared, shared_len = _split(width, prompt_splits or SPLITS or default_splits(slots * hkv, width, block_n, q.device),
-                                block_n)
+    own, own_len, own_block = layout(b * hkv, length, d, q.device, splits, block_n)
+    shared, shared_len, prompt_block = layout(slots * hkv, width, d, q.device, prompt_splits, block_n)
     final = torch.empty_like(q)
     parts, lse = _partials(q, own + shared)
-    _own_partials(q, keys, values, bias, parts, lse, final, own, own_len, scale, block_n, skip_masked, num_warps,
+    _own_partials(q, keys, values, bias, parts, lse, final, own, own_len, scale, own_block, skip_masked, num_warps,
                   num_stages, new)
     _partial_prompt[(slots, hkv, shared)](
         q, pkeys, pvalues, pbias, members, parts, lse, q.stride(0), q.stride(1), q.stride(2),
         pkeys.stride(0), pkeys.stride(1), pkeys.stride(2), pvalues.stride(0), pvalues.stride(1), pvalues.stride(2),
         pbias.stride(0), members.stride(0), *parts.stride()[:4], *lse.stride()[:3],
         scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d,
-        BLOCK_N=block_n, SKIP_MASKED=skip_masked, PRECISION=_precision(q), REVERSE=REVERSE, num_warps=num_warps,
+        BLOCK_N=prompt_block, SKIP_MASKED=skip_masked, PRECISION=_precision(q), num_warps=num_warps,
         num_stages=num_stages)
     return _merged(parts, lse, final, own, num_warps, place, members)
 

@@ -294,3 +294,32 @@ def test_the_kernels_layout_and_where_they_are_the_default(monkeypatch):
     assert _triton_by_default(cuda, SimpleNamespace(head_dim=128))
     assert not _triton_by_default(cuda, SimpleNamespace(head_dim=96))  # tl.arange takes powers of two
     assert not _triton_by_default(torch.device("cpu"), SimpleNamespace(head_dim=64))
+
+
+def test_generation_triton_decode_is_a_config_field(tmp_path):
+    """``RolloutFields.generation_triton_decode``: checked by its flag, passed to the engine (None
+    leaves the engine's default); a GRPO run with it trains as it does on the default attention, and
+    its per-step metrics say which attention ran and count the kernels' fallbacks."""
+    from posttrain.rollout.api import engine_options
+    from posttrain.scripts.data import bundled_prompts
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    def cfg(out, **kw):
+        return GRPOConfig(output_dir=str(out), model_name_or_path=str(tiny.sft_model_path()), beta=0.04,
+                          reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], learning_rate=5e-2,
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
+                          disable_tqdm=True, **kw)
+
+    with pytest.raises(ConfigError, match="--generation_triton_decode"):
+        GRPOTrainer(cfg(tmp_path / "bad", generation_triton_decode="yes"), train_dataset=bundled_prompts(16))
+    assert "triton_decode" not in engine_options(cfg(tmp_path / "o"))
+    assert engine_options(cfg(tmp_path / "o", generation_triton_decode=False))["triton_decode"] is False
+    runs = {}
+    for on in (None, True):
+        trainer = GRPOTrainer(cfg(tmp_path / str(on), generation_triton_decode=on), train_dataset=bundled_prompts(16))
+        runs[on] = trainer.train()
+        assert all(row["rollout/triton_decode"] == float(bool(on)) and row["rollout/triton_fallbacks"] == 0
+                   for row in runs[on]), runs[on]
+    for a, b in zip(runs[None], runs[True]):
+        for k in ("reward", "kl", "loss", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], abs=1e-5, rel=1e-5), k

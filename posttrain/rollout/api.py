@@ -59,6 +59,12 @@ class RolloutFields:
     # A memory setting: where timed (1.1B, one H200, before its parts ran on SDPA kernels) the
     # rollout ran at 0.73x the default's speed.
     generation_shared_prompt_kv: bool = False
+    # Decode attention by posttrain's Triton kernels (rollout/triton_decode.py), which also write the
+    # step's keys and values into the cache. None: on CUDA where Triton imports and the head size
+    # is a power of two from 16 to 256, else SDPA. false: SDPA's kernel, whose decode log-probs are
+    # as close to a training forward's as transformers' generate's (the kernels': 1.25x that gap,
+    # for steps 1.14-1.24x faster; README "Rollouts"). true: required (a clear error without Triton).
+    generation_triton_decode: bool | None = None
 
 
 def check_rollout_fields(cfg: RolloutFields) -> None:
@@ -67,9 +73,10 @@ def check_rollout_fields(cfg: RolloutFields) -> None:
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
         raise ConfigError(f"generation_kv_slots must be a whole number >= 1 or null (one slot per sequence of a "
                           f"generation batch), got {slots!r}: set --generation_kv_slots")
-    for name in ("generation_fused_projections", "generation_shared_prompt_kv"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise ConfigError(f"{name} must be true or false, got {getattr(cfg, name)!r}: set --{name} true|false")
+    for name in ("generation_fused_projections", "generation_shared_prompt_kv", "generation_triton_decode"):
+        value = getattr(cfg, name)
+        if not isinstance(value, bool) and not (value is None and name == "generation_triton_decode"):
+            raise ConfigError(f"{name} must be true or false, got {value!r}: set --{name} true|false")
 
 
 def engine_options(cfg: RolloutFields) -> dict[str, Any]:
@@ -78,6 +85,8 @@ def engine_options(cfg: RolloutFields) -> dict[str, Any]:
     options: dict[str, Any] = {"fused": True} if cfg.generation_fused_projections else {}
     if cfg.generation_shared_prompt_kv:
         options["shared_prompt_kv"] = True
+    if cfg.generation_triton_decode is not None:
+        options["triton_decode"] = cfg.generation_triton_decode
     if hasattr(cfg, "num_generations"):  # GRPO/RLOO: the group size of shared prompt slots (also when
         options["group_size"] = cfg.num_generations  # POSTTRAIN_ROLLOUT_SHARED_PROMPT turns them on)
     return options
@@ -146,15 +155,17 @@ class Rollout:
 
     def metrics(self) -> dict[str, float]:
         """Per-step metrics: graph captures so far, recaptures (0 after warm-up), capture seconds,
-        and every loss of speed: compile and capture fallbacks, 1 if the backend fell back to
-        ``generate`` for an unsupported model (or peft adapters the engine cannot run), and the
-        rollouts that ran ``generate`` because of the adapters' state at that time."""
+        whether the decode attention ran on posttrain's Triton kernels, and every loss of speed:
+        each counter of :data:`SLOW_FALLBACKS` (compile, capture, the attention kernels' and fused
+        views' fallbacks, the rollouts that ran ``generate`` because of the adapters' state at that
+        time) and 1 if the backend fell back to ``generate`` for an unsupported model (or peft
+        adapters the engine cannot run)."""
         st = self.stats
-        return {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
-                "rollout/capture_s": st["capture_s"], "rollout/compile_fallbacks": st["compile_fallbacks"],
-                "rollout/capture_fallbacks": st["capture_fallbacks"],
-                "rollout/adapter_fallbacks": st["adapter_fallbacks"],
-                "rollout/backend_fallback": float(st["fallback"] is not None)}
+        out = {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
+               "rollout/capture_s": st["capture_s"], "rollout/triton_decode": float(bool(st.get("triton_decode"))),
+               "rollout/backend_fallback": float(st["fallback"] is not None)}
+        out.update({f"rollout/{name}": st.get(name, 0) for name in SLOW_FALLBACKS})
+        return out
 
     @property
     def degraded(self) -> bool:

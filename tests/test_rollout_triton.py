@@ -199,16 +199,16 @@ def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr"), c
     return {n: one(n) for n in fn.arg_names}
 
 target = GPUTarget("cuda", 90, 32)  # an H100 / H200
-for final in (False, True):  # the engine's step writes the new keys (HAS_NEW); the probe's calls do not
+for final in (False, True):  # the engine's step writes and rotates (HAS_NEW, ROPE); the probe's calls do not
     c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=128 if final else 64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32",
-             HAS_NEW=final)
+             HAS_NEW=final, ROPE=final)
     k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target, options={"num_warps": 2})
     print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"])
-c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True)  # float32
+c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True, ROPE=True)  # float32
 k = triton.compile(ASTSource(td._partial, types(td._partial, c, cache="*fp32"), c), target=target,
                    options={"num_warps": 4})
 print("partial float32", "tf32" not in k.asm["ptx"])
-c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True, PRECISION="tf32")  # 8 rows a prompt
+c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True, PRECISION="tf32", ROPE=True)  # 8 rows
 k = triton.compile(ASTSource(td._partial_prompt, types(td._partial_prompt, c), c), target=target,
                    options={"num_warps": 4})
 print("prompt", k.metadata.shared, "mma" in k.asm["ptx"])
@@ -323,3 +323,42 @@ def test_generation_triton_decode_is_a_config_field(tmp_path):
     for a, b in zip(runs[None], runs[True]):
         for k in ("reward", "kl", "loss", "grad_norm"):
             assert b[k] == pytest.approx(a[k], abs=1e-5, rel=1e-5), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_kernel_rotates_the_query_and_the_new_key_as_the_forward_does(dtype, shared):
+    """``rope``: the kernel rotates q and the step's k itself, each product and the sum rounded as
+    transformers' apply_rotary_pos_emb rounds them in the model dtype: the key it writes into the
+    cache is that rotation's to the bit, and the output is the attention of the rotated query."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from posttrain.rollout import decoder
+    from posttrain.rollout.triton_decode import decode_attention, decode_attention_shared
+
+    torch.manual_seed(5)
+    rows, kv_heads, groups, d, length = 5, 2, 2, 16, 40
+    q = torch.randn(rows, kv_heads * groups, 1, d, dtype=dtype)
+    k, v = (torch.randn(rows, kv_heads, 1, d, dtype=dtype) for _ in range(2))
+    col = torch.tensor([3, 17, 39, 30, 25])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = decoder.rotary(col.unsqueeze(1), inv_freq, 1.0, dtype)  # [B, 1, d]
+    q_rot, k_rot = apply_rotary_pos_emb(q, k, cos, sin)  # unsqueezes to [B, 1, 1, d]
+    keys, values = (torch.randn(rows, kv_heads, length, d, dtype=dtype) for _ in range(2))
+    valid = torch.arange(length) <= col.unsqueeze(1)
+    bias = torch.zeros(rows, length, dtype=dtype).masked_fill(~valid, float("-inf"))
+    want_keys, want_values = keys.clone(), values.clone()
+    want_keys[torch.arange(rows), :, col], want_values[torch.arange(rows), :, col] = k_rot[:, :, 0], v[:, :, 0]
+    new, rope = (k, v, col), (cos.reshape(rows, d), sin.reshape(rows, d))
+    qg, want_qg = q.reshape(rows, kv_heads, groups, d), q_rot.reshape(rows, kv_heads, groups, d)
+    scale = d**-0.5
+    if shared:
+        prompt = (torch.randn(2, kv_heads, 24, d, dtype=dtype), torch.randn(2, kv_heads, 24, d, dtype=dtype),
+                  torch.zeros(2, 24, dtype=dtype), torch.tensor([[0, 1, 2], [3, 4, rows]]), torch.arange(rows))
+        out = decode_attention_shared(qg, keys, values, bias, *prompt, scale, block_n=16, new=new, rope=rope)
+        want = shared_attention(want_qg, want_keys, want_values, bias, *prompt, scale)
+    else:
+        out = decode_attention(qg, keys, values, bias, scale, block_n=16, new=new, rope=rope)
+        want = attention(want_qg, want_keys, want_values, bias, scale)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    assert (out.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-3)

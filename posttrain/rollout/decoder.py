@@ -314,8 +314,9 @@ def qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, cos: tor
 
 
 def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`qkv` of the layer's normed input ``h``."""
+                sin: torch.Tensor, rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`qkv` of the layer's normed input ``h``; ``rotate`` False: q and k before their
+    rotation (the Triton decode kernel rotates them)."""
     b, t, _ = h.shape
     d = spec.head_dim
     if "qkv" in w:
@@ -330,6 +331,8 @@ def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, 
     if "qn" in w:
         q, k = rms_norm(q, w["qn"], spec.eps), rms_norm(k, w["kn"], spec.eps)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if not rotate:
+        return q, k, v
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 

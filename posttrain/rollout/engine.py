@@ -452,15 +452,16 @@ class DecodeEngine:
                 x, h = self._layer_fn(spec, lw, x, h, cos, sin, self.keys[i], self.values[i], where, bias, next_norm,
                                       prompt)
                 continue
-            q, k, v = self._qkv_fn(spec, lw, h, cos, sin)
-            if spec.triton_decode:  # the kernel writes k and v into the cache as it attends them
+            if spec.triton_decode:  # the kernel rotates q and k and writes k and v into the cache as it attends
                 from . import triton_decode  # imported (Triton present) when triton_decode was chosen
 
+                q, k, v = self._qkv_fn(spec, lw, h, cos, sin, False)
                 attn = triton_decode.attend_step(q, k, v, self.keys[i][:rows, :, :length],
-                                                 self.values[i][:rows, :, :length], bias, self.col[:rows],
+                                                 self.values[i][:rows, :, :length], bias, self.col[:rows], cos, sin,
                                                  spec.scaling, prompt)
                 x, h = self._out_fn(spec, lw, x, attn, next_norm)
                 continue
+            q, k, v = self._qkv_fn(spec, lw, h, cos, sin)
             # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
             self.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))
             self.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))

@@ -35,6 +35,7 @@ BLOCK_N: int | None = None  # keys a block (None: layout's choice)
 SPLITS: int | None = None  # splits of a row's keys (None: layout's choice)
 
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, values [B, kv_heads, 1, d], columns [B]
+Rope = tuple[torch.Tensor, torch.Tensor]  # each row's rotary cos, sin [B, d]
 
 
 @triton.jit
@@ -81,19 +82,37 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new,
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr, vn_ptr, col_ptr,
+def _rope(x, partner, cos, sin, D: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` (``partner``: x at d + D/2 mod D), each product and the
+    sum rounded to x's dtype as eager torch rounds transformers' ``apply_rotary_pos_emb``."""
+    d = tl.arange(0, D)
+    rot = tl.where(d < D // 2, -partner.to(tl.float32), partner.to(tl.float32))
+    a = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype)
+    b = (rot * sin.to(tl.float32)).to(x.dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr, vn_ptr, col_ptr, cos_ptr, sin_ptr,
              sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b,
-             so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g, skn_b, skn_h, svn_b, svn_h,
+             so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g, skn_b, skn_h, svn_b, svn_h, scos_b, ssin_b,
              scale_log2, length, split_len,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr):
+             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr,
+             ROPE: tl.constexpr):
     """Row b's query heads of key/value head h over its split s of the row's own keys. ``HAS_NEW``:
     the row's new key and value go into the cache at its column ``col`` (clamped to the last), by
-    the split that holds that column, which attends them from registers."""
+    the split that holds that column, which attends them from registers. ``ROPE``: the query and
+    the new key are rotated here first (row b's cos and sin)."""
     b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # b * a cache stride: past 2**31
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)
+    q_at = q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g
+    q = tl.load(q_at + d[None, :], mask=g[:, None] < G, other=0.0)
+    if ROPE:
+        cos, sin = tl.load(cos_ptr + b * scos_b + d), tl.load(sin_ptr + b * ssin_b + d)
+        q = _rope(q, tl.load(q_at + ((d + D // 2) % D)[None, :], mask=g[:, None] < G, other=0.0), cos[None, :],
+                  sin[None, :], D)
     lo = s * split_len
     hi = tl.minimum(lo + split_len, length)
     k_base, v_base = k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h
@@ -103,6 +122,8 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
     if HAS_NEW:
         col = tl.minimum(tl.load(col_ptr + b), length - 1)
         k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d)
+        if ROPE:
+            k_new = _rope(k_new, tl.load(kn_ptr + b * skn_b + h * skn_h + (d + D // 2) % D), cos, sin, D)
         v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d)
         at = tl.zeros([D], tl.int64) + col  # as a vector: the interpreter does not broadcast a scalar mask
         here = (at >= lo) & (at < hi)
@@ -119,21 +140,27 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
 
 
 @triton.jit
-def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr,
+def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr, cos_ptr, sin_ptr,
                     sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b, smem,
-                    so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s,
+                    so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, scos_b, ssin_b,
                     scale_log2, length, split_len, rows, first_split,
                     G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr):
     """Prompt slot p's rows (their query heads of key/value head h, side by side) over split s of
-    the prompt's keys, written as each row's partial ``first_split + s``."""
+    the prompt's keys, written as each row's partial ``first_split + s`` (``ROPE``: the queries
+    rotated here first)."""
     p, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     r = tl.load(members_ptr + p * smem + i // G, mask=i < MEMBERS * G, other=rows)  # rows: no member
     live = (i < MEMBERS * G) & (r < rows)
     g = i % G
-    q = tl.load(q_ptr + r[:, None] * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=live[:, None], other=0.0)
+    q_at = q_ptr + r[:, None] * sq_b + h * sq_h + g[:, None] * sq_g
+    q = tl.load(q_at + d[None, :], mask=live[:, None], other=0.0)
+    if ROPE:
+        cos = tl.load(cos_ptr + r[:, None] * scos_b + d[None, :], mask=live[:, None], other=0.0)
+        sin = tl.load(sin_ptr + r[:, None] * ssin_b + d[None, :], mask=live[:, None], other=0.0)
+        q = _rope(q, tl.load(q_at + ((d + D // 2) % D)[None, :], mask=live[:, None], other=0.0), cos, sin, D)
     lo = s * split_len
     zero = tl.zeros([D], k_ptr.dtype.element_ty)
     out, lse = _attend(q, k_ptr + p * sk_b + h * sk_h, v_ptr + p * sv_b + h * sv_h, bias_ptr + p * sbias_b,
@@ -210,24 +237,25 @@ def _tile(rows: int) -> int:
 def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                   parts: torch.Tensor | None, lse: torch.Tensor | None, final: torch.Tensor, splits: int,
                   split_len: int, scale: float, block_n: int, skip_masked: bool, num_warps: int,
-                  num_stages: int, new: NewKV | None) -> None:
+                  num_stages: int, new: NewKV | None, rope: Rope | None) -> None:
     """Launch :func:`_partial` over the rows' own keys: split ``s`` into ``parts[:, :, s]`` and
     ``lse[:, :, s]``, or (``parts`` None, one split) straight into ``final``; ``new``: the step's
-    keys and values written into the cache as they are attended."""
+    keys and values written into the cache as they are attended; ``rope``: cos, sin [B, d]."""
     b, hkv, groups, d = q.shape
     so, sl = (parts.stride()[:4], lse.stride()[:3]) if parts is not None else ((0, 0, 0, 0), (0, 0, 0))
     k_new, v_new, col = new if new is not None else (keys, values, final)
+    cos, sin = rope if rope is not None else (final, final)
     if new is not None:
         _check(k_new, v_new)
     _partial[(b, hkv, splits)](
         q, keys, values, bias, final if parts is None else parts, final if lse is None else lse, final,
-        k_new, v_new, col,
+        k_new, v_new, col, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl,
         final.stride(0), final.stride(1), final.stride(2), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), scale * LOG2E, keys.shape[2], split_len,
+        v_new.stride(1), cos.stride(0), sin.stride(0), scale * LOG2E, keys.shape[2], split_len,
         G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=parts is None,
-        PRECISION=_precision(q), HAS_NEW=new is not None, num_warps=num_warps,
+        PRECISION=_precision(q), HAS_NEW=new is not None, ROPE=rope is not None, num_warps=num_warps,
         num_stages=num_stages)
 
 
@@ -253,13 +281,15 @@ def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
                      splits: int | None = None, block_n: int | None = None, skip_masked: bool = True,
-                     num_warps: int = NUM_WARPS, num_stages: int = 2, new: NewKV | None = None) -> torch.Tensor:
+                     num_warps: int = NUM_WARPS, num_stages: int = 2, new: NewKV | None = None,
+                     rope: Rope | None = None) -> torch.Tensor:
     """``q`` [B, kv_heads, G, d] (a group's query heads over their key/value head); ``keys`` and
     ``values`` [B, kv_heads, L, d] (views of a longer cache are read in place); ``bias`` [B, L] or
     [B, 1, 1, L] (0 or -inf). ``skip_masked``: masked keys are not read (left padding, columns
     past a row's end). ``new`` = (k, v [B, kv_heads, 1, d], col [B]): the step's keys and values,
     written into ``keys``/``values`` at column ``col`` (clamped to L - 1) by the kernel that
-    attends them, so the cache write is no launch of its own. Returns [B, kv_heads, G, d] in q's
+    attends them, so the cache write is no launch of its own. ``rope`` = (cos, sin [B, d]): q (and
+    the new keys) are rotated by the kernel, not yet before it. Returns [B, kv_heads, G, d] in q's
     dtype."""
     b, hkv, _, d = q.shape
     length = keys.shape[2]
@@ -269,7 +299,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     final = torch.empty_like(q)
     parts, lse = _partials(q, splits) if splits > 1 else (None, None)
     _own_partials(q, keys, values, bias, parts, lse, final, splits, split_len, scale, block_n, skip_masked,
-                  num_warps, num_stages, new)
+                  num_warps, num_stages, new, rope)
     return final if parts is None else _merged(parts, lse, final, splits, num_warps)
 
 
@@ -277,14 +307,14 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                             pkeys: torch.Tensor, pvalues: torch.Tensor, pbias: torch.Tensor, members: torch.Tensor,
                             place: torch.Tensor, scale: float, splits: int | None = None,
                             prompt_splits: int | None = None, block_n: int | None = None, skip_masked: bool = True,
-                            num_warps: int = NUM_WARPS, num_stages: int = 2, new: NewKV | None = None
-                            ) -> torch.Tensor:
+                            num_warps: int = NUM_WARPS, num_stages: int = 2, new: NewKV | None = None,
+                            rope: Rope | None = None) -> torch.Tensor:
     """:func:`decode_attention` over each row's prompt in a shared slot and its own completion:
     ``keys``/``values`` [B, kv_heads, Lc, d] and ``bias`` [B, Lc] the completions'; ``pkeys``/
     ``pvalues`` [S, kv_heads, W, d] and ``pbias`` [S, W] the prompt slots'; ``members`` [S, n] each
     slot's rows (B or more where none); ``place`` [B] each row's slot * n + its member index.
     The softmax is over both parts' keys together. ``new``: as in :func:`decode_attention`, into
-    the completions' cache."""
+    the completions' cache; ``rope`` likewise."""
     b, hkv, groups, d = q.shape
     slots, n = members.shape
     length, width = keys.shape[2], pkeys.shape[2]
@@ -296,32 +326,36 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     final = torch.empty_like(q)
     parts, lse = _partials(q, own + shared)
     _own_partials(q, keys, values, bias, parts, lse, final, own, own_len, scale, own_block, skip_masked, num_warps,
-                  num_stages, new)
+                  num_stages, new, rope)
+    cos, sin = rope if rope is not None else (final, final)
     _partial_prompt[(slots, hkv, shared)](
-        q, pkeys, pvalues, pbias, members, parts, lse, q.stride(0), q.stride(1), q.stride(2),
+        q, pkeys, pvalues, pbias, members, parts, lse, cos, sin, q.stride(0), q.stride(1), q.stride(2),
         pkeys.stride(0), pkeys.stride(1), pkeys.stride(2), pvalues.stride(0), pvalues.stride(1), pvalues.stride(2),
-        pbias.stride(0), members.stride(0), *parts.stride()[:4], *lse.stride()[:3],
+        pbias.stride(0), members.stride(0), *parts.stride()[:4], *lse.stride()[:3], cos.stride(0), sin.stride(0),
         scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d,
-        BLOCK_N=prompt_block, SKIP_MASKED=skip_masked, PRECISION=_precision(q), num_warps=num_warps,
+        BLOCK_N=prompt_block, SKIP_MASKED=skip_masked, PRECISION=_precision(q), ROPE=rope is not None,
+        num_warps=num_warps,
         num_stages=num_stages)
     return _merged(parts, lse, final, own, num_warps, place, members)
 
 
 def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                bias: torch.Tensor, col: torch.Tensor, scale: float, prompt: tuple[torch.Tensor, ...] | None = None
-                ) -> torch.Tensor:
+                bias: torch.Tensor, col: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,
+                prompt: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """One decode step's attention as the engine's split layer runs it, eagerly between its two
-    compiled halves: ``q`` [B, heads, 1, d], this step's ``k``/``v`` [B, kv_heads, 1, d] written
-    into the cache views ``keys``/``values`` [B, kv_heads, L, d] at columns ``col`` by the kernel
-    (in place of two ``index_copy_`` launches), ``prompt`` the shared prompt slots (pkeys, pvalues,
-    pbias, members, place) or None. Returns [B, heads, 1, d]."""
+    compiled halves: ``q`` [B, heads, 1, d] and this step's ``k`` [B, kv_heads, 1, d] before their
+    rotation by ``cos``/``sin`` [B, 1, d] (the kernel rotates them: no launches of their own),
+    ``v`` [B, kv_heads, 1, d]; ``k``/``v`` written into the cache views ``keys``/``values`` [B,
+    kv_heads, L, d] at columns ``col`` by the kernel (in place of two ``index_copy_`` launches),
+    ``prompt`` the shared prompt slots (pkeys, pvalues, pbias, members, place) or None. Returns
+    [B, heads, 1, d]."""
     b, heads, _, d = q.shape
     qg = q.reshape(b, keys.shape[1], heads // keys.shape[1], d)
-    new = (k, v, col)
+    new, rope = (k, v, col), (cos.reshape(b, d), sin.reshape(b, d))
     if prompt is None:
-        out = decode_attention(qg, keys, values, bias, scale, new=new)
+        out = decode_attention(qg, keys, values, bias, scale, new=new, rope=rope)
     else:
-        out = decode_attention_shared(qg, keys, values, bias, *prompt, scale, new=new)
+        out = decode_attention_shared(qg, keys, values, bias, *prompt, scale, new=new, rope=rope)
     return out.reshape(b, heads, 1, d)
 
 

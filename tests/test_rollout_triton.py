@@ -281,7 +281,7 @@ def test_the_kernels_layout_and_where_they_are_the_default(monkeypatch):
     from types import SimpleNamespace
 
     from posttrain.rollout import triton_decode
-    from posttrain.rollout.engine import _triton_by_default
+    from posttrain.rollout.switches import triton_by_default
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     cuda = torch.device("cuda")
@@ -290,10 +290,10 @@ def test_the_kernels_layout_and_where_they_are_the_default(monkeypatch):
     assert triton_decode.layout(16 * 4, 512, 64, cuda) == (8, 64, 64)
     assert triton_decode.layout(16 * 4, 100, 64, cuda) == (2, 64, 64)  # no empty split
     assert triton_decode.layout(16 * 4, 512, 64, cuda, splits=2, block_n=32) == (2, 256, 32)
-    assert _triton_by_default(cuda, SimpleNamespace(head_dim=64))
-    assert _triton_by_default(cuda, SimpleNamespace(head_dim=128))
-    assert not _triton_by_default(cuda, SimpleNamespace(head_dim=96))  # tl.arange takes powers of two
-    assert not _triton_by_default(torch.device("cpu"), SimpleNamespace(head_dim=64))
+    assert triton_by_default(cuda, SimpleNamespace(head_dim=64))
+    assert triton_by_default(cuda, SimpleNamespace(head_dim=128))
+    assert not triton_by_default(cuda, SimpleNamespace(head_dim=96))  # tl.arange takes powers of two
+    assert not triton_by_default(torch.device("cpu"), SimpleNamespace(head_dim=64))
 
 
 def test_generation_triton_decode_is_a_config_field(tmp_path):

@@ -8,7 +8,13 @@ One idea per module:
 - ``step``: the step's other compiled parts: prologue, LM head and sampler, epilogue;
 - ``engine``: KV cache slots, the step over (rows, columns) buckets, compiled and captured as CUDA
   graphs, every fallback counted;
+- ``switches``: the step's switches (engine options, their environment variables) and which
+  decode attention runs;
+- ``triton_decode``: posttrain's decode-attention kernels (the default on CUDA), which also rotate
+  the step's query and key and write its key and value into the cache;
 - ``scheduler``: continuous batching over the slots (refill, compaction, prefix sharing);
+- ``admission``: sequences into and out of the slots (prefill, moves, harvest), as the scheduler decides;
+- ``prompt_cache``: shared prompt slots (a group's prompt held and read once);
 - ``adapters``: peft LoRA adapters as the engine reads them (merged buffers or live terms);
 - ``shadow``: a ZeRO-3 model's persistent full copy, gathered once per rollout;
 - ``hf``: the ``generate`` backend;

@@ -61,6 +61,7 @@ from .adapters import Adapters
 from .decoder import DecoderSpec
 from .prompt_cache import SharedPrompts, bucket_sizes, default_prompt_slots
 from .sampling import SamplingParams
+from .switches import ATTENTION_NAMES, attention_spec, env_choice, env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -90,55 +91,6 @@ class Clock:
             ms = (now - self.last) * 1e3
         self.last = now
         return ms
-
-
-def _env_choice(name: str, value: bool | None) -> bool | None:
-    """An engine option, else its environment variable ("0" or "1"), else None (unset)."""
-    if value is not None:
-        return bool(value)
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    if raw not in ("0", "1"):
-        raise ConfigError(f"{name}={raw!r}: use 0 or 1")
-    return raw == "1"
-
-
-def _env_flag(name: str, value: bool | None, default: bool) -> bool:
-    """:func:`_env_choice`, ``default`` where neither is set."""
-    choice = _env_choice(name, value)
-    return default if choice is None else choice
-
-
-ATTENTION_NAMES = {"triton_decode": "the Triton decode kernels", "flex_decode": "flex_attention",
-                   "sdpa_decode": "SDPA decode attention"}
-
-
-def _require_triton(device: torch.device) -> None:
-    """Import the Triton kernel (which registers its op), or say what is missing."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not interpreted:
-        raise ConfigError(f"triton_decode runs on CUDA, not {device.type}: unset POSTTRAIN_ROLLOUT_TRITON (or set "
-                          "TRITON_INTERPRET=1 to run the kernel in Triton's interpreter)")
-    try:
-        from . import triton_decode  # noqa: F401 - registers torch.ops.posttrain.decode_attention
-    except ImportError as err:
-        raise ConfigError(f"triton_decode needs Triton ({err}): install the triton that matches your torch, or "
-                          "unset POSTTRAIN_ROLLOUT_TRITON") from err
-
-
-def _triton_by_default(device: torch.device, spec: DecoderSpec) -> bool:
-    """The Triton decode kernels are the default on CUDA where Triton imports and the head size is
-    one the kernels take (a power of two, 16 to 256): 1.18x (16 rows) to 1.28x (128 rows) faster
-    steps than SDPA's cudnn kernel on an H200 (NOTES 24)."""
-    d = spec.head_dim
-    if device.type != "cuda" or d & (d - 1) or not 16 <= d <= 256:
-        return False
-    try:
-        from . import triton_decode  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _static_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -207,20 +159,14 @@ class DecodeEngine:
         # softmax, bmm). ``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX, default off: slower than SDPA where
         # timed, NOTES 21): flex_attention instead (rows static for its decoding kernel; shared
         # prompt slots' parts too); ``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON, default on where
-        # _triton_by_default: CUDA, Triton, a head size the kernels take) triton_decode.py's, before both.
-        fuse = _env_choice("POSTTRAIN_ROLLOUT_FUSE", fused)
+        # switches.triton_by_default: CUDA, Triton, a head size the kernels take) triton_decode.py's,
+        # before both.
+        fuse = env_choice("POSTTRAIN_ROLLOUT_FUSE", fused)
         views = decoder.fused_views(model, self.adapters) if fuse is not False else None
         self.fuse_views = views is not None
         self.fused = decoder.fused_buffers(model, self.adapters) if fuse and views is None else None
-        self.split_layer = _env_flag("POSTTRAIN_ROLLOUT_SPLIT", split_layer, True)
-        if not _env_flag("POSTTRAIN_ROLLOUT_SCORES_FP32", fp32_scores, True):
-            self.spec = dataclasses.replace(self.spec, fp32_scores=False)
-        self.spec = dataclasses.replace(self.spec, sdpa_decode=_env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, True),
-                                        flex_decode=_env_flag("POSTTRAIN_ROLLOUT_FLEX", flex_decode, False))
-        triton_choice = _env_choice("POSTTRAIN_ROLLOUT_TRITON", triton_decode)
-        if triton_choice or (triton_choice is None and _triton_by_default(dev, self.spec)):
-            _require_triton(dev)
-            self.spec = dataclasses.replace(self.spec, triton_decode=True)
+        self.split_layer = env_flag("POSTTRAIN_ROLLOUT_SPLIT", split_layer, True)
+        self.spec = attention_spec(self.spec, dev, fp32_scores, sdpa_decode, flex_decode, triton_decode)
         self.weights = decoder.read_weights(model, views or self.fused, self.adapters)
         spec = self.spec
         layers = len(self.weights["layers"])
@@ -229,7 +175,7 @@ class DecodeEngine:
         # their completions. ``prompt_slots`` bounds the prompts in flight (default_prompt_slots).
         self.prompts: SharedPrompts | None = None
         self.cache_len = self.length
-        if _env_flag("POSTTRAIN_ROLLOUT_SHARED_PROMPT", shared_prompt_kv, False):
+        if env_flag("POSTTRAIN_ROLLOUT_SHARED_PROMPT", shared_prompt_kv, False):
             if group_size < 1 or (prompt_slots is not None and prompt_slots < 1):
                 raise ConfigError(f"group_size ({group_size}) and prompt_slots ({prompt_slots}) must be >= 1")
             capacity = prompt_slots or default_prompt_slots(slots, group_size)

@@ -36,8 +36,9 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   (``POSTTRAIN_ROLLOUT_SCORES_FP32``), ``sdpa_decode`` (``POSTTRAIN_ROLLOUT_SDPA``),
   ``shared_prompt_kv`` (``POSTTRAIN_ROLLOUT_SHARED_PROMPT``, default off: slower where timed,
   NOTES 21), ``flex_decode`` (``POSTTRAIN_ROLLOUT_FLEX``, default off), ``triton_decode``
-  (``POSTTRAIN_ROLLOUT_TRITON``, default on CUDA: posttrain's kernels, which also write the step's
-  keys and values into the cache in the split layer, in place of its two ``index_copy_``; NOTES 24).
+  (``POSTTRAIN_ROLLOUT_TRITON``, default on CUDA: posttrain's kernels, which in the split layer also
+  rotate the step's query and key and write its key and value into the cache, in place of the
+  rotary kernels and the two ``index_copy_``; NOTES 24).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).

@@ -1,11 +1,13 @@
 """Decode attention as Triton kernels split over the keys (flash decoding), for the engine's cache.
 
 One query token per row; the query heads of a group read their key/value head once. SDPA's cudnn
-kernel, which the engine calls by default, reads the cache at 1.85 TB/s with the engine's additive
-mask and at 2.84 without it (NOTES 22). These kernels take the same mask ([B, L], 0 or -inf), read
-no masked key (a row's left padding, its columns past its end: the loads are predicated off per
-key) and split each row's columns over programs (a row's few heads alone do not fill the GPU),
-whose partial outputs a merge kernel combines by their log-sum-exps.
+kernel reads the cache at 1.85 TB/s with the engine's additive mask and at 2.84 without it (NOTES
+22). These kernels take the same mask ([B, L], 0 or -inf), read no masked key (a row's left
+padding, its columns past its end: the loads are predicated off per key) and, where a row's few
+heads alone do not fill the GPU, split each row's columns over programs, whose partial outputs a
+merge kernel combines by their log-sum-exps (:func:`layout`). In the engine's step they also
+rotate the query and the step's key and write its key and value into the cache (:func:`attend_step`),
+so neither costs a launch of its own (NOTES 24).
 
 With shared prompt slots (``prompt_cache.py``) a row's keys are its prompt's, held once per group
 of rows, and its own completion's. One program per prompt slot, head and split reads the prompt's
@@ -29,7 +31,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-_LOG2E = tl.constexpr(LOG2E)  # what a kernel may read of a global
 NUM_WARPS = 2  # the fastest of 2, 4 and 8 at 128 x 768 and at 16 x 512 on an H200 (NOTES 24)
 BLOCK_N: int | None = None  # keys a block (None: layout's choice)
 SPLITS: int | None = None  # splits of a row's keys (None: layout's choice)

@@ -210,6 +210,16 @@ def test_flex_attention_decodes_what_the_default_decodes(shared, models, tok, gr
     assert r.stats["flex_decode"] and r.stats["shared_prompt_kv"] is shared and not r.degraded
 
 
+def small_grpo_config(out, **kw):
+    """Two GRPO steps of the tiny SFT model, groups of 4, 6 new tokens: a rollout setting's run."""
+    from posttrain.trainers.grpo import GRPOConfig
+
+    return GRPOConfig(output_dir=str(out), model_name_or_path=str(tiny.sft_model_path()), beta=0.04,
+                      reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], learning_rate=5e-2,
+                      per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
+                      disable_tqdm=True, **kw)
+
+
 def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
     """``RolloutFields.generation_shared_prompt_kv``: checked by its flag; GRPO passes its
     num_generations as the group size, and trains as it does without it; ``posttrain plan``
@@ -217,13 +227,9 @@ def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
     from posttrain import memory
     from posttrain.rollout.api import engine_options
     from posttrain.scripts.data import bundled_prompts
-    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+    from posttrain.trainers.grpo import GRPOTrainer
 
-    def cfg(out, **kw):
-        return GRPOConfig(output_dir=str(out), model_name_or_path=str(tiny.sft_model_path()), beta=0.04,
-                          reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], learning_rate=5e-2,
-                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
-                          disable_tqdm=True, **kw)
+    cfg = small_grpo_config
 
     with pytest.raises(ConfigError, match="--generation_shared_prompt_kv"):
         GRPOTrainer(cfg(tmp_path / "bad", generation_shared_prompt_kv="yes"), train_dataset=bundled_prompts(16))

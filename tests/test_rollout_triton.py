@@ -300,15 +300,11 @@ def test_generation_triton_decode_is_a_config_field(tmp_path):
     """``RolloutFields.generation_triton_decode``: checked by its flag, passed to the engine (None
     leaves the engine's default); a GRPO run with it trains as it does on the default attention, and
     its per-step metrics say which attention ran and count the kernels' fallbacks."""
+    from test_rollout_shared_prompt import small_grpo_config as cfg
+
     from posttrain.rollout.api import engine_options
     from posttrain.scripts.data import bundled_prompts
-    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-
-    def cfg(out, **kw):
-        return GRPOConfig(output_dir=str(out), model_name_or_path=str(tiny.sft_model_path()), beta=0.04,
-                          reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], learning_rate=5e-2,
-                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
-                          disable_tqdm=True, **kw)
+    from posttrain.trainers.grpo import GRPOTrainer
 
     with pytest.raises(ConfigError, match="--generation_triton_decode"):
         GRPOTrainer(cfg(tmp_path / "bad", generation_triton_decode="yes"), train_dataset=bundled_prompts(16))

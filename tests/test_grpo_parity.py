@@ -25,6 +25,15 @@ G, N, TEMPERATURE = 4, 6, 0.9
 TOL = 1e-5
 
 
+def assert_gradients_close(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    """Each parameter's gradient equal within TOL of its largest entry (float32 sums round
+    relative to their terms: an embedding row's gradient sums terms of ~5 that cancel, and the CPU's
+    order of that sum differs between machines) and rtol 1e-4."""
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        atol = TOL * max(1.0, b.grad.abs().max().item())
+        assert torch.allclose(a.grad, b.grad, atol=atol, rtol=1e-4), (name, (a.grad - b.grad).abs().max())
+
+
 def token_reward(completion_ids, **_):
     return [float(sum(ids) % 7) - 3.0 for ids in completion_ids]
 
@@ -192,9 +201,7 @@ def test_loss_metrics_and_gradient_equal_trl(trl, ours_model, loss_type, level, 
         assert ours[k] == pytest.approx(their_metrics[k], abs=TOL), k
     if cfg.loss_type in ("grpo", "dapo") and level == "token" and not extra:
         assert any(ours[k] > 0 for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")), "no clipping exercised"
-    theirs_grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
-    ours_grad = torch.cat([p.grad.flatten() for p in ours_model.parameters()])
-    assert torch.allclose(ours_grad, theirs_grad, atol=TOL, rtol=1e-4), (ours_grad - theirs_grad).abs().max()
+    assert_gradients_close(ours_model, trainer.model)
 
 
 def test_prompt_ids_equal_trl_standard_and_conversational(trl):

@@ -4,7 +4,16 @@ reward_clip_range; the loss, its logged metrics and its gradient on identical in
 
 import pytest
 import torch
-from test_grpo_parity import TEMPERATURE, TOL, G, N, fixed_rollout, sparse_reward, token_reward
+from test_grpo_parity import (
+    TEMPERATURE,
+    TOL,
+    G,
+    N,
+    assert_gradients_close,
+    fixed_rollout,
+    sparse_reward,
+    token_reward,
+)
 
 from posttrain import rewards
 from posttrain.demo import tiny
@@ -113,6 +122,4 @@ def test_loss_metrics_and_gradient_equal_trl(trl, models):
               "clip_ratio/low_min", "clip_ratio/high_max"):
         assert ours[k] == pytest.approx(their_metrics[k], abs=TOL), k
     assert ours["clip_ratio/region_mean"] > 0, "no clipping exercised"
-    theirs_grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
-    ours_grad = torch.cat([p.grad.flatten() for p in policy.parameters()])
-    assert torch.allclose(ours_grad, theirs_grad, atol=TOL, rtol=1e-4), (ours_grad - theirs_grad).abs().max()
+    assert_gradients_close(policy, trainer.model)

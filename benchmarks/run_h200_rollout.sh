@@ -18,6 +18,9 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 #                                                 bench, then 512 sequences through 512 slots by default, with
 #                                                 the kernels, and with them over shared prompt slots; NOTES
 #                                                 section 23's predictions; ~11 minutes)
+#   PART=6 bash benchmarks/run_h200_rollout.sh   (what NOTES section 24 left: the log-prob gaps of the default (Triton
+#                                                 kernels, rotation inside) beside SDPA's and generate's at 1.1B and 8B,
+#                                                 and 8B variable lengths with the kernels beside SDPA; ~8 minutes)
 # Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/ as each part finishes; every part is
 # bounded by `timeout`; PACK=file.tgz tars the results after each.
 set -u
@@ -58,4 +61,11 @@ pack
 timeout 270 python benchmarks/rollout_bench.py --shapes 1b --cases varlen,step --kv-slots 512 \
   --shared-prompt off,triton,shared-triton --repeats 2 --budget-s 200 --out "$RES/rollout_1b_triton.json" \
   > "$RES/rollout_triton.log" 2>&1; echo "1b triton rc=$?" >> "$RES/rc.txt"; pack
+fi
+if [ "${PART:-1}" = 6 ]; then
+timeout 200 python benchmarks/rollout_bench.py --shapes 1b --cases logprobs,full --shared-prompt off,sdpa --repeats 2 \
+  --budget-s 170 --out "$RES/rollout_1b_gap.json" > "$RES/rollout_1b_gap.log" 2>&1; echo "1b gap rc=$?" >> "$RES/rc.txt"; pack
+timeout 280 python benchmarks/rollout_bench.py --shapes 8b --chunk 128 --prompts 16 --cases varlen,logprobs --kv-slots 128 \
+  --shared-prompt off,sdpa --repeats 2 --budget-s 250 --out "$RES/rollout_8b_gap.json" > "$RES/rollout_8b_gap.log" 2>&1
+echo "8b rc=$?" >> "$RES/rc.txt"; pack
 fi

@@ -15,6 +15,7 @@ between layers) inside one CUDA graph; the time is a replay's over 22.
 
     python benchmarks/decode_attention_probe.py --shapes 128x768,16x512 --out probe.json
     python benchmarks/decode_attention_probe.py --device cpu --shapes 4x64 --layers 2   (outputs only)
+    python benchmarks/decode_attention_probe.py --numerics --shapes 32x384 --triton autoxauto,1x128:rev:sm
 """
 
 from __future__ import annotations
@@ -63,21 +64,64 @@ def triton_kernel() -> Any:
     return module
 
 
+VARIANT_FLAGS = {"a": "NEW_APART", "rev": "REVERSE", "sm": "SCALED_MAX", "sr": "SUM_ROUNDED"}
+
+
 def triton_options(config: str) -> dict[str, Any]:
-    """``SxN[:r][:wW][:stK]`` as the kernel's keyword arguments."""
+    """``SxN[:r][:wW][:stK][:hH][:n][:a][:rev][:sm][:sr]`` as the kernel's keyword arguments (``hH``: a
+    group's query heads over H programs; ``n``: as the
+    engine's step calls it, the step's key and value written and q and k rotated by the kernel;
+    the rest set the kernel's ``VARIANT`` switches: ``a`` the new key attended after the loop,
+    ``rev`` key blocks last to first, ``sm`` the max over scaled scores, ``sr`` the sum over the
+    rounded probabilities)."""
     head, *flags = config.split(":")
     s, n = head.split("x")
-    options: dict[str, Any] = {"splits": None if s == "auto" else int(s), "block_n": None if n == "auto" else int(n)}
+    options: dict[str, Any] = {"splits": None if s == "auto" else int(s), "block_n": None if n == "auto" else int(n),
+                               "variant": {}}
     for flag in flags:
         if flag == "r":
             options["skip_masked"] = False
+        elif flag.startswith("h") and flag[1:].isdigit():
+            options["head_splits"] = int(flag[1:])
+        elif flag == "n":
+            options["in_step"] = True
+        elif flag in VARIANT_FLAGS:
+            options["variant"][VARIANT_FLAGS[flag]] = True
         elif flag.startswith("st"):
             options["num_stages"] = int(flag[2:])
         elif flag.startswith("w"):
             options["num_warps"] = int(flag[1:])
         else:
-            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK")
+            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK, hH, n, " + ", ".join(VARIANT_FLAGS))
     return options
+
+
+def triton_call(kernel: Any, options: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    """The kernel with ``options`` (:func:`triton_options`), called as ``variants`` calls the rest;
+    in-step (``n``), the step's key and value (copies of the row's last column, made on the first
+    call, before any capture) written by the kernel, and q and k rotated by it (cos 1, sin 0: the
+    same work, and the output still comparable with the reference)."""
+    options = dict(options)
+    variant, in_step = options.pop("variant"), options.pop("in_step", False)
+    held: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def run(q, k, v, bias, _sb, scale):
+        kernel.VARIANT = variant
+        extra: dict[str, Any] = {}
+        if in_step:
+            b, h, length, d = k.shape
+            if k.data_ptr() not in held:
+                held[k.data_ptr()] = (k[:, :, length - 1 :].clone(), v[:, :, length - 1 :].clone(),
+                                      torch.full((b,), length - 1, dtype=torch.long, device=q.device),
+                                      torch.ones(b, d, dtype=q.dtype, device=q.device),
+                                      torch.zeros(b, d, dtype=q.dtype, device=q.device))
+            kn, vn, col, cos, sin = held[k.data_ptr()]
+            extra.update(new=(kn, vn, col), rope=(cos, sin))
+        try:
+            return kernel.decode_attention(q, k, v, bias, scale, **options, **extra)
+        finally:
+            kernel.VARIANT = {}
+    return run
 
 
 def variants(splits: list[int], cuda: bool, triton_configs: list[str]) -> dict[str, Callable[..., torch.Tensor]]:
@@ -100,10 +144,7 @@ def variants(splits: list[int], cuda: bool, triton_configs: list[str]) -> dict[s
     if triton_configs:
         kernel = triton_kernel()
 
-        def triton_variant(options: dict[str, Any]) -> Callable[..., torch.Tensor]:
-            return lambda q, k, v, bias, _sb, scale: kernel.decode_attention(q, k, v, bias, scale, **options)
-
-        out.update({f"triton_{c.replace(':', '_')}": triton_variant(triton_options(c)) for c in triton_configs})
+        out.update({f"triton_{c.replace(':', '_')}": triton_call(kernel, triton_options(c)) for c in triton_configs})
     return out
 
 
@@ -165,12 +206,83 @@ def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.
     return results
 
 
+def numerics(rows: int, length: int, device: torch.device, triton_configs: list[str]) -> list[dict[str, Any]]:
+    """How each decode kernel's output compares with a causal forward's last row over the same
+    keys (no padding, as the log-prob gap's forward runs): the share of output elements equal to
+    the bit and the mean |difference|, against each SDPA backend's forward. The forward's default
+    kernel is named by which forced backend it equals."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(1)
+    heads = KV_HEADS * GROUPS
+    q = torch.randn(rows, heads, length, HEAD_DIM, device=device, dtype=dtype)
+    k = torch.randn(rows, KV_HEADS, length, HEAD_DIM, device=device, dtype=dtype)
+    v = torch.randn(rows, KV_HEADS, length, HEAD_DIM, device=device, dtype=dtype)
+    k_rep, v_rep = (t.repeat_interleave(GROUPS, 1) for t in (k, v))  # transformers' repeat_kv
+    scale = HEAD_DIM ** -0.5
+
+    def forward(backend: SDPBackend | None) -> torch.Tensor:
+        if backend is None:
+            out = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True, scale=scale)
+        else:
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True, scale=scale)
+        return out[:, :, -1]  # [rows, heads, d]
+
+    refs: dict[str, torch.Tensor] = {"default": forward(None)}
+    if cuda:
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            try:
+                refs[name] = forward(backend)
+            except Exception as err:  # noqa: BLE001 - a backend this build lacks
+                print(json.dumps({"forward": name, "error": str(err)[:200]}), flush=True)
+    default_is = [n for n, r in refs.items() if n != "default" and torch.equal(r, refs["default"])]
+    q_last = q[:, :, -1:]  # [rows, heads, 1, d]
+    bias = torch.zeros(rows, 1, 1, length, device=device, dtype=dtype)
+    decoders: dict[str, Callable[[], torch.Tensor]] = {
+        "sdpa_no_mask": lambda: F.scaled_dot_product_attention(q_last, k_rep, v_rep, scale=scale)[:, :, 0],
+        "sdpa_mask": lambda: F.scaled_dot_product_attention(q_last, k_rep, v_rep, attn_mask=bias, scale=scale)[:, :, 0]}
+    if cuda:
+        def forced(backend: SDPBackend, masked: bool) -> Callable[[], torch.Tensor]:
+            def run() -> torch.Tensor:
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q_last, k_rep, v_rep, attn_mask=bias if masked else None,
+                                                          scale=scale)[:, :, 0]
+            return run
+        decoders.update(cudnn_mask=forced(SDPBackend.CUDNN_ATTENTION, True),
+                        flash_no_mask=forced(SDPBackend.FLASH_ATTENTION, False),
+                        efficient_mask=forced(SDPBackend.EFFICIENT_ATTENTION, True))
+    if triton_configs:
+        kernel = triton_kernel()
+        for c in triton_configs:
+            call = triton_call(kernel, triton_options(c))
+            decoders[f"triton_{c.replace(':', '_')}"] = (
+                lambda call=call: call(q_last.reshape(rows, KV_HEADS, GROUPS, HEAD_DIM), k, v, bias, None, scale)
+                .reshape(rows, heads, HEAD_DIM))
+    results = []
+    for name, fn in decoders.items():
+        row: dict[str, Any] = {"rows": rows, "columns": length, "decode": name, "forward_default_is": default_is}
+        try:
+            out = fn()
+            for ref_name, ref in refs.items():
+                row[f"equal_{ref_name}"] = round((out == ref).float().mean().item(), 5)
+                row[f"mean_diff_{ref_name}"] = (out.float() - ref.float()).abs().mean().item()
+        except Exception as err:  # noqa: BLE001 - one decoder that cannot run must not lose the others
+            row.update(status="error", error=f"{type(err).__name__}: {str(err)[:300]}")
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="128x768,16x512", help="rows x columns, comma-separated")
     ap.add_argument("--splits", default="2,4,8", help="split-K over SDPA's kernel ('' for none)")
     ap.add_argument("--triton", default="", help="the Triton kernel's configurations, e.g. autox64,2x64,"
                     "autox64:r,autox64:w8:st3 (r: masked keys read; '' for none)")
+    ap.add_argument("--numerics", action="store_true", help="compare each decode kernel's output with causal "
+                    "forwards' last rows (bitwise share, mean difference) instead of timing")
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -185,7 +297,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for shape in args.shapes.split(","):
         r, c = (int(x) for x in shape.split("x"))
-        rows += probe(r, c, args.layers, splits, device, args.replays, triton_configs)
+        if args.numerics:
+            rows += numerics(r, c, device, triton_configs)
+        else:
+            rows += probe(r, c, args.layers, splits, device, args.replays, triton_configs)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "seconds": round(time.perf_counter() - t0, 1)}
     if args.out:

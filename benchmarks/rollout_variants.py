@@ -48,7 +48,9 @@ def name(variant: tuple[int, int, int, int]) -> str:
     return f"fused{fused}_split{split}_" + {1: "sdpa", 2: "flex", 3: "triton"}.get(attention, f"fp32{fp32}")
 
 
-TRITON_FLAGS = {"s1": ("SPLITS", 1), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128)}
+TRITON_FLAGS = {"s1": ("SPLITS", 1), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128), "st1": ("NUM_STAGES", 1),
+                "st3": ("NUM_STAGES", 3), "st4": ("NUM_STAGES", 4), "a": ("VARIANT", "NEW_APART"),
+                "sm": ("VARIANT", "SCALED_MAX")}
 
 
 def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]]]:
@@ -71,9 +73,14 @@ def set_triton_flags(flags: list[str]) -> None:
     """The Triton kernel's module settings for one variant (its defaults where ``flags`` is empty)."""
     from posttrain.rollout import triton_decode
 
-    triton_decode.SPLITS, triton_decode.BLOCK_N = None, None
+    triton_decode.SPLITS, triton_decode.BLOCK_N, triton_decode.NUM_STAGES = None, None, 2
+    triton_decode.VARIANT = {}
     for flag in flags:
-        setattr(triton_decode, *TRITON_FLAGS[flag])
+        attr, value = TRITON_FLAGS[flag]
+        if attr == "VARIANT":
+            triton_decode.VARIANT = {**triton_decode.VARIANT, value: True}
+        else:
+            setattr(triton_decode, attr, value)
 
 
 def launches(code: str) -> int:

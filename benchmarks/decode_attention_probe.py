@@ -64,20 +64,15 @@ def triton_kernel() -> Any:
     return module
 
 
-VARIANT_FLAGS = {"a": "NEW_APART", "rev": "REVERSE", "sm": "SCALED_MAX", "sr": "SUM_ROUNDED"}
-
-
 def triton_options(config: str) -> dict[str, Any]:
-    """``SxN[:r][:wW][:stK][:hH][:n][:a][:rev][:sm][:sr]`` as the kernel's keyword arguments (``hH``: a
-    group's query heads over H programs; ``n``: as the
-    engine's step calls it, the step's key and value written and q and k rotated by the kernel;
-    the rest set the kernel's ``VARIANT`` switches: ``a`` the new key attended after the loop,
-    ``rev`` key blocks last to first, ``sm`` the max over scaled scores, ``sr`` the sum over the
-    rounded probabilities)."""
+    """``SxN[:r][:wW][:stK][:hH][:n]`` as the kernel's keyword arguments (``hH``: a group's query
+    heads over H programs; ``n``: as the engine's step calls it, the step's key and value written
+    and q and k rotated by the kernel). The switches that NOTES 25 measured for the numerics (the
+    new key in the loop, the block order, the max over scaled scores, the sum over rounded
+    probabilities: flags a, rev, sm, sr) were in the kernel at commit 2411293."""
     head, *flags = config.split(":")
     s, n = head.split("x")
-    options: dict[str, Any] = {"splits": None if s == "auto" else int(s), "block_n": None if n == "auto" else int(n),
-                               "variant": {}}
+    options: dict[str, Any] = {"splits": None if s == "auto" else int(s), "block_n": None if n == "auto" else int(n)}
     for flag in flags:
         if flag == "r":
             options["skip_masked"] = False
@@ -85,14 +80,12 @@ def triton_options(config: str) -> dict[str, Any]:
             options["head_splits"] = int(flag[1:])
         elif flag == "n":
             options["in_step"] = True
-        elif flag in VARIANT_FLAGS:
-            options["variant"][VARIANT_FLAGS[flag]] = True
         elif flag.startswith("st"):
             options["num_stages"] = int(flag[2:])
         elif flag.startswith("w"):
             options["num_warps"] = int(flag[1:])
         else:
-            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK, hH, n, " + ", ".join(VARIANT_FLAGS))
+            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK, hH, n")
     return options
 
 
@@ -102,11 +95,10 @@ def triton_call(kernel: Any, options: dict[str, Any]) -> Callable[..., torch.Ten
     call, before any capture) written by the kernel, and q and k rotated by it (cos 1, sin 0: the
     same work, and the output still comparable with the reference)."""
     options = dict(options)
-    variant, in_step = options.pop("variant"), options.pop("in_step", False)
+    in_step = options.pop("in_step", False)
     held: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def run(q, k, v, bias, _sb, scale):
-        kernel.VARIANT = variant
         extra: dict[str, Any] = {}
         if in_step:
             b, h, length, d = k.shape
@@ -117,10 +109,7 @@ def triton_call(kernel: Any, options: dict[str, Any]) -> Callable[..., torch.Ten
                                       torch.zeros(b, d, dtype=q.dtype, device=q.device))
             kn, vn, col, cos, sin = held[k.data_ptr()]
             extra.update(new=(kn, vn, col), rope=(cos, sin))
-        try:
-            return kernel.decode_attention(q, k, v, bias, scale, **options, **extra)
-        finally:
-            kernel.VARIANT = {}
+        return kernel.decode_attention(q, k, v, bias, scale, **options, **extra)
     return run
 
 

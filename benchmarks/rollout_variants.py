@@ -48,14 +48,13 @@ def name(variant: tuple[int, int, int, int]) -> str:
     return f"fused{fused}_split{split}_" + {1: "sdpa", 2: "flex", 3: "triton"}.get(attention, f"fp32{fp32}")
 
 
-TRITON_FLAGS = {"s1": ("SPLITS", 1), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128), "st1": ("NUM_STAGES", 1),
-                "st3": ("NUM_STAGES", 3), "st4": ("NUM_STAGES", 4), "a": ("VARIANT", "NEW_APART"),
-                "sm": ("VARIANT", "SCALED_MAX")}
+TRITON_FLAGS = {"s8": ("SPLITS", 8), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128), "st1": ("NUM_STAGES", 1),
+                "st3": ("NUM_STAGES", 3), "h1": ("HEAD_SPLITS", 1), "h2": ("HEAD_SPLITS", 2), "h8": ("HEAD_SPLITS", 8)}
 
 
 def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]]]:
     """"all" or names like fused1_split0_fp321, comma-separated; a Triton variant may take the
-    kernel's settings as flags (``fused1_split1_triton:s1:b128``, :data:`TRITON_FLAGS`)."""
+    kernel's settings as flags (``fused1_split1_triton:s8:b64``, :data:`TRITON_FLAGS`)."""
     if text == "all":
         return [(v, []) for v in VARIANTS]
     by_name = {name(v): v for v in VARIANTS}
@@ -74,13 +73,9 @@ def set_triton_flags(flags: list[str]) -> None:
     from posttrain.rollout import triton_decode
 
     triton_decode.SPLITS, triton_decode.BLOCK_N, triton_decode.NUM_STAGES = None, None, 2
-    triton_decode.VARIANT = {}
+    triton_decode.HEAD_SPLITS = None
     for flag in flags:
-        attr, value = TRITON_FLAGS[flag]
-        if attr == "VARIANT":
-            triton_decode.VARIANT = {**triton_decode.VARIANT, value: True}
-        else:
-            setattr(triton_decode, attr, value)
+        setattr(triton_decode, *TRITON_FLAGS[flag])
 
 
 def launches(code: str) -> int:

@@ -37,95 +37,62 @@ BLOCK_N: int | None = None  # keys a block (None: layout's choice)
 SPLITS: int | None = None  # splits of a row's keys (None: one, or layout's choice for shared prompt slots)
 HEAD_SPLITS: int | None = None  # programs a group's query heads are spread over (None: spread's choice)
 SPREAD = 2  # programs an SM that spread aims at
-VARIANT: dict[str, bool] = {}  # the kernels' numerics and new-key switches, for the probe (bench only)
-_LOG2E = tl.constexpr(LOG2E)
 
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, values [B, kv_heads, 1, d], columns [B]
 Rope = tuple[torch.Tensor, torch.Tensor]  # each row's rotary cos, sin [B, d]
 
 
 @triton.jit
-def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale, scale_log2, k_new, v_new, col,
+def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr,
-            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr, NEW_APART: tl.constexpr, REVERSE: tl.constexpr,
-            SCALED_MAX: tl.constexpr, SUM_ROUNDED: tl.constexpr):
-    """Queries ``q`` [M, D] over keys ``lo:hi``: the normalized output [M, D] and the log2-sum-exp
-    [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs (not TF32).
-    ``HAS_NEW``: column ``col``'s key and value are ``k_new``/``v_new`` [D] (this step's, not yet
-    in the cache as read). The softmax steps are flash attention's: the max over unscaled scores,
-    exp2 of one fused multiply-add, the probabilities rounded to the cache dtype for the value
-    product, the sum's reciprocal at the end."""
+            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr):
+    """Queries ``q`` [M, D] over keys ``lo:hi``, first to last: the normalized output [M, D] and the
+    log2-sum-exp [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs
+    (not TF32). ``HAS_NEW``: column ``col``'s key and value are ``k_new``/``v_new`` [D] (this
+    step's, not yet in the cache as read), attended after the loop from registers (the column is
+    masked in it; in it, the key would go through a select before its product, which cost 4 us a
+    layer at 128 x 768, NOTES 25). The softmax steps are flash attention's, as SDPA's cudnn kernel
+    takes them: the max over unscaled scores, exp2 of one fused multiply-add, the probabilities
+    rounded to the cache dtype for the value product (their sum is not), the sum's reciprocal at
+    the end."""
     d = tl.arange(0, D)
-    m = tl.full([M], float("-inf"), tl.float32)  # running max of the (unscaled) scores
+    m = tl.full([M], float("-inf"), tl.float32)  # running max of the unscaled scores
     total = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
-    step_log2 = _LOG2E if SCALED_MAX else scale_log2
-    blocks = tl.cdiv(hi - lo, BLOCK_N)
-    for i in range(0, blocks):
-        if REVERSE:
-            start = lo + (blocks - 1 - i) * BLOCK_N
-        else:
-            start = lo + i * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < hi
         bias = tl.load(bias_base + n, mask=inside, other=float("-inf")).to(tl.float32)
-        if HAS_NEW and NEW_APART:  # the new column is attended after the loop, from registers
+        if HAS_NEW:
             bias = tl.where(n == col, float("-inf"), bias)
         read = inside
         if SKIP_MASKED:  # a masked key's row is not loaded (its 0 scores count nothing beside -inf)
             read = inside & (bias > float("-inf"))
-        if HAS_NEW and not NEW_APART:
-            is_new = n == col
-            read = read & ~is_new
         k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=read[:, None], other=0.0)
-        if HAS_NEW and not NEW_APART:
-            k = tl.where(is_new[:, None], k_new[None, :], k)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if SCALED_MAX:
-            scores = scores * scale
-        scores = scores + bias[None, :]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias[None, :]
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing unmasked yet: p = 0, alpha = 0
-        alpha = tl.exp2((m - m_safe) * step_log2)
-        if SCALED_MAX:
-            p = tl.exp2((scores - m_safe[:, None]) * _LOG2E)
-        else:
-            p = tl.exp2(tl.fma(scores, scale_log2, -(m_safe * scale_log2)[:, None]))
+        alpha = tl.exp2((m - m_safe) * scale_log2)
+        p = tl.exp2(tl.fma(scores, scale_log2, -(m_safe * scale_log2)[:, None]))
+        total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_base + n[:, None] * sv_l + d[None, :], mask=read[:, None], other=0.0)
-        if HAS_NEW and not NEW_APART:
-            v = tl.where(is_new[:, None], v_new[None, :], v)
-        p_low = p.to(v.dtype)
-        if SUM_ROUNDED:
-            total = total * alpha + tl.sum(p_low.to(tl.float32), 1)
-        else:
-            total = total * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p_low, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    if HAS_NEW and NEW_APART:  # the step's own key, last, where its column lies in this split
+    if HAS_NEW:  # the step's own key, last (it is the row's last column), where it lies in lo:hi
         at = tl.zeros([M], tl.int32) + col  # vectors: the interpreter does not broadcast scalar masks
         here = (at >= lo) & (at < hi)
-        b_new = tl.load(bias_base + at, mask=here, other=float("-inf")).to(tl.float32)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
-        if SCALED_MAX:
-            s_new = s_new * scale
-        s_new = s_new + b_new
-        m_new = tl.maximum(m, s_new)
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
+        score += tl.load(bias_base + at, mask=here, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, score)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m - m_safe) * step_log2)
-        if SCALED_MAX:
-            p = tl.exp2((s_new - m_safe) * _LOG2E)
-        else:
-            p = tl.exp2(tl.fma(s_new, scale_log2, -(m_safe * scale_log2)))
-        p_low = p.to(v_new.dtype)
-        if SUM_ROUNDED:
-            total = total * alpha + p_low.to(tl.float32)
-        else:
-            total = total * alpha + p
-        acc = acc * alpha[:, None] + p_low.to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        alpha = tl.exp2((m - m_safe) * scale_log2)
+        p = tl.exp2(tl.fma(score, scale_log2, -(m_safe * scale_log2)))
+        total = total * alpha + p
+        acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
         m = m_new
     empty = total == 0.0
     out = acc * (1.0 / tl.where(empty, 1.0, total))[:, None]
-    return out, tl.where(empty, float("-inf"), m * step_log2 + tl.log2(tl.where(empty, 1.0, total)))
+    return out, tl.where(empty, float("-inf"), m * scale_log2 + tl.log2(tl.where(empty, 1.0, total)))
 
 
 @triton.jit
@@ -143,11 +110,10 @@ def _rope(x, partner, cos, sin, D: tl.constexpr):
 def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr, vn_ptr, col_ptr, cos_ptr, sin_ptr,
              sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b,
              so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g, skn_b, skn_h, svn_b, svn_h, scos_b, ssin_b,
-             scale, scale_log2, length, split_len,
+             scale_log2, length, split_len,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
              SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr,
-             ROPE: tl.constexpr, HEAD_SPLITS: tl.constexpr, NEW_APART: tl.constexpr, REVERSE: tl.constexpr,
-             SCALED_MAX: tl.constexpr, SUM_ROUNDED: tl.constexpr):
+             ROPE: tl.constexpr, HEAD_SPLITS: tl.constexpr):
     """Row b's query heads of key/value head h over its split s of the row's own keys. ``HAS_NEW``:
     the row's new key and value go into the cache at its column ``col`` (clamped to the last), by
     the split that holds that column, which attends them from registers. ``ROPE``: the query and
@@ -180,9 +146,8 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
         here = (at >= lo) & (at < hi) & (tl.zeros([D], tl.int32) + part == 0)  # one program of the split writes
         tl.store(k_base + col * sk_l + d, k_new, mask=here)
         tl.store(v_base + col * sv_l + d, v_new, mask=here)
-    out, lse = _attend(q, k_base, v_base, bias_ptr + b * sbias_b, sk_l, sv_l, lo, hi, scale, scale_log2, k_new, v_new,
-                       col, BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW, NEW_APART, REVERSE, SCALED_MAX,
-                       SUM_ROUNDED)
+    out, lse = _attend(q, k_base, v_base, bias_ptr + b * sbias_b, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
+                       BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW)
     if FINAL:  # one split: this is the output
         tl.store(final_ptr + b * sf_b + h * sf_h + g[:, None] * sf_g + d[None, :],
                  out.to(final_ptr.dtype.element_ty), mask=mine[:, None])
@@ -195,10 +160,9 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
 def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr, cos_ptr, sin_ptr,
                     sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b, smem,
                     so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, scos_b, ssin_b,
-                    scale, scale_log2, length, split_len, rows, first_split,
+                    scale_log2, length, split_len, rows, first_split,
                     G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
-                    REVERSE: tl.constexpr, SCALED_MAX: tl.constexpr, SUM_ROUNDED: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr):
     """Prompt slot p's rows (their query heads of key/value head h, side by side) over split s of
     the prompt's keys, written as each row's partial ``first_split + s`` (``ROPE``: the queries
     rotated here first)."""
@@ -217,8 +181,8 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
     lo = s * split_len
     zero = tl.zeros([D], k_ptr.dtype.element_ty)
     out, lse = _attend(q, k_ptr + p * sk_b + h * sk_h, v_ptr + p * sv_b + h * sv_h, bias_ptr + p * sbias_b,
-                       sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale, scale_log2, zero, zero, -1,
-                       BLOCK_M, D, BLOCK_N, SKIP_MASKED, PRECISION, False, False, REVERSE, SCALED_MAX, SUM_ROUNDED)
+                       sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, zero, zero, -1, BLOCK_M, D,
+                       BLOCK_N, SKIP_MASKED, PRECISION, False)
     at = first_split + s
     tl.store(out_ptr + r[:, None] * so_b + h * so_h + at * so_s + g[:, None] * so_g + d[None, :], out,
              mask=live[:, None])
@@ -293,11 +257,6 @@ def _check(*tensors: torch.Tensor) -> None:
         raise ValueError("decode attention needs the head dimension contiguous in q, keys and values")
 
 
-def _variant(own: bool) -> dict[str, bool]:
-    names = ("NEW_APART", "REVERSE", "SCALED_MAX", "SUM_ROUNDED") if own else ("REVERSE", "SCALED_MAX", "SUM_ROUNDED")
-    return {name: bool(VARIANT.get(name, False)) for name in names}
-
-
 def _tile(rows: int) -> int:
     """An MMA tile's rows for ``rows`` queries: tl.dot's smallest is 16."""
     return max(16, triton.next_power_of_2(rows))
@@ -322,11 +281,11 @@ def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl,
         final.stride(0), final.stride(1), final.stride(2), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), cos.stride(0), sin.stride(0), scale, scale * LOG2E, keys.shape[2], split_len,
+        v_new.stride(1), cos.stride(0), sin.stride(0), scale * LOG2E, keys.shape[2], split_len,
         G=groups, BLOCK_G=_tile(groups // head_splits), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked,
         FINAL=parts is None, PRECISION=_precision(q), HAS_NEW=new is not None, ROPE=rope is not None,
         HEAD_SPLITS=head_splits, num_warps=num_warps,
-        num_stages=num_stages or NUM_STAGES, **_variant(True))
+        num_stages=num_stages or NUM_STAGES)
 
 
 def _merged(parts: torch.Tensor, lse: torch.Tensor, final: torch.Tensor, own_splits: int, num_warps: int,
@@ -411,9 +370,9 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q, pkeys, pvalues, pbias, members, parts, lse, cos, sin, q.stride(0), q.stride(1), q.stride(2),
         pkeys.stride(0), pkeys.stride(1), pkeys.stride(2), pvalues.stride(0), pvalues.stride(1), pvalues.stride(2),
         pbias.stride(0), members.stride(0), *parts.stride()[:4], *lse.stride()[:3], cos.stride(0), sin.stride(0),
-        scale, scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d,
+        scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d,
         BLOCK_N=prompt_block, SKIP_MASKED=skip_masked, PRECISION=_precision(q), ROPE=rope is not None,
-        num_warps=num_warps, num_stages=num_stages or NUM_STAGES, **_variant(False))
+        num_warps=num_warps, num_stages=num_stages or NUM_STAGES)
     return _merged(parts, lse, final, own, num_warps, place, members)
 
 

@@ -65,19 +65,17 @@ def triton_kernel() -> Any:
 
 
 def triton_options(config: str) -> dict[str, Any]:
-    """``SxN[:r][:wW][:stK][:hH][:n]`` as the kernel's keyword arguments (``hH``: a group's query
-    heads over H programs; ``n``: as the engine's step calls it, the step's key and value written
-    and q and k rotated by the kernel). The switches that NOTES 25 measured for the numerics (the
+    """``SxN[:r][:wW][:stK][:n]`` as the kernel's keyword arguments (``n``: as the engine's step
+    calls it, the step's key and value written and q and k rotated by the kernel). The switches that NOTES 25 measured for the numerics (the
     new key in the loop, the block order, the max over scaled scores, the sum over rounded
-    probabilities: flags a, rev, sm, sr) were in the kernel at commit 2411293."""
+    probabilities: flags a, rev, sm, sr) were in the kernel at commit 2411293, a group's query heads
+    spread over programs (hH) at b6ed6d9."""
     head, *flags = config.split(":")
     s, n = head.split("x")
     options: dict[str, Any] = {"splits": None if s == "auto" else int(s), "block_n": None if n == "auto" else int(n)}
     for flag in flags:
         if flag == "r":
             options["skip_masked"] = False
-        elif flag.startswith("h") and flag[1:].isdigit():
-            options["head_splits"] = int(flag[1:])
         elif flag == "n":
             options["in_step"] = True
         elif flag.startswith("st"):
@@ -85,7 +83,7 @@ def triton_options(config: str) -> dict[str, Any]:
         elif flag.startswith("w"):
             options["num_warps"] = int(flag[1:])
         else:
-            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK, hH, n")
+            raise SystemExit(f"--triton {config!r}: flags are r, wW, stK, n")
     return options
 
 

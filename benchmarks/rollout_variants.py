@@ -49,7 +49,7 @@ def name(variant: tuple[int, int, int, int]) -> str:
 
 
 TRITON_FLAGS = {"s8": ("SPLITS", 8), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128), "st1": ("NUM_STAGES", 1),
-                "st3": ("NUM_STAGES", 3), "h1": ("HEAD_SPLITS", 1), "h2": ("HEAD_SPLITS", 2), "h8": ("HEAD_SPLITS", 8)}
+                "st3": ("NUM_STAGES", 3)}
 
 
 def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]]]:
@@ -73,7 +73,6 @@ def set_triton_flags(flags: list[str]) -> None:
     from posttrain.rollout import triton_decode
 
     triton_decode.SPLITS, triton_decode.BLOCK_N, triton_decode.NUM_STAGES = None, None, 2
-    triton_decode.HEAD_SPLITS = None
     for flag in flags:
         setattr(triton_decode, *TRITON_FLAGS[flag])
 

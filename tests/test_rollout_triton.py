@@ -51,9 +51,9 @@ def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, b
         assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("shared, splits, head_splits", [(False, 1, 1), (False, 1, 2), (False, 3, 1), (True, 1, 1),
-                                                         (True, 3, 1)])
-def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits, head_splits):
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits):
     """``new``: the step's keys and values go into the cache views at each row's column (clamped to
     the bucket's last), attended from registers (the stale cell, NaN here, is never read): what two
     ``index_copy_`` into the cache and then the kernel give, cache and output alike."""
@@ -84,8 +84,7 @@ def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits, hea
         out = decode_attention_shared(q, *views, bias, *prompt, scale, splits=splits, block_n=16, new=(*new, col))
     else:
         want = decode_attention(q, *want_views, bias, scale, splits=splits, block_n=16)
-        out = decode_attention(q, *views, bias, scale, splits=splits, block_n=16, new=(*new, col),
-                               head_splits=head_splits)
+        out = decode_attention(q, *views, bias, scale, splits=splits, block_n=16, new=(*new, col))
     assert (out - want).abs().max().item() < 1e-6
     exact = (shared_attention(q, *want_views, bias, *prompt, scale) if shared
              else attention(q, *want_views, bias, scale))
@@ -202,11 +201,10 @@ def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr"), c
 target = GPUTarget("cuda", 90, 32)  # an H100 / H200
 for final in (False, True):  # the engine's step writes and rotates (HAS_NEW, ROPE); the probe's calls do not
     c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=128 if final else 64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32",
-             HAS_NEW=final, ROPE=final, HEAD_SPLITS=2 if final else 1)
+             HAS_NEW=final, ROPE=final)
     k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target, options={"num_warps": 2})
     print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"])
-c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True, ROPE=True,
-         HEAD_SPLITS=1)  # float32
+c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True, ROPE=True)  # float32
 k = triton.compile(ASTSource(td._partial, types(td._partial, c, cache="*fp32"), c), target=target,
                    options={"num_warps": 4})
 print("partial float32", "tf32" not in k.asm["ptx"])
@@ -276,33 +274,11 @@ def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, mon
     assert torch.equal(out.sequences, want.sequences)
 
 
-def test_spreading_a_groups_heads_over_programs_changes_no_bit():
-    """Where rows x key/value heads do not fill the GPU, a group's query heads are spread over
-    programs (each reads its key/value head again): every query's output is what one program per
-    group gives, to the bit, also as the step calls it (new key and value, rotation)."""
-    from posttrain.rollout.triton_decode import decode_attention
-
-    torch.manual_seed(5)
-    rows, kv_heads, groups, d, length = 3, 2, 8, 16, 70
-    q = torch.randn(rows, kv_heads, groups, d)
-    keys, values = torch.randn(rows, kv_heads, length, d), torch.randn(rows, kv_heads, length, d)
-    bias = torch.zeros(rows, length).masked_fill(torch.arange(length) < torch.arange(rows).unsqueeze(1) * 5, float("-inf"))
-    new = (torch.randn(rows, kv_heads, 1, d), torch.randn(rows, kv_heads, 1, d), torch.tensor([69, 40, 69]))
-    rope = (torch.randn(rows, d), torch.randn(rows, d))
-    outs = []
-    for parts in (1, 2, 8):
-        k, v = keys.clone(), values.clone()
-        outs.append((decode_attention(q, k, v, bias, d**-0.5, block_n=16, head_splits=parts, new=new, rope=rope), k, v))
-    for out, k, v in outs[1:]:
-        assert torch.equal(out, outs[0][0]) and torch.equal(k, outs[0][1]) and torch.equal(v, outs[0][2])
-
-
 def test_the_kernels_layout_and_where_they_are_the_default(monkeypatch):
-    """By default one pass over each row's keys, in blocks of 128 for heads of 64 (SDPA's cudnn
-    forward's rounding, NOTES 25), a group's heads spread over programs where rows x key/value
-    heads do not fill an H200's 132 SMs about twice; ``layout``'s own split count (shared prompt
-    slots) splits 64-key blocks over the SMs. The kernels are the engine's default on CUDA for head
-    sizes they take, never on a CPU."""
+    """One split of 128-key blocks (heads of 64) where rows x heads fill at least half an H200's
+    132 SMs (no merge launch; cudnn's forward's rounding); 64-key blocks split over the SMs at
+    GRPO's 16 rows (NOTES 24, 25). The kernels are the engine's default on CUDA for head sizes they
+    take, never on a CPU."""
     from types import SimpleNamespace
 
     from posttrain.rollout import triton_decode
@@ -316,8 +292,7 @@ def test_the_kernels_layout_and_where_they_are_the_default(monkeypatch):
     assert triton_decode.layout(16 * 4, 100, 64, cuda) == (2, 64, 64)  # no empty split
     assert triton_decode.layout(16 * 4, 512, 64, cuda, splits=2, block_n=32) == (2, 256, 32)
     assert triton_decode.layout(16 * 4, 512, 64, cuda, splits=1) == (1, 512, 128)
-    assert [triton_decode.spread(rows * 4, 8, cuda) for rows in (16, 32, 64, 128)] == [8, 4, 2, 1]
-    assert triton_decode.spread(16 * 8, 4, cuda) == 4  # the 8B's groups of 4 heads: no more than 4
+    assert triton_decode.layout(32 * 4, 384, 64, cuda) == (1, 384, 128)  # 128 programs: one split (NOTES 25)
     assert triton_by_default(cuda, SimpleNamespace(head_dim=64))
     assert triton_by_default(cuda, SimpleNamespace(head_dim=128))
     assert not triton_by_default(cuda, SimpleNamespace(head_dim=96))  # tl.arange takes powers of two

@@ -34,9 +34,7 @@ LOG2E = 1.4426950408889634
 NUM_WARPS = 2  # the fastest of 2, 4 and 8 at 128 x 768 and at 16 x 512 on an H200 (NOTES 24)
 NUM_STAGES = 2  # software pipelining of the key loop
 BLOCK_N: int | None = None  # keys a block (None: layout's choice)
-SPLITS: int | None = None  # splits of a row's keys (None: one, or layout's choice for shared prompt slots)
-HEAD_SPLITS: int | None = None  # programs a group's query heads are spread over (None: spread's choice)
-SPREAD = 2  # programs an SM that spread aims at
+SPLITS: int | None = None  # splits of a row's keys (None: layout's choice)
 
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, values [B, kv_heads, 1, d], columns [B]
 Rope = tuple[torch.Tensor, torch.Tensor]  # each row's rotary cos, sin [B, d]
@@ -113,16 +111,14 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
              scale_log2, length, split_len,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
              SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr,
-             ROPE: tl.constexpr, HEAD_SPLITS: tl.constexpr):
+             ROPE: tl.constexpr):
     """Row b's query heads of key/value head h over its split s of the row's own keys. ``HAS_NEW``:
     the row's new key and value go into the cache at its column ``col`` (clamped to the last), by
     the split that holds that column, which attends them from registers. ``ROPE``: the query and
     the new key are rotated here first (row b's cos and sin)."""
-    b, s = tl.program_id(0).to(tl.int64), tl.program_id(2)  # b * a cache stride: past 2**31
-    h, part = tl.program_id(1) // HEAD_SPLITS, tl.program_id(1) % HEAD_SPLITS
-    i = tl.arange(0, BLOCK_G)
-    mine = i < G // HEAD_SPLITS
-    g = part * (G // HEAD_SPLITS) + i
+    b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # b * a cache stride: past 2**31
+    g = tl.arange(0, BLOCK_G)
+    mine = g < G
     d = tl.arange(0, D)
     q_at = q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g
     q = tl.load(q_at + d[None, :], mask=mine[:, None], other=0.0)
@@ -143,7 +139,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
             k_new = _rope(k_new, tl.load(kn_ptr + b * skn_b + h * skn_h + (d + D // 2) % D), cos, sin, D)
         v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d)
         at = tl.zeros([D], tl.int64) + col  # as a vector: the interpreter does not broadcast a scalar mask
-        here = (at >= lo) & (at < hi) & (tl.zeros([D], tl.int32) + part == 0)  # one program of the split writes
+        here = (at >= lo) & (at < hi)
         tl.store(k_base + col * sk_l + d, k_new, mask=here)
         tl.store(v_base + col * sv_l + d, v_new, mask=here)
     out, lse = _attend(q, k_base, v_base, bias_ptr + b * sbias_b, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
@@ -222,29 +218,20 @@ def _merge(out_ptr, lse_ptr, final_ptr, place_ptr, members_ptr, so_b, so_h, so_s
 def layout(programs: int, length: int, head_dim: int, device: torch.device, splits: int | None = None,
            block_n: int | None = None) -> tuple[int, int, int]:
     """(splits, keys per split, keys a block) of ``length`` keys for ``programs`` (rows x key/value
-    heads). Where the programs alone fill every SM: one split, no merge launch, of 128-key blocks
-    for heads of up to 64 (64 above: not timed). Else 64-key blocks, split to cover every SM
-    about four times. The fastest measured at the 1.1B Llama's heads on an H200 (NOTES 24).
-    ``splits``/``block_n`` (or the module's SPLITS/BLOCK_N) override; no split is empty or
-    shorter than a block."""
+    heads). Where the programs fill at least half the SMs: one split, no merge launch, of 128-key
+    blocks for heads of up to 64 (64 above: not timed); one pass in order rounds as SDPA's cudnn
+    forward does, to the bit but for a few outputs in ten thousand. Below: 64-key blocks, split to
+    cover every SM about four times. The fastest measured at the 1.1B Llama's heads on an H200
+    (NOTES 25: at 32 and 64 rows one split beats the split the earlier rule made). ``splits``/
+    ``block_n`` (or the module's SPLITS/BLOCK_N) override; no split is empty or shorter than a
+    block."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     splits = splits or SPLITS
     if splits is None:
-        splits = 1 if programs >= sms else min(triton.next_power_of_2(math.ceil(4 * sms / max(1, programs))), 16)
+        splits = 1 if 2 * programs >= sms else min(triton.next_power_of_2(math.ceil(4 * sms / max(1, programs))), 16)
     block_n = block_n or BLOCK_N or (128 if splits == 1 and head_dim <= 64 else 64)
     split_len = math.ceil(math.ceil(max(1, length) / splits) / block_n) * block_n
     return math.ceil(max(1, length) / split_len), split_len, block_n
-
-
-def spread(programs: int, groups: int, device: torch.device) -> int:
-    """Programs a group's query heads are spread over (a power of two dividing ``groups``): the
-    fewest that give every SM about SPREAD programs of rows x key/value heads x head parts. Each
-    part reads its key/value head again, mostly from L2."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    parts = 1
-    while programs * parts < SPREAD * sms and groups % (2 * parts) == 0:
-        parts *= 2
-    return parts
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -265,7 +252,7 @@ def _tile(rows: int) -> int:
 def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                   parts: torch.Tensor | None, lse: torch.Tensor | None, final: torch.Tensor, splits: int,
                   split_len: int, scale: float, block_n: int, skip_masked: bool, num_warps: int,
-                  num_stages: int | None, new: NewKV | None, rope: Rope | None, head_splits: int = 1) -> None:
+                  num_stages: int | None, new: NewKV | None, rope: Rope | None) -> None:
     """Launch :func:`_partial` over the rows' own keys: split ``s`` into ``parts[:, :, s]`` and
     ``lse[:, :, s]``, or (``parts`` None, one split) straight into ``final``; ``new``: the step's
     keys and values written into the cache as they are attended; ``rope``: cos, sin [B, d]."""
@@ -275,16 +262,15 @@ def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
     cos, sin = rope if rope is not None else (final, final)
     if new is not None:
         _check(k_new, v_new)
-    _partial[(b, hkv * head_splits, splits)](
+    _partial[(b, hkv, splits)](
         q, keys, values, bias, final if parts is None else parts, final if lse is None else lse, final,
         k_new, v_new, col, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl,
         final.stride(0), final.stride(1), final.stride(2), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), cos.stride(0), sin.stride(0), scale * LOG2E, keys.shape[2], split_len,
-        G=groups, BLOCK_G=_tile(groups // head_splits), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked,
-        FINAL=parts is None, PRECISION=_precision(q), HAS_NEW=new is not None, ROPE=rope is not None,
-        HEAD_SPLITS=head_splits, num_warps=num_warps,
+        G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=parts is None,
+        PRECISION=_precision(q), HAS_NEW=new is not None, ROPE=rope is not None, num_warps=num_warps,
         num_stages=num_stages or NUM_STAGES)
 
 
@@ -309,9 +295,9 @@ def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
-                     splits: int | None = None, block_n: int | None = None, head_splits: int | None = None,
-                     skip_masked: bool = True, num_warps: int = NUM_WARPS, num_stages: int | None = None,
-                     new: NewKV | None = None, rope: Rope | None = None) -> torch.Tensor:
+                     splits: int | None = None, block_n: int | None = None, skip_masked: bool = True,
+                     num_warps: int = NUM_WARPS, num_stages: int | None = None, new: NewKV | None = None,
+                     rope: Rope | None = None) -> torch.Tensor:
     """``q`` [B, kv_heads, G, d] (a group's query heads over their key/value head); ``keys`` and
     ``values`` [B, kv_heads, L, d] (views of a longer cache are read in place); ``bias`` [B, L] or
     [B, 1, 1, L] (0 or -inf). ``skip_masked``: masked keys are not read (left padding, columns
@@ -319,25 +305,16 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     written into ``keys``/``values`` at column ``col`` (clamped to L - 1) by the kernel that
     attends them, so the cache write is no launch of its own. ``rope`` = (cos, sin [B, d]): q (and
     the new keys) are rotated by the kernel, not yet before it. Returns [B, kv_heads, G, d] in q's
-    dtype.
-
-    By default each row's keys are read in one pass, in order, in blocks of 128 (64 for heads over
-    64), as SDPA's cudnn forward reads them: its outputs equal that forward's last row to the bit
-    but for a few in ten thousand (a split over the keys rounds each split's probabilities against
-    its own running max: four in ten differ, NOTES 25). Where rows x key/value heads do not fill
-    the GPU, the query heads of a group are spread over programs instead (:func:`spread`), which
-    changes no rounding. ``splits`` (or the module's SPLITS) splits the keys all the same."""
-    b, hkv, groups, d = q.shape
+    dtype."""
+    b, hkv, _, d = q.shape
     length = keys.shape[2]
     _check(q, keys, values)
     bias = bias.reshape(b, length)
-    splits, split_len, block_n = layout(b * hkv, length, d, q.device, splits or SPLITS or 1, block_n)
-    if splits == 1:
-        head_splits = head_splits or HEAD_SPLITS or spread(b * hkv, groups, q.device)
+    splits, split_len, block_n = layout(b * hkv, length, d, q.device, splits, block_n)
     final = torch.empty_like(q)
     parts, lse = _partials(q, splits) if splits > 1 else (None, None)
     _own_partials(q, keys, values, bias, parts, lse, final, splits, split_len, scale, block_n, skip_masked,
-                  num_warps, num_stages, new, rope, head_splits or 1)
+                  num_warps, num_stages, new, rope)
     return final if parts is None else _merged(parts, lse, final, splits, num_warps)
 
 

@@ -48,8 +48,9 @@ def name(variant: tuple[int, int, int, int]) -> str:
     return f"fused{fused}_split{split}_" + {1: "sdpa", 2: "flex", 3: "triton"}.get(attention, f"fp32{fp32}")
 
 
-TRITON_FLAGS = {"s8": ("SPLITS", 8), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128), "st1": ("NUM_STAGES", 1),
-                "st3": ("NUM_STAGES", 3)}
+TRITON_FLAGS = {"s1": ("SPLITS", 1), "s8": ("SPLITS", 8), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128),
+                "st1": ("NUM_STAGES", 1), "st3": ("NUM_STAGES", 3), "norot": ("ROTATE", False),
+                "loop": ("NEW_IN_LOOP", True)}
 
 
 def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]]]:
@@ -73,6 +74,7 @@ def set_triton_flags(flags: list[str]) -> None:
     from posttrain.rollout import triton_decode
 
     triton_decode.SPLITS, triton_decode.BLOCK_N, triton_decode.NUM_STAGES = None, None, 2
+    triton_decode.ROTATE, triton_decode.NEW_IN_LOOP = True, False
     for flag in flags:
         setattr(triton_decode, *TRITON_FLAGS[flag])
 

@@ -402,10 +402,11 @@ class DecodeEngine:
             if spec.triton_decode:  # the kernel rotates q and k and writes k and v into the cache as it attends
                 from . import triton_decode  # imported (Triton present) when triton_decode was chosen
 
-                q, k, v = self._qkv_fn(spec, lw, h, cos, sin, False)
+                rotate = triton_decode.ROTATE
+                q, k, v = self._qkv_fn(spec, lw, h, cos, sin, not rotate)
                 attn = triton_decode.attend_step(q, k, v, self.keys[i][:rows, :, :length],
-                                                 self.values[i][:rows, :, :length], bias, self.col[:rows], cos, sin,
-                                                 spec.scaling, prompt)
+                                                 self.values[i][:rows, :, :length], bias, self.col[:rows],
+                                                 cos if rotate else None, sin if rotate else None, spec.scaling, prompt)
                 x, h = self._out_fn(spec, lw, x, attn, next_norm)
                 continue
             q, k, v = self._qkv_fn(spec, lw, h, cos, sin)

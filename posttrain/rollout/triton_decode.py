@@ -270,6 +270,10 @@ def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
     cos, sin = rope if rope is not None else (final, final)
     if new is not None:
         _check(k_new, v_new)
+    # No FP contraction (enable_fp_fusion): the compiler would fuse the rotation's second product
+    # and its rounded sum into one bf16 FMA, a rounding fewer than eager torch takes, so the keys
+    # written into the cache would differ from the training forward's (1.33x generate's log-prob
+    # gap, NOTES 25). The softmax's own FMA is explicit (tl.fma) and stays.
     _partial[(b, hkv, splits)](
         q, keys, values, bias, final if parts is None else parts, final if lse is None else lse, final,
         k_new, v_new, col, cos, sin,
@@ -279,8 +283,7 @@ def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
         v_new.stride(1), cos.stride(0), sin.stride(0), scale * LOG2E, keys.shape[2], split_len,
         G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=parts is None,
         PRECISION=_precision(q), HAS_NEW=new is not None, ROPE=rope is not None, NEW_IN_LOOP=NEW_IN_LOOP,
-        num_warps=num_warps,
-        num_stages=num_stages or NUM_STAGES)
+        num_warps=num_warps, num_stages=num_stages or NUM_STAGES, enable_fp_fusion=False)
 
 
 def _merged(parts: torch.Tensor, lse: torch.Tensor, final: torch.Tensor, own_splits: int, num_warps: int,
@@ -358,7 +361,7 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         pbias.stride(0), members.stride(0), *parts.stride()[:4], *lse.stride()[:3], cos.stride(0), sin.stride(0),
         scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d,
         BLOCK_N=prompt_block, SKIP_MASKED=skip_masked, PRECISION=_precision(q), ROPE=rope is not None,
-        num_warps=num_warps, num_stages=num_stages or NUM_STAGES)
+        num_warps=num_warps, num_stages=num_stages or NUM_STAGES, enable_fp_fusion=False)
     return _merged(parts, lse, final, own, num_warps, place, members)
 
 

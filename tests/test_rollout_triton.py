@@ -277,25 +277,22 @@ def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, mon
     assert torch.equal(out.sequences, want.sequences)
 
 
-def test_the_kernels_layout_and_where_they_are_the_default(monkeypatch):
-    """One split of 128-key blocks (heads of 64) where rows x heads fill at least half an H200's
-    132 SMs (no merge launch; cudnn's forward's rounding); 64-key blocks split over the SMs at
-    GRPO's 16 rows (NOTES 24, 25). The kernels are the engine's default on CUDA for head sizes they
-    take, never on a CPU."""
+def test_the_kernels_layout_and_where_they_are_the_default():
+    """One split of 128-key blocks for heads of 64 at every row count (cudnn's forward's rounding,
+    and a row's output independent of the rows beside it; NOTES 25), 64-key blocks above; splits on
+    request. The kernels are the engine's default on CUDA for head sizes they take, never on a
+    CPU."""
     from types import SimpleNamespace
 
     from posttrain.rollout import triton_decode
     from posttrain.rollout.switches import triton_by_default
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     cuda = torch.device("cuda")
-    assert triton_decode.layout(128 * 4, 768, 64, cuda) == (1, 768, 128)
-    assert triton_decode.layout(64 * 8, 768, 128, cuda) == (1, 768, 64)  # the 8B's heads: blocks not timed at 128
-    assert triton_decode.layout(16 * 4, 512, 64, cuda) == (8, 64, 64)
-    assert triton_decode.layout(16 * 4, 100, 64, cuda) == (2, 64, 64)  # no empty split
-    assert triton_decode.layout(16 * 4, 512, 64, cuda, splits=2, block_n=32) == (2, 256, 32)
-    assert triton_decode.layout(16 * 4, 512, 64, cuda, splits=1) == (1, 512, 128)
-    assert triton_decode.layout(32 * 4, 384, 64, cuda) == (1, 384, 128)  # 128 programs: one split (NOTES 25)
+    assert triton_decode.layout(768, 64) == (1, 768, 128)
+    assert triton_decode.layout(512, 64) == (1, 512, 128)  # GRPO's 16 rows too
+    assert triton_decode.layout(768, 128) == (1, 768, 64)  # the 8B's heads: blocks not timed at 128
+    assert triton_decode.layout(100, 64, splits=8) == (2, 64, 64)  # no empty split
+    assert triton_decode.layout(512, 64, splits=2, block_n=32) == (2, 256, 32)
     assert triton_by_default(cuda, SimpleNamespace(head_dim=64))
     assert triton_by_default(cuda, SimpleNamespace(head_dim=128))
     assert not triton_by_default(cuda, SimpleNamespace(head_dim=96))  # tl.arange takes powers of two

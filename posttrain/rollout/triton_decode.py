@@ -1,13 +1,15 @@
-"""Decode attention as Triton kernels split over the keys (flash decoding), for the engine's cache.
+"""Decode attention as Triton kernels over the engine's cache (flash decoding's kernels, which
+can split the keys).
 
 One query token per row; the query heads of a group read their key/value head once. SDPA's cudnn
 kernel reads the cache at 1.85 TB/s with the engine's additive mask and at 2.84 without it (NOTES
-22). These kernels take the same mask ([B, L], 0 or -inf), read no masked key (a row's left
-padding, its columns past its end: the loads are predicated off per key) and, where a row's few
-heads alone do not fill the GPU, split each row's columns over programs, whose partial outputs a
-merge kernel combines by their log-sum-exps (:func:`layout`). In the engine's step they also
+22). These kernels take the same mask ([B, L], 0 or -inf) and read no masked key (a row's left
+padding, its columns past its end: the loads are predicated off per key). By default each row's
+keys are read in one pass, first to last, as SDPA's cudnn forward reads them, so the outputs round
+as the training forward's do (:func:`layout`); on request the keys are split over programs, whose
+partial outputs a merge kernel combines by their log-sum-exps. In the engine's step they also
 rotate the query and the step's key and write its key and value into the cache (:func:`attend_step`),
-so neither costs a launch of its own (NOTES 24).
+so neither costs a launch of its own (NOTES 24, 25).
 
 With shared prompt slots (``prompt_cache.py``) a row's keys are its prompt's, held once per group
 of rows, and its own completion's. One program per prompt slot, head and split reads the prompt's
@@ -35,8 +37,8 @@ NUM_WARPS = 2  # the fastest of 2, 4 and 8 at 128 x 768 and at 16 x 512 on an H2
 NUM_STAGES = 2  # software pipelining of the key loop
 ROTATE = True  # the engine's split layer lets the kernel rotate q and k (False: its qkv half does; bench only)
 NEW_IN_LOOP = False  # the step's key attended in the loop at its column, not after it (bench only)
-BLOCK_N: int | None = None  # keys a block (None: layout's choice)
-SPLITS: int | None = None  # splits of a row's keys (None: layout's choice)
+BLOCK_N: int | None = None  # keys a block (None: 128 for heads of up to 64, else 64)
+SPLITS: int | None = None  # splits of a row's keys (None: one; bench only)
 
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, values [B, kv_heads, 1, d], columns [B]
 Rope = tuple[torch.Tensor, torch.Tensor]  # each row's rotary cos, sin [B, d]
@@ -223,20 +225,15 @@ def _merge(out_ptr, lse_ptr, final_ptr, place_ptr, members_ptr, so_b, so_h, so_s
              mask=g[:, None] < G)
 
 
-def layout(programs: int, length: int, head_dim: int, device: torch.device, splits: int | None = None,
-           block_n: int | None = None) -> tuple[int, int, int]:
-    """(splits, keys per split, keys a block) of ``length`` keys for ``programs`` (rows x key/value
-    heads). Where the programs fill at least half the SMs: one split, no merge launch, of 128-key
-    blocks for heads of up to 64 (64 above: not timed); one pass in order rounds as SDPA's cudnn
-    forward does, to the bit but for a few outputs in ten thousand. Below: 64-key blocks, split to
-    cover every SM about four times. The fastest measured at the 1.1B Llama's heads on an H200
-    (NOTES 25: at 32 and 64 rows one split beats the split the earlier rule made). ``splits``/
-    ``block_n`` (or the module's SPLITS/BLOCK_N) override; no split is empty or shorter than a
-    block."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    splits = splits or SPLITS
-    if splits is None:
-        splits = 1 if 2 * programs >= sms else min(triton.next_power_of_2(math.ceil(4 * sms / max(1, programs))), 16)
+def layout(length: int, head_dim: int, splits: int | None = None, block_n: int | None = None) -> tuple[int, int, int]:
+    """(splits, keys per split, keys a block) of ``length`` keys. By default one split (no merge
+    launch) of 128-key blocks for heads of up to 64, 64-key blocks above (not timed at 128): one
+    pass in order rounds as SDPA's cudnn forward does, to the bit but for a few outputs in ten
+    thousand, and a row's output does not depend on how many rows share the step. Splitting the
+    keys rounds each split's probabilities against its own running max (four outputs in ten
+    differ); at GRPO's 16 rows it was 1-3% faster a step (NOTES 25). ``splits``/``block_n`` (or
+    the module's SPLITS/BLOCK_N) override; no split is empty or shorter than a block."""
+    splits = splits or SPLITS or 1
     block_n = block_n or BLOCK_N or (128 if splits == 1 and head_dim <= 64 else 64)
     split_len = math.ceil(math.ceil(max(1, length) / splits) / block_n) * block_n
     return math.ceil(max(1, length) / split_len), split_len, block_n
@@ -322,7 +319,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     length = keys.shape[2]
     _check(q, keys, values)
     bias = bias.reshape(b, length)
-    splits, split_len, block_n = layout(b * hkv, length, d, q.device, splits, block_n)
+    splits, split_len, block_n = layout(length, d, splits, block_n)
     final = torch.empty_like(q)
     parts, lse = _partials(q, splits) if splits > 1 else (None, None)
     _own_partials(q, keys, values, bias, parts, lse, final, splits, split_len, scale, block_n, skip_masked,
@@ -348,8 +345,8 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     _check(q, keys, values, pkeys, pvalues)
     bias, pbias = bias.reshape(b, length), pbias.reshape(slots, width)
     members, place = members.contiguous(), place.contiguous()
-    own, own_len, own_block = layout(b * hkv, length, d, q.device, splits, block_n)
-    shared, shared_len, prompt_block = layout(slots * hkv, width, d, q.device, prompt_splits, block_n)
+    own, own_len, own_block = layout(length, d, splits, block_n)
+    shared, shared_len, prompt_block = layout(width, d, prompt_splits, block_n)
     final = torch.empty_like(q)
     parts, lse = _partials(q, own + shared)
     _own_partials(q, keys, values, bias, parts, lse, final, own, own_len, scale, own_block, skip_masked, num_warps,

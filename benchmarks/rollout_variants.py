@@ -49,8 +49,7 @@ def name(variant: tuple[int, int, int, int]) -> str:
 
 
 TRITON_FLAGS = {"s1": ("SPLITS", 1), "s8": ("SPLITS", 8), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128),
-                "st1": ("NUM_STAGES", 1), "st3": ("NUM_STAGES", 3), "norot": ("ROTATE", False),
-                "loop": ("NEW_IN_LOOP", True)}
+                "st1": ("NUM_STAGES", 1), "st3": ("NUM_STAGES", 3), "norot": ("ROTATE", False)}
 
 
 def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]]]:
@@ -74,7 +73,7 @@ def set_triton_flags(flags: list[str]) -> None:
     from posttrain.rollout import triton_decode
 
     triton_decode.SPLITS, triton_decode.BLOCK_N, triton_decode.NUM_STAGES = None, None, 2
-    triton_decode.ROTATE, triton_decode.NEW_IN_LOOP = True, False
+    triton_decode.ROTATE = True
     for flag in flags:
         setattr(triton_decode, *TRITON_FLAGS[flag])
 

@@ -201,12 +201,11 @@ def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr"), c
 target = GPUTarget("cuda", 90, 32)  # an H100 / H200
 for final in (False, True):  # the engine's step writes and rotates (HAS_NEW, ROPE); the probe's calls do not
     c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=128 if final else 64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32",
-             HAS_NEW=final, ROPE=final, NEW_IN_LOOP=False)
+             HAS_NEW=final, ROPE=final)
     k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target,
                        options={"num_warps": 2, "enable_fp_fusion": False})
     print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"] and "fma.rn.bf16" not in k.asm["ptx"])
-c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True, ROPE=True,
-         NEW_IN_LOOP=True)  # float32
+c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True, ROPE=True)  # float32
 k = triton.compile(ASTSource(td._partial, types(td._partial, c, cache="*fp32"), c), target=target,
                    options={"num_warps": 4})
 print("partial float32", "tf32" not in k.asm["ptx"])

@@ -36,7 +36,6 @@ LOG2E = 1.4426950408889634
 NUM_WARPS = 2  # the fastest of 2, 4 and 8 at 128 x 768 and at 16 x 512 on an H200 (NOTES 24)
 NUM_STAGES = 2  # software pipelining of the key loop
 ROTATE = True  # the engine's split layer lets the kernel rotate q and k (False: its qkv half does; bench only)
-NEW_IN_LOOP = False  # the step's key attended in the loop at its column, not after it (bench only)
 BLOCK_N: int | None = None  # keys a block (None: 128 for heads of up to 64, else 64)
 SPLITS: int | None = None  # splits of a row's keys (None: one; bench only)
 
@@ -47,7 +46,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # each row's rotary cos, sin [B, d]
 @triton.jit
 def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr,
-            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr, NEW_IN_LOOP: tl.constexpr):
+            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr):
     """Queries ``q`` [M, D] over keys ``lo:hi``, first to last: the normalized output [M, D] and the
     log2-sum-exp [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs
     (not TF32). ``HAS_NEW``: column ``col``'s key and value are ``k_new``/``v_new`` [D] (this
@@ -65,16 +64,12 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new,
         n = start + tl.arange(0, BLOCK_N)
         inside = n < hi
         bias = tl.load(bias_base + n, mask=inside, other=float("-inf")).to(tl.float32)
-        if HAS_NEW and not NEW_IN_LOOP:
+        if HAS_NEW:
             bias = tl.where(n == col, float("-inf"), bias)
         read = inside
         if SKIP_MASKED:  # a masked key's row is not loaded (its 0 scores count nothing beside -inf)
             read = inside & (bias > float("-inf"))
-        if HAS_NEW and NEW_IN_LOOP:
-            read = read & (n != col)
         k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=read[:, None], other=0.0)
-        if HAS_NEW and NEW_IN_LOOP:
-            k = tl.where((n == col)[:, None], k_new[None, :], k)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias[None, :]
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing unmasked yet: p = 0, alpha = 0
@@ -82,11 +77,9 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new,
         p = tl.exp2(tl.fma(scores, scale_log2, -(m_safe * scale_log2)[:, None]))
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_base + n[:, None] * sv_l + d[None, :], mask=read[:, None], other=0.0)
-        if HAS_NEW and NEW_IN_LOOP:
-            v = tl.where((n == col)[:, None], v_new[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    if HAS_NEW and not NEW_IN_LOOP:  # the step's own key, last (it is the row's last column), where it lies in lo:hi
+    if HAS_NEW:  # the step's own key, last (it is the row's last column), where it lies in lo:hi
         at = tl.zeros([M], tl.int32) + col  # vectors: the interpreter does not broadcast scalar masks
         here = (at >= lo) & (at < hi)
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
@@ -121,7 +114,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
              scale_log2, length, split_len,
              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
              SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr,
-             ROPE: tl.constexpr, NEW_IN_LOOP: tl.constexpr):
+             ROPE: tl.constexpr):
     """Row b's query heads of key/value head h over its split s of the row's own keys. ``HAS_NEW``:
     the row's new key and value go into the cache at its column ``col`` (clamped to the last), by
     the split that holds that column, which attends them from registers. ``ROPE``: the query and
@@ -153,7 +146,7 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
         tl.store(k_base + col * sk_l + d, k_new, mask=here)
         tl.store(v_base + col * sv_l + d, v_new, mask=here)
     out, lse = _attend(q, k_base, v_base, bias_ptr + b * sbias_b, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
-                       BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW, NEW_IN_LOOP)
+                       BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW)
     if FINAL:  # one split: this is the output
         tl.store(final_ptr + b * sf_b + h * sf_h + g[:, None] * sf_g + d[None, :],
                  out.to(final_ptr.dtype.element_ty), mask=mine[:, None])
@@ -188,7 +181,7 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
     zero = tl.zeros([D], k_ptr.dtype.element_ty)
     out, lse = _attend(q, k_ptr + p * sk_b + h * sk_h, v_ptr + p * sv_b + h * sv_h, bias_ptr + p * sbias_b,
                        sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, zero, zero, -1, BLOCK_M, D,
-                       BLOCK_N, SKIP_MASKED, PRECISION, False, False)
+                       BLOCK_N, SKIP_MASKED, PRECISION, False)
     at = first_split + s
     tl.store(out_ptr + r[:, None] * so_b + h * so_h + at * so_s + g[:, None] * so_g + d[None, :], out,
              mask=live[:, None])
@@ -279,8 +272,8 @@ def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
         final.stride(0), final.stride(1), final.stride(2), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), cos.stride(0), sin.stride(0), scale * LOG2E, keys.shape[2], split_len,
         G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=parts is None,
-        PRECISION=_precision(q), HAS_NEW=new is not None, ROPE=rope is not None, NEW_IN_LOOP=NEW_IN_LOOP,
-        num_warps=num_warps, num_stages=num_stages or NUM_STAGES, enable_fp_fusion=False)
+        PRECISION=_precision(q), HAS_NEW=new is not None, ROPE=rope is not None, num_warps=num_warps,
+        num_stages=num_stages or NUM_STAGES, enable_fp_fusion=False)
 
 
 def _merged(parts: torch.Tensor, lse: torch.Tensor, final: torch.Tensor, own_splits: int, num_warps: int,

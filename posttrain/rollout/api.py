@@ -61,9 +61,9 @@ class RolloutFields:
     generation_shared_prompt_kv: bool = False
     # Decode attention by posttrain's Triton kernels (rollout/triton_decode.py), which also write the
     # step's keys and values into the cache. None: on CUDA where Triton imports and the head size
-    # is a power of two from 16 to 256, else SDPA. false: SDPA's kernel, whose decode log-probs are
-    # as close to a training forward's as transformers' generate's (the kernels': 1.25x that gap,
-    # for steps 1.14-1.24x faster; README "Rollouts"). true: required (a clear error without Triton).
+    # is a power of two from 16 to 256, else SDPA. false: SDPA's kernel (steps 1.23-1.46x slower
+    # on an H200; log-probs as close to a forward's either way; README "Rollouts"). true: required
+    # (a clear error without Triton).
     generation_triton_decode: bool | None = None
 
 

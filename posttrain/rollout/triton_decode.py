@@ -360,7 +360,8 @@ def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.T
                 prompt: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """One decode step's attention as the engine's split layer runs it, eagerly between its two
     compiled halves: ``q`` [B, heads, 1, d] and this step's ``k`` [B, kv_heads, 1, d] before their
-    rotation by ``cos``/``sin`` [B, 1, d] (the kernel rotates them: no launches of their own),
+    rotation by ``cos``/``sin`` [B, 1, d] (the kernel rotates them: no launches of their own; None:
+    q and k come rotated),
     ``v`` [B, kv_heads, 1, d]; ``k``/``v`` written into the cache views ``keys``/``values`` [B,
     kv_heads, L, d] at columns ``col`` by the kernel (in place of two ``index_copy_`` launches),
     ``prompt`` the shared prompt slots (pkeys, pvalues, pbias, members, place) or None. Returns

@@ -145,12 +145,25 @@ def tok():
     return tiny.load_tokenizer()
 
 
-@pytest.mark.parametrize("compiled, shared", [(False, False), (True, False), (False, True), (True, True)])
-def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, shared, tok):
+@pytest.mark.parametrize("compiled, shared, rotate", [(False, False, True), (True, False, True), (False, True, True),
+                                                      (True, True, True), (True, False, False)])
+def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, shared, rotate, tok, monkeypatch):
     """``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON), each row's own cache or shared prompt slots:
     eager, and traced in whole graphs as CUDA compiles it (fullgraph, aot_eager; the kernels one
     opaque op), streamed through fewer slots with small buckets: the default engine's samples and
-    log-probs, with no fallback."""
+    log-probs, with no fallback. ``rotate`` False: the split layer's qkv half rotates q and k, not
+    the kernel (the bench switch that located NOTES 25's log-prob gap)."""
+    from posttrain.rollout import triton_decode
+
+    monkeypatch.setattr(triton_decode, "ROTATE", rotate)
+    rotated_by_kernel = []
+    attend_step = triton_decode.attend_step
+
+    def recorded(q, k, v, keys, values, bias, col, cos, sin, *args):
+        rotated_by_kernel.append(cos is not None)
+        return attend_step(q, k, v, keys, values, bias, col, cos, sin, *args)
+
+    monkeypatch.setattr(triton_decode, "attend_step", recorded)
     model = build("llama", tok)
     enc = tok(["the cat sat on the", "a", "hello world how are you"], return_tensors="pt", padding=True,
               padding_side="left")
@@ -171,6 +184,7 @@ def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, s
     assert r.stats["compile"] == ("layer" if compiled else "none") and r.stats["shared_prompt_kv"] is shared
     assert torch.equal(want.sequences, out.sequences) and torch.equal(want.completion_mask, out.completion_mask)
     assert (want.logprobs - out.logprobs).abs().max().item() < 1e-5
+    assert rotated_by_kernel and set(rotated_by_kernel) == {rotate}  # the split layer's call, as switched
 
 
 def test_the_kernel_on_a_cpu_without_the_interpreter_is_refused(tok, monkeypatch):

@@ -21,6 +21,7 @@ between layers) inside one CUDA graph; the time is a replay's over 22.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import sys
@@ -66,10 +67,10 @@ def triton_kernel() -> Any:
 
 def triton_options(config: str) -> dict[str, Any]:
     """``SxN[:r][:wW][:stK][:n]`` as the kernel's keyword arguments (``n``: as the engine's step
-    calls it, the step's key and value written and q and k rotated by the kernel). The switches that NOTES 25 measured for the numerics (the
-    new key in the loop, the block order, the max over scaled scores, the sum over rounded
-    probabilities: flags a, rev, sm, sr) were in the kernel at commit 2411293, a group's query heads
-    spread over programs (hH) at b6ed6d9."""
+    calls it, the step's key and value written and q and k rotated by the kernel). The switches
+    that NOTES 25 measured for the numerics (the new key in the loop, the block order, the max over
+    scaled scores, the sum over rounded probabilities: flags a, rev, sm, sr) were in the kernel at
+    commit 2411293, a group's query heads spread over programs (hH) at b6ed6d9."""
     head, *flags = config.split(":")
     s, n = head.split("x")
     options: dict[str, Any] = {"splits": None if s == "auto" else int(s), "block_n": None if n == "auto" else int(n)}
@@ -209,12 +210,8 @@ def numerics(rows: int, length: int, device: torch.device, triton_configs: list[
     scale = HEAD_DIM ** -0.5
 
     def forward(backend: SDPBackend | None) -> torch.Tensor:
-        if backend is None:
-            out = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True, scale=scale)
-        else:
-            with sdpa_kernel([backend]):
-                out = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True, scale=scale)
-        return out[:, :, -1]  # [rows, heads, d]
+        with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True, scale=scale)[:, :, -1]
 
     refs: dict[str, torch.Tensor] = {"default": forward(None)}
     if cuda:

@@ -52,6 +52,9 @@ TRITON_FLAGS = {"s1": ("SPLITS", 1), "s8": ("SPLITS", 8), "b64": ("BLOCK_N", 64)
                 "st1": ("NUM_STAGES", 1), "st3": ("NUM_STAGES", 3), "norot": ("ROTATE", False)}
 
 
+_TRITON_DEFAULTS: dict[str, Any] = {}
+
+
 def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]]]:
     """"all" or names like fused1_split0_fp321, comma-separated; a Triton variant may take the
     kernel's settings as flags (``fused1_split1_triton:s8:b64``, :data:`TRITON_FLAGS`)."""
@@ -72,8 +75,10 @@ def set_triton_flags(flags: list[str]) -> None:
     """The Triton kernel's module settings for one variant (its defaults where ``flags`` is empty)."""
     from posttrain.rollout import triton_decode
 
-    triton_decode.SPLITS, triton_decode.BLOCK_N, triton_decode.NUM_STAGES = None, None, 2
-    triton_decode.ROTATE = True
+    if not _TRITON_DEFAULTS:  # the module's own settings, read once before any flag changes them
+        _TRITON_DEFAULTS.update({attr: getattr(triton_decode, attr) for attr, _ in TRITON_FLAGS.values()})
+    for attr, value in _TRITON_DEFAULTS.items():
+        setattr(triton_decode, attr, value)
     for flag in flags:
         setattr(triton_decode, *TRITON_FLAGS[flag])
 

@@ -48,8 +48,11 @@ def name(variant: tuple[int, int, int, int]) -> str:
     return f"fused{fused}_split{split}_" + {1: "sdpa", 2: "flex", 3: "triton"}.get(attention, f"fp32{fp32}")
 
 
-TRITON_FLAGS = {"s1": ("SPLITS", 1), "s8": ("SPLITS", 8), "b64": ("BLOCK_N", 64), "b128": ("BLOCK_N", 128),
-                "st1": ("NUM_STAGES", 1), "st3": ("NUM_STAGES", 3), "norot": ("ROTATE", False)}
+# flag: (module of posttrain.rollout, setting, value)
+TRITON_FLAGS = {"s1": ("triton_decode", "SPLITS", 1), "s8": ("triton_decode", "SPLITS", 8),
+                "b64": ("triton_decode", "BLOCK_N", 64), "b128": ("triton_decode", "BLOCK_N", 128),
+                "st1": ("triton_decode", "NUM_STAGES", 1), "st3": ("triton_decode", "NUM_STAGES", 3),
+                "norot": ("triton_decode", "ROTATE", False), "nosampler": ("triton_sample", "ENABLED", False)}
 
 
 _TRITON_DEFAULTS: dict[str, Any] = {}
@@ -73,14 +76,18 @@ def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]
 
 def set_triton_flags(flags: list[str]) -> None:
     """The Triton kernel's module settings for one variant (its defaults where ``flags`` is empty)."""
-    from posttrain.rollout import triton_decode
+    import importlib
 
-    if not _TRITON_DEFAULTS:  # the module's own settings, read once before any flag changes them
-        _TRITON_DEFAULTS.update({attr: getattr(triton_decode, attr) for attr, _ in TRITON_FLAGS.values()})
-    for attr, value in _TRITON_DEFAULTS.items():
-        setattr(triton_decode, attr, value)
+    def module(name: str) -> Any:
+        return importlib.import_module(f"posttrain.rollout.{name}")
+
+    if not _TRITON_DEFAULTS:  # the modules' own settings, read once before any flag changes them
+        _TRITON_DEFAULTS.update({(mod, attr): getattr(module(mod), attr) for mod, attr, _ in TRITON_FLAGS.values()})
+    for (mod, attr), value in _TRITON_DEFAULTS.items():
+        setattr(module(mod), attr, value)
     for flag in flags:
-        setattr(triton_decode, *TRITON_FLAGS[flag])
+        mod, attr, value = TRITON_FLAGS[flag]
+        setattr(module(mod), attr, value)
 
 
 def launches(code: str) -> int:
@@ -239,7 +246,7 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
                            capture_fallbacks=st.get("capture_fallbacks"), split_fallbacks=st.get("split_fallbacks"),
                            sdpa_fallbacks=st.get("sdpa_fallbacks"), flex_ran=st.get("flex_decode"),
                            flex_fallbacks=st.get("flex_fallbacks"), triton_ran=st.get("triton_decode"),
-                           triton_fallbacks=st.get("triton_fallbacks"),
+                           triton_fallbacks=st.get("triton_fallbacks"), triton_sampler_ran=st.get("triton_sampler"),
                            captures=st.get("captures"), capture_s=st.get("capture_s"),
                            fused_weight_bytes=st.get("fused_weight_bytes"),
                            fallback_reasons=st.get("fallback_reasons"),

@@ -38,7 +38,8 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   NOTES 21), ``flex_decode`` (``POSTTRAIN_ROLLOUT_FLEX``, default off), ``triton_decode``
   (``POSTTRAIN_ROLLOUT_TRITON``, default on CUDA: posttrain's kernels, which in the split layer also
   rotate the step's query and key and write its key and value into the cache, in place of the
-  rotary kernels and the two ``index_copy_``; NOTES 24).
+  rotary kernels and the two ``index_copy_``; NOTES 24; and sample, where there is no top-k or
+  top-p, with ``triton_sample.py``'s kernel in place of inductor's three reductions; NOTES 26).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).
@@ -418,9 +419,19 @@ class DecodeEngine:
             x, h = self._post_fn(spec, lw, x, q, keys, values, bias, next_norm, prompt)
         tokens, logprobs = self._sample_fn(spec, h, w["head"], w["head_bias"], w["head_lora"], self.step[:rows],
                                            self.seq[:rows], self.key, self.temperature, self.do_sample, self.top_p,
-                                           self.min_new, self.top_k, self.use_top_p, self.stop_ids)
+                                           self.min_new, self.top_k, self.use_top_p, self.stop_ids, self.stop_mask,
+                                           self.sampler_kernel())
         self._record_fn(self.done, self.step, self.last, self.pos, self.col, self.out_tokens, self.out_logprobs,
                         tokens, logprobs, self.limit, self.stop_mask, self.sampling.pad_token_id)
+
+    def sampler_kernel(self) -> bool:
+        """Whether the step samples with posttrain's Triton sampler: with the Triton decode kernels,
+        where the sampling has no top-k or top-p (``triton_sample.ENABLED`` off: never)."""
+        if not self.spec.triton_decode or self.top_k or self.use_top_p:
+            return False
+        from . import triton_sample  # imported (Triton present) when triton_decode was chosen
+
+        return triton_sample.ENABLED
 
     def run(self, rows: int, length: int, steps: int) -> None:
         """``steps`` decode steps of bucket (rows, length): graph replays on CUDA, else the step."""
@@ -490,6 +501,7 @@ class DecodeEngine:
         self.stats["sdpa_decode"] = self.spec.sdpa_decode
         self.stats["flex_decode"] = self.spec.flex_decode
         self.stats["triton_decode"] = self.spec.triton_decode
+        self.stats["triton_sampler"] = self.sampler_kernel()
         if self.compile_mode == "none":
             return
         while True:
@@ -514,6 +526,7 @@ class DecodeEngine:
                                     f"{instead}", err)
                     self.stats[on] = False
                     self.stats[on.replace("_decode", "_fallbacks")] += 1
+                    self.stats["triton_sampler"] = self.sampler_kernel()
                     continue
                 if self.spec.fp32_scores and self.dtype != torch.float32 and self.device.type == "cuda":
                     self._fall_back("torch.compile of the step with float32 attention scores failed; retrying "

@@ -15,9 +15,16 @@ from .sampling import choose_tokens
 def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: Any, head_lora: Any,
             step: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
             do_sample: torch.Tensor, top_p: torch.Tensor, min_new: torch.Tensor, top_k: int, use_top_p: bool,
-            stop_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """LM head of the last layer's output ``h`` (final norm applied) and the sampler."""
+            stop_ids: torch.Tensor | None, stop_mask: torch.Tensor | None = None, kernel: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LM head of the last layer's output ``h`` (final norm applied) and the sampler: ``kernel``
+    posttrain's Triton sampler (no top-k or top-p; ``stop_mask`` the stop tokens as a vocabulary
+    mask), else ``sampling.choose_tokens``."""
     logits = decoder.head(spec, {"head": head, "head_bias": head_bias, "head_lora": head_lora}, h, normed=True)
+    if kernel:
+        from . import triton_sample  # imported (Triton present) by the engine that chose the kernel
+
+        return triton_sample.choose_tokens(logits, step, key, seq, temperature, do_sample, min_new, stop_mask)
     return choose_tokens(logits, step, key, seq=seq, temperature=temperature, do_sample=do_sample, top_k=top_k,
                          top_p=top_p, use_top_p=use_top_p, min_new_tokens=min_new, stop_ids=stop_ids)
 

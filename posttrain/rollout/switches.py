@@ -42,7 +42,7 @@ def require_triton(device: torch.device) -> None:
         raise ConfigError(f"triton_decode runs on CUDA, not {device.type}: unset POSTTRAIN_ROLLOUT_TRITON (or set "
                           "TRITON_INTERPRET=1 to run the kernel in Triton's interpreter)")
     try:
-        from . import triton_decode  # noqa: F401 - registers torch.ops.posttrain.decode_attention
+        from . import triton_decode, triton_sample  # noqa: F401 - register their torch.ops.posttrain ops
     except ImportError as err:
         raise ConfigError(f"triton_decode needs Triton ({err}): install the triton that matches your torch, or "
                           "unset POSTTRAIN_ROLLOUT_TRITON") from err

@@ -1,0 +1,137 @@
+"""The engine's sampler (``sampling.choose_tokens`` without top-k or top-p) as one Triton kernel
+over the logits, split along the vocabulary.
+
+inductor compiles ``choose_tokens`` into three reductions over each row's logits (the max, the
+sum of exponentials, then the Gumbel noise and the argmax), one program a row: 39 us a step at 128
+rows of a 32k vocabulary on an H200, two thirds of it the 64-bit integer hash of the noise (NOTES
+26). Here each program reads a chunk of one row's logits once and keeps the chunk's running max
+and sum of exponentials (online, as flash attention does) and its best noised logit, with the
+noise hashed in 32-bit unsigned arithmetic (the same bits as ``sampling.gumbel_noise``'s masked
+64-bit one). :func:`choose_tokens` combines the chunks in torch (a few ops on [rows, chunks] that
+inductor fuses): the token is the same as ``choose_tokens``' (ties go to the first index, as
+``argmax``'s do); its log-prob differs only in the order of the float32 sum.
+
+CPU runs it under Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported), which
+is how the tests check it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 1024
+ENABLED = True  # the engine's step uses the kernel where it applies (False: inductor's reductions; bench only)
+
+
+@triton.jit
+def _mix(x):
+    """``sampling._hash32`` on uint32 (multiplication wraps, shifts are logical)."""
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_ptr, sample_ptr, min_new_ptr,
+             max_ptr, sum_ptr, best_ptr, index_ptr, vocab, chunk, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
+             HAS_STOP: tl.constexpr):
+    """Program (row, c): over vocabulary entries ``c * chunk`` on, the max and the sum of
+    exp(scaled - max) of the scaled logits, and the largest noised (and barred) logit with its
+    index (the first on ties)."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    temperature = tl.load(temp_ptr)
+    do_sample = tl.load(sample_ptr)
+    step = tl.load(step_ptr + row)
+    early = step < tl.load(min_new_ptr)
+    # gumbel_noise's row hash modulo 2**32 (the int64 products' low bits are the uint32 products')
+    base = _mix(tl.load(key_ptr).to(tl.uint32) ^ (step.to(tl.uint32) * 0x2545F491))
+    base = _mix(base + tl.load(seq_ptr + row).to(tl.uint32) * 0x5851F42D)
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    index = lo
+    for start in range(lo, hi, BLOCK_V):
+        v = start + tl.arange(0, BLOCK_V)
+        ok = v < hi
+        scaled = tl.load(logits_ptr + row * stride_row + v, mask=ok, other=float("-inf")).to(tl.float32) / temperature
+        m_new = tl.maximum(m, tl.max(scaled, 0))
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(scaled - m_new), 0)
+        m = m_new
+        pick = scaled
+        if HAS_STOP:
+            barred = tl.load(stop_ptr + v, mask=ok, other=0) != 0
+            pick = tl.where(barred & early, float("-inf"), pick)
+        bits = _mix(base ^ _mix((v + 0x9E3779B).to(tl.uint32)))
+        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)
+        pick = tl.where(ok, pick + -tl.log(-tl.log(u)) * do_sample, float("-inf"))
+        block_best = tl.max(pick, 0)
+        block_index = start + tl.argmax(pick, 0, tie_break_left=True)
+        index = tl.where(block_best > best, block_index, index)
+        best = tl.maximum(best, block_best)
+    out = row * CHUNKS + c
+    tl.store(max_ptr + out, m)
+    tl.store(sum_ptr + out, total)
+    tl.store(best_ptr + out, best)
+    tl.store(index_ptr + out, index)
+
+
+def chunks_for(vocab: int) -> int:
+    """Chunks a row: four blocks or more each, at most 16 (not a function of the rows, which the
+    compiled step takes as a dynamic size: 8 chunks of a 32k vocabulary make 1024 programs at 128
+    rows and 128 at 16)."""
+    return max(1, min(16, triton.cdiv(vocab, 4 * BLOCK_V)))
+
+
+def partials(logits: torch.Tensor, key: torch.Tensor, step: torch.Tensor, seq: torch.Tensor,
+             stop_mask: torch.Tensor | None,
+             temperature: torch.Tensor, do_sample: torch.Tensor, min_new: torch.Tensor, chunks: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row and chunk: max, sum of exponentials, best noised logit and its index ([rows, chunks])."""
+    rows, vocab = logits.shape
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK_V) * BLOCK_V
+    chunks = triton.cdiv(vocab, chunk)
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    m, total, best = (torch.empty((rows, chunks), **f32) for _ in range(3))
+    index = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
+    stop = stop_mask if stop_mask is not None else m  # not read
+    _partial[(rows, chunks)](logits, logits.stride(0), key, step, seq, stop, temperature, do_sample, min_new, m, total,
+                             best, index, vocab, chunk, CHUNKS=chunks, BLOCK_V=BLOCK_V, HAS_STOP=stop_mask is not None,
+                             num_warps=4)
+    return m, total, best, index
+
+
+@torch.library.custom_op("posttrain::sample_partials", mutates_args=())
+def sample_partials_op(logits: torch.Tensor, key: torch.Tensor, step: torch.Tensor, seq: torch.Tensor,
+                       stop_mask: torch.Tensor | None, temperature: torch.Tensor, do_sample: torch.Tensor,
+                       min_new: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return partials(logits, key, step, seq, stop_mask, temperature, do_sample, min_new, chunks)
+
+
+@sample_partials_op.register_fake
+def _(logits, key, step, seq, stop_mask, temperature, do_sample, min_new, chunks):  # noqa: ANN001, ANN202
+    rows, vocab = logits.shape
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK_V) * BLOCK_V
+    shape = (rows, triton.cdiv(vocab, chunk))
+    f32 = logits.new_empty(shape, dtype=torch.float32)
+    return f32, torch.empty_like(f32), torch.empty_like(f32), logits.new_empty(shape, dtype=torch.int64)
+
+
+def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, seq: torch.Tensor,
+                  temperature: torch.Tensor, do_sample: torch.Tensor, min_new: torch.Tensor,
+                  stop_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sampling.choose_tokens`` without top-k/top-p for logits [B, V]: ``step``, ``seq`` [B]
+    int64; ``key`` (int64), ``temperature``, ``do_sample`` (1.0 or 0.0) and ``min_new`` 0-d
+    tensors; ``stop_mask`` [V] (the stop tokens, barred while step < min_new) or None."""
+    m, total, best, index = torch.ops.posttrain.sample_partials(logits, key, step, seq, stop_mask, temperature,
+                                                                do_sample, min_new, chunks_for(logits.shape[1]))
+    top = m.amax(1, keepdim=True)
+    log_sum = torch.log((total * torch.exp(m - top)).sum(1))
+    tokens = index.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
+    scaled = logits.gather(1, tokens.unsqueeze(1)).squeeze(1).float() / temperature
+    return tokens, (scaled - top.squeeze(1)) - log_sum

@@ -1,0 +1,92 @@
+"""posttrain's Triton sampler (posttrain/rollout/triton_sample.py), run on the CPU by Triton's
+interpreter (TRITON_INTERPRET=1, set by conftest before Triton is imported): the tokens of
+``sampling.choose_tokens`` and its log-probs, whatever the chunking; compiled for an H200 with
+logical shifts (the noise hash's bits are the 64-bit one's)."""
+
+import pytest
+import torch
+
+from posttrain.rollout import triton_sample
+from posttrain.rollout.sampling import choose_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, vocab, stops, do_sample, min_new, temperature, block", [
+    (4, 3000, None, 1.0, 0, 1.0, 1024),  # one chunk, the last block partial
+    (4, 3000, None, 1.0, 0, 1.0, 128),  # six chunks
+    (3, 5000, [1, 7, 4095], 1.0, 5, 0.7, 128),  # stop tokens barred on rows before min_new, not after
+    (5, 2500, [2], 0.0, 0, 1.3, 128),  # greedy: the argmax of the scaled logits
+    (2, 1024, None, 1.0, 0, 1.0, 512),
+])
+def test_the_kernel_samples_what_choose_tokens_samples(dtype, rows, vocab, stops, do_sample, min_new, temperature,
+                                                       block, monkeypatch):
+    monkeypatch.setattr(triton_sample, "BLOCK_V", block)
+    torch.manual_seed(0)
+    logits = (torch.randn(rows, vocab) * 3).to(dtype)
+    stop_ids = torch.tensor(stops) if stops else None
+    stop_mask = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, stop_ids, True) if stops else None
+    if stops:
+        logits[:, stops[0]] = 50.0  # rows past min_new choose it
+    step = torch.tensor([0, 3, 7, 9, 12][:rows])
+    seq = torch.tensor([5, 0, 2, 9, 1][:rows])
+    key = torch.tensor(2**40 + 1234567)  # above 2**32: the kernel keeps the low bits, as the hash does
+    knobs = dict(temperature=torch.tensor(temperature), do_sample=torch.tensor(do_sample))
+    want, want_logp = choose_tokens(logits, step, key, seq=seq, min_new_tokens=torch.tensor(min_new),
+                                    stop_ids=stop_ids, use_top_p=False, **knobs)
+    tokens, logp = triton_sample.choose_tokens(logits, step, key, seq, knobs["temperature"], knobs["do_sample"],
+                                               torch.tensor(min_new), stop_mask)
+    assert torch.equal(tokens, want)
+    assert (logp - want_logp).abs().max().item() < 1e-5
+    if stops:
+        early = step < min_new
+        assert not torch.isin(tokens[early], stop_ids).any() and (tokens[~early] == stops[0]).all()
+
+
+def test_ties_go_to_the_first_index_across_blocks_and_chunks(monkeypatch):
+    """Greedy over logits whose maximum repeats in later blocks and chunks: ``argmax``'s first."""
+    monkeypatch.setattr(triton_sample, "BLOCK_V", 16)
+    logits = torch.zeros(2, 200)
+    logits[0, [37, 90, 150]] = 1.0
+    logits[1, [5, 6]] = 2.0
+    one, zero = torch.tensor(1.0), torch.tensor(0.0)
+    tokens, _ = triton_sample.choose_tokens(logits, torch.zeros(2, dtype=torch.long), torch.tensor(0),
+                                            torch.arange(2), one, zero, zero.long(), None)
+    assert tokens.tolist() == [37, 5] and triton_sample.chunks_for(200) == 4
+    monkeypatch.setattr(triton_sample, "chunks_for", lambda vocab: 1)  # one chunk of 13 blocks
+    tokens, _ = triton_sample.choose_tokens(logits, torch.zeros(2, dtype=torch.long), torch.tensor(0),
+                                            torch.arange(2), one, zero, zero.long(), None)
+    assert tokens.tolist() == [37, 5]
+
+
+AHEAD_OF_TIME = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from posttrain.rollout import triton_sample as ts
+
+fn = ts._partial
+c = dict(CHUNKS=8, BLOCK_V=1024, HAS_STOP=True)
+kinds = {"logits_ptr": "*bf16", "key_ptr": "*i64", "step_ptr": "*i64", "seq_ptr": "*i64", "min_new_ptr": "*i64",
+         "index_ptr": "*i64", "stop_ptr": "*i1"}
+sig = {n: "constexpr" if n in c else kinds.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(sorted(set(re.findall(r"\bshr\.[su]32", k.asm["ptx"]))))
+"""
+
+
+def test_the_sampler_compiles_for_an_h200_with_logical_shifts(tmp_path):
+    """The hash's right shifts are logical (uint32), as the masked 64-bit hash's are: an
+    arithmetic shift would change the noise's bits on the GPU, which the interpreter (numpy's
+    uint32) would not show."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, launch_env
+
+    env = {k: v for k, v in launch_env(TRITON_CACHE_DIR=str(tmp_path)).items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['shr.u32']", proc.stdout

@@ -115,7 +115,7 @@ class Rollout:
     fixed in a run) and take up to the built ``max_new_tokens``. ``engine_options``: keyword
     arguments of :class:`DecodeEngine` (buckets, sync interval, prefix sharing, ``lora_mode``
     "merged" or "live" for a peft model's LoRA adapters: ``adapters.py``; the step's switches
-    ``fused``, ``split_layer``, ``fp32_scores``, ``sdpa_decode``, ``flex_decode``, ``triton_decode``:
+    ``fused``, ``split_layer``, ``fp32_scores``, ``sdpa_decode``, ``flex_decode``, ``triton_decode``, ``cublaslt``:
     ``engine.py``; tests and benchmarks).
     A peft model (``get_peft_model``) decodes with its active adapters, as its forward would."""
 

@@ -39,7 +39,8 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   (``POSTTRAIN_ROLLOUT_TRITON``, default on CUDA: posttrain's kernels, which in the split layer also
   rotate the step's query and key and write its key and value into the cache, in place of the
   rotary kernels and the two ``index_copy_``; NOTES 24; and sample, where there is no top-k or
-  top-p, with ``triton_sample.py``'s kernel in place of inductor's three reductions; NOTES 26).
+  top-p, with ``triton_sample.py``'s kernel in place of inductor's three reductions; NOTES 26),
+  ``cublaslt`` (``POSTTRAIN_ROLLOUT_CUBLASLT``, default on CUDA: cuBLASLt picks the step's GEMMs).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).
@@ -63,7 +64,7 @@ from .adapters import Adapters
 from .decoder import DecoderSpec
 from .prompt_cache import SharedPrompts, bucket_sizes, default_prompt_slots
 from .sampling import SamplingParams
-from .switches import ATTENTION_NAMES, attention_spec, env_choice, env_flag
+from .switches import ATTENTION_NAMES, attention_spec, env_choice, env_flag, preferred_blas
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,8 @@ class DecodeEngine:
                  tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, fused: bool | None = None,
                  split_layer: bool | None = None, fp32_scores: bool | None = None,
                  sdpa_decode: bool | None = None, flex_decode: bool | None = None,
-                 triton_decode: bool | None = None, shared_prompt_kv: bool | None = None, group_size: int = 1,
+                 triton_decode: bool | None = None, cublaslt: bool | None = None,
+                 shared_prompt_kv: bool | None = None, group_size: int = 1,
                  prompt_slots: int | None = None) -> None:
         self.model, self.sampling = model, sampling
         self.slots, self.prompt_len = slots, max_prompt_len
@@ -169,6 +171,11 @@ class DecodeEngine:
         self.fused = decoder.fused_buffers(model, self.adapters) if fuse and views is None else None
         self.split_layer = env_flag("POSTTRAIN_ROLLOUT_SPLIT", split_layer, True)
         self.spec = attention_spec(self.spec, dev, fp32_scores, sdpa_decode, flex_decode, triton_decode)
+        # ``cublaslt`` (POSTTRAIN_ROLLOUT_CUBLASLT, default on CUDA): the step's GEMMs chosen by
+        # cuBLASLt's heuristics (switches.preferred_blas, scoped to the engine's compile, warm-up and
+        # capture): at 128 rows it takes the down projection without split-K and its reduction
+        # kernel (NOTES 26).
+        self.blas = "cublaslt" if dev.type == "cuda" and env_flag("POSTTRAIN_ROLLOUT_CUBLASLT", cublaslt, True) else None
         self.weights = decoder.read_weights(model, views or self.fused, self.adapters)
         spec = self.spec
         layers = len(self.weights["layers"])
@@ -447,11 +454,13 @@ class DecodeEngine:
         if graph is None and self.use_graphs:
             graph = self._capture(rows, length)
         with torch.no_grad():
-            for _ in range(steps):
-                if graph is None:
-                    self._step(rows, length)
-                else:
+            if graph is not None:
+                for _ in range(steps):
                     graph.replay()
+                return
+            with preferred_blas(self.blas):
+                for _ in range(steps):
+                    self._step(rows, length)
 
     # -- compile and capture -------------------------------------------------------------------
     def _graph_key(self, rows: int, length: int) -> tuple[int, ...]:
@@ -465,7 +474,7 @@ class DecodeEngine:
         outside capture; on CUDA three times on a side stream, as capture requires."""
         saved = [t.clone() for t in self._state()]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), preferred_blas(self.blas):
                 if self.device.type == "cuda":
                     if self._side is None:  # one side stream for every warm-up
                         self._side = torch.cuda.Stream()
@@ -502,6 +511,7 @@ class DecodeEngine:
         self.stats["flex_decode"] = self.spec.flex_decode
         self.stats["triton_decode"] = self.spec.triton_decode
         self.stats["triton_sampler"] = self.sampler_kernel()
+        self.stats["blas"] = self.blas or "default"
         if self.compile_mode == "none":
             return
         while True:
@@ -553,7 +563,7 @@ class DecodeEngine:
         torch.cuda.synchronize()
         reserved = torch.cuda.memory_reserved()
         try:
-            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad(), preferred_blas(self.blas):
                 self._step(rows, length)
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured: no graph
             self._fall_back("CUDA graph capture of the decode step failed; decoding without a graph", err)

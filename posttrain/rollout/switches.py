@@ -4,8 +4,10 @@ kernels, flex_attention, SDPA, or bmm and softmax) for a model on a device."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -29,6 +31,22 @@ def env_flag(name: str, value: bool | None, default: bool) -> bool:
     """:func:`env_choice`, ``default`` where neither is set."""
     choice = env_choice(name, value)
     return default if choice is None else choice
+
+
+@contextlib.contextmanager
+def preferred_blas(name: str | None) -> Iterator[None]:
+    """torch's preferred BLAS library ``name`` ("cublaslt") for the GEMMs run inside, the previous
+    one after (None: as it is). The engine's compile, warm-up and capture run inside it: a captured
+    graph keeps the kernels chosen then, so the rest of the process (training) keeps its own."""
+    if name is None:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 ATTENTION_NAMES = {"triton_decode": "the Triton decode kernels", "flex_decode": "flex_attention",

@@ -90,3 +90,38 @@ def test_the_sampler_compiles_for_an_h200_with_logical_shifts(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "['shr.u32']", proc.stdout
+
+
+def test_cublaslt_is_preferred_only_inside_the_engines_scope(monkeypatch):
+    """``switches.preferred_blas``: set for the engine's compile, warm-up and capture, the previous
+    library back after (an error inside too); None leaves it alone. The engine asks for it on CUDA
+    only (POSTTRAIN_ROLLOUT_CUBLASLT); on the CPU its stats say "default"."""
+    from test_rollout import build, rollout
+
+    from posttrain.demo import tiny
+    from posttrain.rollout.switches import preferred_blas
+
+    current = ["cublas"]
+    calls = []
+
+    def library(backend=None):
+        if backend is not None:
+            calls.append(backend)
+            current[0] = backend
+        return current[0]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", library)
+    with preferred_blas("cublaslt"):
+        assert current == ["cublaslt"]
+    assert current == ["cublas"]
+    with pytest.raises(ValueError), preferred_blas("cublaslt"):
+        raise ValueError
+    assert current == ["cublas"] and calls == ["cublaslt", "cublas", "cublaslt", "cublas"]
+    with preferred_blas(None):
+        pass
+    assert len(calls) == 4
+    tok = tiny.load_tokenizer()
+    r = rollout(build("llama", tok), tok)
+    enc = tok(["the cat sat"], return_tensors="pt")
+    r.generate(enc["input_ids"], enc["attention_mask"])
+    assert r.engine.blas is None and r.stats["blas"] == "default" and len(calls) == 4

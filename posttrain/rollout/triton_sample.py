@@ -52,17 +52,21 @@ def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_
     base = _mix(base + tl.load(seq_ptr + row).to(tl.uint32) * 0x5851F42D)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, vocab)
-    m = tl.full([], float("-inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
-    best = tl.full([], float("-inf"), tl.float32)
-    index = lo
+    # Per lane (no reduction across the block inside the loop): the running max and sum of
+    # exp(scaled - max) (one exp a logit: the new logit's distance to the max, either way), and the
+    # best noised logit with its index (strictly larger: a lane keeps its first).
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_V], tl.float32)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    index = tl.zeros([BLOCK_V], tl.int32) + lo
     for start in range(lo, hi, BLOCK_V):
         v = start + tl.arange(0, BLOCK_V)
         ok = v < hi
         scaled = tl.load(logits_ptr + row * stride_row + v, mask=ok, other=float("-inf")).to(tl.float32) / temperature
-        m_new = tl.maximum(m, tl.max(scaled, 0))
-        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(scaled - m_new), 0)
-        m = m_new
+        above = scaled > m
+        e = tl.exp(tl.where(above, m - scaled, scaled - m))  # 0 where either is -inf and the other not
+        total = tl.where(above, total * e + 1.0, total + tl.where(scaled == float("-inf"), 0.0, e))
+        m = tl.maximum(m, scaled)
         pick = scaled
         if HAS_STOP:
             barred = tl.load(stop_ptr + v, mask=ok, other=0) != 0
@@ -70,15 +74,17 @@ def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_
         bits = _mix(base ^ _mix((v + 0x9E3779B).to(tl.uint32)))
         u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)
         pick = tl.where(ok, pick + -tl.log(-tl.log(u)) * do_sample, float("-inf"))
-        block_best = tl.max(pick, 0)
-        block_index = start + tl.argmax(pick, 0, tie_break_left=True)
-        index = tl.where(block_best > best, block_index, index)
-        best = tl.maximum(best, block_best)
+        index = tl.where(pick > best, v, index)
+        best = tl.maximum(best, pick)
+    top = tl.max(m, 0)
+    lane_sum = tl.where(m == float("-inf"), 0.0, total * tl.exp(m - top))
+    chunk_best = tl.max(best, 0)
+    first = tl.min(tl.where(best == chunk_best, index, 2147483647), 0)  # the first index among the ties
     out = row * CHUNKS + c
-    tl.store(max_ptr + out, m)
-    tl.store(sum_ptr + out, total)
-    tl.store(best_ptr + out, best)
-    tl.store(index_ptr + out, index)
+    tl.store(max_ptr + out, top)
+    tl.store(sum_ptr + out, tl.sum(lane_sum, 0))
+    tl.store(best_ptr + out, chunk_best)
+    tl.store(index_ptr + out, first)
 
 
 def chunks_for(vocab: int) -> int:

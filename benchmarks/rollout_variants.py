@@ -55,21 +55,25 @@ TRITON_FLAGS = {"s1": ("triton_decode", "SPLITS", 1), "s8": ("triton_decode", "S
                 "norot": ("triton_decode", "ROTATE", False), "nosampler": ("triton_sample", "ENABLED", False)}
 
 
-_TRITON_DEFAULTS: dict[str, Any] = {}
+# flag: (engine option, value)
+ENGINE_FLAGS = {"cublas": ("cublaslt", False)}
+_TRITON_DEFAULTS: dict[Any, Any] = {}
 
 
 def parse_variants(text: str) -> list[tuple[tuple[int, int, int, int], list[str]]]:
     """"all" or names like fused1_split0_fp321, comma-separated; a Triton variant may take the
-    kernel's settings as flags (``fused1_split1_triton:s8:b64``, :data:`TRITON_FLAGS`)."""
+    kernel's settings as flags (``fused1_split1_triton:s8:b64``, :data:`TRITON_FLAGS`); any variant
+    engine options (``fused1_split1_sdpa:cublas``, :data:`ENGINE_FLAGS`)."""
     if text == "all":
         return [(v, []) for v in VARIANTS]
     by_name = {name(v): v for v in VARIANTS}
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         base, *flags = part.split(":")
-        if base not in by_name or (flags and by_name[base][3] != 3) or set(flags) - set(TRITON_FLAGS):
-            raise SystemExit(f"--variants {part!r}: use 'all' or some of {', '.join(by_name)} (the Triton one "
-                             f"with flags among {', '.join(TRITON_FLAGS)})")
+        kernel_flags = set(flags) - set(ENGINE_FLAGS)
+        if base not in by_name or (kernel_flags and by_name[base][3] != 3) or kernel_flags - set(TRITON_FLAGS):
+            raise SystemExit(f"--variants {part!r}: use 'all' or some of {', '.join(by_name)} (any with flags among "
+                             f"{', '.join(ENGINE_FLAGS)}, the Triton one also {', '.join(TRITON_FLAGS)})")
         out.append((by_name[base], flags))
     return out
 
@@ -86,8 +90,9 @@ def set_triton_flags(flags: list[str]) -> None:
     for (mod, attr), value in _TRITON_DEFAULTS.items():
         setattr(module(mod), attr, value)
     for flag in flags:
-        mod, attr, value = TRITON_FLAGS[flag]
-        setattr(module(mod), attr, value)
+        if flag in TRITON_FLAGS:
+            mod, attr, value = TRITON_FLAGS[flag]
+            setattr(module(mod), attr, value)
 
 
 def launches(code: str) -> int:
@@ -196,6 +201,7 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
         try:
             options = dict(fused=bool(fused), split_layer=bool(split), fp32_scores=bool(fp32), sdpa_decode=sdpa == 1,
                            flex_decode=sdpa == 2, triton_decode=sdpa == 3)
+            options.update(ENGINE_FLAGS[f] for f in flags if f in ENGINE_FLAGS)
             if compile_mode:
                 options["compile_mode"] = compile_mode
             r = Rollout(None, "policy", built, max_batch=slots, max_prompt_len=p, model=model, kv_slots=slots,
@@ -247,7 +253,7 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
                            sdpa_fallbacks=st.get("sdpa_fallbacks"), flex_ran=st.get("flex_decode"),
                            flex_fallbacks=st.get("flex_fallbacks"), triton_ran=st.get("triton_decode"),
                            triton_fallbacks=st.get("triton_fallbacks"), triton_sampler_ran=st.get("triton_sampler"),
-                           captures=st.get("captures"), capture_s=st.get("capture_s"),
+                           blas=st.get("blas"), captures=st.get("captures"), capture_s=st.get("capture_s"),
                            fused_weight_bytes=st.get("fused_weight_bytes"),
                            fallback_reasons=st.get("fallback_reasons"),
                            status="degraded" if r.degraded else "ok",

@@ -52,7 +52,8 @@ def name(variant: tuple[int, int, int, int]) -> str:
 TRITON_FLAGS = {"s1": ("triton_decode", "SPLITS", 1), "s8": ("triton_decode", "SPLITS", 8),
                 "b64": ("triton_decode", "BLOCK_N", 64), "b128": ("triton_decode", "BLOCK_N", 128),
                 "st1": ("triton_decode", "NUM_STAGES", 1), "st3": ("triton_decode", "NUM_STAGES", 3),
-                "norot": ("triton_decode", "ROTATE", False), "nosampler": ("triton_sample", "ENABLED", False)}
+                "norot": ("triton_decode", "ROTATE", False), "nosampler": ("triton_sample", "ENABLED", False),
+                "nopointwise": ("triton_pointwise", "ENABLED", False)}
 
 
 # flag: (engine option, value)
@@ -253,6 +254,7 @@ def bench_variants(shape: str, args: argparse.Namespace, device: torch.device, o
                            sdpa_fallbacks=st.get("sdpa_fallbacks"), flex_ran=st.get("flex_decode"),
                            flex_fallbacks=st.get("flex_fallbacks"), triton_ran=st.get("triton_decode"),
                            triton_fallbacks=st.get("triton_fallbacks"), triton_sampler_ran=st.get("triton_sampler"),
+                           triton_pointwise_ran=st.get("triton_pointwise"),
                            blas=st.get("blas"), captures=st.get("captures"), capture_s=st.get("capture_s"),
                            fused_weight_bytes=st.get("fused_weight_bytes"),
                            fallback_reasons=st.get("fallback_reasons"),

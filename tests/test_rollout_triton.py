@@ -181,7 +181,7 @@ def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, s
     out = r.generate(ids, mask)
     torch._dynamo.reset()
     assert r.stats["triton_decode"] and r.stats["triton_fallbacks"] == 0 and not r.degraded, r.stats
-    assert r.stats["triton_sampler"]  # no top-k or top-p: the Triton sampler too
+    assert r.stats["triton_sampler"] and r.stats["triton_pointwise"]  # no top-k or top-p: the sampler too
     assert r.stats["compile"] == ("layer" if compiled else "none") and r.stats["shared_prompt_kv"] is shared
     assert torch.equal(want.sequences, out.sequences) and torch.equal(want.completion_mask, out.completion_mask)
     assert (want.logprobs - out.logprobs).abs().max().item() < 1e-5

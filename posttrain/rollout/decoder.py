@@ -101,6 +101,7 @@ class DecoderSpec:
     sdpa_decode: bool = True  # decode attention by SDPA (one fused kernel) instead of bmm, softmax, bmm
     flex_decode: bool = False  # decode attention by flex_attention (before SDPA; shared prompt slots too)
     triton_decode: bool = False  # decode attention by posttrain's Triton kernels (triton_decode.py; before flex)
+    triton_pointwise: bool = False  # the decode step's SiLU-and-multiply and residual + norm by triton_pointwise.py
 
     @classmethod
     def of(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> DecoderSpec:
@@ -337,19 +338,40 @@ def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, 
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
-def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor
-                  ) -> torch.Tensor:
-    """Output projection, residual, post-attention norm, MLP, residual. ``attn`` [B, heads, T, d]."""
+def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
+                  next_norm: torch.Tensor | None = None) -> Any:
+    """Output projection, residual, post-attention norm, MLP, residual. ``attn`` [B, heads, T, d].
+    ``next_norm``: the residual stream and its norm by it. With ``spec.triton_pointwise`` (the
+    decode step) each residual add and the norm after it are one kernel, and so is SiLU-and-
+    multiply where gate|up is one GEMM without LoRA terms (``triton_pointwise.py``)."""
     b, t = attn.shape[0], attn.shape[2]
-    x = x + linear(w, "o", attn.transpose(1, 2).reshape(b, t, -1))
-    h = rms_norm(x, w["ln2"], spec.eps)
-    if "gate_up" in w:
-        gate, up = F.linear(h, w["gate_up"], w.get("gate_upb")).chunk(2, dim=-1)
-        gate, up = lora_add(gate, h, w.get("gate_lora")), lora_add(up, h, w.get("up_lora"))
+    o = linear(w, "o", attn.transpose(1, 2).reshape(b, t, -1))
+    # The ops are registered by the engine's import of triton_pointwise; they keep x's dtype (eager's
+    # weight * h would promote to a float32 norm weight's).
+    pointwise = spec.triton_pointwise and w["ln2"].dtype == x.dtype
+    if pointwise:
+        x, h = torch.ops.posttrain.add_rms_norm(x, o, w["ln2"], spec.eps)
     else:
-        gate, up = linear(w, "gate", h), linear(w, "up", h)
-    gate, up = lora_add_parts([gate, up], h, w.get("gate_up_lora"))
-    return x + linear(w, "down", spec.act(gate) * up)
+        x = x + o
+        h = rms_norm(x, w["ln2"], spec.eps)
+    if pointwise and "gate_up" in w and spec.act is F.silu and not any(
+            w.get(k) for k in ("gate_lora", "up_lora", "gate_up_lora")):
+        mid = torch.ops.posttrain.silu_mul(F.linear(h, w["gate_up"], w.get("gate_upb")))
+    else:
+        if "gate_up" in w:
+            gate, up = F.linear(h, w["gate_up"], w.get("gate_upb")).chunk(2, dim=-1)
+            gate, up = lora_add(gate, h, w.get("gate_lora")), lora_add(up, h, w.get("up_lora"))
+        else:
+            gate, up = linear(w, "gate", h), linear(w, "up", h)
+        gate, up = lora_add_parts([gate, up], h, w.get("gate_up_lora"))
+        mid = spec.act(gate) * up
+    down = linear(w, "down", mid)
+    if next_norm is None:
+        return x + down
+    if pointwise:
+        return torch.ops.posttrain.add_rms_norm(x, down, next_norm, spec.eps)
+    x = x + down
+    return x, rms_norm(x, next_norm, spec.eps)
 
 
 def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -522,8 +544,7 @@ def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Te
 def decode_layer_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
                      next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_layer_post` after the attention (``attn`` [B, heads, 1, d])."""
-    x = attention_out(spec, w, x, attn)
-    return x, rms_norm(x, next_norm, spec.eps)
+    return attention_out(spec, w, x, attn, next_norm)
 
 
 def decode_layer(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, h: torch.Tensor,

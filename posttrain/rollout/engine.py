@@ -39,7 +39,8 @@ bucket, and (on CUDA) that step compiled and captured as one CUDA graph per buck
   (``POSTTRAIN_ROLLOUT_TRITON``, default on CUDA: posttrain's kernels, which in the split layer also
   rotate the step's query and key and write its key and value into the cache, in place of the
   rotary kernels and the two ``index_copy_``; NOTES 24; and sample, where there is no top-k or
-  top-p, with ``triton_sample.py``'s kernel in place of inductor's three reductions; NOTES 26),
+  top-p, with ``triton_sample.py``'s kernel in place of inductor's three reductions, and run
+  SiLU-and-multiply and each residual add with its norm as ``triton_pointwise.py``'s; NOTES 26),
   ``cublaslt`` (``POSTTRAIN_ROLLOUT_CUBLASLT``, default on CUDA: cuBLASLt picks the step's GEMMs).
 - Weights are read live (``decoder.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
@@ -511,6 +512,7 @@ class DecodeEngine:
         self.stats["flex_decode"] = self.spec.flex_decode
         self.stats["triton_decode"] = self.spec.triton_decode
         self.stats["triton_sampler"] = self.sampler_kernel()
+        self.stats["triton_pointwise"] = self.spec.triton_pointwise
         self.stats["blas"] = self.blas or "default"
         if self.compile_mode == "none":
             return
@@ -529,7 +531,7 @@ class DecodeEngine:
                 # The decode attention's switches, first on first off: Triton -> flex -> SDPA -> bmm.
                 on = next((f for f in ("triton_decode", "flex_decode", "sdpa_decode") if getattr(self.spec, f)), None)
                 if on is not None:
-                    self.spec = dataclasses.replace(self.spec, **{on: False})
+                    self.spec = dataclasses.replace(self.spec, **{on: False}, triton_pointwise=False)
                     instead = ("flex_attention" if self.spec.flex_decode else "SDPA" if self.spec.sdpa_decode
                                else "bmm and softmax")
                     self._fall_back(f"torch.compile of the step with {ATTENTION_NAMES[on]} failed; retrying with "
@@ -537,6 +539,7 @@ class DecodeEngine:
                     self.stats[on] = False
                     self.stats[on.replace("_decode", "_fallbacks")] += 1
                     self.stats["triton_sampler"] = self.sampler_kernel()
+                    self.stats["triton_pointwise"] = False
                     continue
                 if self.spec.fp32_scores and self.dtype != torch.float32 and self.device.type == "cuda":
                     self._fall_back("torch.compile of the step with float32 attention scores failed; retrying "

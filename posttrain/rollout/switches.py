@@ -60,7 +60,7 @@ def require_triton(device: torch.device) -> None:
         raise ConfigError(f"triton_decode runs on CUDA, not {device.type}: unset POSTTRAIN_ROLLOUT_TRITON (or set "
                           "TRITON_INTERPRET=1 to run the kernel in Triton's interpreter)")
     try:
-        from . import triton_decode, triton_sample  # noqa: F401 - register their torch.ops.posttrain ops
+        from . import triton_decode, triton_pointwise, triton_sample  # noqa: F401 - register their ops
     except ImportError as err:
         raise ConfigError(f"triton_decode needs Triton ({err}): install the triton that matches your torch, or "
                           "unset POSTTRAIN_ROLLOUT_TRITON") from err
@@ -85,7 +85,8 @@ def attention_spec(spec: DecoderSpec, device: torch.device, fp32_scores: bool | 
                    flex_decode: bool | None, triton_decode: bool | None) -> DecoderSpec:
     """``spec`` with its attention switches resolved: float32 scores and SDPA on unless turned off,
     flex_attention off unless on, the Triton kernels where :func:`triton_by_default` says unless
-    chosen either way (on by choice: Triton must be there)."""
+    chosen either way (on by choice: Triton must be there; the step's pointwise kernels with them,
+    unless ``triton_pointwise.ENABLED`` is off)."""
     if not env_flag("POSTTRAIN_ROLLOUT_SCORES_FP32", fp32_scores, True):
         spec = dataclasses.replace(spec, fp32_scores=False)
     spec = dataclasses.replace(spec, sdpa_decode=env_flag("POSTTRAIN_ROLLOUT_SDPA", sdpa_decode, True),
@@ -93,5 +94,7 @@ def attention_spec(spec: DecoderSpec, device: torch.device, fp32_scores: bool | 
     choice = env_choice("POSTTRAIN_ROLLOUT_TRITON", triton_decode)
     if choice or (choice is None and triton_by_default(device, spec)):
         require_triton(device)
-        spec = dataclasses.replace(spec, triton_decode=True)
+        from . import triton_pointwise
+
+        spec = dataclasses.replace(spec, triton_decode=True, triton_pointwise=triton_pointwise.ENABLED)
     return spec

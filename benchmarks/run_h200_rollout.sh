@@ -25,9 +25,9 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 #                                                 count, the kernels without contraction: GRPO against TRL, the
 #                                                 step and the log-prob gap over GRPO's rows beside SDPA and the
 #                                                 key splits, the 1.1B and 8B gaps; ~8 minutes)
-#   PART=8 bash benchmarks/run_h200_rollout.sh   (NOTES section 26: the Triton sampler and cuBLASLt in the step: GRPO
-#                                                 against TRL, the step beside section 25's default and SDPA, the
-#                                                 1.1B and 8B log-prob gaps; ~9 minutes)
+#   PART=8 bash benchmarks/run_h200_rollout.sh   (NOTES section 26: the Triton sampler, pointwise kernels and cuBLASLt
+#                                                 in the step beside section 25's default, the 1.1B log-prob gap,
+#                                                 GRPO against TRL, the 8B gap; ~9 minutes)
 # Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/ as each part finishes; every part is
 # bounded by `timeout`; PACK=file.tgz tars the results after each.
 set -u
@@ -87,13 +87,13 @@ timeout 130 python benchmarks/rollout_bench.py --shapes 8b --chunk 128 --prompts
   --budget-s 120 --out "$RES/gap_8b.json" > "$RES/gap_8b.log" 2>&1; echo "8b gap rc=$?" >> "$RES/rc.txt"; pack
 fi
 if [ "${PART:-1}" = 8 ]; then
-timeout 200 python benchmarks/grpo_bench.py $G --mixes zero2-zero3,trl-zero2 --warmup 1 --steps 3 --timeout 95 \
-  --out "$RES/grpo_round" > "$RES/grpo_round.log" 2>&1; echo "grpo round rc=$?" >> "$RES/rc.txt"; pack
 timeout 200 python benchmarks/rollout_bench.py --shapes 1b --cases variants --budget-s 170 --out "$RES/variants_1b.json" \
-  --variants fused1_split1_triton:nosampler:cublas,fused1_split1_triton,fused1_split1_sdpa > "$RES/variants_1b.log" 2>&1
-echo "variants rc=$?" >> "$RES/rc.txt"; pack
+  --variants fused1_split1_triton:nosampler:nopointwise:cublas,fused1_split1_triton:nopointwise,fused1_split1_triton \
+  > "$RES/variants_1b.log" 2>&1; echo "variants rc=$?" >> "$RES/rc.txt"; pack
 timeout 110 python benchmarks/rollout_bench.py --shapes 1b --cases logprobs --shared-prompt off,sdpa --budget-s 100 \
   --out "$RES/gap_1b.json" > "$RES/gap_1b.log" 2>&1; echo "1b gap rc=$?" >> "$RES/rc.txt"; pack
+timeout 200 python benchmarks/grpo_bench.py $G --mixes zero2-zero3,trl-zero2 --warmup 1 --steps 3 --timeout 95 \
+  --out "$RES/grpo_round" > "$RES/grpo_round.log" 2>&1; echo "grpo round rc=$?" >> "$RES/rc.txt"; pack
 timeout 130 python benchmarks/rollout_bench.py --shapes 8b --chunk 128 --prompts 16 --cases logprobs --shared-prompt off \
   --budget-s 120 --out "$RES/gap_8b.json" > "$RES/gap_8b.log" 2>&1; echo "8b gap rc=$?" >> "$RES/rc.txt"; pack
 fi

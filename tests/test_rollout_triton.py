@@ -332,7 +332,7 @@ def test_generation_triton_decode_is_a_config_field(tmp_path):
         trainer = GRPOTrainer(cfg(tmp_path / str(on), generation_triton_decode=on), train_dataset=bundled_prompts(16))
         runs[on] = trainer.train()
         assert all(row["rollout/triton_decode"] == float(bool(on)) and row["rollout/triton_fallbacks"] == 0
-                   for row in runs[on]), runs[on]
+                   and row["rollout/triton_sampler"] == row["rollout/triton_decode"] for row in runs[on]), runs[on]
     for a, b in zip(runs[None], runs[True]):
         for k in ("reward", "kl", "loss", "grad_norm"):
             assert b[k] == pytest.approx(a[k], abs=1e-5, rel=1e-5), k

@@ -155,7 +155,8 @@ class Rollout:
 
     def metrics(self) -> dict[str, float]:
         """Per-step metrics: graph captures so far, recaptures (0 after warm-up), capture seconds,
-        whether the decode attention ran on posttrain's Triton kernels, and every loss of speed:
+        whether the decode attention and the sampler ran on posttrain's Triton kernels (the sampler
+        does where there is no top-k or top-p), and every loss of speed:
         each counter of :data:`SLOW_FALLBACKS` (compile, capture, the attention kernels' and fused
         views' fallbacks, the rollouts that ran ``generate`` because of the adapters' state at that
         time) and 1 if the backend fell back to ``generate`` for an unsupported model (or peft
@@ -163,6 +164,7 @@ class Rollout:
         st = self.stats
         out = {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
                "rollout/capture_s": st["capture_s"], "rollout/triton_decode": float(bool(st.get("triton_decode"))),
+               "rollout/triton_sampler": float(bool(st.get("triton_sampler"))),
                "rollout/backend_fallback": float(st["fallback"] is not None)}
         out.update({f"rollout/{name}": st.get(name, 0) for name in SLOW_FALLBACKS})
         return out

@@ -57,6 +57,31 @@ def split_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, split_
     return (out.float() * weight).sum(1).to(q.dtype).view(b, h, g, d)
 
 
+def graph_us(calls: list[Callable[[], Any]], replays: int = 50) -> float:
+    """Microseconds a call: ``calls`` warmed up on a side stream, captured in one CUDA graph,
+    replayed ``replays`` times between CUDA events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / replays / len(calls)
+
+
 def triton_kernel() -> Any:
     """posttrain's Triton decode kernel from its file (not through the package, which imports transformers)."""
     spec = importlib.util.spec_from_file_location("triton_decode", ROOT / "posttrain" / "rollout" / "triton_decode.py")
@@ -166,24 +191,7 @@ def probe(rows: int, length: int, layers: int, splits: list[int], device: torch.
             first = fn(q, caches[0][0][:, :, :length], caches[0][1][:, :, :length], bias, split_bias, scale)
             row["max_abs_diff"] = (first.float() - reference).abs().max().item()
             if cuda:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        layer_calls()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    layer_calls()
-                graph.replay()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(replays):
-                    graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                us = start.elapsed_time(end) * 1000 / replays / layers
+                us = graph_us([layer_calls], replays) / layers
                 kv_bytes = 2 * rows * KV_HEADS * length * HEAD_DIM * q.element_size()
                 row.update(us_per_layer=round(us, 2), kv_tb_per_s=round(kv_bytes / us / 1e6, 3))
             row["status"] = "ok"

@@ -25,33 +25,11 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from decode_attention_probe import graph_us  # noqa: E402 - after the path
 
 LAYERS, HIDDEN, INTER, QKV = 22, 2048, 5632, 2048 + 2 * 256
 GEMMS = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
-
-
-def graph_us(calls: list[Callable[[], Any]], replays: int = 50) -> float:
-    """Microseconds a call: ``calls`` captured in one CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            for call in calls:
-                call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / replays / len(calls)
 
 
 def pointwise(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> None:

@@ -29,7 +29,7 @@ ENABLED = True  # the engine's step uses them with the Triton decode kernels (Fa
 def _silu_mul(x_ptr, out_ptr, n, inter, stride_row, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
-    row, col = i // inter, i % inter
+    row, col = (i // inter).to(tl.int64), i % inter  # 64-bit offsets: a long prefill's rows x 2 x inter
     g = tl.load(x_ptr + row * stride_row + col, mask=ok, other=0.0)
     u = tl.load(x_ptr + row * stride_row + inter + col, mask=ok, other=0.0)
     gf = g.to(tl.float32)
@@ -43,7 +43,7 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, x_out, h_out, rows, eps, H: tl.constexpr,
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK_H)
     ok = (r < rows)[:, None] & (c < H)[None, :]
-    at = r[:, None] * H + c[None, :]
+    at = r.to(tl.int64)[:, None] * H + c[None, :]
     x = tl.load(x_ptr + at, mask=ok, other=0.0) + tl.load(r_ptr + at, mask=ok, other=0.0)
     tl.store(x_out + at, x, mask=ok)
     xf = x.to(tl.float32)

@@ -15,15 +15,17 @@ from posttrain.rollout import decoder, triton_pointwise
 @pytest.mark.parametrize("shape", [(5, 1, 96), (3, 7, 40), (130, 1, 64)])
 def test_silu_mul_equals_eager(dtype, shape, monkeypatch):
     monkeypatch.setattr(triton_pointwise, "SILU_BLOCK", 64)  # several programs, the last one partial
+    torch.manual_seed(0)
     gate_up = torch.randn(shape, dtype=dtype) * 3
     gate, up = gate_up.chunk(2, dim=-1)
     got = triton_pointwise.silu_mul(gate_up)
     assert got.shape == (*shape[:-1], shape[-1] // 2) and got.dtype == dtype
     want = F.silu(gate) * up
-    if dtype == torch.float32:  # exp's last bit may differ
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    else:  # rounded to float16 after each op: equal
-        assert torch.equal(got, want)
+    # Each op rounded as eager rounds it; the interpreter's exp (numpy's) may differ from torch's in
+    # its last float32 bit, which turns a few float16 roundings by one unit.
+    torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=1e-6)
+    if dtype == torch.float16:
+        assert (got == want).float().mean().item() > 0.99
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -32,6 +34,7 @@ def test_add_rms_norm_equals_the_decoders(dtype, rows, hidden, per, monkeypatch)
     """The sum to the bit, its norm as ``decoder.rms_norm`` (transformers' LlamaRMSNorm), a
     hidden size that is not a power of two, rows a program not dividing the rows."""
     monkeypatch.setattr(triton_pointwise, "NORM_ROWS", per)
+    torch.manual_seed(0)
     x, r = torch.randn(rows, 1, hidden, dtype=dtype), torch.randn(rows, 1, hidden, dtype=dtype)
     w = torch.randn(hidden, dtype=dtype)
     total, normed = triton_pointwise.add_rms_norm(x, r, w, 1e-5)

@@ -25,6 +25,19 @@ def launch_env(**extra: str) -> dict[str, str]:
             "OMP_NUM_THREADS": "1", **extra}
 
 
+def compile_ahead_of_time(source: str, cache: Path) -> str:
+    """Run ``source`` (Triton kernels compiled for a GPU target with ``triton.compile``) in a
+    subprocess without the interpreter, its Triton cache in ``cache``; its stdout (it must pass)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in launch_env(TRITON_CACHE_DIR=str(cache)).items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _module_leaves_the_process_clean():
     """In-process trainers leave their process group, accelerate's process-wide state, transformers'

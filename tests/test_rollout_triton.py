@@ -241,16 +241,10 @@ def test_the_kernels_compile_for_an_h200(tmp_path):
     """Triton compiles the kernels for sm_90 on this CPU (no GPU needed): what the interpreter
     does not check (a kernel reading a plain global, a shape no MMA tile takes)."""
     import os
-    import subprocess
-    import sys
 
-    from conftest import ROOT, launch_env
+    from conftest import compile_ahead_of_time
 
-    env = {k: v for k, v in launch_env(TRITON_CACHE_DIR=str(tmp_path)).items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    lines = compile_ahead_of_time(AHEAD_OF_TIME, tmp_path).splitlines()
     # tensor-core products; no bf16 FMA (the rotation rounds each product, as eager torch does)
     assert lines[0].startswith("partial False") and lines[0].endswith("True"), lines
     assert lines[1].startswith("partial True") and lines[1].endswith("True") and lines[2] == "partial float32 True", lines

@@ -98,13 +98,7 @@ print("norm", "rsqrt" in k.asm["ptx"])
 
 
 def test_the_pointwise_kernels_compile_for_an_h200(tmp_path):
-    import subprocess
-    import sys
+    from conftest import compile_ahead_of_time
 
-    from conftest import ROOT, launch_env
-
-    env = {k: v for k, v in launch_env(TRITON_CACHE_DIR=str(tmp_path)).items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["silu", "True", "norm", "True"], proc.stdout
+    out = compile_ahead_of_time(AHEAD_OF_TIME, tmp_path)
+    assert out.split() == ["silu", "True", "norm", "True"], out

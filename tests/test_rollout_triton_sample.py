@@ -80,16 +80,10 @@ def test_the_sampler_compiles_for_an_h200_with_logical_shifts(tmp_path):
     """The hash's right shifts are logical (uint32), as the masked 64-bit hash's are: an
     arithmetic shift would change the noise's bits on the GPU, which the interpreter (numpy's
     uint32) would not show."""
-    import subprocess
-    import sys
+    from conftest import compile_ahead_of_time
 
-    from conftest import ROOT, launch_env
-
-    env = {k: v for k, v in launch_env(TRITON_CACHE_DIR=str(tmp_path)).items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "['shr.u32']", proc.stdout
+    out = compile_ahead_of_time(AHEAD_OF_TIME, tmp_path)
+    assert out.strip().splitlines()[-1] == "['shr.u32']", out
 
 
 def test_cublaslt_is_preferred_only_inside_the_engines_scope(monkeypatch):

@@ -539,7 +539,7 @@ class DecodeEngine:
                     self.stats[on] = False
                     self.stats[on.replace("_decode", "_fallbacks")] += 1
                     self.stats["triton_sampler"] = self.sampler_kernel()
-                    self.stats["triton_pointwise"] = False
+                    self.stats["triton_pointwise"] = self.spec.triton_pointwise
                     continue
                 if self.spec.fp32_scores and self.dtype != torch.float32 and self.device.type == "cuda":
                     self._fall_back("torch.compile of the step with float32 attention scores failed; retrying "

@@ -95,4 +95,4 @@ def add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
 
 @add_rms_norm_op.register_fake
 def _(x, residual, weight, eps):  # noqa: ANN001, ANN202
-    return torch.empty_like(x), torch.empty_like(x)
+    return x.new_empty(x.shape), x.new_empty(x.shape)  # contiguous, as add_rms_norm returns them

@@ -94,14 +94,19 @@ def chunks_for(vocab: int) -> int:
     return max(1, min(16, triton.cdiv(vocab, 4 * BLOCK_V)))
 
 
+def _chunking(vocab: int, chunks: int) -> tuple[int, int]:
+    """(entries a chunk, a whole number of blocks; chunks) for about ``chunks`` chunks of ``vocab``."""
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK_V) * BLOCK_V
+    return chunk, triton.cdiv(vocab, chunk)
+
+
 def partials(logits: torch.Tensor, key: torch.Tensor, step: torch.Tensor, seq: torch.Tensor,
              stop_mask: torch.Tensor | None,
              temperature: torch.Tensor, do_sample: torch.Tensor, min_new: torch.Tensor, chunks: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row and chunk: max, sum of exponentials, best noised logit and its index ([rows, chunks])."""
     rows, vocab = logits.shape
-    chunk = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK_V) * BLOCK_V
-    chunks = triton.cdiv(vocab, chunk)
+    chunk, chunks = _chunking(vocab, chunks)
     f32 = dict(dtype=torch.float32, device=logits.device)
     m, total, best = (torch.empty((rows, chunks), **f32) for _ in range(3))
     index = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
@@ -122,8 +127,7 @@ def sample_partials_op(logits: torch.Tensor, key: torch.Tensor, step: torch.Tens
 @sample_partials_op.register_fake
 def _(logits, key, step, seq, stop_mask, temperature, do_sample, min_new, chunks):  # noqa: ANN001, ANN202
     rows, vocab = logits.shape
-    chunk = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK_V) * BLOCK_V
-    shape = (rows, triton.cdiv(vocab, chunk))
+    shape = (rows, _chunking(vocab, chunks)[1])
     f32 = logits.new_empty(shape, dtype=torch.float32)
     return f32, torch.empty_like(f32), torch.empty_like(f32), logits.new_empty(shape, dtype=torch.int64)
 

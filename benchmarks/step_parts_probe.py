@@ -33,33 +33,10 @@ GEMMS = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HID
 
 
 def pointwise(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> None:
-    """SiLU-and-multiply and the residual add with the RMSNorm as hand-written Triton kernels at a
-    few settings, against inductor's (``torch.compile`` of the engine's functions), inputs cold."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def silu_mul(x_ptr, out_ptr, n, inter, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < n
-        row, col = i // inter, i % inter
-        g = tl.load(x_ptr + row * 2 * inter + col, mask=ok).to(tl.float32)
-        u = tl.load(x_ptr + row * 2 * inter + inter + col, mask=ok)
-        act = (g / (1.0 + tl.exp(-g))).to(u.dtype)
-        tl.store(out_ptr + i, (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=ok)
-
-    @triton.jit
-    def add_norm(x_ptr, r_ptr, w_ptr, x_out, h_out, eps, H: tl.constexpr, ROWS: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        c = tl.arange(0, H)
-        at = rows[:, None] * H + c[None, :]
-        x = (tl.load(x_ptr + at) + tl.load(r_ptr + at))
-        tl.store(x_out + at, x)
-        xf = x.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / H + eps)
-        h = (xf * inv[:, None]).to(x.dtype)
-        tl.store(h_out + at, tl.load(w_ptr + c)[None, :] * h)
-
+    """SiLU-and-multiply and the residual add with the RMSNorm: ``triton_pointwise.py``'s kernels
+    at a few settings, against inductor's (``torch.compile`` of the same eager functions), inputs
+    cold. (Run4's figures came from copies of the kernels in this file, before they moved there.)"""
+    from posttrain.rollout import triton_pointwise as tp
     from posttrain.rollout.decoder import rms_norm
 
     def residual_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,10 +47,15 @@ def pointwise(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) 
         g, u = gu.chunk(2, dim=-1)
         return F.silu(g) * u
 
+    def settings(**values: int) -> None:
+        for name, value in values.items():
+            setattr(tp, name, value)
+
+    defaults = dict(SILU_BLOCK=tp.SILU_BLOCK, SILU_WARPS=tp.SILU_WARPS, NORM_ROWS=tp.NORM_ROWS,
+                    NORM_WARPS=tp.NORM_WARPS)
     dev, dt = torch.device("cuda"), torch.bfloat16
     for rows in (int(r) for r in args.rows.split(",")):
         gus = [torch.randn(rows, 2 * INTER, device=dev, dtype=dt) for _ in range(LAYERS)]
-        outs = [torch.empty(rows, INTER, device=dev, dtype=dt) for _ in range(LAYERS)]
         compiled = torch.compile(silu_mul_eager, dynamic=True, fullgraph=True)
         want = silu_mul_eager(gus[0])
         emit({"part": "silu_mul", "rows": rows, "kernel": "inductor",
@@ -81,20 +63,13 @@ def pointwise(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) 
               "equal": (compiled(gus[0]) == want).float().mean().item()})
         for block in (512, 1024, 2048, 4096):
             for warps in (4, 8):
-                n = rows * INTER
-
-                def run(g: torch.Tensor, o: torch.Tensor, block: int = block, warps: int = warps) -> None:
-                    silu_mul[(triton.cdiv(n, block),)](g, o, n, INTER, BLOCK=block, num_warps=warps)
-
-                run(gus[0], outs[0])
+                settings(SILU_BLOCK=block, SILU_WARPS=warps)
                 emit({"part": "silu_mul", "rows": rows, "kernel": f"triton b{block} w{warps}",
-                      "us": round(graph_us([lambda g=g, o=o, f=run: f(g, o) for g, o in zip(gus, outs)]), 2),
-                      "equal": (outs[0] == want).float().mean().item()})
+                      "us": round(graph_us([lambda g=g: tp.silu_mul(g) for g in gus]), 2),
+                      "equal": (tp.silu_mul(gus[0]) == want).float().mean().item()})
         xs = [torch.randn(rows, HIDDEN, device=dev, dtype=dt) for _ in range(LAYERS)]
         rs = [torch.randn(rows, HIDDEN, device=dev, dtype=dt) for _ in range(LAYERS)]
         w = torch.randn(HIDDEN, device=dev, dtype=dt)
-        xo = [torch.empty_like(x) for x in xs]
-        ho = [torch.empty_like(x) for x in xs]
         compiled_norm = torch.compile(residual_norm, dynamic=True, fullgraph=True)
         want_x, want_h = residual_norm(xs[0], rs[0], w)
         emit({"part": "residual_norm", "rows": rows, "kernel": "inductor",
@@ -102,15 +77,13 @@ def pointwise(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) 
               "equal": (compiled_norm(xs[0], rs[0], w)[1] == want_h).float().mean().item()})
         for per in (1, 2, 4):
             for warps in (4, 8, 16):
-                def run_norm(x: torch.Tensor, r: torch.Tensor, a: torch.Tensor, b: torch.Tensor, per: int = per,
-                             warps: int = warps) -> None:
-                    add_norm[(triton.cdiv(rows, per),)](x, r, w, a, b, 1e-5, H=HIDDEN, ROWS=per, num_warps=warps)
-
-                run_norm(xs[0], rs[0], xo[0], ho[0])
+                settings(NORM_ROWS=per, NORM_WARPS=warps)
+                got_x, got_h = tp.add_rms_norm(xs[0], rs[0], w, 1e-5)
                 emit({"part": "residual_norm", "rows": rows, "kernel": f"triton rows{per} w{warps}",
-                      "us": round(graph_us([lambda x=x, r=r, a=a, b=b, f=run_norm: f(x, r, a, b)
-                                            for x, r, a, b in zip(xs, rs, xo, ho)]), 2),
-                      "equal": (ho[0] == want_h).float().mean().item(), "x_equal": bool(torch.equal(xo[0], want_x))})
+                      "us": round(graph_us([lambda x=x, r=r: tp.add_rms_norm(x, r, w, 1e-5) for x, r in zip(xs, rs)]),
+                                  2),
+                      "equal": (got_h == want_h).float().mean().item(), "x_equal": bool(torch.equal(got_x, want_x))})
+        settings(**defaults)
 
 
 def parts(args: argparse.Namespace) -> list[dict[str, Any]]:

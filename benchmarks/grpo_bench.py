@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--mixes", default="zero2-zero3,trl-zero2,trl-zero3")
     ap.add_argument("--generation-backend", choices=["posttrain", "hf"], default="posttrain")
+    ap.add_argument("--compile-layers", choices=["auto", "on", "off"], default="auto",
+                    help="posttrain's compile_layers (auto: its default, on a GPU where it applies)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--precision", choices=["bf16", "no"], default=None)
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     base = dict(workload=args.workload, shapes=harness.parse_shapes(args.workload, args.shape, []),
                 micro_batch=args.micro_batch, seq_len=args.seq_len, response_len=args.response_len,
                 num_generations=args.num_generations, beta=args.beta, warmup=args.warmup, steps=args.steps,
-                precision=precision, generation_backend=args.generation_backend, memory_at_rest=args.memory_at_rest)
+                precision=precision, generation_backend=args.generation_backend, memory_at_rest=args.memory_at_rest,
+                compile_layers={"auto": None, "on": True, "off": False}[args.compile_layers])
     command = shlex.join(["python", "benchmarks/grpo_bench.py", *argv])
     env = harness.environment()
     rows = []

@@ -56,7 +56,8 @@ def posttrain_trainer(spec: dict[str, Any], out: Path, common: dict[str, Any]) -
     config_cls, trainer_cls = (RLOOConfig, RLOOTrainer) if spec["workload"] == "rloo" else (GRPOConfig, GRPOTrainer)
     cfg = config_cls(model_name_or_path=str(_policy(spec)), max_prompt_length=spec["seq_len"],
                      generation_backend=spec.get("generation_backend") or "posttrain",
-                     reward_funcs=["benchmarks.grpo_e2e:length_reward"], **_settings(spec), **common)
+                     reward_funcs=["benchmarks.grpo_e2e:length_reward"], compile_layers=spec.get("compile_layers"),
+                     **_settings(spec), **common)
     return trainer_cls, dict(cfg=cfg, train_rows=_prompts(spec))
 
 

@@ -165,6 +165,8 @@ def run_one(spec: dict[str, Any], run_dir: Path, nproc: int, timeout: float, wor
         row["step_times"] = [{k: round(v, 5) for k, v in t.items()} for t in r0["step_times"]]  # rank 0's
         if r0.get("rollout"):
             row["rollout"] = r0["rollout"]
+        if r0.get("compiled_layers") is not None:  # the policy's layers trained compiled (posttrain's GRPO/RLOO)
+            row["compiled_layers"] = r0["compiled_layers"]
         if r0.get("engines"):  # DeepSpeed or the torch path, per trained role (the planner reads it)
             row["engines"] = r0["engines"]
         row.update(canary_verdict(ok))

@@ -526,6 +526,7 @@ def run(spec: dict[str, Any], out: Path, result: dict[str, Any]) -> None:
                   phase_s={k: statistics.median(s[k] for s in steps) for k in names},
                   tokens_per_step=(2 if spec["workload"] in PAIRED else 1) * spec["micro_batch"] * spec["seq_len"],
                   world_size=int(os.environ.get("WORLD_SIZE", "1")), rollout=rollout_stats(trainer),
+                  compiled_layers=getattr(trainer, "compiled_layers", None),
                   resting_allocated_gib=max(clock.resting[measured]) / 2**30)
     result.update(lower_quartiles(steps))
     result.update(canary(trainer, spec))

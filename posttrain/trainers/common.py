@@ -356,7 +356,8 @@ class Phases:
         _sync()
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase/{name}"):  # a profiler trace's phases
+                yield
         finally:
             _sync()
             self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - start

@@ -43,6 +43,7 @@ from ..lora import (
 from ..preference import check_conversation
 from ..reward_funcs import RewardWarnings
 from ..rollout.api import RolloutFields, check_rollout_fields, engine_options
+from . import compiled_layers
 from .common import (
     Phases,
     TrainConfig,
@@ -103,6 +104,8 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
     learning_rate: float = 1e-6
     disable_dropout: bool = False
     gradient_checkpointing: bool = True  # TRL's GRPO/RLOO default: activations recomputed in backward
+    compile_layers: bool | None = None  # the policy's decoder layers compiled for training (None: on a GPU where
+    # it applies, trainers/compiled_layers.py)
     # Generation
     num_generations: int = 8
     max_completion_length: int = 512
@@ -158,6 +161,8 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
              f"scale_rewards must be 'group', 'batch' or 'none'; got {self.scale_rewards!r}"),
             (self.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
              "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum'"),
+            (self.compile_layers in (None, True, False),
+             f"compile_layers must be true, false or null (on a GPU where it applies); got {self.compile_layers!r}"),
             (self.generation_backend in ("posttrain", "hf"),
              f"generation_backend must be 'posttrain' or 'hf'; got {self.generation_backend!r}"),
             (self.num_generations >= 2,
@@ -304,6 +309,9 @@ class GRPOTrainer(RewardSources, Trainer):
         frozen = (["reference"] if self.separate_reference else []) + self.reward_roles
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps,
                                         decoded=self.roles["decoded"])
+        self.compiled_layers = 0  # how many of the policy's layers train compiled (a metric)
+        self._compile = compiled_layers.wanted(cfg.compile_layers, s, "policy", self.peft_config is not None,
+                                               cfg.generation_backend)
         if self.separate_reference:  # taken before the policy trains or takes adapters
             reference = reference_source(cfg.ref_model_name_or_path, policy_given)
         torch.manual_seed(cfg.seed)
@@ -358,6 +366,8 @@ class GRPOTrainer(RewardSources, Trainer):
         # The policy's log-probs and entropies without float32 logits over the vocabulary (TRL does
         # the same); generation still calls the original forward.
         add_fused_lm_head(base, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
+        if self._compile:
+            self.compiled_layers = compiled_layers.compile_layers(base)
         return policy
 
     # -- one generation batch ------------------------------------------------------------------
@@ -411,8 +421,9 @@ class GRPOTrainer(RewardSources, Trainer):
         with self.phases("policy_forward"):
             old = None
             if self.needs_old_logps():
-                old, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
-                                          batch_size=bs, fused=True)
+                with compiled_layers.no_eager_fallback(bool(self.compiled_layers)):
+                    old, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
+                                              batch_size=bs, fused=True)
         with self.phases("score"):
             ref = None
             if self.separate_reference:
@@ -484,9 +495,10 @@ class GRPOTrainer(RewardSources, Trainer):
         """The policy's per-token log-probs and entropies of the batch's completions (with grad)."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-        return completion_logps(self.session.engines["policy"], input_ids, attention_mask,
-                                batch["completion_mask"].shape[1], self.cfg.temperature, compute_entropy=True,
-                                fused=True)
+        with compiled_layers.no_eager_fallback(bool(self.compiled_layers)):
+            return completion_logps(self.session.engines["policy"], input_ids, attention_mask,
+                                    batch["completion_mask"].shape[1], self.cfg.temperature, compute_entropy=True,
+                                    fused=True)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg, s = self.cfg, self.session
@@ -551,6 +563,7 @@ class GRPOTrainer(RewardSources, Trainer):
         row.update({k: rows[-1][k] for k in ("grad_norm", "learning_rate", "epoch")})
         row.update(window_mean([r["times"] for r in rows]))
         row.update(self.rollout.metrics())
+        row["train/compiled_layers"] = float(self.compiled_layers)
         return row
 
     def on_log(self, step: int) -> None:

@@ -28,6 +28,9 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 #   PART=8 bash benchmarks/run_h200_rollout.sh   (NOTES section 26: the Triton sampler, pointwise kernels and cuBLASLt
 #                                                 in the step beside section 25's default, the 1.1B log-prob gap,
 #                                                 GRPO against TRL, the 8B gap; ~9 minutes)
+#   PART=9 bash benchmarks/run_h200_rollout.sh   (NOTES section 27: GRPO against TRL with the policy's layers compiled
+#                                                 for training, TRL's row first, 2 warm-up + 6 timed steps; the 1.1B
+#                                                 step at the final kernels; ~6 minutes)
 # Results go to ${OUT:-benchmarks/results}/<date>-1xH200-rollout-next/ as each part finishes; every part is
 # bounded by `timeout`; PACK=file.tgz tars the results after each.
 set -u
@@ -96,4 +99,10 @@ timeout 200 python benchmarks/grpo_bench.py $G --mixes zero2-zero3,trl-zero2 --w
   --out "$RES/grpo_round" > "$RES/grpo_round.log" 2>&1; echo "grpo round rc=$?" >> "$RES/rc.txt"; pack
 timeout 130 python benchmarks/rollout_bench.py --shapes 8b --chunk 128 --prompts 16 --cases logprobs --shared-prompt off \
   --budget-s 120 --out "$RES/gap_8b.json" > "$RES/gap_8b.log" 2>&1; echo "8b gap rc=$?" >> "$RES/rc.txt"; pack
+fi
+if [ "${PART:-1}" = 9 ]; then
+timeout 330 python benchmarks/grpo_bench.py $G --mixes trl-zero2,zero2-zero3 --warmup 2 --steps 6 --timeout 160 \
+  --out "$RES/grpo_round" > "$RES/grpo_round.log" 2>&1; echo "grpo round rc=$?" >> "$RES/rc.txt"; pack
+timeout 150 python benchmarks/rollout_bench.py --shapes 1b --cases variants --budget-s 120 --out "$RES/variants_1b.json" \
+  --variants fused1_split1_triton > "$RES/variants_1b.log" 2>&1; echo "variants rc=$?" >> "$RES/rc.txt"; pack
 fi

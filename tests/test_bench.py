@@ -354,3 +354,20 @@ def test_rounds_pool_every_measured_step():
     # No frozen role (SFT, reward): pooled rounds still claim no difference.
     pooled = harness.pool_rounds([dict(row([1.0], 1.0), canary={}), dict(row([2.0], 1.0), canary={})])
     assert pooled["canary"] == {} and "canary_max_abs_diff" not in pooled
+
+
+def test_trace_phases_sums_each_phases_kernels():
+    """benchmarks/trace_phases.py: the kernels and copies launched inside each ``phase/`` mark."""
+    from benchmarks.trace_phases import phases
+
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [x("user_annotation", "phase/generate", 0, 100), x("user_annotation", "phase/train", 100, 50),
+                             x("user_annotation", "other", 0, 150), x("kernel", "gemm", 10, 20), x("kernel", "gemm", 40, 30),
+                             x("gpu_memcpy", "copy", 90, 5), x("kernel", "adam", 120, 10), x("cpu_op", "aten::mm", 10, 1),
+                             {"ph": "i", "name": "marker", "ts": 5}]}
+    got = phases(trace, top=1)
+    assert [(p["phase"], p["wall_ms"], p["device_ms"], p["launches"]) for p in got] == [
+        ("generate", 0.1, 0.055, 3), ("train", 0.05, 0.01, 1)]
+    assert got[0]["top"] == [{"name": "gemm", "count": 2, "ms": 0.05}]

@@ -51,9 +51,13 @@ def test_where_compiled_layers_cannot_run(tmp_path, monkeypatch, fields, sentenc
 
 
 def test_a_recompile_past_the_limit_raises():
-    """Outside the guard dynamo would run the function eagerly from its limit on (one warning)."""
+    """Outside the guard dynamo would run the function eagerly from its limit on (one warning); in
+    it the error names the setting that trains the layers eagerly."""
     double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
-    with torch._dynamo.config.patch(recompile_limit=1), compiled_layers.no_eager_fallback():
-        double(torch.ones(2))
-        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-            double(torch.ones(3))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with compiled_layers.no_eager_fallback():
+            double(torch.ones(2))
+        with pytest.raises(RuntimeError, match="set compile_layers: false to train them eagerly") as err:
+            with compiled_layers.no_eager_fallback():
+                double(torch.ones(3))
+    assert isinstance(err.value.__cause__, torch._dynamo.exc.FailOnRecompileLimitHit)

@@ -76,6 +76,15 @@ def compile_layers(model: torch.nn.Module) -> int:
 @contextmanager
 def no_eager_fallback(active: bool = True) -> Iterator[None]:
     """Past dynamo's recompile limit a compiled function runs eagerly from then on, after one
-    warning; in here (``active``) it raises. Every call of the compiled layers goes through it."""
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=active):
-        yield
+    warning; in here (``active``) it raises, as a failed compilation or a graph break does, naming
+    the setting that trains the layers eagerly. Every call of the compiled layers goes through it."""
+    from torch._dynamo import exc
+
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=active):
+            yield
+    except (exc.BackendCompilerFailed, exc.Unsupported, exc.FailOnRecompileLimitHit) as err:
+        if not active:
+            raise
+        raise RuntimeError(f"the policy's compiled decoder layers failed ({type(err).__name__}, above); set "
+                           "compile_layers: false to train them eagerly") from err

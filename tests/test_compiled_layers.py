@@ -61,3 +61,12 @@ def test_a_recompile_past_the_limit_raises():
             with compiled_layers.no_eager_fallback():
                 double(torch.ones(3))
     assert isinstance(err.value.__cause__, torch._dynamo.exc.FailOnRecompileLimitHit)
+
+
+def test_a_model_without_one_list_of_layers():
+    """Unset, such a model trains eagerly (the metric says 0 layers); asked for, one sentence."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert compiled_layers.compile_layers(model, required=False) == 0
+    with pytest.raises(ConfigError, match="^Sequential: compile_layers needs one list of identical decoder layers"):
+        compiled_layers.compile_layers(model)
+

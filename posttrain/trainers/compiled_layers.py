@@ -64,11 +64,17 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def compile_layers(model: torch.nn.Module) -> int:
-    """Compile ``model``'s decoder layers in place; returns how many."""
+def compile_layers(model: torch.nn.Module, required: bool = True) -> int:
+    """Compile ``model``'s decoder layers in place; returns how many (0 for a model without one list
+    of them, unless ``required``: compile_layers was asked for by name)."""
     from accelerate.utils import compile_regions_deepspeed
 
-    layers = decoder_layers(model)
+    try:
+        layers = decoder_layers(model)
+    except ConfigError:
+        if required:
+            raise
+        return 0
     compile_regions_deepspeed(layers, backend=BACKEND, fullgraph=True)
     return len(layers)
 

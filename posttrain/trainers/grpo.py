@@ -367,7 +367,7 @@ class GRPOTrainer(RewardSources, Trainer):
         # the same); generation still calls the original forward.
         add_fused_lm_head(base, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
         if self._compile:
-            self.compiled_layers = compiled_layers.compile_layers(base)
+            self.compiled_layers = compiled_layers.compile_layers(base, required=cfg.compile_layers is True)
         return policy
 
     # -- one generation batch ------------------------------------------------------------------

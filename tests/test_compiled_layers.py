@@ -69,4 +69,3 @@ def test_a_model_without_one_list_of_layers():
     assert compiled_layers.compile_layers(model, required=False) == 0
     with pytest.raises(ConfigError, match="^Sequential: compile_layers needs one list of identical decoder layers"):
         compiled_layers.compile_layers(model)
-

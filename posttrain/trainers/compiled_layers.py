@@ -54,11 +54,14 @@ def wanted(setting: bool | None, session: Any, role: str, adapters: bool, genera
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The repeated decoder layers of a transformers causal LM (or of a peft model's base)."""
+    """The repeated decoder layers of a transformers causal LM (or of a peft model's base), as
+    accelerate's regional compilation recognises repeated blocks."""
+    from accelerate.utils.other import is_repeated_blocks
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or len({type(m) for m in layers}) != 1:
+    if not is_repeated_blocks(layers):
         raise ConfigError(f"{type(base).__name__}: compile_layers needs one list of identical decoder layers "
                           "(model.model.layers); set compile_layers to false for this model")
     return layers
@@ -86,11 +89,12 @@ def no_eager_fallback(active: bool = True) -> Iterator[None]:
     the setting that trains the layers eagerly. Every call of the compiled layers goes through it."""
     from torch._dynamo import exc
 
+    if not active:  # the layers are not compiled: dynamo's settings stay the user's
+        yield
+        return
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=active):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             yield
     except (exc.BackendCompilerFailed, exc.Unsupported, exc.FailOnRecompileLimitHit) as err:
-        if not active:
-            raise
         raise RuntimeError(f"the policy's compiled decoder layers failed ({type(err).__name__}, above); set "
                            "compile_layers: false to train them eagerly") from err

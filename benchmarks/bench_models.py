@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain import memory
 from posttrain.demo import tiny
+from posttrain.planner import memory, shapes
 
 
 def model_dir(shape: str, dtype: torch.dtype, kind: str = "causal", vocab_size: int | None = None,
@@ -40,7 +40,7 @@ def model_dir(shape: str, dtype: torch.dtype, kind: str = "causal", vocab_size: 
             cfg = memory.model_config(shape, kind, vocab_size)
             cfg.eos_token_id, cfg.pad_token_id = tok.eos_token_id, tok.pad_token_id
             with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init is fast there
-                model = memory.model_class(kind).from_config(cfg, dtype=dtype)
+                model = shapes.model_class(kind).from_config(cfg, dtype=dtype)
             model.save_pretrained(str(path))
             del model
             if torch.cuda.is_available():  # the run's peak is the trainer's, not this

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.frozen import _units
+from posttrain.placement.frozen import _units
 
 # Above this max abs difference (nats, or score units) a placement's outputs are "wrong".
 # bf16: the copy and the engine run the same modules on the same rows, so they normally agree

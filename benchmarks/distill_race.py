@@ -45,8 +45,8 @@ def teacher_dir(shape: str, dtype: Any) -> Path:
     from filelock import FileLock
 
     from benchmarks.grpo_e2e import model_dir
-    from posttrain import memory
     from posttrain.demo import tiny
+    from posttrain.planner import memory, shapes
 
     student = model_dir(shape, dtype)
     path = student.with_name(student.name + "-teacher")
@@ -56,7 +56,7 @@ def teacher_dir(shape: str, dtype: Any) -> Path:
             cfg = memory.model_config(shape)
             cfg.eos_token_id = tiny.load_tokenizer().eos_token_id
             with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-                model = memory.model_class("causal").from_config(cfg, dtype=dtype)
+                model = shapes.model_class("causal").from_config(cfg, dtype=dtype)
             model.save_pretrained(str(path))
             del model
             tiny.load_tokenizer().save_pretrained(str(path))
@@ -97,7 +97,7 @@ def run_trl(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Pat
 
 def run_posttrain(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Path, stamps: Stamps,
                   engine: str, master_weights: str) -> dict[str, Any]:
-    from posttrain.session import Session
+    from posttrain.placement.session import Session
     from posttrain.trainers.distill import DistillConfig, DistillTrainer
 
     stamps.wrap_session(Session)  # the session is made inside train(): patched on the class

@@ -109,7 +109,7 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
 def planned(spec: dict[str, Any]) -> dict[str, float]:
     """The planner's per-GPU figures for posttrain's rows, auto (what it plans for DPO: the torch
     path), DeepSpeed (ds) and torch engines (gradient checkpointing on, as run)."""
-    from posttrain import memory
+    from posttrain.planner import memory
 
     plans = {(eng, mw): memory.plan("dpo", spec["shape"], "zero2-zero3", world_size=1, micro_batch=spec["pairs"],
                                     seq_len=spec["seq_len"], master_weights=mw, gradient_checkpointing=True,

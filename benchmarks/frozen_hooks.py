@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import LlamaConfig  # noqa: E402
 
-from posttrain import Role, Session  # noqa: E402
+from posttrain import Role, Session
 
 
 def main() -> None:

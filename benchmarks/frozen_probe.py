@@ -42,9 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from posttrain import memory  # noqa: E402
-from posttrain.roles import Role  # noqa: E402
-from posttrain.session import Session  # noqa: E402
+from posttrain.placement.roles import Role  # noqa: E402
+from posttrain.placement.session import Session  # noqa: E402
+from posttrain.planner import memory  # noqa: E402
 
 GiB = 2**30
 CUDA = torch.cuda.is_available()  # on CPU the probe runs too (a smoke test), without memory figures

@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from posttrain import Role, Session, memory  # noqa: E402
-from posttrain import frozen as fr  # noqa: E402
+from posttrain import Role, Session
+from posttrain.placement import frozen as fr
+from posttrain.planner import memory
 
 CURRENT = fr._Group.start
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from posttrain import memory  # noqa: E402
+from posttrain.planner import memory  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "workloads.py"
 ALL_MIXES = ["zero2-zero3", "zero3", "zero2-replicated", "zero2-zero3-offload", "trl-zero2", "trl-zero3",

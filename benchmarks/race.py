@@ -290,7 +290,7 @@ def render(out: Path) -> None:
 def main(race: Race, argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=race.doc.split("\n")[0])
-    ap.add_argument("--shape", default=race.shape, help="a preset of posttrain.memory.SHAPES; tiny: every knob's tiny default")
+    ap.add_argument("--shape", default=race.shape, help="a preset of posttrain.planner.memory.SHAPES; tiny: every knob's tiny default")
     ap.add_argument("--tiny", action="store_true", help="the same as --shape tiny")
     for name, (default, tiny, help_) in race.knobs.items():
         kind = type(default) if default is not None else type(tiny)

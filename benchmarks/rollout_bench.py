@@ -128,7 +128,7 @@ def load_baseline(path: str) -> Any:
 def build(shape: str, device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from posttrain.memory import model_config
+    from posttrain.planner.memory import model_config
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -392,7 +392,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     def prepared() -> None:
         from trl.trainer.utils import add_fused_lm_head
 
-        from posttrain.trainers.common import enable_gradient_checkpointing
+        from posttrain.models.setup import enable_gradient_checkpointing
 
         policy = holder["policy"] = build(shape, device, torch.bfloat16)  # its own copy: the others stay plain
         enable_gradient_checkpointing(policy)

@@ -184,7 +184,7 @@ RACE = race.Race(name="sft_race", doc=__doc__, script=__file__, sides=SIDES, run
                                                  "if installed)"),
                         "attn_posttrain": ("same", "same", "attention of posttrain's padding-free and packed rows: "
                                            "same (--attn), default (posttrain's own choice: varlen on CUDA) or a "
-                                           "name such as varlen (posttrain.varlen_attention)")})
+                                           "name such as varlen (posttrain.models.varlen_attention)")})
 
 if __name__ == "__main__":
     sys.exit(race.main(RACE))

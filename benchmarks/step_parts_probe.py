@@ -36,8 +36,8 @@ def pointwise(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) 
     """SiLU-and-multiply and the residual add with the RMSNorm: ``triton_pointwise.py``'s kernels
     at a few settings, against inductor's (``torch.compile`` of the same eager functions), inputs
     cold. (Run4's figures came from copies of the kernels in this file, before they moved there.)"""
-    from posttrain.rollout import triton_pointwise as tp
     from posttrain.rollout.decoder import rms_norm
+    from posttrain.rollout.kernels import pointwise as tp
 
     def residual_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + r

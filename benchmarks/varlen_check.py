@@ -26,7 +26,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from posttrain import varlen_attention as va
+    from posttrain.models import varlen_attention as va
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)

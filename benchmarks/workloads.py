@@ -42,8 +42,8 @@ from benchmarks import grpo_e2e  # noqa: E402
 from benchmarks.bench_models import completion_rows, model_dir, preference_rows, prompt_rows  # noqa: E402
 from benchmarks.harness import lower_quartiles  # noqa: E402
 from benchmarks.race import is_oom  # noqa: E402
-from posttrain import memory  # noqa: E402
 from posttrain.demo import tiny  # noqa: E402
+from posttrain.planner import memory, shapes  # noqa: E402
 
 GiB = 2**30
 # The single DeepSpeed config of TRL's baselines (trl.models.utils.prepare_deepspeed copies it to
@@ -266,7 +266,7 @@ def trl_placement(workload: str, mix: str) -> tuple[str, dict[str, Any]]:
     as a posttrain mix and role configs: stage 0 (a full copy per GPU) under ZeRO-2; under ZeRO-3
     the trained config itself, with DeepSpeed's gathering (the ``-stock`` mix) and its
     memory-efficient linear on (DeepSpeed's default, which posttrain turns off for frozen roles)."""
-    from posttrain import dsconfig
+    from posttrain.placement import dsconfig
 
     roles = memory.WORKLOADS[workload]
     train = TRL_CONFIGS[mix]
@@ -281,7 +281,7 @@ def trl_placement(workload: str, mix: str) -> tuple[str, dict[str, Any]]:
 
 def trl_settings(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     """TrainingArguments fields of every TRL run (the same batch, steps, rate and precision)."""
-    from posttrain import dsconfig
+    from posttrain.placement import dsconfig
 
     cpu = not torch.cuda.is_available()  # CPU tests: gloo, or every rank runs alone as rank 0 of 1
     if cpu:  # DeepSpeed's own group, before zero.Init sizes the ZeRO-3 partitions
@@ -328,7 +328,7 @@ def trl_dpo(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[ty
     policy = role_path(spec, "policy")
     args = DPOConfig(max_length=spec["seq_len"], **common)  # after the args: a ZeRO-3 reference loads partitioned
     ref = other_path(spec, "reference", "policy")
-    ref_model = memory.model_class("causal").from_pretrained(ref, dtype=torch.float32) if ref else None
+    ref_model = shapes.model_class("causal").from_pretrained(ref, dtype=torch.float32) if ref else None
     return DPOTrainer, dict(model=str(policy), ref_model=ref_model, args=args,
                             train_dataset=Dataset.from_list(preference_rows(rows_needed(spec), spec["seq_len"])),
                             processing_class=tiny.load_tokenizer(policy))
@@ -373,7 +373,7 @@ def trl_distill(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tupl
                      gradient_checkpointing=False, **common)
     # Loaded here, after the args (a ZeRO-3 config then partitions them), in TRL's default float32:
     # TRL's own loading from a path needs config.architectures, which not every local model records.
-    load = memory.model_class("causal").from_pretrained
+    load = shapes.model_class("causal").from_pretrained
     return GKDTrainer, dict(model=load(str(student), dtype=torch.float32),
                             teacher_model=load(str(role_path(spec, "teacher", seed=1)), dtype=torch.float32), args=args,
                             train_dataset=Dataset.from_list(rows), processing_class=tok)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
 from posttrain.demo import synthetic, tiny
+from posttrain.placement.ranks import mean_over_ranks
 from posttrain.scripts.args import demo_config, parse_config, run_script
-from posttrain.trainers.common import mean_over_ranks
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 
 

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(opts.output_dir)
     # Stages 2 and 3 are given their data by name, as a run on your own model must be (a model
     # without --dataset_name is refused): the tiny default's bundled pairs and prompts, as files.
+    from posttrain.data.preference import write_jsonl
     from posttrain.demo import synthetic
-    from posttrain.preference import write_jsonl
     from posttrain.scripts.data import PromptArguments, bundled_prompts
 
     pairs = write_jsonl(synthetic.preference_pairs(1024, seed=0) + synthetic.preference_pairs(256, seed=1),

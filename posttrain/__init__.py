@@ -2,7 +2,7 @@
 
 import os as _os
 
-from .cache import cache_dir, torch_extensions_dir
+from posttrain.run.cache import cache_dir, torch_extensions_dir
 
 
 def _default_accelerator() -> None:
@@ -26,9 +26,9 @@ import warnings as _warnings  # noqa: E402
 for _message in (r".*all_gather_into_tensor.* is deprecated", r".*is_gradient_checkpointing.* is deprecated"):
     _warnings.filterwarnings("ignore", message=_message, category=FutureWarning)
 
-from .dsconfig import ConfigError  # noqa: E402
-from .roles import DEFAULT_MIX, MIXES, Role, roles_for, roles_from_yaml  # noqa: E402
-from .session import Session  # noqa: E402
+from posttrain.errors import ConfigError  # noqa: E402
+from posttrain.placement.roles import DEFAULT_MIX, MIXES, Role, roles_for, roles_from_yaml  # noqa: E402
+from posttrain.placement.session import Session  # noqa: E402
 
 __all__ = ["ConfigError", "cache_dir", "DEFAULT_MIX", "MIXES", "Role", "Session", "roles_for", "roles_from_yaml"]
 __version__ = "0.1.0"

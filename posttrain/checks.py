@@ -11,7 +11,7 @@ import struct
 from collections.abc import Mapping
 from pathlib import Path
 
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 # Suffixes that make a name a file, never a hub id (a hub lookup of "prefs.jsonl" retries for 30 s).
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".safetensors", ".bin", ".pt", ".yaml", ".yml")
@@ -146,8 +146,8 @@ def check_resume_path(value: str | None, output_dir: str) -> None:
 def check_placement(mix: str, role_configs: Mapping | None) -> None:
     """The mix exists and every role config reads (a preset name or a JSON file); which roles a
     run has is checked by ``roles_for`` once the trainer knows them."""
-    from . import dsconfig
-    from .roles import check_mix
+    from posttrain.placement import dsconfig
+    from posttrain.placement.roles import check_mix
 
     check_mix(mix)
     if role_configs is None:

@@ -13,10 +13,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from . import memory
-from .dsconfig import ConfigError
-from .launch import accelerate_config_command
-from .roles import MIXES
+from posttrain.errors import ConfigError
+from posttrain.placement.launch import accelerate_config_command
+from posttrain.placement.roles import MIXES
+from posttrain.planner import memory
+from posttrain.planner import shapes as model_shapes
 
 
 def _bench(argv: list[str]) -> int:
@@ -57,7 +58,7 @@ def _plan_checked(argv: list[str]) -> int:
                     help="trained roles' optimizer precision: fp32 master weights and Adam states (16 bytes per "
                          "parameter, the default), bf16 (8, TRL's with a bf16 model), or both")
     ap.add_argument("--single-process-engine", "--single_process_engine", choices=["auto", "deepspeed", "torch"],
-                    default="auto", help="world size 1: trained roles without a DeepSpeed engine (posttrain.plain; "
+                    default="auto", help="world size 1: trained roles without a DeepSpeed engine (posttrain.placement.plain; "
                     "auto: for bf16 master weights, and for fp32 ones unless the workload decodes a trained role "
                     "(GRPO, RLOO, PPO), as the trainers' setting of that name)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
@@ -84,13 +85,13 @@ def _plan_checked(argv: list[str]) -> int:
     if args.response_len < 0 or args.gpu_memory <= 0:
         raise ConfigError("--response-len must be 0 or more and --gpu-memory (GiB per GPU) more than 0")
     names = memory.WORKLOADS[args.workload]
-    shape = memory.resolve_shape(args.shape)
+    shape = model_shapes.resolve_shape(args.shape)
     shapes = {}.fromkeys(names["trained"] + names["frozen"], shape)
     for item in args.role_shape:
         role, _, value = item.partition("=")
         if role not in shapes or not value:
             raise ConfigError(f"--role-shape {item!r}: expected ROLE=SHAPE with ROLE one of {', '.join(shapes)}")
-        shapes[role] = memory.resolve_shape(value, f"--role-shape {role}")
+        shapes[role] = model_shapes.resolve_shape(value, f"--role-shape {role}")
         if role == "reference" and args.use_peft:
             raise ConfigError("--use-peft has no reference role (the reference is the base with adapters disabled): "
                               "drop --role-shape reference=...")
@@ -133,7 +134,7 @@ TRAINERS = ("sft", "reward", "dpo", "ppo", "distill", "grpo", "rloo")
 
 
 def _trainer(name: str, argv: list[str]) -> int:
-    from .scripts.args import run_script
+    from posttrain.scripts.args import run_script
 
     module = f"posttrain.scripts.{name}"
     if importlib.util.find_spec(module) is None:

@@ -50,7 +50,7 @@ def _module_leaves_the_process_clean():
     from accelerate.state import AcceleratorState, GradientState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from posttrain.world import forget_destroyed_group
+    from posttrain.placement.world import forget_destroyed_group
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

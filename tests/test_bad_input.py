@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from posttrain import ConfigError, checks, cli, preference
+from posttrain import ConfigError, checks, cli
+from posttrain.data import preference
 from posttrain.demo import tiny
 from posttrain.trainers.dpo import LOSS_TYPES
 
@@ -230,7 +231,7 @@ def test_read_only_output_dir(tmp_path, capsys, monkeypatch):
 
 def test_make_session_checks_before_clearing(tmp_path):
     """The Python API: make_session resolves the placement before prepare_output_dir clears a run."""
-    from posttrain.trainers.common import TrainConfig, make_session
+    from posttrain.trainers.config import TrainConfig, make_session
 
     out = run_dir(tmp_path)
     with pytest.raises(ConfigError, match=r"^unknown mix 'zero2-zero4' \(did you mean zero2-zero3\?\)"):

@@ -12,14 +12,10 @@ import pytest
 from conftest import ROOT, run_json, torchrun
 from test_rewards import other_reward_model_path
 
-from posttrain.dsconfig import ConfigError
-from posttrain.trainers.common import (
-    TrainConfig,
-    latest_checkpoint,
-    prepare_output_dir,
-    resume_dir,
-    truncate_jsonl,
-)
+from posttrain.errors import ConfigError
+from posttrain.run.output_dir import latest_checkpoint, prepare_output_dir, resume_dir
+from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.run_log import truncate_jsonl
 
 COMPARED = ["objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "loss/value_avg",
             "policy/approxkl_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var"]

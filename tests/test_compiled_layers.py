@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_rollout_shared_prompt import small_grpo_config as cfg
 
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
+from posttrain.models import compiled_layers
 from posttrain.scripts.data import bundled_prompts
-from posttrain.trainers import compiled_layers
 from posttrain.trainers.grpo import GRPOTrainer
 
 
@@ -43,7 +43,7 @@ def test_grpo_trains_the_same_with_compiled_layers(tmp_path, monkeypatch):
 ])
 def test_where_compiled_layers_cannot_run(tmp_path, monkeypatch, fields, sentence):
     loaded = []
-    monkeypatch.setattr("posttrain.session.Session.load", lambda *a, **k: loaded.append(a) or 1 / 0)
+    monkeypatch.setattr("posttrain.placement.session.Session.load", lambda *a, **k: loaded.append(a) or 1 / 0)
     with pytest.raises(ConfigError) as err:
         GRPOTrainer(cfg(tmp_path, **fields), train_dataset=bundled_prompts(16))
     assert str(err.value) == sentence

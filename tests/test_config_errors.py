@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from posttrain import ConfigError, Role, Session, dsconfig, roles_for, roles_from_yaml
+from posttrain import ConfigError, Role, Session, roles_for, roles_from_yaml
 from posttrain.demo import tiny
+from posttrain.placement import dsconfig
 
 KW = dict(micro_batch_size=4, gradient_accumulation_steps=2, world_size=2, mixed_precision="no")
 
@@ -138,7 +139,7 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, capsys):
     doc = tmp_path / "pairs.json"
     doc.write_text('[{"prompt": "a",\n  "chosen": }]')
     with pytest.raises(ConfigError, match=r"pairs.json, line 2, column 13: not valid JSON"):
-        from posttrain.preference import load_dataset_source
+        from posttrain.data.preference import load_dataset_source
 
         load_dataset_source(str(doc))
 
@@ -168,7 +169,7 @@ def test_model_path_that_does_not_exist(tmp_path, capsys):
     assert _dpo_cli(tmp_path, "--model_name_or_path", missing) == 2
     assert _error(capsys) == (f"error: --model_name_or_path '{missing}' does not exist: {tmp_path} has no folder "
                               "'sft-model'; check the path")
-    from posttrain.session import check_model_path
+    from posttrain.placement.session import check_model_path
 
     with pytest.raises(ConfigError, match=r"'\./nowhere/model' does not exist: it is neither a local directory "
                                           r"nor a hub id \(owner/name\); check the path"):

@@ -9,7 +9,7 @@ import torch
 from conftest import run_json
 
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.trainers.distill import DistillConfig, DistillTrainer, check_vocabularies, generalized_jsd_loss
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -179,7 +179,7 @@ def test_eval_and_logging(runs):
 def test_local_files_and_formats(tmp_path):
     from datasets import Dataset
 
-    from posttrain.preference import load_dataset_source, prepare_preference_dataset, write_jsonl
+    from posttrain.data.preference import load_dataset_source, prepare_preference_dataset, write_jsonl
 
     tok = tiny.load_tokenizer()
     rows = synthetic.preference_pairs(6, seed=5)
@@ -201,7 +201,7 @@ def test_local_files_and_formats(tmp_path):
 
 @pytest.mark.parametrize("column,value", [("chosen", ""), ("rejected", None), ("prompt", "  ")])
 def test_empty_field_names_row_and_column(column, value):
-    from posttrain.preference import prepare_preference_dataset
+    from posttrain.data.preference import prepare_preference_dataset
 
     rows = synthetic.preference_pairs(5, seed=5)
     rows[3][column] = value
@@ -210,7 +210,7 @@ def test_empty_field_names_row_and_column(column, value):
 
 
 def test_empty_message_and_missing_column():
-    from posttrain.preference import prepare_preference_dataset
+    from posttrain.data.preference import prepare_preference_dataset
 
     rows = conversational(synthetic.preference_pairs(4, seed=5))
     rows[2]["rejected"] = [{"role": "assistant", "content": ""}]

@@ -1,4 +1,4 @@
-"""The fast frozen ZeRO-3 path (posttrain.frozen) on two CPU processes, fp32."""
+"""The fast frozen ZeRO-3 path (posttrain.placement.frozen) on two CPU processes, fp32."""
 
 import pytest
 from conftest import run_json
@@ -91,7 +91,7 @@ def test_rotary_frequencies_recomputed_after_zero_init(tmp_path):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_copy_plan_rebuilds_every_parameter(world):
-    """The copy-engine transport's plan (posttrain.frozen._fetch_plan), checked without GPUs: for
+    """The copy-engine transport's plan (posttrain.placement.frozen._fetch_plan), checked without GPUs: for
     each rank, parameters inside its slice are read from the slice, every other one from a buffer
     filled by the planned pieces of the other slices; all come out exact, and a rank copies of its
     own slice only the parts of parameters straddling its edges (and padding between them)."""
@@ -99,7 +99,7 @@ def test_copy_plan_rebuilds_every_parameter(world):
 
     import torch
 
-    from posttrain.frozen import _fetch_plan
+    from posttrain.placement.frozen import _fetch_plan
 
     rng = random.Random(world)
     align = 32

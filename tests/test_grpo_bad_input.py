@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from posttrain import rewards
-from posttrain.dsconfig import ConfigError
-from posttrain.reward_funcs import RewardFuncError, call_reward_funcs
+from posttrain.errors import ConfigError
+from posttrain.rewards import models as rewards
+from posttrain.rewards.functions import RewardFuncError, call_reward_funcs
 from posttrain.trainers.grpo import GRPOConfig
 from posttrain.trainers.rloo import RLOOConfig
 
@@ -193,7 +193,7 @@ def test_none_nan_and_numbers_are_rewards():
 def test_the_script_loads_nothing_and_keeps_the_output_dir(tmp_path, monkeypatch, capsys):
     """`posttrain grpo` with a reward spec that does not import and --overwrite_output_dir true
     (the demo's): exit 2, one sentence, no session (so no model) and the previous run intact."""
-    from posttrain import session
+    from posttrain.placement import session
     from posttrain.scripts import grpo
     from posttrain.scripts.args import run_script
 

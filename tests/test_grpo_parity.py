@@ -6,9 +6,9 @@ old and reference log-probs."""
 import pytest
 import torch
 
-from posttrain import rewards
 from posttrain.demo import tiny
-from posttrain.trainers.common import enable_gradient_checkpointing
+from posttrain.models.setup import enable_gradient_checkpointing
+from posttrain.rewards import models as rewards
 from posttrain.trainers.grpo import (
     LOSS_TYPES,
     GRPOConfig,
@@ -231,14 +231,14 @@ def test_prompt_ids_equal_trl_standard_and_conversational(trl):
     ({"generation_batch_size": 12}, "multiple of per_device_train_batch_size"),
 ])
 def test_bad_settings_name_the_fix(fields, message):
-    from posttrain.dsconfig import ConfigError
+    from posttrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         GRPOConfig(**{"per_device_train_batch_size": 8, "num_generations": 4, **fields})
 
 
 def test_rloo_settings():
-    from posttrain.dsconfig import ConfigError
+    from posttrain.errors import ConfigError
     from posttrain.trainers.rloo import RLOOConfig
 
     assert RLOOConfig(per_device_train_batch_size=8, num_generations=4).beta == 0.05  # TRL's RLOO default
@@ -250,7 +250,7 @@ def test_rloo_settings():
 
 def test_checkpoints_only_on_generation_boundaries(tmp_path):
     """A checkpoint holds no generation batch, so it must fall where a new one is sampled."""
-    from posttrain.dsconfig import ConfigError
+    from posttrain.errors import ConfigError
     from posttrain.scripts.data import bundled_prompts
     from posttrain.trainers.grpo import GRPOTrainer
 

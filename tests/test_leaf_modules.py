@@ -4,8 +4,8 @@ DeepSpeed 0.19 releases their gathered parameters while kernels may still read t
 import pytest
 import torch
 
-from posttrain import dsconfig
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
+from posttrain.placement import dsconfig
 
 
 def _resolve(cfg: dict) -> dict:

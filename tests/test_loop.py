@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.dsconfig import ConfigError
-from posttrain.jsonrows import read_rows
-from posttrain.trainers import common
-from posttrain.trainers.common import TrainConfig
+from posttrain.errors import ConfigError
+from posttrain.run import output_dir
+from posttrain.run.jsonrows import read_rows
+from posttrain.trainers import run_log
+from posttrain.trainers.config import TrainConfig
 from posttrain.trainers.loop import Trainer
 
 
@@ -67,7 +68,7 @@ class Counting(Trainer):
 
 @pytest.fixture(autouse=True)
 def no_model_card(monkeypatch):
-    monkeypatch.setattr(common, "write_model_card", lambda *a, **k: None)
+    monkeypatch.setattr(run_log, "write_model_card", lambda *a, **k: None)
 
 
 def test_logging_windows_evaluation_and_checkpoints(tmp_path):
@@ -79,7 +80,7 @@ def test_logging_windows_evaluation_and_checkpoints(tmp_path):
     assert [(h["step"], h["loss"], h["learning_rate"]) for h in train] == [(2, 1.5, 0.5), (4, 3.5, 0.25), (5, 5.0, 0.2)]
     assert [(h["step"], h["eval/loss"]) for h in history if "eval/loss" in h] == [(2, 2.0), (4, 4.0), (5, 5.0)]
     assert read_rows(tmp_path / "metrics.jsonl") == history
-    assert [p.name for p in common.checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    assert [p.name for p in output_dir.checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
     state = json.loads((tmp_path / "checkpoint-4" / "state" / "trainer_state.json").read_text())
     assert state == {"step": 4, "total_steps": 5, "seen": 40}
 
@@ -88,7 +89,7 @@ def test_resume_happens_once_in_train_and_continues_the_steps(tmp_path):
     Counting(TrainConfig(output_dir=str(tmp_path), save_steps=2, disable_tqdm=True), 3).train()
     (tmp_path / "checkpoint-3").rename(tmp_path / "gone")  # resume from checkpoint-2
     cfg = TrainConfig(output_dir=str(tmp_path), save_steps=2, resume_from_checkpoint="latest", disable_tqdm=True)
-    common.prepare_output_dir(cfg)
+    output_dir.prepare_output_dir(cfg)
     trainer = Counting(cfg, 4)
     assert trainer.start == 2 and trainer.session.loaded == []  # known before train(), loaded by it
     history = trainer.train()
@@ -112,7 +113,7 @@ def test_trainers_without_evaluation_refuse_eval_strategy(make):
 
 
 def test_no_trainer_carries_its_own_loop():
-    from posttrain import memory
+    from posttrain.planner import memory
     from posttrain.trainers.distill import DistillTrainer
     from posttrain.trainers.dpo import DPOTrainer
     from posttrain.trainers.grpo import GRPOTrainer

@@ -20,9 +20,9 @@ import torch
 from test_grpo_parity import TEMPERATURE, G, N, fixed_rollout, sparse_reward, token_reward
 
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
+from posttrain.run.save import save_trained_model
 from posttrain.scripts.data import bundled_prompts
-from posttrain.trainers.common import save_trained_model
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, reduce_loss_stats
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
@@ -198,7 +198,7 @@ def test_saved_adapter_and_merged_model_give_the_trained_logits(pair):
 
 def test_the_torch_path_trains_as_the_deepspeed_engine(tmp_path):
     """One process: the same two LoRA steps (loss, KL, gradient norm) on the torch path
-    (posttrain.plain) and through a DeepSpeed ZeRO-2 engine."""
+    (posttrain.placement.plain) and through a DeepSpeed ZeRO-2 engine."""
     rows = {}
     for engine in ("torch", "deepspeed"):
         cfg = GRPOConfig(output_dir=str(tmp_path / engine), use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,

@@ -9,8 +9,8 @@ import torch
 from conftest import run_json
 
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
-from posttrain.lora import lora_config
+from posttrain.errors import ConfigError
+from posttrain.models.lora import lora_config
 from posttrain.scripts.data import bundled_prompts
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain import cli, memory
+from posttrain import cli
+from posttrain.planner import memory, shapes
 
 RESULTS = sorted((Path(__file__).resolve().parent.parent / "benchmarks" / "results").glob("*/results.json"))
 GiB = memory.GiB
@@ -169,7 +170,7 @@ def test_master_weights_bf16_counts_8_bytes_per_parameter():
 
 
 def test_the_torch_path_is_planned_as_it_runs_on_one_h200():
-    """One process without a DeepSpeed engine (posttrain.plain; single_process_engine auto takes it
+    """One process without a DeepSpeed engine (posttrain.placement.plain; single_process_engine auto takes it
     for DPO at either precision): the parameters, gradients and two Adam states in the optimizer's
     precision, 16 or 8 bytes per parameter, no buckets. Against one H200's DPO 1.1B rows
     (results/2026-12-01-1xH200-one-process: 18.73 GiB with fp32 states, 10.58 with bf16) the
@@ -244,13 +245,13 @@ def test_lora_adapter_count_equals_peft(shape, kind, targets):
     from peft import get_peft_model
 
     from posttrain.demo import tiny
-    from posttrain.lora import LoraFields, lora_config
+    from posttrain.models.lora import LoraFields, lora_config
 
     spec = str(tiny.model_path()) if shape == "tiny-default" else shape
     r = 4 if shape == "tiny-default" else 16
     lora = memory.Lora(r, targets)
     fields = LoraFields(use_peft=True, lora_r=r, lora_target_modules=list(targets) if targets else None)
-    model = get_peft_model(memory.meta_model(spec, kind), lora_config(fields, "CAUSAL_LM" if kind == "causal" else "SEQ_CLS"))
+    model = get_peft_model(shapes.meta_model(spec, kind), lora_config(fields, "CAUSAL_LM" if kind == "causal" else "SEQ_CLS"))
     trainable, _ = model.get_nb_trainable_parameters()
     assert memory.adapter_params(spec, kind, lora) == trainable > 0
 

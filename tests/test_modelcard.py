@@ -10,8 +10,8 @@ from conftest import ROOT, torchrun
 from huggingface_hub import ModelCard
 from PIL import Image
 
-from posttrain import modelcard
 from posttrain.demo import tiny
+from posttrain.run import modelcard
 from posttrain.trainers.dpo import DPOConfig
 from posttrain.trainers.ppo import PPOConfig
 

@@ -7,7 +7,7 @@ import math
 import pytest
 from conftest import run_json
 
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task
 
 

@@ -15,12 +15,14 @@ import yaml
 from conftest import ROOT
 from test_checkpoints import fake_checkpoint, write_rows
 
-from posttrain import cli, launch
-from posttrain.dsconfig import ConfigError
-from posttrain.trainers.common import LOCK_FILE, TrainConfig, prepare_output_dir
+from posttrain import cli
+from posttrain.errors import ConfigError
+from posttrain.placement import launch
+from posttrain.run.output_dir import LOCK_FILE, prepare_output_dir
+from posttrain.trainers.config import TrainConfig
 
 HOLD = ("import sys, time\n"
-        "from posttrain.trainers.common import lock_output_dir\n"
+        "from posttrain.run.output_dir import lock_output_dir\n"
         "lock_output_dir(sys.argv[1])\n"
         "print('held', flush=True)\n"
         "time.sleep(600)\n")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain import cache
+from posttrain.run import cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted(p.stem for p in (ROOT / "posttrain" / "presets" / "deepspeed").glob("*.json"))
@@ -88,14 +88,14 @@ def test_wheel_ships_presets_and_data(installed):
             if p.is_file() and "__pycache__" not in p.parts}
     assert {"posttrain/demo/data/tiny_corpus.txt", "posttrain/demo/data/words.txt"} <= data
     assert data <= names, sorted(data - names)
-    assert "posttrain/modelcard_methods.yaml" in names  # each method's name, tags and paper for the model card
+    assert "posttrain/run/modelcard_methods.yaml" in names  # each method's name, tags and paper for the model card
 
 
 def test_installed_package_resolves_presets_and_caches_outside_site_packages(installed):
     user_cache = installed["tmp"] / "xdg"
     probe = (
         "import json, os, posttrain\n"
-        "from posttrain import dsconfig\n"
+        "from posttrain.placement import dsconfig\n"
         "from posttrain.demo import tiny\n"
         "try:\n"
         "    dsconfig.config_path('no_such_preset')\n"

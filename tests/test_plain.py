@@ -1,4 +1,4 @@
-"""One process without a DeepSpeed engine (posttrain.plain, single_process_engine): the same
+"""One process without a DeepSpeed engine (posttrain.placement.plain, single_process_engine): the same
 numbers as the DeepSpeed ZeRO-2 path in fp32 (DPO and GRPO, gradient accumulation, clipping),
 resume equal to an uninterrupted run, the record, which roles auto puts on it (the Session's rule
 and the planner's), and the setting's refusals."""
@@ -6,8 +6,8 @@ and the planner's), and the setting's refusals."""
 import pytest
 from conftest import run_json
 
-from posttrain import plain
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
+from posttrain.placement import plain
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 TOL = 1e-5
@@ -62,8 +62,8 @@ def test_auto_follows_each_trainers_declared_roles_and_the_planner_agrees(master
     make_session builds them) and what ``posttrain plan`` counts, at one process under auto: the
     torch path for DPO, SFT, reward and distillation at either precision; DeepSpeed for GRPO, RLOO
     and PPO with fp32 master weights (their rollouts decode the policy), torch with bf16 ones."""
-    from posttrain import memory
-    from posttrain.roles import roles_for
+    from posttrain.placement.roles import roles_for
+    from posttrain.planner import memory
     from posttrain.trainers.distill import DistillTrainer
     from posttrain.trainers.grpo import GRPOTrainer
     from posttrain.trainers.ppo import PPOTrainer
@@ -91,7 +91,7 @@ def test_auto_follows_each_trainers_declared_roles_and_the_planner_agrees(master
 
 
 def test_decoded_names_a_trained_role():
-    from posttrain.roles import roles_for
+    from posttrain.placement.roles import roles_for
 
     with pytest.raises(ConfigError, match=r"decoded role\(s\) \['teacher'\] are not trained roles"):
         roles_for(["student"], ["teacher"], decoded=["teacher"])

@@ -45,8 +45,8 @@ def test_metrics_and_phases(default_mix, tmp_path_factory):
 
 def test_reward_function_path(tmp_path):
     # Prompts from a local jsonl file, through `datasets`.
+    from posttrain.data.preference import write_jsonl
     from posttrain.demo import synthetic
-    from posttrain.preference import write_jsonl
 
     prompts = write_jsonl([{"prompt": p} for p in synthetic.prompts(64, seed=3)], tmp_path / "prompts.jsonl")
     hist = ppo(tmp_path, "funcs", reward_model_path="none", report_to=["tensorboard"], dataset_name=str(prompts),
@@ -76,7 +76,7 @@ def test_reward_and_value_vocabulary_mismatches_are_refused_before_loading(tmp_p
     tokenizer saved, another vocabulary size) and a value model of another vocabulary."""
     from test_rewards import other_reward_model_path
 
-    from posttrain.dsconfig import ConfigError
+    from posttrain.errors import ConfigError
     from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
     smaller, larger = (str(other_reward_model_path(tmp_path, n, with_tokenizer=False)) for n in (400, 700))

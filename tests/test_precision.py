@@ -5,9 +5,9 @@ path, parity of bf16 states with TRL's DPOTrainer on a bf16 model (benchmarks/dp
 import pytest
 from conftest import run_json
 
-from posttrain import dsconfig
-from posttrain.dsconfig import ConfigError
-from posttrain.roles import roles_for
+from posttrain.errors import ConfigError
+from posttrain.placement import dsconfig
+from posttrain.placement.roles import roles_for
 from posttrain.trainers.dpo import DPOConfig
 
 # Loss of posttrain's bf16 states against TRL's DPOTrainer on a bf16 model, 6 steps at lr 1e-3 on

@@ -16,11 +16,12 @@ import pytest
 import torch
 from test_grpo_parity import TEMPERATURE, G, N, fixed_rollout
 
-from posttrain import reward_funcs, rewards
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
-from posttrain.trainers.common import Phases
+from posttrain.errors import ConfigError
+from posttrain.rewards import functions as reward_funcs
+from posttrain.rewards import models as rewards
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.run_log import Phases
 
 SEEN: dict[str, list[dict]] = {"sync": [], "async": []}
 
@@ -202,7 +203,7 @@ def test_warnings_once_per_run_per_function(caplog):
     names = ["a", "b"]
     w = reward_funcs.RewardWarnings(names)
     nan, inf = math.nan, math.inf
-    with caplog.at_level(logging.WARNING, logger="posttrain.reward_funcs"):
+    with caplog.at_level(logging.WARNING, logger="posttrain.rewards.functions"):
         for _ in range(3):
             w.check(torch.tensor([[nan, 1.0], [nan, inf], [nan, nan], [nan, 2.0]]))
             w.check(torch.tensor([[nan, nan], [nan, nan]]))

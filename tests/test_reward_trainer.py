@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from posttrain.demo import synthetic, tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.trainers.reward import collator, prepare_reward_dataset, reward_loss
 
 

@@ -1,4 +1,4 @@
-"""posttrain.rewards on one process: reward functions (loading, errors, weights, TRL's calling
+"""posttrain.rewards.models on one process: reward functions (loading, errors, weights, TRL's calling
 convention) and how a reward model reads the policy's output (same vocabulary, its own tokenizer,
 or a mismatch refused with the fix)."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain import rewards
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
+from posttrain.rewards import models as rewards
 
 
 def other_tokenizer_path(cache: Path, vocab_size: int = 400) -> Path:

@@ -15,9 +15,9 @@ from test_grpo_parity import (
     token_reward,
 )
 
-from posttrain import rewards
 from posttrain.demo import tiny
-from posttrain.trainers.common import enable_gradient_checkpointing
+from posttrain.models.setup import enable_gradient_checkpointing
+from posttrain.rewards import models as rewards
 from posttrain.trainers.grpo import completion_logps, reduce_loss_stats
 from posttrain.trainers.rloo import RLOOConfig, rloo_advantages, rloo_loss
 

@@ -9,7 +9,7 @@ import torch
 from conftest import run_json
 
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.rollout import Rollout, SamplingParams, choose_tokens, filter_logits, unsupported_reason
 
 N = 10  # new tokens
@@ -153,7 +153,7 @@ def test_live_weights_and_moved_storage(tok, prompts):
 def test_planner_counts_the_engine():
     """posttrain plan: the engine keeps its KV cache (and graph pool, and a ZeRO-3 policy's copy)
     for the run; transformers' generate holds them only while it generates."""
-    from posttrain import memory
+    from posttrain.planner import memory
 
     size = memory.model_size("1b")
     kv = memory.kv_cache_bytes(size, 8, 512)
@@ -342,7 +342,7 @@ def prepared_policy(how: str, tok):
     frozen role (eval)."""
     from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
-    from posttrain.trainers.common import enable_gradient_checkpointing
+    from posttrain.models.setup import enable_gradient_checkpointing
 
     model = build("llama", tok)
     if how == "grpo":
@@ -689,7 +689,7 @@ def test_generation_fused_projections_is_a_config_field(models, tok, prompts):
     them where the engine copies (the planner in bf16: 2 bytes an element; this model is float32)."""
     from dataclasses import dataclass
 
-    from posttrain import memory
+    from posttrain.planner import memory
     from posttrain.rollout import RolloutFields, check_rollout_fields
     from posttrain.rollout.api import engine_options
 

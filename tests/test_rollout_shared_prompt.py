@@ -8,7 +8,7 @@ import torch
 from test_rollout import GROUPS, build, rollout, stopping
 
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.rollout.prompt_cache import SharedPrompts, default_prompt_slots
 
 
@@ -48,7 +48,7 @@ def test_a_group_holds_its_prompt_once_and_samples_what_copies_sample(kind, mode
     """Every row in a slot, rows of a group sharing one prompt slot: the samples and log-probs of
     the default engine (each row its own copy), one prefill per prompt, and the prompts' KV memory
     divided by the group's size (what ``posttrain plan`` counts; the planner in bf16)."""
-    from posttrain import memory
+    from posttrain.planner import memory
 
     model, (ids, mask) = models[kind], grouped
     copies, rc = run(model, tok, ids, mask)
@@ -224,7 +224,7 @@ def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
     """``RolloutFields.generation_shared_prompt_kv``: checked by its flag; GRPO passes its
     num_generations as the group size, and trains as it does without it; ``posttrain plan``
     counts the smaller cache."""
-    from posttrain import memory
+    from posttrain.planner import memory
     from posttrain.rollout.api import engine_options
     from posttrain.scripts.data import bundled_prompts
     from posttrain.trainers.grpo import GRPOTrainer

@@ -8,7 +8,7 @@ import torch
 from test_rollout import build, graph_breaking, rollout
 
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 
 def attention(q, keys, values, bias, scale):
@@ -27,7 +27,7 @@ def attention(q, keys, values, bias, scale):
     (8, 64, 200, 64, None, True),  # the kernel's own split count
 ])
 def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, block_n, splits, skip):
-    from posttrain.rollout.triton_decode import decode_attention
+    from posttrain.rollout.kernels.decode_attention import decode_attention
 
     torch.manual_seed(0)
     rows, kv_heads, cache_len = 5, 2, length + 24
@@ -57,7 +57,7 @@ def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits):
     """``new``: the step's keys and values go into the cache views at each row's column (clamped to
     the bucket's last), attended from registers (the stale cell, NaN here, is never read): what two
     ``index_copy_`` into the cache and then the kernel give, cache and output alike."""
-    from posttrain.rollout.triton_decode import decode_attention, decode_attention_shared
+    from posttrain.rollout.kernels.decode_attention import decode_attention, decode_attention_shared
 
     torch.manual_seed(2)
     rows, kv_heads, groups, d, length, cache_len = 5, 2, 2, 16, 40, 56
@@ -115,7 +115,7 @@ def shared_attention(q, keys, values, bias, pkeys, pvalues, pbias, members, plac
 ])
 def test_the_shared_prompt_kernels_compute_attention_over_both_parts(dtype, rows, slots, members, kv_heads, groups,
                                                                      head_dim, length, width, splits, prompt_splits):
-    from posttrain.rollout.triton_decode import decode_attention_shared
+    from posttrain.rollout.kernels.decode_attention import decode_attention_shared
 
     torch.manual_seed(1)
     q = torch.randn(rows, kv_heads, groups, head_dim, dtype=dtype)
@@ -153,7 +153,7 @@ def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, s
     opaque op), streamed through fewer slots with small buckets: the default engine's samples and
     log-probs, with no fallback. ``rotate`` False: the split layer's qkv half rotates q and k, not
     the kernel (the bench switch that located NOTES 25's log-prob gap)."""
-    from posttrain.rollout import triton_decode
+    from posttrain.rollout.kernels import decode_attention as triton_decode
 
     monkeypatch.setattr(triton_decode, "ROTATE", rotate)
     rotated_by_kernel = []
@@ -258,7 +258,7 @@ def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, mon
     layer, the step's eager launch raises (a kernel this GPU cannot build, say). The engine
     compiles the step with SDPA instead, samples what the default does, and the rollout says it is
     degraded (``triton_fallbacks``)."""
-    from posttrain.rollout import triton_decode
+    from posttrain.rollout.kernels import decode_attention as triton_decode
 
     model = build("llama", tok)
     enc = tok(["the cat sat on the", "a"], return_tensors="pt", padding=True, padding_side="left")
@@ -292,7 +292,7 @@ def test_the_kernels_layout_and_where_they_are_the_default():
     CPU."""
     from types import SimpleNamespace
 
-    from posttrain.rollout import triton_decode
+    from posttrain.rollout.kernels import decode_attention as triton_decode
     from posttrain.rollout.switches import triton_by_default
 
     cuda = torch.device("cuda")
@@ -341,7 +341,7 @@ def test_the_kernel_rotates_the_query_and_the_new_key_as_the_forward_does(dtype,
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from posttrain.rollout import decoder
-    from posttrain.rollout.triton_decode import decode_attention, decode_attention_shared
+    from posttrain.rollout.kernels.decode_attention import decode_attention, decode_attention_shared
 
     torch.manual_seed(5)
     rows, kv_heads, groups, d, length = 5, 2, 2, 16, 40

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.rollout import decoder, triton_pointwise
+from posttrain.rollout import decoder
+from posttrain.rollout.kernels import pointwise as triton_pointwise
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

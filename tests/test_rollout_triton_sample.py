@@ -6,7 +6,7 @@ logical shifts (the noise hash's bits are the 64-bit one's)."""
 import pytest
 import torch
 
-from posttrain.rollout import triton_sample
+from posttrain.rollout.kernels import sample as triton_sample
 from posttrain.rollout.sampling import choose_tokens
 
 

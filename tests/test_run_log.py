@@ -13,11 +13,12 @@ from types import SimpleNamespace
 
 from conftest import ROOT
 
-from posttrain import modelcard
-from posttrain.jsonrows import dumps_row, loads_row, read_rows
+from posttrain.run import modelcard
+from posttrain.run.jsonrows import dumps_row, loads_row, read_rows
 from posttrain.scripts import grpo as grpo_script
 from posttrain.scripts import ppo as ppo_script
-from posttrain.trainers.common import RunLog, TrainConfig
+from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.run_log import RunLog
 
 
 def strict(line: str) -> dict:
@@ -112,7 +113,7 @@ def test_the_interrupt_line_names_the_checkpoint(tmp_path):
 
 
 def test_sigterm_gives_the_line_once_and_130(tmp_path, capsys):
-    from posttrain import interrupt
+    from posttrain.run import interrupt
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     saved_hook = sys.unraisablehook

@@ -93,7 +93,7 @@ def rows(n):
 
 
 def test_held_out_split_and_the_no_eval_message(tmp_path, capsys):
-    from posttrain.preference import write_jsonl
+    from posttrain.data.preference import write_jsonl
 
     path = str(write_jsonl(rows(40), tmp_path / "pairs.jsonl"))
     script = ScriptArguments(dataset_name=path)
@@ -179,7 +179,7 @@ def test_online_scripts_take_trls_script_arguments(tmp_path):
     """`posttrain grpo|rloo|ppo` parse TRL's ScriptArguments beside the trainer's config: a YAML's
     dataset_name and split go there (the configs have no dataset settings), the script loads the
     prompts (other columns kept, for reward functions) or, with no dataset, its bundled ones."""
-    from posttrain.preference import write_jsonl
+    from posttrain.data.preference import write_jsonl
     from posttrain.scripts.data import BUNDLED_PROMPTS, PromptArguments, bundled_prompts, load_prompts
     from posttrain.trainers.grpo import GRPOConfig
     from posttrain.trainers.rloo import RLOOConfig

@@ -4,9 +4,9 @@ test) for every dataset format and mask option, packed and padding-free; bad dat
 import pytest
 import torch
 
-from posttrain import sft_data
+from posttrain.data import sft as sft_data
 from posttrain.demo import synthetic, tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.trainers.sft import SFTConfig, add_fused_head, token_terms
 
 ROWS = 12
@@ -383,7 +383,7 @@ def test_config_errors(fields, message):
 def test_tokenizer_fields(config, tmp_path):
     """SFT's and reward's chat_template_path and eos_token (trainers/model_setup.py): a template that is
     not a Jinja file is refused with the config, an EOS token outside the vocabulary when it is set."""
-    from posttrain.trainers.model_setup import set_tokens
+    from posttrain.models.setup import set_tokens
     from posttrain.trainers.reward import RewardConfig
 
     config_cls = {"sft": SFTConfig, "reward": RewardConfig}[config]

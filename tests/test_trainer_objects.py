@@ -11,7 +11,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from posttrain.demo import synthetic, tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.scripts.data import bundled_prompts
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 

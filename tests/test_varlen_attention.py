@@ -1,4 +1,4 @@
-"""posttrain's "varlen" attention (posttrain/varlen_attention.py): on CPU its per-document path gives
+"""posttrain's "varlen" attention (posttrain/models/varlen_attention.py): on CPU its per-document path gives
 sdpa's loss and gradients on the block mask (fp32, padding-free rows of mixed lengths) and a padded
 batch's; the kernel call adapts to torch 2.10/2.11/2.12 signatures; SFT picks it for padding-free
 rows on CUDA only."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain import sft_data
-from posttrain import varlen_attention as va
+from posttrain.data import sft as sft_data
 from posttrain.demo import tiny
+from posttrain.models import varlen_attention as va
 from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
 LENGTHS = [5, 17, 3, 30, 11, 1]

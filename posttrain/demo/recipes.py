@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import corpus
-from .tiny import (
+from posttrain.demo import corpus
+from posttrain.demo.tiny import (
     REWARD_STEPS,
     SFT_STEPS,
     TINY_SHAPE,
@@ -40,7 +40,7 @@ RECIPE = dict(learning_rate=3e-3, weight_decay=0.01, lr_scheduler_type="linear",
 def sft_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = SFT_STEPS, **overrides):
     """posttrain's SFTTrainer on the bundled corpus (each line ends with eos), from a randomly
     initialised model saved in ``workdir``: the SFT policy's training, set up but not yet run."""
-    from ..trainers.sft import SFTConfig, SFTTrainer
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
     init = workdir / "init"
     _save(_init_model("causal", seed, tok_dir, **overrides), init, tok_dir)
@@ -52,8 +52,8 @@ def sft_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = SFT_STE
 def reward_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = REWARD_STEPS):
     """posttrain's RewardTrainer (Bradley-Terry) on bundled synthetic preference pairs, one pass,
     from a randomly initialised classifier saved in ``workdir``: set up but not yet run."""
-    from ..trainers.reward import RewardConfig, RewardTrainer
-    from . import synthetic
+    from posttrain.demo import synthetic
+    from posttrain.trainers.reward import RewardConfig, RewardTrainer
 
     init = workdir / "init"
     _save(_init_model("reward", seed, tok_dir), init, tok_dir)
@@ -82,7 +82,7 @@ def _all_threads() -> Iterator[None]:
 
 def first_batch(trainer) -> dict:
     """The first micro-batch a recipe's trainer trains on (its data order, one process)."""
-    from ..trainers.loop import collated_batches
+    from posttrain.trainers.loop import collated_batches
 
     return next(collated_batches(trainer, 0))
 
@@ -92,8 +92,8 @@ def final_loss(model, trainer) -> float:
     token-mean NLL, the reward model's Bradley-Terry loss)."""
     import torch
 
-    from ..trainers.reward import RewardTrainer, reward_loss
-    from ..trainers.sft import model_inputs
+    from posttrain.trainers.reward import RewardTrainer, reward_loss
+    from posttrain.trainers.sft import model_inputs
 
     batch = first_batch(trainer)
     model.eval()

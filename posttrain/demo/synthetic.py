@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from . import words
+from posttrain.demo import words
 
 
 def _words() -> dict[str, list[str]]:

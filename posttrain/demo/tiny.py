@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import cache
-from . import DATA, corpus
+from posttrain.demo import DATA, corpus
+from posttrain.run import cache
 
 ASSETS = DATA / "tiny"  # the prebuilt default assets, named as their cached builds would be
 SPECIAL = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -39,7 +39,7 @@ SFT_STEPS, REWARD_STEPS = 300, 200  # the defaults' recipe (each step a batch of
 
 
 def cache_dir() -> Path:
-    """Where the tiny default is built: posttrain's cache (``posttrain.cache.cache_dir``), never site-packages."""
+    """Where the tiny default is built: posttrain's cache (``posttrain.run.cache.cache_dir``), never site-packages."""
     return cache.cache_dir()
 
 

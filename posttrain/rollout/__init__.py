@@ -21,20 +21,20 @@ One idea per module:
 - ``api``: ``Rollout``, what the trainers call.
 """
 
-from .adapters import LORA_MODES
-from .api import BACKENDS, Rollout, RolloutFields, check_rollout_fields
-from .decoder import SUPPORTED_MODEL_TYPES, unsupported_reason
-from .engine import COMPILE_MODES, DecodeEngine
-from .sampling import (
-                       RolloutOutput,
-                       SamplingParams,
-                       choose_tokens,
-                       filter_logits,
-                       finish,
-                       gumbel_noise,
-                       token_logprobs,
+from posttrain.rollout.adapters import LORA_MODES
+from posttrain.rollout.api import BACKENDS, Rollout, RolloutFields, check_rollout_fields
+from posttrain.rollout.decoder import SUPPORTED_MODEL_TYPES, unsupported_reason
+from posttrain.rollout.engine import COMPILE_MODES, DecodeEngine
+from posttrain.rollout.sampling import (
+    RolloutOutput,
+    SamplingParams,
+    choose_tokens,
+    filter_logits,
+    finish,
+    gumbel_noise,
+    token_logprobs,
 )
-from .shadow import ShadowModel
+from posttrain.rollout.shadow import ShadowModel
 
 __all__ = ["BACKENDS", "COMPILE_MODES", "LORA_MODES", "SUPPORTED_MODEL_TYPES", "DecodeEngine", "Rollout",
            "RolloutFields", "RolloutOutput", "SamplingParams", "ShadowModel", "check_rollout_fields",

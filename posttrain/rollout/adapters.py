@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 LORA_MODES = ("merged", "live", "grouped")
 

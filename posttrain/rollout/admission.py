@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import decoder
-from .engine import DecodeEngine
-from .sampling import choose_tokens
+from posttrain.rollout import decoder
+from posttrain.rollout.engine import DecodeEngine
+from posttrain.rollout.sampling import choose_tokens
 
 
 @torch.no_grad()

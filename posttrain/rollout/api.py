@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dsconfig import ConfigError
-from . import adapters, scheduler
-from .decoder import unsupported_reason
-from .engine import DecodeEngine
-from .hf import generation_model, hf_generate
-from .sampling import RolloutOutput, SamplingParams, finish
-from .shadow import ShadowModel
+from posttrain.errors import ConfigError
+from posttrain.rollout import adapters, scheduler
+from posttrain.rollout.decoder import unsupported_reason
+from posttrain.rollout.engine import DecodeEngine
+from posttrain.rollout.hf import generation_model, hf_generate
+from posttrain.rollout.sampling import RolloutOutput, SamplingParams, finish
+from posttrain.rollout.shadow import ShadowModel
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ BACKENDS = ("posttrain", "hf")
 
 @dataclass
 class RolloutFields:
-    """The engine's settings for a trainer's config (a mixin, as ``posttrain.lora.LoraFields``);
+    """The engine's settings for a trainer's config (a mixin, as ``posttrain.models.lora.LoraFields``);
     the trainer passes ``generation_kv_slots`` as :class:`Rollout`'s ``kv_slots``."""
 
     # The KV budget in sequences: the engine's cache holds this many sequences of prompt +

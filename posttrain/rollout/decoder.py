@@ -133,7 +133,7 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None =
     shadow's copies); default the plain parameters. A projection ``name`` gives keys ``name``,
     ``name + "b"`` (its bias) and ``name + "_lora"`` (LoRA terms, mode "live")."""
     if src is None:
-        from .adapters import Adapters
+        from posttrain.rollout.adapters import Adapters
 
         src = Adapters(model)
     base = model.model

@@ -59,13 +59,13 @@ from typing import Any
 
 import torch
 
-from ..dsconfig import ConfigError
-from . import decoder, step
-from .adapters import Adapters
-from .decoder import DecoderSpec
-from .prompt_cache import SharedPrompts, bucket_sizes, default_prompt_slots
-from .sampling import SamplingParams
-from .switches import ATTENTION_NAMES, attention_spec, env_choice, env_flag, preferred_blas
+from posttrain.errors import ConfigError
+from posttrain.rollout import decoder, step
+from posttrain.rollout.adapters import Adapters
+from posttrain.rollout.decoder import DecoderSpec
+from posttrain.rollout.prompt_cache import SharedPrompts, bucket_sizes, default_prompt_slots
+from posttrain.rollout.sampling import SamplingParams
+from posttrain.rollout.switches import ATTENTION_NAMES, attention_spec, env_choice, env_flag, preferred_blas
 
 logger = logging.getLogger(__name__)
 
@@ -409,7 +409,7 @@ class DecodeEngine:
                                       prompt)
                 continue
             if spec.triton_decode:  # the kernel rotates q and k and writes k and v into the cache as it attends
-                from . import triton_decode  # imported (Triton present) when triton_decode was chosen
+                from posttrain.rollout.kernels import decode_attention as triton_decode
 
                 rotate = triton_decode.ROTATE
                 q, k, v = self._qkv_fn(spec, lw, h, cos, sin, not rotate)
@@ -437,7 +437,7 @@ class DecodeEngine:
         where the sampling has no top-k or top-p (``triton_sample.ENABLED`` off: never)."""
         if not self.spec.triton_decode or self.top_k or self.use_top_p:
             return False
-        from . import triton_sample  # imported (Triton present) when triton_decode was chosen
+        from posttrain.rollout.kernels import sample as triton_sample
 
         return triton_sample.ENABLED
 

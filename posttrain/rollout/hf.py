@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .sampling import GumbelSampling, SamplingParams, token_logprobs
+from posttrain.rollout.sampling import GumbelSampling, SamplingParams, token_logprobs
 
 
 @contextmanager
@@ -30,7 +30,7 @@ def generation_model(session: Any, role: str, bare: nn.Module | None, zero3: boo
     s = session
     with s.activate(role):
         if zero3 and (role in s.fast_frozen or not gather):
-            # posttrain.frozen or DeepSpeed's hooks gather layer by layer on every forward.
+            # posttrain.placement.frozen or DeepSpeed's hooks gather layer by layer on every forward.
             yield s.engines[role].module, s.num_processes > 1
         elif zero3:
             from trl.models.utils import unwrap_model_for_generation

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from .decoder import DecoderSpec
+from posttrain.rollout.decoder import DecoderSpec
 
 
 def default_prompt_slots(slots: int, group_size: int) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor
 
-from ..dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 
 @dataclass

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from . import admission
-from .engine import Clock, DecodeEngine
+from posttrain.rollout import admission
+from posttrain.rollout.engine import Clock, DecodeEngine
 
 
 def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key: int,

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from . import decoder
-from .decoder import DecoderSpec
-from .sampling import choose_tokens
+from posttrain.rollout import decoder
+from posttrain.rollout.decoder import DecoderSpec
+from posttrain.rollout.sampling import choose_tokens
 
 
 def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: Any, head_lora: Any,
@@ -22,7 +22,7 @@ def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: An
     mask), else ``sampling.choose_tokens``."""
     logits = decoder.head(spec, {"head": head, "head_bias": head_bias, "head_lora": head_lora}, h, normed=True)
     if kernel:
-        from . import triton_sample  # imported (Triton present) by the engine that chose the kernel
+        from posttrain.rollout.kernels import sample as triton_sample
 
         return triton_sample.choose_tokens(logits, step, key, seq, temperature, do_sample, min_new, stop_mask)
     return choose_tokens(logits, step, key, seq=seq, temperature=temperature, do_sample=do_sample, top_k=top_k,

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..dsconfig import ConfigError
-from .decoder import DecoderSpec
+from posttrain.errors import ConfigError
+from posttrain.rollout.decoder import DecoderSpec
 
 
 def env_choice(name: str, value: bool | None) -> bool | None:
@@ -60,7 +60,15 @@ def require_triton(device: torch.device) -> None:
         raise ConfigError(f"triton_decode runs on CUDA, not {device.type}: unset POSTTRAIN_ROLLOUT_TRITON (or set "
                           "TRITON_INTERPRET=1 to run the kernel in Triton's interpreter)")
     try:
-        from . import triton_decode, triton_pointwise, triton_sample  # noqa: F401 - register their ops
+        from posttrain.rollout.kernels import (
+            decode_attention as triton_decode,  # noqa: F401
+        )
+        from posttrain.rollout.kernels import (
+            pointwise as triton_pointwise,  # noqa: F401
+        )
+        from posttrain.rollout.kernels import (
+            sample as triton_sample,  # noqa: F401
+        )
     except ImportError as err:
         raise ConfigError(f"triton_decode needs Triton ({err}): install the triton that matches your torch, or "
                           "unset POSTTRAIN_ROLLOUT_TRITON") from err
@@ -75,7 +83,7 @@ def triton_by_default(device: torch.device, spec: DecoderSpec) -> bool:
     if device.type != "cuda" or d & (d - 1) or not 16 <= d <= 256:
         return False
     try:
-        from . import triton_decode  # noqa: F401
+        from posttrain.rollout.kernels import decode_attention as triton_decode  # noqa: F401
     except ImportError:
         return False
     return True
@@ -94,7 +102,7 @@ def attention_spec(spec: DecoderSpec, device: torch.device, fp32_scores: bool | 
     choice = env_choice("POSTTRAIN_ROLLOUT_TRITON", triton_decode)
     if choice or (choice is None and triton_by_default(device, spec)):
         require_triton(device)
-        from . import triton_pointwise
+        from posttrain.rollout.kernels import pointwise as triton_pointwise
 
         spec = dataclasses.replace(spec, triton_decode=True, triton_pointwise=triton_pointwise.ENABLED)
     return spec

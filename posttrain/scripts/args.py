@@ -26,9 +26,9 @@ from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 from typing import Any
 
-from .. import checks
-from ..dsconfig import ConfigError
-from ..launch import check_launch
+from posttrain import checks
+from posttrain.errors import ConfigError
+from posttrain.placement.launch import check_launch
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
@@ -168,7 +168,7 @@ def record_script_arguments(output_dir: str | os.PathLike, *arguments: Any) -> N
     """Add the script's own dataclasses (TRL's ScriptArguments, the data's arguments: what the run
     trained on) to the trainer's ``posttrain_config.json``, under "script_arguments". The trainer
     writes that file when training starts; a script calls this after it ends (main process)."""
-    from ..trainers.output_dir import SETTINGS_FILE
+    from posttrain.run.output_dir import SETTINGS_FILE
 
     path = Path(output_dir) / SETTINGS_FILE
     settings = json.loads(path.read_text()) if path.exists() else {}
@@ -232,8 +232,8 @@ def require_dataset(outputs: Sequence[Any], model_fields: Sequence[str] = ("mode
 def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | None = None) -> int:
     """Run a script's ``main``: bad settings or data end it with their one sentence and exit status
     2, not a traceback (:func:`report_error`); Ctrl-C with one line saying how to resume and status
-    130 (``posttrain.interrupt``)."""
-    from .. import interrupt
+    130 (``posttrain.run.interrupt``)."""
+    from posttrain.run import interrupt
 
     interrupt.install()
     try:
@@ -267,11 +267,11 @@ def report_error(err: Exception) -> int:
     rank = int(os.environ.get("RANK", "0"))
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        # After an error the ranks are not in step: no exit barrier (posttrain.session's atexit one).
+        # After an error the ranks are not in step: no exit barrier (posttrain.placement.session's atexit one).
         torch.distributed.destroy_process_group()
     if rank != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # The launcher stops this rank with a signal once rank 0 has failed: a plain, silent end
-        # (posttrain.interrupt's handler would turn it into an interrupt report and a traceback).
+        # (posttrain.run.interrupt's handler would turn it into an interrupt report and a traceback).
         import signal
 
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -10,11 +10,11 @@ from typing import Any, TypeVar
 
 from trl import ScriptArguments
 
-from ..demo import synthetic
-from ..dsconfig import ConfigError
-from ..preference import load_dataset_source
-from ..trainers.common import TrainConfig
-from .args import note
+from posttrain.data.preference import load_dataset_source
+from posttrain.demo import synthetic
+from posttrain.errors import ConfigError
+from posttrain.scripts.args import note
+from posttrain.trainers.config import TrainConfig
 
 Trainer = TypeVar("Trainer")
 
@@ -51,7 +51,7 @@ def load_train_eval(script: ScriptArguments, test_split_size: float, cfg: TrainC
 
 def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
     """``eval_strategy: epoch`` as a number of optimizer steps (one pass over ``rows`` training rows)."""
-    from ..trainers.common import world_size
+    from posttrain.placement.ranks import world_size
 
     world = world_size()
     return max(1, rows // (cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps))
@@ -110,7 +110,7 @@ def load_prompts(script: ScriptArguments, num_prompts: int, seed: int, algorithm
     ``dataset_train_split`` (a hub name, a local json/jsonl/parquet/csv file or a saved dataset
     folder), its rows checked under the dataset's name before any model loads, or without a
     dataset ``num_prompts`` bundled prompts drawn with the run's seed."""
-    from ..trainers.online import check_prompt_rows
+    from posttrain.data.prompts import check_prompt_rows
 
     if script.dataset_name is None:
         return bundled_prompts(num_prompts, seed), BUNDLED_PROMPTS

@@ -19,15 +19,21 @@ from typing import Any
 
 from trl import ScriptArguments
 
-from ..demo import tiny
-from ..dsconfig import ConfigError
-from ..modelcard import write_model_card
-from ..trainers.distill import DistillConfig, DistillTrainer
-from ..trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
-from .args import demo_config, parse_config, record_script_arguments, require_dataset, run_script
-from .data import eval_steps_per_epoch, load_train_eval
-from .hub import push_to_hub
-from .ppo import saved_as
+from posttrain.demo import tiny
+from posttrain.errors import ConfigError
+from posttrain.run.modelcard import write_model_card
+from posttrain.scripts.args import (
+    demo_config,
+    parse_config,
+    record_script_arguments,
+    require_dataset,
+    run_script,
+)
+from posttrain.scripts.data import eval_steps_per_epoch, load_train_eval
+from posttrain.scripts.hub import push_to_hub
+from posttrain.scripts.ppo import saved_as
+from posttrain.trainers.distill import DistillConfig, DistillTrainer
+from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 
 
 @dataclass

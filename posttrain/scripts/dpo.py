@@ -9,11 +9,11 @@ TRL's DPOConfig defaults apply, as in ``trl dpo``; ``--config FILE`` gives setti
 
 from __future__ import annotations
 
-from .. import preference
-from ..trainers.dpo import DPOConfig, DPOTrainer
-from .args import run_script
-from .rows import PairArguments as DataArguments
-from .rows import run
+from posttrain.data import preference
+from posttrain.scripts.args import run_script
+from posttrain.scripts.rows import PairArguments as DataArguments
+from posttrain.scripts.rows import run
+from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,11 +18,17 @@ from pathlib import Path
 
 from trl import ScriptArguments
 
-from ..modelcard import write_model_card
-from ..trainers.grpo import GRPOConfig, GRPOTrainer
-from .args import demo_config, parse_config, record_script_arguments, require_dataset, run_script
-from .data import PromptArguments, load_prompts
-from .hub import push_to_hub
+from posttrain.run.modelcard import write_model_card
+from posttrain.scripts.args import (
+    demo_config,
+    parse_config,
+    record_script_arguments,
+    require_dataset,
+    run_script,
+)
+from posttrain.scripts.data import PromptArguments, load_prompts
+from posttrain.scripts.hub import push_to_hub
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..trainers.common import LOCK_FILE, TrainConfig
+from posttrain.run.output_dir import LOCK_FILE
+from posttrain.trainers.config import TrainConfig
 
 # What the run's output dir adds beside the model: the model card and learning curves, when written.
 RUN_FILES = ["README.md", "*.png"]

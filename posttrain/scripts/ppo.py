@@ -16,12 +16,18 @@ from pathlib import Path
 
 from trl import ScriptArguments
 
-from ..lora import LoraFields
-from ..modelcard import write_model_card
-from ..trainers.ppo import PPOConfig, PPOTrainer
-from .args import demo_config, parse_config, record_script_arguments, require_dataset, run_script
-from .data import PromptArguments, load_prompts
-from .hub import push_to_hub
+from posttrain.models.lora import LoraFields
+from posttrain.run.modelcard import write_model_card
+from posttrain.scripts.args import (
+    demo_config,
+    parse_config,
+    record_script_arguments,
+    require_dataset,
+    run_script,
+)
+from posttrain.scripts.data import PromptArguments, load_prompts
+from posttrain.scripts.hub import push_to_hub
+from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
 
 def summarize(history: list[dict], cfg: PPOConfig) -> dict:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import preference
-from ..trainers.reward import RewardConfig, RewardTrainer
-from .args import run_script
-from .rows import PairArguments, run
+from posttrain.data import preference
+from posttrain.scripts.args import run_script
+from posttrain.scripts.rows import PairArguments, run
+from posttrain.trainers.reward import RewardConfig, RewardTrainer
 
 
 @dataclass

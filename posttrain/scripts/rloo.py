@@ -9,9 +9,9 @@ With no model it runs on the built-in tiny default under the demo settings
 
 from __future__ import annotations
 
-from ..trainers.rloo import RLOOConfig, RLOOTrainer
-from .args import run_script
-from .grpo import run
+from posttrain.scripts.args import run_script
+from posttrain.scripts.grpo import run
+from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,10 +16,10 @@ from typing import Any, ClassVar
 
 from trl import ScriptArguments
 
-from ..modelcard import write_model_card
-from .args import demo_config, parse_config, record_script_arguments, require_dataset
-from .data import bundled_pairs, trainer_on_data
-from .hub import push_to_hub
+from posttrain.run.modelcard import write_model_card
+from posttrain.scripts.args import demo_config, parse_config, record_script_arguments, require_dataset
+from posttrain.scripts.data import bundled_pairs, trainer_on_data
+from posttrain.scripts.hub import push_to_hub
 
 
 @dataclass

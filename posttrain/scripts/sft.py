@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..demo import tiny
-from ..trainers.sft import SFTConfig, SFTTrainer
-from .args import run_script
-from .rows import run
+from posttrain.demo import tiny
+from posttrain.scripts.args import run_script
+from posttrain.scripts.rows import run
+from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
 
 @dataclass

@@ -24,27 +24,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..demo import tiny
-from ..dsconfig import ConfigError
-from ..lora import LoraFields, add_adapters, lora_config
-from .common import (
-    Phases,
-    TrainConfig,
-    distinct_objects,
-    given_once,
-    make_session,
-    mix_seed,
-    model_config,
-    one_tokenizer,
-    optimizer_and_scheduler,
-    policy_source,
-    rank_batches,
-    seed_everything,
-    sum_over_ranks,
-    world_size,
-)
-from .loop import Trainer
-from .online import left_pad
+from posttrain.data.order import mix_seed, rank_batches, seed_everything
+from posttrain.data.prompts import left_pad
+from posttrain.demo import tiny
+from posttrain.errors import ConfigError
+from posttrain.models.lora import LoraFields, add_adapters, lora_config
+from posttrain.models.setup import distinct_objects, given_once, model_config, one_tokenizer, policy_source
+from posttrain.placement.ranks import sum_over_ranks, world_size
+from posttrain.trainers.config import TrainConfig, make_session, optimizer_and_scheduler
+from posttrain.trainers.loop import Trainer
+from posttrain.trainers.run_log import Phases
 
 
 @dataclass
@@ -246,7 +235,7 @@ class DistillTrainer(Trainer):
         """Sample completions from ``role``'s model with posttrain.rollout (``generation_backend``),
         each cut after its first end-of-sequence token. Collective for a ZeRO-3 model (gathered
         once per rollout, or in lock-step with ``generate``)."""
-        from ..rollout import Rollout, SamplingParams
+        from posttrain.rollout import Rollout, SamplingParams
 
         s, tok, cfg = self.session, self.tokenizer, self.cfg
         if role not in self.rollouts:

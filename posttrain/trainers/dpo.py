@@ -15,20 +15,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import preference
-from ..dsconfig import ConfigError
-from ..lora import LoraFields, adapters_disabled, lora_config
-from .common import (
-    Phases,
-    TrainConfig,
-    make_session,
-    reference_source,
-    seed_everything,
-    steps_for_rows,
-    sum_over_ranks,
-)
-from .loop import Trainer, collated_batches
-from .model_setup import ModelFields, model_and_tokenizer, prepare_trained
+from posttrain.data import preference
+from posttrain.data.order import seed_everything
+from posttrain.errors import ConfigError
+from posttrain.models.lora import LoraFields, adapters_disabled, lora_config
+from posttrain.models.setup import ModelFields, model_and_tokenizer, prepare_trained, reference_source
+from posttrain.placement.ranks import sum_over_ranks
+from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
+from posttrain.trainers.loop import Trainer, collated_batches
+from posttrain.trainers.run_log import Phases
 
 # Every loss_type trl.DPOTrainer 1.16 accepts; none needs a model besides policy and reference.
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",

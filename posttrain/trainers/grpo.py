@@ -4,7 +4,7 @@ Roles: ``policy`` trains (ZeRO-2 by default); ``reference`` is frozen (ZeRO-3 by
 not exist at all when ``beta == 0`` or with LoRA (``use_peft``/``peft_config``: only the policy's
 adapters train and the reference is its base with the adapters disabled, as in TRL); every
 sequence-classification reward model is a frozen role of its own (``reward``, ``reward_1``, ...,
-``grpo_rewards.py``). Completions come from ``posttrain.rollout.Rollout`` (``generation_backend``:
+``posttrain/rewards/sources.py``). Completions come from ``posttrain.rollout.Rollout`` (``generation_backend``:
 the fast ``posttrain`` engine or Hugging Face ``generate``).
 
 The math follows TRL 1.16 line by line (``_generate_and_score_completions`` and ``_compute_loss``):
@@ -31,8 +31,12 @@ from typing import Any
 
 import torch
 
-from ..dsconfig import ConfigError
-from ..lora import (
+from posttrain.data.order import epoch_order, mix_seed, seed_everything
+from posttrain.data.preference import check_conversation
+from posttrain.data.prompts import left_pad, prompt_rows, tokenize_prompt
+from posttrain.errors import ConfigError
+from posttrain.models import compiled_layers
+from posttrain.models.lora import (
     LoraFields,
     adapters_disabled,
     add_adapters,
@@ -40,46 +44,24 @@ from ..lora import (
     lora_config,
     zero3_adapters,
 )
-from ..preference import check_conversation
-from ..reward_funcs import RewardWarnings
-from ..rollout.api import RolloutFields, check_rollout_fields, engine_options
-from . import compiled_layers
-from .common import (
-    Phases,
-    TrainConfig,
-    enable_gradient_checkpointing,
-    epoch_order,
-    gather_ranks,
-    given_once,
-    make_session,
-    mean_over_ranks,
-    mix_seed,
-    optimizer_and_scheduler,
-    policy_source,
-    reference_source,
-    seed_everything,
-    sum_over_ranks,
-    world_size,
-)
-from .grpo_loss import (
+from posttrain.models.setup import enable_gradient_checkpointing, given_once, policy_source, reference_source
+from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ranks, world_size
+from posttrain.rewards.functions import RewardWarnings
+from posttrain.rewards.sources import RewardSources
+from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
+from posttrain.trainers.config import TrainConfig, make_session, optimizer_and_scheduler
+from posttrain.trainers.grpo_loss import (
     LOSS_TYPES,
     average_generation_metrics,
     completion_metrics,
     group_advantages,
     grpo_loss,
     high_entropy_mask,
+    reduce_loss_stats,
 )
-from .grpo_loss import reduce_loss_stats as reduce_loss_stats
-from .grpo_rewards import RewardSources
-from .loop import Trainer, window_mean
-from .online import (
-    completion_logps,
-    left_pad,
-    prompt_rows,
-    tokenize_prompt,
-    truncated_rows,
-    write_samples,
-)
+from posttrain.trainers.loop import Trainer, window_mean
+from posttrain.trainers.online import completion_logps, truncated_rows, write_samples
+from posttrain.trainers.run_log import Phases
 
 
 @dataclass
@@ -89,7 +71,7 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
     # Models: hub names or local paths. None: the built-in tiny default.
     model_name_or_path: str | None = None
     ref_model_name_or_path: str | None = None  # default: the policy's; only with beta > 0
-    # Rewards, in TRL's spellings (posttrain.reward_funcs): one of TRL's built-in reward functions by
+    # Rewards, in TRL's spellings (posttrain.rewards.functions): one of TRL's built-in reward functions by
     # name (accuracy_reward, think_format_reward, ...), a Python reference "module.function" (or
     # "module:function"; the current directory is importable), or a path/hub id of a
     # sequence-classification reward model (a frozen role). None: the bundled sentiment reward on
@@ -255,7 +237,7 @@ class GRPOTrainer(RewardSources, Trainer):
     def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None,
                  peft_config: Any = None, *, model: Any = None, processing_class: Any = None,
                  train_dataset: Any = None, reward_processing_classes: Any = None) -> None:
-        from ..rollout import Rollout, SamplingParams
+        from posttrain.rollout import Rollout, SamplingParams
 
         self.cfg = cfg
         # LoRA (TRL's peft_config, or the use_peft flags): only the adapters train, and the

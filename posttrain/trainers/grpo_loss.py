@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from ..reward_funcs import weighted_sum
-from .online import weighted_rewards
+from posttrain.rewards.functions import weighted_rewards, weighted_sum
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 _CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style min(r A, clip(r) A)

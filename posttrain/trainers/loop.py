@@ -12,15 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .common import (
-    RunLog,
-    TrainConfig,
-    mean_over_ranks,
-    rank_batches,
-    resume_dir,
-    save_checkpoint,
-    save_trained_model,
-)
+from posttrain.data.order import rank_batches
+from posttrain.placement.ranks import mean_over_ranks
+from posttrain.run.output_dir import resume_dir, save_checkpoint
+from posttrain.run.save import save_trained_model
+from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.run_log import RunLog
 
 # Values a logged row takes from the window's last step rather than averaging (TRL logs the
 # latest rate, epoch and gradient norm at a logging step).
@@ -149,7 +146,7 @@ class Trainer:
 
 def collated_batches(trainer: Any, start_micro: int) -> Iterator[dict]:
     """This process's micro-batches of ``trainer.train_rows`` in the data order of
-    :func:`common.rank_batches`, from micro-batch ``start_micro`` on, collated by ``trainer.collate``
+    :func:`~posttrain.data.order.rank_batches`, from micro-batch ``start_micro`` on, collated by ``trainer.collate``
     (DPO, SFT, reward)."""
     cfg, s = trainer.cfg, trainer.session
     for idx in rank_batches(len(trainer.train_rows), cfg.per_device_train_batch_size, cfg.seed,
@@ -169,7 +166,7 @@ def eval_shards(session: Any, n: int, batch_size: int) -> Iterator[list[int]]:
 
 class RowsTrainer(Trainer):
     """A trainer whose step is one optimizer step over prepared rows (SFT, reward): the data order
-    of :func:`common.rank_batches`, the micro-batches collated by ``self.collate``, and a running
+    of :func:`~posttrain.data.order.rank_batches`, the micro-batches collated by ``self.collate``, and a running
     ``num_tokens`` kept in checkpoints. A subclass sets ``train_rows``, ``eval_rows``, ``collate``,
     ``phases`` and ``num_tokens`` and supplies ``optimizer_step(micro_batches)``."""
 

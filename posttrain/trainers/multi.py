@@ -18,19 +18,13 @@ from typing import Any
 
 import torch
 
-from ..dsconfig import ConfigError
-from .common import (
-    Phases,
-    TrainConfig,
-    make_session,
-    mean_over_ranks,
-    optimizer_and_scheduler,
-    rank_batches,
-    save_trained_model,
-    seed_everything,
-    world_size,
-)
-from .loop import Trainer, window_mean
+from posttrain.data.order import rank_batches, seed_everything
+from posttrain.errors import ConfigError
+from posttrain.placement.ranks import mean_over_ranks, world_size
+from posttrain.run.save import save_trained_model
+from posttrain.trainers.config import TrainConfig, make_session, optimizer_and_scheduler
+from posttrain.trainers.loop import Trainer, window_mean
+from posttrain.trainers.run_log import Phases
 
 
 def model_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -28,30 +28,20 @@ from typing import Any
 
 import torch
 
-from .. import rewards
-from ..demo import tiny
-from ..dsconfig import ConfigError
-from ..lora import LoraFields, adapters_disabled, add_adapters, lora_config
-from ..preference import check_conversation
-from ..rollout.api import RolloutFields, check_rollout_fields, engine_options
-from .common import (
-    Phases,
-    TrainConfig,
-    distinct_objects,
-    gather_ranks,
-    given_once,
-    make_session,
-    mix_seed,
-    model_config,
-    optimizer_and_scheduler,
-    policy_source,
-    rank_batches,
-    reference_source,
-    seed_everything,
-    world_size,
-)
-from .loop import Trainer
-from .online import policy_text, position_ids, prompt_rows, write_samples
+from posttrain.data.order import mix_seed, rank_batches, seed_everything
+from posttrain.data.preference import check_conversation
+from posttrain.data.prompts import policy_text, prompt_rows
+from posttrain.demo import tiny
+from posttrain.errors import ConfigError
+from posttrain.models.lora import LoraFields, adapters_disabled, add_adapters, lora_config
+from posttrain.models.setup import distinct_objects, given_once, model_config, policy_source, reference_source
+from posttrain.placement.ranks import gather_ranks, world_size
+from posttrain.rewards import models as rewards
+from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
+from posttrain.trainers.config import TrainConfig, make_session, optimizer_and_scheduler
+from posttrain.trainers.loop import Trainer
+from posttrain.trainers.online import position_ids, write_samples
+from posttrain.trainers.run_log import Phases
 
 INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a response
 
@@ -375,7 +365,7 @@ class PPOTrainer(Trainer):
         policy is gathered once per rollout (``ds3_gather_for_generation``), or generates with its
         hooks and synced ranks. Responses are never cut here: the stop token is applied afterwards
         (TRL's truncate_response), so every row gets the full response length."""
-        from ..rollout import Rollout, SamplingParams
+        from posttrain.rollout import Rollout, SamplingParams
 
         cfg, pad = self.cfg, self.tokenizer.pad_token_id
         if self.rollout_engine is None:

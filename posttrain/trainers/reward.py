@@ -1,7 +1,7 @@
 """Reward modelling on the role layer: a sequence classifier (one logit) trained as the ``reward``
 role under its own plugin, with ``trl.RewardTrainer``'s (TRL 1.16) data handling and loss.
 
-Pairs are read and checked as DPO's are (posttrain/preference.py: standard or conversational,
+Pairs are read and checked as DPO's are (posttrain/data/preference.py: standard or conversational,
 explicit or implicit prompt); each side is the whole prompt+completion sequence, which is exactly
 the concatenation of DPO's prompt and completion ids. The loss is Bradley-Terry,
 ``-logsigmoid(r_chosen - r_rejected - margin)``, plus ``center_rewards_coefficient * mean((r_c + r_r)^2)``.
@@ -19,12 +19,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import preference
-from ..dsconfig import ConfigError
-from ..lora import LoraFields, lora_config
-from .common import Phases, TrainConfig, gather_ranks, make_session, seed_everything, steps_for_rows
-from .loop import RowsTrainer, eval_shards
-from .model_setup import ModelFields, TokenizerFields, model_and_tokenizer, prepare_trained, set_tokens
+from posttrain.data import preference
+from posttrain.data.order import seed_everything
+from posttrain.errors import ConfigError
+from posttrain.models.lora import LoraFields, lora_config
+from posttrain.models.setup import (
+    ModelFields,
+    TokenizerFields,
+    model_and_tokenizer,
+    prepare_trained,
+    set_tokens,
+)
+from posttrain.placement.ranks import gather_ranks
+from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
+from posttrain.trainers.loop import RowsTrainer, eval_shards
+from posttrain.trainers.run_log import Phases
 
 ROLE = "reward"
 

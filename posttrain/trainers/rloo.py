@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..dsconfig import ConfigError
-from .grpo import GRPOConfig, GRPOTrainer
-from .online import weighted_rewards
+from posttrain.errors import ConfigError
+from posttrain.rewards.functions import weighted_rewards
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 
 @dataclass

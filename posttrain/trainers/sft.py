@@ -1,6 +1,6 @@
 """Supervised fine-tuning on the role layer: one trained role (``policy``) under its own plugin.
 
-Data preparation (posttrain/sft_data.py) and the loss follow ``trl.SFTTrainer`` (TRL 1.16): the
+Data preparation (posttrain/data/sft.py) and the loss follow ``trl.SFTTrainer`` (TRL 1.16): the
 "nll" loss is the summed token NLL of a whole optimizer step (every accumulation micro-batch on
 every process) over that step's count of trained tokens, TRL's ``num_items_in_batch`` with
 ``average_tokens_across_devices``; "dft" weights each token's NLL by its (detached) probability.
@@ -17,13 +17,23 @@ from typing import Any
 
 import torch
 
-from .. import sft_data, varlen_attention
-from ..demo import tiny
-from ..dsconfig import ConfigError
-from ..lora import LoraFields, lora_config
-from .common import Phases, TrainConfig, make_session, seed_everything, steps_for_rows, sum_over_ranks
-from .loop import RowsTrainer, eval_shards
-from .model_setup import ModelFields, TokenizerFields, model_and_tokenizer, prepare_trained, set_tokens
+from posttrain.data import sft as sft_data
+from posttrain.data.order import seed_everything
+from posttrain.demo import tiny
+from posttrain.errors import ConfigError
+from posttrain.models import varlen_attention
+from posttrain.models.lora import LoraFields, lora_config
+from posttrain.models.setup import (
+    ModelFields,
+    TokenizerFields,
+    model_and_tokenizer,
+    prepare_trained,
+    set_tokens,
+)
+from posttrain.placement.ranks import sum_over_ranks
+from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
+from posttrain.trainers.loop import RowsTrainer, eval_shards
+from posttrain.trainers.run_log import Phases
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 LOSS_TYPES = ("nll", "dft")

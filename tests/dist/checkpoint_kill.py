@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from ppo_run import prompts as ppo_prompts
 
-from posttrain import rewards
-from posttrain.dsconfig import ConfigError
-from posttrain.preference import write_jsonl
+from posttrain.rewards import models as rewards
+from posttrain.errors import ConfigError
+from posttrain.data.preference import write_jsonl
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer, gather_ranks
 
 BASE = dict(learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=8, num_mini_batches=2,

@@ -10,9 +10,9 @@ import torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 from test_dpo import CASES, conversational, parity_rows  # noqa: E402
 
-from posttrain import preference  # noqa: E402
+from posttrain.data import preference
 from posttrain.demo import tiny
-from posttrain.trainers.dpo import DPOConfig, DPOTrainer  # noqa: E402
+from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 
 def run_case(trainer: DPOTrainer, batch: dict) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from posttrain import session as session_module
+from posttrain.placement import session as session_module
 from posttrain.demo import synthetic, tiny
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 

@@ -7,7 +7,7 @@ import torch
 
 from posttrain import Role, Session
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 
 def batch(tok, device):

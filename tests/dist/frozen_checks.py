@@ -1,4 +1,4 @@
-"""Two-process checks of posttrain.frozen (the fast frozen ZeRO-3 forward); rank 0 writes JSON for
+"""Two-process checks of posttrain.placement.frozen (the fast frozen ZeRO-3 forward); rank 0 writes JSON for
 tests/test_frozen.py. fp32 on CPU, so outputs must agree to float rounding."""
 
 import json
@@ -9,7 +9,7 @@ import torch
 
 from posttrain import Role, Session
 from posttrain.demo import tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -86,7 +86,7 @@ def main(out: str, tmp: str) -> None:
     import torch.distributed as dist
     from accelerate.utils import gather_object
 
-    from posttrain.reward_funcs import RewardFuncError
+    from posttrain.rewards.functions import RewardFuncError
 
     def judge_down_on_rank_1(completions, **_):
         if dist.get_rank() == 1:

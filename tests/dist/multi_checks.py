@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from posttrain import dsconfig
+from posttrain.placement import dsconfig
 from posttrain.demo import synthetic, tiny
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 

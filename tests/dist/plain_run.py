@@ -1,4 +1,4 @@
-"""One process: trained roles without a DeepSpeed engine (posttrain.plain) against the DeepSpeed
+"""One process: trained roles without a DeepSpeed engine (posttrain.placement.plain) against the DeepSpeed
 ZeRO-2 path, in fp32 with gradient accumulation and clipping that engages (DPO and GRPO on the
 tiny default; DPO's torch side and GRPO's DeepSpeed side are what single_process_engine auto
 picks at fp32 master weights); checkpoint + resume on the torch path; resuming across the two engines refused;
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from posttrain.demo import synthetic, tiny
-from posttrain.dsconfig import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.scripts.data import bundled_prompts
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain import session as session_module
+from posttrain.placement import session as session_module
 from posttrain.demo import synthetic, tiny
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
@@ -58,7 +58,7 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
 
 
 def torch_run(tmp: Path, rows: list, master_weights: str) -> dict:
-    """The torch path (posttrain.plain): the model itself and torch's fused AdamW, no engine; DPO
+    """The torch path (posttrain.placement.plain): the model itself and torch's fused AdamW, no engine; DPO
     takes it under single_process_engine auto at either precision."""
     cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
                     master_weights=master_weights, single_process_engine="auto",

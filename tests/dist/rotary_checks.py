@@ -1,5 +1,5 @@
 """zero.Init in bf16 computes rotary inverse frequencies at bf16 precision; the session's load
-recomputes them (posttrain.session.recompute_rotary_buffers). One CPU process."""
+recomputes them (posttrain.placement.session.recompute_rotary_buffers). One CPU process."""
 
 import json
 import sys
@@ -8,7 +8,7 @@ import deepspeed
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from posttrain.session import _skip_shm_comm_op, recompute_rotary_buffers
+from posttrain.placement.session import _skip_shm_comm_op, recompute_rotary_buffers
 
 
 def main(out: str) -> None:

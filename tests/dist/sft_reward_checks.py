@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from posttrain.demo import synthetic, tiny
-from posttrain.trainers.common import rank_batches
+from posttrain.data.order import rank_batches
 from posttrain.trainers.reward import RewardConfig, RewardTrainer, reward_loss
 from posttrain.trainers.sft import SFTConfig, SFTTrainer, add_fused_head, token_terms
 

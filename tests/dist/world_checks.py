@@ -19,7 +19,7 @@ from ppo_run import prompts as ppo_prompts
 
 from posttrain import Role, Session
 from posttrain.demo import tiny
-from posttrain.dsconfig import read_config
+from posttrain.placement.dsconfig import read_config
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
 MIXES = ["zero2-zero3", "zero2-replicated", "zero3", "zero2-zero3-stock"]

@@ -1,6 +1,6 @@
 """Reward sources shared by the RL trainers (PPO, GRPO, RLOO): reward specs and
 sequence-classification reward models, following TRL 1.16's GRPOTrainer. Reward functions
-themselves (names, calling convention, checks) are in :mod:`posttrain.reward_funcs`.
+themselves (names, calling convention, checks) are in :mod:`posttrain.rewards.functions`.
 
 - :func:`resolve_reward_specs` sorts a ``reward_funcs`` list into functions and reward models by
   spelling, and checks each (import, folder, config, one label) before anything loads.
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from . import reward_funcs
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
+from posttrain.rewards import functions as reward_funcs
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 
 
 # -- reward specs -------------------------------------------------------------------------------
-# Reward functions live in posttrain.reward_funcs; these names are its API as the trainers use it.
+# Reward functions live in posttrain.rewards.functions; these names are its API as the trainers use it.
 call_reward_funcs = reward_funcs.call_reward_funcs
 check_columns = reward_funcs.check_columns
 func_name = reward_funcs.func_name

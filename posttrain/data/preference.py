@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .checks import check_data_path
-from .dsconfig import ConfigError
+from posttrain.checks import check_data_path
+from posttrain.errors import ConfigError
 
 COLUMNS = ("prompt", "chosen", "rejected")
 # Message roles that chat templates render (OpenAI's and the common models' templates; "ipython" is

@@ -21,7 +21,7 @@ import json
 import logging
 from typing import Any
 
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def training_chat_template(tokenizer: Any) -> str | None:
         return None  # refused later, with the data's first conversational row in hand
     if has_generation_markers(template):
         return None
-    from .demo.tiny import CHAT_TEMPLATE
+    from posttrain.demo.tiny import CHAT_TEMPLATE
 
     if template == CHAT_TEMPLATE:
         return TINY_TRAINING_CHAT_TEMPLATE
@@ -91,7 +91,7 @@ def training_chat_template(tokenizer: Any) -> str | None:
 
 
 def _check_values(dataset: Any, columns: list[str], name: str) -> None:
-    from .preference import _empty
+    from posttrain.data.preference import _empty
 
     for index, row in enumerate(dataset.select_columns(columns)):
         for column in columns:

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..dsconfig import ConfigError
-from ..session import Session
+from posttrain.errors import ConfigError
+from posttrain.placement.session import Session
 
 
 class OutputDirSettings(Protocol):

@@ -11,9 +11,13 @@ from typing import Any
 
 import torch
 
-from ..dsconfig import ConfigError
-from ..reward_funcs import RewardFuncError
-from .online import mean_of_logged_metrics, raise_on_every_rank, weighted_rewards
+from posttrain.errors import ConfigError
+from posttrain.rewards.functions import (
+    RewardFuncError,
+    mean_of_logged_metrics,
+    raise_on_every_rank,
+    weighted_rewards,
+)
 
 
 class RewardSources:
@@ -40,7 +44,7 @@ class RewardSources:
         (names, "module.function" or reward-model paths), every spec resolved and checked before
         anything loads or the output dir is touched; ``tiny_default``: the policy is the tiny
         default, whose bundled reward applies when none is given."""
-        from .. import rewards
+        from posttrain.rewards import models as rewards
 
         cfg = self.cfg
         names = ([cfg.reward_model_name_or_path] if cfg.reward_model_name_or_path else []) + list(cfg.reward_funcs or [])
@@ -81,7 +85,7 @@ class RewardSources:
 
     def check_reward_columns(self, rows: list[dict]) -> None:
         """Every reward function's required keyword arguments are columns of the prompts."""
-        from .. import rewards
+        from posttrain.rewards import models as rewards
 
         columns = [k for k in rows[0] if k != "prompt"] if rows else []
         for kind, fn, _ in self.sources:
@@ -98,7 +102,7 @@ class RewardSources:
         ``policy`` is the policy's path or config."""
         from transformers import AutoConfig
 
-        from .. import rewards
+        from posttrain.rewards import models as rewards
 
         config = AutoConfig.from_pretrained(policy) if isinstance(policy, (str, Path)) else policy
         policy_vocab = config.get_text_config().vocab_size
@@ -125,7 +129,7 @@ class RewardSources:
         TRL's keyword arguments (``completion_ids``: the generated ids, unmasked; the dataset's other
         columns; ``trainer_state``, ``log_extra``, ``log_metric``), and each reward model on
         prompt + decoded completion re-encoded with its own tokenizer and chat template."""
-        from .. import rewards
+        from posttrain.rewards import models as rewards
 
         s, cfg = self.session, self.cfg
         out = torch.zeros(len(texts), len(self.sources), dtype=torch.float32, device=s.device)

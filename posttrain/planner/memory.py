@@ -19,21 +19,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .dsconfig import ConfigError, master_weights, one_rank, params_offloaded, read_config, zero_stage
-from .model_shapes import (  # noqa: F401  (the planner's interface: memory.SHAPES, memory.model_size, ...)
+from posttrain.errors import ConfigError
+from posttrain.placement.dsconfig import master_weights, one_rank, params_offloaded, read_config, zero_stage
+from posttrain.placement.plain import torch_roles
+from posttrain.placement.roles import MIXES, STOCK_GATHER_MIXES, roles_for, trained_config
+from posttrain.planner.shapes import (
     SHAPES,
     Lora,
     ModelSize,
     adapter_params,
     merged_adapter_params,
-    meta_model,
-    model_class,
     model_config,
     model_size,
-    resolve_shape,
 )
-from .plain import torch_roles
-from .roles import MIXES, STOCK_GATHER_MIXES, roles_for, trained_config
 
 GiB = 2**30
 
@@ -43,13 +41,13 @@ def _trainer_roles() -> dict[str, dict[str, list[str]]]:
     """Each trainer's roles as the trainer declares them (``Trainer.roles``): DPO with its
     reference, PPO with a reward model, GRPO/RLOO with a reference (beta > 0) and Python reward
     functions (reward models are more frozen roles; benchmarks/grpo_e2e.py runs the trainers)."""
-    from .trainers.distill import DistillTrainer
-    from .trainers.dpo import DPOTrainer
-    from .trainers.grpo import GRPOTrainer
-    from .trainers.ppo import PPOTrainer
-    from .trainers.reward import RewardTrainer
-    from .trainers.rloo import RLOOTrainer
-    from .trainers.sft import SFTTrainer
+    from posttrain.trainers.distill import DistillTrainer
+    from posttrain.trainers.dpo import DPOTrainer
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.ppo import PPOTrainer
+    from posttrain.trainers.reward import RewardTrainer
+    from posttrain.trainers.rloo import RLOOTrainer
+    from posttrain.trainers.sft import SFTTrainer
 
     return {t.name: {kind: list(names) for kind, names in t.roles.items()}
             for t in (DPOTrainer, PPOTrainer, DistillTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer, RewardTrainer)}
@@ -64,7 +62,7 @@ ROLE_KINDS = {"policy": "causal", "reference": "causal", "student": "causal", "t
 BASELINES: dict[str, tuple[str, str]] = {"trl-zero2": ("zero2_train", "stage0"), "trl-zero3": ("zero3_train", "zero3_train")}
 
 # posttrain's mixes from fastest to slowest, as measured on 2xH200 (benchmarks/results): a replicated
-# frozen model costs nothing to gather; a sharded one is gathered on every forward (posttrain.frozen
+# frozen model costs nothing to gather; a sharded one is gathered on every forward (posttrain.placement.frozen
 # keeps that within a few percent); an offloaded one crosses PCIe on every forward; a ZeRO-3 policy
 # also gathers to train and to generate.
 SPEED_ORDER = ["zero2-replicated", "zero2-zero3", "zero2-zero3-offload", "zero3"]
@@ -172,7 +170,7 @@ class Placement:
     reduce_bucket: int = 0  # ZeRO-2 gradient bucket (elements); ZeRO-3 derives it from the hidden size
     overlap_comm: bool = False
     master_weights: str = "fp32"  # a trained role's optimizer precision (dsconfig.master_weights)
-    engine: str = "deepspeed"  # "torch": one process without a DeepSpeed engine (posttrain.plain)
+    engine: str = "deepspeed"  # "torch": one process without a DeepSpeed engine (posttrain.placement.plain)
     cast_flat_grads: bool = False  # a trained role under posttrain's Session: STEP_BYTES_CAST
 
     @property
@@ -257,7 +255,7 @@ def _states(r: RolePlan, world: int) -> None:
 
     p, n, place = r.size.params, world, r.place
     if place.trains and place.engine == "torch":
-        # posttrain.plain: the parameters in the optimizer's precision, their gradients (from
+        # posttrain.placement.plain: the parameters in the optimizer's precision, their gradients (from
         # backward to the step; set to None after it) and AdamW's two states, nothing else.
         width = 2 if place.master_weights == "bf16" else 4
         r.params, r.grads, r.optimizer = width * p, width * p, 2 * width * p
@@ -299,7 +297,7 @@ def _lora_states(r: RolePlan, world: int) -> None:
     model with the adapters' parameters."""
     adapters = RolePlan(r.name, replace(r.size, params=r.adapters, largest_layer=0), r.place)
     _states(adapters, world)
-    # 16-bit on every path (posttrain.plain keeps parameters outside the optimizer in bf16).
+    # 16-bit on every path (posttrain.placement.plain keeps parameters outside the optimizer in bf16).
     base = 2 * r.size.params / (world if r.place.stage == 3 else 1)
     r.params = base + adapters.params
     r.grads, r.resident_grads, r.optimizer = adapters.grads, adapters.resident_grads, adapters.optimizer
@@ -336,7 +334,7 @@ def plan(
     ``lora``: the first trained role trains adapters (PPO's value model still trains in full, as
     the trainer does) and there is no reference role. ``single_process_engine`` (the trainers'
     setting): in a world of one, trained roles of a mix run without a DeepSpeed engine where the
-    trainers would (posttrain.plain.uses_torch: "auto" for bf16 master weights, and for fp32 ones in
+    trainers would (posttrain.placement.plain.uses_torch: "auto" for bf16 master weights, and for fp32 ones in
     workloads whose trainer declares no decoded role, ``roles["decoded"]``: DPO, SFT, reward and
     distillation, planned without on-policy generation; "torch" always). ``fused_projections``: the
     rollout engine's fused projection copies (``generation_fused_projections``), for a whole run,
@@ -437,7 +435,7 @@ def plan(
         policy.kv_cache = kv_cache_bytes(policy.size, micro_batch, seq_len)
         engine_kv = policy.kv_cache
         if shared_prompt_group:
-            from .rollout.prompt_cache import default_prompt_slots
+            from posttrain.rollout.prompt_cache import default_prompt_slots
 
             engine_kv = kv_cache_bytes(policy.size, micro_batch, seq_len,
                                        default_prompt_slots(micro_batch, shared_prompt_group), seq_len - response_len)

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 # Llama-shaped presets built from config with random weights (benchmarks and the planner).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -32,7 +32,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 def resolve_shape(spec: str, what: str = "--shape") -> str:
     """A preset's name in any case ("1B" is "1b"), or a model folder or hub id, checked before the
     hub is asked: a size that is not a preset, or a local path that does not exist, is refused."""
-    from .checks import check_model_path
+    from posttrain.checks import check_model_path
 
     if spec.lower() in SHAPES:
         return spec.lower()

@@ -12,9 +12,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
-ACCELERATE_DIR = Path(__file__).resolve().parent / "presets" / "accelerate"
+ACCELERATE_DIR = Path(__file__).resolve().parents[1] / "presets" / "accelerate"
 
 
 def accelerate_configs() -> dict[str, Path]:

@@ -12,7 +12,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 def source_checkout() -> Path | None:

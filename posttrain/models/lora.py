@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 
 @dataclass

@@ -6,7 +6,7 @@ weights) a second copy of the model. :class:`PlainEngine` is what TRL's trainers
 (``transformers.Trainer`` without DeepSpeed): the model itself, torch's fused AdamW (transformers'
 default ``adamw_torch_fused``), ``clip_grad_norm_``, and, under bf16 mixed precision, the forward
 in ``torch.autocast`` with outputs cast to fp32 (accelerate's ``prepare_model``). It keeps the
-engine's interface that :class:`posttrain.session.Session` drives: ``backward`` divides by the
+engine's interface that :class:`posttrain.placement.session.Session` drives: ``backward`` divides by the
 accumulation steps, ``step`` clips and steps at accumulation boundaries, ``get_global_grad_norm``
 is the norm before clipping, ``module`` is the model.
 
@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .dsconfig import ConfigError, read_config
-from .dsconfig import master_weights as master_weights_of
+from posttrain.errors import ConfigError
+from posttrain.placement.dsconfig import master_weights as master_weights_of
+from posttrain.placement.dsconfig import read_config
 
 if TYPE_CHECKING:
-    from .roles import Role
+    from posttrain.placement.roles import Role
 
 ENGINES = ("auto", "deepspeed", "torch")
 
@@ -45,7 +46,7 @@ def uses_torch(setting: str, *, world_size: int, trains: bool, from_mix: bool, m
 
     ``auto``: at world size 1, for a trained role whose config comes from a mix, with bf16 master
     weights always, and with fp32 ones unless the run's rollout engine decodes one of its trained
-    roles (``decoded``: :attr:`posttrain.roles.Role.decoded`, which GRPO, RLOO and PPO declare for
+    roles (``decoded``: :attr:`posttrain.placement.roles.Role.decoded`, which GRPO, RLOO and PPO declare for
     their policy and distillation for its student when it generates on-policy): on one GPU the
     torch path is faster and smaller than DeepSpeed's engine at both precisions (benchmarks/NOTES.md
     sections 12 and 16). A run that decodes a trained role keeps DeepSpeed for fp32
@@ -65,7 +66,7 @@ def uses_torch(setting: str, *, world_size: int, trains: bool, from_mix: bool, m
 def torch_roles(roles: Iterable[Role], setting: str, *, world_size: int, mixed_precision: str) -> set[str]:
     """The names of a run's roles that take the torch path: :func:`uses_torch` for each, the run
     decoding a trained role when any trained role is ``decoded``. The Session runs this set and
-    the planner (posttrain.memory) plans it."""
+    the planner (posttrain.planner.memory) plans it."""
     roles = list(roles)
     decoded = any(r.decoded for r in roles if r.trains)
     return {r.name for r in roles

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from .jsonrows import read_rows
+from posttrain.run.jsonrows import read_rows
 
 CARD_FILE = "README.md"
 CURVES_FILE = "learning_curves.png"
@@ -125,7 +125,7 @@ Cite TRL as:
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a ``metrics.jsonl`` (an empty list when there is none), non-finite values
-    restored as floats (``posttrain.jsonrows``); the card and the curves keep the finite ones."""
+    restored as floats (``posttrain.run.jsonrows``); the card and the curves keep the finite ones."""
     return read_rows(path)
 
 
@@ -207,7 +207,7 @@ def write_model_card(
     """
     from huggingface_hub import ModelCard, ModelCardData
 
-    from . import dsconfig
+    from posttrain.placement import dsconfig
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 BACKEND = "inductor"  # the CPU tests take "aot_eager": no C++ toolchain, and bit-equal to eager
 

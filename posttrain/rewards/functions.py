@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
+from posttrain.placement.ranks import sum_over_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -310,3 +311,40 @@ class RewardWarnings:
             self._once(("rows",), f"{int(unscored.sum())} of {per_func.shape[0]} completions got None from every reward "
                        "(TRL warns the same): they are left out of the group statistics and get advantage 0; make at "
                        "least one reward score every completion")
+
+
+def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The logged reward: the weighted sum of the reward functions, NaN where none applied."""
+    rewards = weighted_sum(rewards_per_func, weights.tolist())
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
+def raise_on_every_rank(session: Any, failure: Exception | None) -> None:
+    """Re-raise a rank's reward-function failure on every rank, with the failing rank's sentence,
+    so that none is left waiting in a collective."""
+    if session.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        said = [m for m in gather_object([str(failure) if failure else ""]) if m]
+        if said and failure is None:
+            raise RewardFuncError(said[0])
+    if failure is not None:
+        raise failure
+
+
+def mean_of_logged_metrics(session: Any, logged: dict[str, list[float]]) -> dict[str, float]:
+    """Metrics reward functions logged (TRL's ``log_metric``), each averaged over every process's
+    calls: TRL's sorted union of names, then one (sum, count) reduction per name."""
+    names = list(logged)
+    if session.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        names = gather_object(names)
+    out = {}
+    for name in sorted(set(names)):
+        values = logged.get(name, [])
+        t = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=session.device)
+        total, count = sum_over_ranks(session, t).tolist()
+        out[name] = total / count if count else math.nan
+    return out

@@ -1,6 +1,6 @@
 """Changing a frozen role's weights in place, whatever its placement (ZeRO-3 ones gathered): a
 function on every parameter, a saved folder's weights, or TR-DPO's blend of another role into it.
-A mixin of :class:`posttrain.session.Session`: it reads the session's roles, engines and fast
+A mixin of :class:`posttrain.placement.session.Session`: it reads the session's roles, engines and fast
 frozen models."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 
 class FrozenWeightsMixin:

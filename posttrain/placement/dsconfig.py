@@ -13,8 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from posttrain.errors import ConfigError
+
 # The presets ship inside the package (package-data), so a name resolves in an installed wheel too.
-CONFIG_DIR = Path(__file__).resolve().parent / "presets" / "deepspeed"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "presets" / "deepspeed"
 
 # Keys that only make sense for a model that trains.
 TRAINING_KEYS = ("optimizer", "scheduler", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size")
@@ -32,10 +34,6 @@ HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3
 # with ZeRO-Offload and DeepSpeedCPUAdam (base_optimizer._configure_master_weights).
 MASTER_WEIGHTS = ("fp32", "bf16")
 BF16_STATE_KEYS = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-
-
-class ConfigError(ValueError):
-    """A DeepSpeed or role configuration that cannot work; the message names the fix."""
 
 
 def config_path(name: str) -> Path:

@@ -1,6 +1,6 @@
 """Saving and restoring a Session's roles: the resumable state of its trained roles (engines,
 optimizers, schedulers, RNG, the trainer's counters) and any role's full weights, gathered when
-ZeRO-3 and saved in Hugging Face format. A mixin of :class:`posttrain.session.Session`: it reads the
+ZeRO-3 and saved in Hugging Face format. A mixin of :class:`posttrain.placement.session.Session`: it reads the
 session's roles, engines and Accelerators."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 
 class SavingMixin:

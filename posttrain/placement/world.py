@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .dsconfig import ConfigError
+from posttrain.errors import ConfigError
 
 # Launcher variables that would fill or replace a plugin's values behind the session's back.
 OVERRIDING_ENV = (

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from .dsconfig import ConfigError, read_config, with_master_weights
+from posttrain.errors import ConfigError
+from posttrain.placement.dsconfig import read_config, with_master_weights
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Role:
     # Frozen ZeRO-3 roles only: keep DeepSpeed's memory-efficient linear (it patches F.linear
     # process-wide and slows the trained model; see dsconfig.resolve).
     memory_efficient_linear: bool = field(default=False, repr=False)
-    # Frozen ZeRO-3 roles: after DeepSpeed prepares the engine, posttrain.frozen takes over its
+    # Frozen ZeRO-3 roles: after DeepSpeed prepares the engine, posttrain.placement.frozen takes over its
     # gathering (one prefetched all-gather per layer; DeepSpeed's per-parameter hooks cost a 1.1B
     # forward 3x its replicated time). None: on wherever it applies (frozen, ZeRO-3, parameters
     # not offloaded); False: DeepSpeed's own gathering; True: required (an error where it cannot).

@@ -9,9 +9,9 @@ avoids them by giving each role its own Accelerator (``backward``, ``get_state_d
 ``save_state`` then see exactly one engine and its config; frozen roles' Accelerators are never
 checkpointed). The first trained role owns the Accelerator built with the plugins. In a world of
 one process a trained role of a mix may run without an engine (``single_process_engine``,
-posttrain/plain.py); the session drives it the same way.
+posttrain/placement/plain.py); the session drives it the same way.
 
-Beside it: saving and restoring roles (session_saving.py) and changing frozen roles' weights
+Beside it: saving and restoring roles (saving.py) and changing frozen roles' weights
 (frozen_weights.py), mixed into Session; the processes it runs in (world.py); ZeRO's fixes on
 loaded models (zero_fixes.py).
 """
@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from . import dsconfig, plain
-from .checks import check_model_path
-from .dsconfig import ConfigError
-from .frozen_weights import FrozenWeightsMixin
-from .roles import Role
-from .session_saving import SavingMixin
-from .world import (
+from posttrain.checks import check_model_path
+from posttrain.errors import ConfigError
+from posttrain.placement import dsconfig, plain
+from posttrain.placement.frozen_weights import FrozenWeightsMixin
+from posttrain.placement.roles import Role
+from posttrain.placement.saving import SavingMixin
+from posttrain.placement.world import (
     _destroy_process_group,
     _single_process_env,
     _skip_shm_comm_op,
@@ -40,7 +40,11 @@ from .world import (
     forget_destroyed_group,
     on_cpu,
 )
-from .zero_fixes import cast_grads_while_flattening, recompute_rotary_buffers, share_bf16_master
+from posttrain.placement.zero_fixes import (
+    cast_grads_while_flattening,
+    recompute_rotary_buffers,
+    share_bf16_master,
+)
 
 
 class Session(SavingMixin, FrozenWeightsMixin):
@@ -96,7 +100,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
         self.configs: dict[str, dict] = {}
         self.one_rank_changes: dict[str, str] = {}  # role -> what the one-process path changed
-        # Trained roles without a DeepSpeed engine (posttrain.plain).
+        # Trained roles without a DeepSpeed engine (posttrain.placement.plain).
         self.plain_roles: set[str] = plain.torch_roles(self.roles.values(), single_process_engine, world_size=world_size,
                                                        mixed_precision=self.mixed_precision)
         # What every role's DeepSpeed config is resolved with (the run's batch, precision, schedule).
@@ -152,7 +156,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
             name: self.accelerator if name == self.primary else Accelerator() for name in self.roles
         }
         self.engines: dict[str, Any] = {}
-        self.fast_frozen: dict[str, Any] = {}  # role -> posttrain.frozen.FastFrozen
+        self.fast_frozen: dict[str, Any] = {}  # role -> posttrain.placement.frozen.FastFrozen
         self.optimizers: dict[str, Any] = {}
         self.schedulers: dict[str, Any] = {}
         self._step_lr: dict[str, float] = {}  # role -> the rate its last optimizer step used
@@ -338,15 +342,15 @@ class Session(SavingMixin, FrozenWeightsMixin):
             engine.train()
         else:
             engine.eval()
-            if fast:  # posttrain.frozen replaces DeepSpeed's per-parameter gathering
-                from .frozen import take_over
+            if fast:  # posttrain.placement.frozen replaces DeepSpeed's per-parameter gathering
+                from posttrain.placement.frozen import take_over
 
                 self.fast_frozen[name] = take_over(engine)
         self.engines[name] = engine
         return engine
 
     def _prepare_plain(self, name: str, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> Any:
-        """A trained role at world size 1 without DeepSpeed (posttrain.plain): same interface."""
+        """A trained role at world size 1 without DeepSpeed (posttrain.placement.plain): same interface."""
         from accelerate.utils import DummyOptim
 
         if optimizer is None or isinstance(optimizer, DummyOptim):
@@ -365,11 +369,11 @@ class Session(SavingMixin, FrozenWeightsMixin):
         return engine
 
     def engine_kind(self, name: str) -> str:
-        """What runs a role: "torch" (posttrain.plain, no DeepSpeed engine) or "deepspeed"."""
+        """What runs a role: "torch" (posttrain.placement.plain, no DeepSpeed engine) or "deepspeed"."""
         return "torch" if self.role(name).name in self.plain_roles else "deepspeed"
 
     def _fast_frozen(self, name: str) -> bool:
-        """Whether posttrain.frozen takes over the role's gathering (see Role.fast_frozen)."""
+        """Whether posttrain.placement.frozen takes over the role's gathering (see Role.fast_frozen)."""
         role, cfg = self.role(name), self.configs[name]
         offloaded = dsconfig.params_offloaded(cfg)
         applies = not role.trains and dsconfig.zero_stage(cfg) == 3 and not offloaded

@@ -297,7 +297,7 @@ def _peer_memory_or_none(groups: list[_Group], process_group: Any, device: torch
         return peers
     if required:
         raise RuntimeError(f"fast frozen transport p2p is not available here: {error!r}")
-    warnings.warn(f"posttrain.frozen: peer-mapped shards unavailable ({error!r}); gathering with NCCL",
+    warnings.warn(f"posttrain.placement.frozen: peer-mapped shards unavailable ({error!r}); gathering with NCCL",
                   stacklevel=3)
     return None
 

@@ -1,0 +1,1 @@
+"""Trained models' set-up: loading, LoRA, compiled layers and varlen attention."""

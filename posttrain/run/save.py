@@ -1,0 +1,39 @@
+"""The final model, saved where TRL's ``save_model`` puts it: weights, tokenizer, adapters or
+merged weights, and the model card."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from posttrain.models.lora import has_adapters, save_merged
+from posttrain.placement.session import Session
+
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def save_trained_model(session: Session, role: str, directory: str | os.PathLike, tokenizer: Any = None,
+                       merge_adapters: bool = False) -> Path:
+    """A trained role's final model in Hugging Face format in ``directory``: the output dir itself
+    for the model a run trains (TRL's layout, so ``from_pretrained(output_dir)`` loads it), and
+    ``output_dir/<role>`` for any other trained role. A LoRA role saves its adapter (PEFT format:
+    ``PeftModel.from_pretrained(base, directory)`` loads it), or with ``merge_adapters`` the base
+    with the adapters merged in, a plain transformers model (its full weights gathered under
+    ZeRO-3, written by rank 0). An adapter an earlier run left there would make
+    ``from_pretrained`` load it instead of a full model saved over it, so a full save removes it first."""
+    path = Path(directory)
+    adapted = has_adapters(session.unwrap(role))
+    if session.is_main_process and (merge_adapters or not adapted):
+        for name in _ADAPTER_FILES:
+            (path / name).unlink(missing_ok=True)
+    if not (adapted and merge_adapters):
+        session.save_pretrained(role, path, tokenizer=tokenizer)
+        return path
+    state_dict = session.state_dict(role)  # collective; under ZeRO-3 only rank 0 gets the weights
+    if session.is_main_process:
+        save_merged(session.unwrap(role), state_dict, path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(path))
+    session.accelerator.wait_for_everyone()
+    return path

@@ -81,7 +81,6 @@ def main(argv: list[str] | None = None) -> None:
                            model_cls=AutoModelForSequenceClassification, tokenizer=tok),
     }
     trainer = MultiTrainer(cfg, tasks)
-    trainer.setup()
     heldout = {"lm": heldout_lines, "classifier": heldout_sent}
     before = {name: trainer.evaluate(name, items) for name, items in heldout.items()}
     acc_before = accuracy(trainer, heldout_sent)

@@ -381,9 +381,9 @@ def test_config_errors(fields, message):
 
 @pytest.mark.parametrize("config", ["sft", "reward"])
 def test_tokenizer_fields(config, tmp_path):
-    """SFT's and reward's chat_template_path and eos_token (trainers/model_setup.py): a template that is
+    """SFT's and reward's chat_template_path and eos_token (posttrain/models/tokenizer.py): a template that is
     not a Jinja file is refused with the config, an EOS token outside the vocabulary when it is set."""
-    from posttrain.models.setup import set_tokens
+    from posttrain.models.tokenizer import set_tokens
     from posttrain.trainers.reward import RewardConfig
 
     config_cls = {"sft": SFTConfig, "reward": RewardConfig}[config]

@@ -197,8 +197,8 @@ def test_distill_takes_student_and_teacher_objects(tmp_path):
 
 def test_contradictions_are_refused_in_one_sentence(tmp_path):
     """A model given twice, an object for two roles, a reward object without one score, a value
-    object (built from a config, no folder) of another vocabulary, and a tokenizer under both
-    names: one sentence each, before the output dir is touched."""
+    object (built from a config, no folder) of another vocabulary, and no model at all:
+    one sentence each, before the output dir is touched."""
     from posttrain.trainers.distill import DistillConfig, DistillTrainer
     from posttrain.trainers.ppo import PPOTrainer
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
@@ -209,8 +209,9 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
     rows = [{"text": "the cat is calm ."}] * 4
     with pytest.raises(ConfigError, match=r"^the model is given twice \(model= and model_name_or_path\)"):
         SFTTrainer(SFTConfig(output_dir=str(tmp_path / "a"), model_name_or_path=str(path)), rows, model=model)
-    with pytest.raises(ConfigError, match=r"^the tokenizer is given twice \(processing_class= and tokenizer=\)"):
-        SFTTrainer(SFTConfig(output_dir=str(tmp_path / "a")), rows, tokenizer=tok, processing_class=tok)
+    with pytest.raises(ConfigError, match=r"^no model is given: set model_name_or_path \(a hub name or local path\) "
+                                          r"or pass model="):
+        SFTTrainer(SFTConfig(output_dir=str(tmp_path / "a")), rows, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^the reward model object has num_labels=2; a reward model needs 1"):
         RewardTrainer(RewardConfig(output_dir=str(tmp_path / "a")), rows, model=model, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^the reference is given twice \(ref_model= and ref_model_name_or_path\)"):
@@ -235,10 +236,13 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
         DistillTrainer(DistillConfig(output_dir=str(tmp_path / "a"), teacher_model_name_or_path=str(path)),
                        [{"prompt": "a", "completion": "b"}], teacher_model=model)
     with pytest.raises(ConfigError, match=r"^reward_processing_classes has 2 entries for 1 reward_funcs: give one per"):
-        GRPOTrainer(config(tmp_path / "a"), reward_funcs=[AutoModelForSequenceClassification.from_pretrained(
-            tiny.reward_model_path())], reward_processing_classes=[tok, tok])
+        GRPOTrainer(config(tmp_path / "a", model_name_or_path=str(path)),
+                    reward_funcs=[AutoModelForSequenceClassification.from_pretrained(tiny.reward_model_path())],
+                    reward_processing_classes=[tok, tok])
     # The prompts are required, as in TRL's trainers (the scripts load --dataset_name or the bundled ones).
-    for trainer in (lambda: GRPOTrainer(config(tmp_path / "a")), lambda: PPOTrainer(ppo_config(tmp_path / "a"))):
+    for trainer in (lambda: GRPOTrainer(config(tmp_path / "a", model_name_or_path=str(path))),
+                    lambda: PPOTrainer(ppo_config(tmp_path / "a", model_name_or_path=str(path),
+                                                  reward_model_path=str(tiny.reward_model_path())))):
         with pytest.raises(ConfigError, match=r"^(GRPO|PPO) needs prompts: pass train_dataset= \(a datasets.Dataset "
                                               r"or a list of dicts with a 'prompt'\)"):
             trainer()

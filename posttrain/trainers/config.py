@@ -1,13 +1,11 @@
 """The base config every trainer shares (TRL's ``TrainingArguments`` fields), its checks, the
-optimizer and scheduler, and the run's Session."""
+step count of a run over rows, and the run's Session built from it."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, field
-
-import torch
 
 from posttrain import checks
 from posttrain.errors import ConfigError
@@ -16,12 +14,7 @@ from posttrain.placement.plain import check_setting as check_engine_setting
 from posttrain.placement.ranks import world_size
 from posttrain.placement.roles import DEFAULT_MIX, roles_for
 from posttrain.placement.session import Session
-
-# LOCK_FILE, checkpoints, lock_output_dir, resume_dir and save_checkpoint are imported from here too
-# (loop.py, scripts/hub.py, tests), as before the output dir had its own module.
-from posttrain.run.output_dir import (
-    prepare_output_dir,
-)
+from posttrain.run.output_dir import prepare_output_dir
 
 
 @dataclass
@@ -184,15 +177,3 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
         project_dir=cfg.output_dir,
         single_process_engine=cfg.single_process_engine,
     )
-
-
-def optimizer_and_scheduler(model: torch.nn.Module, cfg: TrainConfig, total_steps: int, lr: float | None = None):
-    """AdamW over trainable parameters and a transformers LR schedule stepped per optimizer step."""
-    from transformers import get_scheduler
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr or cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-    sched = get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
-                          num_training_steps=max(1, total_steps))
-    return opt, sched

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 
 from posttrain.data.order import mix_seed, rank_batches, seed_everything
 from posttrain.data.prompts import left_pad
-from posttrain.demo import tiny
 from posttrain.errors import ConfigError
 from posttrain.models.lora import LoraFields, add_adapters, lora_config
-from posttrain.models.setup import distinct_objects, given_once, model_config, one_tokenizer, policy_source
+from posttrain.models.setup import optimizer_and_scheduler
+from posttrain.models.sources import distinct_objects, given_once, model_config, policy_source
 from posttrain.placement.ranks import sum_over_ranks, world_size
-from posttrain.trainers.config import TrainConfig, make_session, optimizer_and_scheduler
+from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer
 from posttrain.trainers.run_log import Phases
 
@@ -42,7 +42,7 @@ class DistillConfig(TrainConfig, LoraFields):
 
     output_dir: str = "runs/distill"
     learning_rate: float = 1e-6  # TRL's DistillationConfig (the demo YAML sets its own)
-    model_name_or_path: str | None = None  # the student; None: posttrain's tiny default
+    model_name_or_path: str | None = None  # the student (or model=)
     teacher_model_name_or_path: str | None = None
     beta: float = 0.5  # 0: forward KL, 0.5: JSD, 1: reverse KL (GKDConfig's 0.5; DistillationConfig's is 1)
     # Softens both distributions in the loss and samples generations, as TRL's DistillationTrainer
@@ -160,7 +160,6 @@ class DistillTrainer(Trainer):
         cfg: DistillConfig,
         train_dataset: Any,
         eval_dataset: Any = None,
-        tokenizer: Any = None,
         *,
         model: Any = None,
         teacher_model: Any = None,
@@ -179,9 +178,9 @@ class DistillTrainer(Trainer):
                                   "conversational rows first (tokenizer.apply_chat_template(..., tokenize=False))")
         self.cfg = cfg
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        # The student: an object (with its tokenizer) or a path; none given: posttrain's tiny default.
-        self.student_source, self.tokenizer, self.student_path = policy_source(
-            cfg, model, one_tokenizer(processing_class, tokenizer), default=tiny.model_path, what="student")
+        # The student: an object (with its tokenizer) or a path.
+        self.student_source, self.tokenizer, self.student_path = policy_source(cfg, model, processing_class,
+                                                                                what="student")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.session = None

@@ -19,7 +19,8 @@ from posttrain.data import preference
 from posttrain.data.order import seed_everything
 from posttrain.errors import ConfigError
 from posttrain.models.lora import LoraFields, adapters_disabled, lora_config
-from posttrain.models.setup import ModelFields, model_and_tokenizer, prepare_trained, reference_source
+from posttrain.models.setup import prepare_trained
+from posttrain.models.sources import ModelFields, model_and_tokenizer, reference_source
 from posttrain.placement.ranks import sum_over_ranks
 from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
 from posttrain.trainers.loop import Trainer, collated_batches
@@ -257,14 +258,13 @@ class DPOTrainer(Trainer):
     roles = {"trained": ["policy"], "frozen": ["reference"]}  # with use_peft, no reference role
     evaluates = True
 
-    def __init__(self, args: DPOConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
-                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None) -> None:
+    def __init__(self, args: DPOConfig, train_dataset: Any, eval_dataset: Any = None, peft_config: Any = None, *,
+                 model: Any = None, processing_class: Any = None) -> None:
         self.cfg = cfg = args
         validate(cfg)
         seed_everything(cfg.seed)
-        # The policy: a model object (with its tokenizer) or a path, as TRL's trainers take it; no
-        # model given: the built-in tiny default, fine-tuned on its corpus.
-        policy, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class, tokenizer)
+        # The policy: a model object (with its tokenizer) or a path, as TRL's trainers take it.
+        policy, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class, what="policy")
         self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         frozen = [] if self.peft_config is not None else list(self.roles["frozen"])
@@ -291,8 +291,7 @@ class DPOTrainer(Trainer):
                 self._release_reference()
 
         model = self.session.load("policy", policy, **kwargs)
-        self._no_dropout(model)
-        self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, self.total_steps)
+        self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, total_steps=self.total_steps)
         if self.peft_config is not None and cfg.precompute_ref_log_probs:
             self._precompute_all()  # the base model, adapters disabled: saves a forward per step
         self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys

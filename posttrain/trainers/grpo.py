@@ -44,12 +44,13 @@ from posttrain.models.lora import (
     lora_config,
     zero3_adapters,
 )
-from posttrain.models.setup import enable_gradient_checkpointing, given_once, policy_source, reference_source
+from posttrain.models.setup import enable_gradient_checkpointing, optimizer_and_scheduler
+from posttrain.models.sources import given_once, policy_source, reference_source
 from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ranks, world_size
 from posttrain.rewards.functions import RewardWarnings
 from posttrain.rewards.sources import RewardSources
 from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
-from posttrain.trainers.config import TrainConfig, make_session, optimizer_and_scheduler
+from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.grpo_loss import (
     LOSS_TYPES,
     average_generation_metrics,

@@ -20,9 +20,10 @@ import torch
 
 from posttrain.data.order import rank_batches, seed_everything
 from posttrain.errors import ConfigError
+from posttrain.models.setup import prepare_trained
 from posttrain.placement.ranks import mean_over_ranks, world_size
 from posttrain.run.save import save_trained_model
-from posttrain.trainers.config import TrainConfig, make_session, optimizer_and_scheduler
+from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer, window_mean
 from posttrain.trainers.run_log import Phases
 
@@ -88,14 +89,26 @@ class MultiTrainer(Trainer):
     roles = {"trained": [], "frozen": []}  # one trained role per task, named like it
 
     def __init__(self, cfg: MultiConfig, tasks: dict[str, Task]) -> None:
+        """Check the tasks, then load and prepare every model under its own role, each with its own
+        optimizer and scheduler (a resumed run restores them all in train())."""
         if not tasks:
             raise ConfigError("multi-model training needs at least one task")
         unknown = set(cfg.learning_rates) - set(tasks)
         if unknown:
             raise ConfigError(f"learning_rates names unknown model(s) {sorted(unknown)}: the models are {list(tasks)}")
         self.cfg, self.tasks = cfg, tasks
-        self.session = None
         self.history: list[dict] = []
+        seed_everything(cfg.seed)
+        self.total_steps = self.count_steps()
+        s = self.session = make_session(cfg, list(tasks), [], total_steps=self.total_steps)
+        for name, task in tasks.items():
+            model = task.model if isinstance(task.model, torch.nn.Module) else s.load(name, task.model,
+                                                                                      model_cls=task.model_cls)
+            # MultiConfig has no gradient_checkpointing setting: each model keeps its activations.
+            prepare_trained(s, name, model, cfg, None, total_steps=self.total_steps, gradient_checkpointing=False,
+                            learning_rate=cfg.learning_rates.get(name))
+        self.phases = Phases()
+        self.batches: dict[str, Iterator[list[int]]] | None = None  # each model's data order, from the start step
 
     def count_steps(self) -> int:
         cfg = self.cfg
@@ -104,23 +117,6 @@ class MultiTrainer(Trainer):
         per_step = cfg.per_device_train_batch_size * world_size() * cfg.gradient_accumulation_steps
         longest = max(len(t.data) for t in self.tasks.values())
         return max(1, math.ceil(cfg.num_train_epochs * longest / per_step))
-
-    def setup(self) -> None:
-        """Load and prepare every model under its own role, each with its own optimizer and
-        scheduler (a resumed run restores them all in train())."""
-        cfg = self.cfg
-        seed_everything(cfg.seed)
-        self.total_steps = self.count_steps()
-        s = self.session = make_session(cfg, list(self.tasks), [], total_steps=self.total_steps)
-        for name, task in self.tasks.items():
-            if isinstance(task.model, torch.nn.Module):
-                model = task.model
-            else:
-                model = s.load(name, task.model, model_cls=task.model_cls)
-            opt, sched = optimizer_and_scheduler(model, cfg, self.total_steps, lr=cfg.learning_rates.get(name))
-            s.prepare(name, model, opt, sched)
-        self.phases = Phases()
-        self.batches: dict[str, Iterator[list[int]]] | None = None  # each model's data order, from the start step
 
     def _batch(self, name: str, items: list[Any]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.session.device) for k, v in self.tasks[name].collate(items).items()}

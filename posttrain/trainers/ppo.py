@@ -34,11 +34,18 @@ from posttrain.data.prompts import policy_text, prompt_rows
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
 from posttrain.models.lora import LoraFields, adapters_disabled, add_adapters, lora_config
-from posttrain.models.setup import distinct_objects, given_once, model_config, policy_source, reference_source
+from posttrain.models.setup import optimizer_and_scheduler
+from posttrain.models.sources import (
+    distinct_objects,
+    given_once,
+    model_config,
+    policy_source,
+    reference_source,
+)
 from posttrain.placement.ranks import gather_ranks, world_size
 from posttrain.rewards import models as rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
-from posttrain.trainers.config import TrainConfig, make_session, optimizer_and_scheduler
+from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer
 from posttrain.trainers.online import position_ids, write_samples
 from posttrain.trainers.run_log import Phases

@@ -23,13 +23,9 @@ from posttrain.data import preference
 from posttrain.data.order import seed_everything
 from posttrain.errors import ConfigError
 from posttrain.models.lora import LoraFields, lora_config
-from posttrain.models.setup import (
-    ModelFields,
-    TokenizerFields,
-    model_and_tokenizer,
-    prepare_trained,
-    set_tokens,
-)
+from posttrain.models.setup import prepare_trained
+from posttrain.models.sources import ModelFields, model_and_tokenizer
+from posttrain.models.tokenizer import TokenizerFields, set_tokens
 from posttrain.placement.ranks import gather_ranks
 from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
 from posttrain.trainers.loop import RowsTrainer, eval_shards
@@ -127,7 +123,7 @@ class RewardTrainer(RowsTrainer):
     """A Bradley-Terry reward model with the classifier on its own DeepSpeed plugin. The model is
     ``args.model_name_or_path`` (loaded with a one-logit head) or, as TRL's RewardTrainer takes it,
     ``model=`` (a sequence-classification object with ``num_labels=1`` and its
-    ``processing_class``, or a path); ``tokenizer=`` is ``processing_class``'s earlier name.
+    ``processing_class``, or a path); one of them is required.
 
     >>> trainer = RewardTrainer(RewardConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=pairs)
     >>> trainer.train()
@@ -138,14 +134,11 @@ class RewardTrainer(RowsTrainer):
     roles = {"trained": [ROLE], "frozen": []}
     evaluates = True
 
-    def __init__(self, args: RewardConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
-                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None) -> None:
+    def __init__(self, args: RewardConfig, train_dataset: Any, eval_dataset: Any = None, peft_config: Any = None,
+                 *, model: Any = None, processing_class: Any = None) -> None:
         self.cfg = cfg = args
         seed_everything(cfg.seed)
-        # A model object (with its tokenizer) or a path; no model given: the tiny default's SFT
-        # policy with a new one-logit head (TRL's usual start).
-        source, self.tokenizer, path = model_and_tokenizer(cfg, model, processing_class, tokenizer,
-                                                           what="reward model")
+        source, self.tokenizer, path = model_and_tokenizer(cfg, model, processing_class, what="reward model")
         if isinstance(source, torch.nn.Module) and getattr(source.config, "num_labels", None) != 1:
             # TRL's check: the object is used as it is, so its head must give one score.
             raise ConfigError(f"the reward model object has num_labels={source.config.num_labels}; a reward model "
@@ -172,11 +165,7 @@ class RewardTrainer(RowsTrainer):
         # The classifier scores the last non-pad token: it must know the pad id.
         model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         model.config.pad_token_id = self.tokenizer.pad_token_id
-        if cfg.disable_dropout:
-            from trl.trainer.utils import disable_dropout_in_model
-
-            disable_dropout_in_model(model)
-        self.model = prepare_trained(self.session, ROLE, model, cfg, self.peft_config, self.total_steps)
+        self.model = prepare_trained(self.session, ROLE, model, cfg, self.peft_config, total_steps=self.total_steps)
         self.setup_times = self.phases.pop()
         self.step = 0
         self.num_tokens = 0

@@ -19,17 +19,12 @@ import torch
 
 from posttrain.data import sft as sft_data
 from posttrain.data.order import seed_everything
-from posttrain.demo import tiny
 from posttrain.errors import ConfigError
 from posttrain.models import varlen_attention
 from posttrain.models.lora import LoraFields, lora_config
-from posttrain.models.setup import (
-    ModelFields,
-    TokenizerFields,
-    model_and_tokenizer,
-    prepare_trained,
-    set_tokens,
-)
+from posttrain.models.setup import prepare_trained
+from posttrain.models.sources import ModelFields, model_and_tokenizer
+from posttrain.models.tokenizer import TokenizerFields, set_tokens
 from posttrain.placement.ranks import sum_over_ranks
 from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
 from posttrain.trainers.loop import RowsTrainer, eval_shards
@@ -133,7 +128,7 @@ def input_tokens(batch: dict) -> int:
 class SFTTrainer(RowsTrainer):
     """Supervised fine-tuning with the trained model on its own DeepSpeed plugin. The model is
     ``args.model_name_or_path`` or, as TRL's SFTTrainer takes it, ``model=`` (a model object, with
-    its ``processing_class``, or a path); ``tokenizer=`` is ``processing_class``'s earlier name.
+    its ``processing_class``, or a path); one of them is required.
 
     >>> trainer = SFTTrainer(SFTConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
     >>> trainer = SFTTrainer(SFTConfig(), train_dataset=rows, model=model, processing_class=tokenizer)
@@ -145,15 +140,12 @@ class SFTTrainer(RowsTrainer):
     roles = {"trained": ["policy"], "frozen": []}
     evaluates = True
 
-    def __init__(self, args: SFTConfig, train_dataset: Any, eval_dataset: Any = None, tokenizer: Any = None,
-                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None) -> None:
+    def __init__(self, args: SFTConfig, train_dataset: Any, eval_dataset: Any = None, peft_config: Any = None, *,
+                 model: Any = None, processing_class: Any = None) -> None:
         self.cfg = cfg = args
         validate(cfg)
         seed_everything(cfg.seed)
-        # A model object (with its tokenizer) or a path; no model given: the built-in tiny default,
-        # randomly initialised (SFT is its first stage).
-        source, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class, tokenizer,
-                                                        default=lambda: tiny.model_path("causal"), what="model")
+        source, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class)
         set_tokens(self.tokenizer, cfg)
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         self.padding_free = cfg.padding_free or (cfg.packing and cfg.packing_strategy in ("bfd", "bfd_split"))
@@ -182,7 +174,7 @@ class SFTTrainer(RowsTrainer):
         if self.tokenizer.eos_token_id is not None and cfg.eos_token is not None:
             model.config.get_text_config().eos_token_id = self.tokenizer.eos_token_id
         add_fused_head(model)  # before the adapters, as TRL
-        self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, self.total_steps)
+        self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, total_steps=self.total_steps)
         self.setup_times = self.phases.pop()
         self.step = 0
         self.num_tokens = 0

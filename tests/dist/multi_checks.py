@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from posttrain.placement import dsconfig
 from posttrain.demo import synthetic, tiny
+from posttrain.placement import dsconfig
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
 
 
@@ -59,9 +59,8 @@ def main(out: str, tmp: str) -> None:
     tmp = Path(tmp)
     res = {}
     t = trainer(tmp, "isolation")
-    t.setup()
     s = t.session
-    lm, clf = s.engines["lm"].module, s.engines["classifier"].module
+    lm = s.engines["lm"].module
     res["world"], res["stages"] = s.num_processes, [s.zero_stage("lm"), s.zero_stage("classifier")]
     res["clf_local"], res["clf_full"] = s.numel_at_rest("classifier")
     res["lm_whole"] = all(not hasattr(p, "ds_id") and p.numel() > 0 for p in lm.parameters())

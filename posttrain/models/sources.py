@@ -1,0 +1,107 @@
+"""The models a trainer is given, as TRL's trainers take them: each role's model is an object
+(``model=``, ``ref_model=``, ...) or a hub name / local path (the config's ``*_name_or_path``),
+given once; the trained model must be given, and its tokenizer comes with it. Nothing here
+loads a model: a source is checked, then the trainer loads it under its role's plugin."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.errors import ConfigError
+from posttrain.models.tokenizer import load_tokenizer
+
+
+@dataclass
+class ModelFields:
+    """The trained model's fields of ``trl.SFTConfig``, ``RewardConfig`` and ``DPOConfig``."""
+
+    model_name_or_path: str | None = None
+    model_init_kwargs: dict[str, Any] | None = None
+    gradient_checkpointing: bool = True  # TRL's default: activations recomputed in backward
+
+
+def given_once(obj: Any, path: Any, what: str, arg: str, field: str) -> Any:
+    """A model a trainer takes either as an object (``arg=``) or by its config's ``field``; both
+    given is one sentence. Returns the one given (None when neither is)."""
+    if obj is not None and path is not None:
+        raise ConfigError(f"the {what} is given twice ({arg}= and {field}): give one of them")
+    return obj if obj is not None else path
+
+
+def distinct_objects(**models: Any) -> None:
+    """Each role needs a model of its own: one object given for two roles would be trained and
+    frozen (or trained twice) at once, as TRL refuses ``ref_model is model``."""
+    seen: dict[int, str] = {}
+    for name, model in models.items():
+        if isinstance(model, torch.nn.Module):
+            if id(model) in seen:
+                raise ConfigError(f"{seen[id(model)]}= and {name}= are the same object: each role needs a model of "
+                                  f"its own, so pass a copy (copy.deepcopy) or leave {name} unset")
+            seen[id(model)] = name
+
+
+def policy_source(cfg: Any, model: Any, processing_class: Any, *, what: str = "policy",
+                  load_tokenizer: Callable[[str], Any] | None = None) -> tuple[Any, Any, str]:
+    """The trained model as a trainer was given it: ``model`` (an ``nn.Module`` or a hub name /
+    local path) or else ``cfg.model_name_or_path``; exactly one of them, else a ``ConfigError``
+    raised before anything loads. Returns ``(source, tokenizer, name)``: the object or path, its
+    tokenizer (``processing_class``, else ``load_tokenizer(path)``, by default
+    ``AutoTokenizer.from_pretrained``; an object without one needs its ``name_or_path`` folder) and
+    a name for messages. ``what`` names the model in refusals."""
+    load_tokenizer = load_tokenizer or _auto_tokenizer
+    model = given_once(model, cfg.model_name_or_path, what, "model", "model_name_or_path")
+    if model is None:
+        raise ConfigError(f"no {what} is given: set model_name_or_path (a hub name or local path) or pass model= "
+                          "(a model object with its processing_class)")
+    if isinstance(model, torch.nn.Module):
+        name = str(getattr(model, "name_or_path", "") or "")
+        if getattr(cfg, "model_init_kwargs", None):  # TRL warns the same way
+            logging.getLogger(__name__).warning("model_init_kwargs is set but the %s is already built (model=): "
+                                                "model_init_kwargs is ignored", what)
+        if processing_class is None:
+            if not (name and Path(name).is_dir()):
+                raise ConfigError("a model object needs its tokenizer: pass processing_class=")
+            processing_class = load_tokenizer(name)
+        return model, processing_class, name or type(model).__name__
+    path = str(model)
+    return path, processing_class or load_tokenizer(path), path
+
+
+def model_and_tokenizer(cfg: ModelFields, model: Any, processing_class: Any, *,
+                        what: str = "model") -> tuple[Any, Any, str]:
+    """:func:`policy_source` for the SFT, reward and DPO trainers: a tokenizer not given is loaded
+    as TRL loads it (``model_init_kwargs``' revision and remote-code setting; the EOS token pads
+    when there is no pad token)."""
+    return policy_source(cfg, model, processing_class, what=what,
+                         load_tokenizer=lambda path: load_tokenizer(path, cfg.model_init_kwargs))
+
+
+def _auto_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def model_config(source: Any) -> Any:
+    """A model's config, from the object itself or read from its path (nothing loads)."""
+    if isinstance(source, torch.nn.Module):
+        return source.config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source)
+
+
+def reference_source(ref_model: Any, policy: Any) -> Any:
+    """The reference model's source: its own object or path, else the policy's initial weights (the
+    policy's path loaded again, or a copy of a given policy object, taken before it trains or takes
+    adapters)."""
+    if isinstance(ref_model, torch.nn.Module) or ref_model:
+        return ref_model
+    return copy.deepcopy(policy) if isinstance(policy, torch.nn.Module) else policy

@@ -6,6 +6,7 @@ and the planner's), and the setting's refusals."""
 import pytest
 from conftest import run_json
 
+from posttrain.demo import tiny
 from posttrain.errors import ConfigError
 from posttrain.placement import plain
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
@@ -110,7 +111,7 @@ def test_setting_refusals(kwargs, match):
 
 
 def test_trainer_refuses_before_loading(tmp_path):
-    cfg = DPOConfig(output_dir=str(tmp_path / "out"), single_process_engine="torch",
+    cfg = DPOConfig(output_dir=str(tmp_path / "out"), model_name_or_path=str(tiny.sft_model_path()), single_process_engine="torch",
                     role_configs={"policy": "zero2_train"})
     with pytest.raises(ConfigError, match="has a config of its own"):
         DPOTrainer(cfg, train_dataset=[{"prompt": "a", "chosen": " b", "rejected": " c"}] * 8)
@@ -140,12 +141,12 @@ def test_parameters_outside_the_optimizer_keep_no_master_weights(mixed_precision
 
 def test_distillation_keeps_deepspeed_for_fp32_only_when_it_decodes_its_student(tmp_path):
     """DistillTrainer passes its student as decoded when it generates on-policy (lmbda > 0)."""
-    from posttrain.demo import tiny
     from posttrain.trainers.distill import DistillConfig, DistillTrainer
 
     kinds = {}
     for lmbda in (0.0, 0.5):
         trainer = DistillTrainer(DistillConfig(output_dir=str(tmp_path / str(lmbda)), lmbda=lmbda, disable_tqdm=True,
+                                               model_name_or_path=str(tiny.model_path()),
                                                teacher_model_name_or_path=str(tiny.model_path(seed=1))),
                                  [{"prompt": "the cat", "completion": " is calm ."}] * 4)
         trainer.setup()

@@ -68,9 +68,10 @@ def test_a_run_after_one_that_destroyed_the_process_group(tmp_path):
     """accelerate's end_training (and TRL's trainers) destroy the process group at the end of a run;
     DeepSpeed keeps the destroyed group, and the next engine in the process failed with "Group ...
     is not registered". The session lets the next run build its own."""
-    first = GRPOTrainer(config(tmp_path / "first", max_steps=1), train_dataset=PROMPTS).train()
+    path = str(tiny.sft_model_path())
+    first = GRPOTrainer(config(tmp_path / "first", max_steps=1, model_name_or_path=path), train_dataset=PROMPTS).train()
     torch.distributed.destroy_process_group()
-    second = GRPOTrainer(config(tmp_path / "second", max_steps=1), train_dataset=PROMPTS).train()
+    second = GRPOTrainer(config(tmp_path / "second", max_steps=1, model_name_or_path=path), train_dataset=PROMPTS).train()
     assert second[0]["loss"] == pytest.approx(first[0]["loss"], abs=1e-6)
 
 

@@ -25,10 +25,15 @@ from posttrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# The tiny default's chat template with TRL's {% generation %} markers around each assistant turn
-# (content and end-of-turn token; the role tag stays outside, as in TRL's training templates). It
-# renders exactly as posttrain.demo.tiny.CHAT_TEMPLATE: TRL's get_training_chat_template patches known
-# hub templates only, and assistant_only_loss needs the markers.
+# The chat template of posttrain's tiny tokenizer (posttrain.demo.tiny builds it with this one).
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|endoftext|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# The same with TRL's {% generation %} markers around each assistant turn (content and end-of-turn
+# token; the role tag stays outside, as in TRL's training templates), rendering exactly as it:
+# TRL's get_training_chat_template patches known hub templates only, and assistant_only_loss needs
+# the markers.
 TINY_TRAINING_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'assistant' %}<|assistant|>{% generation %}"
     "{{ message['content'] }}<|endoftext|>{% endgeneration %}{% else %}<|{{ message['role'] }}|>"
@@ -68,7 +73,7 @@ def dataset_kind(dataset: Any, text_field: str = "text", name: str = "dataset") 
 def training_chat_template(tokenizer: Any) -> str | None:
     """The template that assistant_only_loss renders with (TRL's rule): None when the tokenizer's own
     has ``{% generation %}`` markers, else TRL's patched version of a known template (the tiny
-    default's is known here)."""
+    tokenizer's is known here)."""
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
     template = tokenizer.chat_template
@@ -76,9 +81,7 @@ def training_chat_template(tokenizer: Any) -> str | None:
         return None  # refused later, with the data's first conversational row in hand
     if has_generation_markers(template):
         return None
-    from posttrain.demo.tiny import CHAT_TEMPLATE
-
-    if template == CHAT_TEMPLATE:
+    if template == TINY_CHAT_TEMPLATE:
         return TINY_TRAINING_CHAT_TEMPLATE
     try:
         return get_training_chat_template(tokenizer)

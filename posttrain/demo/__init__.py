@@ -1,6 +1,6 @@
 """The demo assets: the built-in tiny default (``tiny``: tokenizer, SFT policy, reward model) and
-the bundled synthetic tasks on its text (``synthetic``). Not the core: trainers fall back to them
-only when no model or data is given. The bundled text is read here, so that ``tiny`` (whose
+the bundled synthetic tasks on its text (``synthetic``). Not the core: only the scripts, the examples
+and the tests import it (the scripts give its models and data when none is named). The bundled text is read here, so that ``tiny`` (whose
 reward model learns ``synthetic``'s pairs) and ``synthetic`` (whose tasks use the text's words)
 import it without importing each other both ways."""
 

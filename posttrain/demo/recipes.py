@@ -46,7 +46,7 @@ def sft_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = SFT_STE
     _save(_init_model("causal", seed, tok_dir, **overrides), init, tok_dir)
     cfg = SFTConfig(output_dir=str(workdir / "run"), model_name_or_path=str(init), seed=seed, max_steps=steps,
                     max_length=TINY_SHAPE["max_position_embeddings"], **RECIPE)
-    return SFTTrainer(cfg, train_dataset=[{"text": line} for line in corpus()], tokenizer=load_tokenizer(tok_dir))
+    return SFTTrainer(cfg, train_dataset=[{"text": line} for line in corpus()], processing_class=load_tokenizer(tok_dir))
 
 
 def reward_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = REWARD_STEPS):
@@ -60,7 +60,7 @@ def reward_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = REWA
     cfg = RewardConfig(output_dir=str(workdir / "run"), model_name_or_path=str(init), seed=seed, max_steps=steps,
                        max_length=TINY_SHAPE["max_position_embeddings"], **RECIPE)
     pairs = synthetic.preference_pairs(RECIPE["per_device_train_batch_size"] * steps, seed=10_000 + seed)
-    return RewardTrainer(cfg, train_dataset=pairs, tokenizer=load_tokenizer(tok_dir))
+    return RewardTrainer(cfg, train_dataset=pairs, processing_class=load_tokenizer(tok_dir))
 
 
 RECIPES = {"sft": sft_recipe, "reward": reward_recipe}

@@ -9,8 +9,8 @@ minutes on a small shared CPU, which a first ``make demo`` should not pay. Their
 rebuilds them): the policy is trained by posttrain's own SFTTrainer and the reward model by its
 RewardTrainer, on one process without DeepSpeed, and tests/test_tiny.py checks that the recipes
 reproduce the shipped files; a trained variant builds in a child process running them (so this
-module, which the trainers read for their defaults, never imports a trainer). Any other variant (another seed,
-shape or step count, the randomly initialised models) is built on first use into posttrain's cache.
+module never imports a trainer). Any other variant (another seed, shape or step count, the
+randomly initialised models) is built on first use into posttrain's cache.
 """
 
 from __future__ import annotations
@@ -23,15 +23,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from posttrain.data.sft import TINY_CHAT_TEMPLATE
 from posttrain.demo import DATA, corpus
 from posttrain.run import cache
 
 ASSETS = DATA / "tiny"  # the prebuilt default assets, named as their cached builds would be
 SPECIAL = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|endoftext|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 # Small enough for two CPU processes, large enough to learn the bundled tasks.
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128)
@@ -144,7 +141,7 @@ def _build_tokenizer(path: Path) -> None:
     tok.train_from_iterator(corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>",
                                    bos_token=None, unk_token=None, model_max_length=128)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = TINY_CHAT_TEMPLATE
     _write_aside(path, lambda tmp: fast.save_pretrained(str(tmp)))
 
 

@@ -59,9 +59,9 @@ def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
 
 def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, script: ScriptArguments,
                     test_split_size: float, bundled: Callable[[], tuple[list[dict], list[dict]]],
-                    check: Callable[[Any, str], None] | None = None) -> tuple[Trainer, dict]:
-    """A rows trainer (SFT, reward, DPO) on the script's data, and its held-out metrics before
-    training ({} when nothing is evaluated).
+                    check: Callable[[Any, str], None] | None = None, model: Any = None) -> tuple[Trainer, dict]:
+    """A rows trainer (SFT, reward, DPO) on the script's data, given ``model`` (None: the config's
+    ``model_name_or_path``), and its held-out metrics before training ({} when nothing is evaluated).
 
     The data: ``--dataset_name``'s splits (:func:`load_train_eval`, ``check`` validating them) or,
     with no dataset, the (train, held-out) rows ``bundled()`` builds in memory: nothing is written
@@ -75,7 +75,7 @@ def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, scrip
         test = test if cfg.eval_strategy != "no" else None  # TRL's scripts pass none then
     else:
         train, test = load_train_eval(script, test_split_size, cfg, check=check)
-    trainer = trainer_cls(cfg, train_dataset=train, eval_dataset=test)
+    trainer = trainer_cls(cfg, train_dataset=train, eval_dataset=test, model=model)
     if test is not None and cfg.eval_strategy == "epoch":
         cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
     return trainer, (trainer.evaluate() if test is not None else {})

@@ -10,6 +10,7 @@ TRL's DPOConfig defaults apply, as in ``trl dpo``; ``--config FILE`` gives setti
 from __future__ import annotations
 
 from posttrain.data import preference
+from posttrain.demo import tiny
 from posttrain.scripts.args import run_script
 from posttrain.scripts.rows import PairArguments as DataArguments
 from posttrain.scripts.rows import run
@@ -17,7 +18,7 @@ from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(DPOTrainer, DPOConfig, DataArguments, argv,
+    run(DPOTrainer, DPOConfig, DataArguments, argv, demo_model=tiny.sft_model_path,
         metrics=("rewards/accuracies", "loss", "rewards/margins"), saved="policy", check=preference.check_rows)
 
 

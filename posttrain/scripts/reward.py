@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.data import preference
+from posttrain.demo import tiny
 from posttrain.scripts.args import run_script
 from posttrain.scripts.rows import PairArguments, run
 from posttrain.trainers.reward import RewardConfig, RewardTrainer
@@ -27,7 +28,7 @@ class DataArguments(PairArguments):
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(RewardTrainer, RewardConfig, DataArguments, argv,
+    run(RewardTrainer, RewardConfig, DataArguments, argv, demo_model=tiny.sft_model_path,
         metrics=("accuracy", "loss", "margin"), saved="reward model", check=preference.check_rows)
 
 

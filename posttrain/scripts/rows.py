@@ -38,9 +38,11 @@ class PairArguments:
 
 
 def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | None, *,
-        metrics: tuple[str, ...], saved: str, check: Callable[[Any, str], None] | None = None,
+        demo_model: Callable[[], Any], metrics: tuple[str, ...], saved: str,
+        check: Callable[[Any, str], None] | None = None,
         train_summary: Callable[[list[dict]], dict] | None = None) -> None:
-    """Parse, train and save; then the report on the main process. ``data_cls``: the script's
+    """Parse, train and save; then the report on the main process. ``demo_model()``: the built-in
+    tiny default's model the trainer is given when no model is named. ``data_cls``: the script's
     data flags beside TRL's ScriptArguments, with ``test_split_size``, ``bundled()`` (the (train,
     held-out) rows without a dataset) and ``bundled_name`` (what the card calls them); ``check``
     validates a dataset's splits. ``metrics``: the held-out metrics kept in ``summary.json``
@@ -51,7 +53,9 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
     script, data, cfg = parse_config((ScriptArguments, data_cls, config_cls), demo_config(name), argv,
                                      prog=f"posttrain {name}")
     require_dataset([script, cfg])
-    trainer, before = trainer_on_data(trainer_cls, cfg, script, data.test_split_size, data.bundled, check=check)
+    model = str(demo_model()) if cfg.model_name_or_path is None else None
+    trainer, before = trainer_on_data(trainer_cls, cfg, script, data.test_split_size, data.bundled, check=check,
+                                      model=model)
     history = trainer.train()
     final = trainer.save_model()  # the output dir itself, as TRL
     if not trainer.session.is_main_process:

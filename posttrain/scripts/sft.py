@@ -43,7 +43,7 @@ def train_losses(history: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(SFTTrainer, SFTConfig, DataArguments, argv,
+    run(SFTTrainer, SFTConfig, DataArguments, argv, demo_model=tiny.model_path,
         metrics=("loss", "mean_token_accuracy"), saved="model", train_summary=train_losses)
 
 

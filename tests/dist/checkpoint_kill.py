@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 from ppo_run import prompts as ppo_prompts
 
-from posttrain.rewards import models as rewards
-from posttrain.errors import ConfigError
 from posttrain.data.preference import write_jsonl
+from posttrain.demo import tiny
+from posttrain.errors import ConfigError
+from posttrain.rewards import models as rewards
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer, gather_ranks
 
-BASE = dict(learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=8, num_mini_batches=2,
+BASE = dict(model_name_or_path=str(tiny.sft_model_path()), reward_model_path=str(tiny.reward_model_path()),
+            learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=8, num_mini_batches=2,
             num_ppo_epochs=2, response_length=8, temperature=1.0, stop_token="eos", kl_coef=0.05,
             local_rollout_forward_batch_size=16, disable_tqdm=True, num_sample_generations=1,
             total_episodes=128, save_steps=2)  # 4 updates of 2 x 16 rollouts
@@ -77,7 +79,7 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
     if mode == "full":
         trainer = run(output_dir=str(tmp / "full"), save_total_limit=1)
         res["history"] = trainer.history
-        res["saved"] = str(trainer.save())  # the policy at the top of the output dir, the value model in value/
+        res["saved"] = str(trainer.save_model())  # the policy at the top of the output dir, the value model in value/
         s = trainer.session
         # Rank 0 holds [0, 0], rank 1 [1, 1]: the variance over all four is 1/3, each rank's own is 0.
         values = torch.full((2,), float(s.process_index), dtype=torch.float64)

@@ -51,7 +51,7 @@ def blend_checks() -> dict:
 
 
 def run(tmp: Path, name: str, **fields) -> dict:
-    base = dict(output_dir=str(tmp / name), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+    base = dict(output_dir=str(tmp / name), model_name_or_path=str(tiny.sft_model_path()), per_device_train_batch_size=4, gradient_accumulation_steps=1,
                 learning_rate=1e-3, max_steps=6, logging_steps=1, max_length=64, disable_tqdm=True,
                 sync_ref_model=True, ref_model_mixup_alpha=ALPHA, ref_model_sync_steps=2)
     trainer = DPOTrainer(DPOConfig(**{**base, **fields}), train_dataset=TRAIN)

@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from posttrain.demo import synthetic
+from posttrain.demo import synthetic, tiny
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 TRAIN = synthetic.preference_pairs(64, seed=0)
@@ -13,7 +13,7 @@ EVAL = synthetic.preference_pairs(24, seed=1)
 
 
 def run(tmp: Path, name: str, eval_dataset=None, **fields) -> tuple[DPOTrainer, dict]:
-    base = dict(output_dir=str(tmp / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    base = dict(output_dir=str(tmp / name), model_name_or_path=str(tiny.sft_model_path()), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                 learning_rate=1e-3, max_steps=6, logging_steps=1, max_length=64, disable_tqdm=True)
     trainer = DPOTrainer(DPOConfig(**{**base, **fields}), train_dataset=TRAIN, eval_dataset=eval_dataset)
     history = trainer.train()

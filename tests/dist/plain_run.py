@@ -9,8 +9,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from posttrain.demo import synthetic, tiny
 from posttrain.errors import ConfigError
 from posttrain.scripts.data import bundled_prompts
@@ -32,7 +30,8 @@ def dpo(tmp: Path, name: str, engine: str, **kw) -> tuple[DPOTrainer, list[dict]
 
 
 def grpo(tmp: Path, engine: str) -> tuple[GRPOTrainer, list[dict]]:
-    cfg = GRPOConfig(output_dir=str(tmp / f"grpo-{engine}"), overwrite_output_dir=True, learning_rate=3e-3,
+    cfg = GRPOConfig(output_dir=str(tmp / f"grpo-{engine}"), model_name_or_path=str(tiny.sft_model_path()),
+                     overwrite_output_dir=True, learning_rate=3e-3,
                      per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                      gradient_accumulation_steps=2, max_steps=2, beta=0.04, max_grad_norm=0.05, disable_tqdm=True,
                      seed=7, reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], single_process_engine=engine)

@@ -139,10 +139,6 @@ class Trainer:
             save_trained_model(self.session, role, path / role, self.tokenizer, merge)
         return path
 
-    def save(self, directory: str | os.PathLike | None = None) -> Path:
-        """``save_model`` under its earlier name."""
-        return self.save_model(directory)
-
 
 def collated_batches(trainer: Any, start_micro: int) -> Iterator[dict]:
     """This process's micro-batches of ``trainer.train_rows`` in the data order of

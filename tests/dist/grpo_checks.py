@@ -32,7 +32,7 @@ def run(config_cls, trainer_cls, save=False, **fields) -> tuple[list[dict], list
     trainer = trainer_cls(cfg, train_dataset=bundled_prompts(2048, cfg.seed))  # `posttrain grpo`'s prompts
     history = trainer.train()
     if save:
-        trainer.save()  # the output dir itself, as TRL
+        trainer.save_model()  # the output dir itself, as TRL
     return history, sorted(trainer.session.roles), dict(trainer.rollout.stats)
 
 

@@ -1,6 +1,6 @@
 """What a run is given, checked before anything is written or loaded: model folders (a config and
-weights whose safetensors headers are whole), data files, the checkpoint to resume from, the
-placement (mix and role configs) and a writable output dir. Each failure is a ConfigError whose one
+weights whose safetensors headers are whole), data files, the checkpoint to resume from and a
+writable output dir (the placement is checked by ``posttrain.placement.roles``). Each failure is a ConfigError whose one
 sentence names the fix; nothing here asks the hub about a name that is plainly a local path."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
 from pathlib import Path
 
 from posttrain.errors import ConfigError
@@ -141,25 +140,6 @@ def check_resume_path(value: str | None, output_dir: str) -> None:
     if not (path / "state").exists() and (path / "config.json").is_file():
         raise ConfigError(f"resume_from_checkpoint {value!r} is a model folder, not a checkpoint: to start from these "
                           "weights pass --model_name_or_path instead; to continue a run give its checkpoint-N folder")
-
-
-def check_placement(mix: str, role_configs: Mapping | None) -> None:
-    """The mix exists and every role config reads (a preset name or a JSON file); which roles a
-    run has is checked by ``roles_for`` once the trainer knows them."""
-    from posttrain.placement import dsconfig
-    from posttrain.placement.roles import check_mix
-
-    check_mix(mix)
-    if role_configs is None:
-        return
-    if not isinstance(role_configs, Mapping):
-        raise ConfigError(f"role_configs must map a role name to a DeepSpeed config (preset name or JSON path), got "
-                          f"{role_configs!r}: set it in the YAML as role_configs: {{reference: zero3_inference}}")
-    for role, config in role_configs.items():
-        try:
-            dsconfig.read_config(config)
-        except ConfigError as err:
-            raise ConfigError(f"role_configs {role}: {err}") from None
 
 
 def check_output_dir(output_dir: str | os.PathLike) -> None:

@@ -57,6 +57,20 @@ MIXES: dict[str, tuple[str, str]] = {
 # Mixes whose frozen roles keep DeepSpeed's gathering: Role(fast_frozen=False).
 STOCK_GATHER_MIXES = {"zero2-zero3-stock"}
 DEFAULT_MIX = "zero2-zero3"
+# Each trainer's roles, by its name: the models it trains, the frozen models it may hold, and the
+# trained roles its rollout engine decodes from in every run. A trainer's ``roles`` is its row; the
+# memory planner reads the table without importing any trainer.
+TRAINER_ROLES: dict[str, dict[str, list[str]]] = {
+    "dpo": {"trained": ["policy"], "frozen": ["reference"]},  # with use_peft, no reference role
+    # With use_peft, no reference role; the reward role only with a reward model.
+    "ppo": {"trained": ["policy", "value"], "frozen": ["reference", "reward"], "decoded": ["policy"]},
+    "distill": {"trained": ["student"], "frozen": ["teacher"]},  # decodes its student only on-policy (lmbda > 0)
+    # Reference only with beta > 0; each reward model is a frozen role of its own (reward, reward_1, ...).
+    "grpo": {"trained": ["policy"], "frozen": ["reference"], "decoded": ["policy"]},
+    "rloo": {"trained": ["policy"], "frozen": ["reference"], "decoded": ["policy"]},
+    "sft": {"trained": ["policy"], "frozen": []},
+    "reward": {"trained": ["reward"], "frozen": []},
+}
 # The trained presets with bf16 master weights and optimizer states (master_weights: bf16).
 BF16_STATE_PRESETS = {"zero2_train": "zero2_train_bf16_states", "zero3_train": "zero3_train_bf16_states"}
 
@@ -77,6 +91,23 @@ def check_mix(mix: str) -> None:
         hint = f" (did you mean {near[0]}?)" if near else ""
         raise ConfigError(f"unknown mix {mix!r}{hint}: choose one of {', '.join(MIXES)}, or map each role to a "
                           "config in role_configs")
+
+
+def check_placement(mix: str, role_configs: Mapping | None) -> None:
+    """The mix exists and every role config reads (a preset name or a JSON file), checked before
+    anything is written or loaded; which roles a run has is checked by :func:`roles_for` once the
+    trainer knows them."""
+    check_mix(mix)
+    if role_configs is None:
+        return
+    if not isinstance(role_configs, Mapping):
+        raise ConfigError(f"role_configs must map a role name to a DeepSpeed config (preset name or JSON path), got "
+                          f"{role_configs!r}: set it in the YAML as role_configs: {{reference: zero3_inference}}")
+    for role, config in role_configs.items():
+        try:
+            read_config(config)
+        except ConfigError as err:
+            raise ConfigError(f"role_configs {role}: {err}") from None
 
 
 def roles_for(

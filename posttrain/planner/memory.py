@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from posttrain.errors import ConfigError
 from posttrain.placement.dsconfig import master_weights, one_rank, params_offloaded, read_config, zero_stage
 from posttrain.placement.plain import torch_roles
-from posttrain.placement.roles import MIXES, STOCK_GATHER_MIXES, roles_for, trained_config
+from posttrain.placement.roles import MIXES, STOCK_GATHER_MIXES, TRAINER_ROLES, roles_for, trained_config
 from posttrain.planner.shapes import (
     SHAPES,
     Lora,
@@ -36,24 +36,11 @@ from posttrain.planner.shapes import (
 GiB = 2**30
 
 
-# Which roles each workload holds, and what kind of model each role is.
-def _trainer_roles() -> dict[str, dict[str, list[str]]]:
-    """Each trainer's roles as the trainer declares them (``Trainer.roles``): DPO with its
-    reference, PPO with a reward model, GRPO/RLOO with a reference (beta > 0) and Python reward
-    functions (reward models are more frozen roles; benchmarks/grpo_e2e.py runs the trainers)."""
-    from posttrain.trainers.distill import DistillTrainer
-    from posttrain.trainers.dpo import DPOTrainer
-    from posttrain.trainers.grpo import GRPOTrainer
-    from posttrain.trainers.ppo import PPOTrainer
-    from posttrain.trainers.reward import RewardTrainer
-    from posttrain.trainers.rloo import RLOOTrainer
-    from posttrain.trainers.sft import SFTTrainer
-
-    return {t.name: {kind: list(names) for kind, names in t.roles.items()}
-            for t in (DPOTrainer, PPOTrainer, DistillTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer, RewardTrainer)}
-
-
-WORKLOADS: dict[str, dict[str, list[str]]] = _trainer_roles()
+# Which roles each workload holds (its trainer's row of the role table: DPO with its reference, PPO
+# with a reward model, GRPO/RLOO with a reference and Python reward functions; reward models are
+# more frozen roles), and what kind of model each role is.
+WORKLOADS: dict[str, dict[str, list[str]]] = {name: {kind: list(names) for kind, names in row.items()}
+                                              for name, row in TRAINER_ROLES.items()}
 ROLE_KINDS = {"policy": "causal", "reference": "causal", "student": "causal", "teacher": "causal",
               "value": "token", "reward": "sequence"}
 

@@ -29,6 +29,7 @@ from typing import Any
 from posttrain import checks
 from posttrain.errors import ConfigError
 from posttrain.placement.launch import check_launch
+from posttrain.placement.roles import check_placement
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
@@ -202,8 +203,9 @@ def check_model_paths(outputs: Sequence[Any]) -> None:
 
 def check_inputs(outputs: Sequence[Any]) -> None:
     """What the run is given, before anything is written or loaded: model paths, a dataset that is
-    a local path (not a stream), the placement (mix, role configs), the checkpoint to resume from and a writable
-    output dir (posttrain.checks; the trainers repeat the last three for Python callers)."""
+    a local path (not a stream), the placement (mix, role configs), the checkpoint to resume from
+    and a writable output dir (posttrain.checks and posttrain.placement.roles; the trainers repeat
+    the last three for Python callers)."""
     check_model_paths(outputs)
     values = {f.name: getattr(o, f.name) for o in outputs for f in fields(o)}
     if values.get("dataset_streaming"):  # TRL's ScriptArguments flag: the trainers take whole datasets
@@ -212,7 +214,7 @@ def check_inputs(outputs: Sequence[Any]) -> None:
     if isinstance(values.get("dataset_name"), str):
         checks.check_data_path(values["dataset_name"])
     if "mix" in values:
-        checks.check_placement(values["mix"], values.get("role_configs"))
+        check_placement(values["mix"], values.get("role_configs"))
     if "output_dir" in values:
         checks.check_output_dir(values["output_dir"])
         checks.check_resume_path(values.get("resume_from_checkpoint"), values["output_dir"])

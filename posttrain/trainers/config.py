@@ -12,7 +12,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.lora import LoraFields, check_lora_fields
 from posttrain.placement.plain import check_setting as check_engine_setting
 from posttrain.placement.ranks import world_size
-from posttrain.placement.roles import DEFAULT_MIX, roles_for
+from posttrain.placement.roles import DEFAULT_MIX, check_placement, roles_for
 from posttrain.placement.session import Session
 from posttrain.run.output_dir import prepare_output_dir
 
@@ -155,7 +155,7 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
     """The run's Session; ``decoded``: the trained roles its rollout engine decodes from (Role.decoded:
     the trainer's ``roles["decoded"]``, which decides the one-process engine at fp32 master weights)."""
     # Everything the run is given is checked before prepare_output_dir clears anything.
-    checks.check_placement(cfg.mix, cfg.role_configs)
+    check_placement(cfg.mix, cfg.role_configs)
     roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs, master_weights=cfg.master_weights,
                       decoded=decoded)
     check_engine_setting(cfg.single_process_engine, world_size=world_size(),

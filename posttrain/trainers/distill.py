@@ -31,6 +31,7 @@ from posttrain.models.lora import LoraFields, add_adapters, lora_config
 from posttrain.models.setup import optimizer_and_scheduler
 from posttrain.models.sources import distinct_objects, given_once, model_config, policy_source
 from posttrain.placement.ranks import sum_over_ranks, world_size
+from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer
 from posttrain.trainers.run_log import Phases
@@ -152,7 +153,7 @@ class DistillTrainer(Trainer):
 
     name = "distill"
     shown = ("loss", "eval/loss")
-    roles = {"trained": ["student"], "frozen": ["teacher"]}
+    roles = TRAINER_ROLES["distill"]
     evaluates = True
 
     def __init__(

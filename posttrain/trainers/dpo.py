@@ -22,6 +22,7 @@ from posttrain.models.lora import LoraFields, adapters_disabled, lora_config
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import ModelFields, model_and_tokenizer, reference_source
 from posttrain.placement.ranks import sum_over_ranks
+from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
 from posttrain.trainers.loop import Trainer, collated_batches
 from posttrain.trainers.run_log import Phases
@@ -255,7 +256,7 @@ class DPOTrainer(Trainer):
 
     name = "dpo"
     shown = ("loss", "rewards/accuracies", "rewards/margins", "eval/loss", "eval/rewards/accuracies")
-    roles = {"trained": ["policy"], "frozen": ["reference"]}  # with use_peft, no reference role
+    roles = TRAINER_ROLES["dpo"]  # with use_peft, no reference role
     evaluates = True
 
     def __init__(self, args: DPOConfig, train_dataset: Any, eval_dataset: Any = None, peft_config: Any = None, *,

@@ -47,6 +47,7 @@ from posttrain.models.lora import (
 from posttrain.models.setup import enable_gradient_checkpointing, optimizer_and_scheduler
 from posttrain.models.sources import given_once, policy_source, reference_source
 from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ranks, world_size
+from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.functions import RewardWarnings
 from posttrain.rewards.sources import RewardSources
 from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
@@ -227,7 +228,7 @@ class GRPOTrainer(RewardSources, Trainer):
     name = "grpo"
     shown = ("reward", "kl", "loss")
     # Reference only with beta > 0; each reward model is a frozen role of its own (reward, reward_1, ...).
-    roles = {"trained": ["policy"], "frozen": ["reference"], "decoded": ["policy"]}
+    roles = TRAINER_ROLES["grpo"]
     peft_config: Any = None  # LoRA's settings (peft), None for full fine-tuning
 
     @property

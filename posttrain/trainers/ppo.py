@@ -43,6 +43,7 @@ from posttrain.models.sources import (
     reference_source,
 )
 from posttrain.placement.ranks import gather_ranks, world_size
+from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards import models as rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
 from posttrain.trainers.config import TrainConfig, make_session
@@ -259,7 +260,7 @@ class PPOTrainer(Trainer):
     name = "ppo"
     shown = ("objective/scores", "objective/kl", "loss/policy_avg")
     # reward: when a reward model is given; reference: unless use_peft (then the policy's base)
-    roles = {"trained": ["policy", "value"], "frozen": ["reference", "reward"], "decoded": ["policy"]}
+    roles = TRAINER_ROLES["ppo"]
 
     def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None, *, model: Any = None,
                  ref_model: Any = None, reward_model: Any = None, value_model: Any = None,

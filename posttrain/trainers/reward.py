@@ -27,6 +27,7 @@ from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import ModelFields, model_and_tokenizer
 from posttrain.models.tokenizer import TokenizerFields, set_tokens
 from posttrain.placement.ranks import gather_ranks
+from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
 from posttrain.trainers.loop import RowsTrainer, eval_shards
 from posttrain.trainers.run_log import Phases
@@ -131,7 +132,7 @@ class RewardTrainer(RowsTrainer):
 
     name = "reward"
     shown = ("loss", "accuracy", "eval/accuracy")
-    roles = {"trained": [ROLE], "frozen": []}
+    roles = TRAINER_ROLES["reward"]
     evaluates = True
 
     def __init__(self, args: RewardConfig, train_dataset: Any, eval_dataset: Any = None, peft_config: Any = None,

@@ -26,6 +26,7 @@ from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import ModelFields, model_and_tokenizer
 from posttrain.models.tokenizer import TokenizerFields, set_tokens
 from posttrain.placement.ranks import sum_over_ranks
+from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
 from posttrain.trainers.loop import RowsTrainer, eval_shards
 from posttrain.trainers.run_log import Phases
@@ -137,7 +138,7 @@ class SFTTrainer(RowsTrainer):
 
     name = "sft"
     shown = ("loss", "mean_token_accuracy", "eval/loss")
-    roles = {"trained": ["policy"], "frozen": []}
+    roles = TRAINER_ROLES["sft"]
     evaluates = True
 
     def __init__(self, args: SFTConfig, train_dataset: Any, eval_dataset: Any = None, peft_config: Any = None, *,

@@ -1,9 +1,10 @@
 """``posttrain`` command line: the trainers (``posttrain sft|reward|dpo|ppo|distill|grpo|rloo``, each the
 module ``posttrain.scripts.<name>`` that examples/<name>.py runs too, with the same YAML and
-flags), ``posttrain bench`` (the ZeRO-mix benchmark), ``posttrain plan`` (the memory planner) and
-``posttrain accelerate-config NAME`` (the path of a shipped accelerate config, for launching the
-trainers on several processes: ``accelerate launch --config_file $(posttrain accelerate-config
-cpu_2proc) $(which posttrain) grpo``; or ``torchrun --nproc_per_node 2 $(which posttrain) grpo``)."""
+flags), ``posttrain plan`` (the memory planner) and ``posttrain accelerate-config NAME`` (the path
+of a shipped accelerate config, for launching the trainers on several processes: ``accelerate
+launch --config_file $(posttrain accelerate-config cpu_2proc) $(which posttrain) grpo``; or
+``torchrun --nproc_per_node 2 $(which posttrain) grpo``). The ZeRO-mix benchmark is not part of
+the package: ``python benchmarks/harness/harness.py`` in a clone."""
 
 from __future__ import annotations
 
@@ -11,25 +12,12 @@ import argparse
 import importlib
 import importlib.util
 import sys
-from pathlib import Path
 
 from posttrain.errors import ConfigError
 from posttrain.placement.launch import accelerate_config_command
 from posttrain.placement.roles import MIXES
 from posttrain.planner import memory
 from posttrain.planner import shapes as model_shapes
-
-
-def _bench(argv: list[str]) -> int:
-    # The harness lives in the source checkout's benchmarks/ (it is not part of the wheel).
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "harness.py").exists():
-        print("posttrain bench needs a source checkout of posttrain (benchmarks/harness.py)", file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(root))
-    from benchmarks import harness
-
-    return harness.main(argv)
 
 
 def _plan(argv: list[str]) -> int:
@@ -146,7 +134,7 @@ def _trainer(name: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": _bench, "plan": _plan, "accelerate-config": accelerate_config_command,
+    commands = {"plan": _plan, "accelerate-config": accelerate_config_command,
                 **{t: (lambda a, t=t: _trainer(t, a)) for t in TRAINERS}}
     if not argv or argv[0] not in commands:
         names = ",".join(commands)

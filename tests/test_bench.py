@@ -122,12 +122,10 @@ def test_outputs_and_command(runs):
     assert (out / "results.png").stat().st_size > 1000
 
 
-def test_posttrain_bench_command_renders(runs):
-    from posttrain import cli
-
+def test_harness_report_renders(runs):
     _, out, _, _ = runs
     (out / "results.md").unlink()
-    assert cli.main(["bench", "--report", str(out)]) == 0
+    assert harness.main(["--report", str(out)]) == 0
     assert "+teacher=" in (out / "results.md").read_text()
     assert "| trl-zero3 | trl.GKDTrainer | ok |" in (out / "results.md").read_text()
 

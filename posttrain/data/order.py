@@ -8,11 +8,9 @@ from collections.abc import Iterator
 
 import torch
 
-# LOCK_FILE, checkpoints, lock_output_dir, resume_dir and save_checkpoint are imported from here too
-# (loop.py, scripts/hub.py, tests), as before the output dir had its own module.
-
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's, torch's and (when installed) numpy's global generators, as transformers' ``set_seed``."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:

@@ -4,13 +4,12 @@ before the process group exists."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
-from posttrain.placement.session import Session
-
-# LOCK_FILE, checkpoints, lock_output_dir, resume_dir and save_checkpoint are imported from here too
-# (loop.py, scripts/hub.py, tests), as before the output dir had its own module.
+if TYPE_CHECKING:
+    from posttrain.placement.session import Session
 
 
 def world_size() -> int:

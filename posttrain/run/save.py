@@ -1,5 +1,5 @@
-"""The final model, saved where TRL's ``save_model`` puts it: weights, tokenizer, adapters or
-merged weights, and the model card."""
+"""A trained role's final model, saved where TRL's ``save_model`` puts it: its weights (or its
+adapter, or the base with the adapter merged in) and its tokenizer."""
 
 from __future__ import annotations
 

@@ -19,13 +19,7 @@ from posttrain.placement.session import Session
 from posttrain.run import interrupt
 from posttrain.run.jsonrows import dumps_row, read_rows
 from posttrain.run.modelcard import write_model_card
-
-# LOCK_FILE, checkpoints, lock_output_dir, resume_dir and save_checkpoint are imported from here too
-# (loop.py, scripts/hub.py, tests), as before the output dir had its own module.
-from posttrain.run.output_dir import (
-    SETTINGS_FILE,
-    latest_checkpoint,
-)
+from posttrain.run.output_dir import SETTINGS_FILE, latest_checkpoint
 from posttrain.trainers.config import TrainConfig
 
 
@@ -186,7 +180,7 @@ def _row_step(line: str) -> float:
 
 
 def _jsonable(d: dict) -> dict:
-    """config.json's values: JSON types as they are, a non-finite float and anything else as its text."""
+    """The settings file's values: JSON types as they are, a non-finite float and anything else as its text."""
     def plain(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
             return repr(v)

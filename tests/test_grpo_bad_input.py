@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.rewards import functions as reward_funcs
 from posttrain.rewards import models as rewards
 from posttrain.rewards.functions import RewardFuncError, call_reward_funcs
 from posttrain.trainers.grpo import GRPOConfig
@@ -122,10 +123,10 @@ def test_a_missing_dataset_column():
         return [0.0] * len(completions)
 
     with pytest.raises(ConfigError) as err:
-        rewards.check_columns(needs_answer, ["solution"])
+        reward_funcs.check_columns(needs_answer, ["solution"])
     assert str(err.value) == ("reward function 'needs_answer' needs the dataset column(s) ['answer'], which the "
                               "dataset does not have (its columns: ['solution']): use a dataset with them")
-    rewards.check_columns(needs_answer, ["answer"])
+    reward_funcs.check_columns(needs_answer, ["answer"])
 
 
 def strings(completions, **_):

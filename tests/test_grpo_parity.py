@@ -5,10 +5,11 @@ old and reference log-probs."""
 
 import pytest
 import torch
+from conftest import tiny_defaults
 
 from posttrain.demo import tiny
 from posttrain.models.setup import enable_gradient_checkpointing
-from posttrain.rewards import models as rewards
+from posttrain.rewards import functions as reward_funcs
 from posttrain.trainers.grpo import (
     LOSS_TYPES,
     GRPOConfig,
@@ -125,7 +126,7 @@ def test_advantages_equal_trl(trl, scale, aggregation):
     trainer, rows, completion_ids = trl
     set_trl(trainer, scale_rewards=scale, multi_objective_aggregation=aggregation, mask_truncated_completions=True)
     out = trainer._generate_and_score_completions([dict(r) for r in rows])
-    per_func = rewards.call_reward_funcs([token_reward, sparse_reward], [r["prompt"] for r in rows],
+    per_func = reward_funcs.call_reward_funcs([token_reward, sparse_reward], [r["prompt"] for r in rows],
                                          [""] * len(rows), completion_ids)
     ours = group_advantages(per_func, torch.tensor([1.0, 0.5]), G, scale, aggregation)
     assert torch.allclose(ours["advantages"], out["advantages"], atol=TOL), (ours["advantages"], out["advantages"])
@@ -255,7 +256,7 @@ def test_checkpoints_only_on_generation_boundaries(tmp_path):
     from posttrain.trainers.grpo import GRPOTrainer
 
     cfg = GRPOConfig(per_device_train_batch_size=8, num_generations=4, steps_per_generation=2, save_steps=1,
-                     output_dir=str(tmp_path))
+                     output_dir=str(tmp_path), **tiny_defaults())
     with pytest.raises(ConfigError, match="generation boundary"):
         GRPOTrainer(cfg, train_dataset=bundled_prompts(16))
 

@@ -78,14 +78,15 @@ def ours_stub(cfg, rows, prompt_ids, completion_ids, tok):
     rollout returns the fixed completions; the reward model is a plain module (its engine)."""
     from transformers import AutoModelForSequenceClassification, TrainerState
 
+    from posttrain.rewards.scoring import Rewards
+
     t = GRPOTrainer.__new__(GRPOTrainer)
     path = str(tiny.reward_model_path())
     rm = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32).eval()
-    rin = rewards.reward_model_input(path, tok, len(tok), reencode=True)
-    rin.prepare(rm)
     t.cfg, t.tokenizer, t.eos_ids, t.rows, t.step, t.num_tokens = cfg, tok, [tok.eos_token_id], rows, 0, 0.0
     t.session = SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1, is_main_process=True,
-                                engines={"reward": rm}, activate=lambda role: nullcontext())
+                                engines={"reward": rm}, activate=lambda role: nullcontext(),
+                                load=lambda role, source, **_: rm, prepare=lambda role, model: model)
     t.prompt_ids = prompt_ids
     t._generation_rows = lambda cycle: list(range(len(rows)))
     width = max(len(c) for c in completion_ids)
@@ -95,23 +96,20 @@ def ours_stub(cfg, rows, prompt_ids, completion_ids, tok):
         ids[i, : len(c)], mask[i, : len(c)] = torch.tensor(c), 1
     t.rollout = SimpleNamespace(generate=lambda p, m: SimpleNamespace(completion_ids=ids, completion_mask=mask))
     t.phases = Phases()
-    t.sources = [("func", ids_reward, "ids_reward"), ("func", async_len_reward, "async_len_reward"),
-                 ("model", "reward", path)]
-    t.reward_inputs = {"reward": rin}
-    t.reward_weights = torch.tensor([1.0, 0.5, 2.0])
-    t.reward_names = ["ids_reward", "async_len_reward", "reward-trained-s0-n200"]
+    t.rewards = Rewards([ids_reward, async_len_reward, path], [1.0, 0.5, 2.0], batch_size=cfg.per_device_train_batch_size)
+    t.rewards.plan(rm.config, tok)
+    t.rewards.load(t.session)
+    assert t.rewards.names == ["ids_reward", "async_len_reward", "reward-trained-s0-n200"]
     t.prompts_per_generation = len(rows) // cfg.num_generations
     t.trainer_state = TrainerState()
-    t._extra_columns, t._pending_metrics = {}, {}
-    t.reward_warnings = reward_funcs.RewardWarnings(t.reward_names)
     captured = {}
-    score = t.score
+    score = t.rewards.score
 
-    def spy(*a):
-        captured["per_func"] = score(*a)
+    def spy(*a, **k):
+        captured["per_func"] = score(*a, **k)
         return captured["per_func"]
 
-    t.score = spy
+    t.rewards.score = spy
     return t, captured
 
 
@@ -239,7 +237,7 @@ def test_async_functions_run_together_on_one_loop():
         return [2.0] * len(completions)
 
     for _ in range(2):
-        out = rewards.call_reward_funcs([slow, fast], ["p", "q"], ["a", "b"], [[1], [2]])
+        out = reward_funcs.call_reward_funcs([slow, fast], ["p", "q"], ["a", "b"], [[1], [2]])
         assert out.tolist() == [[1.0, 2.0], [1.0, 2.0]]
     assert order[:3] == ["slow start", "fast", "slow end"]  # fast ran while slow awaited
     assert len({id(loop) for loop in loops}) == 1
@@ -265,5 +263,5 @@ def test_rloo_rewards_equal_trl(trl_trainer, tmp_path):
     theirs = trainer._calculate_rewards([dict(r) for r in rows], prompts, texts, completion_ids)
     cfg = GRPOConfig(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=N)
     t, _ = ours_stub(cfg, [dict(r) for r in rows], prompt_ids, completion_ids, tok)
-    ours = t.score([dict(r) for r in rows], prompts, texts, completion_ids)
+    ours = t.rewards.score(prompts, texts, completion_ids, rows=[dict(r) for r in rows], trainer_state=t.trainer_state)
     assert torch.allclose(ours, theirs, atol=1e-5), (ours, theirs)

@@ -11,6 +11,7 @@ import torch
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
+from posttrain.rewards import functions as reward_funcs
 from posttrain.rewards import models as rewards
 
 
@@ -70,19 +71,19 @@ def policy_tok():
 def test_load_reward_funcs_and_errors(tmp_path, monkeypatch):
     from posttrain.demo import synthetic
 
-    assert rewards.load_reward_funcs(["posttrain.demo.synthetic:sentiment_reward"]) == [synthetic.sentiment_reward]
+    assert reward_funcs.load_reward_funcs(["posttrain.demo.synthetic:sentiment_reward"]) == [synthetic.sentiment_reward]
     (tmp_path / "broken_rewards.py").write_text("import not_installed_dep\n\ndef fn(completions, **kw):\n    return []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match=r"reward function 'broken_rewards:fn': importing 'broken_rewards' failed "
                                           r"with ModuleNotFoundError: No module named 'not_installed_dep'"):
-        rewards.load_reward_funcs(["broken_rewards:fn"])
+        reward_funcs.load_reward_funcs(["broken_rewards:fn"])
     sys.modules.pop("broken_rewards", None)
     with pytest.raises(ConfigError, match="posttrain.demo.synthetic has no 'nope'.*sentiment_reward"):
-        rewards.load_reward_funcs(["posttrain.demo.synthetic:nope"])
+        reward_funcs.load_reward_funcs(["posttrain.demo.synthetic:nope"])
     with pytest.raises(ConfigError, match="'posttrain.demo.synthetic' is not a function \\(of type module\\)"):
-        rewards.load_reward_funcs(["posttrain.demo.synthetic"])  # module.function spelling: posttrain's 'synthetic'
+        reward_funcs.load_reward_funcs(["posttrain.demo.synthetic"])  # module.function spelling: posttrain's 'synthetic'
     with pytest.raises(ConfigError, match="is not a function \\(of type list\\)"):
-        rewards.load_reward_funcs(["posttrain.demo.tiny:SPECIAL"])
+        reward_funcs.load_reward_funcs(["posttrain.demo.tiny:SPECIAL"])
     assert rewards.is_function_name("pkg.mod:fn") and not rewards.is_function_name("org/reward-model")
 
 
@@ -99,12 +100,12 @@ def test_weights_and_calling_convention():
     def partial(completions, **_):
         return [None, 1.0]
 
-    per_func = rewards.call_reward_funcs([length, partial], ["a", "b"], ["xy", "xyz"], [[1], [2]], answer=["1", "2"])
+    per_func = reward_funcs.call_reward_funcs([length, partial], ["a", "b"], ["xy", "xyz"], [[1], [2]], answer=["1", "2"])
     assert per_func.tolist()[0][0] == 2.0 and torch.isnan(per_func[0, 1]) and seen == {"answer": ["1", "2"], "n_ids": 2}
     # None counts as absent (TRL's nansum): row 0 = 0.5 * 2, row 1 = 0.5 * 3 + 2 * 1.
-    assert rewards.weighted_sum(per_func, [0.5, 2.0]).tolist() == [1.0, 3.5]
+    assert reward_funcs.weighted_sum(per_func, [0.5, 2.0]).tolist() == [1.0, 3.5]
     with pytest.raises(ConfigError, match="'partial' returned 2 rewards for 3 completions"):
-        rewards.call_reward_funcs([partial], ["a", "b", "c"], ["x", "y", "z"])
+        reward_funcs.call_reward_funcs([partial], ["a", "b", "c"], ["x", "y", "z"])
     conv = [[{"role": "user", "content": "hi"}]]
     assert rewards.as_completions(conv, ["yo"]) == [[{"role": "assistant", "content": "yo"}]]
     assert rewards.as_completions(["hi"], ["yo"]) == ["yo"]

@@ -17,7 +17,7 @@ from test_grpo_parity import (
 
 from posttrain.demo import tiny
 from posttrain.models.setup import enable_gradient_checkpointing
-from posttrain.rewards import models as rewards
+from posttrain.rewards import functions as reward_funcs
 from posttrain.trainers.grpo import completion_logps, reduce_loss_stats
 from posttrain.trainers.rloo import RLOOConfig, rloo_advantages, rloo_loss
 
@@ -79,7 +79,7 @@ def test_advantages_equal_trl(trl, models, beta, normalize, clip):
         old, _ = completion_logps(policy, ids, attention, mask.shape[1], TEMPERATURE)
         ref, _ = completion_logps(reference, ids, attention, mask.shape[1], TEMPERATURE)
     assert torch.allclose((old * mask).sum(1), out["old_logps"], atol=TOL)
-    per_func = rewards.call_reward_funcs([token_reward, sparse_reward], [r["prompt"] for r in rows],
+    per_func = reward_funcs.call_reward_funcs([token_reward, sparse_reward], [r["prompt"] for r in rows],
                                          [""] * len(rows), completion_ids)
     kl = ((old - ref) * mask).sum(-1)
     ours = rloo_advantages(per_func, torch.tensor([1.0, 0.5]), G, kl, beta, normalize, clip)

@@ -1,5 +1,5 @@
 """Prompts for the online trainers: reading prompt rows, chat templates, tokenizing, and
-left-padded batches."""
+left-padded batches and their positions."""
 
 from __future__ import annotations
 
@@ -16,6 +16,20 @@ def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str = "c
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in seqs], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in seqs], dtype=torch.long, device=device)
     return ids, mask
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that follow the attention mask, so a left-padded prompt starts at 0 (as in
+    generation): ``cumsum - 1`` at real tokens, the padding's own value never read."""
+    return attention_mask.long().cumsum(1) - attention_mask.long()
+
+
+def padded_inputs(sequences: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """A padded batch of prompt + completion ids as a model reads it (TRL's PPOTrainer): the pad
+    positions masked (their ids 0) and positions that follow the mask."""
+    attention_mask = sequences != pad_token_id
+    input_ids = torch.masked_fill(sequences, ~attention_mask, 0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
 
 
 # -- prompts -------------------------------------------------------------------------------------

@@ -1,1 +1,2 @@
-"""Rewards for the RL trainers: reward functions (TRL's convention), reward models, and the sources a run scores with."""
+"""Rewards for the RL trainers: reward functions (TRL's convention), reward models, and the one
+component a trainer scores with (``scoring.Rewards``)."""

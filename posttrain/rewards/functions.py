@@ -273,10 +273,16 @@ def call_reward_funcs(
     return out
 
 
-def weighted_sum(per_func: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
-    """TRL's combination: sum over columns of weight * reward, NaN (a None) counted as absent."""
-    w = torch.tensor(list(weights), dtype=per_func.dtype, device=per_func.device)
-    return (per_func * w.unsqueeze(0)).nansum(dim=1)
+def weighted_sum(per_func: torch.Tensor, weights: Sequence[float] | torch.Tensor,
+                 unscored: torch.Tensor | None = None) -> torch.Tensor:
+    """TRL's combination of rewards: the sum over rewards of weight x reward with a None (NaN) left
+    out, NaN on the ``unscored`` rows (default: those no reward scored), which TRL keeps out of its
+    statistics."""
+    values = weights.tolist() if isinstance(weights, torch.Tensor) else list(weights)
+    w = torch.tensor(values, dtype=per_func.dtype, device=per_func.device)
+    total = (per_func * w.unsqueeze(0)).nansum(dim=1)
+    total[torch.isnan(per_func).all(dim=1) if unscored is None else unscored] = torch.nan
+    return total
 
 
 class RewardWarnings:
@@ -311,13 +317,6 @@ class RewardWarnings:
             self._once(("rows",), f"{int(unscored.sum())} of {per_func.shape[0]} completions got None from every reward "
                        "(TRL warns the same): they are left out of the group statistics and get advantage 0; make at "
                        "least one reward score every completion")
-
-
-def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The logged reward: the weighted sum of the reward functions, NaN where none applied."""
-    rewards = weighted_sum(rewards_per_func, weights.tolist())
-    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-    return rewards
 
 
 def raise_on_every_rank(session: Any, failure: Exception | None) -> None:

@@ -1,6 +1,7 @@
-"""Reward sources shared by the RL trainers (PPO, GRPO, RLOO): reward specs and
-sequence-classification reward models, following TRL 1.16's GRPOTrainer. Reward functions
-themselves (names, calling convention, checks) are in :mod:`posttrain.rewards.functions`.
+"""Reward specs and sequence-classification reward models for the RL trainers (PPO, GRPO, RLOO),
+following TRL 1.16's GRPOTrainer. Reward functions themselves (names, calling convention, checks)
+are in :mod:`posttrain.rewards.functions`; the component a trainer scores with is
+:class:`posttrain.rewards.scoring.Rewards`.
 
 - :func:`resolve_reward_specs` sorts a ``reward_funcs`` list into functions and reward models by
   spelling, and checks each (import, folder, config, one label) before anything loads.
@@ -11,7 +12,7 @@ themselves (names, calling convention, checks) are in :mod:`posttrain.rewards.fu
     template for conversational prompts), :func:`encode_for_reward` then :func:`sequence_scores`;
   * PPO (``reencode=False``, as TRL's PPOTrainer up to 1.12 did): when the reward model's
     tokenizer has the policy's vocabulary (``shares_policy_ids``) it scores the policy's token
-    ids directly; otherwise as above.
+    ids directly (:func:`scores_at`); otherwise as above.
 
   A model object (PPO's ``reward_model=``/``value_model=``, GRPO's among ``reward_funcs``) is
   read with its given tokenizer, else as its folder when it has one (:func:`scorer_input`).
@@ -32,8 +33,9 @@ from typing import Any
 
 import torch
 
+from posttrain.data.prompts import padded_inputs
 from posttrain.errors import ConfigError
-from posttrain.rewards import functions as reward_funcs
+from posttrain.rewards.functions import load_reward_func, spec_kind
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +44,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 
 
 # -- reward specs -------------------------------------------------------------------------------
-# Reward functions live in posttrain.rewards.functions; these names are its API as the trainers use it.
-call_reward_funcs = reward_funcs.call_reward_funcs
-check_columns = reward_funcs.check_columns
-func_name = reward_funcs.func_name
-load_reward_funcs = reward_funcs.load_reward_funcs
-weighted_sum = reward_funcs.weighted_sum
-
-
 @dataclass
 class RewardSpec:
     """One entry of ``reward_funcs``, resolved: a function (``func``) or a reward model (``path``)."""
@@ -67,7 +61,7 @@ def is_function_name(name: str) -> bool:
     """True for a reward function spec (a TRL built-in name, ``module.function`` or
     ``module:function``); False for a model (an existing path or a hub id). Decided by the
     spelling alone: nothing is looked up."""
-    return reward_funcs.spec_kind(name) == "function"
+    return spec_kind(name) == "function"
 
 
 def resolve_reward_specs(specs: Sequence[str]) -> list[RewardSpec]:
@@ -75,12 +69,17 @@ def resolve_reward_specs(specs: Sequence[str]) -> list[RewardSpec]:
     models' folders (or hub ids) and configs read. A failure is one sentence naming the fix."""
     out = []
     for spec in specs:
-        if reward_funcs.spec_kind(spec) == "function":
-            out.append(RewardSpec(spec, func=reward_funcs.load_reward_func(spec)))
+        if spec_kind(spec) == "function":
+            out.append(RewardSpec(spec, func=load_reward_func(spec)))
         else:
-            check_reward_model(spec)
-            out.append(RewardSpec(spec, path=spec))
+            out.append(reward_model_spec(spec))
     return out
+
+
+def reward_model_spec(path: str) -> RewardSpec:
+    """A reward model's folder or hub id, checked (:func:`check_reward_model`) before anything loads."""
+    check_reward_model(path)
+    return RewardSpec(path, path=path)
 
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -310,6 +309,19 @@ def head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
     finally:
         handle.remove()
     return captured[0]
+
+
+def head_scores(model: Any, sequences: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """A sequence-classification model's head at every position of the policy's sequences (TRL's
+    ``get_reward``: PPO's value model, and a reward model that reads the policy's ids)."""
+    return head_outputs(model, **padded_inputs(sequences, pad_token_id), return_dict=True)
+
+
+def scores_at(model: Any, sequences: torch.Tensor, pad_token_id: int, last: torch.Tensor) -> torch.Tensor:
+    """A reward model that reads the policy's ids: its head at each row's position ``last`` (the
+    completion's last token before padding, as TRL's PPOTrainer reads it)."""
+    logits = head_scores(model, sequences, pad_token_id)
+    return logits[torch.arange(logits.size(0), device=logits.device), last].squeeze(-1)
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ Roles: ``policy`` trains (ZeRO-2 by default); ``reference`` is frozen (ZeRO-3 by
 not exist at all when ``beta == 0`` or with LoRA (``use_peft``/``peft_config``: only the policy's
 adapters train and the reference is its base with the adapters disabled, as in TRL); every
 sequence-classification reward model is a frozen role of its own (``reward``, ``reward_1``, ...,
-``posttrain/rewards/sources.py``). Completions come from ``posttrain.rollout.Rollout`` (``generation_backend``:
+``posttrain/rewards/scoring.py``). Completions come from ``posttrain.rollout.Rollout`` (``generation_backend``:
 the fast ``posttrain`` engine or Hugging Face ``generate``).
 
 The math follows TRL 1.16 line by line (``_generate_and_score_completions`` and ``_compute_loss``):
@@ -45,11 +45,10 @@ from posttrain.models.lora import (
     zero3_adapters,
 )
 from posttrain.models.setup import enable_gradient_checkpointing, optimizer_and_scheduler
-from posttrain.models.sources import given_once, policy_source, reference_source
+from posttrain.models.sources import given_once, model_config, policy_source, reference_source
 from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
-from posttrain.rewards.functions import RewardWarnings
-from posttrain.rewards.sources import RewardSources
+from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.grpo_loss import (
@@ -70,14 +69,13 @@ from posttrain.trainers.run_log import Phases
 class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
     """GRPO settings; names and defaults follow TRL 1.16's ``GRPOConfig`` where the concept is the same."""
 
-    # Models: hub names or local paths. None: the built-in tiny default.
+    # Models: hub names or local paths (or the trainer's model=).
     model_name_or_path: str | None = None
     ref_model_name_or_path: str | None = None  # default: the policy's; only with beta > 0
     # Rewards, in TRL's spellings (posttrain.rewards.functions): one of TRL's built-in reward functions by
     # name (accuracy_reward, think_format_reward, ...), a Python reference "module.function" (or
     # "module:function"; the current directory is importable), or a path/hub id of a
-    # sequence-classification reward model (a frozen role). None: the bundled sentiment reward on
-    # the tiny default.
+    # sequence-classification reward model (a frozen role). One is required (or the trainer's reward_funcs=).
     reward_funcs: list[str] | None = None
     reward_model_name_or_path: str | None = None  # TRL's scripts' flag: a reward model put before reward_funcs
     reward_weights: list[float] | None = None
@@ -220,7 +218,7 @@ def check_reference(cfg: GRPOConfig, adapters: bool) -> None:
 
 
 # -- the trainer ---------------------------------------------------------------------------------
-class GRPOTrainer(RewardSources, Trainer):
+class GRPOTrainer(Trainer):
     """GRPO with per-role placement. ``train()`` returns the logged metrics, one dict per optimizer
     step (TRL's names: ``reward``, ``reward_std``, ``rewards/<func>/mean``, ``kl``, ``entropy``,
     ``clip_ratio/...``, ``completions/...``) plus ``time/<phase>``."""
@@ -258,13 +256,13 @@ class GRPOTrainer(RewardSources, Trainer):
                               "tokenizer.eos_token) and save it with the model")
         self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
 
-        self.resolve_rewards(reward_funcs, model is None and cfg.model_name_or_path is None, reward_processing_classes)
+        self.rewards = self._rewards(reward_funcs, reward_processing_classes)
 
         # The prompts: train_dataset (TRL's name: a datasets.Dataset or rows, required) or train_rows (as given).
         given_once(train_rows, train_dataset, "prompt dataset", "train_rows", "train_dataset=")
         self.rows = train_rows if train_rows is not None else prompt_rows(train_dataset, cfg._algorithm)
         check_conversation(self.rows, ("prompt",), tok, "train_rows" if train_rows is not None else "train_dataset")
-        self.check_reward_columns(self.rows)
+        self.rewards.check_columns(self.rows)
         self.prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows]
         max_prompt_len = max(len(p) for p in self.prompt_ids)
 
@@ -289,8 +287,8 @@ class GRPOTrainer(RewardSources, Trainer):
                 f"{cfg.gradient_accumulation_steps}; pick save_steps so that save_steps x gradient_accumulation_steps "
                 f"is a multiple of {self.micro_per_generation}")
 
-        self.plan_reward_models(getattr(policy_given, "config", None) or policy_path, tok)
-        frozen = (["reference"] if self.separate_reference else []) + self.reward_roles
+        self.rewards.plan(model_config(policy_given), tok)
+        frozen = (["reference"] if self.separate_reference else []) + self.rewards.roles
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps,
                                         decoded=self.roles["decoded"])
         self.compiled_layers = 0  # how many of the policy's layers train compiled (a metric)
@@ -306,7 +304,7 @@ class GRPOTrainer(RewardSources, Trainer):
         s.prepare("policy", policy, opt, sched)
         if self.separate_reference:
             s.prepare("reference", s.load("reference", reference))
-        self.load_reward_models()
+        self.rewards.load(s)
 
         self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
                                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
@@ -326,7 +324,26 @@ class GRPOTrainer(RewardSources, Trainer):
                                           logging_steps=cfg.logging_steps, save_steps=cfg.save_steps or 0,
                                           train_batch_size=cfg.per_device_train_batch_size)
         self.trainer_state.is_world_process_zero = s.is_main_process
-        self.reward_warnings = RewardWarnings(self.reward_names, s.is_main_process)
+
+    def _rewards(self, reward_funcs: list | None, processing_classes: Any) -> Rewards:
+        """The run's rewards in TRL's order: functions and reward-model objects passed in code (TRL's
+        ``reward_funcs``, an object's tokenizer in ``processing_classes``, TRL's
+        ``reward_processing_classes``), the reward model flag, then the config's ``reward_funcs``;
+        every spec checked before anything loads or the output dir is touched."""
+        cfg = self.cfg
+        given = list(reward_funcs or [])
+        if processing_classes is not None and not isinstance(processing_classes, list):
+            processing_classes = [processing_classes]
+        if processing_classes is not None and len(processing_classes) != len(given):
+            raise ConfigError(f"reward_processing_classes has {len(processing_classes)} entries for {len(given)} "
+                              "reward_funcs: give one per entry (None for a function)")
+        specs = ([cfg.reward_model_name_or_path] if cfg.reward_model_name_or_path else []) + list(cfg.reward_funcs or [])
+        if not given and not specs:
+            raise ConfigError(f"{cfg._algorithm} needs a reward: set reward_funcs (one of TRL's reward names, "
+                              "\"module.function\", or a reward model's path) or pass reward_funcs=")
+        tokenizers = list(processing_classes or [None] * len(given)) + [None] * len(specs)
+        return Rewards(given + specs, cfg.reward_weights, tokenizers=tokenizers,
+                       batch_size=cfg.per_device_train_batch_size, chat_template_kwargs=cfg.chat_template_kwargs)
 
     def _prepare_policy_model(self, policy: torch.nn.Module) -> torch.nn.Module:
         """In TRL's order: adapters (seeded here, so every placement starts from the same ones),
@@ -424,9 +441,9 @@ class GRPOTrainer(RewardSources, Trainer):
             self.trainer_state.global_step = self.step
             self.trainer_state.epoch = cycle * self.prompts_per_generation / len(self.rows)
             self.trainer_state.num_input_tokens_seen = int(self.num_tokens)
-            per_func = self.score(rows, prompts, texts, generated)
+            per_func = self.rewards.score(prompts, texts, generated, rows=rows, trainer_state=self.trainer_state)
         all_per_func = self._gather(per_func)
-        self.reward_warnings.check(all_per_func)
+        self.rewards.warn(all_per_func)
         adv = self.advantages(all_per_func, old, ref, completion_mask)
         local = slice(s.process_index * len(idx), (s.process_index + 1) * len(idx))
         batch["advantages"] = adv["advantages"][local]
@@ -438,9 +455,8 @@ class GRPOTrainer(RewardSources, Trainer):
 
         metrics = self.generation_metrics(all_per_func, adv, prompt_mask, lengths, truncated)
         metrics.update(adv.get("metrics", {}))
-        metrics.update(self._flush_logged_metrics())
-        self.samples = (prompts, texts, self.weighted(per_func), dict(self._extra_columns))
-        self._extra_columns.clear()
+        metrics.update(self.rewards.logged_metrics())
+        self.samples = (prompts, texts, self.rewards.total(per_func), self.rewards.extra_columns())
         # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
         g = torch.Generator().manual_seed(mix_seed(cfg.seed, "shuffle", cycle, s.process_index))
         perm = torch.randperm(len(idx), generator=g).to(dev)
@@ -453,21 +469,13 @@ class GRPOTrainer(RewardSources, Trainer):
     def advantages(self, rewards_per_func: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
                    completion_mask: torch.Tensor) -> dict[str, Any]:
         cfg = self.cfg
-        return group_advantages(rewards_per_func, self.reward_weights.to(rewards_per_func.device),
+        return group_advantages(rewards_per_func, self.rewards.weights.to(rewards_per_func.device),
                                 cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation)
 
     def generation_metrics(self, all_per_func: torch.Tensor, adv: dict[str, Any], prompt_mask: torch.Tensor,
                            lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
         """TRL's per-generation metrics, over every process's completions."""
-        from trl.trainer.utils import nanstd
-
-        m: dict[str, float] = {}
-        for j, name in enumerate(self.reward_names):
-            m[f"rewards/{name}/mean"] = torch.nanmean(all_per_func[:, j]).item()
-            m[f"rewards/{name}/std"] = nanstd(all_per_func[:, j]).item()
-        rewards = self.weighted(all_per_func)
-        m["reward"] = torch.nanmean(rewards).item()
-        m["reward_std"] = nanstd(rewards).item()
+        m = self.rewards.metrics(all_per_func)
         m["frac_reward_zero_std"] = adv["is_std_zero"].float().mean().item()
         all_lengths = self._gather(lengths).float()
         self.num_tokens += self._sum(prompt_mask.sum().float()).item() + all_lengths.sum().item()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from posttrain.rewards.functions import weighted_rewards, weighted_sum
+from posttrain.rewards.functions import weighted_sum
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 _CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style min(r A, clip(r) A)
@@ -25,7 +25,7 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
     from trl.trainer.utils import nanstd
 
     if aggregation == "sum_then_normalize":
-        rewards = weighted_rewards(rewards_per_func, weights)
+        rewards = weighted_sum(rewards_per_func, weights)
         mean = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
         if scale_rewards in ("group", "none"):
             std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
@@ -39,9 +39,8 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
         mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
         std_k = nanstd(grouped, dim=1, keepdim=True)
         reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
-        rewards = weighted_sum(reward_k, weights.tolist())
         # NaN where no reward scored the row (a group's NaN std can make more of reward_k NaN)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        rewards = weighted_sum(reward_k, weights, unscored=torch.isnan(rewards_per_func).all(dim=1))
         std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
         advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
     return {"advantages": torch.nan_to_num(advantages, nan=0.0),

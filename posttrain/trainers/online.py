@@ -10,13 +10,8 @@ from typing import Any
 
 import torch
 
+from posttrain.data.prompts import position_ids
 from posttrain.run.jsonrows import dumps_row
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that follow the attention mask, so a left-padded prompt starts at 0 (as in
-    generation): ``cumsum - 1`` at real tokens, the padding's own value never read."""
-    return attention_mask.long().cumsum(1) - attention_mask.long()
 
 
 def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,

@@ -30,8 +30,7 @@ import torch
 
 from posttrain.data.order import mix_seed, rank_batches, seed_everything
 from posttrain.data.preference import check_conversation
-from posttrain.data.prompts import policy_text, prompt_rows
-from posttrain.demo import tiny
+from posttrain.data.prompts import padded_inputs, policy_text, prompt_rows
 from posttrain.errors import ConfigError
 from posttrain.models.lora import LoraFields, adapters_disabled, add_adapters, lora_config
 from posttrain.models.setup import optimizer_and_scheduler
@@ -44,11 +43,19 @@ from posttrain.models.sources import (
 )
 from posttrain.placement.ranks import gather_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
-from posttrain.rewards import models as rewards
+from posttrain.rewards.functions import load_reward_funcs
+from posttrain.rewards.models import (
+    check_reward_weights,
+    head_scores,
+    model_name,
+    reward_model_spec,
+    scorer_input,
+)
+from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer
-from posttrain.trainers.online import position_ids, write_samples
+from posttrain.trainers.online import write_samples
 from posttrain.trainers.run_log import Phases
 
 INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a response
@@ -58,8 +65,8 @@ INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a respon
 class PPOConfig(TrainConfig, LoraFields, RolloutFields):
     """PPO settings; names follow TRL's PPOConfig (up to 1.12) where the concept is the same."""
 
-    # Models: hub names or local paths. None: the built-in tiny default.
-    model_name_or_path: str | None = None  # the policy (TRL: sft_model_path)
+    # Models: hub names or local paths (or the trainer's model=, reward_model=, ...).
+    model_name_or_path: str | None = None  # the policy (TRL: sft_model_path); required
     ref_model_name_or_path: str | None = None  # default: the policy's; with use_peft, the policy's base
     reward_model_path: str | None = None  # a sequence-classification model; "none" to use only reward_funcs
     value_model_path: str | None = None  # default: the reward model; any causal LM backbone also works
@@ -196,32 +203,14 @@ def value_loss(
 
 
 # -- model calls -----------------------------------------------------------------------------
-def _inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
-    attention_mask = query_responses != pad_token_id
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
-
-
 def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the response tokens (and the logits) at the sampling temperature."""
     from trl.trainer.utils import selective_log_softmax
 
-    out = model(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False)
+    out = model(**padded_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False)
     logits = out.logits[:, context_length - 1 : -1] / (temperature + 1e-7)
     return selective_log_softmax(logits, query_responses[:, context_length:]), logits
-
-
-def token_scores(model: Any, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
-    """A sequence-classification model's head at every position (TRL's ``get_reward``): returns
-    (per-token scores, score at the last non-pad token).
-
-    The head is read through a hook (``rewards.head_outputs``): calling the backbone and head
-    separately, as TRL did, bypasses a ZeRO-3 engine's parameter gathering.
-    """
-    logits = rewards.head_outputs(model, **_inputs(query_responses, pad_token_id), return_dict=True)
-    lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    return logits, logits[torch.arange(logits.size(0), device=logits.device), lengths].squeeze(-1)
 
 
 def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) -> dict[str, float]:
@@ -280,28 +269,31 @@ class PPOTrainer(Trainer):
                               "ref_model, or drop use_peft to use a reference model of its own")
         reward_given = given_once(reward_model, cfg.reward_model_path, "reward model", "reward_model",
                                   "reward_model_path")
-        if reward_given is None and model is None and cfg.model_name_or_path is None:
-            reward_given = str(tiny.reward_model_path())  # the tiny default policy's bundled reward model
         if reward_given == "none":
             reward_given = None
-        self.reward_funcs = (reward_funcs or []) + rewards.load_reward_funcs(cfg.reward_funcs)
-        if reward_given is None and not self.reward_funcs:
-            raise ConfigError("PPO needs a reward: set reward_model_path and/or reward_funcs")
-        self.reward_weights = rewards.check_reward_weights(cfg.reward_weights, len(self.reward_funcs))
+        funcs = list(reward_funcs or []) + load_reward_funcs(cfg.reward_funcs)
+        if reward_given is None and not funcs:
+            raise ConfigError("PPO needs a reward: set reward_model_path (a sequence-classification model) and/or "
+                              "reward_funcs (\"module.function\"), or pass reward_model= or reward_funcs=")
+        # The reward model first, with weight 1; reward_weights are the functions' (PPO's config).
+        weights = check_reward_weights(cfg.reward_weights, len(funcs))
+        reward_models = [] if reward_given is None else [
+            reward_given if isinstance(reward_given, torch.nn.Module) else reward_model_spec(reward_given)]
+        self.rewards = Rewards(reward_models + funcs, [1.0] * len(reward_models) + weights, reencode=False,
+                               batch_size=cfg.local_rollout_forward_batch_size)
 
         if self.tokenizer.pad_token_id is None:
             raise ConfigError(f"{policy_name}: the tokenizer has no pad token; set one (e.g. a new '<pad>')")
         self.stop_token_id = self.tokenizer.eos_token_id if cfg.stop_token == "eos" else cfg.stop_token_id
         # How the reward model reads the policy's output, decided (or refused) before anything loads.
-        policy_vocab = model_config(policy_given).get_text_config().vocab_size
-        self.reward_input = None
-        if reward_given is not None:
-            self.reward_input = rewards.scorer_input(reward_given, self.tokenizer, policy_vocab, "reward model")
+        policy_config = model_config(policy_given)
+        self.rewards.plan(policy_config, self.tokenizer)
+        reads = self.rewards.models[0].reads if self.rewards.models else None
         # The value model scores every token of the policy's ids, so it needs the policy's vocabulary:
         # the default is the reward model when it has it, else the policy's own backbone.
         value_given = given_once(value_model, cfg.value_model_path, "value model", "value_model", "value_model_path")
         if value_given is None:
-            value_given = reward_given if self.reward_input and self.reward_input.shares_policy_ids else policy_given
+            value_given = reward_given if reads is not None and reads.shares_policy_ids else policy_given
             if isinstance(value_given, torch.nn.Module):
                 if value_given is policy_given:
                     raise ConfigError("a policy object needs its value model: pass value_model= (a sequence-"
@@ -310,8 +302,9 @@ class PPOTrainer(Trainer):
                 # The value model trains from the reward model's weights, as a fresh load by path
                 # would; the reward object stays as given (frozen).
                 value_given = copy.deepcopy(value_given).requires_grad_(True)
-        elif not rewards.scorer_input(value_given, self.tokenizer, policy_vocab, "value model").shares_policy_ids:
-            raise ConfigError(f"value model {rewards.model_name(value_given)} has another vocabulary than the policy's, but it "
+        elif not scorer_input(value_given, self.tokenizer, policy_config.get_text_config().vocab_size,
+                              "value model").shares_policy_ids:
+            raise ConfigError(f"value model {model_name(value_given)} has another vocabulary than the policy's, but it "
                               "reads the policy's token ids: give value_model_path a model with the policy's "
                               "tokenizer (or leave it unset to start from the policy)")
         self.raw_prompts = [row["prompt"] for row in prompt_rows(train_dataset, cfg._algorithm)]
@@ -332,8 +325,7 @@ class PPOTrainer(Trainer):
 
         # With adapters the reference is the policy's base (adapters disabled): no role of its own.
         self.peft_config = lora_config(cfg)
-        self.has_reward_model = reward_given is not None
-        frozen = ([] if self.peft_config is not None else ["reference"]) + (["reward"] if self.has_reward_model else [])
+        frozen = ([] if self.peft_config is not None else ["reference"]) + self.rewards.roles
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps,
                                         decoded=self.roles["decoded"])
         if self.peft_config is None:  # taken before the policy trains or takes adapters
@@ -351,10 +343,7 @@ class PPOTrainer(Trainer):
             s.prepare(name, m, opt, sched)
         if self.peft_config is None:
             s.prepare("reference", _no_dropout(s.load("reference", reference)))
-        if self.has_reward_model:
-            reward = _no_dropout(s.load("reward", reward_given, model_cls=AutoModelForSequenceClassification))
-            self.reward_input.prepare(reward)
-            s.prepare("reward", reward)
+        self.rewards.load(s)
         self.phases = Phases()
         self.rollout_engine = None  # posttrain.rollout.Rollout, built on the first generation
         self.total_steps = self.num_updates
@@ -408,7 +397,7 @@ class PPOTrainer(Trainer):
 
         with self.phases("policy_forward"):
             logprobs = by_chunk(lambda qr: lm_logprobs(s.engines["policy"], qr, ctx, pad, cfg.temperature)[0])
-            full_values = by_chunk(lambda qr: token_scores(s.engines["value"], qr, pad, ctx)[0])
+            full_values = by_chunk(lambda qr: head_scores(s.engines["value"], qr, pad))
             values = full_values[:, ctx - 1 : -1].squeeze(-1)
         post = responses
         if self.stop_token_id is not None:
@@ -417,23 +406,14 @@ class PPOTrainer(Trainer):
         sequence_lengths = first_true_indices(post == pad) - 1
         with self.phases("score"):
             ref_logprobs = by_chunk(lambda qr: self.reference_logprobs(qr, ctx))
-            scores = torch.zeros(queries.shape[0], device=queries.device)
             texts = self.tokenizer.batch_decode(post, skip_special_tokens=True)
             if prompts is None:
                 prompts = self.tokenizer.batch_decode(queries, skip_special_tokens=True)
-            if self.has_reward_model:
-                with s.activate("reward"):
-                    if self.reward_input.shares_policy_ids:
-                        scores += torch.cat([token_scores(s.engines["reward"], post_qr[i : i + bs], pad, ctx)[1]
-                                             for i in chunks]).float()
-                    else:  # its own tokenizer: decoded completions re-encoded (TRL's GRPOTrainer)
-                        scores += rewards.score_texts(s.engines["reward"], self.reward_input, prompts, texts,
-                                                      scores.device, bs)
-            if self.reward_funcs:
-                completion_ids = [row[row != pad].tolist() for row in post]
-                per_func = rewards.call_reward_funcs(self.reward_funcs, prompts, rewards.as_completions(prompts, texts),
-                                                     completion_ids, device=scores.device)
-                scores += rewards.weighted_sum(per_func, self.reward_weights).to(scores.dtype)
+            completion_ids = [row[row != pad].tolist() for row in post]
+            per_func = self.rewards.score(prompts, texts, completion_ids, sequences=post_qr,
+                                          last=sequence_lengths + ctx)
+            # A completion no reward scored scores 0: PPO has no group to leave it out of.
+            scores = torch.where(per_func.isnan().all(dim=1), 0.0, self.rewards.total(per_func))
         return self.advantages(responses, post, logprobs, ref_logprobs, values, scores, sequence_lengths,
                                query_responses=query_responses, texts=texts)
 
@@ -506,7 +486,7 @@ class PPOTrainer(Trainer):
                                               mask, cfg.cliprange)
                     s.backward("policy", pg_loss)
                     s.step("policy")
-                    vpred = token_scores(s.engines["value"], qr[idx], pad, ctx)[0][:, ctx - 1 : -1].squeeze(-1)
+                    vpred = head_scores(s.engines["value"], qr[idx], pad)[:, ctx - 1 : -1].squeeze(-1)
                     vpred = torch.masked_fill(vpred, ~mask_p1, 0)
                     vf_loss, vf_clipfrac = value_loss(vpred, batch["values"][idx], batch["returns"][idx], mask_p1,
                                                       cfg.cliprange_value)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.rewards.functions import weighted_rewards
+from posttrain.rewards.functions import weighted_sum
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 
@@ -53,7 +53,7 @@ def rloo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_g
     mean of the scorable siblings; rows no reward function scored get 0."""
     from trl.trainer.utils import nanstd
 
-    rewards = weighted_rewards(rewards_per_func, weights)
+    rewards = weighted_sum(rewards_per_func, weights)
     if reward_clip_range:
         rewards = rewards.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
     if beta != 0.0 and kl is not None:
@@ -105,7 +105,7 @@ class RLOOTrainer(GRPOTrainer):
             kl = self._gather(per_token_kl.sum(-1))
             totals = self._sum(torch.stack([per_token_kl.sum(), mask.sum()]))
             metrics["kl"] = (totals[0] / totals[1].clamp(min=1.0)).item()
-        out = rloo_advantages(rewards_per_func, self.reward_weights.to(rewards_per_func.device), cfg.num_generations,
+        out = rloo_advantages(rewards_per_func, self.rewards.weights.to(rewards_per_func.device), cfg.num_generations,
                               kl, cfg.beta, cfg.normalize_advantages, cfg.reward_clip_range)
         out["metrics"] = metrics
         return out

@@ -63,7 +63,7 @@ def other_vocabulary(tmp: Path, reward_path: str) -> dict:
                   total_episodes=32, save_steps=None)
     idx = list(range(4))
     batch = trainer.rollout(trainer._queries(idx), prompts=[trainer.raw_prompts[i] for i in idx])
-    rin = trainer.reward_input
+    rin = trainer.rewards.models[0].reads
     model = AutoModelForSequenceClassification.from_pretrained(reward_path).eval()
     want = []
     for p, c in zip([trainer.raw_prompts[i] for i in idx], batch["texts"]):

@@ -1,0 +1,239 @@
+"""The rewards a GRPO, RLOO or PPO run scores completions with, as one component the trainer owns
+(:class:`Rewards`): reward functions and sequence-classification reward models (each model a
+frozen role of its own: ``reward``, ``reward_1``, ...), resolved and checked before anything loads,
+scored as TRL 1.16's ``_calculate_rewards`` does, combined with ``reward_weights`` and reported
+under TRL's metric names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.errors import ConfigError
+from posttrain.rewards.functions import (
+    RewardFuncError,
+    RewardWarnings,
+    call_reward_funcs,
+    check_columns,
+    func_name,
+    mean_of_logged_metrics,
+    raise_on_every_rank,
+    weighted_sum,
+)
+from posttrain.rewards.models import (
+    RewardModelInput,
+    RewardSpec,
+    as_completions,
+    check_reward_weights,
+    model_name,
+    resolve_reward_specs,
+    score_texts,
+    scorer_input,
+    scores_at,
+)
+
+
+@dataclass
+class RewardSource:
+    """One reward: a function (``func``), or a reward model under its frozen ``role`` (``model``: its
+    path or object; ``tokenizer``: the one given with an object; ``reads``: how it reads
+    completions, decided by :meth:`Rewards.plan`). ``name`` is TRL's metric name for it."""
+
+    name: str
+    func: Callable | None = None
+    role: str | None = None
+    model: Any = None
+    tokenizer: Any = None
+    reads: RewardModelInput | None = None
+
+    @property
+    def is_model(self) -> bool:
+        return self.role is not None
+
+
+class Rewards:
+    """A run's rewards, in the order ``weights`` follows. Each entry of ``rewards`` is a function, a
+    reward model object (its tokenizer, if any, at the same place in ``tokenizers``: TRL's
+    ``reward_processing_classes``), a resolved :class:`~posttrain.rewards.models.RewardSpec`, or a
+    spec string (one of TRL's reward names, ``module.function``, or a reward model's path or hub
+    id), checked here, before anything loads.
+
+    ``reencode``: reward models always read the decoded text re-encoded with their own tokenizer
+    (TRL's GRPO/RLOO); False reads the policy's ids where the reward model shares its vocabulary
+    (TRL's PPOTrainer up to 1.12). ``batch_size``: rows per reward-model forward.
+
+    The trainer calls :meth:`plan` (before its session), :meth:`load` (under the session),
+    :meth:`score` per generation batch, then :meth:`total`, :meth:`metrics` and :meth:`warn`."""
+
+    session: Any = None
+    warnings: RewardWarnings | None = None
+
+    def __init__(self, rewards: Sequence[Any], weights: Sequence[float] | None = None, *,
+                 tokenizers: Sequence[Any] | None = None, reencode: bool = True, batch_size: int = 64,
+                 chat_template_kwargs: dict | None = None, what: str = "rewards (functions and models)") -> None:
+        if not rewards:
+            raise ConfigError("no reward given: name a reward function or a reward model")
+        tokenizers = list(tokenizers) if tokenizers is not None else [None] * len(rewards)
+        self.sources: list[RewardSource] = []
+        for entry, tok in zip(rewards, tokenizers, strict=True):
+            if isinstance(entry, (str, Path)):
+                (entry,) = resolve_reward_specs([str(entry)])
+            if isinstance(entry, RewardSpec) and entry.is_model:
+                self._add_model(entry.path, None)
+            elif isinstance(entry, RewardSpec):
+                self.sources.append(RewardSource(func_name(entry.func), func=entry.func))
+            elif isinstance(entry, torch.nn.Module):
+                self._add_model(entry, tok)
+            elif callable(entry):
+                self.sources.append(RewardSource(func_name(entry), func=entry))
+            else:
+                raise ConfigError(f"reward {entry!r} is not a function, a reward model or a reward's name: give "
+                                  "a function, a sequence-classification model, or its path")
+        self.weights = torch.tensor(check_reward_weights(weights, len(self.sources), what))
+        self.reencode, self.batch_size, self.chat_template_kwargs = reencode, batch_size, chat_template_kwargs
+        self.pad_token_id: int | None = None
+        self._extra_columns: dict[str, list] = {}
+        self._logged: dict[str, list[float]] = {}
+
+    def _add_model(self, model: Any, tokenizer: Any) -> None:
+        n = len(self.roles)
+        name = Path(model_name(model) or type(model).__name__).name
+        self.sources.append(RewardSource(name, role="reward" if not n else f"reward_{n}", model=model,
+                                         tokenizer=tokenizer))
+
+    @property
+    def names(self) -> list[str]:
+        """TRL's metric names (``rewards/<name>/mean``), in order."""
+        return [src.name for src in self.sources]
+
+    @property
+    def models(self) -> list[RewardSource]:
+        return [src for src in self.sources if src.is_model]
+
+    @property
+    def roles(self) -> list[str]:
+        """The reward models' frozen roles."""
+        return [src.role for src in self.models]
+
+    # -- before anything loads -------------------------------------------------------------------
+    def check_columns(self, rows: list[dict]) -> None:
+        """Every reward function's required keyword arguments are columns of the prompts."""
+        columns = [k for k in rows[0] if k != "prompt"] if rows else []
+        for src in self.sources:
+            if not src.is_model:
+                check_columns(src.func, columns)
+
+    def plan(self, policy_config: Any, tokenizer: Any) -> None:
+        """How each reward model reads completions (:func:`~posttrain.rewards.models.scorer_input`),
+        decided from its files (or an object's given tokenizer) and the policy's config before
+        anything loads; a combination that cannot be scored is refused."""
+        vocab = policy_config.get_text_config().vocab_size
+        self.pad_token_id = tokenizer.pad_token_id
+        for src in self.models:
+            src.reads = scorer_input(src.model, tokenizer, vocab, "reward model", reencode=self.reencode,
+                                     tokenizer=src.tokenizer)
+
+    # -- under the session -----------------------------------------------------------------------
+    def load(self, session: Any) -> None:
+        """Each reward model under its own frozen role (an object is taken as it is)."""
+        from transformers import AutoModelForSequenceClassification
+
+        self.session = session
+        self.warnings = RewardWarnings(self.names, session.is_main_process)
+        for src in self.models:
+            model = session.load(src.role, src.model, model_cls=AutoModelForSequenceClassification, num_labels=1)
+            src.reads.prepare(model)  # its pad id is its tokenizer's (TRL's), for its own pooling
+            session.prepare(src.role, model)
+
+    def score(self, prompts: list, texts: list[str], completion_ids: list[list[int]], *,
+              rows: list[dict] | None = None, trainer_state: Any = None, sequences: torch.Tensor | None = None,
+              last: torch.Tensor | None = None) -> torch.Tensor:
+        """``(local batch, len(sources))`` float32, None as NaN, as TRL's ``_calculate_rewards``: the
+        functions get TRL's keyword arguments (``prompts``, ``completions`` in the prompts' format,
+        ``completion_ids``; with ``rows`` their other columns; with ``trainer_state`` it and
+        ``log_extra``/``log_metric``), a failure raised on every rank; each reward model reads the
+        decoded text re-encoded with its own tokenizer and chat template, or the policy's
+        ``sequences`` at positions ``last`` where it shares the policy's ids."""
+        s = self.session
+        out = torch.zeros(len(texts), len(self.sources), dtype=torch.float32, device=s.device)
+        funcs = [(j, src.func) for j, src in enumerate(self.sources) if not src.is_model]
+        if funcs:
+            kwargs: dict[str, Any] = {}
+            if rows:
+                kwargs = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+            if trainer_state is not None:
+                kwargs.update(trainer_state=trainer_state, log_extra=self.log_extra, log_metric=self.log_metric)
+            failure = per_func = None
+            try:
+                per_func = call_reward_funcs([f for _, f in funcs], prompts, as_completions(prompts, texts),
+                                             completion_ids, s.device, **kwargs)
+            except RewardFuncError as err:
+                failure = err
+            raise_on_every_rank(s, failure)
+            for col, (j, _) in enumerate(funcs):
+                out[:, j] = per_func[:, col]
+        for j, src in enumerate(self.sources):
+            if src.is_model:
+                with s.activate(src.role):
+                    out[:, j] = self._model_scores(src, prompts, texts, sequences, last)
+        return out
+
+    def _model_scores(self, src: RewardSource, prompts: list, texts: list[str], sequences: torch.Tensor | None,
+                      last: torch.Tensor | None) -> torch.Tensor:
+        engine, bs = self.session.engines[src.role], self.batch_size
+        if not src.reads.shares_policy_ids:
+            return score_texts(engine, src.reads, prompts, texts, self.session.device, batch_size=bs,
+                               chat_template_kwargs=self.chat_template_kwargs)
+        if sequences is None or last is None:
+            raise ValueError(f"reward model {src.name} reads the policy's ids: pass sequences= and last=")
+        return torch.cat([scores_at(engine, sequences[i : i + bs], self.pad_token_id, last[i : i + bs])
+                          for i in range(0, sequences.shape[0], bs)]).float()
+
+    # -- the scores' use -------------------------------------------------------------------------
+    def total(self, per_func: torch.Tensor) -> torch.Tensor:
+        """The weighted sum (TRL's): NaN where no reward scored the completion."""
+        return weighted_sum(per_func, self.weights)
+
+    def metrics(self, all_per_func: torch.Tensor) -> dict[str, float]:
+        """TRL's reward metrics over a whole generation batch (every process's rows):
+        ``rewards/<name>/mean`` and ``/std`` over the completions each reward scored, ``reward`` and
+        ``reward_std`` of the weighted sum over the completions any reward scored."""
+        from trl.trainer.utils import nanstd
+
+        m: dict[str, float] = {}
+        for j, name in enumerate(self.names):
+            m[f"rewards/{name}/mean"] = torch.nanmean(all_per_func[:, j]).item()
+            m[f"rewards/{name}/std"] = nanstd(all_per_func[:, j]).item()
+        total = self.total(all_per_func)
+        m["reward"] = torch.nanmean(total).item()
+        m["reward_std"] = nanstd(total).item()
+        return m
+
+    def warn(self, all_per_func: torch.Tensor) -> None:
+        """Say once per run what TRL leaves silent (see :class:`RewardWarnings`)."""
+        self.warnings.check(all_per_func)
+
+    # -- what reward functions log (TRL's log_extra and log_metric) -------------------------------
+    def log_extra(self, column: str, values: list) -> None:
+        """TRL's ``log_extra``: a column for the logged samples (samples.jsonl)."""
+        self._extra_columns.setdefault(column, []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``: a scalar averaged over every process into this generation's metrics."""
+        self._logged.setdefault(name, []).append(float(value))
+
+    def logged_metrics(self) -> dict[str, float]:
+        """The metrics reward functions logged on this generation batch, averaged over every
+        process's calls (TRL's sorted union of names, then a (sum, count) reduction); then cleared."""
+        out = mean_of_logged_metrics(self.session, self._logged)
+        self._logged.clear()
+        return out
+
+    def extra_columns(self) -> dict[str, list]:
+        """The columns reward functions logged on this generation batch; then cleared."""
+        out, self._extra_columns = self._extra_columns, {}
+        return out

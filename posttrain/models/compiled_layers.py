@@ -28,8 +28,7 @@ BACKEND = "inductor"  # the CPU tests take "aot_eager": no C++ toolchain, and bi
 def blockers(session: Any, role: str, adapters: bool, generation_backend: str) -> list[str]:
     """What keeps ``role``'s layers from being compiled for training, in words (none: they can be).
     ZeRO-3 gathers parameters in module hooks inside the layers' calls; with LoRA peft's layers sit
-    inside them (not measured yet); transformers' ``generate`` calls the layers at every length
-    (a recompile each)."""
+    inside them; transformers' ``generate`` calls the layers at every length (a recompile each)."""
     out = []
     if session.engine_kind(role) == "deepspeed" and session.zero_stage(role) == 3:
         out.append("a ZeRO-3 policy (its parameters are gathered by hooks inside the layers' calls)")

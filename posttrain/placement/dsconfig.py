@@ -268,9 +268,9 @@ def check_leaf_modules(cfg: dict, where: str) -> None:
     A positive ``stage3_module_granularity_threshold`` turns on DeepSpeed's
     ``fast_sharding_for_leaf_module``, whose release drops a gathered parameter without recording
     the compute stream's use of it (0.19.8); the caching allocator then hands that memory to the
-    next all-gather while the module's kernels are still queued. Measured: log-probs off by up to
-    6.4 nats on 4 H200s, and by 3 nats on 2 once the compute stream lags (benchmarks/NOTES.md,
-    benchmarks/ds_leaf_race.py). CPU devices are synchronous, so the key is harmless there.
+    next all-gather while the module's kernels are still queued, and log-probs come out wrong by
+    whole nats once the compute stream lags (benchmarks/NOTES.md). CPU devices are synchronous, so
+    the key is harmless there.
     """
     import torch
 

@@ -2,9 +2,9 @@
 
 DeepSpeed's ZeRO-3 engine gathers parameters through per-module hooks, a parameter coordinator and
 one partition per parameter; for a frozen model in inference that bookkeeping, not the
-communication, dominates (shared/knowledge/multi-plugin-facts.md: 95-138 ms per 1.1B forward,
-against 4.1 ms to all-gather the whole model once). A frozen model needs none of its generality:
-no gradients, no optimizer state, the same modules in the same order on every forward.
+communication, dominates (a forward costs many times one all-gather of the whole model). A frozen
+model needs none of its generality: no gradients, no optimizer state, the same modules in the same
+order on every forward.
 
 :func:`take_over` keeps the engine the user prepared (a per-role ZeRO-3 plugin, parameters
 partitioned by zero.Init) and replaces how its parameters are stored and gathered:
@@ -32,9 +32,8 @@ How a gather moves the bytes (``transport``):
   PyTorch's symmetric memory works there): all of a rank's shards live in one symmetric-memory
   buffer that every other rank of the host has mapped; a gather is N device-to-device copies on a
   side stream, which the GPU's copy engines carry out. Nothing competes with the forward for SMs.
-  Measured on 2xH200 (benchmarks/NOTES.md): NCCL's all-gather kernels could not run beside the
-  layers' persistent GEMM kernels, so its "overlapped" gathers in effect ran between them;
-  On the PyTorch of the GPU image (2.11) that buffer is not counted by
+  NCCL's all-gather kernels cannot run beside the layers' persistent GEMM kernels
+  (benchmarks/NOTES.md), so its "overlapped" gathers in effect run between them. On the PyTorch of the GPU image (2.11) that buffer is not counted by
   ``torch.cuda.memory_allocated()``; :meth:`FastFrozen.bytes_outside_allocator` reports it;
 - ``"nccl"`` (every other case: several hosts, CPU/gloo): ``all_gather_into_tensor`` with
   ``async_op`` on the communication library's stream, which works everywhere.

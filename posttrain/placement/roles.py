@@ -28,9 +28,9 @@ class Role:
     # process-wide and slows the trained model; see dsconfig.resolve).
     memory_efficient_linear: bool = field(default=False, repr=False)
     # Frozen ZeRO-3 roles: after DeepSpeed prepares the engine, posttrain.placement.frozen takes over its
-    # gathering (one prefetched all-gather per layer; DeepSpeed's per-parameter hooks cost a 1.1B
-    # forward 3x its replicated time). None: on wherever it applies (frozen, ZeRO-3, parameters
-    # not offloaded); False: DeepSpeed's own gathering; True: required (an error where it cannot).
+    # gathering (one prefetched all-gather per layer instead of DeepSpeed's per-parameter hooks).
+    # None: on wherever it applies (frozen, ZeRO-3, parameters not offloaded); False: DeepSpeed's
+    # own gathering; True: required (an error where it cannot).
     fast_frozen: bool | None = None
     # The config came from a mix, not from the user: in a world of one process the Session may
     # swap it for its cheapest equivalent (dsconfig.one_rank). A config given by name is kept.

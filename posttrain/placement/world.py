@@ -41,8 +41,8 @@ def on_cpu() -> bool:
 
 
 def _skip_shm_comm_op() -> None:
-    """On CPU DeepSpeed JIT-compiles its shared-memory all-reduce (``deepspeed_shm_comm``, 30 s to
-    minutes, once per machine) when its comm backend starts. Only tensor-parallel inference uses it
+    """On CPU DeepSpeed JIT-compiles its shared-memory all-reduce (``deepspeed_shm_comm``, a slow
+    build, once per machine) when its comm backend starts. Only tensor-parallel inference uses it
     (``inference_all_reduce``, which falls back to torch.distributed without it); ZeRO's
     collectives are plain torch.distributed (gloo), so posttrain marks it unavailable through
     DeepSpeed's own table of buildable ops, read by ``deepspeed.comm.torch.build_shm_op``."""

@@ -132,10 +132,10 @@ def recompute_rotary_buffers(model: torch.nn.Module) -> int:
 
     Under ``zero.Init`` every floating tensor created is made bf16/fp16 (DeepSpeed patches
     ``torch.arange`` and the other factories), so ``inv_freq`` is computed at bf16 precision: off
-    by up to 4e-4 for a Llama head of 64, which moves RoPE angles by 0.2 rad at position 500 and a
-    1.1B model's log-probs by up to 0.23 nats against the same weights loaded without ZeRO-3
-    (measured on 2xH200, benchmarks/NOTES.md). DeepSpeed's ``keep_in_fp32_modules`` cannot help:
-    it converts back to fp32 values that were already rounded. Must run outside zero.Init."""
+    by up to 4e-4 for a Llama head of 64, which moves RoPE angles by 0.2 rad at position 500 and
+    with them the log-probs against the same weights loaded without ZeRO-3 (benchmarks/NOTES.md).
+    DeepSpeed's ``keep_in_fp32_modules`` cannot help: it converts back to fp32 values that were
+    already rounded. Must run outside zero.Init."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     fixed = 0

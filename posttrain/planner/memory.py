@@ -48,7 +48,7 @@ ROLE_KINDS = {"policy": "causal", "reference": "causal", "student": "causal", "t
 # copy of the trained role's config, at stage 0 unless that config is ZeRO-3.
 BASELINES: dict[str, tuple[str, str]] = {"trl-zero2": ("zero2_train", "stage0"), "trl-zero3": ("zero3_train", "zero3_train")}
 
-# posttrain's mixes from fastest to slowest, as measured on 2xH200 (benchmarks/results): a replicated
+# posttrain's mixes from fastest to slowest (benchmarks/results): a replicated
 # frozen model costs nothing to gather; a sharded one is gathered on every forward (posttrain.placement.frozen
 # keeps that within a few percent); an offloaded one crosses PCIe on every forward; a ZeRO-3 policy
 # also gathers to train and to generate.
@@ -57,8 +57,8 @@ SPEED_ORDER = ["zero2-replicated", "zero2-zero3", "zero2-zero3-offload", "zero3"
 # Bytes per token per decoder layer saved for backward (bf16, SDPA flash/efficient attention):
 # two RMSNorms (fp32 input 4h, bf16 output fed to the projections 2h) = 12h; attention q 2h, k and v
 # 2kv each, its output 2h and o_proj's contiguous input 2h = 6h + 4kv; MLP gate (SiLU input) 2f,
-# SiLU output 2f, up 2f, down_proj input 2f = 8f; 2h more for residual/dropout bookkeeping. Checked
-# against H200 peaks: 2.0-2.1 MB/token at 1B (formula 2.1), 7.4 at 8B (formula 7.2).
+# SiLU output 2f, up 2f, down_proj input 2f = 8f; 2h more for residual/dropout bookkeeping (checked
+# against H200 peaks, benchmarks/results).
 ACT_H, ACT_KV, ACT_F = 20, 4, 8
 # Causal-LM head per token and vocabulary entry while training: the bf16 logits, the contiguous
 # shifted copy the log-prob kernel keeps, and their gradient when backward starts.
@@ -68,11 +68,9 @@ HEAD_TRAIN_V = 6
 HEAD_INFER_V = 2
 # Optimizer step of a trained role with fp32 master weights, per parameter over N: under ZeRO-1/2
 # DeepSpeed's step holds the bf16 gradient partition (2), its flat bf16 copy (2) and that copy cast
-# to fp32 (4): 8.1 bytes/param/N measured on H200 at 1.1B and 8B (TRL's rows). posttrain's Session
-# casts while flattening (zero_fixes.cast_grads_while_flattening): no flat bf16 copy, 6 (GRPO
-# 1.1B on one H200: 22.73 GiB against 24.78 before, NOTES section 22). ZeRO-3 steps one sub-group
-# (sub_group_size, 1e9 parameters) at a time, with the same copies (6 under the Session: derived,
-# not measured).
+# to fp32 (4), 8 bytes/param/N as TRL's rows peak. posttrain's Session casts while flattening
+# (zero_fixes.cast_grads_while_flattening): no flat bf16 copy, 6. ZeRO-3 steps one sub-group
+# (sub_group_size, 1e9 parameters) at a time, with the same copies (6 under the Session).
 STEP_BYTES = 8
 STEP_BYTES_CAST = 6
 # The same with bf16 master weights (master_weights: bf16): the gradient partition the optimizer
@@ -80,8 +78,8 @@ STEP_BYTES_CAST = 6
 STEP_BYTES_BF16 = 4
 SUB_GROUP_SIZE = int(1e9)
 # ZeRO-2 reduces a parameter larger than its gradient bucket outside the bucket (8B: the 525M-entry
-# embedding and LM head): its bf16 gradient and fp32 averaging copies, 10 bytes per entry (4.9 GiB
-# measured at 8B on the rank that reduces it).
+# embedding and LM head): its bf16 gradient and fp32 averaging copies, 10 bytes per entry on the
+# rank that reduces it.
 OVERSIZED_GRAD_BYTES = 10
 # DeepSpeed's ZeRO-3 default (posttrain's configs keep it): parameters a ZeRO-3 engine may keep
 # gathered while it trains; a frozen ZeRO-3 engine with parameters offloaded fetches as many.

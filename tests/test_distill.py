@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_json
+from conftest import run_json, tiny_defaults
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
@@ -71,7 +71,8 @@ def test_different_vocabularies_are_refused(tmp_path):
         check_vocabularies(student, teacher)
     # The trainer checks before it builds anything distributed.
     teacher.save_pretrained(tmp_path / "teacher")
-    cfg = DistillConfig(output_dir=str(tmp_path / "run"), teacher_model_name_or_path=str(tmp_path / "teacher"))
+    cfg = DistillConfig(output_dir=str(tmp_path / "run"), **tiny_defaults("distill"),
+                        teacher_model_name_or_path=str(tmp_path / "teacher"))
     with pytest.raises(ConfigError, match=f"{student.vocab_size} tokens but the teacher's has {teacher.vocab_size}"):
         DistillTrainer(cfg, [{"prompt": "the cat", "completion": " is calm ."}]).setup()
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import tiny_defaults
 from test_grpo_parity import TEMPERATURE, G, N, fixed_rollout, sparse_reward, token_reward
 
 from posttrain.demo import tiny
@@ -86,7 +87,8 @@ def our_trainer(kind: str, tmp: Path, trl_adapters: dict, completion_ids, **fiel
     config_cls, trainer_cls = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[kind]
     tok = tiny.load_tokenizer()
     prompts = ["the cat is", "my old friend felt"]
-    cfg = config_cls(output_dir=str(tmp / f"ours-{kind}"), per_device_train_batch_size=2 * G, num_generations=G,
+    cfg = config_cls(output_dir=str(tmp / f"ours-{kind}"), model_name_or_path=str(tiny.sft_model_path()),
+                     per_device_train_batch_size=2 * G, num_generations=G,
                      max_completion_length=N, temperature=TEMPERATURE, beta=BETA[kind], reward_weights=[1.0, 0.5],
                      generation_backend="hf", max_steps=1, disable_tqdm=True, **fields)
     trainer = trainer_cls(cfg, reward_funcs=[token_reward, sparse_reward], train_rows=[{"prompt": p} for p in prompts],
@@ -201,8 +203,8 @@ def test_the_torch_path_trains_as_the_deepspeed_engine(tmp_path):
     (posttrain.placement.plain) and through a DeepSpeed ZeRO-2 engine."""
     rows = {}
     for engine in ("torch", "deepspeed"):
-        cfg = GRPOConfig(output_dir=str(tmp_path / engine), use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                         beta=0.04, learning_rate=1e-2, per_device_train_batch_size=8, num_generations=4,
+        cfg = GRPOConfig(output_dir=str(tmp_path / engine), **tiny_defaults(), use_peft=True, lora_r=4, lora_alpha=8,
+                         lora_dropout=0.0, beta=0.04, learning_rate=1e-2, per_device_train_batch_size=8, num_generations=4,
                          max_completion_length=6, steps_per_generation=2, max_steps=2, generation_backend="hf",
                          disable_tqdm=True, single_process_engine=engine)
         trainer = GRPOTrainer(cfg, train_dataset=bundled_prompts(16))
@@ -217,13 +219,14 @@ def test_the_torch_path_trains_as_the_deepspeed_engine(tmp_path):
 def test_an_adapter_on_the_lm_head_is_refused_before_anything_loads(tmp_path):
     from peft import LoraConfig
 
-    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4)
+    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), **tiny_defaults(), per_device_train_batch_size=8,
+                     num_generations=4)
     with pytest.raises(ConfigError, match="drop lm_head from --lora_target_modules"):
         GRPOTrainer(cfg, peft_config=LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "lm_head"]))
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="ref_model_name_or_path is not used"):
-        GRPOTrainer(GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-                               beta=0.1, ref_model_name_or_path=str(tiny.sft_model_path())), peft_config=peft_config())
+        GRPOTrainer(GRPOConfig(output_dir=str(tmp_path / "out"), **tiny_defaults(), per_device_train_batch_size=8,
+                               num_generations=4, beta=0.1, ref_model_name_or_path=str(tiny.sft_model_path())), peft_config=peft_config())
 
 
 def test_the_rollout_engine_samples_the_adapted_policy(tmp_path):
@@ -233,8 +236,8 @@ def test_the_rollout_engine_samples_the_adapted_policy(tmp_path):
     train fast enough here that the base's samples would differ by step 2."""
     rows = {}
     for backend, slots in (("posttrain", 3), ("hf", None)):
-        cfg = GRPOConfig(output_dir=str(tmp_path / backend), use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                         lora_target_modules=["all-linear"], beta=0.04, learning_rate=5e-2,
+        cfg = GRPOConfig(output_dir=str(tmp_path / backend), **tiny_defaults(), use_peft=True, lora_r=4, lora_alpha=8,
+                         lora_dropout=0.0, lora_target_modules=["all-linear"], beta=0.04, learning_rate=5e-2,
                          per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                          max_steps=2, generation_backend=backend, generation_kv_slots=slots, disable_tqdm=True)
         rows[backend] = GRPOTrainer(cfg, train_dataset=bundled_prompts(16)).train()

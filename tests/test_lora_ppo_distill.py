@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_json
+from conftest import run_json, tiny_defaults
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
@@ -60,7 +60,8 @@ def test_distill_lora_loss_and_adapter_gradients_equal_trl_gkd(tmp_path, beta):
 
     from posttrain.trainers.distill import DistillConfig, DistillTrainer, completion_batch
 
-    cfg = DistillConfig(output_dir=str(tmp_path / "ours"), teacher_model_name_or_path=str(TEACHER), beta=beta,
+    cfg = DistillConfig(output_dir=str(tmp_path / "ours"), **tiny_defaults("distill"),
+                        teacher_model_name_or_path=str(TEACHER), beta=beta,
                         per_device_train_batch_size=4, **LORA, **FP32_ONE_PROCESS)
     ours = DistillTrainer(cfg, distill_rows())
     ours.setup()
@@ -95,7 +96,8 @@ def test_distill_lora_loss_and_adapter_gradients_equal_trl_gkd(tmp_path, beta):
 def test_distill_teacher_keeps_its_role(tmp_path):
     from posttrain.trainers.distill import DistillConfig, DistillTrainer
 
-    t = DistillTrainer(DistillConfig(output_dir=str(tmp_path / "run"), teacher_model_name_or_path=str(TEACHER),
+    t = DistillTrainer(DistillConfig(output_dir=str(tmp_path / "run"), **tiny_defaults("distill"),
+                                     teacher_model_name_or_path=str(TEACHER),
                                      **LORA, **FP32_ONE_PROCESS), distill_rows())
     t.setup()
     assert sorted(t.session.engines) == ["student", "teacher"]
@@ -128,7 +130,8 @@ def test_ppo_lora_loss_and_adapter_gradients_equal_a_separate_base_reference(tmp
         truncate_response,
     )
 
-    cfg = PPOConfig(output_dir=str(tmp_path / "run"), **PPO_ONE_UPDATE, **LORA, **FP32_ONE_PROCESS)
+    cfg = PPOConfig(output_dir=str(tmp_path / "run"), **tiny_defaults("ppo"), **PPO_ONE_UPDATE, **LORA,
+                    **FP32_ONE_PROCESS)
     t = PPOTrainer(cfg, train_dataset=bundled_prompts(2048))  # `posttrain ppo`'s prompts
     s, pad = t.session, t.tokenizer.pad_token_id
     assert sorted(s.engines) == ["policy", "reward", "value"]  # no reference role

@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     train_rows, eval_rows = load_rows(script, targs, cfg)
     if eval_rows is not None and cfg.eval_strategy == "epoch":
         cfg.eval_steps = eval_steps_per_epoch(len(train_rows), cfg)
-    trainer = DistillTrainer(cfg, train_rows, eval_rows)
+    # No student named: the built-in tiny default's, from random weights.
+    student = str(tiny.model_path()) if cfg.model_name_or_path is None else None
+    trainer = DistillTrainer(cfg, train_rows, eval_rows, model=student)
     before = []
     if eval_rows is not None and not cfg.resume_from_checkpoint:  # the held-out divergence before training
         trainer.setup()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trl import ScriptArguments
 
+from posttrain.demo import synthetic, tiny
 from posttrain.run.modelcard import write_model_card
 from posttrain.scripts.args import (
     demo_config,
@@ -48,6 +49,15 @@ def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
             "resumed_from": cfg.resume_from_checkpoint, "mix": cfg.mix, "output_dir": cfg.output_dir}
 
 
+def demo_models(cfg: GRPOConfig) -> dict:
+    """What the trainer is given when no model is named: the built-in tiny default's policy and,
+    unless a reward is named, its bundled reward function."""
+    if cfg.model_name_or_path is not None:
+        return {}
+    named = cfg.reward_funcs or cfg.reward_model_name_or_path
+    return {"model": str(tiny.sft_model_path()), **({} if named else {"reward_funcs": [synthetic.sentiment_reward]})}
+
+
 def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None = None) -> None:
     """Parse, train, save the policy and print the summary (shared with ``posttrain rloo``)."""
     import time
@@ -57,7 +67,7 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
     require_dataset([script, cfg])
     start = time.perf_counter()
     prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
-    trainer = trainer_cls(cfg, train_dataset=prompts)
+    trainer = trainer_cls(cfg, train_dataset=prompts, **demo_models(cfg))
     history = trainer.train()
     final = trainer.save_model()  # the output dir itself, as TRL
     if not trainer.session.is_main_process:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trl import ScriptArguments
 
+from posttrain.demo import tiny
 from posttrain.models.lora import LoraFields
 from posttrain.run.modelcard import write_model_card
 from posttrain.scripts.args import (
@@ -51,12 +52,21 @@ def saved_as(cfg: LoraFields) -> str:
     return "saved" + (" with the adapters merged in" if cfg.use_peft else "") + " (from_pretrained loads it)"
 
 
+def demo_models(cfg: PPOConfig) -> dict:
+    """What the trainer is given when no model is named: the built-in tiny default's policy and,
+    unless a reward model is named, its tiny reward model."""
+    if cfg.model_name_or_path is not None:
+        return {}
+    reward = {} if cfg.reward_model_path else {"reward_model": str(tiny.reward_model_path())}
+    return {"model": str(tiny.sft_model_path()), **reward}
+
+
 def main(argv: list[str] | None = None) -> None:
     script, data, cfg = parse_config((ScriptArguments, PromptArguments, PPOConfig), demo_config("ppo"), argv,
                                      prog="posttrain ppo")
     require_dataset([script, cfg])
     prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
-    trainer = PPOTrainer(cfg, train_dataset=prompts)
+    trainer = PPOTrainer(cfg, train_dataset=prompts, **demo_models(cfg))
     history = trainer.train()
     final = trainer.save_model()  # the output dir itself, as TRL; the value model in value/
     if not trainer.session.is_main_process:

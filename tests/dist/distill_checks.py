@@ -17,7 +17,7 @@ def rows(lines):
 
 def trainer(tmp: Path, name: str, **kw) -> DistillTrainer:
     lines = tiny.corpus()
-    base = dict(teacher_model_name_or_path=str(TEACHER), max_steps=3, per_device_train_batch_size=4,
+    base = dict(model_name_or_path=str(tiny.model_path()), teacher_model_name_or_path=str(TEACHER), max_steps=3, per_device_train_batch_size=4,
                 per_device_eval_batch_size=4, learning_rate=2e-3, max_new_tokens=6, disable_tqdm=True)
     cfg = DistillConfig(output_dir=str(tmp / name), **{**base, **kw})
     return DistillTrainer(cfg, rows(lines[:64]), rows(lines[-8:]))

@@ -19,12 +19,14 @@ from posttrain.scripts.data import bundled_prompts
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
-SHORT = dict(learning_rate=3e-3, lr_scheduler_type="constant", per_device_train_batch_size=8, num_generations=4,
+SENTIMENT = "posttrain.demo.synthetic:sentiment_reward"  # the bundled reward
+SHORT = dict(model_name_or_path=str(tiny.sft_model_path()), learning_rate=3e-3, lr_scheduler_type="constant", per_device_train_batch_size=8, num_generations=4,
              max_completion_length=6, steps_per_generation=2, max_steps=4, beta=0.04, sync_ref_model=True,
              ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, epsilon=0.05, save_steps=2, disable_tqdm=True,
              seed=7, reward_weights=[1.0, 0.25], overwrite_output_dir=True)
-LEARN = dict(learning_rate=2e-4, lr_scheduler_type="constant", per_device_train_batch_size=16, num_generations=8,
-             max_completion_length=8, max_steps=40, disable_tqdm=True, seed=42, overwrite_output_dir=True)
+LEARN = dict(model_name_or_path=str(tiny.sft_model_path()), reward_funcs=[SENTIMENT], learning_rate=2e-4,
+             lr_scheduler_type="constant", per_device_train_batch_size=16, num_generations=8, max_completion_length=8,
+             max_steps=40, disable_tqdm=True, seed=42, overwrite_output_dir=True)
 
 
 def run(config_cls, trainer_cls, save=False, **fields) -> tuple[list[dict], list[str], dict]:
@@ -37,7 +39,7 @@ def run(config_cls, trainer_cls, save=False, **fields) -> tuple[list[dict], list
 
 
 def main(out: str, tmp: str) -> None:
-    rewards = ["posttrain.demo.synthetic:sentiment_reward", str(tiny.reward_model_path())]
+    rewards = [SENTIMENT, str(tiny.reward_model_path())]
     res: dict = {"placements": {}, "roles": {}}
     for mix in ("zero2-zero3", "zero2-replicated", "zero3"):
         hist, roles, stats = run(GRPOConfig, GRPOTrainer, mix=mix, output_dir=f"{tmp}/{mix}", reward_funcs=rewards,
@@ -56,7 +58,8 @@ def main(out: str, tmp: str) -> None:
                                                  save=True, **LEARN)
     res["learn_dir"] = f"{tmp}/learn"
     # RLOO with num_iterations 2: each generation batch trained twice (steps 1-4 share one batch).
-    rloo = dict(SHORT, sync_ref_model=False, reward_weights=None, num_iterations=2, save_steps=None)
+    rloo = dict(SHORT, sync_ref_model=False, reward_funcs=[SENTIMENT], reward_weights=None, num_iterations=2,
+                save_steps=None)
     for mix in ("zero2-zero3", "zero2-replicated"):
         res.setdefault("rloo", {})[mix], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/rloo-{mix}",
                                                     **rloo)
@@ -72,7 +75,7 @@ def main(out: str, tmp: str) -> None:
     res["lora"]["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, mix="zero2-zero3", output_dir=f"{tmp}/lora-zero2-zero3",
                                        **{**lora, "overwrite_output_dir": False},
                                        resume_from_checkpoint=f"{tmp}/lora-zero2-zero3/checkpoint-2")
-    rloo_lora = dict(lora, reward_weights=None, reward_funcs=None, num_iterations=2, save_steps=None)
+    rloo_lora = dict(lora, reward_weights=None, reward_funcs=[SENTIMENT], num_iterations=2, save_steps=None)
     for mix in ("zero2-zero3", "zero3"):
         res["lora"][f"rloo-{mix}"], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/lora-rloo-{mix}",
                                                **rloo_lora)
@@ -94,7 +97,7 @@ def main(out: str, tmp: str) -> None:
         return [0.0] * len(completions)
 
     # A reward function failing on one rank: every rank stops with its sentence (none hangs in a gather).
-    trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 1}, output_dir=f"{tmp}/fail"),
+    trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 1, "reward_funcs": None}, output_dir=f"{tmp}/fail"),
                           reward_funcs=[judge_down_on_rank_1], train_dataset=bundled_prompts(2048, LEARN["seed"]))
     try:
         trainer.train()

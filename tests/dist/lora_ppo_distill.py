@@ -27,7 +27,7 @@ def ppo(tmp: Path, name: str, **kw) -> tuple[PPOTrainer, list[dict]]:
 
 
 def distill(tmp: Path, name: str, **kw) -> DistillTrainer:
-    base = dict(teacher_model_name_or_path=str(TEACHER), max_steps=3, per_device_train_batch_size=4,
+    base = dict(model_name_or_path=str(tiny.model_path()), teacher_model_name_or_path=str(TEACHER), max_steps=3, per_device_train_batch_size=4,
                 learning_rate=1e-2, max_new_tokens=6, disable_tqdm=True, beta=0.5, temperature=2.0)
     lines = tiny.corpus()
     return DistillTrainer(DistillConfig(output_dir=str(tmp / name), **{**base, **LORA, **kw}), rows(lines[:64]))

@@ -1,14 +1,16 @@
-"""Runs PPO on the tiny default with JSON overrides; rank 0 writes the metric history."""
+"""Runs PPO on the tiny default's models with JSON overrides; rank 0 writes the metric history."""
 
 import json
 import sys
 
 from trl import ScriptArguments
 
+from posttrain.demo import tiny
 from posttrain.scripts.data import load_prompts
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
-BASE = dict(learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=8, num_mini_batches=2,
+BASE = dict(model_name_or_path=str(tiny.sft_model_path()), reward_model_path=str(tiny.reward_model_path()),
+            learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=8, num_mini_batches=2,
             num_ppo_epochs=2, response_length=8, temperature=1.0, stop_token="eos", kl_coef=0.05,
             local_rollout_forward_batch_size=16, disable_tqdm=True, num_sample_generations=1)
 

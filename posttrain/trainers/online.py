@@ -1,7 +1,5 @@
-"""What the online-RL trainers (PPO, GRPO, RLOO; distillation's generation) share: prompts and their
-chat templates, left-padded prompt batches, the completion log-probs with one position-id
-convention, the weighted reward sum, reward functions' failures and logged metrics across ranks,
-and samples.jsonl."""
+"""What the online-RL trainers (PPO, GRPO, RLOO) share: the one completion log-prob function (fused
+and unfused, one position-id convention), which completions were truncated, and samples.jsonl."""
 
 from __future__ import annotations
 
@@ -15,46 +13,57 @@ from posttrain.run.jsonrows import dumps_row
 
 
 def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                     temperature: float, compute_entropy: bool = False, batch_size: int | None = None,
-                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     temperature: float, *, compute_entropy: bool = False, batch_size: int | None = None,
+                     fused: bool = False, float32: bool = True,
+                     fill_padding: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the last ``logits_to_keep`` tokens at the sampling
-    temperature, 0 where the attention mask is 0 (as TRL's fused LM head gives them). Runs the
-    model's (engine's) own forward so ZeRO-3 gathering applies; positions follow the attention mask,
-    as in generation.
+    temperature, 0 where the attention mask is 0 (as TRL's fused LM head gives them): the one way
+    GRPO, RLOO and PPO score completions. Runs the model's (engine's) own forward so ZeRO-3
+    gathering applies, ``batch_size`` rows at a time; positions follow the attention mask, as in
+    generation. The entropies carry no gradient (metrics and the entropy mask read them).
 
     ``fused``: the model carries TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, with
     this temperature), which projects and scores the completion's positions in tiles instead of
     materialising float32 logits over the vocabulary (GBs at 8B with a 128k vocabulary); it
     gathers a ZeRO-3 head itself. Without it, the logits of the last ``logits_to_keep + 1``
-    positions are computed (frozen models: posttrain.placement.frozen gathers through module hooks only).
+    positions are computed (frozen models: posttrain.placement.frozen gathers through module hooks
+    only), in float32 unless ``float32=False`` (TRL's PPOTrainer up to 1.12 scores in the model's
+    dtype). ``fill_padding=False`` keeps the values at padding (PPO averages its entropy over every
+    response position, as TRL's PPOTrainer did).
 
     Where posttrain differs from TRL: ``position_ids`` come from the attention mask, so a left-padded
     prompt starts at position 0. TRL 1.16 passes none; with learned absolute positions (GPT-2) its
     log-probs then depend on how much padding the batch's other prompts impose (and so on the number
     of ranks); rotary models are unaffected either way (tests/test_grpo_positions.py)."""
-    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+    from trl.trainer.utils import selective_log_softmax
 
     batch_size = batch_size or input_ids.size(0)
     logps, entropies = [], []
     for i in range(0, input_ids.size(0), batch_size):
         ids, am = input_ids[i : i + batch_size], attention_mask[i : i + batch_size]
         positions = position_ids(am)
-        valid = am[:, -logits_to_keep:].bool()
         if fused:
             labels = ids.masked_fill(am == 0, -100)
             labels[:, :-logits_to_keep] = -100  # only the completion is scored
             out = model(input_ids=ids, attention_mask=am, position_ids=positions, labels=labels,
                         fused_lm_head=True)
-            logps.append(out.log_probs[:, -logits_to_keep:])
+            lp = out.log_probs[:, -logits_to_keep:]
+            ent = out.entropy[:, -logits_to_keep:].detach() if compute_entropy else None
+        else:
+            logits = model(input_ids=ids, attention_mask=am, position_ids=positions, use_cache=False,
+                           logits_to_keep=logits_to_keep + 1).logits[:, :-1]
+            logits = (logits.float() if float32 else logits) / temperature
+            lp, ent = selective_log_softmax(logits, ids[:, -logits_to_keep:]), None
             if compute_entropy:
-                entropies.append(out.entropy[:, -logits_to_keep:])
-            continue
-        logits = model(input_ids=ids, attention_mask=am, position_ids=positions, use_cache=False,
-                       logits_to_keep=logits_to_keep + 1).logits
-        logits = logits[:, :-1].float() / temperature
-        logps.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]).masked_fill(~valid, 0.0))
+                with torch.no_grad():
+                    ent = torch.logsumexp(logits, dim=-1) - torch.sum(torch.softmax(logits, dim=-1) * logits, dim=-1)
+            if fill_padding:
+                valid = am[:, -logits_to_keep:].bool()
+                lp = lp.masked_fill(~valid, 0.0)
+                ent = ent.masked_fill(~valid, 0.0) if ent is not None else None
+        logps.append(lp)
         if compute_entropy:
-            entropies.append(entropy_from_logits(logits).masked_fill(~valid, 0.0))
+            entropies.append(ent)
     return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
 
 

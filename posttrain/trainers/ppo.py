@@ -55,7 +55,7 @@ from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer
-from posttrain.trainers.online import write_samples
+from posttrain.trainers.online import completion_logps, write_samples
 from posttrain.trainers.run_log import Phases
 
 INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a response
@@ -204,13 +204,15 @@ def value_loss(
 
 # -- model calls -----------------------------------------------------------------------------
 def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the response tokens (and the logits) at the sampling temperature."""
-    from trl.trainer.utils import selective_log_softmax
-
-    out = model(**padded_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False)
-    logits = out.logits[:, context_length - 1 : -1] / (temperature + 1e-7)
-    return selective_log_softmax(logits, query_responses[:, context_length:]), logits
+                temperature: float, compute_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The response tokens' log-probs (and entropies) at the sampling temperature, as TRL's
+    PPOTrainer (up to 1.12) took them (:func:`~posttrain.trainers.online.completion_logps` with its
+    settings): padding masked out of the forward, the logits in the model's dtype over
+    ``temperature + 1e-7``, the values at padding kept (PPO masks what it reads)."""
+    inputs = padded_inputs(query_responses, pad_token_id)
+    return completion_logps(model, inputs["input_ids"], inputs["attention_mask"],
+                            query_responses.shape[1] - context_length, temperature + 1e-7,
+                            compute_entropy=compute_entropy, float32=False, fill_padding=False)
 
 
 def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) -> dict[str, float]:
@@ -480,7 +482,8 @@ class PPOTrainer(Trainer):
                 for m in range(0, self.local_mini_batch_size, mb):
                     idx = mini[m : m + mb]
                     mask, mask_p1 = ~batch["padding_mask"][idx], ~batch["padding_mask_p1"][idx]
-                    new_logprobs, logits = lm_logprobs(s.engines["policy"], qr[idx], ctx, pad, cfg.temperature)
+                    new_logprobs, entropy = lm_logprobs(s.engines["policy"], qr[idx], ctx, pad, cfg.temperature,
+                                                        compute_entropy=True)
                     new_logprobs = torch.masked_fill(new_logprobs, ~mask, INVALID_LOGPROB)
                     pg_loss, pg = policy_loss(new_logprobs, batch["logprobs"][idx], batch["advantages"][idx],
                                               mask, cfg.cliprange)
@@ -492,9 +495,6 @@ class PPOTrainer(Trainer):
                                                       cfg.cliprange_value)
                     s.backward("value", cfg.vf_coef * vf_loss)
                     s.step("value")
-                    with torch.no_grad():
-                        prob = torch.softmax(logits, dim=-1)
-                        entropy = torch.logsumexp(logits, dim=-1) - torch.sum(prob * logits, dim=-1)
                     for k, v in (("approxkl", pg["approxkl"]), ("clipfrac", pg["clipfrac"]), ("pg_loss", pg_loss),
                                  ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy.mean()),
                                  ("ratio", pg["ratio"])):

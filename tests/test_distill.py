@@ -74,7 +74,7 @@ def test_different_vocabularies_are_refused(tmp_path):
     cfg = DistillConfig(output_dir=str(tmp_path / "run"), **tiny_defaults("distill"),
                         teacher_model_name_or_path=str(tmp_path / "teacher"))
     with pytest.raises(ConfigError, match=f"{student.vocab_size} tokens but the teacher's has {teacher.vocab_size}"):
-        DistillTrainer(cfg, [{"prompt": "the cat", "completion": " is calm ."}]).setup()
+        DistillTrainer(cfg, [{"prompt": "the cat", "completion": " is calm ."}])
 
 
 def test_config_errors():

@@ -240,3 +240,45 @@ def test_a_hub_id_that_is_not_there(monkeypatch):
                               "a local folder and is not a valid model identifier); check the name, or give a local "
                               "folder")
     assert calls == ["someorg/rm"]
+
+
+def test_the_online_trainers_require_their_models_and_rewards(tmp_path, monkeypatch):
+    """GRPO, RLOO, PPO and distillation name no default model or reward: none given is one
+    sentence naming the fix, before anything loads or the output dir is touched."""
+    from posttrain.demo import tiny
+    from posttrain.placement import session
+    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.ppo import PPOConfig, PPOTrainer
+    from posttrain.trainers.rloo import RLOOTrainer
+
+    def no_session(*a, **k):
+        raise AssertionError("a session was created: models would load")
+
+    monkeypatch.setattr(session.Session, "__init__", no_session)
+    out, policy, prompts = str(tmp_path / "run"), str(tiny.sft_model_path()), [{"prompt": "the cat is"}] * 8
+    no_policy = ("no policy is given: set model_name_or_path (a hub name or local path) or pass model= (a model "
+                 "object with its processing_class)")
+    cases = [
+        (lambda: GRPOTrainer(GRPOConfig(output_dir=out, **BASE), train_dataset=prompts), no_policy),
+        (lambda: RLOOTrainer(RLOOConfig(output_dir=out, **BASE), train_dataset=prompts), no_policy),
+        (lambda: PPOTrainer(PPOConfig(output_dir=out), train_dataset=prompts), no_policy),
+        (lambda: GRPOTrainer(GRPOConfig(output_dir=out, model_name_or_path=policy, **BASE), train_dataset=prompts),
+         "GRPO needs a reward: set reward_funcs (one of TRL's reward names, \"module.function\", or a reward model's "
+         "path) or pass reward_funcs="),
+        (lambda: RLOOTrainer(RLOOConfig(output_dir=out, model_name_or_path=policy, **BASE), train_dataset=prompts),
+         "RLOO needs a reward: set reward_funcs (one of TRL's reward names, \"module.function\", or a reward model's "
+         "path) or pass reward_funcs="),
+        (lambda: PPOTrainer(PPOConfig(output_dir=out, model_name_or_path=policy), train_dataset=prompts),
+         "PPO needs a reward: set reward_model_path (a sequence-classification model) and/or reward_funcs "
+         "(\"module.function\"), or pass reward_model= or reward_funcs="),
+        (lambda: DistillTrainer(DistillConfig(output_dir=out, teacher_model_name_or_path=policy),
+                                [{"prompt": "the cat", "completion": " is calm ."}]),
+         "no student is given: set model_name_or_path (a hub name or local path) or pass model= (a model object "
+         "with its processing_class)"),
+    ]
+    for make, sentence in cases:
+        with pytest.raises(ConfigError) as err:
+            make()
+        assert str(err.value) == sentence
+    assert not (tmp_path / "run").exists()

@@ -64,7 +64,6 @@ def test_distill_lora_loss_and_adapter_gradients_equal_trl_gkd(tmp_path, beta):
                         teacher_model_name_or_path=str(TEACHER), beta=beta,
                         per_device_train_batch_size=4, **LORA, **FP32_ONE_PROCESS)
     ours = DistillTrainer(cfg, distill_rows())
-    ours.setup()
     student = ours.session.unwrap("student")
     assert student.training and hasattr(student, "peft_config")
     perturb_adapters(student, seed=3)
@@ -99,7 +98,6 @@ def test_distill_teacher_keeps_its_role(tmp_path):
     t = DistillTrainer(DistillConfig(output_dir=str(tmp_path / "run"), **tiny_defaults("distill"),
                                      teacher_model_name_or_path=str(TEACHER),
                                      **LORA, **FP32_ONE_PROCESS), distill_rows())
-    t.setup()
     assert sorted(t.session.engines) == ["student", "teacher"]
     trainable = [n for n, p in t.session.unwrap("student").named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)

@@ -121,7 +121,6 @@ def main(argv: list[str] | None = None) -> None:
     trainer = DistillTrainer(cfg, train_rows, eval_rows, model=student)
     before = []
     if eval_rows is not None and not cfg.resume_from_checkpoint:  # the held-out divergence before training
-        trainer.setup()
         before = [trainer.evaluate()]
     history = trainer.train()
     final = trainer.save_model()

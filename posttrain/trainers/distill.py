@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from posttrain.data.order import mix_seed, rank_batches, seed_everything
 from posttrain.data.prompts import left_pad
 from posttrain.errors import ConfigError
-from posttrain.models.lora import LoraFields, add_adapters, lora_config
-from posttrain.models.setup import optimizer_and_scheduler
+from posttrain.models.lora import LoraFields, lora_config
+from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import distinct_objects, given_once, model_config, policy_source
 from posttrain.placement.ranks import sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
@@ -142,10 +142,11 @@ def completion_batch(
 class DistillTrainer(Trainer):
     """Distil the teacher into the student on ``{"prompt", "completion"}`` rows (a list of dicts
     or a ``datasets.Dataset``). Each model is the config's path or, with GKDTrainer's names, an
-    object: ``model=`` the student (with its ``processing_class``; ``tokenizer=`` is that one's
-    earlier name) and ``teacher_model=``.
+    object: ``model=`` the student (with its ``processing_class``) and ``teacher_model=``. Both
+    models are loaded and prepared here, as TRL's trainers do.
 
-    >>> trainer = DistillTrainer(DistillConfig(teacher_model_name_or_path="big"), train_rows, eval_rows)
+    >>> trainer = DistillTrainer(DistillConfig(model_name_or_path="small", teacher_model_name_or_path="big"),
+    ...                          train_rows, eval_rows)
     >>> trainer = DistillTrainer(DistillConfig(), train_rows, model=student, teacher_model=teacher,
     ...                          processing_class=tokenizer)
     >>> trainer.train()
@@ -184,11 +185,21 @@ class DistillTrainer(Trainer):
                                                                                 what="student")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.session = None
+        check_vocabularies(model_config(self.student_source), model_config(self.teacher_source))
+        seed_everything(cfg.seed)
+        self.total_steps = self.count_steps()
+        # On-policy steps (lmbda > 0) decode the student.
+        self.session = s = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps,
+                                        decoded=self.roles["trained"] if cfg.lmbda > 0 else [])
+        # GKDTrainer's order (adapters, then dropout off); trained without activation checkpointing.
+        self.student = prepare_trained(s, "student", s.load("student", self.student_source), cfg, lora_config(cfg),
+                                       total_steps=self.total_steps, gradient_checkpointing=False)
+        self.teacher = s.prepare("teacher", s.load("teacher", self.teacher_source))
+        self.phases = Phases()
+        self._batches = None  # the data order, from the step the run starts at
         self.rollouts: dict[str, Any] = {}  # role -> posttrain.rollout.Rollout
         self.history: list[dict] = []
 
-    # -- set-up ----------------------------------------------------------------------------
     def count_steps(self) -> int:
         cfg = self.cfg
         if cfg.max_steps > 0:
@@ -196,28 +207,6 @@ class DistillTrainer(Trainer):
         world = world_size()
         per_step = cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps
         return max(1, math.ceil(cfg.num_train_epochs * len(self.train_dataset) / per_step))
-
-    def setup(self) -> None:
-        """Check the vocabularies, then load and prepare both models under their roles."""
-        cfg = self.cfg
-        check_vocabularies(model_config(self.student_source), model_config(self.teacher_source))
-        seed_everything(cfg.seed)
-        self.total_steps = self.count_steps()
-        s = self.session = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps,
-                                        decoded=self.roles["trained"] if cfg.lmbda > 0 else [])  # on-policy: decodes the student
-        student = s.load("student", self.student_source)
-        peft_config = lora_config(cfg)
-        if peft_config is not None:
-            student = add_adapters(student, peft_config, s, "student")
-        if cfg.disable_dropout:  # after the adapters, as GKDTrainer (SFTTrainer wraps the model first)
-            from trl.trainer.utils import disable_dropout_in_model
-
-            disable_dropout_in_model(student)
-        opt, sched = optimizer_and_scheduler(student, cfg, self.total_steps)
-        self.student = s.prepare("student", student, opt, sched)
-        self.teacher = s.prepare("teacher", s.load("teacher", self.teacher_source))
-        self.phases = Phases()
-        self._batches = None  # the data order, from the step the run starts at
 
     # -- data ------------------------------------------------------------------------------
     def _encode(self, rows: list[dict[str, str]]) -> tuple[list[list[int]], list[list[int]]]:

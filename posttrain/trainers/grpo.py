@@ -39,12 +39,10 @@ from posttrain.models import compiled_layers
 from posttrain.models.lora import (
     LoraFields,
     adapters_disabled,
-    add_adapters,
     check_no_head_adapter,
     lora_config,
-    zero3_adapters,
 )
-from posttrain.models.setup import enable_gradient_checkpointing, optimizer_and_scheduler
+from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import given_once, model_config, policy_source, reference_source
 from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
@@ -299,9 +297,9 @@ class GRPOTrainer(Trainer):
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_given)
         policy.generation_config.pad_token_id = tok.pad_token_id
-        policy = self._prepare_policy_model(policy)
-        opt, sched = optimizer_and_scheduler(policy, cfg, self.total_steps)  # the adapters only, with LoRA
-        s.prepare("policy", policy, opt, sched)
+        # TRL's order; the adapters seeded, so that every placement starts from the same ones.
+        prepare_trained(s, "policy", policy, cfg, self.peft_config, total_steps=self.total_steps,
+                        adapter_seed=mix_seed(cfg.seed, "adapters"), before_optimizer=self._prepare_base)
         if self.separate_reference:
             s.prepare("reference", s.load("reference", reference))
         self.rewards.load(s)
@@ -345,31 +343,20 @@ class GRPOTrainer(Trainer):
         return Rewards(given + specs, cfg.reward_weights, tokenizers=tokenizers,
                        batch_size=cfg.per_device_train_batch_size, chat_template_kwargs=cfg.chat_template_kwargs)
 
-    def _prepare_policy_model(self, policy: torch.nn.Module) -> torch.nn.Module:
-        """In TRL's order: adapters (seeded here, so every placement starts from the same ones),
-        activation checkpointing (transformers then makes the embeddings' outputs require grad, TRL's
-        ``enable_input_require_grads``, so gradients reach the adapters of checkpointed layers),
-        dropout off (LoRA's too), and the fused LM head on the base model (peft's forward passes
-        its arguments through)."""
-        from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
+    def _prepare_base(self, base: torch.nn.Module) -> None:
+        """GRPO's own change to the policy's base model, after its adapters, activation
+        checkpointing and dropout: no adapter on the head, TRL's fused LM head (the policy's
+        log-probs and entropies without float32 logits over the vocabulary; generation still calls
+        the original forward; peft's forward passes its arguments through), and the decoder layers
+        compiled where that applies."""
+        from trl.trainer.utils import add_fused_lm_head
 
         cfg = self.cfg
         if self.peft_config is not None:
-            torch.manual_seed(mix_seed(cfg.seed, "adapters"))
-            policy = add_adapters(policy, self.peft_config, self.session, "policy")
-            check_no_head_adapter(policy)
-        base = policy.get_base_model() if self.peft_config is not None else policy
-        if cfg.gradient_checkpointing:  # on the base: it also makes the embeddings' outputs require grad
-            enable_gradient_checkpointing(base,  # reentrant for ZeRO-3 adapters (TRL)
-                use_reentrant=zero3_adapters(self.session, "policy", self.peft_config))
-        if cfg.disable_dropout:
-            disable_dropout_in_model(policy)
-        # The policy's log-probs and entropies without float32 logits over the vocabulary (TRL does
-        # the same); generation still calls the original forward.
+            check_no_head_adapter(base)
         add_fused_lm_head(base, temperature=cfg.temperature, outputs=("log_probs", "entropy"))
         if self._compile:
             self.compiled_layers = compiled_layers.compile_layers(base, required=cfg.compile_layers is True)
-        return policy
 
     # -- one generation batch ------------------------------------------------------------------
     def _generation_rows(self, cycle: int) -> list[int]:

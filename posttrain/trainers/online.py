@@ -24,11 +24,11 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
 
     ``fused``: the model carries TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, with
     this temperature), which projects and scores the completion's positions in tiles instead of
-    materialising float32 logits over the vocabulary (GBs at 8B with a 128k vocabulary); it
-    gathers a ZeRO-3 head itself. Without it, the logits of the last ``logits_to_keep + 1``
-    positions are computed (frozen models: posttrain.placement.frozen gathers through module hooks
-    only), in float32 unless ``float32=False`` (TRL's PPOTrainer up to 1.12 scores in the model's
-    dtype). ``fill_padding=False`` keeps the values at padding (PPO averages its entropy over every
+    materialising float32 logits over the vocabulary; it gathers a ZeRO-3 head itself. Without it,
+    the logits of the last ``logits_to_keep + 1`` positions are computed (frozen models:
+    posttrain.placement.frozen gathers through module hooks only), in float32 unless
+    ``float32=False`` (TRL's PPOTrainer up to 1.12 scores in the model's dtype).
+    ``fill_padding=False`` keeps the values at padding (PPO averages its entropy over every
     response position, as TRL's PPOTrainer did).
 
     Where posttrain differs from TRL: ``position_ids`` come from the attention mask, so a left-padded

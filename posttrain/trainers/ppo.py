@@ -32,8 +32,8 @@ from posttrain.data.order import mix_seed, rank_batches, seed_everything
 from posttrain.data.preference import check_conversation
 from posttrain.data.prompts import padded_inputs, policy_text, prompt_rows
 from posttrain.errors import ConfigError
-from posttrain.models.lora import LoraFields, adapters_disabled, add_adapters, lora_config
-from posttrain.models.setup import optimizer_and_scheduler
+from posttrain.models.lora import LoraFields, adapters_disabled, lora_config
+from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import (
     distinct_objects,
     given_once,
@@ -335,14 +335,14 @@ class PPOTrainer(Trainer):
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_given)
         policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
-        if self.peft_config is not None:
-            policy = add_adapters(policy, self.peft_config, s, "policy")
+        # TRL's PPOTrainer: every dropout off (LoRA's too) so that rollout and update agree, and no
+        # activation checkpointing.
+        prepare_trained(s, "policy", policy, cfg, self.peft_config, total_steps=optimizer_steps,
+                        gradient_checkpointing=False, disable_dropout=True)
         value = s.load("value", value_given, model_cls=AutoModelForSequenceClassification, num_labels=1)
         value.config.pad_token_id = self.tokenizer.pad_token_id
-        for name, m in (("policy", policy), ("value", value)):
-            _no_dropout(m)  # TRL's PPOTrainer, every model (LoRA's dropout too): rollout and update agree
-            opt, sched = optimizer_and_scheduler(m, cfg, optimizer_steps)
-            s.prepare(name, m, opt, sched)
+        prepare_trained(s, "value", value, cfg, None, total_steps=optimizer_steps, gradient_checkpointing=False,
+                        disable_dropout=True)
         if self.peft_config is None:
             s.prepare("reference", _no_dropout(s.load("reference", reference)))
         self.rewards.load(s)

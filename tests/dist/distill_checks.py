@@ -32,7 +32,6 @@ def main(out: str, tmp: str) -> None:
     res = {"losses": {}, "eval": {}}
     for mix in MIXES:
         t = trainer(tmp, mix, mix=mix, beta=0.5, temperature=2.0)
-        t.setup()
         if mix == "zero2-zero3":
             s = t.session
             teacher, student = t.teacher.module, t.student.module

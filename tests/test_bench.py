@@ -12,8 +12,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.race import is_oom  # noqa: E402
+from benchmarks.harness import harness  # noqa: E402
+from benchmarks.races.race import is_oom  # noqa: E402
 
 # Each workload under one of posttrain's mixes and one TRL baseline: TRL's own DPOTrainer,
 # GKDTrainer, SFTTrainer and RewardTrainer, and (TRL has no PPOTrainer) posttrain's PPO in TRL's
@@ -117,7 +117,7 @@ def test_outputs_and_command(runs):
         run_dir = out / "runs" / f"ppo-tiny-mb2-s40-r8-{mix}"
         assert (run_dir / "trace-rank0.json.gz").stat().st_size > 1000
         assert "step_0" in (run_dir / "kernels-rank0.txt").read_text()
-    assert rows[0]["command"].startswith("python benchmarks/harness.py --workload dpo")
+    assert rows[0]["command"].startswith("python benchmarks/harness/harness.py --workload dpo")
     pytest.importorskip("matplotlib")
     assert (out / "results.png").stat().st_size > 1000
 
@@ -177,7 +177,7 @@ def test_canary_catches_changed_weights_and_the_row_says_wrong(tmp_path):
     the forward) show as a difference far beyond the tolerance; such a row is `wrong` in the table."""
     from transformers import AutoModelForCausalLM
 
-    from benchmarks import canary
+    from benchmarks.harness import canary
     from posttrain.demo import tiny
 
     torch.manual_seed(0)
@@ -217,7 +217,7 @@ def test_rollout_fallbacks_mark_a_row_degraded():
 def test_memory_at_rest_groups_live_allocations_by_origin():
     """--memory-at-rest's summary: live blocks only, by the innermost frame of a library that made
     them, largest first."""
-    from benchmarks.workloads import allocations_by_origin
+    from benchmarks.harness.workloads import allocations_by_origin
 
     def frame(path, line, name):
         return {"filename": path, "line": line, "name": name}
@@ -239,7 +239,7 @@ def test_memory_at_rest_groups_live_allocations_by_origin():
 def test_memory_at_peak_replays_the_allocation_trace():
     """--memory-at-rest's peak: the trace replayed (frees matched by address, frees of blocks from
     before the recording ignored), what was live at its highest point by origin."""
-    from benchmarks.workloads import allocations_at_peak
+    from benchmarks.harness.workloads import allocations_at_peak
 
     def frames(name):
         return [{"filename": f"/x/posttrain/trainers/{name}.py", "line": 1, "name": name}]
@@ -282,7 +282,7 @@ def test_host_copy_runs_unit_by_unit_and_equals_the_model(tied):
     tied weights copied once, and between forwards its parameters are in host memory."""
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.canary import HostCopy, outputs
+    from benchmarks.harness.canary import HostCopy, outputs
     from posttrain.demo import tiny
 
     torch.manual_seed(0)
@@ -353,19 +353,3 @@ def test_rounds_pool_every_measured_step():
     pooled = harness.pool_rounds([dict(row([1.0], 1.0), canary={}), dict(row([2.0], 1.0), canary={})])
     assert pooled["canary"] == {} and "canary_max_abs_diff" not in pooled
 
-
-def test_trace_phases_sums_each_phases_kernels():
-    """benchmarks/trace_phases.py: the kernels and copies launched inside each ``phase/`` mark."""
-    from benchmarks.trace_phases import phases
-
-    def x(cat, name, ts, dur):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
-
-    trace = {"traceEvents": [x("user_annotation", "phase/generate", 0, 100), x("user_annotation", "phase/train", 100, 50),
-                             x("user_annotation", "other", 0, 150), x("kernel", "gemm", 10, 20), x("kernel", "gemm", 40, 30),
-                             x("gpu_memcpy", "copy", 90, 5), x("kernel", "adam", 120, 10), x("cpu_op", "aten::mm", 10, 1),
-                             {"ph": "i", "name": "marker", "ts": 5}]}
-    got = phases(trace, top=1)
-    assert [(p["phase"], p["wall_ms"], p["device_ms"], p["launches"]) for p in got] == [
-        ("generate", 0.1, 0.055, 3), ("train", 0.05, 0.01, 1)]
-    assert got[0]["top"] == [{"name": "gemm", "count": 2, "ms": 0.05}]

@@ -1,4 +1,4 @@
-"""The GRPO end-to-end benchmark (benchmarks/grpo_bench.py) on two CPU processes: posttrain's
+"""The GRPO end-to-end benchmark (benchmarks/races/grpo_bench.py) on two CPU processes: posttrain's
 trainer and TRL's own GRPOTrainer (its ZeRO-2 placement) both run and land in the results."""
 
 import json
@@ -10,7 +10,7 @@ from conftest import ROOT
 
 
 def test_grpo_bench_runs_posttrain_and_trl(tmp_path):
-    cmd = [sys.executable, "benchmarks/grpo_bench.py", "--shape", "tiny", "--nproc", "2", "--micro-batch", "4",
+    cmd = [sys.executable, "benchmarks/races/grpo_bench.py", "--shape", "tiny", "--nproc", "2", "--micro-batch", "4",
            "--seq-len", "20", "--response-len", "4", "--num-generations", "4", "--warmup", "1", "--steps", "1",
            "--mixes", "zero2-zero3,trl-zero2", "--out", str(tmp_path)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -1,5 +1,5 @@
 """master_weights fp32 | bf16 (issue 25): the setting and its refusals, the presets, the one-process
-path, parity of bf16 states with TRL's DPOTrainer on a bf16 model (benchmarks/dpo_race.py: tests/test_races.py)."""
+path, parity of bf16 states with TRL's DPOTrainer on a bf16 model (benchmarks/races/dpo_race.py: tests/test_races.py)."""
 
 
 import pytest

@@ -1,4 +1,4 @@
-"""The one-GPU races against TRL's trainers (benchmarks/race.py and the races on it): the runner's
+"""The one-GPU races against TRL's trainers (benchmarks/races/race.py and the races on it): the runner's
 rows, OOM rows, summaries and results.md in-process, then each race's tiny shape on CPU, every side
 a fresh process as on the GPU (one warm-up and one timed step; the times say nothing)."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from benchmarks import race
+from benchmarks.races import race
 
 
 def _race(**kw) -> race.Race:
@@ -81,7 +81,7 @@ def run_race(script: str, sides: str, tmp_path: Path, *args: str) -> tuple[dict,
     """``script --shape tiny`` on CPU: (its header, its rows by side, its summary line, results.md)."""
     out = tmp_path / "out"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--shape", "tiny", "--steps", "1", "--warmup", "1",
+    proc = subprocess.run([sys.executable, f"benchmarks/races/{script}", "--shape", "tiny", "--steps", "1", "--warmup", "1",
                            "--rounds", "1", "--sides", sides, "--out", str(out), "--workdir", str(tmp_path / "work"),
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -92,7 +92,7 @@ def run_race(script: str, sides: str, tmp_path: Path, *args: str) -> tuple[dict,
     for side, row in rows.items():
         assert row["status"] == "ok" and len(row["step_times"]) == 2 and row["step_s"] > 0, side
         assert Path(row["log"]).is_file(), side
-    assert f"benchmarks/{script} --shape tiny" in (out / "commands.txt").read_text()
+    assert f"benchmarks/races/{script} --shape tiny" in (out / "commands.txt").read_text()
     md = (out / "results.md").read_text()
     assert f"## {name}" in md and all(f"| {side} | 0 | ok |" in md for side in rows)
     return lines[0], rows, lines[-1], md

@@ -369,16 +369,3 @@ def test_the_kernel_rotates_the_query_and_the_new_key_as_the_forward_does(dtype,
         want = attention(want_qg, want_keys, want_values, bias, scale)
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
     assert (out.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-3)
-
-
-def test_the_decode_probe_compares_each_kernel_with_the_forwards():
-    """``benchmarks/decode_attention_probe.py --numerics`` (NOTES 25) on the CPU: every decoder runs,
-    the in-step call (the step's key written, q and k rotated by cos 1 and sin 0) included, and in
-    float32 each is the forward's last row up to float32 rounding."""
-    from benchmarks import decode_attention_probe as probe
-
-    rows = probe.numerics(2, 40, torch.device("cpu"), ["autoxauto", "2x16:n", "1x16:r"])
-    assert [r["decode"] for r in rows] == ["sdpa_no_mask", "sdpa_mask", "triton_autoxauto", "triton_2x16_n",
-                                           "triton_1x16_r"]
-    for r in rows:
-        assert "error" not in r and r["mean_diff_default"] < 1e-6, r

@@ -7,7 +7,7 @@ set -u
 R=${R:-/tmp/r}; BASE=${BASE:-baseline_rollout.py}
 mkdir -p $R
 pack() { if [ -n "${PACK:-}" ]; then tar czf "$PACK" -C "$R" . ; fi; }
-timeout 230 python benchmarks/rollout_bench.py --shapes 1b --cases variants --budget-s 190 \
+timeout 230 python benchmarks/rollout/rollout_bench.py --shapes 1b --cases variants --budget-s 190 \
   --variants fused1_split1_fp321,fused1_split1_sdpa,fused1_split1_fp320,fused0_split1_sdpa \
   --out $R/variants_1b.json > $R/variants_log.txt 2>&1
 echo "variants rc=$?" >> $R/rc.txt; pack
@@ -23,11 +23,11 @@ PY
 echo "best: $BEST" >> $R/rc.txt
 export $BEST
 FUSE=$POSTTRAIN_ROLLOUT_FUSE; C=layer; [ "$FUSE" = 1 ] && C=layer+fuse
-timeout 170 python benchmarks/rollout_bench.py --shapes 1b --cases full,step,prefix,logprobs --compile $C \
+timeout 170 python benchmarks/rollout/rollout_bench.py --shapes 1b --cases full,step,prefix,logprobs --compile $C \
   --baseline $BASE --baseline-cases full,logprobs --repeats 3 --budget-s 140 --out $R/rollout_1b.json \
   > $R/rollout_1b_log.txt 2>&1
 echo "rollout 1b rc=$?" >> $R/rc.txt; pack
-timeout 180 python benchmarks/grpo_bench.py --workload grpo --shape 1b --nproc 1 --micro-batch 16 --seq-len 384 \
+timeout 180 python benchmarks/races/grpo_bench.py --workload grpo --shape 1b --nproc 1 --micro-batch 16 --seq-len 384 \
   --response-len 256 --num-generations 8 --mixes zero2-zero3,trl-zero2 --warmup 1 --steps 3 --timeout 85 \
   --out $R/grpo_1b > $R/grpo_log.txt 2>&1
 echo "grpo rc=$?" >> $R/rc.txt; pack

@@ -1,6 +1,6 @@
 """One GPU, SFT: TRL's SFTTrainer against posttrain's SFTTrainer, packed and padding-free (issue 22).
 
-Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/race.py runs them):
+Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/races/race.py runs them):
 
 - ``trl-packed`` / ``posttrain-packed``: ``packing=True`` with TRL's default strategy ``bfd`` on
   both sides (documents packed into rows of ``--seq-len`` tokens, padding-free batches: one row,
@@ -11,7 +11,7 @@ Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/race.py 
   no pad tokens). The issue's target is padding-free over padded, posttrain's own, >= 1.3x.
 
 Both sides: the same random-weight model (Llama 1.1B shape built from a config and saved once,
-benchmarks/grpo_e2e.py's ``model_dir``), the same documents (text of the tiny corpus, see
+benchmarks/harness/grpo_e2e.py's ``model_dir``), the same documents (text of the tiny corpus, see
 ``documents``), bf16 autocast, gradient checkpointing (TRL's default), learning rate 2e-5, ``--attn`` attention on both.
 ``--states bf16`` (default): TRL on a bf16 model (AdamW on bf16 weights: its strongest one-GPU
 setting) against posttrain's ``master_weights: bf16``; ``fp32``: TRL on an fp32 model against
@@ -26,8 +26,8 @@ posttrain/varlen_attention.py) attend per document. ``--attn-posttrain varlen`` 
 padding-free and packed rows with it while every other row keeps ``--attn``; each row records the
 attention it ran (``attn_implementation``, and the summary's "attention:" line).
 
-    python benchmarks/sft_race.py --out DIR                           # one GPU
-    DS_ACCELERATOR=cpu python benchmarks/sft_race.py --shape tiny --steps 1 --warmup 1 --rounds 1
+    python benchmarks/races/sft_race.py --out DIR                           # one GPU
+    DS_ACCELERATOR=cpu python benchmarks/races/sft_race.py --shape tiny --steps 1 --warmup 1 --rounds 1
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import race  # noqa: E402
-from benchmarks.race import Stamps  # noqa: E402
+from benchmarks.races import race  # noqa: E402
+from benchmarks.races.race import Stamps  # noqa: E402
 
 SIDES = ("trl-packed", "posttrain-packed", "posttrain-padded", "posttrain-padding-free", "trl-padding-free",
          "trl-padded")
@@ -102,7 +102,7 @@ def attention(spec: dict[str, Any]) -> str:
 def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict[str, Any]:
     import torch
 
-    from benchmarks.grpo_e2e import model_dir
+    from benchmarks.harness.bench_models import model_dir
 
     path = model_dir(spec["shape"], torch.bfloat16)
     rows, packing, padding_free = side_data(side, spec)

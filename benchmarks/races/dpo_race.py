@@ -1,6 +1,6 @@
 """One GPU, DPO: TRL's own DPOTrainer against posttrain's, fp32 and bf16 optimizer states (issue 25).
 
-Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/race.py runs them):
+Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/races/race.py runs them):
 
 - ``trl``: ``trl.DPOTrainer`` on a bf16 model with a bf16 reference, no DeepSpeed, AdamW on the
   bf16 parameters (no fp32 master weights): TRL's strongest single-GPU setting;
@@ -11,13 +11,13 @@ Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/race.py 
   so not a default row). Each row records the ``engine`` that ran.
 
 Both sides: the same random-weight model (Llama 1.1B shape, hidden 2048, 22 layers, built from a
-config and saved once, as benchmarks/grpo_e2e.py does), ``--pairs`` preference pairs of
+config and saved once, as benchmarks/harness/grpo_e2e.py does), ``--pairs`` preference pairs of
 ``--seq-len`` tokens each side per step, bf16, gradient checkpointing, learning rate 1e-6, one
-optimizer step per batch, a log line every step. Timing, memory and output as benchmarks/race.py
+optimizer step per batch, a log line every step. Timing, memory and output as benchmarks/races/race.py
 says; the summary also has the planner's figures for posttrain's DeepSpeed rows.
 
-    python benchmarks/dpo_race.py --out DIR                       # one GPU
-    DS_ACCELERATOR=cpu python benchmarks/dpo_race.py --shape tiny --steps 2 --warmup 1 --rounds 1   # CPU check
+    python benchmarks/races/dpo_race.py --out DIR                       # one GPU
+    DS_ACCELERATOR=cpu python benchmarks/races/dpo_race.py --shape tiny --steps 2 --warmup 1 --rounds 1   # CPU check
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import race  # noqa: E402
-from benchmarks.race import GiB, Stamps  # noqa: E402
+from benchmarks.races import race  # noqa: E402
+from benchmarks.races.race import GiB, Stamps  # noqa: E402
 
 # The default rows (race.Race runs every side unless --sides names some): TRL, posttrain's default
 # (auto) at both precisions, and DeepSpeed's engine at both; the forced torch rows on request.
@@ -43,7 +43,7 @@ ENGINES = {"auto": "auto", "ds": "deepspeed", "torch": "torch"}
 def preference_rows(n: int, seq_len: int) -> list[dict[str, str]]:
     """``n`` pairs whose prompt + completion is longer than ``seq_len`` tokens on either side, so
     that truncation to ``max_length = seq_len`` makes every sequence exactly that long."""
-    from benchmarks.grpo_e2e import prompt_rows
+    from benchmarks.harness.bench_models import prompt_rows
 
     texts = prompt_rows(3 * n, seq_len // 2 + 8)
     return [{"prompt": texts[3 * i]["prompt"], "chosen": texts[3 * i + 1]["prompt"],
@@ -95,7 +95,7 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
     """One row, in this process: the side's trainer for warm-up + measured steps."""
     import torch
 
-    from benchmarks.grpo_e2e import model_dir
+    from benchmarks.harness.bench_models import model_dir
 
     path = model_dir(spec["shape"], torch.bfloat16)
     rows = preference_rows(spec["pairs"] * (spec["warmup"] + spec["steps"]), spec["seq_len"])

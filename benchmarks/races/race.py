@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -52,7 +52,7 @@ def sync() -> None:
 
 
 def q1(values: list[float]) -> float:
-    """The lower quartile (benchmarks/harness.py's reason: a shared host only adds time)."""
+    """The lower quartile (benchmarks/harness/harness.py's reason: a shared host only adds time)."""
     return statistics.quantiles(values, n=4)[0] if len(values) > 1 else values[0]
 
 
@@ -255,7 +255,7 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 
 def render(out: Path) -> None:
     """``results.md``: one section per race file in ``out`` (its spec, one line per side, its targets)."""
-    parts = ["# Races on one GPU: posttrain against TRL\n\nRendered by benchmarks/race.py from the `*.jsonl` "
+    parts = ["# Races on one GPU: posttrain against TRL\n\nRendered by benchmarks/races/race.py from the `*.jsonl` "
              "files here; commands in `commands.txt`, each child's output in `logs/`. Speed-up: tokens/s "
              "(or step time) against the row named in `vs`; memory: peak allocated over the row's.\n"]
     for path in sorted(out.glob("*.jsonl")):
@@ -312,7 +312,7 @@ def main(race: Race, argv: list[str] | None = None) -> int:
         row = child(race, args.child, json.loads(args.spec), work)
         print("ROW " + json.dumps(row), flush=True)
         sys.stdout.flush()
-        os._exit(0)  # skip a teardown where DeepSpeed's and gloo's threads can abort (benchmarks/workloads.py)
+        os._exit(0)  # skip a teardown where DeepSpeed's and gloo's threads can abort (benchmarks/harness/workloads.py)
     tiny = args.tiny or args.shape == "tiny"
     spec: dict[str, Any] = {"shape": "tiny" if tiny else args.shape, "steps": args.steps, "warmup": args.warmup}
     for name, (default, tiny_default, _) in race.knobs.items():

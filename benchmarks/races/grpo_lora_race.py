@@ -1,6 +1,6 @@
 """One GPU, GRPO with LoRA at 8B: TRL's GRPOTrainer against posttrain's, the same peft_config (issue 21).
 
-Rows (each a fresh process, in order, ``--rounds`` times; benchmarks/race.py runs them):
+Rows (each a fresh process, in order, ``--rounds`` times; benchmarks/races/race.py runs them):
 
 - ``trl-lora``: ``trl.GRPOTrainer`` given ``peft_config``, no DeepSpeed, bf16, its default
   ``generate``, gradient checkpointing (TRL's GRPO default): what TRL runs on one GPU;
@@ -10,7 +10,7 @@ Rows (each a fresh process, in order, ``--rounds`` times; benchmarks/race.py run
 - ``posttrain-full``: the same case without LoRA (a full fine-tune: policy, fp32 master weights
   and Adam states, and a reference): expected to run out of memory on one H200, an ``oom`` row.
 
-The case: the random-weight Llama 3 8B shape (benchmarks/grpo_e2e.py's ``model_dir``), prompts
+The case: the random-weight Llama 3 8B shape (benchmarks/harness/grpo_e2e.py's ``model_dir``), prompts
 of ``--prompt-len`` tokens, ``--completions`` completions per step (``--num-generations`` per
 prompt, so a new generation batch every step) of up to ``--response-len`` tokens at temperature
 1, beta 0.04, learning rate 1e-6, LoRA r ``--lora-r``, alpha ``--lora-alpha``, dropout 0.05 on
@@ -20,8 +20,8 @@ adapters move: each row records the norm of the LoRA B matrices, zero at initial
 posttrain's rows also record their phases and the rollout engine's KV cache bytes (the issue's
 memory target: at most TRL's peak plus that cache).
 
-    python benchmarks/grpo_lora_race.py --out DIR                     # one GPU (8B)
-    DS_ACCELERATOR=cpu python benchmarks/grpo_lora_race.py --shape tiny --steps 1 --warmup 1
+    python benchmarks/races/grpo_lora_race.py --out DIR                     # one GPU (8B)
+    DS_ACCELERATOR=cpu python benchmarks/races/grpo_lora_race.py --shape tiny --steps 1 --warmup 1
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import race  # noqa: E402
-from benchmarks.race import GiB, Stamps  # noqa: E402
+from benchmarks.races import race  # noqa: E402
+from benchmarks.races.race import GiB, Stamps  # noqa: E402
 
 SIDES = ("posttrain-lora", "trl-lora", "posttrain-full")
 BASELINES = {"posttrain-lora": "trl-lora", "posttrain-full": "trl-lora"}
@@ -128,7 +128,7 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
 def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict[str, Any]:
     import torch
 
-    from benchmarks.grpo_e2e import model_dir, prompt_rows
+    from benchmarks.harness.bench_models import model_dir, prompt_rows
 
     path = model_dir(spec["shape"], torch.bfloat16)
     prompts = (spec["warmup"] + spec["steps"]) * spec["completions"] // spec["num_generations"]

@@ -1,9 +1,9 @@
 """GRPO/RLOO for the harness: posttrain's trainer under a mix, TRL's own trainer as the baseline.
 
-benchmarks/workloads.py runs them (``python benchmarks/grpo_bench.py`` or the harness's
+benchmarks/harness/workloads.py runs them (``python benchmarks/races/grpo_bench.py`` or the harness's
 ``--workload grpo``). Both sides run the same thing:
 
-- the policy of the spec's shape with random weights (benchmarks/bench_models.py; TRL loads its
+- the policy of the spec's shape with random weights (benchmarks/harness/bench_models.py; TRL loads its
   reference from the policy's path), and the tiny default's tokenizer;
 - prompts of about ``seq_len - response_len`` tokens, ``num_generations`` completions each of up to
   ``response_len`` tokens, ``micro_batch`` completions per GPU per step, one optimizer step per
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_models import model_dir, prompt_rows
+from benchmarks.harness.bench_models import model_dir, prompt_rows
 from posttrain.demo import tiny
 
 
@@ -56,7 +56,7 @@ def posttrain_trainer(spec: dict[str, Any], out: Path, common: dict[str, Any]) -
     config_cls, trainer_cls = (RLOOConfig, RLOOTrainer) if spec["workload"] == "rloo" else (GRPOConfig, GRPOTrainer)
     cfg = config_cls(model_name_or_path=str(_policy(spec)), max_prompt_length=spec["seq_len"],
                      generation_backend=spec.get("generation_backend") or "posttrain",
-                     reward_funcs=["benchmarks.grpo_e2e:length_reward"], compile_layers=spec.get("compile_layers"),
+                     reward_funcs=["benchmarks.harness.grpo_e2e:length_reward"], compile_layers=spec.get("compile_layers"),
                      **_settings(spec), **common)
     return trainer_cls, dict(cfg=cfg, train_rows=_prompts(spec))
 

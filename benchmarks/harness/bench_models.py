@@ -28,7 +28,7 @@ def model_dir(shape: str, dtype: torch.dtype, kind: str = "causal", vocab_size: 
         return Path(shape)
     base = tiny.cache_dir() / "bench-models"
     base.mkdir(parents=True, exist_ok=True)
-    # The name of a default causal model is the one benchmarks/dpo_race.py and distill_race.py share.
+    # The name of a default causal model is the one benchmarks/races/dpo_race.py and distill_race.py share.
     parts = [shape, *([kind] if kind != "causal" else []),
              *([f"v{vocab_size}"] if vocab_size not in (None, memory.SHAPES[shape]["vocab_size"]) else []),
              *([f"seed{seed}"] if seed else []), str(dtype).removeprefix("torch.")]

@@ -2,11 +2,11 @@
 ``trl-zero2``, ``trl-zero3``), each mix in a fresh process group through the harness's ``run_one``
 and saved into the same results directory, table and plot.
 
-    python benchmarks/grpo_bench.py --workload grpo --shape 1b --nproc 2 --micro-batch 16 \\
+    python benchmarks/races/grpo_bench.py --workload grpo --shape 1b --nproc 2 --micro-batch 16 \\
         --seq-len 384 --response-len 256 --num-generations 8 --mixes zero2-zero3,trl-zero2,trl-zero3
 
 ``--micro-batch``: completions per GPU per step (TRL's per_device_train_batch_size); ``--seq-len``:
-prompt plus completion. See benchmarks/grpo_e2e.py for what runs (benchmarks/workloads.py runs it).
+prompt plus completion. See benchmarks/harness/grpo_e2e.py for what runs (benchmarks/harness/workloads.py runs it).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import harness  # noqa: E402
+from benchmarks.harness import harness  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_generations=args.num_generations, beta=args.beta, warmup=args.warmup, steps=args.steps,
                 precision=precision, generation_backend=args.generation_backend, memory_at_rest=args.memory_at_rest,
                 compile_layers={"auto": None, "on": True, "off": False}[args.compile_layers])
-    command = shlex.join(["python", "benchmarks/grpo_bench.py", *argv])
+    command = shlex.join(["python", "benchmarks/races/grpo_bench.py", *argv])
     env = harness.environment()
     rows = []
     for mix in [m.strip() for m in args.mixes.split(",") if m.strip()]:

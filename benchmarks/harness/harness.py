@@ -1,10 +1,9 @@
 """ZeRO-mix benchmark harness: one workload and shape, several mixes, each in a fresh process group.
 
-    python benchmarks/harness.py --workload dpo --shape 1b --micro-batch 4 --seq-len 512 --mixes all
-    posttrain bench ...                       (the same)
-    python benchmarks/harness.py --report DIR (re-render DIR's table and plot from its JSON)
+    python benchmarks/harness/harness.py --workload dpo --shape 1b --micro-batch 4 --seq-len 512 --mixes all
+    python benchmarks/harness/harness.py --report DIR (re-render DIR's table and plot from its JSON)
 
-Every mix runs as its own ``torchrun`` of benchmarks/workloads.py, one after another: the workload's
+Every mix runs as its own ``torchrun`` of benchmarks/harness/workloads.py, one after another: the workload's
 real trainer (posttrain's under posttrain's mixes, TRL's own under ``trl-zero2``/``trl-zero3``
 where TRL has one). A run that runs out of memory, fails or times out becomes a row saying so; one
 whose rollout engine fell back (a lost compile or graph, or ``generate`` instead of the engine) is
@@ -30,13 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from posttrain.planner import memory  # noqa: E402
 
-WORKER = ROOT / "benchmarks" / "workloads.py"
+WORKER = ROOT / "benchmarks" / "harness" / "workloads.py"
 ALL_MIXES = ["zero2-zero3", "zero3", "zero2-replicated", "zero2-zero3-offload", "trl-zero2", "trl-zero3",
              "zero2-zero3-stock"]
 
@@ -193,7 +192,7 @@ def rollout_verdict(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def canary_verdict(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The canary's fields of a row (benchmarks/canary.py): each frozen role's max abs difference
+    """The canary's fields of a row (benchmarks/harness/canary.py): each frozen role's max abs difference
     from its unsharded weights over every rank (a wrong gather may show on one rank only), the
     largest of them, and the status: ``wrong`` beyond the tolerance, ``unchecked`` if the canary
     could not run. A trainer with no frozen model (SFT, reward) has an empty ``canary`` and nothing else."""
@@ -368,7 +367,7 @@ def environment() -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="posttrain bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/harness/harness.py", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=list(memory.WORKLOADS), default="dpo")
     ap.add_argument("--shape", default="tiny", help=f"a preset ({', '.join(memory.SHAPES)}), hub name or local path")
     ap.add_argument("--role-shape", action="append", default=[], metavar="ROLE=SHAPE",
@@ -419,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 generation_backend=args.generation_backend if args.workload == "ppo" else None,
                 warmup=args.warmup, steps=args.steps, precision=args.precision, profile_steps=args.profile_steps,
                 memory_at_rest=args.memory_at_rest)
-    command = shlex.join(["python", "benchmarks/harness.py", *argv])
+    command = shlex.join(["python", "benchmarks/harness/harness.py", *argv])
     env = environment()
     start = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in mixes}

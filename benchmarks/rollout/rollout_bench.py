@@ -33,25 +33,17 @@ random prompts (all real tokens), sampling at temperature 1, top-k off. Cases (`
   and its decode ms per step, compile/capture status, extra bytes, and the log-prob gap against
   a forward of the adapted peft model (8 rows). Rows are written to ``--out`` as each finishes.
 
-- ``variants`` (issue 20; run alone): the decode step's switches (fused projections, the split
-  layer, float32 scores) side by side at 16 x (256 + 256) and 128 x (256 + 512), with kernel
-  counts (``benchmarks/rollout_variants.py``).
-
 A row whose engine compile or capture fell back is marked ``degraded``, not ``ok``. JSON is written
 after every stage; stages stop being started after ``--budget-s`` seconds.
 
     git show 2c7536f:posttrain/rollout.py > /tmp/rollout_2c7536f.py
-    python benchmarks/rollout_bench.py --shapes 1b --baseline /tmp/rollout_2c7536f.py --hf --out r.json
+    python benchmarks/rollout/rollout_bench.py --shapes 1b --baseline /tmp/rollout_2c7536f.py --hf --out r.json
 
 LoRA decode on one H200 (bf16; six variants per shape side by side, one invocation per shape,
 each a few minutes; no variant is started after --budget-s):
 
-    python benchmarks/rollout_bench.py --shapes 1b --cases lora --budget-s 420 --out lora_1b.json
-    python benchmarks/rollout_bench.py --shapes 8b --cases lora --budget-s 420 --out lora_8b.json
-
-The decode step's variants on one H200 (about 3 minutes with compiles):
-
-    python benchmarks/rollout_bench.py --shapes 1b --cases variants --budget-s 200 --out variants_1b.json
+    python benchmarks/rollout/rollout_bench.py --shapes 1b --cases lora --budget-s 420 --out lora_1b.json
+    python benchmarks/rollout/rollout_bench.py --shapes 8b --cases lora --budget-s 420 --out lora_8b.json
 """
 
 from __future__ import annotations
@@ -70,7 +62,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -483,11 +475,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no stage after this many seconds")
     ap.add_argument("--compile", default="layer", help="POSTTRAIN_ROLLOUT_COMPILE: layer or none, optionally +fuse")
     ap.add_argument("--lora-r", type=int, default=16, help="the lora case's adapter rank (alpha 2r)")
-    ap.add_argument("--variants", default="all", help="the variants case's variants: all, or names like "
-                    "fused1_split0_fp321")
-    ap.add_argument("--variant-replays", type=int, default=32, help="graph replays per length bucket (variants)")
-    ap.add_argument("--variants-compile", action="store_true",
-                    help="variants on CPU: compile with inductor and count the kernels in its code")
     ap.add_argument("--out", default="rollout_bench.json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no graphs, eager step)")
     args = ap.parse_args(argv)
@@ -510,20 +497,18 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "none",
-           "command": " ".join(["python", "benchmarks/rollout_bench.py", *(argv if argv is not None else sys.argv[1:])]),
+           "command": " ".join(["python", "benchmarks/rollout/rollout_bench.py", *(argv if argv is not None else sys.argv[1:])]),
            "rollout_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("POSTTRAIN_ROLLOUT_")}}
     rows: list[dict[str, Any]] = []
     lora_rows: list[dict[str, Any]] = []
-    variant_rows: list[dict[str, Any]] = []
 
     def write() -> None:
-        Path(args.out).write_text(json.dumps({"env": env, "rows": rows, "lora": lora_rows, "variants": variant_rows},
-                                             indent=1, default=str))
+        Path(args.out).write_text(json.dumps({"env": env, "rows": rows, "lora": lora_rows}, indent=1, default=str))
 
     start = time.perf_counter()
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
-        if cases - {"lora", "variants"}:
+        if cases - {"lora"}:
             rows.append(bench_shape(shape, args, device, baseline, start))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -537,18 +522,12 @@ def main(argv: list[str] | None = None) -> int:
                                          chunk=args.chunk or CHUNK.get(shape, 64))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if "variants" in cases:
-            import rollout_variants
-
-            rollout_variants.bench_variants(shape, args, device, variant_rows, write, start, build=build,
-                                            forward_gap=forward_gap, sync=sync)
-            print(rollout_variants.table(variant_rows))
     print(table(rows))
     for r in lora_rows:
         print(f"| {r['shape']} | lora {r['variant']} | step {r.get('step_ms', float('nan')):.3f} ms | "
               f"{r.get('step_over_merged_plain', float('nan')):.3f}x merged plain | rollout "
               f"{r.get('rollout_s', float('nan')):.3f} s | {r.get('status', r.get('error'))} |")
-    failed = any(r["errors"] for r in rows) or any("error" in r for r in lora_rows + variant_rows)
+    failed = any(r["errors"] for r in rows) or any("error" in r for r in lora_rows)
     return 1 if failed else 0
 
 

@@ -1,8 +1,8 @@
 """One GPU, reward model: TRL's RewardTrainer against posttrain's RewardTrainer (issue 22).
 
-Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/race.py runs them):
+Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/races/race.py runs them):
 ``trl`` (``trl.RewardTrainer``) and ``posttrain`` (posttrain's RewardTrainer, default mix), both a
-sequence classifier with one logit on the random-weight Llama 1.1B shape (benchmarks/grpo_e2e.py's
+sequence classifier with one logit on the random-weight Llama 1.1B shape (benchmarks/harness/grpo_e2e.py's
 ``model_dir``; the score head is new, seeded), the same ``--pairs`` preference pairs per step
 (prompt, chosen, rejected as text, each side close to ``--seq-len`` tokens and within
 ``max_length = --seq-len``, which both sides would otherwise drop), bf16 autocast, gradient
@@ -11,10 +11,10 @@ checkpointing (TRL's default), learning rate 1e-4 (TRL's default), dropout off (
 ``fp32``: an fp32 model against fp32 master weights. posttrain runs its default
 ``single_process_engine: auto``: on one GPU the torch path at both precisions (no DeepSpeed engine;
 the row records the ``engine``). Step time and peak memory as
-benchmarks/race.py records them; tokens/s from the logged ``num_tokens`` (no padding).
+benchmarks/races/race.py records them; tokens/s from the logged ``num_tokens`` (no padding).
 
-    python benchmarks/reward_race.py --out DIR                       # one GPU
-    DS_ACCELERATOR=cpu python benchmarks/reward_race.py --shape tiny --steps 1 --warmup 1 --rounds 1
+    python benchmarks/races/reward_race.py --out DIR                       # one GPU
+    DS_ACCELERATOR=cpu python benchmarks/races/reward_race.py --shape tiny --steps 1 --warmup 1 --rounds 1
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import race  # noqa: E402
-from benchmarks.race import Stamps  # noqa: E402
+from benchmarks.races import race  # noqa: E402
+from benchmarks.races.race import Stamps  # noqa: E402
 
 SIDES = ("trl", "posttrain")
 
@@ -36,7 +36,7 @@ SIDES = ("trl", "posttrain")
 def reward_pairs(n: int, seq_len: int) -> list[dict[str, str]]:
     """``n`` pairs whose prompt and completions are each a little under half of ``seq_len`` tokens
     (a retokenized boundary can add a token or two), so that no side passes ``max_length``."""
-    from benchmarks.grpo_e2e import prompt_rows
+    from benchmarks.harness.bench_models import prompt_rows
 
     half = max(4, seq_len // 2 - 8)
     texts = prompt_rows(3 * n, half)
@@ -47,7 +47,7 @@ def reward_pairs(n: int, seq_len: int) -> list[dict[str, str]]:
 def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict[str, Any]:
     import torch
 
-    from benchmarks.grpo_e2e import model_dir
+    from benchmarks.harness.bench_models import model_dir
 
     path = model_dir(spec["shape"], torch.bfloat16)
     rows = reward_pairs(spec["pairs"] * (spec["warmup"] + spec["steps"]), spec["seq_len"])

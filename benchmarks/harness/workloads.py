@@ -1,9 +1,9 @@
 """One benchmark run: one workload's real trainer under one mix, in the process group torchrun started.
 
-Run by benchmarks/harness.py as ``torchrun --nproc_per_node N benchmarks/workloads.py SPEC OUTDIR``;
+Run by benchmarks/harness/harness.py as ``torchrun --nproc_per_node N benchmarks/harness/workloads.py SPEC OUTDIR``;
 each rank writes ``OUTDIR/rank<R>.json``. Every workload runs a trainer end to end, on models of the
 spec's shapes with random weights and rows of the tiny corpus cut to exact lengths
-(benchmarks/bench_models.py):
+(benchmarks/harness/bench_models.py):
 
 - posttrain's mixes: posttrain's own trainer (``DPOTrainer``, ``PPOTrainer``, ``DistillTrainer``,
   ``GRPOTrainer``, ``RLOOTrainer``, ``SFTTrainer``, ``RewardTrainer``) with ``mix`` set;
@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script by torchrun
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import grpo_e2e  # noqa: E402
-from benchmarks.bench_models import completion_rows, model_dir, preference_rows, prompt_rows  # noqa: E402
-from benchmarks.harness import lower_quartiles  # noqa: E402
-from benchmarks.race import is_oom  # noqa: E402
+from benchmarks.harness import grpo_e2e  # noqa: E402
+from benchmarks.harness.bench_models import completion_rows, model_dir, preference_rows, prompt_rows  # noqa: E402
+from benchmarks.harness.harness import lower_quartiles  # noqa: E402
+from benchmarks.races.race import is_oom  # noqa: E402
 from posttrain.demo import tiny  # noqa: E402
 from posttrain.planner import memory, shapes  # noqa: E402
 
@@ -380,9 +380,9 @@ def trl_distill(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tupl
 
 
 def sft_documents(spec: dict[str, Any]) -> list[dict[str, str]]:
-    """Text documents of ``seq_len`` tokens with the EOS both trainers add (benchmarks/sft_race.py's,
+    """Text documents of ``seq_len`` tokens with the EOS both trainers add (benchmarks/races/sft_race.py's,
     all of the longest length it makes): padded batches of ``micro_batch`` x ``seq_len``."""
-    from benchmarks.sft_race import documents
+    from benchmarks.races.sft_race import documents
 
     return documents(spec["seq_len"], 1, count=rows_needed(spec))
 
@@ -405,8 +405,8 @@ def trl_sft(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[ty
 
 
 def reward_rows(spec: dict[str, Any]) -> list[dict[str, str]]:
-    """Preference pairs of about ``seq_len`` tokens a side, within ``max_length`` (benchmarks/reward_race.py's)."""
-    from benchmarks.reward_race import reward_pairs
+    """Preference pairs of about ``seq_len`` tokens a side, within ``max_length`` (benchmarks/races/reward_race.py's)."""
+    from benchmarks.races.reward_race import reward_pairs
 
     return reward_pairs(rows_needed(spec), spec["seq_len"])
 
@@ -457,10 +457,10 @@ def rollout_stats(trainer: Any) -> dict[str, dict[str, Any]]:
 
 
 def canary(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    """The correctness canary (benchmarks/canary.py) after the measured steps: each frozen role's
+    """The correctness canary (benchmarks/harness/canary.py) after the measured steps: each frozen role's
     outputs on a batch of the run's shape against its weights run unsharded. A canary that cannot
     run leaves the row ``unchecked`` rather than losing its measurements."""
-    from benchmarks import canary as canary_check
+    from benchmarks.harness import canary as canary_check
 
     frozen = frozen_models(trainer)
     if not frozen:  # SFT, reward: nothing frozen, nothing to check (the row says so)

@@ -3,7 +3,7 @@ a policy with peft LoRA adapters in the engine's modes, side by side with the sa
 into a plain one. ``rollout_bench.py`` passes its helpers (model building, timing, the log-prob
 gap, the engine summary).
 
-    python benchmarks/rollout_bench.py --shapes 1b --cases lora --budget-s 420 --out lora_1b.json
+    python benchmarks/rollout/rollout_bench.py --shapes 1b --cases lora --budget-s 420 --out lora_1b.json
 """
 
 from __future__ import annotations

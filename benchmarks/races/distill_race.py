@@ -1,7 +1,7 @@
 """One GPU, distillation: TRL's GKDTrainer against posttrain's DistillationTrainer (issue 25).
 
-The rows of benchmarks/dpo_race.py (alternating fresh processes, ``--rounds`` times, through
-benchmarks/race.py), for a step that is all training: a 1.1B student learns a 1.1B teacher's token
+The rows of benchmarks/races/dpo_race.py (alternating fresh processes, ``--rounds`` times, through
+benchmarks/races/race.py), for a step that is all training: a 1.1B student learns a 1.1B teacher's token
 distributions on the data's completions (generalized JSD, beta 0.5, temperature 1, no generation:
 GKD's ``lmbda`` 0 and ``seq_kd`` off; TRL's DistillationTrainer always generates, so it is not the
 comparison for this step).
@@ -18,8 +18,8 @@ Both: random-weight Llama-shape models (student seed 0, teacher seed 1), ``--pai
 ``--seq-len`` tokens (half prompt, half completion) per step, bf16, no gradient checkpointing (the
 posttrain trainer has none), learning rate 1e-6, a log line every step.
 
-    python benchmarks/distill_race.py --out DIR      # one GPU
-    DS_ACCELERATOR=cpu python benchmarks/distill_race.py --shape tiny --steps 1 --warmup 1 --rounds 1
+    python benchmarks/races/distill_race.py --out DIR      # one GPU
+    DS_ACCELERATOR=cpu python benchmarks/races/distill_race.py --shape tiny --steps 1 --warmup 1 --rounds 1
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import dpo_race, race  # noqa: E402
-from benchmarks.race import Stamps  # noqa: E402
+from benchmarks.races import dpo_race, race  # noqa: E402
+from benchmarks.races.race import Stamps  # noqa: E402
 
 SIDES = dpo_race.SIDES
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -44,7 +44,7 @@ def teacher_dir(shape: str, dtype: Any) -> Path:
     import torch
     from filelock import FileLock
 
-    from benchmarks.grpo_e2e import model_dir
+    from benchmarks.harness.bench_models import model_dir
     from posttrain.demo import tiny
     from posttrain.planner import memory, shapes
 
@@ -65,7 +65,7 @@ def teacher_dir(shape: str, dtype: Any) -> Path:
 
 def distill_rows(n: int, seq_len: int) -> list[dict[str, str]]:
     """``n`` rows whose prompt and completion are each longer than half of ``seq_len`` tokens."""
-    from benchmarks.grpo_e2e import prompt_rows
+    from benchmarks.harness.bench_models import prompt_rows
 
     texts = prompt_rows(2 * n, seq_len // 2 + 8)
     return [{"prompt": texts[2 * i]["prompt"], "completion": " " + texts[2 * i + 1]["prompt"]} for i in range(n)]
@@ -119,7 +119,7 @@ def run_posttrain(spec: dict, student: Path, teacher: Path, rows: list[dict], ou
 def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict[str, Any]:
     import torch
 
-    from benchmarks.grpo_e2e import model_dir
+    from benchmarks.harness.bench_models import model_dir
 
     student, teacher = model_dir(spec["shape"], torch.bfloat16), teacher_dir(spec["shape"], torch.bfloat16)
     rows = distill_rows(spec["pairs"] * (spec["warmup"] + spec["steps"]), spec["seq_len"])

@@ -169,13 +169,12 @@ def test_planner_counts_the_engine():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_fused_projections_give_the_same_tokens(kind, models, tok, prompts, monkeypatch):
-    """POSTTRAIN_ROLLOUT_FUSE=1 (q|k|v and gate|up copies, refreshed per rollout) decodes the same."""
+def test_fused_projections_give_the_same_tokens(kind, models, tok, prompts):
+    """``fused`` (q|k|v and gate|up copies, refreshed per rollout) decodes the same."""
     model, (ids, mask) = models[kind], prompts
     torch.manual_seed(4)
     plain = rollout(model, tok).generate(ids, mask)
-    monkeypatch.setenv("POSTTRAIN_ROLLOUT_FUSE", "1")
-    r = rollout(model, tok)
+    r = rollout(model, tok, engine_options=dict(fused=True))
     torch.manual_seed(4)
     fused = r.generate(ids, mask)
     assert r.stats["fused_weight_bytes"] > 0
@@ -262,29 +261,22 @@ def test_fused_views_of_a_flat_buffer(tok, prompts):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_step_variants_trace_and_decode_the_same(fused, tok, prompts):
-    """Every switch of the step (fused projections; one compiled layer writing the cache in place
-    or two halves around eager writes; bf16-output scores; SDPA decode attention) traced as CUDA
-    compiles it (fullgraph, aot_eager) samples what the eager default does, with no fallback."""
+def test_the_step_traces_and_decodes_the_same(fused, tok, prompts):
+    """The step traced as CUDA compiles it (fullgraph, aot_eager), with and without fused
+    projections, samples what the eager default does, with no fallback."""
     model, (ids, mask) = build("qwen2", tok), prompts  # q/k/v biases: the fused bias too
     torch.manual_seed(7)
     eager = rollout(model, tok).generate(ids, mask)
-    # Unfused: split and whole layers under SDPA and under bmm (float32 and bf16 scores, which only
-    # bmm has); fused (it changes only the projections): the default and one other.
-    combos = ((True, True, True), (True, True, False), (False, False, False), (False, True, True))
-    for split, fp32, sdpa in combos if not fused else combos[::2][:2]:
-        torch._dynamo.reset()
-        r = rollout(model, tok, engine_options=dict(
-            fused=fused, split_layer=split, fp32_scores=fp32, sdpa_decode=sdpa, compile_mode="layer",
-            compile_backend="aot_eager", smallest_bucket=2, length_bucket=8, sync_every=3))
-        torch.manual_seed(7)
-        out = r.generate(ids, mask)
-        st = r.stats
-        assert st["compile"] == "layer" and not r.degraded and st["split_fallbacks"] == 0, st
-        assert st["split_layer"] == split and st["fp32_scores"] == fp32 and st["sdpa_decode"] == sdpa
-        assert (st["fused_weight_bytes"] > 0) == fused
-        assert torch.equal(eager.sequences, out.sequences), (split, fp32, sdpa)
-        assert (eager.logprobs - out.logprobs).abs().max().item() < 1e-5
+    torch._dynamo.reset()
+    r = rollout(model, tok, engine_options=dict(fused=fused, compile_backend="aot_eager", smallest_bucket=2,
+                                                 length_bucket=8, sync_every=3))
+    torch.manual_seed(7)
+    out = r.generate(ids, mask)
+    st = r.stats
+    assert st["compiled"] and not r.degraded and not st["fallback_reasons"], st
+    assert (st["fused_weight_bytes"] > 0) == fused
+    assert torch.equal(eager.sequences, out.sequences)
+    assert (eager.logprobs - out.logprobs).abs().max().item() < 1e-5
     torch._dynamo.reset()
 
 
@@ -294,46 +286,6 @@ def graph_breaking(fn):
         torch._dynamo.graph_break()
         return fn(*args)
     return broken
-
-
-def test_a_whole_layer_or_sdpa_that_fails_to_compile_falls_back(tok, prompts, monkeypatch, caplog):
-    """split_layer off and the whole layer does not trace: the engine compiles the two halves
-    (same tokens), says so (``split_fallbacks``, the log) and stays compiled; likewise SDPA decode
-    attention falls back to bmm and softmax (``sdpa_fallbacks``); a bad switch value is refused by
-    its name."""
-    from posttrain.rollout import decoder
-
-    model, (ids, mask) = build("llama", tok), prompts
-    torch.manual_seed(2)
-    eager = rollout(model, tok).generate(ids, mask)
-    monkeypatch.setattr(decoder, "decode_layer", graph_breaking(decoder.decode_layer))
-    torch._dynamo.reset()
-    r = rollout(model, tok, engine_options=dict(split_layer=False, compile_mode="layer", compile_backend="aot_eager"))
-    torch.manual_seed(2)
-    with caplog.at_level(logging.WARNING, logger="posttrain.rollout"):
-        out = r.generate(ids, mask)
-    torch._dynamo.reset()
-    assert torch.equal(out.sequences, eager.sequences)
-    assert r.stats["split_fallbacks"] == 1 and r.stats["split_layer"] and r.stats["compile"] == "layer"
-    assert r.stats["compile_fallbacks"] == 0 and "whole layer" in r.stats["fallback_reasons"][0]
-    # SDPA decode attention that does not trace: bmm and softmax, counted, still compiled.
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def broken_sdpa(*args, **kwargs):
-        torch._dynamo.graph_break()
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", broken_sdpa)
-    torch._dynamo.reset()
-    r = rollout(model, tok, engine_options=dict(sdpa_decode=True, compile_mode="layer", compile_backend="aot_eager"))
-    torch.manual_seed(2)
-    out = r.generate(ids, mask)
-    torch._dynamo.reset()
-    assert torch.equal(out.sequences, eager.sequences)
-    assert r.stats["sdpa_fallbacks"] == 1 and not r.stats["sdpa_decode"] and r.stats["compile"] == "layer"
-    monkeypatch.setenv("POSTTRAIN_ROLLOUT_SPLIT", "yes")
-    with pytest.raises(ConfigError, match="POSTTRAIN_ROLLOUT_SPLIT"):
-        rollout(model, tok).generate(ids, mask)
 
 
 def prepared_policy(how: str, tok):
@@ -367,20 +319,20 @@ def test_compiled_step_traces_under_every_trainers_policy(how, tok, prompts):
     eager = rollout(model, tok, **knobs).generate(ids, mask)
     torch._dynamo.reset()
     counters.clear()
-    r = rollout(model, tok, engine_options=dict(compile_mode="layer", compile_backend="aot_eager",
-                                                 smallest_bucket=2, length_bucket=8, sync_every=3), **knobs)
+    r = rollout(model, tok, engine_options=dict(compile_backend="aot_eager", smallest_bucket=2, length_bucket=8,
+                                                 sync_every=3), **knobs)
     torch.manual_seed(1)
     compiled = r.generate(ids, mask)
-    assert r.stats["compile"] == "layer" and r.stats["compile_fallbacks"] == 0 and not r.degraded, r.stats
+    assert r.stats["compiled"] and r.stats["compile_fallbacks"] == 0 and not r.degraded, r.stats
     assert r.metrics()["rollout/compile_fallbacks"] == 0
     assert torch.equal(eager.sequences, compiled.sequences)
     assert (eager.logprobs - compiled.logprobs).abs().max().item() < 1e-5
     r.generate(ids, mask, SamplingParams(max_new_tokens=N, pad_token_id=tok.pad_token_id, do_sample=False,
                                          top_p=0.5, temperature=0.7, **{k: knobs[k] for k in ("stop_token_ids",)}))
     assert r.stats["compile_fallbacks"] == 0
-    # Prologue, the layer (or its two halves), sampler, epilogue: a few graphs (dynamic shapes), not
-    # one per layer.
-    parts = 5 if r.engine.split_layer else 4
+    # Prologue, the layer's two halves, sampler, epilogue: a few graphs (dynamic shapes), not one per
+    # layer.
+    parts = 5
     assert parts <= counters["stats"]["unique_graphs"] <= 2 * parts, dict(counters["stats"])
     torch._dynamo.reset()
 
@@ -395,13 +347,13 @@ def test_a_compile_that_fails_is_counted_not_silent(tok, prompts, monkeypatch, c
     eager = rollout(model, tok).generate(ids, mask)
     monkeypatch.setattr(step_module, "inputs", graph_breaking(step_module.inputs))
     torch._dynamo.reset()
-    r = rollout(model, tok, engine_options=dict(compile_mode="layer", compile_backend="aot_eager"))
+    r = rollout(model, tok, engine_options=dict(compile_backend="aot_eager"))
     torch.manual_seed(2)
     with caplog.at_level(logging.WARNING, logger="posttrain.rollout"):
         out = r.generate(ids, mask)
     torch._dynamo.reset()
     assert torch.equal(out.sequences, eager.sequences)
-    assert r.stats["compile_fallbacks"] == 1 and r.stats["compile"] == "none" and r.degraded
+    assert r.stats["compile_fallbacks"] == 1 and not r.stats["compiled"] and r.degraded
     assert r.metrics()["rollout/compile_fallbacks"] == 1
     assert "torch.compile" in r.stats["fallback_reasons"][0]
     assert [rec for rec in caplog.records if "counted" in rec.getMessage()]
@@ -563,8 +515,8 @@ def test_bf16_engine_is_as_close_to_a_forward_as_generate_is():
     comp = g.sequences[:, p:]
     lp = torch.stack([torch.log_softmax(s.float(), -1) for s in g.scores], 1).gather(-1, comp[..., None])[..., 0]
     theirs = distance(g.sequences, comp, lp)
-    # bf16: generate is not exact, so the comparison means something (the engine can be: with
-    # sdpa_decode its attention is the forward's own SDPA kernel on CPU).
+    # bf16: generate is not exact, so the comparison means something (the engine can be: on CPU its
+    # decode attention is the forward's own SDPA kernel).
     assert theirs[0] > 0
     assert ours[0] <= 1.5 * theirs[0] + 1e-3, (ours, theirs)
     assert ours[1] >= theirs[1] - 0.03, (ours, theirs)
@@ -591,7 +543,7 @@ def run_slots(model, tok, ids, mask, seed=5, **options):
     kv_slots = options.pop("kv_slots", ids.shape[0])
     r = rollout(model, tok, max_batch=ids.shape[0], kv_slots=kv_slots, engine_options=options, **stopping(tok))
     torch.manual_seed(seed)
-    return r.generate(ids, mask), r.engine.stats
+    return r.generate(ids, mask), r.stats
 
 
 def test_finished_rows_leave_the_step_with_the_same_samples(models, tok, grouped):
@@ -646,19 +598,73 @@ def test_generation_kv_slots_is_a_config_field(models, tok, grouped):
     r = rollout(model, tok, max_batch=ids.shape[0], max_prompt_len=ids.shape[1], kv_slots=cfg.generation_kv_slots)
     torch.manual_seed(9)
     capped = r.generate(ids, mask)
-    assert r.engine.slots == 4 and r.stats["kv_cache_bytes"] == r.engine.cache_nbytes
+    assert len(r.engine.slots) == 4 and r.stats["kv_cache_bytes"] == r.engine.cache_nbytes
     full = rollout(model, tok, max_batch=ids.shape[0], max_prompt_len=ids.shape[1])
     torch.manual_seed(9)
     assert torch.equal(full.generate(ids, mask).sequences, capped.sequences)
-    assert full.engine.slots == ids.shape[0] and full.stats["kv_cache_bytes"] > r.stats["kv_cache_bytes"]
+    assert len(full.engine.slots) == ids.shape[0] and full.stats["kv_cache_bytes"] > r.stats["kv_cache_bytes"]
+
+
+def test_from_config_reads_every_rollout_setting(models, tok, grouped):
+    """``Rollout.from_config``: every ``RolloutFields`` setting of a trainer's config (backend, KV
+    budget, fused projections, shared prompt KV with the config's ``num_generations`` as the group,
+    LoRA mode, ZeRO-3 gathering) reaches the rollout and its engine, with the samples of the
+    constructor given the same settings; a bad setting is refused by its flag, and a config
+    without the fields by what to mix in."""
+    from dataclasses import dataclass
+
+    from posttrain.rollout import RolloutFields, check_rollout_fields
+
+    @dataclass
+    class Cfg(RolloutFields):
+        num_generations: int = GROUPS
+
+    model, (ids, mask) = models["llama"], grouped
+    sampling = SamplingParams(pad_token_id=tok.pad_token_id, **stopping(tok, N))
+    cfg = Cfg(generation_kv_slots=5, generation_fused_projections=True, generation_shared_prompt_kv=True,
+              generation_lora_mode="live", ds3_gather_for_generation=False)
+    r = Rollout.from_config(cfg, None, "policy", sampling, max_batch=ids.shape[0], max_prompt_len=ids.shape[1],
+                            model=model)
+    assert (r.backend, r.kv_slots, r.gather) == ("posttrain", 5, False)
+    assert r.engine_options == {"lora_mode": "live", "fused": True, "shared_prompt_kv": True, "group_size": GROUPS}
+    torch.manual_seed(4)
+    out = r.generate(ids, mask)
+    st = r.stats
+    assert len(r.engine.slots) == 5 and st["shared_prompt_kv"] and st["fused_projections"] == "copies"
+    assert r.engine.prompts.group == GROUPS and r.engine.adapters.mode == "live"
+    want = Rollout(None, "policy", sampling, max_batch=ids.shape[0], max_prompt_len=ids.shape[1], model=model,
+                   kv_slots=5, engine_options=dict(fused=True, shared_prompt_kv=True, group_size=GROUPS))
+    torch.manual_seed(4)
+    assert torch.equal(want.generate(ids, mask).sequences, out.sequences)
+    grouped_by_hand = Rollout.from_config(cfg, None, "policy", sampling, max_batch=4, max_prompt_len=ids.shape[1],
+                                          group_size=2, model=model)
+    assert grouped_by_hand.engine_options["group_size"] == 2
+    hf = Rollout.from_config(Cfg(generation_backend="hf"), None, "policy", sampling, max_batch=4,
+                             max_prompt_len=ids.shape[1], model=model)
+    assert hf.backend == "hf" and hf.kv_slots == 4
+    for bad, flag in ((dict(generation_backend="vllm"), "--generation_backend"),
+                      (dict(generation_lora_mode="fast"), "--generation_lora_mode"),
+                      (dict(ds3_gather_for_generation="no"), "--ds3_gather_for_generation"),
+                      (dict(generation_shared_prompt_kv=1), "--generation_shared_prompt_kv")):
+        with pytest.raises(ConfigError, match=flag):
+            check_rollout_fields(Cfg(**bad))
+        with pytest.raises(ConfigError, match=flag):
+            Rollout.from_config(Cfg(**bad), None, "policy", sampling, max_batch=4, max_prompt_len=8, model=model)
+
+    @dataclass
+    class Bare:
+        generation_backend: str = "posttrain"
+
+    with pytest.raises(ConfigError, match="RolloutFields"):
+        Rollout.from_config(Bare(), None, "policy", sampling, max_batch=4, max_prompt_len=8, model=model)
 
 
 def test_rows_sharing_a_prompt_prefill_it_once(models, tok, grouped):
     """A GRPO group's rows share their prompt's prefill (one row per distinct prompt), with the
-    same samples as prefilling every row."""
+    same samples as prefilling every row (one slot: each row admitted, and prefilled, alone)."""
     model, (ids, mask) = models["qwen2"], grouped
     shared, ss = run_slots(model, tok, ids, mask)
-    each, se = run_slots(model, tok, ids, mask, share_prefix=False)
+    each, se = run_slots(model, tok, ids, mask, kv_slots=1)
     assert ss["prefill_rows"] == 3 and se["prefill_rows"] == 12 and ss["prefill_sequences"] == 12
     assert torch.equal(shared.sequences, each.sequences)
     assert (shared.logprobs - each.logprobs).abs().max().item() < 1e-5
@@ -684,7 +690,7 @@ def test_shorter_rollouts_from_a_longer_engine(models, tok, grouped):
 
 def test_generation_fused_projections_is_a_config_field(models, tok, prompts):
     """``RolloutFields.generation_fused_projections``: checked by its flag, passed to the engine
-    by ``engine_options`` (unset, the engine's default and its variable stay in charge), the same
+    by ``engine_options`` (unset, the engine fuses only views of weights that lie end to end), the same
     samples as the unfused step, and the buffers' bytes are what ``posttrain plan`` counts for
     them where the engine copies (the planner in bf16: 2 bytes an element; this model is float32)."""
     from dataclasses import dataclass
@@ -699,7 +705,8 @@ def test_generation_fused_projections_is_a_config_field(models, tok, prompts):
 
     with pytest.raises(ConfigError, match="--generation_fused_projections"):
         check_rollout_fields(Cfg(generation_fused_projections="yes"))
-    assert engine_options(Cfg()) == {} and engine_options(Cfg(generation_fused_projections=True)) == {"fused": True}
+    assert engine_options(Cfg()) == {"lora_mode": "merged"}
+    assert engine_options(Cfg(generation_fused_projections=True)) == {"lora_mode": "merged", "fused": True}
     ids, mask = prompts
     model = models["llama"]
     runs = {}

@@ -103,7 +103,7 @@ def test_disabled_adapters_give_the_base_and_updates_need_no_recompile(mode, bas
     torch._dynamo.reset()
     counters.clear()
     r = rollout(model, tok, do_sample=False, engine_options=dict(
-        lora_mode=mode, compile_mode="layer", compile_backend="aot_eager", smallest_bucket=2, length_bucket=8))
+        lora_mode=mode, compile_backend="aot_eager", smallest_bucket=2, length_bucket=8))
     first = r.generate(ids, mask)
     assert (forward_logprobs(model, first, mask) - first.logprobs).abs().max().item() < 1e-5
     graphs, engine = counters["stats"]["unique_graphs"], r.engine
@@ -120,7 +120,7 @@ def test_disabled_adapters_give_the_base_and_updates_need_no_recompile(mode, bas
     assert torch.equal(again.sequences, second.sequences)
     assert r.engine is engine and counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
     # Switching adapters changes values (scalings, merged buffers), not tensors: nothing to recapture.
-    assert r.stats["compile"] == "layer" and not r.degraded and r.stats["storage_moves"] == 0, r.stats
+    assert r.stats["compiled"] and not r.degraded and r.stats["storage_moves"] == 0, r.stats
     torch._dynamo.reset()
 
 
@@ -160,12 +160,11 @@ def test_prompt_learning_and_embedding_lora_fall_back(base):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fused_projections_with_adapters(mode, base, tok, prompts, monkeypatch):
-    """POSTTRAIN_ROLLOUT_FUSE=1: q|k|v and gate|up copies hold the merged weights ("merged") or the
-    base, the adapters' terms added to each part ("live"); both decode the peft forward."""
-    monkeypatch.setenv("POSTTRAIN_ROLLOUT_FUSE", "1")
+def test_fused_projections_with_adapters(mode, base, tok, prompts):
+    """``fused``: q|k|v and gate|up copies hold the merged weights ("merged") or the base, the
+    adapters' terms added to each part ("live"); both decode the peft forward."""
     model, (ids, mask) = with_adapters(base, extras=True), prompts
-    r = rollout(model, tok, engine_options=dict(lora_mode=mode))
+    r = rollout(model, tok, engine_options=dict(lora_mode=mode, fused=True))
     torch.manual_seed(6)
     out = r.generate(ids, mask)
     assert r.stats["fused_weight_bytes"] > 0 and r.stats["lora_mode"] == mode

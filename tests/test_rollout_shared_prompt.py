@@ -52,15 +52,11 @@ def test_a_group_holds_its_prompt_once_and_samples_what_copies_sample(kind, mode
 
     model, (ids, mask) = models[kind], grouped
     copies, rc = run(model, tok, ids, mask)
-    # The layer in two halves around eager cache writes, or whole; the two parts by SDPA's kernels
-    # (their log-sum-exp returned) or by explicit float32 attention.
-    for split, sdpa in ((True, True), (False, True), (True, False)):
-        shared, rs = run(model, tok, ids, mask, shared_prompt_kv=True, group_size=GROUPS, split_layer=split,
-                         sdpa_decode=sdpa)
-        same(copies, shared)
-        st = rs.stats
-        assert st["shared_prompt_kv"] and st["prefill_rows"] == 3 and st["prefill_sequences"] == 12
-        assert not rs.degraded and st["sdpa_decode"] is sdpa
+    shared, rs = run(model, tok, ids, mask, shared_prompt_kv=True, group_size=GROUPS)
+    same(copies, shared)
+    st = rs.stats
+    assert st["shared_prompt_kv"] and st["prefill_rows"] == 3 and st["prefill_sequences"] == 12
+    assert not rs.degraded
     n, p, new = ids.shape[0], rc.engine.prompt_len, rc.engine.max_new
     slots = default_prompt_slots(n, GROUPS)
     assert rs.engine.prompts.capacity == slots == 3  # whole groups: one slot each
@@ -87,7 +83,7 @@ def test_a_group_split_across_waves_joins_its_prompt_slot(models, tok, grouped):
     st = r.stats  # (seed 6: a group whose rows all finish before its later rows enter is prefilled again)
     assert st["prompt_joins"] == 3 and st["prefill_rows"] == 3 and st["admissions"] == 4, st
     assert st["compactions"] > 0 and st["prompt_compactions"] > 0, st
-    assert r.engine.prompts.capacity == 2 and r.engine.slots == 5
+    assert r.engine.prompts.capacity == 2 and len(r.engine.slots) == 5
 
 
 def test_more_rows_of_a_prompt_than_its_slot_has_places(models, tok, grouped):
@@ -109,7 +105,7 @@ def test_prompt_slots_bookkeeping():
     from posttrain.rollout.decoder import DecoderSpec
 
     spec = DecoderSpec(heads=2, kv_heads=1, head_dim=4, scaling=0.5, eps=1e-6, rope_scaling=1.0,
-                       act=torch.nn.functional.silu, vocab=7, fp32_scores=True)
+                       act=torch.nn.functional.silu, vocab=7)
     sp = SharedPrompts(spec, layers=2, prompt_slots=4, group_size=2, max_prompt_len=3, slots=8, dtype=torch.float32,
                        device=torch.device("cpu"))
     assert sp.buckets == [1, 2, 4] and sp.bucket() == 1
@@ -155,25 +151,17 @@ def test_sdpa_with_its_log_sum_exp():
     assert torch.equal(out[2], torch.zeros_like(out[2])) and (lse[2] == torch.finfo(torch.float32).min).all()
 
 
-@pytest.mark.parametrize("parts", ["sdpa", "flex"])
-def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped):
+def test_the_shared_step_traces_as_cuda_compiles_it(models, tok, grouped):
     """The step with shared prompt slots compiled as on CUDA (fullgraph, dynamic shapes; aot_eager
-    here), its two parts by SDPA's kernels or flex_attention: no fallback, the eager default's
-    samples (every row to the end: one bucket, one compile). inductor gives flex_attention its
-    decoding kernel only for a batch size known when it compiles, so under flex both parts'
-    flex_attention calls see constant rows (dynamic shapes would make them symbolic without the
-    engine's marking, ``engine._static_rows``)."""
+    here), its two parts by SDPA's kernels: no fallback, the eager default's samples (every row to
+    the end: one bucket, one compile)."""
     from torch._dynamo.backends.registry import lookup_backend
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-    flex = parts == "flex"
     model, (ids, mask) = models["qwen2"], grouped
-    flex_rows = []
+    graphs = []
 
     def backend(gm, example_inputs):
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and "flex_attention" in str(node.target):
-                flex_rows.append(node.args[0].meta["example_value"].shape[0])
+        graphs.append(gm)
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     def go(**options):
@@ -183,31 +171,11 @@ def test_the_shared_step_traces_as_cuda_compiles_it(parts, models, tok, grouped)
 
     copies, _ = go()
     torch._dynamo.reset()
-    out, r = go(shared_prompt_kv=True, group_size=GROUPS, flex_decode=flex, compile_mode="layer",
-                compile_backend=backend)
+    out, r = go(shared_prompt_kv=True, group_size=GROUPS, compile_backend=backend)
     torch._dynamo.reset()
     st = r.stats
-    assert st["compile"] == "layer" and not r.degraded and not st["fallback_reasons"], st
-    assert st["flex_decode"] is flex and st["sdpa_decode"]
+    assert st["compiled"] and graphs and not r.degraded and not st["fallback_reasons"], st
     same(copies, out)
-    if flex:
-        assert len(flex_rows) >= 2 and all(is_concrete_int(n) for n in flex_rows), flex_rows  # both parts
-    else:
-        assert not flex_rows
-
-
-@pytest.mark.parametrize("shared", [False, True])
-def test_flex_attention_decodes_what_the_default_decodes(shared, models, tok, grouped):
-    """``flex_decode`` (POSTTRAIN_ROLLOUT_FLEX): decode attention by flex_attention, each row's own
-    cache or shared prompt slots (whose parts' log-sum-exp it returns), streamed through fewer
-    slots: the default engine's samples."""
-    model, (ids, mask) = models["llama"], grouped
-    copies, _ = run(model, tok, ids, mask)
-    options = dict(shared_prompt_kv=True, group_size=GROUPS) if shared else {}
-    out, r = run(model, tok, ids, mask, flex_decode=True, kv_slots=5, smallest_bucket=1, length_bucket=4,
-                 sync_every=2, **options)
-    same(copies, out)
-    assert r.stats["flex_decode"] and r.stats["shared_prompt_kv"] is shared and not r.degraded
 
 
 def small_grpo_config(out, **kw):
@@ -233,8 +201,8 @@ def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
 
     with pytest.raises(ConfigError, match="--generation_shared_prompt_kv"):
         GRPOTrainer(cfg(tmp_path / "bad", generation_shared_prompt_kv="yes"), train_dataset=bundled_prompts(16))
-    assert engine_options(cfg(tmp_path / "o", generation_shared_prompt_kv=True)) == {"shared_prompt_kv": True,
-                                                                                     "group_size": 4}
+    assert engine_options(cfg(tmp_path / "o", generation_shared_prompt_kv=True)) == {
+        "lora_mode": "merged", "shared_prompt_kv": True, "group_size": 4}
     runs = {}
     for on in (False, True):
         trainer = GRPOTrainer(cfg(tmp_path / str(on), generation_shared_prompt_kv=on),

@@ -1,11 +1,11 @@
-"""posttrain's Triton decode-attention kernel (posttrain/rollout/triton_decode.py), run on the CPU
+"""posttrain's Triton decode-attention kernel (posttrain/rollout/kernels/decode_attention.py), run on the CPU
 by Triton's interpreter (TRITON_INTERPRET=1, set by conftest before Triton is imported): against
 the attention it replaces, and inside the engine, eager and traced as CUDA compiles it.
 (The interpreter's bf16 matrix product is wrong, so float32 and float16 here.)"""
 
 import pytest
 import torch
-from test_rollout import build, graph_breaking, rollout
+from test_rollout import build, rollout
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
@@ -20,13 +20,12 @@ def attention(q, keys, values, bias, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("groups, head_dim, length, block_n, splits, skip", [
-    (2, 16, 40, 16, 1, True),  # the tiny default's shape, one program a row and head: no merge
-    (2, 16, 40, 16, 2, False),
-    (8, 64, 200, 64, 4, True),  # the 1.1B Llama's group and head size, the last split partial
-    (8, 64, 200, 64, None, True),  # the kernel's own split count
+@pytest.mark.parametrize("groups, head_dim, length, block_n", [
+    (2, 16, 40, 16),  # the tiny default's shape, one program a row and head, the last block partial
+    (8, 64, 200, 64),  # the 1.1B Llama's group and head size
+    (8, 64, 200, None),  # the kernel's own block size
 ])
-def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, block_n, splits, skip):
+def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, block_n):
     from posttrain.rollout.kernels.decode_attention import decode_attention
 
     torch.manual_seed(0)
@@ -39,21 +38,20 @@ def test_the_kernel_computes_masked_attention(dtype, groups, head_dim, length, b
     valid &= torch.arange(length) < (length - 7 * torch.arange(rows)).unsqueeze(1)  # rows that end earlier
     valid[1] = False  # a row with every key masked
     bias = torch.zeros(rows, 1, 1, length, dtype=dtype).masked_fill(~valid.view(rows, 1, 1, length), float("-inf"))
-    out = decode_attention(q, keys, values, bias, head_dim**-0.5, splits=splits, block_n=block_n, skip_masked=skip)
+    out = decode_attention(q, keys, values, bias, head_dim**-0.5, block_n=block_n)
     want = attention(q, keys, values, bias, head_dim**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-3)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
-    if skip:  # masked keys are not read: garbage there changes nothing
-        for cache in (keys, values):
-            cache.masked_fill_(~valid.view(rows, 1, length, 1), float("nan"))
-        again = decode_attention(q, keys, values, bias, head_dim**-0.5, splits=splits, block_n=block_n)
-        assert torch.equal(again, out)
+    # masked keys are not read: garbage there changes nothing
+    for cache in (keys, values):
+        cache.masked_fill_(~valid.view(rows, 1, length, 1), float("nan"))
+    again = decode_attention(q, keys, values, bias, head_dim**-0.5, block_n=block_n)
+    assert torch.equal(again, out)
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits):
+def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared):
     """``new``: the step's keys and values go into the cache views at each row's column (clamped to
     the bucket's last), attended from registers (the stale cell, NaN here, is never read): what two
     ``index_copy_`` into the cache and then the kernel give, cache and output alike."""
@@ -80,11 +78,11 @@ def test_the_kernel_writes_the_steps_keys_as_it_attends_them(shared, splits):
         pkeys, pvalues = torch.randn(2, kv_heads, 24, d), torch.randn(2, kv_heads, 24, d)
         prompt = (pkeys, pvalues, torch.zeros(2, 24), torch.tensor([[0, 1, 2], [3, 4, rows]]),
                   torch.tensor([0, 1, 2, 3, 4]))
-        want = decode_attention_shared(q, *want_views, bias, *prompt, scale, splits=splits, block_n=16)
-        out = decode_attention_shared(q, *views, bias, *prompt, scale, splits=splits, block_n=16, new=(*new, col))
+        want = decode_attention_shared(q, *want_views, bias, *prompt, scale, block_n=16)
+        out = decode_attention_shared(q, *views, bias, *prompt, scale, block_n=16, new=(*new, col))
     else:
-        want = decode_attention(q, *want_views, bias, scale, splits=splits, block_n=16)
-        out = decode_attention(q, *views, bias, scale, splits=splits, block_n=16, new=(*new, col))
+        want = decode_attention(q, *want_views, bias, scale, block_n=16)
+        out = decode_attention(q, *views, bias, scale, block_n=16, new=(*new, col))
     assert (out - want).abs().max().item() < 1e-6
     exact = (shared_attention(q, *want_views, bias, *prompt, scale) if shared
              else attention(q, *want_views, bias, scale))
@@ -108,13 +106,13 @@ def shared_attention(q, keys, values, bias, pkeys, pvalues, pbias, members, plac
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows, slots, members, kv_heads, groups, head_dim, length, width, splits, prompt_splits", [
-    (7, 3, 3, 2, 2, 16, 24, 40, 2, 2),  # the tiny default's heads; a slot with a missing member
-    (7, 3, 3, 2, 2, 16, 24, 40, None, None),  # the kernels' own split counts
-    (9, 2, 4, 4, 8, 64, 70, 130, 1, 3),  # the 1.1B Llama's heads: a tile of 4 rows x 8 query heads
+@pytest.mark.parametrize("rows, slots, members, kv_heads, groups, head_dim, length, width, block_n", [
+    (7, 3, 3, 2, 2, 16, 24, 40, 16),  # the tiny default's heads; a slot with a missing member
+    (7, 3, 3, 2, 2, 16, 24, 40, None),  # the kernels' own block size
+    (9, 2, 4, 4, 8, 64, 70, 130, 64),  # the 1.1B Llama's heads: a tile of 4 rows x 8 query heads
 ])
 def test_the_shared_prompt_kernels_compute_attention_over_both_parts(dtype, rows, slots, members, kv_heads, groups,
-                                                                     head_dim, length, width, splits, prompt_splits):
+                                                                     head_dim, length, width, block_n):
     from posttrain.rollout.kernels.decode_attention import decode_attention_shared
 
     torch.manual_seed(1)
@@ -135,7 +133,7 @@ def test_the_shared_prompt_kernels_compute_attention_over_both_parts(dtype, rows
     place[int(order[-1])] = 0  # a finished row whose place is stale: its own keys only
     scale = head_dim**-0.5
     out = decode_attention_shared(q, keys, values, bias, pkeys, pvalues, pbias, member_rows, place, scale,
-                                  splits=splits, prompt_splits=prompt_splits, block_n=16 if head_dim == 16 else 64)
+                                  block_n=block_n)
     want = shared_attention(q, keys, values, bias, pkeys, pvalues, pbias, member_rows, place, scale)
     assert (out.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-3)
 
@@ -145,95 +143,111 @@ def tok():
     return tiny.load_tokenizer()
 
 
-@pytest.mark.parametrize("compiled, shared, rotate", [(False, False, True), (True, False, True), (False, True, True),
-                                                      (True, True, True), (True, False, False)])
-def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, shared, rotate, tok, monkeypatch):
-    """``triton_decode`` (POSTTRAIN_ROLLOUT_TRITON), each row's own cache or shared prompt slots:
-    eager, and traced in whole graphs as CUDA compiles it (fullgraph, aot_eager; the kernels one
-    opaque op), streamed through fewer slots with small buckets: the default engine's samples and
-    log-probs, with no fallback. ``rotate`` False: the split layer's qkv half rotates q and k, not
-    the kernel (the bench switch that located NOTES 25's log-prob gap)."""
+@pytest.mark.parametrize("compiled, shared", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_engine_with_the_kernel_samples_what_the_default_samples(compiled, shared, tok, monkeypatch):
+    """``triton_decode`` (CUDA's step: the kernels rotate q and k and write the step's key and
+    value), each row's own cache or shared prompt slots: eager, and traced in whole graphs as CUDA
+    compiles it (fullgraph, aot_eager; the kernels between the compiled halves), streamed through
+    fewer slots with small buckets: the default engine's samples and log-probs, with no fallback;
+    the step's pointwise kernels and (no top-k or top-p) its sampler ran too."""
     from posttrain.rollout.kernels import decode_attention as triton_decode
+    from posttrain.rollout.kernels import pointwise
 
-    monkeypatch.setattr(triton_decode, "ROTATE", rotate)
-    rotated_by_kernel = []
-    attend_step = triton_decode.attend_step
+    rotated_by_kernel, pointwise_calls = [], []
+    attend_step, add_rms_norm = triton_decode.attend_step, pointwise.add_rms_norm
 
     def recorded(q, k, v, keys, values, bias, col, cos, sin, *args):
         rotated_by_kernel.append(cos is not None)
         return attend_step(q, k, v, keys, values, bias, col, cos, sin, *args)
 
     monkeypatch.setattr(triton_decode, "attend_step", recorded)
+    monkeypatch.setattr(pointwise, "add_rms_norm", lambda *a: pointwise_calls.append(1) or add_rms_norm(*a))
     model = build("llama", tok)
     enc = tok(["the cat sat on the", "a", "hello world how are you"], return_tensors="pt", padding=True,
               padding_side="left")
     ids, mask = enc["input_ids"].repeat_interleave(2, 0), enc["attention_mask"].repeat_interleave(2, 0)
     torch.manual_seed(3)
     want = rollout(model, tok).generate(ids, mask)
-    options = dict(triton_decode=True, kv_slots=3, smallest_bucket=1, length_bucket=8, sync_every=2)
+    options = dict(triton_decode=True, smallest_bucket=1, length_bucket=8, sync_every=2)
     if shared:
         options.update(shared_prompt_kv=True, group_size=2)
     if compiled:
         torch._dynamo.reset()
-        options.update(compile_mode="layer", compile_backend="aot_eager")
-    r = rollout(model, tok, kv_slots=options.pop("kv_slots"), engine_options=options)
+        options.update(compile_backend="aot_eager")
+    r = rollout(model, tok, kv_slots=3, engine_options=options)
     torch.manual_seed(3)
     out = r.generate(ids, mask)
     torch._dynamo.reset()
     assert r.stats["triton_decode"] and r.stats["triton_fallbacks"] == 0 and not r.degraded, r.stats
-    assert r.stats["triton_sampler"] and r.stats["triton_pointwise"]  # no top-k or top-p: the sampler too
-    assert r.stats["compile"] == ("layer" if compiled else "none") and r.stats["shared_prompt_kv"] is shared
+    assert r.stats["triton_sampler"] and pointwise_calls  # no top-k or top-p: the sampler too
+    assert r.stats["compiled"] is compiled and r.stats["shared_prompt_kv"] is shared
     assert torch.equal(want.sequences, out.sequences) and torch.equal(want.completion_mask, out.completion_mask)
     assert (want.logprobs - out.logprobs).abs().max().item() < 1e-5
-    assert rotated_by_kernel and set(rotated_by_kernel) == {rotate}  # the split layer's call, as switched
+    assert rotated_by_kernel and set(rotated_by_kernel) == {True}
 
 
-def test_the_kernel_on_a_cpu_without_the_interpreter_is_refused(tok, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")
-    monkeypatch.setenv("POSTTRAIN_ROLLOUT_TRITON", "1")
-    ids = tok(["a"], return_tensors="pt")["input_ids"]
-    with pytest.raises(ConfigError, match="unset POSTTRAIN_ROLLOUT_TRITON"):
-        rollout(build("llama", tok), tok).generate(ids, torch.ones_like(ids))
+CPU_WITHOUT_INTERPRETER = r"""
+import torch
+from posttrain.demo import tiny
+from posttrain.errors import ConfigError
+from posttrain.rollout import Rollout, SamplingParams
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_config(tiny.model_config())
+r = Rollout(None, "policy", SamplingParams(max_new_tokens=2, pad_token_id=0), max_batch=1, max_prompt_len=4,
+            model=model, engine_options={"triton_decode": True})
+try:
+    r.generate(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long))
+except ConfigError as err:
+    print("refused:", err)
+print("default:", Rollout(None, "policy", SamplingParams(max_new_tokens=2, pad_token_id=0), max_batch=1,
+                          max_prompt_len=4, model=model).generate(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long))
+      is not None)
+"""
+
+
+def test_the_kernel_on_a_cpu_without_the_interpreter_is_refused(tmp_path):
+    """Asked for on a CPU where Triton does not interpret: refused, saying why; the default there
+    is SDPA (not a fallback)."""
+    from conftest import compile_ahead_of_time
+
+    out = compile_ahead_of_time(CPU_WITHOUT_INTERPRETER, tmp_path)
+    assert "refused: triton_decode: the Triton decode kernels run on CUDA, not cpu" in out, out
+    assert "default: True" in out, out
 
 
 AHEAD_OF_TIME = r"""
-import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from posttrain.rollout import triton_decode as td
+from posttrain.rollout.kernels import decode_attention as td
 
-def types(fn, constexprs, floats=("scale_log2",), fp32=("out_ptr", "lse_ptr"), cache="*bf16"):
+def types(fn, constexprs, fp32=("out_ptr", "lse_ptr"), cache="*bf16"):
     def one(n):
         if n in constexprs:
             return "constexpr"
         if n.endswith("_ptr"):
-            return "*i64" if n in ("members_ptr", "col_ptr") else "*fp32" if n in fp32 else cache
-        return "fp32" if n in floats else "i32"
+            return "*i64" if n in ("members_ptr", "col_ptr", "place_ptr") else "*fp32" if n in fp32 else cache
+        return "fp32" if n == "scale_log2" else "i32"
     return {n: one(n) for n in fn.arg_names}
 
 target = GPUTarget("cuda", 90, 32)  # an H100 / H200
-for final in (False, True):  # the engine's step writes and rotates (HAS_NEW, ROPE); the probe's calls do not
-    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=128 if final else 64, SKIP_MASKED=True, FINAL=final, PRECISION="tf32",
-             HAS_NEW=final, ROPE=final)
-    k = triton.compile(ASTSource(td._partial, types(td._partial, c), c), target=target,
-                       options={"num_warps": 2, "enable_fp_fusion": False})
-    print("partial", final, k.metadata.shared, "mma" in k.asm["ptx"] and "fma.rn.bf16" not in k.asm["ptx"])
-c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=64, SKIP_MASKED=True, FINAL=True, PRECISION="ieee", HAS_NEW=True, ROPE=True)  # float32
-k = triton.compile(ASTSource(td._partial, types(td._partial, c, cache="*fp32"), c), target=target,
-                   options={"num_warps": 4})
-print("partial float32", "tf32" not in k.asm["ptx"])
-c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=64, SKIP_MASKED=True, PRECISION="tf32", ROPE=True)  # 8 rows
-k = triton.compile(ASTSource(td._partial_prompt, types(td._partial_prompt, c), c), target=target,
-                   options={"num_warps": 4})
+for partial in (False, True):  # the step's attention, and its own part with shared prompt slots
+    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=128, PARTIAL=partial, PRECISION="tf32", HAS_NEW=True, ROPE=True)
+    sig = types(td._own, c, fp32=("out_ptr", "lse_ptr") if partial else ("lse_ptr",))
+    k = triton.compile(ASTSource(td._own, sig, c), target=target, options={"num_warps": 2, "enable_fp_fusion": False})
+    print("own", partial, k.metadata.shared, "mma" in k.asm["ptx"] and "fma.rn.bf16" not in k.asm["ptx"])
+c = dict(G=8, BLOCK_G=16, D=64, BLOCK_N=128, PARTIAL=False, PRECISION="ieee", HAS_NEW=True, ROPE=True)  # float32
+k = triton.compile(ASTSource(td._own, types(td._own, c, fp32=("lse_ptr",), cache="*fp32"), c), target=target,
+                   options={"num_warps": 2})
+print("own float32", "tf32" not in k.asm["ptx"])
+c = dict(G=8, MEMBERS=8, BLOCK_M=64, D=64, BLOCK_N=128, PRECISION="tf32", ROPE=True)  # 8 rows
+k = triton.compile(ASTSource(td._prompt, types(td._prompt, c), c), target=target, options={"num_warps": 2})
 print("prompt", k.metadata.shared, "mma" in k.asm["ptx"])
-for shared in (False, True):
-    c = dict(G=8, BLOCK_G=16, D=64, BLOCK_S=4, MEMBERS=8, SHARED=shared)
-    sig = types(td._merge, c)
-    sig.update(place_ptr="*i64", members_ptr="*i64")
-    k = triton.compile(ASTSource(td._merge, sig, c), target=target, options={"num_warps": 4})
-    print("merge", shared, k.metadata.shared)
+c = dict(G=8, BLOCK_G=16, D=64, MEMBERS=8)
+k = triton.compile(ASTSource(td._merge, types(td._merge, c), c), target=target, options={"num_warps": 2})
+print("merge", k.metadata.shared)
 """
 
 
@@ -246,18 +260,17 @@ def test_the_kernels_compile_for_an_h200(tmp_path):
 
     lines = compile_ahead_of_time(AHEAD_OF_TIME, tmp_path).splitlines()
     # tensor-core products; no bf16 FMA (the rotation rounds each product, as eager torch does)
-    assert lines[0].startswith("partial False") and lines[0].endswith("True"), lines
-    assert lines[1].startswith("partial True") and lines[1].endswith("True") and lines[2] == "partial float32 True", lines
+    assert lines[0].startswith("own False") and lines[0].endswith("True"), lines
+    assert lines[1].startswith("own True") and lines[1].endswith("True") and lines[2] == "own float32 True", lines
     assert lines[3].startswith("prompt") and lines[3].endswith("True"), lines
-    assert lines[4].startswith("merge False") and lines[5].startswith("merge True"), lines
+    assert lines[4].startswith("merge"), lines
     assert os.listdir(tmp_path)  # compiled, not only parsed
 
 
-def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, monkeypatch):
-    """The kernels fail: in the whole layer, their op does not trace in one graph; in the split
-    layer, the step's eager launch raises (a kernel this GPU cannot build, say). The engine
-    compiles the step with SDPA instead, samples what the default does, and the rollout says it is
-    degraded (``triton_fallbacks``)."""
+def test_a_triton_step_that_fails_falls_back_to_sdpa_counted(tok, monkeypatch):
+    """The kernels fail (a kernel this GPU cannot build, say): the engine compiles the step with
+    SDPA instead, samples what the default does, and the rollout says it is degraded
+    (``triton_fallbacks``, the reason)."""
     from posttrain.rollout.kernels import decode_attention as triton_decode
 
     model = build("llama", tok)
@@ -265,71 +278,46 @@ def test_a_triton_step_that_fails_to_compile_falls_back_to_sdpa_counted(tok, mon
     ids, mask = enc["input_ids"], enc["attention_mask"]
     torch.manual_seed(4)
     want = rollout(model, tok).generate(ids, mask)
-    monkeypatch.setattr(torch.ops.posttrain, "decode_attention", graph_breaking(triton_decode.decode_attention_op))
 
     def out_of_resources(*args, **kwargs):
         raise RuntimeError("out of resource: shared memory")
 
     monkeypatch.setattr(triton_decode, "attend_step", out_of_resources)
     torch._dynamo.reset()
-    r = rollout(model, tok, engine_options=dict(triton_decode=True, compile_mode="layer", compile_backend="aot_eager",
-                                                split_layer=False))
+    r = rollout(model, tok, engine_options=dict(triton_decode=True, compile_backend="aot_eager"))
     torch.manual_seed(4)
     out = r.generate(ids, mask)
     torch._dynamo.reset()
-    # whole layer -> split layer (the op traced no more), then the split layer's launch -> SDPA
-    assert r.stats["split_fallbacks"] == 1 and r.stats["triton_fallbacks"] == 1, r.stats
-    assert not r.stats["triton_decode"] and r.stats["sdpa_decode"]
-    assert r.stats["compile"] == "layer" and r.degraded
+    assert r.stats["triton_fallbacks"] == 1 and r.metrics()["rollout/triton_fallbacks"] == 1, r.stats
+    assert not r.stats["triton_decode"] and not r.stats["triton_sampler"]
+    assert r.stats["compiled"] and r.degraded and r.stats["compile_fallbacks"] == 0
     assert any("Triton decode kernels" in why for why in r.stats["fallback_reasons"]), r.stats["fallback_reasons"]
     assert torch.equal(out.sequences, want.sequences)
 
 
-def test_the_kernels_layout_and_where_they_are_the_default():
-    """One split of 128-key blocks for heads of 64 at every row count (cudnn's forward's rounding,
-    and a row's output independent of the rows beside it; NOTES 25), 64-key blocks above; splits on
-    request. The kernels are the engine's default on CUDA for head sizes they take, never on a
-    CPU."""
-    from types import SimpleNamespace
+def test_the_kernels_block_and_where_they_run(tok):
+    """One pass over a row's keys in 128-key blocks for heads of up to 64 (cudnn's forward's
+    rounding, and a row's output independent of the rows beside it), 64-key blocks above. The
+    kernels take head sizes that are powers of two from 16 to 256 (a model with others is refused
+    them by name; on CUDA it runs SDPA, counted); on a CPU the engine runs SDPA unless asked."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from posttrain.rollout import kernels
     from posttrain.rollout.kernels import decode_attention as triton_decode
-    from posttrain.rollout.switches import triton_by_default
 
     cuda = torch.device("cuda")
-    assert triton_decode.layout(768, 64) == (1, 768, 128)
-    assert triton_decode.layout(512, 64) == (1, 512, 128)  # GRPO's 16 rows too
-    assert triton_decode.layout(768, 128) == (1, 768, 64)  # the 8B's heads: blocks not timed at 128
-    assert triton_decode.layout(100, 64, splits=8) == (2, 64, 64)  # no empty split
-    assert triton_decode.layout(512, 64, splits=2, block_n=32) == (2, 256, 32)
-    assert triton_by_default(cuda, SimpleNamespace(head_dim=64))
-    assert triton_by_default(cuda, SimpleNamespace(head_dim=128))
-    assert not triton_by_default(cuda, SimpleNamespace(head_dim=96))  # tl.arange takes powers of two
-    assert not triton_by_default(torch.device("cpu"), SimpleNamespace(head_dim=64))
-
-
-def test_generation_triton_decode_is_a_config_field(tmp_path):
-    """``RolloutFields.generation_triton_decode``: checked by its flag, passed to the engine (None
-    leaves the engine's default); a GRPO run with it trains as it does on the default attention, and
-    its per-step metrics say which attention ran and count the kernels' fallbacks."""
-    from test_rollout_shared_prompt import small_grpo_config as cfg
-
-    from posttrain.rollout.api import engine_options
-    from posttrain.scripts.data import bundled_prompts
-    from posttrain.trainers.grpo import GRPOTrainer
-
-    with pytest.raises(ConfigError, match="--generation_triton_decode"):
-        GRPOTrainer(cfg(tmp_path / "bad", generation_triton_decode="yes"), train_dataset=bundled_prompts(16))
-    assert "triton_decode" not in engine_options(cfg(tmp_path / "o"))
-    assert engine_options(cfg(tmp_path / "o", generation_triton_decode=False))["triton_decode"] is False
-    runs = {}
-    for on in (None, True):
-        trainer = GRPOTrainer(cfg(tmp_path / str(on), generation_triton_decode=on), train_dataset=bundled_prompts(16))
-        runs[on] = trainer.train()
-        assert all(row["rollout/triton_decode"] == float(bool(on)) and row["rollout/triton_fallbacks"] == 0
-                   and row["rollout/triton_sampler"] == row["rollout/triton_decode"] for row in runs[on]), runs[on]
-    for a, b in zip(runs[None], runs[True]):
-        for k in ("reward", "kl", "loss", "grad_norm"):
-            assert b[k] == pytest.approx(a[k], abs=1e-5, rel=1e-5), k
+    assert triton_decode.block_size(64) == 128 and triton_decode.block_size(128) == 64
+    assert kernels.unavailable(cuda, 64) is None and kernels.unavailable(cuda, 128) is None
+    assert "head size 96" in kernels.unavailable(cuda, 96)  # tl.arange takes powers of two
+    r = rollout(build("llama", tok), tok)
+    enc = tok(["the cat sat"], return_tensors="pt")
+    r.generate(enc["input_ids"], enc["attention_mask"])
+    assert not r.stats["triton_decode"] and not r.degraded
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1)
+    with pytest.raises(ConfigError, match="triton_decode: head size 96"):
+        rollout(AutoModelForCausalLM.from_config(cfg), tok, engine_options=dict(triton_decode=True)).generate(
+            torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -1,4 +1,4 @@
-"""posttrain's Triton pointwise kernels for the decode step (posttrain/rollout/triton_pointwise.py),
+"""posttrain's Triton pointwise kernels for the decode step (posttrain/rollout/kernels/pointwise.py),
 run on the CPU by Triton's interpreter (TRITON_INTERPRET=1, set by conftest before Triton is
 imported): SiLU-and-multiply and the residual add with the RMSNorm equal eager torch's (the
 interpreter rounds bf16 by truncation, so float32 and float16 here); the decoder uses them only
@@ -46,7 +46,7 @@ def test_add_rms_norm_equals_the_decoders(dtype, rows, hidden, per, monkeypatch)
 
 def _spec(**changes):
     spec = decoder.DecoderSpec(heads=2, kv_heads=1, head_dim=8, scaling=8**-0.5, eps=1e-6, rope_scaling=1.0, act=F.silu,
-                               vocab=10, fp32_scores=True)
+                               vocab=10)
     import dataclasses
 
     return dataclasses.replace(spec, **changes)
@@ -54,7 +54,7 @@ def _spec(**changes):
 
 @pytest.mark.parametrize("case", ["fused", "lora", "separate", "gelu"])
 def test_attention_out_takes_the_kernels_only_where_they_apply(case, monkeypatch):
-    """With ``triton_pointwise`` the layer's output equals the eager path's; SiLU-and-multiply only
+    """With ``triton`` the layer's output equals the eager path's; SiLU-and-multiply only
     for one gate|up GEMM without LoRA terms and a SiLU activation (counted by wrapping the op)."""
     torch.manual_seed(0)
     hidden, inter = 16, 24
@@ -72,11 +72,11 @@ def test_attention_out_takes_the_kernels_only_where_they_apply(case, monkeypatch
     monkeypatch.setattr(triton_pointwise, "silu_mul", lambda t: calls.append(t.shape) or silu_mul(t))
     x, attn, nxt = torch.randn(3, 1, hidden), torch.randn(3, 2, 1, 8), torch.randn(hidden)
     want_x, want_h = decoder.attention_out(spec, w, x, attn, nxt)
-    got_x, got_h = decoder.attention_out(_spec(triton_pointwise=True, act=spec.act), w, x, attn, nxt)
+    got_x, got_h = decoder.attention_out(_spec(triton=True, act=spec.act), w, x, attn, nxt)
     assert (got_x - want_x).abs().max().item() < 1e-5 and (got_h - want_h).abs().max().item() < 1e-5
     assert len(calls) == (1 if case == "fused" else 0)
-    assert torch.equal(decoder.attention_out(_spec(triton_pointwise=True, act=spec.act), w, x, attn),
-                       decoder.attention_out(_spec(triton_pointwise=True, act=spec.act), w, x, attn, nxt)[0])
+    assert torch.equal(decoder.attention_out(_spec(triton=True, act=spec.act), w, x, attn),
+                       decoder.attention_out(_spec(triton=True, act=spec.act), w, x, attn, nxt)[0])
 
 
 AHEAD_OF_TIME = r"""
@@ -84,7 +84,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from posttrain.rollout import triton_pointwise as tp
+from posttrain.rollout.kernels import pointwise as tp
 
 target = GPUTarget("cuda", 90, 32)
 sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "n": "i32", "inter": "i32", "stride_row": "i32", "BLOCK": "constexpr"}

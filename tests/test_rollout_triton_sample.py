@@ -1,4 +1,4 @@
-"""posttrain's Triton sampler (posttrain/rollout/triton_sample.py), run on the CPU by Triton's
+"""posttrain's Triton sampler (posttrain/rollout/kernels/sample.py), run on the CPU by Triton's
 interpreter (TRITON_INTERPRET=1, set by conftest before Triton is imported): the tokens of
 ``sampling.choose_tokens`` and its log-probs, whatever the chunking; compiled for an H200 with
 logical shifts (the noise hash's bits are the 64-bit one's)."""
@@ -64,7 +64,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from posttrain.rollout import triton_sample as ts
+from posttrain.rollout.kernels import sample as ts
 
 fn = ts._partial
 c = dict(CHUNKS=8, BLOCK_V=1024, HAS_STOP=True)
@@ -87,13 +87,13 @@ def test_the_sampler_compiles_for_an_h200_with_logical_shifts(tmp_path):
 
 
 def test_cublaslt_is_preferred_only_inside_the_engines_scope(monkeypatch):
-    """``switches.preferred_blas``: set for the engine's compile, warm-up and capture, the previous
+    """``engine.preferred_blas``: set for the engine's compile, warm-up and capture, the previous
     library back after (an error inside too); None leaves it alone. The engine asks for it on CUDA
-    only (POSTTRAIN_ROLLOUT_CUBLASLT); on the CPU its stats say "default"."""
+    only; on the CPU its stats say "default"."""
     from test_rollout import build, rollout
 
     from posttrain.demo import tiny
-    from posttrain.rollout.switches import preferred_blas
+    from posttrain.rollout.engine import preferred_blas
 
     current = ["cublas"]
     calls = []

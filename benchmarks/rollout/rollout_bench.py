@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import platform
 import statistics
 import sys
@@ -150,10 +149,11 @@ def engine_summary(r: Any) -> dict[str, Any]:
     """A Rollout's engine stats for a row, and its status: "degraded" where the engine lost speed
     to a fallback (``Rollout.degraded``), else "ok"."""
     stats = r.stats
-    keys = ("compile", "captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks",
-            "fp32_scores", "kv_cache_bytes", "prefill_rows", "prefill_sequences", "admissions", "compactions",
+    keys = ("compiled", "captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks",
+            "kv_cache_bytes", "prefill_rows", "prefill_sequences", "admissions", "compactions",
             "decode_steps", "row_steps", "cache_cells_read", "graphs", "fallback_reasons", "shared_prompt_kv",
-            "prompt_kv_bytes", "prompt_joins", "prompt_compactions", "sdpa_decode", "fused_projections")
+            "prompt_kv_bytes", "prompt_joins", "prompt_compactions", "triton_decode", "triton_fallbacks",
+            "fused_projections")
     out = {k: stats[k] for k in keys if k in stats}
     out["status"] = "degraded" if r.degraded else "ok"
     return out
@@ -161,7 +161,7 @@ def engine_summary(r: Any) -> dict[str, Any]:
 
 def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, baseline: Any, t_start: float
                 ) -> dict[str, Any]:
-    from posttrain.rollout import Rollout, SamplingParams, admission
+    from posttrain.rollout import Rollout, SamplingParams
     from posttrain.rollout.engine import Clock
 
     chunk = args.chunk or CHUNK.get(shape, 64)
@@ -185,26 +185,25 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
     repeats = args.repeats
     holder: dict[str, Any] = {}
     # ``--shared-prompt``: the engine as it is by default ("off"), with shared prompt slots (groups
-    # of ``--generations`` rows hold their prompt once: "on"), and those with flex_attention
-    # ("flex"); "triton" and "shared-triton": the first two with posttrain's Triton kernels; "sdpa": the
-    # default without them (SDPA's kernel, the default on CUDA before them); side by side.
+    # of ``--generations`` rows hold their prompt once: "on"); "triton" and "shared-triton": the
+    # first two asking for posttrain's Triton kernels (the default on CUDA); "sdpa": the default
+    # with SDPA's kernel instead (the kernels' fallback); side by side.
     shared_modes = [m for m in args.shared_prompt.split(",") if m]
-    suffix = {"off": "", "on": "-shared", "flex": "-shared-flex", "triton": "-triton", "shared-triton": "-shared-triton",
-              "sdpa": "-sdpa"}
+    suffix = {"off": "", "on": "-shared", "triton": "-triton", "shared-triton": "-shared-triton", "sdpa": "-sdpa"}
     if set(shared_modes) - set(suffix):
         raise SystemExit(f"--shared-prompt {args.shared_prompt!r}: use some of {', '.join(suffix)}")
 
     def shared_options(mode: str) -> dict[str, Any]:
         shared = dict(shared_prompt_kv=True, group_size=args.generations) if is_shared(mode) else {}
-        kernel = {"flex": {"flex_decode": True}, "triton": {"triton_decode": True},
-                  "shared-triton": {"triton_decode": True}, "sdpa": {"triton_decode": False}}.get(mode, {})
-        return {**shared, **kernel}
+        kernel = {"triton": {"triton_decode": True}, "shared-triton": {"triton_decode": True},
+                  "sdpa": {"triton_decode": False}}.get(mode, {})
+        return {**shared, **kernel, **({"fused": True} if args.fused else {})}
 
     def is_shared(mode: str) -> bool:
-        return mode in ("on", "flex", "shared-triton")
+        return mode in ("on", "shared-triton")
 
     def kv_bytes(e: Any, rows: int, columns: int) -> int:
-        return 2 * len(e.keys) * rows * columns * e.spec.kv_heads * e.spec.head_dim * 2
+        return 2 * len(e.slots.keys) * rows * columns * e.spec.kv_heads * e.spec.head_dim * 2
     baseline_all = baseline
 
     def base_for(case: str) -> Any:
@@ -298,7 +297,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
             # The step alone, at the bucket (chunk rows, whole cache; the chunk's prompt slots):
             # CUDA events around 64 replays, the chunk admitted (its prompts in their slots).
             e.begin(1, n, p)
-            admission.admit(e, list(range(chunk)), list(range(chunk)), x, m, groups)
+            e.admit(list(range(chunk)), list(range(chunk)), x, m, groups)
             length = e.length_bucket_for(e.columns(n))
             steps = 64
             clock = Clock(device)
@@ -322,14 +321,13 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         e = holder["prefix"] = DecodeEngine(model, stopping, total, p)
         res["prefix"] = {"sequences": total, "unique": args.prompts}
 
-        def admit(x: torch.Tensor, share: bool) -> None:
-            e.share_prefix = share
+        def admit(x: torch.Tensor) -> None:
             e.begin(1, n, p)
-            admission.admit(e, list(range(x.shape[0])), list(range(x.shape[0])), x, torch.ones_like(x))
+            e.admit(list(range(x.shape[0])), list(range(x.shape[0])), x, torch.ones_like(x))
 
-        for name, x, share in (("unique", prompts.to(device), True), ("shared", ids, True), ("each", ids, False)):
-            admit(x, share)  # warm-up
-            s, times, _ = timed(lambda x=x, share=share: admit(x, share), repeats)
+        for name, x in (("unique", prompts.to(device)), ("shared", ids)):
+            admit(x)  # warm-up
+            s, times, _ = timed(lambda x=x: admit(x), repeats)
             res["prefix"][f"{name}_s"], res["prefix"][f"{name}_all_s"] = s, times
         res["prefix"]["shared_over_unique"] = res["prefix"]["shared_s"] / res["prefix"]["unique_s"]
         res["prefix"]["prompt_kv_bytes_per_sequence"] = e.cache_nbytes // total * p // e.length
@@ -341,7 +339,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
 
             def slots() -> None:
                 e.begin(1, n, p)
-                admission.admit(e, list(range(total)), list(range(total)), ids, torch.ones_like(ids), groups)
+                e.admit(list(range(total)), list(range(total)), ids, torch.ones_like(ids), groups)
 
             slots()
             s, times, _ = timed(slots, repeats)
@@ -356,7 +354,8 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
         x, m = ids[:rows], mask[:rows]
         sampling = SamplingParams(max_new_tokens=new, pad_token_id=0, temperature=1.0, min_new_tokens=new)
         out: dict[str, Any] = {}
-        r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model)
+        r = Rollout(None, "policy", sampling, max_batch=rows, max_prompt_len=p, model=model,
+                    engine_options=shared_options("off"))
         torch.manual_seed(3)
         out["engine"] = forward_gap(model, r.generate(x, m))
         out["engine"]["status"] = engine_summary(r)["status"]
@@ -432,8 +431,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                              f"{s['ratio_to_floor']:.2f}x | {s['ratio_to_unshared_floor']:.2f}x the unshared floor |")
         if r.get("prefix"):
             x = r["prefix"]
-            lines.append(f"| prefill | unique {x['unique_s']:.3f} s | shared {x['shared_s']:.3f} s | each "
-                         f"{x['each_s']:.3f} s | shared/unique {x['shared_over_unique']:.2f} |")
+            lines.append(f"| prefill | unique {x['unique_s']:.3f} s | shared {x['shared_s']:.3f} s | "
+                         f"shared/unique {x['shared_over_unique']:.2f} |")
             if "slots_s" in x:
                 lines.append(f"| prefill into prompt slots | {x['slots_s']:.3f} s | "
                              f"/unique {x['slots_over_unique']:.2f} | "
@@ -464,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=0, help="the baseline's max_batch (default per shape: 128 at 1b)")
     ap.add_argument("--kv-slots", default="128,512", help="the engine's KV budget(s), in sequences")
     ap.add_argument("--shared-prompt", default="off,on", help="the engine's shared prompt slots, side by side in "
-                    "varlen, full, step, prefix and logprobs: off, on, flex (on, with flex_attention), triton and shared-triton "
-                    "(off and on with posttrain's Triton kernels), comma-separated")
+                    "varlen, full, step, prefix and logprobs: off, on, triton and shared-triton (off and on asking for "
+                    "posttrain's Triton kernels), sdpa (off with SDPA instead), comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 timed rollouts per measure (older scripts' flag)")
     ap.add_argument("--baseline", default=None, help="path of the old single-file posttrain/rollout.py")
@@ -473,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the cases that also run the baseline")
     ap.add_argument("--hf", action="store_true", help="also time generate eager on one chunk (varlen)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no stage after this many seconds")
-    ap.add_argument("--compile", default="layer", help="POSTTRAIN_ROLLOUT_COMPILE: layer or none, optionally +fuse")
+    ap.add_argument("--compile", default="layer", help="layer (the engine's compiled step), optionally +fuse (fused "
+                    "q|k|v and gate|up copies: the engine's fused option)")
     ap.add_argument("--lora-r", type=int, default=16, help="the lora case's adapter rank (alpha 2r)")
     ap.add_argument("--out", default="rollout_bench.json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no graphs, eager step)")
@@ -487,18 +487,16 @@ def main(argv: list[str] | None = None) -> int:
     if ignored:
         print(f"--compile: timing {first} only (ignored: {', '.join(ignored)})", file=sys.stderr)
     compile_mode, _, fuse = first.partition("+")
-    if compile_mode not in ("layer", "none") or fuse not in ("", "fuse"):
-        ap.error(f"--compile {args.compile!r}: use layer or none, optionally +fuse")
-    os.environ["POSTTRAIN_ROLLOUT_COMPILE"] = compile_mode
-    os.environ["POSTTRAIN_ROLLOUT_FUSE"] = "1" if fuse else "0"
+    if compile_mode != "layer" or fuse not in ("", "fuse"):
+        ap.error(f"--compile {args.compile!r}: use layer, optionally +fuse")
+    args.fused = bool(fuse)
     import transformers
 
     baseline = load_baseline(args.baseline) if args.baseline else None
     device = torch.device(args.device)
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "none",
-           "command": " ".join(["python", "benchmarks/rollout/rollout_bench.py", *(argv if argv is not None else sys.argv[1:])]),
-           "rollout_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("POSTTRAIN_ROLLOUT_")}}
+           "command": " ".join(["python", "benchmarks/rollout/rollout_bench.py", *(argv if argv is not None else sys.argv[1:])])}
     rows: list[dict[str, Any]] = []
     lora_rows: list[dict[str, Any]] = []
 

@@ -5,21 +5,20 @@ A peft ``LoraLayer`` keeps the base projection in ``base_layer`` and one ``lora_
 per adapter; its ``weight`` is the base weight, so a decoder that reads ``q_proj.weight`` silently
 drops the adapters. Here every projection the decoder reads goes through :meth:`Adapters.linear`,
 which returns the base weight and bias plus the adapters' terms, as one of three modes
-(``lora_mode``, the engine option; default ``POSTTRAIN_ROLLOUT_LORA`` or ``"merged"``):
+(``lora_mode``: the trainers' ``generation_lora_mode``, the engine's option; default ``"merged"``):
 
 - ``"merged"``: one persistent buffer per adapted matrix holds ``W + scaling * B @ A`` (peft's own
   merge arithmetic: the delta in the adapter's dtype, added to the weight's), rewritten in place
   once per rollout, so the step runs the plain model's kernels and a captured graph keeps its
-  addresses. Memory: one extra copy of every adapted matrix (LoRA on all linear layers of the 8B
-  Llama shape: about 14 GB in bf16; of the 1.1B: about 1.9 GB); with the engine's fused q|k|v and
+  addresses. Memory: one extra copy of every adapted matrix; with the engine's fused q|k|v and
   gate|up buffers, those matrices' merged buffers are their slices of the fused ones (no third copy).
 - ``"live"``: the step adds ``(x @ A^T) @ B^T * scaling`` to each base projection, reading the live
   adapter parameters (as peft's forward does: input cast to the adapter's dtype, the sum cast back),
   two small GEMMs more per adapted projection, no extra copy.
 - ``"grouped"``: ``"live"`` with the projections that share an input (q|k|v, gate|up) taking one
   low-rank product per adapter: their A's stacked and their B's as one block-diagonal matrix, with
-  a per-row scaling, copied in place once per rollout (r 16 at 8B with float32 adapters: about
-  0.2 GB): 8 small GEMMs per layer instead of 14. Where the modules of a group do not carry the
+  a per-row scaling, copied in place once per rollout (a copy of the adapters' size): 8 small
+  GEMMs per layer instead of 14. Where the modules of a group do not carry the
   same adapters, each keeps its own terms.
 
 In each mode an in-place update of the adapters (an optimizer step) is seen by the next rollout
@@ -38,7 +37,6 @@ adapters merged into the base while disabled (checked every rollout).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -120,10 +118,9 @@ class Adapters:
     (``tensor`` maps each to what is read instead: a ZeRO-3 shadow's copy), resolved through peft's
     wrappers, LoRA applied as ``mode`` says. ``refresh()`` once per rollout, before reading."""
 
-    def __init__(self, model: nn.Module, mode: str | None = None, tensor: Any = None) -> None:
-        mode = mode or os.environ.get("POSTTRAIN_ROLLOUT_LORA", "merged")
+    def __init__(self, model: nn.Module, mode: str = "merged", tensor: Any = None) -> None:
         if mode not in LORA_MODES:
-            raise ConfigError(f"lora_mode (POSTTRAIN_ROLLOUT_LORA) {mode!r}: use one of {LORA_MODES}")
+            raise ConfigError(f"lora_mode (--generation_lora_mode) {mode!r}: use one of {LORA_MODES}")
         self.model, self.mode, self._tensor = model, mode, tensor
         self.lora = any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
         self.scales: dict[tuple[int, str], torch.Tensor] = {}  # (module id, adapter) -> 0-dim float32

@@ -14,7 +14,7 @@ the same key gives the same samples on CPU and GPU, in either backend, in any sl
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -22,8 +22,9 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 from posttrain.rollout import adapters, scheduler
+from posttrain.rollout.adapters import LORA_MODES
 from posttrain.rollout.decoder import unsupported_reason
-from posttrain.rollout.engine import DecodeEngine
+from posttrain.rollout.engine import RUN_COUNTERS, DecodeEngine
 from posttrain.rollout.hf import generation_model, hf_generate
 from posttrain.rollout.sampling import RolloutOutput, SamplingParams, finish
 from posttrain.rollout.shadow import ShadowModel
@@ -35,9 +36,11 @@ BACKENDS = ("posttrain", "hf")
 
 @dataclass
 class RolloutFields:
-    """The engine's settings for a trainer's config (a mixin, as ``posttrain.models.lora.LoraFields``);
-    the trainer passes ``generation_kv_slots`` as :class:`Rollout`'s ``kv_slots``."""
+    """The rollout's settings for a trainer's config (a mixin, as ``posttrain.models.lora.LoraFields``);
+    :meth:`Rollout.from_config` reads them."""
 
+    # "posttrain" (the rollout engine) | "hf" (transformers' generate).
+    generation_backend: str = "posttrain"
     # The KV budget in sequences: the engine's cache holds this many sequences of prompt +
     # completion tokens; a generation batch with more streams through as slots free (same samples).
     # None: one slot per sequence of the trainer's generation batch (its per-process
@@ -47,61 +50,68 @@ class RolloutFields:
     generation_kv_slots: int | None = None
     # The decode step runs q|k|v and gate|up as one GEMM each wherever those weights lie end to end
     # (DeepSpeed's ZeRO-1/2 flat buffers, the ZeRO-3 shadow: views, no copy). True: elsewhere too
-    # (separately allocated parameters, biases between the matrices, LoRA), from copies rewritten
-    # once per rollout: about 57% of the model's bf16 bytes more (none with LoRA's merged buffers,
-    # which become its slices); `posttrain plan --generation-fused-projections` counts that copy.
+    # (separately allocated parameters, biases between the matrices, LoRA), from copies of those
+    # matrices rewritten once per rollout (none with LoRA's merged buffers, which become its
+    # slices); `posttrain plan --generation-fused-projections` counts that copy.
     generation_fused_projections: bool = False
     # Each prompt's keys and values held once for the rows that continue it (a GRPO/RLOO group's
     # num_generations rows) instead of once per row: the prompts' KV memory / num_generations, and
     # decode attention reads each prompt once a step for its whole group. The rows' cache then holds
     # only completions, and the engine one prompt slot per group of its KV budget (plus one where
     # the budget is not whole groups). `posttrain plan --generation-shared-prompt-kv` counts it.
-    # A memory setting: where timed (1.1B, one H200, before its parts ran on SDPA kernels) the
-    # rollout ran at 0.73x the default's speed.
+    # A memory setting: slower than the default where timed (benchmarks/NOTES.md).
     generation_shared_prompt_kv: bool = False
-    # Decode attention by posttrain's Triton kernels (rollout/triton_decode.py), which also write the
-    # step's keys and values into the cache. None: on CUDA where Triton imports and the head size
-    # is a power of two from 16 to 256, else SDPA. false: SDPA's kernel (steps 1.23-1.46x slower
-    # on an H200; log-probs as close to a forward's either way; README "Rollouts"). true: required
-    # (a clear error without Triton).
-    generation_triton_decode: bool | None = None
+    # How a peft policy's LoRA adapters decode (rollout/adapters.py): "merged" (a W + scaling*B@A
+    # buffer per adapted matrix, rewritten each rollout: the plain model's speed, a copy of those
+    # matrices), "live" (the low-rank terms inside the step, no copy) or "grouped" ("live" with
+    # q|k|v and gate|up each one low-rank product).
+    generation_lora_mode: str = "merged"
+    # TRL's name: a ZeRO-3 model is gathered whole for generation; False generates through
+    # DeepSpeed's per-layer hooks (less memory, slow; always transformers' generate).
+    ds3_gather_for_generation: bool = True
 
 
 def check_rollout_fields(cfg: RolloutFields) -> None:
-    """Refuse an impossible KV budget or switch by its flag before anything loads."""
+    """Refuse an impossible rollout setting by its flag before anything loads."""
+    if cfg.generation_backend not in BACKENDS:
+        raise ConfigError(f"generation_backend must be one of {BACKENDS}, got {cfg.generation_backend!r}: set "
+                          "--generation_backend posttrain|hf")
     slots = cfg.generation_kv_slots
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
         raise ConfigError(f"generation_kv_slots must be a whole number >= 1 or null (one slot per sequence of a "
                           f"generation batch), got {slots!r}: set --generation_kv_slots")
-    for name in ("generation_fused_projections", "generation_shared_prompt_kv", "generation_triton_decode"):
-        value = getattr(cfg, name)
-        if not isinstance(value, bool) and not (value is None and name == "generation_triton_decode"):
-            raise ConfigError(f"{name} must be true or false, got {value!r}: set --{name} true|false")
+    for name in ("generation_fused_projections", "generation_shared_prompt_kv", "ds3_gather_for_generation"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name} must be true or false, got {getattr(cfg, name)!r}: set --{name} true|false")
+    if cfg.generation_lora_mode not in LORA_MODES:
+        raise ConfigError(f"generation_lora_mode must be one of {LORA_MODES}, got {cfg.generation_lora_mode!r}: set "
+                          f"--generation_lora_mode {'|'.join(LORA_MODES)}")
 
 
-def engine_options(cfg: RolloutFields) -> dict[str, Any]:
-    """The :class:`DecodeEngine` options a trainer's config asks for (unset ones leave the engine's
-    defaults and their POSTTRAIN_ROLLOUT_* variables in charge)."""
-    options: dict[str, Any] = {"fused": True} if cfg.generation_fused_projections else {}
+def engine_options(cfg: RolloutFields, group_size: int | None = None) -> dict[str, Any]:
+    """The :class:`DecodeEngine` options a trainer's config asks for. ``group_size``: the rows that
+    continue one prompt, for shared prompt slots (None: the config's ``num_generations``, GRPO's
+    and RLOO's, else 1)."""
+    options: dict[str, Any] = {"lora_mode": cfg.generation_lora_mode}
+    if cfg.generation_fused_projections:
+        options["fused"] = True
     if cfg.generation_shared_prompt_kv:
-        options["shared_prompt_kv"] = True
-    if cfg.generation_triton_decode is not None:
-        options["triton_decode"] = cfg.generation_triton_decode
-    if hasattr(cfg, "num_generations"):  # GRPO/RLOO: the group size of shared prompt slots (also when
-        options["group_size"] = cfg.num_generations  # POSTTRAIN_ROLLOUT_SHARED_PROMPT turns them on)
+        options.update(shared_prompt_kv=True,
+                       group_size=group_size if group_size is not None else getattr(cfg, "num_generations", 1))
     return options
 
 
-# The rollout stats' counters of a path lost to a fallback: a compile, capture, flex, Triton-kernel,
-# SDPA or fused-views fallback, or a rollout that ran ``generate`` for its adapters' state.
+# The rollout stats' counters of a path lost to a fallback (every stat named ``*_fallbacks``): a
+# compile, capture, Triton-kernel or fused-views fallback, or a rollout that ran ``generate`` for
+# its adapters' state.
 SLOW_FALLBACKS = ("compile_fallbacks", "capture_fallbacks", "adapter_fallbacks", "fused_fallbacks",
-                  "sdpa_fallbacks", "flex_fallbacks", "triton_fallbacks")
+                  "triton_fallbacks")
 
 
 def slowed(stats: dict[str, Any]) -> bool:
     """Whether rollout ``stats`` (:attr:`Rollout.stats`, or a rank's copy of them) count a fallback
-    that makes generation slower than it should be."""
-    return any(stats.get(k) for k in SLOW_FALLBACKS)
+    that makes generation slower than it should be (any ``*_fallbacks`` counter)."""
+    return any(v for k, v in stats.items() if k.endswith("_fallbacks"))
 
 
 class Rollout:
@@ -113,11 +123,10 @@ class Rollout:
     ``sampling``: the run's settings; ``generate(..., sampling=...)`` may change temperature and
     the other knobs per call (new top-k, top-p on/off or stop tokens make a new engine: keep them
     fixed in a run) and take up to the built ``max_new_tokens``. ``engine_options``: keyword
-    arguments of :class:`DecodeEngine` (buckets, sync interval, prefix sharing, ``lora_mode``
-    "merged" or "live" for a peft model's LoRA adapters: ``adapters.py``; the step's switches
-    ``fused``, ``split_layer``, ``fp32_scores``, ``sdpa_decode``, ``flex_decode``, ``triton_decode``, ``cublaslt``:
-    ``engine.py``; tests and benchmarks).
-    A peft model (``get_peft_model``) decodes with its active adapters, as its forward would."""
+    arguments of :class:`DecodeEngine` (:func:`engine_options` gives a config's; tests and
+    benchmarks add buckets, sync interval, compile backend). A trainer builds it with
+    :meth:`from_config`. A peft model (``get_peft_model``) decodes with its active adapters, as its
+    forward would."""
 
     def __init__(self, session: Any, role: str, sampling: SamplingParams, *, max_batch: int, max_prompt_len: int,
                  backend: str = "posttrain", ds3_gather_for_generation: bool = True,
@@ -138,6 +147,7 @@ class Rollout:
         self.stats: dict[str, Any] = {"backend": backend, "fallback": None, "captures": 0, "recaptures": 0,
                                       "capture_s": 0.0, "compile_fallbacks": 0, "capture_fallbacks": 0,
                                       "adapter_fallbacks": 0, "kv_cache_bytes": 0}
+        self._retired = dict.fromkeys(RUN_COUNTERS, 0)  # the run's counters of engines replaced since
         self.backend = backend
         self.engine: DecodeEngine | None = None
         self.shadow: ShadowModel | None = None
@@ -153,14 +163,33 @@ class Rollout:
             if reason is not None:
                 self._fall_back(reason)
 
+    @classmethod
+    def from_config(cls, cfg: RolloutFields, session: Any, role: str, sampling: SamplingParams, *, max_batch: int,
+                    max_prompt_len: int, group_size: int | None = None, model: nn.Module | None = None
+                    ) -> Rollout:
+        """The rollout a trainer's config asks for: every :class:`RolloutFields` setting of ``cfg``
+        (backend, KV budget, fused projections, shared prompt KV, LoRA mode, ZeRO-3 gathering).
+        ``group_size``: the rows that continue one prompt (shared prompt slots; None: the config's
+        ``num_generations`` if it has one, else 1). ``model``: a bare module without a session
+        (tests, benchmarks)."""
+        missing = [f.name for f in fields(RolloutFields) if not hasattr(cfg, f.name)]
+        if missing:
+            raise ConfigError(f"{type(cfg).__name__} lacks the rollout settings {missing}: mix "
+                              "posttrain.rollout.RolloutFields into it (and check_rollout_fields in __post_init__)")
+        check_rollout_fields(cfg)
+        return cls(session, role, sampling, max_batch=max_batch, max_prompt_len=max_prompt_len,
+                   backend=cfg.generation_backend, ds3_gather_for_generation=cfg.ds3_gather_for_generation,
+                   model=model, kv_slots=cfg.generation_kv_slots,
+                   engine_options=engine_options(cfg, group_size))
+
     def metrics(self) -> dict[str, float]:
         """Per-step metrics: graph captures so far, recaptures (0 after warm-up), capture seconds,
         whether the decode attention and the sampler ran on posttrain's Triton kernels (the sampler
-        does where there is no top-k or top-p), and every loss of speed:
-        each counter of :data:`SLOW_FALLBACKS` (compile, capture, the attention kernels' and fused
-        views' fallbacks, the rollouts that ran ``generate`` because of the adapters' state at that
-        time) and 1 if the backend fell back to ``generate`` for an unsupported model (or peft
-        adapters the engine cannot run)."""
+        does where there is no top-k or top-p), and every loss of speed: each counter of
+        :data:`SLOW_FALLBACKS` (compile, capture, the Triton kernels' and fused views' fallbacks,
+        the rollouts that ran ``generate`` because of the adapters' state at that time) and 1 if
+        the backend fell back to ``generate`` for an unsupported model (or peft adapters the
+        engine cannot run)."""
         st = self.stats
         out = {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
                "rollout/capture_s": st["capture_s"], "rollout/triton_decode": float(bool(st.get("triton_decode"))),
@@ -251,22 +280,17 @@ class Rollout:
         if same:
             self.engine.set_knobs(knobs)  # temperature, do_sample, top_p, min_new_tokens: buffers
         else:
-            old = self.engine
+            if self.engine is not None:  # new knobs: a new engine, its graphs counted with the old ones'
+                old = self.engine.stats()
+                for k in RUN_COUNTERS:
+                    self._retired[k] += old[k]
+                self.engine = None
             self.engine = DecodeEngine(model, knobs, self.kv_slots, self.max_prompt_len, tensor=tensor,
                                        **self.engine_options)
-            if old is not None:  # new knobs: a new engine, its graphs counted with the old ones'
-                for k in ("captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks",
-                          "storage_moves"):
-                    self.engine.stats[k] += old.stats[k]
-                del old
-            self.stats["kv_cache_bytes"] = self.engine.cache_nbytes
-            self.stats["fused_weight_bytes"] = self.engine.fused_nbytes
-            self.stats["lora_mode"] = self.engine.lora_mode
         tokens, logprobs, self.timings = scheduler.generate(self.engine, prompt_ids, prompt_mask, key,
                                                             sampling.max_new_tokens, profile=self.profile)
-        est = self.engine.stats
-        self.stats.update({k: v for k, v in est.items()}, capture_s=round(est["capture_s"], 3),
-                          compile=self.engine.compile_mode, graphs=len(self.engine.graphs),
-                          lora_merged_bytes=self.engine.lora_nbytes, fused_projections=self.engine.fused_projections,
-                          fallback_reasons=list(self.engine.fallback_reasons))
+        st = self.engine.stats()
+        for k in RUN_COUNTERS:
+            st[k] += self._retired[k]
+        self.stats.update(st, capture_s=round(st["capture_s"], 3))
         return tokens, logprobs

@@ -5,20 +5,15 @@ call path: gradient checkpointing registers a forward hook on the input embeddin
 ``requires_grad_()`` (``torch.compile(fullgraph=True)`` cannot trace it), TRL's fused LM head
 replaces ``forward``, training mode switches dropout on, DeepSpeed wraps the module. Reading the
 weights (``F.embedding`` on the embedding matrix, ``F.linear`` on each projection, RMSNorm and the
-rotary embedding computed from their parameters and buffers) makes the decode step the same
-traceable function whatever the trainer did, and reads the live parameters: an optimizer step that
-writes them in place is seen with no recapture.
+rotary embedding computed from their parameters and buffers; ``weights.py``) makes the decode step
+the same traceable function whatever the trainer did.
 
 Numerics follow transformers' forward (RMSNorm in float32 then cast, cos/sin in float32 then
-cast, rotation in the model dtype), and the decode attention is one ``scaled_dot_product_attention``
-call, as the forward's (``sdpa_decode``, the default); off, it keeps its scores in float32 as SDPA's
-kernels do internally (on CUDA a half-precision ``bmm`` with a float32 output, so the cache is not
-converted), then casts the probabilities to the model dtype for the product with the values.
-With ``flex_decode`` it is a ``flex_attention`` call (the mask as a score modification), with
-``triton_decode`` posttrain's own kernels (``triton_decode.py``). Rows whose
-prompt is in a shared prompt slot attend in two parts merged by their log-sum-exp
-(:func:`decode_attention_shared`): SDPA's kernels that return it, or explicit float32 attention, or
-posttrain's kernels (both parts and the merge).
+cast, rotation in the model dtype), and the decode attention here is one
+``scaled_dot_product_attention`` call, as the forward's (on CUDA the engine runs posttrain's
+Triton kernels instead: ``kernels/decode_attention.py``). Rows whose prompt is in a shared prompt
+slot attend in two parts merged by their log-sum-exp (:func:`decode_attention_shared`), each by
+SDPA's kernels that return it.
 
 Why not transformers' ``StaticCache`` and the model's own forward: the cache and forward signatures
 changed within 5.x, while the module attributes read here (``q_proj``, ``input_layernorm``,
@@ -87,7 +82,8 @@ def unsupported_reason(model: nn.Module, cache_len: int | None = None) -> str | 
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """The model's fixed numbers (read once)."""
+    """The model's fixed numbers (read once), and whether the decode step runs posttrain's Triton
+    kernels (``kernels/``: the attention in the engine, here the pointwise ops)."""
 
     heads: int
     kv_heads: int
@@ -97,14 +93,10 @@ class DecoderSpec:
     rope_scaling: float  # the rotary embedding's attention_scaling
     act: Callable[[torch.Tensor], torch.Tensor]
     vocab: int
-    fp32_scores: bool  # decode attention scores kept in float32 (see the module docstring)
-    sdpa_decode: bool = True  # decode attention by SDPA (one fused kernel) instead of bmm, softmax, bmm
-    flex_decode: bool = False  # decode attention by flex_attention (before SDPA; shared prompt slots too)
-    triton_decode: bool = False  # decode attention by posttrain's Triton kernels (triton_decode.py; before flex)
-    triton_pointwise: bool = False  # the decode step's SiLU-and-multiply and residual + norm by triton_pointwise.py
+    triton: bool = False
 
     @classmethod
-    def of(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> DecoderSpec:
+    def of(cls, model: nn.Module) -> DecoderSpec:
         base = model.model
         attn, layer = base.layers[0].self_attn, base.layers[0]
         head_dim = attn.head_dim
@@ -112,148 +104,7 @@ class DecoderSpec:
         return cls(heads=attn.q_proj.out_features // head_dim, kv_heads=attn.k_proj.out_features // head_dim,
                    head_dim=head_dim, scaling=getattr(attn, "scaling", head_dim**-0.5), eps=float(eps),
                    rope_scaling=float(getattr(base.rotary_emb, "attention_scaling", 1.0)),
-                   act=ACTIVATIONS[getattr(model.config, "hidden_act", "silu")], vocab=model.lm_head.out_features,
-                   fp32_scores=device.type != "cuda" or dtype == torch.float32 or _bmm_out_fp32_works(device))
-
-
-@functools.cache
-def _bmm_out_fp32_works(device: torch.device) -> bool:
-    try:
-        a = torch.ones(1, 2, 2, dtype=torch.bfloat16, device=device)
-        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-
-
-def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None = None, src: Any = None
-                 ) -> dict[str, Any]:
-    """The decoder's weights, detached views of the live parameters (no module is called later).
-    ``fused``: per layer, concatenated q|k|v (and bias) and gate|up copies that replace those keys.
-    ``src``: an :class:`~posttrain.rollout.adapters.Adapters` (peft wrappers and LoRA, a ZeRO-3
-    shadow's copies); default the plain parameters. A projection ``name`` gives keys ``name``,
-    ``name + "b"`` (its bias) and ``name + "_lora"`` (LoRA terms, mode "live")."""
-    if src is None:
-        from posttrain.rollout.adapters import Adapters
-
-        src = Adapters(model)
-    base = model.model
-    norm = src.module
-
-    def linear(entry: dict[str, Any], key: str, module: nn.Module, weight: bool = True, own: bool = True) -> None:
-        w, b, terms = src.linear(module, terms=own)
-        if weight:
-            entry[key] = w
-            if b is not None:
-                entry[key + "b"] = b
-        if terms:
-            entry[key + "_lora"] = terms
-
-    layers = []
-    for i, layer in enumerate(base.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        entry: dict[str, Any] = {"ln1": src.tensor(norm(layer.input_layernorm).weight),
-                                 "ln2": src.tensor(norm(layer.post_attention_layernorm).weight)}
-        if fused:
-            entry.update({k: v for k, v in fused[i].items() if v is not None})
-        for group, keys, modules in (("qkv", ("q", "k", "v"), (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                     ("gate_up", ("gate", "up"), (mlp.gate_proj, mlp.up_proj))):
-            terms = src.group(modules)  # LoRA mode "grouped": one low-rank product for the group
-            if terms:
-                entry[group + "_lora"] = terms
-            for key, module in zip(keys, modules):
-                linear(entry, key, module, weight=group not in entry, own=not terms)
-        linear(entry, "o", attn.o_proj)
-        linear(entry, "down", mlp.down_proj)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
-            entry.update(qn=src.tensor(norm(attn.q_norm).weight), kn=src.tensor(norm(attn.k_norm).weight))
-        layers.append(entry)
-    head: dict[str, Any] = {}
-    linear(head, "head", model.lm_head)
-    return {"embed": src.tensor(norm(base.embed_tokens).weight), "norm": src.tensor(norm(base.norm).weight),
-            "head": head["head"], "head_bias": head.get("headb"), "head_lora": head.get("head_lora"),
-            "inv_freq": base.rotary_emb.inv_freq, "layers": layers}
-
-
-def _groups(layer: nn.Module) -> tuple[tuple[str, tuple[nn.Module, ...]], ...]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return ("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))
-
-
-def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """``torch.cat(parts)`` as a view, if the parts lie end to end in one storage; else None."""
-    first = parts[0]
-    end = first.data_ptr()
-    for t in parts:
-        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
-                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != end):
-            return None
-        end += t.numel() * t.element_size()
-    rows = sum(t.shape[0] for t in parts)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
-
-
-def fused_views(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]] | None:
-    """q|k|v (+bias) and gate|up per layer as views of the live weights, where every layer's
-    matrices lie end to end in one storage, as in DeepSpeed's ZeRO-1/2 flat buffers and the ZeRO-3
-    shadow (parameters in module order): the fused GEMMs at no copy and nothing to refresh. None
-    where any group does not (separately allocated parameters, biases between the matrices, LoRA)."""
-    if src.lora:
-        return None
-    out = []
-    for layer in model.model.layers:
-        entry: dict[str, torch.Tensor | None] = {}
-        for key, modules in _groups(layer):
-            weights, biases = zip(*(src.linear(m, terms=False)[:2] for m in modules))
-            weight = _end_to_end(list(weights))
-            has_bias = [b is not None for b in biases]
-            bias = _end_to_end(list(biases)) if all(has_bias) else None
-            if weight is None or (any(has_bias) and bias is None):
-                return None
-            entry[key], entry[key + "b"] = weight, bias
-        out.append(entry)
-    return out
-
-
-def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]]:
-    """q|k|v (+bias) and gate|up (+bias) buffers per layer (engine option ``fused``): 4 GEMMs per
-    layer and token instead of 7, at the cost of a copy of those weights (at the 1.1B Llama shape
-    1.25 GB in bf16, 57% of the model). In LoRA's "merged" mode an adapted projection's merged
-    buffer is its slice of the fused one (:meth:`~posttrain.rollout.adapters.Adapters.adopt`),
-    so the adapted matrices are not held twice."""
-    out = []
-    for layer in model.model.layers:
-        entry: dict[str, torch.Tensor | None] = {}
-        for key, modules in _groups(layer):
-            shapes = [src.weight_shape(m) for m in modules]
-            like = {"dtype": shapes[0][2], "device": shapes[0][3]}
-            rows = sum(s[0] for s in shapes)
-            weight = torch.empty(rows, shapes[0][1], **like)
-            # A bias if any part has one (a LoRA bias on q alone, say); the others' parts are zeros.
-            bias = torch.zeros(rows, **like) if any(src.has_bias(m) for m in modules) else None
-            o = 0
-            for m, (n, *_) in zip(modules, shapes):
-                src.adopt(m, weight[o : o + n], bias[o : o + n] if bias is not None and src.has_bias(m) else None)
-                o += n
-            entry[key], entry[key + "b"] = weight, bias
-        out.append(entry)
-    return out
-
-
-@torch.no_grad()
-def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]], src: Any) -> None:
-    """Copy the live weights into the fused buffers (in place: graphs keep their addresses). A
-    merged LoRA projection's slice is its merged buffer, rewritten by ``Adapters.refresh``."""
-    for layer, entry in zip(model.model.layers, fused):
-        for key, modules in _groups(layer):
-            o = 0
-            for m in modules:
-                w, b, _ = src.linear(m, terms=False)
-                part = entry[key][o : o + w.shape[0]]
-                if w.data_ptr() != part.data_ptr():  # not an adopted (merged) buffer
-                    part.copy_(w)
-                    if entry[key + "b"] is not None and b is not None:
-                        entry[key + "b"][o : o + w.shape[0]].copy_(b)
-                o += w.shape[0]
+                   act=ACTIVATIONS[getattr(model.config, "hidden_act", "silu")], vocab=model.lm_head.out_features)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, terms: Any) -> torch.Tensor:
@@ -341,14 +192,14 @@ def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, 
 def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
                   next_norm: torch.Tensor | None = None) -> Any:
     """Output projection, residual, post-attention norm, MLP, residual. ``attn`` [B, heads, T, d].
-    ``next_norm``: the residual stream and its norm by it. With ``spec.triton_pointwise`` (the
-    decode step) each residual add and the norm after it are one kernel, and so is SiLU-and-
-    multiply where gate|up is one GEMM without LoRA terms (``triton_pointwise.py``)."""
+    ``next_norm``: the residual stream and its norm by it. With ``spec.triton`` (the decode step on
+    CUDA) each residual add and the norm after it are one kernel, and so is SiLU-and-multiply where
+    gate|up is one GEMM without LoRA terms (``kernels/pointwise.py``)."""
     b, t = attn.shape[0], attn.shape[2]
     o = linear(w, "o", attn.transpose(1, 2).reshape(b, t, -1))
-    # The ops are registered by the engine's import of triton_pointwise; they keep x's dtype (eager's
+    # The ops are registered by the engine's import of the kernels; they keep x's dtype (eager's
     # weight * h would promote to a float32 norm weight's).
-    pointwise = spec.triton_pointwise and w["ln2"].dtype == x.dtype
+    pointwise = spec.triton and w["ln2"].dtype == x.dtype
     if pointwise:
         x, h = torch.ops.posttrain.add_rms_norm(x, o, w["ln2"], spec.eps)
     else:
@@ -376,52 +227,13 @@ def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor
 
 def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      bias: torch.Tensor) -> torch.Tensor:
-    """One query per row over the cache [B, kv_heads, L, d] (``bias`` [B, 1, 1, L]: 0 or -inf).
-    The query heads of a group share one read of their key/value head (no repeat of the cache)."""
+    """One query per row over the cache [B, kv_heads, L, d] (``bias`` [B, 1, 1, L]: 0 or -inf) as
+    one SDPA call, the training forward's own attention: a group's query heads are SDPA's queries
+    of its key/value head (float32 scores and softmax inside, no repeat of the cache)."""
     b, groups, d = q.shape[0], spec.heads // spec.kv_heads, spec.head_dim
-    if spec.triton_decode:  # the op is registered by the engine's import of triton_decode
-        out = torch.ops.posttrain.decode_attention(q.reshape(b, spec.kv_heads, groups, d), keys, values, bias,
-                                                   spec.scaling)
-        return out.reshape(b, spec.heads, 1, d)
-    if spec.flex_decode:
-        return flex(q, keys, values, bias, spec.scaling)[0]
-    if spec.sdpa_decode:
-        # A group's query heads are SDPA's queries of its key/value head: one kernel (float32
-        # scores and softmax inside, as in the training forward's SDPA), no repeat of the cache.
-        out = F.scaled_dot_product_attention(q.reshape(b, spec.kv_heads, groups, d), keys, values,
-                                             attn_mask=bias, scale=spec.scaling)
-        return out.reshape(b, spec.heads, 1, d)
-    length = keys.shape[2]
-    qg = q.reshape(b * spec.kv_heads, groups, d)
-    scores = _scores(spec, qg, keys.reshape(b * spec.kv_heads, length, d).transpose(1, 2))
-    scores = scores.view(b, spec.kv_heads, groups, length) * spec.scaling + bias
-    probs = scores.softmax(dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(b, spec.heads, 1, d)
-
-
-def flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flex_attention`` of ``q`` [n, hq, t, d] over ``keys``/``values`` [n, hkv, L, d] (hq a
-    multiple of hkv: a group's query heads share their key/value head) with the additive mask
-    ``bias`` [n, 1, 1, L]: the output [n, hq, t, d] and the log-sum-exp of the scores [n, hq, t]
-    (natural log, float32). On CUDA inductor generates its kernel (flex decoding for one query a
-    head); on CPU it runs the reference implementation."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    mask = bias.view(bias.shape[0], bias.shape[-1])
-
-    def add_mask(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
-                 ) -> torch.Tensor:
-        return score + mask[b, ki]
-
-    try:  # torch >= 2.9: the auxiliary outputs by request (return_lse is deprecated there)
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        return flex_attention(q, keys, values, score_mod=add_mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
-                              return_lse=True)
-    out, aux = flex_attention(q, keys, values, score_mod=add_mask, scale=scale,
-                              enable_gqa=q.shape[1] != keys.shape[1], return_aux=AuxRequest(lse=True))
-    return out, aux.lse
+    out = F.scaled_dot_product_attention(q.reshape(b, spec.kv_heads, groups, d), keys, values,
+                                         attn_mask=bias, scale=spec.scaling)
+    return out.reshape(b, spec.heads, 1, d)
 
 
 def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
@@ -451,34 +263,6 @@ def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: to
     lowest = torch.finfo(torch.float32).min
     return out.nan_to_num(0.0), lse.float().masked_fill(masked, lowest)
 
-
-def _scores(spec: DecoderSpec, q: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:
-    """``q @ kt`` in float32 (bf16 operands: a float32 output on CUDA, upcast on CPU) or, without
-    ``fp32_scores``, a bf16 product then float32."""
-    if spec.fp32_scores and q.dtype != torch.float32:
-        if q.is_cuda:
-            return torch.bmm(q, kt, out_dtype=torch.float32)
-        return torch.bmm(q.float(), kt.float())  # CPU: no half bmm with a float32 output
-    return torch.bmm(q, kt).float()
-
-
-def _attend(spec: DecoderSpec, scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax of float32 ``scores`` [n, q, L] times ``values`` [n, L, d]: the output (float32) and
-    the scores' log-sum-exp [n, q]. A row whose every key is masked gives 0 and a log-sum-exp of
-    about -3e38 (it then weighs nothing in :func:`decode_attention_shared`'s merge)."""
-    top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
-    exp = (scores - top).exp()
-    total = exp.sum(-1, keepdim=True)
-    probs = exp / total.clamp(min=torch.finfo(torch.float32).tiny)
-    if not values.is_cuda:  # CPU: float32 throughout, as its SDPA kernels (the cost does not matter there)
-        out = torch.bmm(probs, values.float())
-    elif spec.fp32_scores and values.dtype != torch.float32:  # half probabilities, a float32 output
-        out = torch.bmm(probs.to(values.dtype), values, out_dtype=torch.float32)
-    else:
-        out = torch.bmm(probs.to(values.dtype), values).float()
-    return out, (top + total.log()).squeeze(-1)
-
-
 def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             bias: torch.Tensor, prompt: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """:func:`decode_attention` with each row's prompt in a shared prompt slot (the engine's
@@ -486,38 +270,19 @@ def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tens
     rows' completions (``bias`` [B, 1, 1, Lc]), ``prompt`` = (prompt keys and values [S, kv_heads,
     W, d], their mask ``pbias`` [S, 1, 1, W], ``members`` [S, G]: the rows of each prompt slot, B
     where none, ``place`` [B]: each row's prompt slot * G + its member index). The prompt part
-    reads each prompt's keys and values once for the queries of all its rows (one GEMM with G x
-    the query rows); the two parts are merged by their log-sum-exp, which is the softmax over the
-    concatenated keys (up to rounding)."""
+    reads each prompt's keys and values once for the queries of all its rows (one SDPA call with
+    G x the query rows); the two parts (SDPA's kernels, with their log-sum-exp) are merged by their
+    log-sum-exp, which is the softmax over the concatenated keys (up to rounding)."""
     pkeys, pvalues, pbias, members, place = prompt
     b, kvh, g, d = q.shape[0], spec.kv_heads, spec.heads // spec.kv_heads, spec.head_dim
-    s, width, n = pkeys.shape[0], pkeys.shape[2], members.shape[1]
+    s, n = pkeys.shape[0], members.shape[1]
     qg = q.reshape(b, kvh, g, d)
-    if spec.triton_decode:  # both parts and their merge in posttrain's kernels (registered by the engine)
-        out = torch.ops.posttrain.decode_attention_shared(qg, keys, values, bias, pkeys, pvalues, pbias, members,
-                                                          place, spec.scaling)
-        return out.reshape(b, spec.heads, 1, d)
     # The prompts' queries: a slot's members side by side (a zero query where a member is missing).
     padded = torch.cat([qg, qg.new_zeros(1, kvh, g, d)])
     qp = padded[members].permute(0, 2, 1, 3, 4).reshape(s, kvh, n * g, d)  # [S, kvh, G * g, d]
-    length = keys.shape[2]
-    if spec.flex_decode:  # both parts by flex_attention, which returns their log-sum-exp
-        out_c, lse_c = flex(q, keys, values, bias, spec.scaling)
-        out_p, lse_p = flex(qp, pkeys, pvalues, pbias, spec.scaling)
-        out_c, lse_c, out_p = out_c.float(), lse_c.view(b * kvh, g), out_p.float().view(s * kvh, n * g, d)
-        lse_p = lse_p.view(s * kvh, n * g)
-    elif spec.sdpa_decode:  # both parts by SDPA's kernels, with their log-sum-exp
-        out_c, lse_c = sdpa_lse(qg, keys, values, bias, spec.scaling)
-        out_p, lse_p = sdpa_lse(qp, pkeys, pvalues, pbias, spec.scaling)
-        out_c, out_p = out_c.float(), out_p.float()
-    else:
-        # The completions: one query group per row and key/value head.
-        sc = _scores(spec, qg.reshape(b * kvh, g, d), keys.reshape(b * kvh, length, d).transpose(1, 2))
-        sc = sc.view(b, kvh, g, length) * spec.scaling + bias
-        out_c, lse_c = _attend(spec, sc.view(b * kvh, g, length), values.reshape(b * kvh, length, d))
-        sp = _scores(spec, qp.view(s * kvh, n * g, d), pkeys.reshape(s * kvh, width, d).transpose(1, 2))
-        sp = sp.view(s, kvh, n * g, width) * spec.scaling + pbias
-        out_p, lse_p = _attend(spec, sp.view(s * kvh, n * g, width), pvalues.reshape(s * kvh, width, d))
+    out_c, lse_c = sdpa_lse(qg, keys, values, bias, spec.scaling)
+    out_p, lse_p = sdpa_lse(qp, pkeys, pvalues, pbias, spec.scaling)
+    out_c, out_p = out_c.float(), out_p.float()
     # Back to rows: [S, kvh, G, g, ...] -> [S * G, kvh, g, ...], row r at place[r].
     out_p = out_p.reshape(s, kvh, n, g, d).transpose(1, 2).reshape(s * n, kvh, g, d).index_select(0, place)
     lse_p = lse_p.reshape(s, kvh, n, g).transpose(1, 2).reshape(s * n, kvh, g).index_select(0, place)
@@ -538,30 +303,7 @@ def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Te
         attn = decode_attention(spec, q, keys, values, bias)
     else:
         attn = decode_attention_shared(spec, q, keys, values, bias, prompt)
-    return decode_layer_out(spec, w, x, attn, next_norm)
-
-
-def decode_layer_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
-                     next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode_layer_post` after the attention (``attn`` [B, heads, 1, d])."""
     return attention_out(spec, w, x, attn, next_norm)
-
-
-def decode_layer(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, h: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 where: torch.Tensor, bias: torch.Tensor, next_norm: torch.Tensor,
-                 prompt: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole decoder layer for one token per row (``h``: ``x`` normed by the layer's input norm),
-    its key and value written into the whole caches [slots, kv_heads, max_len, d] at flat rows
-    ``where`` (in place: inductor writes into the input, it does not copy the cache), attention over
-    rows ``:B`` and columns ``:L`` (``bias`` [B, 1, 1, L])."""
-    q, k, v = project_qkv(spec, w, h, cos, sin)
-    d = spec.head_dim
-    keys.view(-1, d).index_copy_(0, where, k.reshape(-1, d))
-    values.view(-1, d).index_copy_(0, where, v.reshape(-1, d))
-    rows, length = x.shape[0], bias.shape[-1]
-    return decode_layer_post(spec, w, x, q, keys[:rows, :, :length], values[:rows, :, :length], bias, next_norm,
-                             prompt)
 
 
 def head(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor, normed: bool = False) -> torch.Tensor:

@@ -84,6 +84,19 @@ class SharedPrompts:
         self.members.copy_(torch.tensor(members, dtype=torch.long))
         self.place.copy_(torch.tensor(place, dtype=torch.long))
 
+    def store(self, layer: int, dst: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Prompts' keys and values [k, kv_heads, width, d] of ``layer`` into prompt slots ``dst``."""
+        width = keys.shape[2]
+        self.keys[layer][:, :, :width].index_copy_(0, dst, keys)
+        self.values[layer][:, :, :width].index_copy_(0, dst, values)
+
+    def fill(self, dst: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        """Prompt slots ``dst``' last logits and key mask [k, width] (their columns past it masked)."""
+        self.logits.index_copy_(0, dst, logits)
+        valid = torch.zeros(len(dst), self.valid.shape[1], dtype=torch.bool, device=self.device)
+        valid[:, : mask.shape[1]] = mask
+        self.valid.index_copy_(0, dst, valid)
+
     def _open(self) -> dict[int, list[int]]:
         """Each group's slots that have a free member place."""
         out: dict[int, list[int]] = {}

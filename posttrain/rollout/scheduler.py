@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.rollout import admission
 from posttrain.rollout.engine import Clock, DecodeEngine
 
 
@@ -46,15 +45,13 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
             flags = engine.done_flags(max(slot_seq) + 1) if engine.stop_ids is not None else None
             finished = [s for s in slot_seq if age[s] >= last_step or (flags is not None and flags[s])]
             if finished:
-                admission.harvest(engine, finished, [slot_seq[s] for s in finished], tokens, logprobs)
+                engine.harvest(finished, [slot_seq[s] for s in finished], tokens, logprobs)
                 for s in finished:
                     del slot_seq[s], age[s]
-        free, waiting = engine.slots - len(slot_seq), n - admitted
+        free, waiting = len(engine.slots) - len(slot_seq), n - admitted
         k = min(free, waiting)
         if groups is not None:  # and as many as the free prompt slots and member places take
-            fit = engine.prompts.fits(groups[admitted : admitted + k])
-            engine.stats["prompt_waits"] += fit < k
-            k = fit
+            k = engine.fits(groups[admitted : admitted + k])
         admit = k > 0 and (k == waiting or k >= engine.admit_min or not slot_seq)
         live = len(slot_seq) + (k if admit else 0)
         if live == 0:
@@ -67,7 +64,7 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
             if movers:
                 oldest = max(age[s] for s in movers)
                 length = engine.length_bucket_for(engine.columns(oldest + 1))
-                admission.move(engine, movers, holes[: len(movers)], length)
+                engine.move(movers, holes[: len(movers)], length)
                 for s, d in zip(movers, holes):
                     slot_seq[d], age[d] = slot_seq.pop(s), age.pop(s)
             if admit:
@@ -75,8 +72,8 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
                     timings["decode_ms"] += clock.lap()
                 new_slots = holes[len(movers):]
                 wave = slice(admitted, admitted + k)
-                admission.admit(engine, new_slots, list(range(admitted, admitted + k)), prompt_ids[wave],
-                                prompt_mask[wave], groups[wave] if groups is not None else None)
+                engine.admit(new_slots, list(range(admitted, admitted + k)), prompt_ids[wave], prompt_mask[wave],
+                             groups[wave] if groups is not None else None)
                 for i, s in enumerate(new_slots):
                     slot_seq[s], age[s] = admitted + i, 0
                 admitted += k
@@ -85,7 +82,7 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
         steps = min(engine.sync_every, max(last_step - a for a in age.values()))
         if steps <= 0:
             continue  # every live row has its last token: retire them
-        admission.compact_prompts(engine)
+        engine.compact_prompts()
         rows = engine.rows_bucket(max(slot_seq) + 1)
         length = engine.length_bucket_for(engine.columns(max(age.values()) + steps))
         engine.run(rows, length, steps)

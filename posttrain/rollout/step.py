@@ -1,8 +1,19 @@
-"""The decode step's parts that the engine compiles beside the decoder layer: the prologue (inputs),
-the LM head with the sampler, and the epilogue on the slot state. Pure functions of their tensors."""
+"""The decode step's parts, pure functions of their tensors: the prologue (inputs), a decoder layer's
+two halves (``decoder.py``), the LM head with the sampler, and the epilogue on the slot state; and
+:class:`Parts`, the set the engine runs, eager or compiled.
+
+On CUDA the engine compiles each part (``torch.compile``: fullgraph, so a graph break raises and
+the engine falls back, counted; dynamic shapes, so one compile serves every (rows, columns)
+bucket) and captures the step; one compile of a layer half serves every layer (a compile of
+seconds, not of the whole depth). Each layer ends with the next one's input norm, so the residual
+add and that norm are one kernel. Inductor emulates the eager forward's casts to the model dtype
+(``emulate_precision_casts``), so fusing changes no rounding.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,3 +94,43 @@ def prompt_inputs(valid: torch.Tensor, members: torch.Tensor, place: torch.Tenso
     bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
     return (bias.view(valid.shape[0], 1, 1, valid.shape[1]), members.clamp(max=rows),
             place.clamp(max=members.numel() - 1))
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The functions one decode step calls: ``inputs``, ``prompt`` (shared prompt slots' part of
+    the prologue), ``qkv`` (a layer's first half), ``post`` (its second half with SDPA attention),
+    ``out`` (its second half after the Triton kernels' attention), ``sample`` and ``record``."""
+
+    inputs: Callable
+    prompt: Callable
+    qkv: Callable
+    post: Callable
+    out: Callable
+    sample: Callable
+    record: Callable
+
+    @classmethod
+    def eager(cls) -> Parts:
+        return cls(inputs=inputs, prompt=prompt_inputs, qkv=decoder.project_qkv, post=decoder.decode_layer_post,
+                   out=decoder.attention_out, sample=sample, record=record)
+
+    @classmethod
+    def compiled(cls, backend: str | Callable) -> Parts:
+        """Each part ``torch.compile``d with ``backend`` (see the module docstring)."""
+        import torch._dynamo
+
+        # Each engine (and knob set) is a recompile of the same functions: keep clear of the limit,
+        # past which dynamo would run them eagerly without a word.
+        limit = max(64, getattr(torch._dynamo.config, "recompile_limit", 8))
+        torch._dynamo.config.recompile_limit = limit
+        if hasattr(torch._dynamo.config, "cache_size_limit"):
+            torch._dynamo.config.cache_size_limit = max(limit, torch._dynamo.config.cache_size_limit)
+        options: dict[str, Any] = dict(fullgraph=True, dynamic=True, backend=backend)
+        if backend == "inductor":
+            import torch._inductor.config as inductor_config
+
+            if hasattr(inductor_config, "emulate_precision_casts"):
+                options["options"] = {"emulate_precision_casts": True}
+        eager = cls.eager()
+        return cls(**{name: torch.compile(fn, **options) for name, fn in vars(eager).items()})

@@ -1,21 +1,18 @@
-"""Decode attention as Triton kernels over the engine's cache (flash decoding's kernels, which
-can split the keys).
+"""Decode attention as Triton kernels over the engine's cache: one query token per row, each row's
+keys read in one pass, first to last, as SDPA's cudnn forward reads them (so the outputs round as
+the training forward's do).
 
-One query token per row; the query heads of a group read their key/value head once. SDPA's cudnn
-kernel reads the cache at 1.85 TB/s with the engine's additive mask and at 2.84 without it (NOTES
-22). These kernels take the same mask ([B, L], 0 or -inf) and read no masked key (a row's left
-padding, its columns past its end: the loads are predicated off per key). By default each row's
-keys are read in one pass, first to last, as SDPA's cudnn forward reads them, so the outputs round
-as the training forward's do (:func:`layout`); on request the keys are split over programs, whose
-partial outputs a merge kernel combines by their log-sum-exps. In the engine's step they also
-rotate the query and the step's key and write its key and value into the cache (:func:`attend_step`),
-so neither costs a launch of its own (NOTES 24, 25).
+The query heads of a group read their key/value head once. The kernels take the engine's additive
+mask ([B, L], 0 or -inf) and read no masked key (a row's left padding, its columns past its end:
+the loads are predicated off per key). In the engine's step they also rotate the query and the
+step's key and write its key and value into the cache (:func:`attend_step`), so neither costs a
+launch of its own.
 
 With shared prompt slots (``prompt_cache.py``) a row's keys are its prompt's, held once per group
-of rows, and its own completion's. One program per prompt slot, head and split reads the prompt's
-keys once for the queries of all the slot's rows (an MMA tile of rows x query heads); the rows'
-own programs read their completions; the merge combines both kinds of partials. That is three
-launches a layer, where SDPA's kernels need two attention calls and a dozen gathers and merges.
+of rows, and its own completion's. One program per prompt slot and head reads the prompt's keys
+once for the queries of all the slot's rows (an MMA tile of rows x query heads); the rows' own
+programs read their completions; a merge kernel combines the two partial outputs by their
+log-sum-exps.
 
 Numerics as SDPA's fused kernels: scores, softmax and the sums in float32, the probabilities cast
 to the cache dtype for the value product. A row whose every key is masked gives zeros.
@@ -26,49 +23,41 @@ which is how the tests check them.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NUM_WARPS = 2  # the fastest of 2, 4 and 8 at 128 x 768 and at 16 x 512 on an H200 (NOTES 24)
+NUM_WARPS = 2
 NUM_STAGES = 2  # software pipelining of the key loop
-ROTATE = True  # the engine's split layer lets the kernel rotate q and k (False: its qkv half does; bench only)
-BLOCK_N: int | None = None  # keys a block (None: 128 for heads of up to 64, else 64)
-SPLITS: int | None = None  # splits of a row's keys (None: one; bench only)
 
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's keys, values [B, kv_heads, 1, d], columns [B]
 Rope = tuple[torch.Tensor, torch.Tensor]  # each row's rotary cos, sin [B, d]
 
 
 @triton.jit
-def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
-            M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr,
-            PRECISION: tl.constexpr, HAS_NEW: tl.constexpr):
-    """Queries ``q`` [M, D] over keys ``lo:hi``, first to last: the normalized output [M, D] and the
-    log2-sum-exp [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs
+def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, length, scale_log2, k_new, v_new, col,
+            M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+            HAS_NEW: tl.constexpr):
+    """Queries ``q`` [M, D] over keys ``0:length``, first to last: the normalized output [M, D] and
+    the log2-sum-exp [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs
     (not TF32). ``HAS_NEW``: column ``col``'s key and value are ``k_new``/``v_new`` [D] (this
     step's, not yet in the cache as read), attended after the loop from registers (the column is
-    masked in it; in it, the key would go through a select before its product, which cost 4 us a
-    layer at 128 x 768, NOTES 25). The softmax steps are flash attention's, as SDPA's cudnn kernel
-    takes them: the max over unscaled scores, exp2 of one fused multiply-add, the probabilities
-    rounded to the cache dtype for the value product (their sum is not), the sum's reciprocal at
-    the end."""
+    masked in the loop, where the key would cost a select before its product). The softmax steps
+    are flash attention's, as SDPA's cudnn kernel takes them: the max over unscaled scores, exp2 of
+    one fused multiply-add, the probabilities rounded to the cache dtype for the value product
+    (their sum is not), the sum's reciprocal at the end."""
     d = tl.arange(0, D)
     m = tl.full([M], float("-inf"), tl.float32)  # running max of the unscaled scores
     total = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(0, length, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        inside = n < hi
+        inside = n < length
         bias = tl.load(bias_base + n, mask=inside, other=float("-inf")).to(tl.float32)
         if HAS_NEW:
             bias = tl.where(n == col, float("-inf"), bias)
-        read = inside
-        if SKIP_MASKED:  # a masked key's row is not loaded (its 0 scores count nothing beside -inf)
-            read = inside & (bias > float("-inf"))
+        read = inside & (bias > float("-inf"))  # a masked key's row is not loaded
         k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=read[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias[None, :]
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -79,11 +68,10 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, lo, hi, scale_log2, k_new,
         v = tl.load(v_base + n[:, None] * sv_l + d[None, :], mask=read[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    if HAS_NEW:  # the step's own key, last (it is the row's last column), where it lies in lo:hi
-        at = tl.zeros([M], tl.int32) + col  # vectors: the interpreter does not broadcast scalar masks
-        here = (at >= lo) & (at < hi)
+    if HAS_NEW:  # the step's own key, last (it is the row's last column)
+        at = tl.zeros([M], tl.int32) + col  # vectors: the interpreter does not broadcast scalar addresses
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
-        score += tl.load(bias_base + at, mask=here, other=float("-inf")).to(tl.float32)
+        score += tl.load(bias_base + at).to(tl.float32)
         m_new = tl.maximum(m, score)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2((m - m_safe) * scale_log2)
@@ -108,18 +96,17 @@ def _rope(x, partner, cos, sin, D: tl.constexpr):
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr, vn_ptr, col_ptr, cos_ptr, sin_ptr,
-             sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b,
-             so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, sf_b, sf_h, sf_g, skn_b, skn_h, svn_b, svn_h, scos_b, ssin_b,
-             scale_log2, length, split_len,
-             G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-             SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr,
-             ROPE: tl.constexpr):
-    """Row b's query heads of key/value head h over its split s of the row's own keys. ``HAS_NEW``:
-    the row's new key and value go into the cache at its column ``col`` (clamped to the last), by
-    the split that holds that column, which attends them from registers. ``ROPE``: the query and
-    the new key are rotated here first (row b's cos and sin)."""
-    b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # b * a cache stride: past 2**31
+def _own(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, kn_ptr, vn_ptr, col_ptr, cos_ptr, sin_ptr,
+         sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b,
+         so_b, so_h, so_g, sl_b, sl_h, skn_b, skn_h, svn_b, svn_h, scos_b, ssin_b, scale_log2, length,
+         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+         PARTIAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr, ROPE: tl.constexpr):
+    """Row b's query heads of key/value head h over the row's own keys: the output, or with
+    ``PARTIAL`` the float32 partial output and its log-sum-exp (for :func:`_merge`). ``HAS_NEW``:
+    the row's new key and value go into the cache at its column ``col`` (clamped to the last) and
+    are attended from registers. ``ROPE``: the query and the new key are rotated here first (row
+    b's cos and sin)."""
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # b * a cache stride: past 2**31
     g = tl.arange(0, BLOCK_G)
     mine = g < G
     d = tl.arange(0, D)
@@ -129,8 +116,6 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
         cos, sin = tl.load(cos_ptr + b * scos_b + d), tl.load(sin_ptr + b * ssin_b + d)
         q = _rope(q, tl.load(q_at + ((d + D // 2) % D)[None, :], mask=mine[:, None], other=0.0), cos[None, :],
                   sin[None, :], D)
-    lo = s * split_len
-    hi = tl.minimum(lo + split_len, length)
     k_base, v_base = k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h
     col = -1
     k_new = tl.zeros([D], k_ptr.dtype.element_ty)
@@ -141,31 +126,27 @@ def _partial(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, final_ptr, kn_ptr,
         if ROPE:
             k_new = _rope(k_new, tl.load(kn_ptr + b * skn_b + h * skn_h + (d + D // 2) % D), cos, sin, D)
         v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d)
-        at = tl.zeros([D], tl.int64) + col  # as a vector: the interpreter does not broadcast a scalar mask
-        here = (at >= lo) & (at < hi)
-        tl.store(k_base + col * sk_l + d, k_new, mask=here)
-        tl.store(v_base + col * sv_l + d, v_new, mask=here)
-    out, lse = _attend(q, k_base, v_base, bias_ptr + b * sbias_b, sk_l, sv_l, lo, hi, scale_log2, k_new, v_new, col,
-                       BLOCK_G, D, BLOCK_N, SKIP_MASKED, PRECISION, HAS_NEW)
-    if FINAL:  # one split: this is the output
-        tl.store(final_ptr + b * sf_b + h * sf_h + g[:, None] * sf_g + d[None, :],
-                 out.to(final_ptr.dtype.element_ty), mask=mine[:, None])
+        tl.store(k_base + col * sk_l + d, k_new)
+        tl.store(v_base + col * sv_l + d, v_new)
+    out, lse = _attend(q, k_base, v_base, bias_ptr + b * sbias_b, sk_l, sv_l, length, scale_log2, k_new, v_new, col,
+                       BLOCK_G, D, BLOCK_N, PRECISION, HAS_NEW)
+    at = out_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :]
+    if PARTIAL:
+        tl.store(at, out, mask=mine[:, None])
+        tl.store(lse_ptr + b * sl_b + h * sl_h + g, lse, mask=mine)
     else:
-        tl.store(out_ptr + b * so_b + h * so_h + s * so_s + g[:, None] * so_g + d[None, :], out, mask=mine[:, None])
-        tl.store(lse_ptr + b * sl_b + h * sl_h + s * sl_s + g, lse, mask=mine)
+        tl.store(at, out.to(out_ptr.dtype.element_ty), mask=mine[:, None])
 
 
 @triton.jit
-def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr, cos_ptr, sin_ptr,
-                    sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b, smem,
-                    so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s, scos_b, ssin_b,
-                    scale_log2, length, split_len, rows, first_split,
-                    G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SKIP_MASKED: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr):
-    """Prompt slot p's rows (their query heads of key/value head h, side by side) over split s of
-    the prompt's keys, written as each row's partial ``first_split + s`` (``ROPE``: the queries
-    rotated here first)."""
-    p, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+def _prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr, cos_ptr, sin_ptr,
+            sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sbias_b, smem,
+            so_b, so_h, so_g, sl_b, sl_h, scos_b, ssin_b, scale_log2, length, rows,
+            G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr):
+    """Prompt slot p's rows (their query heads of key/value head h, side by side) over the prompt's
+    keys, written as each row's prompt partial (``ROPE``: the queries rotated here first)."""
+    p, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     r = tl.load(members_ptr + p * smem + i // G, mask=i < MEMBERS * G, other=rows)  # rows: no member
@@ -177,38 +158,29 @@ def _partial_prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr
         cos = tl.load(cos_ptr + r[:, None] * scos_b + d[None, :], mask=live[:, None], other=0.0)
         sin = tl.load(sin_ptr + r[:, None] * ssin_b + d[None, :], mask=live[:, None], other=0.0)
         q = _rope(q, tl.load(q_at + ((d + D // 2) % D)[None, :], mask=live[:, None], other=0.0), cos, sin, D)
-    lo = s * split_len
     zero = tl.zeros([D], k_ptr.dtype.element_ty)
     out, lse = _attend(q, k_ptr + p * sk_b + h * sk_h, v_ptr + p * sv_b + h * sv_h, bias_ptr + p * sbias_b,
-                       sk_l, sv_l, lo, tl.minimum(lo + split_len, length), scale_log2, zero, zero, -1, BLOCK_M, D,
-                       BLOCK_N, SKIP_MASKED, PRECISION, False)
-    at = first_split + s
-    tl.store(out_ptr + r[:, None] * so_b + h * so_h + at * so_s + g[:, None] * so_g + d[None, :], out,
-             mask=live[:, None])
-    tl.store(lse_ptr + r * sl_b + h * sl_h + at * sl_s + g, lse, mask=live)
+                       sk_l, sv_l, length, scale_log2, zero, zero, -1, BLOCK_M, D, BLOCK_N, PRECISION, False)
+    tl.store(out_ptr + r[:, None] * so_b + h * so_h + g[:, None] * so_g + d[None, :], out, mask=live[:, None])
+    tl.store(lse_ptr + r * sl_b + h * sl_h + g, lse, mask=live)
 
 
 @triton.jit
 def _merge(out_ptr, lse_ptr, final_ptr, place_ptr, members_ptr, so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s,
-           sf_b, sf_h, sf_g, smem, splits, own_splits,
-           G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-           MEMBERS: tl.constexpr, SHARED: tl.constexpr):
-    """Row b's partials of head h merged by their log-sum-exps. ``SHARED``: the partials from
-    ``own_splits`` on are its prompt slot's, counted only if the row is a member of the slot its
-    ``place`` names (a finished row's place may be stale)."""
+           sf_b, sf_h, sf_g, smem, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, MEMBERS: tl.constexpr):
+    """Row b's two partials of head h (its own keys', then its prompt slot's) merged by their
+    log-sum-exps; the prompt's counted only if the row is a member of the slot its ``place`` names
+    (a finished row's place may be stale)."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
+    s = tl.arange(0, 2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    count = splits
-    if SHARED:
-        place = tl.load(place_ptr + b)
-        member = tl.load(members_ptr + (place // MEMBERS) * smem + place % MEMBERS) == b
-        count = tl.where(member, splits, own_splits)
-    live = (s[:, None] < count) & (g[None, :] < G)
+    place = tl.load(place_ptr + b)
+    member = tl.load(members_ptr + (place // MEMBERS) * smem + place % MEMBERS) == b
+    live = (s[:, None] < tl.where(member, 2, 1)) & (g[None, :] < G)
     lse = tl.load(lse_ptr + b * sl_b + h * sl_h + s[:, None] * sl_s + g[None, :], mask=live, other=float("-inf"))
     top = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[None, :])  # [S, G]; empty splits give 0
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[None, :])  # [2, G]; an empty part gives 0
     norm = tl.sum(weight, 0)
     weight = weight / tl.where(norm == 0.0, 1.0, norm)[None, :]
     parts = tl.load(out_ptr + b * so_b + h * so_h + s[:, None, None] * so_s + g[None, :, None] * so_g
@@ -218,18 +190,9 @@ def _merge(out_ptr, lse_ptr, final_ptr, place_ptr, members_ptr, so_b, so_h, so_s
              mask=g[:, None] < G)
 
 
-def layout(length: int, head_dim: int, splits: int | None = None, block_n: int | None = None) -> tuple[int, int, int]:
-    """(splits, keys per split, keys a block) of ``length`` keys. By default one split (no merge
-    launch) of 128-key blocks for heads of up to 64, 64-key blocks above (not timed at 128): one
-    pass in order rounds as SDPA's cudnn forward does, to the bit but for a few outputs in ten
-    thousand, and a row's output does not depend on how many rows share the step. Splitting the
-    keys rounds each split's probabilities against its own running max (four outputs in ten
-    differ); at GRPO's 16 rows it was 1-3% faster a step (NOTES 25). ``splits``/``block_n`` (or
-    the module's SPLITS/BLOCK_N) override; no split is empty or shorter than a block."""
-    splits = splits or SPLITS or 1
-    block_n = block_n or BLOCK_N or (128 if splits == 1 and head_dim <= 64 else 64)
-    split_len = math.ceil(math.ceil(max(1, length) / splits) / block_n) * block_n
-    return math.ceil(max(1, length) / split_len), split_len, block_n
+def block_size(head_dim: int) -> int:
+    """Keys a block of the key loop: 128 for heads of up to 64, else 64."""
+    return 128 if head_dim <= 64 else 64
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -247,84 +210,53 @@ def _tile(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
 
-def _own_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                  parts: torch.Tensor | None, lse: torch.Tensor | None, final: torch.Tensor, splits: int,
-                  split_len: int, scale: float, block_n: int, skip_masked: bool, num_warps: int,
-                  num_stages: int | None, new: NewKV | None, rope: Rope | None) -> None:
-    """Launch :func:`_partial` over the rows' own keys: split ``s`` into ``parts[:, :, s]`` and
-    ``lse[:, :, s]``, or (``parts`` None, one split) straight into ``final``; ``new``: the step's
-    keys and values written into the cache as they are attended; ``rope``: cos, sin [B, d]."""
+def _launch_own(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor | None, scale: float, block_n: int, new: NewKV | None, rope: Rope | None) -> None:
+    """Launch :func:`_own` over the rows' own keys into ``out`` [B, kv_heads, G, d] (with ``lse``
+    [B, kv_heads, G]: a float32 partial); ``new``: the step's keys and values written into the
+    cache as they are attended; ``rope``: cos, sin [B, d]."""
     b, hkv, groups, d = q.shape
-    so, sl = (parts.stride()[:4], lse.stride()[:3]) if parts is not None else ((0, 0, 0, 0), (0, 0, 0))
-    k_new, v_new, col = new if new is not None else (keys, values, final)
-    cos, sin = rope if rope is not None else (final, final)
+    k_new, v_new, col = new if new is not None else (keys, values, out)
+    cos, sin = rope if rope is not None else (out, out)
     if new is not None:
         _check(k_new, v_new)
+    sl = lse.stride()[:2] if lse is not None else (0, 0)
     # No FP contraction (enable_fp_fusion): the compiler would fuse the rotation's second product
     # and its rounded sum into one bf16 FMA, a rounding fewer than eager torch takes, so the keys
-    # written into the cache would differ from the training forward's (1.33x generate's log-prob
-    # gap, NOTES 25). The softmax's own FMA is explicit (tl.fma) and stays.
-    _partial[(b, hkv, splits)](
-        q, keys, values, bias, final if parts is None else parts, final if lse is None else lse, final,
-        k_new, v_new, col, cos, sin,
+    # written into the cache would differ from the training forward's. The softmax's own FMA is
+    # explicit (tl.fma) and stays.
+    _own[(b, hkv)](
+        q, keys, values, bias, out, out if lse is None else lse, k_new, v_new, col, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), bias.stride(0), *so, *sl,
-        final.stride(0), final.stride(1), final.stride(2), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), cos.stride(0), sin.stride(0), scale * LOG2E, keys.shape[2], split_len,
-        G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, SKIP_MASKED=skip_masked, FINAL=parts is None,
-        PRECISION=_precision(q), HAS_NEW=new is not None, ROPE=rope is not None, num_warps=num_warps,
-        num_stages=num_stages or NUM_STAGES, enable_fp_fusion=False)
-
-
-def _merged(parts: torch.Tensor, lse: torch.Tensor, final: torch.Tensor, own_splits: int, num_warps: int,
-            place: torch.Tensor | None = None, members: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch :func:`_merge` of every row's partials into ``final``; with ``place`` and
-    ``members``, the partials from ``own_splits`` on are the rows' prompt slots'."""
-    b, hkv, splits, groups, d = parts.shape
-    shared = members is not None
-    _merge[(b, hkv)](parts, lse, final, place if shared else final, members if shared else final,
-                     *parts.stride()[:4], *lse.stride()[:3], final.stride(0), final.stride(1), final.stride(2),
-                     members.stride(0) if shared else 0, splits, own_splits, G=groups, BLOCK_G=_tile(groups), D=d,
-                     BLOCK_S=max(2, triton.next_power_of_2(splits)), MEMBERS=members.shape[1] if shared else 1,
-                     SHARED=shared, num_warps=num_warps)
-    return final
-
-
-def _partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    b, hkv, groups, d = q.shape
-    return (torch.empty(b, hkv, splits, groups, d, dtype=torch.float32, device=q.device),
-            torch.empty(b, hkv, splits, groups, dtype=torch.float32, device=q.device))
+        values.stride(0), values.stride(1), values.stride(2), bias.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), *sl, k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1), cos.stride(0), sin.stride(0), scale * LOG2E, keys.shape[2],
+        G=groups, BLOCK_G=_tile(groups), D=d, BLOCK_N=block_n, PARTIAL=lse is not None, PRECISION=_precision(q),
+        HAS_NEW=new is not None, ROPE=rope is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        enable_fp_fusion=False)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
-                     splits: int | None = None, block_n: int | None = None, skip_masked: bool = True,
-                     num_warps: int = NUM_WARPS, num_stages: int | None = None, new: NewKV | None = None,
-                     rope: Rope | None = None) -> torch.Tensor:
+                     block_n: int | None = None, new: NewKV | None = None, rope: Rope | None = None) -> torch.Tensor:
     """``q`` [B, kv_heads, G, d] (a group's query heads over their key/value head); ``keys`` and
     ``values`` [B, kv_heads, L, d] (views of a longer cache are read in place); ``bias`` [B, L] or
-    [B, 1, 1, L] (0 or -inf). ``skip_masked``: masked keys are not read (left padding, columns
-    past a row's end). ``new`` = (k, v [B, kv_heads, 1, d], col [B]): the step's keys and values,
-    written into ``keys``/``values`` at column ``col`` (clamped to L - 1) by the kernel that
-    attends them, so the cache write is no launch of its own. ``rope`` = (cos, sin [B, d]): q (and
-    the new keys) are rotated by the kernel, not yet before it. Returns [B, kv_heads, G, d] in q's
+    [B, 1, 1, L] (0 or -inf; masked keys are not read). ``new`` = (k, v [B, kv_heads, 1, d], col
+    [B]): the step's keys and values, written into ``keys``/``values`` at column ``col`` (clamped
+    to L - 1) by the kernel that attends them, so the cache write is no launch of its own. ``rope``
+    = (cos, sin [B, d]): q (and the new keys) are rotated by the kernel, not yet before it.
+    ``block_n``: keys a block (default :func:`block_size`). Returns [B, kv_heads, G, d] in q's
     dtype."""
-    b, hkv, _, d = q.shape
-    length = keys.shape[2]
+    b, _, _, d = q.shape
     _check(q, keys, values)
-    bias = bias.reshape(b, length)
-    splits, split_len, block_n = layout(length, d, splits, block_n)
-    final = torch.empty_like(q)
-    parts, lse = _partials(q, splits) if splits > 1 else (None, None)
-    _own_partials(q, keys, values, bias, parts, lse, final, splits, split_len, scale, block_n, skip_masked,
-                  num_warps, num_stages, new, rope)
-    return final if parts is None else _merged(parts, lse, final, splits, num_warps)
+    out = torch.empty_like(q)
+    _launch_own(q, keys, values, bias.reshape(b, keys.shape[2]), out, None, scale, block_n or block_size(d), new,
+                rope)
+    return out
 
 
 def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                             pkeys: torch.Tensor, pvalues: torch.Tensor, pbias: torch.Tensor, members: torch.Tensor,
-                            place: torch.Tensor, scale: float, splits: int | None = None,
-                            prompt_splits: int | None = None, block_n: int | None = None, skip_masked: bool = True,
-                            num_warps: int = NUM_WARPS, num_stages: int | None = None, new: NewKV | None = None,
+                            place: torch.Tensor, scale: float, block_n: int | None = None, new: NewKV | None = None,
                             rope: Rope | None = None) -> torch.Tensor:
     """:func:`decode_attention` over each row's prompt in a shared slot and its own completion:
     ``keys``/``values`` [B, kv_heads, Lc, d] and ``bias`` [B, Lc] the completions'; ``pkeys``/
@@ -338,66 +270,40 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     _check(q, keys, values, pkeys, pvalues)
     bias, pbias = bias.reshape(b, length), pbias.reshape(slots, width)
     members, place = members.contiguous(), place.contiguous()
-    own, own_len, own_block = layout(length, d, splits, block_n)
-    shared, shared_len, prompt_block = layout(width, d, prompt_splits, block_n)
-    final = torch.empty_like(q)
-    parts, lse = _partials(q, own + shared)
-    _own_partials(q, keys, values, bias, parts, lse, final, own, own_len, scale, own_block, skip_masked, num_warps,
-                  num_stages, new, rope)
-    cos, sin = rope if rope is not None else (final, final)
-    _partial_prompt[(slots, hkv, shared)](
-        q, pkeys, pvalues, pbias, members, parts, lse, cos, sin, q.stride(0), q.stride(1), q.stride(2),
+    block = block_n or block_size(d)
+    parts = torch.empty(b, hkv, 2, groups, d, dtype=torch.float32, device=q.device)  # own, prompt
+    lse = torch.empty(b, hkv, 2, groups, dtype=torch.float32, device=q.device)
+    _launch_own(q, keys, values, bias, parts[:, :, 0], lse[:, :, 0], scale, block, new, rope)
+    cos, sin = rope if rope is not None else (q, q)
+    prompt_parts, prompt_lse = parts[:, :, 1], lse[:, :, 1]
+    _prompt[(slots, hkv)](
+        q, pkeys, pvalues, pbias, members, prompt_parts, prompt_lse, cos, sin, q.stride(0), q.stride(1), q.stride(2),
         pkeys.stride(0), pkeys.stride(1), pkeys.stride(2), pvalues.stride(0), pvalues.stride(1), pvalues.stride(2),
-        pbias.stride(0), members.stride(0), *parts.stride()[:4], *lse.stride()[:3], cos.stride(0), sin.stride(0),
-        scale * LOG2E, width, shared_len, b, own, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d,
-        BLOCK_N=prompt_block, SKIP_MASKED=skip_masked, PRECISION=_precision(q), ROPE=rope is not None,
-        num_warps=num_warps, num_stages=num_stages or NUM_STAGES, enable_fp_fusion=False)
-    return _merged(parts, lse, final, own, num_warps, place, members)
+        pbias.stride(0), members.stride(0), *prompt_parts.stride()[:3], *prompt_lse.stride()[:2], cos.stride(0),
+        sin.stride(0), scale * LOG2E, width, b, G=groups, MEMBERS=n, BLOCK_M=_tile(n * groups), D=d, BLOCK_N=block,
+        PRECISION=_precision(q), ROPE=rope is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        enable_fp_fusion=False)
+    final = torch.empty_like(q)
+    _merge[(b, hkv)](parts, lse, final, place, members, *parts.stride()[:4], *lse.stride()[:3], final.stride(0),
+                     final.stride(1), final.stride(2), members.stride(0), G=groups, BLOCK_G=_tile(groups), D=d,
+                     MEMBERS=n, num_warps=NUM_WARPS)
+    return final
 
 
 def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                bias: torch.Tensor, col: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float,
+                bias: torch.Tensor, col: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,
                 prompt: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-    """One decode step's attention as the engine's split layer runs it, eagerly between its two
-    compiled halves: ``q`` [B, heads, 1, d] and this step's ``k`` [B, kv_heads, 1, d] before their
-    rotation by ``cos``/``sin`` [B, 1, d] (the kernel rotates them: no launches of their own; None:
-    q and k come rotated),
-    ``v`` [B, kv_heads, 1, d]; ``k``/``v`` written into the cache views ``keys``/``values`` [B,
-    kv_heads, L, d] at columns ``col`` by the kernel (in place of two ``index_copy_`` launches),
-    ``prompt`` the shared prompt slots (pkeys, pvalues, pbias, members, place) or None. Returns
-    [B, heads, 1, d]."""
+    """One decode step's attention as the engine runs it, eagerly between its two compiled halves:
+    ``q`` [B, heads, 1, d] and this step's ``k`` [B, kv_heads, 1, d] before their rotation by
+    ``cos``/``sin`` [B, 1, d] (the kernel rotates them: no launches of their own), ``v`` [B,
+    kv_heads, 1, d]; ``k``/``v`` written into the cache views ``keys``/``values`` [B, kv_heads, L,
+    d] at columns ``col`` by the kernel (in place of two ``index_copy_`` launches), ``prompt`` the
+    shared prompt slots (pkeys, pvalues, pbias, members, place) or None. Returns [B, heads, 1, d]."""
     b, heads, _, d = q.shape
     qg = q.reshape(b, keys.shape[1], heads // keys.shape[1], d)
-    new, rope = (k, v, col), None if cos is None else (cos.reshape(b, d), sin.reshape(b, d))
+    new, rope = (k, v, col), (cos.reshape(b, d), sin.reshape(b, d))
     if prompt is None:
         out = decode_attention(qg, keys, values, bias, scale, new=new, rope=rope)
     else:
         out = decode_attention_shared(qg, keys, values, bias, *prompt, scale, new=new, rope=rope)
     return out.reshape(b, heads, 1, d)
-
-
-# The engine's step calls the kernels through these ops, so torch.compile and CUDA graph capture
-# see one opaque call with a known output (inductor does not trace into the launches).
-@torch.library.custom_op("posttrain::decode_attention", mutates_args=())
-def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    return decode_attention(q, keys, values, bias, scale)
-
-
-@decode_attention_op.register_fake
-def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("posttrain::decode_attention_shared", mutates_args=())
-def decode_attention_shared_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                               pkeys: torch.Tensor, pvalues: torch.Tensor, pbias: torch.Tensor,
-                               members: torch.Tensor, place: torch.Tensor, scale: float) -> torch.Tensor:
-    return decode_attention_shared(q, keys, values, bias, pkeys, pvalues, pbias, members, place, scale)
-
-
-@decode_attention_shared_op.register_fake
-def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, pkeys: torch.Tensor,
-      pvalues: torch.Tensor, pbias: torch.Tensor, members: torch.Tensor, place: torch.Tensor,
-      scale: float) -> torch.Tensor:
-    return torch.empty_like(q)

@@ -1,12 +1,9 @@
 """The decode step's two kinds of pointwise kernels, written for a few rows: SiLU-and-multiply of
 the gate|up projection's halves, and the residual add with the RMSNorm that follows it.
 
-inductor's kernels for them took 4.4 and 3.3 us a launch at 128 rows of the 1.1B Llama on an H200
-(its norm loops over the hidden size: 2048 columns are past its 1024 for a persistent reduction),
-these 3.0 and 2.6 (NOTES 26). And these round as transformers' eager modules do, op for op (equal
-to the bit where inductor's outputs were 73% equal): SiLU in float32 rounded to the activations'
-dtype, the product rounded; the residual sum rounded, the norm's scale in float32, rounded, then
-times the weight, rounded.
+They replace inductor's kernels for the same ops, and round as transformers' eager modules do, op
+for op: SiLU in float32 rounded to the activations' dtype, the product rounded; the residual sum
+rounded, the norm's scale in float32, rounded, then times the weight, rounded.
 
 CPU runs them under Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported), which
 is how the tests check them.
@@ -22,7 +19,6 @@ SILU_BLOCK = 1024  # elements a program
 SILU_WARPS = 4
 NORM_ROWS = 1  # rows a program
 NORM_WARPS = 8
-ENABLED = True  # the engine's step uses them with the Triton decode kernels (False: inductor's; bench only)
 
 
 @triton.jit

@@ -2,14 +2,13 @@
 over the logits, split along the vocabulary.
 
 inductor compiles ``choose_tokens`` into three reductions over each row's logits (the max, the
-sum of exponentials, then the Gumbel noise and the argmax), one program a row: 39 us a step at 128
-rows of a 32k vocabulary on an H200, two thirds of it the 64-bit integer hash of the noise (NOTES
-26). Here each program reads a chunk of one row's logits once and keeps the chunk's running max
-and sum of exponentials (online, as flash attention does) and its best noised logit, with the
-noise hashed in 32-bit unsigned arithmetic (the same bits as ``sampling.gumbel_noise``'s masked
-64-bit one). :func:`choose_tokens` combines the chunks in torch (a few ops on [rows, chunks] that
-inductor fuses): the token is the same as ``choose_tokens``' (ties go to the first index, as
-``argmax``'s do); its log-prob differs only in the order of the float32 sum.
+sum of exponentials, then the Gumbel noise and the argmax), one program a row. Here each program
+reads a chunk of one row's logits once and keeps the chunk's running max and sum of exponentials
+(online, as flash attention does) and its best noised logit, with the noise hashed in 32-bit
+unsigned arithmetic (the same bits as ``sampling.gumbel_noise``'s masked 64-bit one).
+:func:`choose_tokens` combines the chunks in torch (a few ops on [rows, chunks] that inductor
+fuses): the token is the same as ``choose_tokens``' (ties go to the first index, as ``argmax``'s
+do); its log-prob differs only in the order of the float32 sum.
 
 CPU runs it under Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported), which
 is how the tests check it.
@@ -22,7 +21,6 @@ import triton
 import triton.language as tl
 
 BLOCK_V = 1024
-ENABLED = True  # the engine's step uses the kernel where it applies (False: inductor's reductions; bench only)
 
 
 @triton.jit

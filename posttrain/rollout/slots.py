@@ -1,0 +1,111 @@
+"""The engine's slots: the KV budget's cache and each slot's decode state, in one object.
+
+A slot holds one sequence at a time: its keys and values ([slots, kv_heads, length, head_dim] per
+layer), the token fed to the next step, its position, the cache column it writes, the index of the
+token it chooses next, its sequence's index in the rollout, whether it is done, which of its cache
+columns it may attend to, and its outputs so far. Sequences that entered at different times decode
+side by side. The scheduler decides who sits where; the engine changes the state only through
+:meth:`Slots.admit`, :meth:`Slots.move`, :meth:`Slots.harvest` and :meth:`Slots.record` (the
+step's epilogue). Captured CUDA graphs hold these tensors' addresses: they are written in place
+only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from posttrain.rollout import step
+
+
+class Slots:
+    """``count`` slots of ``length`` cache columns and ``max_new`` outputs each."""
+
+    def __init__(self, count: int, layers: int, kv_heads: int, head_dim: int, length: int, max_new: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (count, kv_heads, length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        long = dict(dtype=torch.long, device=device)
+        self.last = torch.zeros(count, **long)  # the token fed to the step
+        self.pos = torch.zeros(count, **long)  # its position id
+        self.col = torch.zeros(count, **long)  # the cache column it is written to
+        self.step = torch.zeros(count, **long)  # index of the token chosen next
+        self.seq = torch.zeros(count, **long)  # the sequence's index in the rollout
+        self.done = torch.ones(count, dtype=torch.bool, device=device)
+        self.key_valid = torch.zeros(count, length, dtype=torch.bool, device=device)  # prompt mask, then ones
+        self.out_tokens = torch.zeros(count, max_new, **long)
+        self.out_logprobs = torch.zeros(count, max_new, dtype=torch.float32, device=device)
+        self.cols = torch.arange(length, device=device)
+        self.count, self.length, self.device = count, length, device
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def nbytes(self) -> int:
+        """The cache's bytes."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def written_by_step(self) -> list[torch.Tensor]:
+        """The tensors a decode step writes (a warm-up or capture restores them after)."""
+        return [self.last, self.pos, self.col, self.step, self.done, self.out_tokens, self.out_logprobs]
+
+    def reset(self) -> None:
+        """A new rollout: every slot free."""
+        self.done.fill_(True)
+
+    def done_flags(self, rows: int) -> list[bool]:
+        return self.done[:rows].tolist()  # one host sync
+
+    def store(self, layer: int, dst: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Prompts' keys and values [k, kv_heads, width, d] of ``layer`` into slots ``dst``' first
+        ``width`` columns."""
+        width = keys.shape[2]
+        self.keys[layer][:, :, :width].index_copy_(0, dst, keys)
+        self.values[layer][:, :, :width].index_copy_(0, dst, values)
+
+    @torch.no_grad()
+    def admit(self, slots: torch.Tensor, seq: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+              positions: torch.Tensor, valid: torch.Tensor, col: int, done: torch.Tensor, pad: int) -> None:
+        """Sequences ``seq`` into ``slots`` (their prompts already stored) with their first tokens
+        and log-probs, the position of the token fed next, their attendable columns ``valid``, the
+        cache column ``col`` of their first completion token and whether they are ``done``."""
+        k = len(slots)
+        out_t = torch.full((k, self.out_tokens.shape[1]), pad, dtype=torch.long, device=self.device)
+        out_l = torch.zeros(k, self.out_logprobs.shape[1], dtype=torch.float32, device=self.device)
+        out_t[:, 0], out_l[:, 0] = tokens, logprobs
+        for buf, value in ((self.out_tokens, out_t), (self.out_logprobs, out_l), (self.key_valid, valid),
+                           (self.last, tokens), (self.pos, positions), (self.col, torch.full_like(tokens, col)),
+                           (self.step, torch.ones_like(tokens)), (self.seq, seq), (self.done, done.expand(k).clone())):
+            buf.index_copy_(0, slots, value)
+
+    @torch.no_grad()
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        """Sequences from slots ``src`` to free slots ``dst`` (cache columns ``:length`` and state);
+        ``src`` are left done."""
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for cache in self.keys + self.values:
+            view = cache[:, :, :length]
+            view.index_copy_(0, d, view.index_select(0, s))
+        for buf in (self.last, self.pos, self.col, self.step, self.seq, self.done, self.key_valid,
+                    self.out_tokens, self.out_logprobs):
+            buf.index_copy_(0, d, buf.index_select(0, s))
+        self.done.index_fill_(0, s, True)
+
+    def harvest(self, slots: list[int], seq_ids: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Copy finished slots' outputs into a rollout's results at their sequences' rows."""
+        s = torch.tensor(slots, dtype=torch.long, device=self.device)
+        q = torch.tensor(seq_ids, dtype=torch.long, device=self.device)
+        n = tokens.shape[1]
+        tokens.index_copy_(0, q, self.out_tokens.index_select(0, s)[:, :n])
+        logprobs.index_copy_(0, q, self.out_logprobs.index_select(0, s)[:, :n])
+
+    def record(self, tokens: torch.Tensor, logprobs: torch.Tensor, limit: torch.Tensor, stop_mask: torch.Tensor | None,
+               pad: int, epilogue: Callable[..., None] = step.record) -> None:
+        """The step's chosen ``tokens`` and ``logprobs`` for rows ``:len(tokens)``: outputs, done
+        flags, counters (``epilogue``: ``step.record``, or its compiled form)."""
+        epilogue(self.done, self.step, self.last, self.pos, self.col, self.out_tokens, self.out_logprobs, tokens,
+                 logprobs, limit, stop_mask, pad)

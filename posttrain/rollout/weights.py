@@ -1,0 +1,144 @@
+"""What the decoder reads: the model's weights as detached views of its live parameters, and q|k|v
+and gate|up fused into one matrix each (views where they lie end to end, else copies on request).
+
+Reading the live parameters (not copies) means an optimizer step that writes them in place is seen
+by the next rollout with no recapture; ``adapters.Adapters`` resolves peft's wrappers, LoRA and a
+ZeRO-3 shadow's copies on the way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None = None, src: Any = None
+                 ) -> dict[str, Any]:
+    """The decoder's weights, detached views of the live parameters (no module is called later).
+    ``fused``: per layer, concatenated q|k|v (and bias) and gate|up copies that replace those keys.
+    ``src``: an :class:`~posttrain.rollout.adapters.Adapters` (peft wrappers and LoRA, a ZeRO-3
+    shadow's copies); default the plain parameters. A projection ``name`` gives keys ``name``,
+    ``name + "b"`` (its bias) and ``name + "_lora"`` (LoRA terms, mode "live")."""
+    if src is None:
+        from posttrain.rollout.adapters import Adapters
+
+        src = Adapters(model)
+    base = model.model
+    norm = src.module
+
+    def linear(entry: dict[str, Any], key: str, module: nn.Module, weight: bool = True, own: bool = True) -> None:
+        w, b, terms = src.linear(module, terms=own)
+        if weight:
+            entry[key] = w
+            if b is not None:
+                entry[key + "b"] = b
+        if terms:
+            entry[key + "_lora"] = terms
+
+    layers = []
+    for i, layer in enumerate(base.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        entry: dict[str, Any] = {"ln1": src.tensor(norm(layer.input_layernorm).weight),
+                                 "ln2": src.tensor(norm(layer.post_attention_layernorm).weight)}
+        if fused:
+            entry.update({k: v for k, v in fused[i].items() if v is not None})
+        for group, keys, modules in (("qkv", ("q", "k", "v"), (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                     ("gate_up", ("gate", "up"), (mlp.gate_proj, mlp.up_proj))):
+            terms = src.group(modules)  # LoRA mode "grouped": one low-rank product for the group
+            if terms:
+                entry[group + "_lora"] = terms
+            for key, module in zip(keys, modules):
+                linear(entry, key, module, weight=group not in entry, own=not terms)
+        linear(entry, "o", attn.o_proj)
+        linear(entry, "down", mlp.down_proj)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
+            entry.update(qn=src.tensor(norm(attn.q_norm).weight), kn=src.tensor(norm(attn.k_norm).weight))
+        layers.append(entry)
+    head: dict[str, Any] = {}
+    linear(head, "head", model.lm_head)
+    return {"embed": src.tensor(norm(base.embed_tokens).weight), "norm": src.tensor(norm(base.norm).weight),
+            "head": head["head"], "head_bias": head.get("headb"), "head_lora": head.get("head_lora"),
+            "inv_freq": base.rotary_emb.inv_freq, "layers": layers}
+
+
+def _groups(layer: nn.Module) -> tuple[tuple[str, tuple[nn.Module, ...]], ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return ("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))
+
+
+def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(parts)`` as a view, if the parts lie end to end in one storage; else None."""
+    first = parts[0]
+    end = first.data_ptr()
+    for t in parts:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.data_ptr() != end):
+            return None
+        end += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def fused_views(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]] | None:
+    """q|k|v (+bias) and gate|up per layer as views of the live weights, where every layer's
+    matrices lie end to end in one storage, as in DeepSpeed's ZeRO-1/2 flat buffers and the ZeRO-3
+    shadow (parameters in module order): the fused GEMMs at no copy and nothing to refresh. None
+    where any group does not (separately allocated parameters, biases between the matrices, LoRA)."""
+    if src.lora:
+        return None
+    out = []
+    for layer in model.model.layers:
+        entry: dict[str, torch.Tensor | None] = {}
+        for key, modules in _groups(layer):
+            weights, biases = zip(*(src.linear(m, terms=False)[:2] for m in modules))
+            weight = _end_to_end(list(weights))
+            has_bias = [b is not None for b in biases]
+            bias = _end_to_end(list(biases)) if all(has_bias) else None
+            if weight is None or (any(has_bias) and bias is None):
+                return None
+            entry[key], entry[key + "b"] = weight, bias
+        out.append(entry)
+    return out
+
+
+def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]]:
+    """q|k|v (+bias) and gate|up (+bias) buffers per layer (engine option ``fused``): 4 GEMMs per
+    layer and token instead of 7, at the cost of a copy of those weights. In LoRA's "merged" mode an adapted projection's merged
+    buffer is its slice of the fused one (:meth:`~posttrain.rollout.adapters.Adapters.adopt`),
+    so the adapted matrices are not held twice."""
+    out = []
+    for layer in model.model.layers:
+        entry: dict[str, torch.Tensor | None] = {}
+        for key, modules in _groups(layer):
+            shapes = [src.weight_shape(m) for m in modules]
+            like = {"dtype": shapes[0][2], "device": shapes[0][3]}
+            rows = sum(s[0] for s in shapes)
+            weight = torch.empty(rows, shapes[0][1], **like)
+            # A bias if any part has one (a LoRA bias on q alone, say); the others' parts are zeros.
+            bias = torch.zeros(rows, **like) if any(src.has_bias(m) for m in modules) else None
+            o = 0
+            for m, (n, *_) in zip(modules, shapes):
+                src.adopt(m, weight[o : o + n], bias[o : o + n] if bias is not None and src.has_bias(m) else None)
+                o += n
+            entry[key], entry[key + "b"] = weight, bias
+        out.append(entry)
+    return out
+
+
+@torch.no_grad()
+def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]], src: Any) -> None:
+    """Copy the live weights into the fused buffers (in place: graphs keep their addresses). A
+    merged LoRA projection's slice is its merged buffer, rewritten by ``Adapters.refresh``."""
+    for layer, entry in zip(model.model.layers, fused):
+        for key, modules in _groups(layer):
+            o = 0
+            for m in modules:
+                w, b, _ = src.linear(m, terms=False)
+                part = entry[key][o : o + w.shape[0]]
+                if w.data_ptr() != part.data_ptr():  # not an adopted (merged) buffer
+                    part.copy_(w)
+                    if entry[key + "b"] is not None and b is not None:
+                        entry[key + "b"][o : o + w.shape[0]].copy_(b)
+                o += w.shape[0]

@@ -149,6 +149,5 @@ def test_distillation_keeps_deepspeed_for_fp32_only_when_it_decodes_its_student(
                                                model_name_or_path=str(tiny.model_path()),
                                                teacher_model_name_or_path=str(tiny.model_path(seed=1))),
                                  [{"prompt": "the cat", "completion": " is calm ."}] * 4)
-        trainer.setup()
         kinds[lmbda] = trainer.session.engine_kind("student")
     assert kinds == {0.0: "torch", 0.5: "deepspeed"}

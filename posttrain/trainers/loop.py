@@ -30,7 +30,8 @@ class Trainer:
     A subclass sets ``name`` (the run's name in progress lines and the model card), ``shown`` (the
     metrics the progress bar shows) and ``roles`` (its trained and frozen roles, and under
     "decoded" the trained roles its rollout engine decodes from in every run; read by the memory
-    planner and passed to ``make_session``), and, once its engines are prepared, ``self.cfg``, ``self.session`` and
+    planner and passed to ``make_session``), and builds its models in ``__init__``, as TRL's trainers
+    do: a constructed trainer holds ``self.cfg``, ``self.session`` (its engines prepared) and
     ``self.total_steps``. It supplies:
 
     - ``training_step(step)``: one optimizer step (step counts from 1); returns this rank's values
@@ -55,9 +56,6 @@ class Trainer:
     run_log: RunLog | None = None
 
     # -- what a trainer supplies ---------------------------------------------------------------
-    def setup(self) -> None:
-        """Load and prepare the models (trainers that do it in ``__init__`` need nothing here)."""
-
     def training_step(self, step: int) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -97,8 +95,6 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Train to ``total_steps``; returns the logged rows (the whole run's after a resume)."""
-        if self.session is None:
-            self.setup()
         cfg, s = self.cfg, self.session
         self.step = 0
         ckpt = resume_dir(cfg)

@@ -159,7 +159,7 @@ def targets(summary: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> l
         how = "its rollout engine" if rollout.get("backend") == "posttrain" else \
             f"transformers' generate (the engine fell back: {rollout.get('fallback')})"
         lines.append(f"posttrain-lora round {r['round']}: losses finite {finite}, LoRA B norm {r.get('lora_b_norm')} "
-                     f"(0 at initialisation); generated with {how}, compile {rollout.get('compile')}, "
+                     f"(0 at initialisation); generated with {how}, compiled {rollout.get('compiled')}, "
                      f"{rollout.get('graphs')} graphs, degraded {r.get('degraded')}")
     full = summary.get("posttrain-full")
     if full:

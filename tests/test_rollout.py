@@ -546,6 +546,39 @@ def run_slots(model, tok, ids, mask, seed=5, **options):
     return r.generate(ids, mask), r.stats
 
 
+def test_slots_hold_the_state_and_change_it_only_by_their_methods():
+    """``Slots``: the cache and each slot's decode state in one object; sequences enter
+    (``admit``, after ``store`` of their prompts), a step's tokens are recorded (done slots keep
+    theirs), a sequence moves to a free slot (its cache columns and state with it, the old slot
+    done), and finished slots' outputs go to their sequences' rows (``harvest``)."""
+    from posttrain.rollout.slots import Slots
+
+    slots = Slots(4, layers=1, kv_heads=1, head_dim=2, length=6, max_new=3, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    assert len(slots) == 4 and slots.done.all() and slots.nbytes == 2 * 4 * 6 * 2 * 4
+    dst = torch.tensor([1, 3])
+    slots.store(0, dst, torch.arange(8.0).view(2, 1, 2, 2), -torch.arange(8.0).view(2, 1, 2, 2))
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    valid[0, 0] = False
+    slots.admit(dst, torch.tensor([7, 8]), torch.tensor([11, 12]), torch.tensor([-1.0, -2.0]), torch.tensor([1, 2]),
+                valid, 2, torch.tensor(False), pad=0)
+    assert slots.done.tolist() == [True, False, True, False] and slots.seq[dst].tolist() == [7, 8]
+    assert slots.out_tokens[dst].tolist() == [[11, 0, 0], [12, 0, 0]] and slots.col[dst].tolist() == [2, 2]
+    assert slots.last[dst].tolist() == [11, 12] and slots.pos[dst].tolist() == [1, 2] and not slots.key_valid[1, 0]
+    slots.record(torch.tensor([5, 6, 5, 9]), torch.tensor([-0.5, -0.6, -0.5, -0.9]), torch.tensor(3), None, pad=0)
+    assert slots.out_tokens[dst].tolist() == [[11, 6, 0], [12, 9, 0]] and slots.out_tokens[0].tolist() == [0, 0, 0]
+    assert slots.step[dst].tolist() == [2, 2] and slots.col[dst].tolist() == [3, 3] and slots.last[3].item() == 9
+    slots.move([3], [0], length=3)
+    assert slots.done.tolist() == [False, False, True, True] and slots.seq[0].item() == 8
+    assert torch.equal(slots.keys[0][0, :, :2], torch.arange(4.0, 8.0).view(1, 2, 2))
+    tokens, logprobs = torch.zeros(10, 3, dtype=torch.long), torch.zeros(10, 3)
+    slots.harvest([0, 1], [8, 7], tokens, logprobs)
+    assert tokens[8].tolist() == [12, 9, 0] and tokens[7].tolist() == [11, 6, 0]
+    assert logprobs[8, :2].tolist() == pytest.approx([-2.0, -0.9]) and slots.done_flags(2) == [False, False]
+    slots.reset()
+    assert slots.done.all()
+
+
 def test_finished_rows_leave_the_step_with_the_same_samples(models, tok, grouped):
     """Compaction into smaller row buckets and length buckets that follow the longest live row give
     the same tokens and log-probs as one static bucket (every row, the whole cache, to the end)."""
@@ -632,6 +665,9 @@ def test_from_config_reads_every_rollout_setting(models, tok, grouped):
     st = r.stats
     assert len(r.engine.slots) == 5 and st["shared_prompt_kv"] and st["fused_projections"] == "copies"
     assert r.engine.prompts.group == GROUPS and r.engine.adapters.mode == "live"
+    snapshot = r.engine.stats()  # the engine's own counters, read, never written from outside
+    snapshot["admissions"] = -1
+    assert r.engine.stats()["admissions"] == st["admissions"] > 0
     want = Rollout(None, "policy", sampling, max_batch=ids.shape[0], max_prompt_len=ids.shape[1], model=model,
                    kv_slots=5, engine_options=dict(fused=True, shared_prompt_kv=True, group_size=GROUPS))
     torch.manual_seed(4)

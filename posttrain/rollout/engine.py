@@ -1,31 +1,22 @@
-"""The decode engine: the slots (``slots.py``), the step over a (rows, columns) bucket, and on CUDA
-that step compiled and captured as one CUDA graph per bucket.
+"""The decode engine (nano-vllm's model runner): the slots (``slots.py``), the step over a (rows,
+columns) bucket, and on CUDA that step compiled and captured as one CUDA graph per bucket.
 
-- Slots: the cache holds ``slots`` sequences (the KV budget), each slot with its own decode state,
-  so sequences that entered at different times decode side by side (``scheduler.py`` decides who
-  enters, leaves and moves; the engine does it and counts it).
 - Buckets: the step runs rows ``0..B-1`` over cache columns ``0..L-1``, B from a few batch sizes
-  (powers of two from ``smallest_bucket``, and ``slots``), L a multiple of ``length_bucket``. So
-  finished rows stop costing (the scheduler compacts live rows into the first slots and picks a
-  smaller B) and attention reads only the filled part of the cache. Why buckets of plain tensors
-  rather than a paged cache: a slice ``cache[:B, :, :L]`` is a view, so the step stays dense GEMMs
-  and one decode attention, the CPU runs the same code, and a new bucket costs one graph capture
-  (inductor compiles once, with dynamic shapes), while a block table adds an indirection to every
-  attention read. The price: KV memory is held per slot for the whole length, and rows sharing a
-  prompt hold copies of its KV, unless the prompts are held once in shared prompt slots
-  (``shared_prompt_kv``, ``prompt_cache.py``).
-- One step per device. On CUDA each decoder layer runs as two compiled halves (``step.Parts``:
-  inductor, dynamic shapes, fullgraph) around posttrain's Triton decode attention
-  (``kernels/decode_attention.py``), which also rotates the step's query and key and writes its key
-  and value into the cache; the residual adds with their norms and SiLU-and-multiply run on
-  ``kernels/pointwise.py``, the sampler (without top-k or top-p) on ``kernels/sample.py``, and
-  cuBLASLt picks the step's GEMMs. Each bucket's step is captured by hand as a CUDA graph; nothing
-  in it may sync the host (stop tokens are a vocabulary mask, not ``torch.isin``). Elsewhere (CPU)
-  the same layer halves run eagerly with SDPA decode attention and eager ``index_copy_`` cache
-  writes. The one fallback, counted in the stats (``triton_fallbacks``) and logged, never silent:
-  where the kernels cannot run or their step does not compile, SDPA. A compile that still fails
-  runs the eager step (``compile_fallbacks``), a capture that fails runs without graphs
-  (``capture_fallbacks``).
+  (powers of two from ``smallest_bucket``, and the slots), L a multiple of ``length_bucket``: rows
+  that finished stop costing (the scheduler compacts live rows into the first slots) and attention
+  reads only the filled columns. Plain tensors rather than a paged cache: a slice
+  ``cache[:B, :, :L]`` is a view, so the step stays dense GEMMs and one decode attention, the CPU
+  runs the same code, and a new bucket costs one graph capture; the price is KV memory held per
+  slot for the whole length (shared prompt slots, ``prompt_cache.py``, hold a group's prompt once).
+- One step per device. On CUDA each decoder layer runs as two compiled halves (``step.Parts``)
+  around posttrain's Triton decode attention, which also rotates the step's query and key and
+  writes its key and value into the cache; pointwise ops and the sampler (without top-k or top-p)
+  run on Triton kernels too (``kernels/``), cuBLASLt picks the GEMMs, and each bucket's step is
+  captured as a CUDA graph (nothing in it syncs the host). Elsewhere (CPU) the same halves run
+  eagerly with SDPA attention and ``index_copy_`` cache writes. Every fallback is logged and
+  counted, never silent: SDPA where the kernels cannot run or their step does not compile
+  (``triton_fallbacks``), the eager step where a compile still fails (``compile_fallbacks``), no
+  graphs where a capture fails (``capture_fallbacks``).
 - Weights are read live (``weights.read_weights`` each rollout): an optimizer step that writes the
   parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
   pointers compared) and the graphs are captured again (``recaptures``).
@@ -231,15 +222,6 @@ class DecodeEngine:
         """The KV cache's bytes: the rows' slots and the shared prompt slots."""
         return self.slots.nbytes + (self.prompts.nbytes if self.prompts else 0)
 
-    @property
-    def fused_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for e in self.fused or [] for t in e.values() if t is not None)
-
-    @property
-    def fused_projections(self) -> str:
-        """How q|k|v and gate|up run: "views" (fused, no copy), "copies" (fused) or "off"."""
-        return "views" if self.fuse_views else "copies" if self.fused else "off"
-
     def sampler_kernel(self) -> bool:
         """Whether the step samples with posttrain's Triton sampler: with the Triton kernels, where
         the sampling has no top-k or top-p."""
@@ -252,7 +234,9 @@ class DecodeEngine:
                 "triton_sampler": self.sampler_kernel(), "compiled": self.compiled, "graphs": len(self.graphs),
                 "blas": self.blas or "default", "shared_prompt_kv": self.prompts is not None,
                 "prompt_kv_bytes": self.prompts.nbytes if self.prompts else 0, "kv_cache_bytes": self.cache_nbytes,
-                "fused_weight_bytes": self.fused_nbytes, "fused_projections": self.fused_projections,
+                "fused_weight_bytes": sum(t.numel() * t.element_size() for e in self.fused or [] for t in e.values()
+                                          if t is not None),
+                "fused_projections": "views" if self.fuse_views else "copies" if self.fused else "off",
                 "lora_mode": self.lora_mode, "lora_merged_bytes": self.adapters.nbytes,
                 "fallback_reasons": list(self.fallback_reasons)}
 

@@ -14,17 +14,12 @@ import torch
 from torch import nn
 
 
-def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor]] | None = None, src: Any = None
-                 ) -> dict[str, Any]:
+def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor | None]] | None, src: Any) -> dict[str, Any]:
     """The decoder's weights, detached views of the live parameters (no module is called later).
-    ``fused``: per layer, concatenated q|k|v (and bias) and gate|up copies that replace those keys.
-    ``src``: an :class:`~posttrain.rollout.adapters.Adapters` (peft wrappers and LoRA, a ZeRO-3
-    shadow's copies); default the plain parameters. A projection ``name`` gives keys ``name``,
-    ``name + "b"`` (its bias) and ``name + "_lora"`` (LoRA terms, mode "live")."""
-    if src is None:
-        from posttrain.rollout.adapters import Adapters
-
-        src = Adapters(model)
+    ``fused``: per layer, q|k|v (and bias) and gate|up matrices that replace those keys. ``src``:
+    an :class:`~posttrain.rollout.adapters.Adapters` (peft wrappers and LoRA, a ZeRO-3 shadow's
+    copies). A projection ``name`` gives keys ``name``, ``name + "b"`` (its bias) and
+    ``name + "_lora"`` (LoRA terms, modes "live" and "grouped")."""
     base = model.model
     norm = src.module
 

@@ -32,13 +32,14 @@ from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import distinct_objects, given_once, model_config, policy_source
 from posttrain.placement.ranks import sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
+from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer
 from posttrain.trainers.run_log import Phases
 
 
 @dataclass
-class DistillConfig(TrainConfig, LoraFields):
+class DistillConfig(TrainConfig, LoraFields, RolloutFields):
     """Distillation settings; names follow TRL's GKDConfig / DistillationConfig."""
 
     output_dir: str = "runs/distill"
@@ -55,7 +56,6 @@ class DistillConfig(TrainConfig, LoraFields):
     lmbda: float = 0.0
     seq_kd: bool = False  # on the other steps, train on the teacher's generations instead of the data
     max_new_tokens: int = 128  # TRL's GKDConfig
-    generation_backend: str = "posttrain"  # "posttrain" (posttrain.rollout's engine) | "hf" (transformers' generate)
     max_length: int = 128  # prompt + completion tokens of a dataset row (generation adds max_new_tokens)
     # GKDConfig's default: the student's dropout (LoRA's too) is off, so the loss is deterministic.
     disable_dropout: bool = True
@@ -68,8 +68,7 @@ class DistillConfig(TrainConfig, LoraFields):
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
-        if self.generation_backend not in ("posttrain", "hf"):
-            raise ConfigError(f"generation_backend must be 'posttrain' or 'hf', got {self.generation_backend!r}")
+        check_rollout_fields(self)
 
 
 def generalized_jsd_loss(
@@ -231,8 +230,8 @@ class DistillTrainer(Trainer):
             sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id,
                                       temperature=cfg.temperature, stop_token_ids=[tok.eos_token_id])
             # Prompts are cut to max_length - 1 tokens (_encode); a micro-batch at a time.
-            self.rollouts[role] = Rollout(s, role, sampling, max_batch=cfg.per_device_train_batch_size,
-                                          max_prompt_len=max(1, cfg.max_length - 1), backend=cfg.generation_backend)
+            self.rollouts[role] = Rollout.from_config(cfg, s, role, sampling, max_batch=cfg.per_device_train_batch_size,
+                                                      max_prompt_len=max(1, cfg.max_length - 1))
         ids, mask = left_pad(prompts, tok.pad_token_id, s.device)
         out = self.rollouts[role].generate(ids, mask)
         return [row[:n] for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1).tolist())]

@@ -47,7 +47,7 @@ from posttrain.models.sources import given_once, model_config, policy_source, re
 from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
-from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
+from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.grpo_loss import (
     LOSS_TYPES,
@@ -94,8 +94,6 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    generation_backend: str = "posttrain"  # "posttrain" (the rollout engine) | "hf" (transformers' generate)
-    ds3_gather_for_generation: bool = True
     # The objective
     beta: float = 0.0
     num_iterations: int = 1
@@ -143,8 +141,6 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
              "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum'"),
             (self.compile_layers in (None, True, False),
              f"compile_layers must be true, false or null (on a GPU where it applies); got {self.compile_layers!r}"),
-            (self.generation_backend in ("posttrain", "hf"),
-             f"generation_backend must be 'posttrain' or 'hf'; got {self.generation_backend!r}"),
             (self.num_generations >= 2,
              f"{self._algorithm} needs num_generations >= 2 to compare completions of one prompt; got "
              f"{self.num_generations}"),
@@ -307,10 +303,8 @@ class GRPOTrainer(Trainer):
         self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
                                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                        stop_token_ids=self.eos_ids)
-        self.rollout = Rollout(s, "policy", self.sampling, max_batch=self.local_gen_size,
-                               max_prompt_len=max_prompt_len, backend=cfg.generation_backend,
-                               kv_slots=cfg.generation_kv_slots, engine_options=engine_options(cfg),
-                               ds3_gather_for_generation=cfg.ds3_gather_for_generation)
+        self.rollout = Rollout.from_config(cfg, s, "policy", self.sampling, max_batch=self.local_gen_size,
+                                          max_prompt_len=max_prompt_len)
         self.phases = Phases()
         self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches
         self.num_tokens = 0.0

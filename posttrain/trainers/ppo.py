@@ -52,7 +52,7 @@ from posttrain.rewards.models import (
     scorer_input,
 )
 from posttrain.rewards.scoring import Rewards
-from posttrain.rollout.api import RolloutFields, check_rollout_fields, engine_options
+from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer
 from posttrain.trainers.online import completion_logps, write_samples
@@ -92,8 +92,6 @@ class PPOConfig(TrainConfig, LoraFields, RolloutFields):
     gamma: float = 1.0
     lam: float = 0.95
     whiten_rewards: bool = False
-    ds3_gather_for_generation: bool = True
-    generation_backend: str = "posttrain"  # "posttrain" (posttrain.rollout's engine) | "hf" (transformers' generate)
     num_sample_generations: int = 10  # times over the run that sample completions are logged
     learning_rate: float = 3e-6
 
@@ -107,8 +105,6 @@ class PPOConfig(TrainConfig, LoraFields, RolloutFields):
             raise ConfigError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
         if self.stop_token not in (None, "eos"):
             raise ConfigError(f"stop_token must be None or 'eos', got {self.stop_token!r}; use stop_token_id")
-        if self.generation_backend not in ("posttrain", "hf"):
-            raise ConfigError(f"generation_backend must be 'posttrain' or 'hf', got {self.generation_backend!r}")
         if self.use_peft and self.ref_model_name_or_path:
             raise ConfigError("use_peft takes its reference from the policy's base model (adapters disabled): drop "
                               "ref_model_name_or_path, or drop use_peft to use a reference model of its own")
@@ -258,6 +254,8 @@ class PPOTrainer(Trainer):
                  processing_class: Any = None, train_dataset: Any = None) -> None:
         from transformers import AutoModelForSequenceClassification
 
+        from posttrain.rollout import Rollout, SamplingParams
+
         self.cfg = cfg
         seed_everything(cfg.seed)
         # The models as TRL's PPOTrainer (up to 1.12) took them, objects (model= with its
@@ -347,7 +345,13 @@ class PPOTrainer(Trainer):
             s.prepare("reference", _no_dropout(s.load("reference", reference)))
         self.rewards.load(s)
         self.phases = Phases()
-        self.rollout_engine = None  # posttrain.rollout.Rollout, built on the first generation
+        # Responses are never cut while sampling: the stop token is applied afterwards (TRL's
+        # truncate_response), so every row gets the full response length.
+        sampling = SamplingParams(max_new_tokens=cfg.response_length, pad_token_id=self.tokenizer.pad_token_id,
+                                  temperature=cfg.temperature + 1e-7, top_k=0, top_p=1.0)
+        self.rollout_engine = Rollout.from_config(cfg, s, "policy", sampling, max_prompt_len=cfg.max_prompt_length,
+                                                  max_batch=min(cfg.local_rollout_forward_batch_size,
+                                                                self.local_batch_size))
         self.total_steps = self.num_updates
         self._batches = None  # the prompt order, from the update the run starts at
         self.sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
@@ -362,20 +366,8 @@ class PPOTrainer(Trainer):
     def generate(self, queries: torch.Tensor) -> torch.Tensor:
         """Sample responses with posttrain.rollout (``generation_backend``), chunk by chunk; a ZeRO-3
         policy is gathered once per rollout (``ds3_gather_for_generation``), or generates with its
-        hooks and synced ranks. Responses are never cut here: the stop token is applied afterwards
-        (TRL's truncate_response), so every row gets the full response length."""
-        from posttrain.rollout import Rollout, SamplingParams
-
+        hooks and synced ranks; every row gets the full response length."""
         cfg, pad = self.cfg, self.tokenizer.pad_token_id
-        if self.rollout_engine is None:
-            sampling = SamplingParams(max_new_tokens=cfg.response_length, pad_token_id=pad,
-                                      temperature=cfg.temperature + 1e-7, top_k=0, top_p=1.0)
-            self.rollout_engine = Rollout(
-                self.session, "policy", sampling, max_batch=min(cfg.local_rollout_forward_batch_size,
-                                                                self.local_batch_size),
-                max_prompt_len=cfg.max_prompt_length, backend=cfg.generation_backend,
-                kv_slots=cfg.generation_kv_slots, engine_options=engine_options(cfg),
-                ds3_gather_for_generation=cfg.ds3_gather_for_generation)
         out = []
         for i in range(0, queries.shape[0], cfg.local_rollout_forward_batch_size):
             q = queries[i : i + cfg.local_rollout_forward_batch_size]

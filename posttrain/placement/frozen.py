@@ -1,47 +1,8 @@
-"""A fast forward for frozen ZeRO-3 models: one all-gather per layer, prefetched, into flat buffers.
+"""A fast forward for frozen ZeRO-3 models: one prefetched gather per layer into flat buffers.
 
-DeepSpeed's ZeRO-3 engine gathers parameters through per-module hooks, a parameter coordinator and
-one partition per parameter; for a frozen model in inference that bookkeeping, not the
-communication, dominates (a forward costs many times one all-gather of the whole model). A frozen
-model needs none of its generality: no gradients, no optimizer state, the same modules in the same
-order on every forward.
-
-:func:`take_over` keeps the engine the user prepared (a per-role ZeRO-3 plugin, parameters
-partitioned by zero.Init) and replaces how its parameters are stored and gathered:
-
-- parameters are grouped into *units*: each decoder layer (a child of a ``ModuleList``), and each
-  other module that owns parameters directly (embeddings, final norm, head);
-- a group's parameters are laid out as one flat vector, padded to a multiple of the world size and
-  split evenly: each rank keeps only its 1/N slice at rest. DeepSpeed's own per-parameter
-  partitions are freed, so memory is not doubled;
-- a parameter that lies wholly in this rank's slice is a permanent view of it and is never
-  copied; every other one is a permanent view into a buffer for the part of the flat vector the
-  rank does not hold, whose storage exists only while its unit runs: before the unit runs, ONE
-  gather (see transports below) allocates and fills it; after the unit runs its storage is freed
-  (resized to zero bytes, as FSDP does);
-- while unit i computes, the gathers of the units expected next (recorded on the previous forward)
-  are already in flight, as many as add up to one decoder layer's size (so the final norm and the
-  head are fetched during the last layer, not after it); ``wait()`` on a gather orders the compute
-  stream after it without blocking the CPU;
-- each parameter starts at a 128-byte boundary of the flat vector: views into it keep the
-  alignment that vectorised kernels and cuBLAS's fastest paths need.
-
-How a gather moves the bytes (``transport``):
-
-- ``"p2p"`` (chosen by ``"auto"`` when every rank of the group is a CUDA process on one host and
-  PyTorch's symmetric memory works there): all of a rank's shards live in one symmetric-memory
-  buffer that every other rank of the host has mapped; a gather is N device-to-device copies on a
-  side stream, which the GPU's copy engines carry out. Nothing competes with the forward for SMs.
-  NCCL's all-gather kernels cannot run beside the layers' persistent GEMM kernels
-  (benchmarks/NOTES.md), so its "overlapped" gathers in effect run between them. On the PyTorch of the GPU image (2.11) that buffer is not counted by
-  ``torch.cuda.memory_allocated()``; :meth:`FastFrozen.bytes_outside_allocator` reports it;
-- ``"nccl"`` (every other case: several hosts, CPU/gloo): ``all_gather_into_tensor`` with
-  ``async_op`` on the communication library's stream, which works everywhere.
-  ``POSTTRAIN_FROZEN_TRANSPORT=nccl`` forces it.
-
-Hooks on the modules drive it, so ``engine(**batch)`` and ``engine.module.generate(...)`` work as
-before. A tied parameter (``lm_head.weight is embed_tokens.weight``) is stored once, in the group
-of the first unit that owns it; any other unit that uses it gathers that group too.
+:func:`take_over` keeps a prepared inference-only ZeRO-3 engine and replaces how its parameters are
+stored and gathered (DeepSpeed's per-parameter bookkeeping dominates a frozen forward). Transport:
+``POSTTRAIN_FROZEN_TRANSPORT`` = auto (p2p on one host with CUDA, else nccl), p2p or nccl.
 """
 
 from __future__ import annotations
@@ -72,10 +33,9 @@ def _fetch_plan(offsets: list[int], numels: list[int], shard_numel: int, world: 
                 whole: bool) -> tuple[list[bool], int, int, list[tuple[int, int, int]]]:
     """How ``rank`` gathers a flat vector split in ``world`` slices of ``shard_numel`` elements.
 
-    Returns: for each parameter, whether it lies wholly in this rank's slice (then it is a view of
-    it); ``(base, span)``: the flat-vector range the gather buffer covers; and the pieces
-    ``(source rank, start, end)`` of the flat vector the other parameters need. ``whole``: the
-    buffer covers the entire vector (an all-gather fills it), else only the needed pieces' span."""
+    Returns (per parameter: lies wholly in this rank's slice, base, span of the gather buffer,
+    pieces ``(source rank, start, end)`` the other parameters need). ``whole``: the buffer covers
+    the entire vector (an all-gather fills it), else only the needed pieces' span."""
     lo, hi = rank * shard_numel, (rank + 1) * shard_numel
     local = [lo <= o and o + n <= hi for o, n in zip(offsets, numels)]
     needed: list[tuple[int, int]] = []  # merged ranges of the non-local parameters
@@ -98,14 +58,9 @@ def _fetch_plan(offsets: list[int], numels: list[int], shard_numel: int, world: 
 class _Group:
     """Parameters stored as one flat vector, 1/N of it per rank.
 
-    A parameter that lies wholly inside this rank's slice is, permanently, a view of that slice:
-    it is never copied. Every other parameter is, permanently, a view into ``full``, a buffer for
-    the part of the flat vector this rank does not hold, whose storage is allocated when a gather
-    starts and resized to zero bytes at rest (what FSDP does with its unsharded parameters). So a
-    gather moves only other ranks' bytes (plus the local part of the parameters that straddle the
-    slice's edges), and a gather and a release cost one allocator call each, not a ``.data`` swap
-    per parameter. Read the parameters only inside a forward or :meth:`FastFrozen.gathered`: at
-    rest the non-local ones keep their shape but own no memory.
+    A parameter wholly inside this rank's slice is a permanent view of it; every other one is a
+    permanent view into ``full``, whose storage exists only while gathered (resized to zero at
+    rest, as FSDP does). Read the parameters only inside a forward or :meth:`FastFrozen.gathered`.
     """
 
     def __init__(self, params: list[nn.Parameter], process_group: Any) -> None:
@@ -133,9 +88,7 @@ class _Group:
         self.live = False  # gathered, or a gather in flight
         self.work: Any = None  # "nccl": the async all-gather into ``full`` not yet waited for
         self.users = 0  # units running that need this group (nested or re-entrant use)
-        # "p2p": every rank's shard as mapped here, the side stream the copies run on, and two
-        # events reused by every gather (the compute stream's point the copies wait for, and the
-        # copies' end, which the compute stream waits for).
+        # "p2p": the peers' mapped shards, the copies' side stream, and its two reused events.
         self.remote: list[torch.Tensor] | None = None
         self.stream: Any = None
         self.ready: Any = None
@@ -143,9 +96,8 @@ class _Group:
         self.pending = False  # "p2p": copies issued that the compute stream has not waited for
 
     def build_shard(self, out: torch.Tensor | None = None) -> None:
-        """Cut this rank's slice of the flat vector out of the (gathered) parameters, into ``out``
-        (a view of peer-mapped memory) or a tensor of its own; make each parameter a view of the
-        slice or of ``full``, and free ``full``'s storage."""
+        """Cut this rank's slice out of the gathered parameters (into ``out``, peer-mapped memory,
+        or a tensor of its own), make each parameter a view of it or of ``full``, free ``full``."""
         import deepspeed
 
         zero = [p for p in self.params if hasattr(p, "ds_id")]
@@ -158,8 +110,7 @@ class _Group:
             self.shard = mine.clone() if out is None else out.copy_(mine)
             del flat, mine
         n, lo = self.shard_numel, self.rank * self.shard_numel
-        # NCCL gathers the whole vector (a collective: every rank takes part, whatever it needs);
-        # copies fetch only what this rank needs.
+        # NCCL's all-gather is collective, so it fills the whole vector; copies fetch only what's needed.
         self.local, self.base, span, pieces = _fetch_plan(self.offsets, self.numels, n, self.world, self.rank,
                                                           self.align, whole=self.remote is None)
         self.full = self.shard.new_empty(span)
@@ -175,10 +126,7 @@ class _Group:
                 p.data = self.shard.as_strided(shape, stride, self.shard.storage_offset() + offset - lo)
             else:
                 p.data = self.full.as_strided(shape, stride, offset - self.base)
-            if hasattr(p, "ds_tensor"):
-                # DeepSpeed's partition of this parameter is not used again: free it, so the
-                # model is stored once. DeepSpeed gathers of it now fail loudly instead of
-                # returning stale values.
+            if hasattr(p, "ds_tensor"):  # store the model once; a DeepSpeed gather now fails loudly
                 p.ds_tensor.data = empty
         self.storage = self.full.untyped_storage()
         self.full_nbytes = self.storage.nbytes()
@@ -187,8 +135,8 @@ class _Group:
             self.ready, self.copied = torch.cuda.Event(), torch.cuda.Event()
 
     def start(self, compute: Any = None) -> None:
-        """Begin gathering what this rank does not hold, unless it is gathered or in flight.
-        ``compute``: the stream that will use it (default: the current one)."""
+        """Begin gathering what this rank does not hold, unless already live. ``compute``: the
+        stream that will use it (default: the current one)."""
         if self.live:
             return
         self.live = True
@@ -198,10 +146,8 @@ class _Group:
         if self.remote is None:
             self.work = dist.all_gather_into_tensor(self.full, self.shard, group=self.pg, async_op=True)
             return
-        # Copies from the ranks' mapped shards, on the side stream. It first waits for the
-        # compute stream, whose earlier work may still use the memory the allocator just handed
-        # out; the compute stream waits for the copies in acquire() (or drop()), before it uses or
-        # frees the memory, so the allocator needs no record_stream.
+        # The side stream waits for compute (earlier work may still use the fresh memory) and
+        # compute waits for the copies in acquire()/drop(), so no record_stream is needed.
         compute = compute or torch.cuda.current_stream()
         self.ready.record(compute)
         self.stream.wait_event(self.ready)
@@ -215,8 +161,7 @@ class _Group:
         self.pending = True
 
     def write_back(self) -> None:
-        """After the whole parameters changed in place: the local part of those that straddle
-        this rank's slice goes back into it (the others are views of the slice already)."""
+        """Copy the local part of straddling parameters back into the slice after an in-place change."""
         for full, shard in self.back:
             shard.copy_(full)
 
@@ -252,9 +197,8 @@ class _Group:
 
 
 class _PeerMemory:
-    """Every group's shard in one symmetric-memory buffer per rank (PyTorch's
-    ``torch.distributed._symmetric_memory``), mapped into the address space of every rank of the
-    host, so that a rank reads the others' shards with plain device copies."""
+    """Every group's shard in one symmetric-memory buffer per rank, mapped by every rank of the
+    host, so a rank reads the others' shards with plain device copies."""
 
     def __init__(self, groups: list[_Group], process_group: Any, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -267,8 +211,7 @@ class _PeerMemory:
             symm_mem.enable_symm_mem_for_group(process_group.group_name)
         before = torch.cuda.memory_allocated(device)
         self.local = symm_mem.empty(max(total, 1), dtype=torch.uint8, device=device)
-        # Some PyTorch versions allocate it outside the caching allocator, where
-        # torch.cuda.memory_allocated() does not see it: memory reports add it back.
+        # Some PyTorch versions allocate it outside the caching allocator: memory reports add it back.
         self.outside_allocator = torch.cuda.memory_allocated(device) - before < total
         self.handle = symm_mem.rendezvous(self.local, process_group)
         self.remote = [self.handle.get_buffer(r, (max(total, 1),), torch.uint8) for r in range(groups[0].world)]
@@ -302,8 +245,7 @@ def _peer_memory_or_none(groups: list[_Group], process_group: Any, device: torch
 
 
 def _choose_transport(requested: str, process_group: Any, device: torch.device) -> str:
-    """"p2p" where every rank of the group is a CUDA process on this host, else "nccl". The same
-    answer on every rank (collective)."""
+    """"p2p" where every rank of the group is a CUDA process on this host, else "nccl" (collective)."""
     if requested not in ("auto", "p2p", "nccl"):
         raise ValueError(f"POSTTRAIN_FROZEN_TRANSPORT={requested!r}: expected auto, p2p or nccl")
     if requested == "nccl":
@@ -328,8 +270,8 @@ class _Unit:
 
 
 def _units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter], bool]]:
-    """(module, parameters it uses, is a layer) for each decoder layer and each other parameter
-    owner, in registration order. Stops at a ModuleList's children: a layer is one unit."""
+    """(module, parameters it uses, is a layer) for each ModuleList child (a decoder layer) and
+    each other module owning parameters, in registration order."""
     out: list[tuple[nn.Module, list[nn.Parameter], bool]] = []
 
     def walk(module: nn.Module, whole: bool) -> None:
@@ -350,7 +292,12 @@ def _units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter], bool]]
 
 
 class FastFrozen:
-    """Owns a frozen model's flat shards and the hooks that gather them layer by layer."""
+    """Owns a frozen model's flat shards and the hooks that gather them layer by layer.
+
+    Each unit (decoder layer, or other module owning parameters) has a flat group per dtype; while
+    one unit runs, the next units of the last forward's order are gathered ahead, about one layer's
+    bytes. A tied parameter is stored once, in the first owner's group.
+    """
 
     def __init__(self, model: nn.Module, process_group: Any = None, transport: str = "auto") -> None:
         self.model = model
@@ -391,11 +338,9 @@ class FastFrozen:
             # Every shard is written before any rank reads a peer's; from here on they never change.
             torch.cuda.synchronize()
             dist.barrier(group=pg)
-        # Gathers kept in flight ahead of the running unit: about one decoder layer's bytes.
         layers = [u.nbytes for u in self.units if u.is_layer] or [u.nbytes for u in self.units]
-        self.lookahead_bytes = max(layers)
-        # The order units ran in on the last complete forward: what to prefetch next.
-        self.trace: list[int] = []
+        self.lookahead_bytes = max(layers)  # bytes gathered ahead of the running unit
+        self.trace: list[int] = []  # unit order of the last complete forward
         self._current: list[int] = []
         self._on_trace = False
         self._compute: Any = None  # "p2p": the stream the running forward computes on
@@ -403,15 +348,13 @@ class FastFrozen:
         for i, unit in enumerate(self.units):
             self._handles.append(unit.module.register_forward_pre_hook(self._pre(i)))
             self._handles.append(unit.module.register_forward_hook(self._post(i)))
-        # At rest the non-local parameters are views of freed storage: reading their values would
-        # crash the process (a null pointer), so a state dict taken then is refused with the fix.
+        # At rest reading the non-local parameters would crash (freed storage): refuse state dicts.
         self._handles.append(model.register_state_dict_pre_hook(self._refuse_at_rest))
 
     # -- hooks -------------------------------------------------------------------------------
     def _begin(self, module: nn.Module, args: Any) -> None:
         self._rest()  # a forward that raised may have left buffers gathered
         self._current, self._on_trace = [], bool(self.trace)
-        # Looked up once per forward, not in every unit's hook.
         self._compute = torch.cuda.current_stream() if self.peers is not None else None
 
     def _end(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -432,8 +375,7 @@ class FastFrozen:
         return hook
 
     def _prefetch(self, pos: int) -> None:
-        """Start the gathers of the units at trace positions ``pos``, ``pos + 1``, ... until the
-        bytes ahead of the running unit reach :attr:`lookahead_bytes` (at least one unit)."""
+        """Start gathering the units from trace position ``pos`` on, up to :attr:`lookahead_bytes`."""
         ahead = 0
         while pos < len(self.trace) and ahead < self.lookahead_bytes:
             for group in self.units[self.trace[pos]].groups:
@@ -473,8 +415,7 @@ class FastFrozen:
         return self.peers.nbytes if self.peers is not None and self.peers.outside_allocator else 0
 
     def at_rest(self) -> bool:
-        """No gathered buffer is allocated and no parameter references memory other than this
-        rank's slices (each non-local parameter is a view of freed storage)."""
+        """No gathered buffer is allocated and every parameter is a view of a slice or of freed storage."""
         shards = {g.shard.untyped_storage().data_ptr() for g in self.groups}
         return not any(g.live for g in self.groups) and all(
             p.untyped_storage().nbytes() == 0 or p.untyped_storage().data_ptr() in shards
@@ -492,15 +433,12 @@ class FastFrozen:
 
     @torch.no_grad()
     def update_(self, fn: Any) -> None:
-        """Change the weights in place: ``fn(param)`` on every parameter, whole, one group at a
-        time; each rank then keeps its slice of the result. Collective; ``fn`` must compute the
-        same on every rank."""
+        """``fn(param)`` on every whole parameter, one group at a time; each rank keeps its slice.
+        Collective; ``fn`` must compute the same on every rank."""
         for group in self.groups:
             group.acquire()
             try:
-                if self.peers is not None:
-                    # Local parameters are views of this rank's slice, which peers copy from:
-                    # every rank has its copies of the old values before any rank changes its slice.
+                if self.peers is not None:  # peers copy from the slices: all read before any write
                     torch.cuda.synchronize()
                     dist.barrier(group=group.pg)
                 for p in group.params:
@@ -514,8 +452,7 @@ class FastFrozen:
             dist.barrier(group=self.groups[0].pg)
 
     def remove(self) -> None:
-        """Remove the hooks. Collective with "p2p": no rank frees its shards while another may
-        still be copying from them."""
+        """Remove the hooks. Collective with "p2p" (no rank frees shards a peer may still read)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -525,18 +462,15 @@ class FastFrozen:
 
 
 def take_over(engine: Any) -> FastFrozen:
-    """Replace a prepared inference-only ZeRO-3 engine's gathering with :class:`FastFrozen`.
-
-    The engine stays the object the user holds; its module's forward hooks become ours.
-    """
+    """Replace a prepared inference-only ZeRO-3 engine's gathering with :class:`FastFrozen`; the
+    engine stays the object the user holds."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
     offload = getattr(engine, "optimizer", None)
     if not isinstance(offload, DeepSpeedZeRoOffload):
         raise TypeError("fast_frozen needs a frozen ZeRO-3 engine prepared without an optimizer")
     model = engine.module
-    # Remove DeepSpeed's per-module hooks and the engine's forward prologue/epilogue, which
-    # re-arm DeepSpeed's gather-on-attribute-access.
+    # The engine's forward prologue/epilogue would re-arm DeepSpeed's gather-on-attribute-access.
     offload.destroy()
     for handle in ("module_forward_pre_hook", "module_forward_post_hook"):
         if getattr(engine, handle, None) is not None:

@@ -1,19 +1,8 @@
-"""The session: one place that owns the Accelerator(s) and every model's DeepSpeed engine.
+"""The Session: owns the Accelerator(s) and every role's DeepSpeed engine.
 
-Each role has its own named plugin on one ``Accelerator(deepspeed_plugins=...)``. A model is
-loaded and prepared while its role's plugin is active, so a ZeRO-3 role is partitioned as it
-loads (zero.Init) and becomes a ZeRO-3 engine, while a ZeRO-2 role trains beside it.
-
-accelerate's multi-plugin API has traps (shared/knowledge/multi-plugin-facts.md); the session
-avoids them by giving each role its own Accelerator (``backward``, ``get_state_dict`` and
-``save_state`` then see exactly one engine and its config; frozen roles' Accelerators are never
-checkpointed). The first trained role owns the Accelerator built with the plugins. In a world of
-one process a trained role of a mix may run without an engine (``single_process_engine``,
-posttrain/placement/plain.py); the session drives it the same way.
-
-Beside it: saving and restoring roles (saving.py) and changing frozen roles' weights
-(frozen_weights.py), mixed into Session; the processes it runs in (world.py); ZeRO's fixes on
-loaded models (zero_fixes.py).
+Each role has its own named plugin, and is loaded and prepared while it is active (a ZeRO-3 role
+partitioned by zero.Init beside a ZeRO-2 one), and its own Accelerator, so that ``backward``,
+``get_state_dict`` and ``save_state`` see exactly one engine (shared/knowledge/multi-plugin-facts.md).
 """
 
 from __future__ import annotations
@@ -76,9 +65,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
         check_environment()
-        # `accelerate launch` lists the accelerate-yaml keys it exported (mixed_precision at
-        # least); with plugins built from configs accelerate treats any listed key as a clash.
-        # The overriding ones were refused above and mixed precision is honoured below.
+        # accelerate treats every exported accelerate-yaml key as a clash with config-built plugins.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         names = [r.name for r in roles]
         if len(set(names)) != len(names):
@@ -86,8 +73,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         trained = [r for r in roles if r.trains]
         if not trained:
             raise ConfigError("at least one role must train (Role(..., trains=True))")
-        # Trained roles first: accelerate activates the first plugin, and the first trained role
-        # owns the main Accelerator.
+        # Trained roles first: accelerate activates the first plugin; the first one owns the Accelerator.
         self.roles: dict[str, Role] = {r.name: r for r in trained + [r for r in roles if not r.trains]}
         self.primary = trained[0].name
         self.micro_batch_size = micro_batch_size
@@ -100,10 +86,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
         self.configs: dict[str, dict] = {}
         self.one_rank_changes: dict[str, str] = {}  # role -> what the one-process path changed
-        # Trained roles without a DeepSpeed engine (posttrain.placement.plain).
         self.plain_roles: set[str] = plain.torch_roles(self.roles.values(), single_process_engine, world_size=world_size,
                                                        mixed_precision=self.mixed_precision)
-        # What every role's DeepSpeed config is resolved with (the run's batch, precision, schedule).
         run_settings = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
                             world_size=world_size, mixed_precision=self.mixed_precision, max_grad_norm=max_grad_norm,
                             learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps,
@@ -124,12 +108,10 @@ class Session(SavingMixin, FrozenWeightsMixin):
                 self.configs[role.name]["zero_optimization"] = {"stage": 0}
 
         if self.one_rank_changes:
-            # Said once per session, before any model loads (one process: it is the main one).
             changes = "; ".join(f"{n}: {c}" for n, c in self.one_rank_changes.items())
             print(f"[posttrain] one process, so the mix's placements are simplified: {changes}", flush=True)
 
-        # A session per process at a time: a new one starts from a clean accelerate state
-        # (the process group itself is kept, or built anew if an earlier run destroyed it).
+        # A new session starts from a clean accelerate state (the process group is kept or rebuilt).
         forget_destroyed_group()
         AcceleratorState._reset_state()
         GradientState._reset_state()
@@ -150,8 +132,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         self._pin_accumulation()
         atexit.unregister(_destroy_process_group)  # once, however many sessions
         atexit.register(_destroy_process_group)
-        # One Accelerator per role, sharing the process-wide state: each then holds exactly one
-        # engine, which its backward, get_state_dict and save_state act on.
+        # One Accelerator per role (sharing the process-wide state), each holding exactly one engine.
         self._accelerators: dict[str, Any] = {
             name: self.accelerator if name == self.primary else Accelerator() for name in self.roles
         }
@@ -163,8 +144,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         self._active: list[str] = [self.primary]
 
     def _pin_accumulation(self) -> None:
-        # accelerate ignores the constructor's value under DeepSpeed and overwrites the shared
-        # value with each prepared plugin's (trap 1); the trained roles' value is the one that holds.
+        # accelerate overwrites the shared value with each prepared plugin's (trap 1): pin the trained one.
         state = self.accelerator.gradient_state
         state.plugin_kwargs = {**state.plugin_kwargs, "num_steps": self.gradient_accumulation_steps}
 
@@ -207,8 +187,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         return dsconfig.zero_stage(self.configs[self.role(name).name])
 
     def master_weights(self, name: str) -> str | None:
-        """A trained role's optimizer precision, as its resolved config has it: "fp32" (fp32
-        master weights and Adam states) or "bf16"; None for a frozen role."""
+        """A trained role's optimizer precision ("fp32" or "bf16"); None for a frozen role."""
         role = self.role(name)
         return dsconfig.master_weights(self.configs[name]) if role.trains else None
 
@@ -250,14 +229,13 @@ class Session(SavingMixin, FrozenWeightsMixin):
         model_cls: Any = None,
         **kwargs: Any,
     ) -> torch.nn.Module:
-        """Build a model for a role under its plugin: ``from_pretrained`` (hub name or local path)
-        or, with only ``config``, ``from_config``; a model object is taken as it is (ZeRO-3
-        partitions it when the role is prepared). A ZeRO-3 role's parameters are created
-        partitioned; a frozen role's model comes back in eval mode without gradients."""
+        """Build a role's model under its plugin (``from_pretrained``, or ``from_config`` with only
+        ``config``; a model object is taken as it is). A frozen role's model comes back in eval
+        mode without gradients."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         role = self.role(name)
-        if isinstance(name_or_path, torch.nn.Module):  # a model the caller built, taken as it is
+        if isinstance(name_or_path, torch.nn.Module):
             if not role.trains:
                 name_or_path.eval()
                 name_or_path.requires_grad_(False)
@@ -292,12 +270,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
     ) -> Any:
-        """Wrap ``model`` in its role's DeepSpeed engine; returns the engine.
-
-        A trained role needs ``optimizer`` (or an ``optimizer`` block in its config); ``scheduler``
-        is any torch LR scheduler on that optimizer, stepped once per optimizer step by
-        :meth:`step` and saved with the role's state.
-        """
+        """Wrap ``model`` in its role's engine and return it. A trained role needs ``optimizer`` (or
+        an ``optimizer`` config block); ``scheduler`` is stepped per optimizer step and checkpointed."""
         from accelerate.utils import DummyOptim
 
         role = self.role(name)
@@ -342,7 +316,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
             engine.train()
         else:
             engine.eval()
-            if fast:  # posttrain.placement.frozen replaces DeepSpeed's per-parameter gathering
+            if fast:
                 from posttrain.placement.frozen import take_over
 
                 self.fast_frozen[name] = take_over(engine)
@@ -350,7 +324,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         return engine
 
     def _prepare_plain(self, name: str, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> Any:
-        """A trained role at world size 1 without DeepSpeed (posttrain.placement.plain): same interface."""
+        """A trained role at world size 1 without DeepSpeed (posttrain.placement.plain)."""
         from accelerate.utils import DummyOptim
 
         if optimizer is None or isinstance(optimizer, DummyOptim):
@@ -387,8 +361,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         return applies if role.fast_frozen is None else role.fast_frozen
 
     def numel_at_rest(self, name: str) -> tuple[int, int]:
-        """(elements this rank stores between forwards, elements of the whole model) for a
-        prepared role: about 1/N of them under ZeRO-3, all of them otherwise."""
+        """(elements this rank stores between forwards, elements of the whole model) of a prepared role."""
         if name in self.fast_frozen:
             return self.fast_frozen[name].local_numel(), self.fast_frozen[name].full_numel()
         params = list(self.engines[name].module.parameters())
@@ -398,8 +371,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         return n, n
 
     def bytes_outside_allocator(self) -> int:
-        """Device memory the session's models hold outside PyTorch's caching allocator (shards of
-        fast frozen models in symmetric memory, on PyTorch versions that allocate it apart)."""
+        """Device memory the session's models hold outside PyTorch's caching allocator."""
         return sum(f.bytes_outside_allocator() for f in self.fast_frozen.values())
 
     def unwrap(self, name: str) -> torch.nn.Module:
@@ -433,8 +405,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
         self._trained_engine(name).backward(loss)
 
     def step(self, name: str) -> bool:
-        """The engine's step: an optimizer step (clipping included) at an accumulation boundary,
-        after which the role's scheduler steps. Returns whether the optimizer stepped."""
+        """The engine's step, then the role's scheduler at an accumulation boundary; returns whether
+        the optimizer stepped."""
         engine = self._trained_engine(name)
         boundary = engine.is_gradient_accumulation_boundary()
         if boundary:  # read before the schedulers move it on (a DeepSpeed-config scheduler steps in engine.step)
@@ -449,9 +421,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
         return None if norm is None else float(norm)
 
     def learning_rate(self, name: str) -> float:
-        """The rate the role's last optimizer step used (what ``transformers.Trainer`` logs as
-        ``learning_rate``: read after the optimizer step, before the scheduler's); before any step,
-        the rate the first step will use."""
+        """The rate the role's last optimizer step used (``transformers.Trainer``'s ``learning_rate``);
+        before any step, the rate the first one will use."""
         engine = self._trained_engine(name)
         return self._step_lr.get(name, float(engine.get_lr()[0]))
 

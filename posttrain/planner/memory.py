@@ -1,18 +1,8 @@
 """Memory planner: per-GPU memory of every role under a mix, and the fastest mix that fits.
 
-Model states (parameters, gradients, optimizer states) come from DeepSpeed's own estimators
-(``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``); frozen
-roles hold only 16-bit parameters (whole, or a 1/N shard plus a gathered working set). On top of
-the states sits the largest transient of any phase: saved activations while a role trains, a
-frozen forward's working set, or generation's KV cache. The activation coefficients are bytes per
-token per decoder layer for a Llama-shaped model under bf16 with SDPA attention, as autograd saves
-them (see ``train_activation_bytes``); they were checked against peaks measured on H200s
-(benchmarks/results), which a test keeps within 15%.
-
-LoRA (:class:`Lora`): the run's first trained role keeps its base frozen (16-bit, sharded as its
-stage shards a trained model) and trains only its adapters, whose parameters, gradients and Adam
-states are counted as a trained model of that many parameters; the reference is that base with
-the adapters disabled, so there is no reference role.
+Model states come from DeepSpeed's own estimators; on top of them sits the largest transient of
+any phase (saved activations, a frozen forward's working set, generation's KV cache), from
+per-token coefficients for a Llama-shaped model under bf16 with SDPA attention.
 """
 
 from __future__ import annotations
@@ -36,53 +26,35 @@ from posttrain.planner.shapes import (
 GiB = 2**30
 
 
-# Which roles each workload holds (its trainer's row of the role table: DPO with its reference, PPO
-# with a reward model, GRPO/RLOO with a reference and Python reward functions; reward models are
-# more frozen roles), and what kind of model each role is.
+# Which roles each workload holds (its trainer's row of the role table), and each role's model kind.
 WORKLOADS: dict[str, dict[str, list[str]]] = {name: {kind: list(names) for kind, names in row.items()}
                                               for name, row in TRAINER_ROLES.items()}
 ROLE_KINDS = {"policy": "causal", "reference": "causal", "student": "causal", "teacher": "causal",
               "value": "token", "reward": "sequence"}
 
-# TRL's placements (trl.models.utils.prepare_deepspeed under one plugin): the frozen models get a
-# copy of the trained role's config, at stage 0 unless that config is ZeRO-3.
+# TRL's placements (prepare_deepspeed): frozen models get the trained config, at stage 0 unless ZeRO-3.
 BASELINES: dict[str, tuple[str, str]] = {"trl-zero2": ("zero2_train", "stage0"), "trl-zero3": ("zero3_train", "zero3_train")}
 
-# posttrain's mixes from fastest to slowest (benchmarks/results): a replicated
-# frozen model costs nothing to gather; a sharded one is gathered on every forward (posttrain.placement.frozen
-# keeps that within a few percent); an offloaded one crosses PCIe on every forward; a ZeRO-3 policy
-# also gathers to train and to generate.
+# posttrain's mixes from fastest to slowest: gathers per forward, PCIe per forward, gathers to train too.
 SPEED_ORDER = ["zero2-replicated", "zero2-zero3", "zero2-zero3-offload", "zero3"]
 
-# Bytes per token per decoder layer saved for backward (bf16, SDPA flash/efficient attention):
-# two RMSNorms (fp32 input 4h, bf16 output fed to the projections 2h) = 12h; attention q 2h, k and v
-# 2kv each, its output 2h and o_proj's contiguous input 2h = 6h + 4kv; MLP gate (SiLU input) 2f,
-# SiLU output 2f, up 2f, down_proj input 2f = 8f; 2h more for residual/dropout bookkeeping (checked
-# against H200 peaks, benchmarks/results).
+# Bytes per token per decoder layer saved for backward (bf16, SDPA): two RMSNorms 12h; attention
+# q, output and o_proj input 6h, k and v 4kv; MLP gate, SiLU output, up, down_proj input 8f; 2h more.
 ACT_H, ACT_KV, ACT_F = 20, 4, 8
-# Causal-LM head per token and vocabulary entry while training: the bf16 logits, the contiguous
-# shifted copy the log-prob kernel keeps, and their gradient when backward starts.
+# Causal-LM head per token and vocab entry while training: bf16 logits, shifted copy, their gradient.
 HEAD_TRAIN_V = 6
-# A frozen forward keeps no activations: its working set is the bf16 logits plus one layer's
-# intermediates.
+# A frozen forward's working set: the bf16 logits plus one layer's intermediates.
 HEAD_INFER_V = 2
-# Optimizer step of a trained role with fp32 master weights, per parameter over N: under ZeRO-1/2
-# DeepSpeed's step holds the bf16 gradient partition (2), its flat bf16 copy (2) and that copy cast
-# to fp32 (4), 8 bytes/param/N as TRL's rows peak. posttrain's Session casts while flattening
-# (zero_fixes.cast_grads_while_flattening): no flat bf16 copy, 6. ZeRO-3 steps one sub-group
-# (sub_group_size, 1e9 parameters) at a time, with the same copies (6 under the Session).
+# Optimizer step with fp32 master weights, bytes per parameter over N: bf16 gradient partition 2,
+# its flat bf16 copy 2, that copy in fp32 4; the Session casts while flattening (no flat copy): 6.
+# ZeRO-3 steps one sub-group of SUB_GROUP_SIZE parameters at a time.
 STEP_BYTES = 8
 STEP_BYTES_CAST = 6
-# The same with bf16 master weights (master_weights: bf16): the gradient partition the optimizer
-# reads is bf16 (2) and so are AdamW's temporaries (2). Derived from the fp32 figure, not measured.
-STEP_BYTES_BF16 = 4
+STEP_BYTES_BF16 = 4  # bf16 master weights: bf16 gradient partition 2 and AdamW temporaries 2
 SUB_GROUP_SIZE = int(1e9)
-# ZeRO-2 reduces a parameter larger than its gradient bucket outside the bucket (8B: the 525M-entry
-# embedding and LM head): its bf16 gradient and fp32 averaging copies, 10 bytes per entry on the
-# rank that reduces it.
+# ZeRO-2 reduces a parameter larger than its bucket outside it: bf16 gradient and fp32 averaging copy.
 OVERSIZED_GRAD_BYTES = 10
-# DeepSpeed's ZeRO-3 default (posttrain's configs keep it): parameters a ZeRO-3 engine may keep
-# gathered while it trains; a frozen ZeRO-3 engine with parameters offloaded fetches as many.
+# DeepSpeed's ZeRO-3 default: parameters a training engine keeps gathered (an offloaded frozen one fetches).
 MAX_LIVE_PARAMETERS = int(1e9)
 
 
@@ -94,9 +66,7 @@ def shared_vocab(shapes: dict[str, str], workload: str) -> int:
 
 def train_activation_bytes(m: ModelSize, tokens: int, checkpointing: bool = False) -> int:
     """Bytes saved for backward by a forward over ``tokens`` tokens, head included. With gradient
-    checkpointing each decoder layer keeps only its bf16 input (2h per token) and one layer's
-    activations exist at a time, while backward recomputes it (an estimate from the same
-    coefficients, not yet checked against a GPU peak)."""
+    checkpointing each layer keeps only its bf16 input (2h per token), plus one layer's activations."""
     per_layer = ACT_H * m.hidden + ACT_KV * m.kv_dim + ACT_F * m.intermediate
     head = HEAD_TRAIN_V * m.vocab if m.kind == "causal" else 8 * m.hidden
     layers = m.layers * 2 * m.hidden + per_layer if checkpointing else m.layers * per_layer
@@ -112,35 +82,27 @@ def inference_bytes(m: ModelSize, tokens: int) -> int:
 
 def kv_cache_bytes(m: ModelSize, sequences: int, length: int, prompt_slots: int | None = None,
                    prompt_len: int = 0) -> int:
-    """Generation's KV cache: keys and values, bf16, every layer
-    (2 * layers * kv_heads * head_dim * batch * (prompt + response) * 2 bytes). With the engine's
-    shared prompt slots (``generation_shared_prompt_kv``), the rows hold their completions and
-    each of ``prompt_slots`` slots a prompt of ``prompt_len``."""
+    """Generation's bf16 KV cache, every layer. With shared prompt slots (``generation_shared_prompt_kv``)
+    the rows hold their completions and each of ``prompt_slots`` slots a prompt of ``prompt_len``."""
     columns = sequences * length
     if prompt_slots is not None:
         columns = sequences * (length - prompt_len) + prompt_slots * prompt_len
     return columns * m.layers * 2 * m.kv_dim * 2
 
 
-# posttrain.rollout's CUDA graph pool: the decode step's intermediates for one token, dominated
-# by its float32 [batch, vocab] sampling tensors (logits, log-softmax, filtered, noised). An upper
-# estimate, bytes per row per vocabulary entry; benchmarks/rollout_bench.py measures the pool
-# (torch.cuda.memory_reserved() across capture).
+# posttrain.rollout's CUDA graph pool, an upper estimate: four float32 [batch, vocab] sampling tensors.
 GRAPH_POOL_BYTES_PER_ROW_VOCAB = 32
 
 
 def fused_projection_bytes(m: ModelSize) -> int:
-    """The engine's fused q|k|v and gate|up buffers (``generation_fused_projections``): those
-    weights once more, bf16 (q's width is the hidden size in the Llama family)."""
+    """The engine's fused q|k|v and gate|up buffers (``generation_fused_projections``), bf16."""
     return m.layers * m.hidden * (m.hidden + 2 * m.kv_dim + 2 * m.intermediate) * 2
 
 
 def rollout_engine_bytes(m: ModelSize, sequences: int, length: int, policy_stage: int,
                          fused_projections: bool = False, kv_cache: int | None = None) -> int:
-    """What posttrain.rollout keeps for a whole run: its KV cache (``kv_cache``, default
-    :func:`kv_cache_bytes` of every row), its graph pool, for a ZeRO-3 policy the persistent bf16
-    copy the weights are gathered into once per rollout, and the fused projection buffers when
-    they are asked for."""
+    """What posttrain.rollout keeps for a run: KV cache (``kv_cache``, default every row's), graph
+    pool, a ZeRO-3 policy's gathered bf16 copy, and the fused projections when asked for."""
     pool = GRAPH_POOL_BYTES_PER_ROW_VOCAB * sequences * m.vocab
     fused = fused_projection_bytes(m) if fused_projections else 0
     kv = kv_cache_bytes(m, sequences, length) if kv_cache is None else kv_cache
@@ -168,8 +130,7 @@ class Placement:
 
 
 def placement(config: str | dict, trains: bool, one_process: bool = False) -> Placement:
-    """A role's placement as the Session runs it: with ``one_process`` (a mix's config in a world
-    of one) it is first simplified the way the Session does (dsconfig.one_rank)."""
+    """A role's placement as the Session runs it (``one_process``: simplified by dsconfig.one_rank)."""
     if config == "stage0":
         return Placement(trains, 0)
     cfg = read_config(config)
@@ -231,26 +192,19 @@ class Plan:
 
 
 def _states(r: RolePlan, world: int) -> None:
-    """Memory a role holds between steps. For trained roles DeepSpeed's estimator gives the total
-    of its states; its gradient share (6 bytes/param/N) exists only from backward to the step, so
-    it counts in the train phase rather than at rest (seen on H200: a ZeRO-2 role holds 2P + 12P/N
-    between steps, a ZeRO-3 role 16P/N, the extra 2P/N being its bf16 gradient partition)."""
+    """A role's states. A trained role's gradients (beyond ``resident_grads``) exist only from
+    backward to the step, so they count in the train phase, not at rest."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     p, n, place = r.size.params, world, r.place
     if place.trains and place.engine == "torch":
-        # posttrain.placement.plain: the parameters in the optimizer's precision, their gradients (from
-        # backward to the step; set to None after it) and AdamW's two states, nothing else.
+        # Parameters and gradients in the optimizer's precision, and AdamW's two states.
         width = 2 if place.master_weights == "bf16" else 4
         r.params, r.grads, r.optimizer = width * p, width * p, 2 * width * p
     elif place.trains and place.master_weights == "bf16":
-        # bf16 master weights, gradient partition and Adam states (DeepSpeed's estimators assume
-        # fp32 ones). ZeRO-3 updates its bf16 partition in place (stage3.py shares the storage
-        # when the dtypes match): 2 (weights) + 4 (Adam) + 2 (gradient partition) per param / N.
-        # ZeRO-1/2 clone the bf16 partition into a master copy, 2 more per param / N, except in a
-        # world of one, where Session.prepare lets the optimizer update the weights themselves
-        # (session.share_bf16_master).
+        # DeepSpeed's estimators assume fp32 states. ZeRO-3 updates its bf16 partition in place;
+        # ZeRO-1/2 clone it into a master copy, except in a world of one (share_bf16_master).
         adam, grad_partition = 4 * p / n, 2 * p / n
         if place.stage == 3:
             r.params, r.optimizer = 2 * p / n, adam
@@ -261,8 +215,7 @@ def _states(r: RolePlan, world: int) -> None:
     elif place.trains and place.stage == 3:
         _, gpu, largest = estimate_zero3_model_states_mem_needs(p, r.size.largest_layer, num_gpus_per_node=n,
                                                                 cpu_offload=False, zero_init=True)
-        # 18 bytes/param/N + the largest layer gathered: 16-bit shard 2, fp32 master and Adam 12,
-        # gradients 4 (the bf16 partition is kept, the rest is transient).
+        # Of the gradients only the bf16 partition is kept between steps.
         r.params, r.optimizer = 2 * p / n, 12 * p / n
         r.grads = gpu - largest - r.params - r.optimizer
         r.resident_grads = 2 * p / n
@@ -270,19 +223,16 @@ def _states(r: RolePlan, world: int) -> None:
         _, gpu = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=n, cpu_offload=False)
         r.params, r.optimizer = 2 * p, 12 * p / n
         r.grads = gpu - r.params - r.optimizer
-    elif place.stage == 3:
-        # Frozen: only the 16-bit shard stays (on the CPU when offloaded).
+    elif place.stage == 3:  # frozen: only the 16-bit shard (on the CPU when offloaded)
         r.params = 0.0 if place.offload_params else 2 * p / n
     else:
         r.params = 2 * p
 
 
 def _lora_states(r: RolePlan, world: int) -> None:
-    """A LoRA role: its frozen 16-bit base (a 1/N shard under ZeRO-3), and the states of a trained
-    model with the adapters' parameters."""
+    """A LoRA role: its frozen 16-bit base, plus a trained model's states for the adapters."""
     adapters = RolePlan(r.name, replace(r.size, params=r.adapters, largest_layer=0), r.place)
     _states(adapters, world)
-    # 16-bit on every path (posttrain.placement.plain keeps parameters outside the optimizer in bf16).
     base = 2 * r.size.params / (world if r.place.stage == 3 else 1)
     r.params = base + adapters.params
     r.grads, r.resident_grads, r.optimizer = adapters.grads, adapters.resident_grads, adapters.optimizer
@@ -308,24 +258,13 @@ def plan(
 ) -> Plan:
     """Per-GPU memory of every role of ``workload`` under ``mix``.
 
-    ``micro_batch`` counts prompts (PPO), pairs (DPO, two sequences each) or sequences (distill)
-    per GPU; ``seq_len`` is the whole sequence (PPO: prompt plus ``response_len``).
-    ``generation_backend`` (PPO): "posttrain" keeps its KV cache, graph pool and a ZeRO-3 policy's
-    gathered copy for the whole run (at rest); "hf" (transformers' generate) holds them only while
-    it generates. ``master_weights`` ("fp32" or "bf16") is the trained roles' optimizer precision,
-    as the trainers' setting of that name; in a world of one the mix's configs are counted as the
-    Session simplifies them (frozen ZeRO-3 roles replicated, one gradient bucket).
-    ``gradient_checkpointing``: trained roles recompute their layers' activations in backward.
-    ``lora``: the first trained role trains adapters (PPO's value model still trains in full, as
-    the trainer does) and there is no reference role. ``single_process_engine`` (the trainers'
-    setting): in a world of one, trained roles of a mix run without a DeepSpeed engine where the
-    trainers would (posttrain.placement.plain.uses_torch: "auto" for bf16 master weights, and for fp32 ones in
-    workloads whose trainer declares no decoded role, ``roles["decoded"]``: DPO, SFT, reward and
-    distillation, planned without on-policy generation; "torch" always). ``fused_projections``: the
-    rollout engine's fused projection copies (``generation_fused_projections``), for a whole run,
-    where it copies: a policy on the torch path or with adapters (DeepSpeed's weights are views).
-    ``shared_prompt_group``: the engine holds each prompt once for groups of that many rows
-    (``generation_shared_prompt_kv`` with ``num_generations``)."""
+    ``micro_batch`` counts prompts (PPO), pairs (DPO) or sequences per GPU; ``seq_len`` is the
+    whole sequence (prompt plus ``response_len``). ``generation_backend``: "posttrain" keeps its
+    rollout buffers for the run, "hf" only while generating. ``master_weights``,
+    ``gradient_checkpointing``, ``single_process_engine``, ``fused_projections``
+    (``generation_fused_projections``) are the trainers' settings; ``lora``: the first trained role
+    trains adapters and there is no reference role; ``shared_prompt_group``: rows per shared prompt
+    (``generation_shared_prompt_kv``)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -336,9 +275,7 @@ def plan(
     train_cfg, frozen_cfg = mix_configs(mix)
     vocab = shared_vocab(shapes, workload)
     roles: list[RolePlan] = []
-    # The Session simplifies a mix's placements in a world of one (not TRL's, nor the stock mix's).
     one_process = world_size == 1 and mix in MIXES and mix not in STOCK_GATHER_MIXES
-    # The roles the Session would run on the torch path, by its own rule on the trainer's declaration.
     torch_path = torch_roles(roles_for(names["trained"], names["frozen"], mix, master_weights=master_weights,
                                        decoded=names.get("decoded", ())), single_process_engine,
                              world_size=world_size, mixed_precision="bf16") if mix in MIXES else set()
@@ -367,22 +304,17 @@ def plan(
         m, place = r.size, r.place
         step_bytes = (STEP_BYTES_BF16 if place.master_weights == "bf16"
                       else STEP_BYTES_CAST if place.cast_flat_grads and place.stage > 0 else STEP_BYTES)
-        # With LoRA the frozen layers' activations are still saved (backward runs through them to
-        # reach earlier adapters); only the adapters get gradients and an optimizer step.
+        # LoRA: backward still runs through the frozen layers; only the adapters step.
         trained = r.adapters or m.params
         r.activations = train_activation_bytes(m, tokens, gradient_checkpointing)
         if place.engine == "torch":
-            # No buckets: every gradient is live from the end of backward to the step (fused AdamW
-            # steps in place), while the saved activations are freed as backward fills the
-            # gradients; half of them is the overlap that fits one H200's DPO rows (NOTES s. 12).
+            # No buckets; activations are freed as backward fills the gradients (overlap: NOTES s. 12).
             return r.grads + r.activations / 2
         if place.stage == 3:
-            # Gathered parameters DeepSpeed keeps live for reuse by backward (max_live_parameters).
             buffers = 2 * min(MAX_LIVE_PARAMETERS, m.params)
             step = step_bytes * min(SUB_GROUP_SIZE, trained / n)
         else:
-            # Gradients pass through bf16 bucket(s) of reduce_bucket_size (two with overlap_comm),
-            # allocated whole however few parameters train (DeepSpeed's setup_buckets).
+            # bf16 gradient bucket(s), two with overlap_comm, allocated whole however few parameters train.
             buffers = 2 * place.reduce_bucket * (2 if place.overlap_comm else 1)
             if not r.adapters and m.largest_layer > place.reduce_bucket:
                 buffers += OVERSIZED_GRAD_BYTES * m.largest_layer
@@ -391,9 +323,7 @@ def plan(
 
     def forward(r: RolePlan) -> float:
         m, place = r.size, r.place
-        if place.stage == 3:
-            # Offloaded parameters are fetched up to max_live_parameters; otherwise the largest
-            # layer is gathered at a time (DeepSpeed's estimator term).
+        if place.stage == 3:  # offloaded: fetched up to max_live_parameters, else the largest layer
             gathered = 2 * min(MAX_LIVE_PARAMETERS, m.params) if place.offload_params else 4 * m.largest_layer
         else:
             gathered = 0
@@ -411,9 +341,7 @@ def plan(
                             else (by["student"], by["teacher"]))
         phases["frozen_forward"] = forward(teacher)
         phases["train"] = train(student)
-        if workload == "distill":
-            # The teacher's fp32 log-probs stay alive through the student's backward, which keeps
-            # its own fp32 log-softmax.
+        if workload == "distill":  # the teacher's fp32 log-probs live through the student's backward
             phases["train"] += 8 * tokens * teacher.size.vocab
     else:
         policy = by["policy"]
@@ -428,12 +356,10 @@ def plan(
         gen = inference_bytes(policy.size, prompt) - HEAD_INFER_V * policy.size.vocab * prompt
         if generation_backend == "hf":
             gen += policy.kv_cache
-            if policy.place.stage == 3:
-                # TRL's unwrap_model_for_generation gathers a full copy of the ZeRO-3 policy to generate.
+            if policy.place.stage == 3:  # TRL's unwrap_model_for_generation gathers a full copy
                 gen += 2 * policy.size.params
         else:
-            # The engine fuses DeepSpeed's flat buffers (and the ZeRO-3 copy) as views; it copies
-            # only a torch-path policy's separately allocated weights, or with adapters.
+            # Fused projections are views of DeepSpeed's flat buffers; copies otherwise.
             copies = fused_projections and (lora is not None or "policy" in torch_path)
             policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage, copies,
                                                   engine_kv)
@@ -441,7 +367,7 @@ def plan(
             if lora is not None:  # the engine's merged adapted weights (its default lora_mode), bf16
                 policy.rollout += 2 * merged_adapter_params(shapes["policy"], lora, vocab)
         phases["generate"] = gen
-        # LoRA: the reference forward is the policy's own (adapters disabled).
+        # LoRA: the reference forward is the policy's own, adapters disabled.
         phases["score"] = max([forward(by[name]) for name in names["frozen"]]
                               + ([forward(policy)] if lora is not None else []))
         phases["train"] = max(train(by[name]) for name in names["trained"])

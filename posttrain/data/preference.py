@@ -1,11 +1,5 @@
-"""Preference data in TRL's formats: loading, checking and tokenizing, as ``trl.DPOTrainer`` does.
-
-Rows are standard (``prompt``/``chosen``/``rejected`` strings) or conversational (lists of
-``{"role", "content"}`` messages, rendered with the tokenizer's chat template); an implicit prompt
-(only ``chosen``/``rejected`` sharing a prefix) is split off with TRL's ``extract_prompt``.
-Tokenization follows ``trl.DPOTrainer._prepare_dataset`` token for token, and batches are built
-with TRL's own ``DataCollatorForPreference``.
-"""
+"""Preference data in TRL's formats (standard or conversational, explicit or implicit prompt):
+loading, checking and tokenizing as ``trl.DPOTrainer`` does, batched by TRL's collator."""
 
 from __future__ import annotations
 
@@ -19,15 +13,13 @@ from posttrain.checks import check_data_path
 from posttrain.errors import ConfigError
 
 COLUMNS = ("prompt", "chosen", "rejected")
-# Message roles that chat templates render (OpenAI's and the common models' templates; "ipython" is
-# Llama 3's tool output). Another role is a typo that a template would drop or mis-render silently.
+# Roles chat templates render ("ipython": Llama 3's tool output); another is a typo a template would drop.
 ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def load_dataset_source(name_or_path: str, split: str = "train", config: str | None = None) -> Any:
-    """A ``datasets.Dataset`` from a hub name, a local json/jsonl/parquet/csv file or a dataset folder
-    (any columns: PPO's prompt datasets load through it too)."""
+    """A ``datasets.Dataset`` from a hub name, a local json/jsonl/parquet/csv file or a dataset folder."""
     from datasets import load_dataset, load_from_disk
 
     path = Path(name_or_path)
@@ -35,7 +27,6 @@ def load_dataset_source(name_or_path: str, split: str = "train", config: str | N
         fmt = LOCAL_FORMATS.get(path.suffix)
         if fmt is None:
             raise ConfigError(f"{path}: unknown data file type {path.suffix!r}; use one of {', '.join(LOCAL_FORMATS)}")
-        # A single local file has only the split "train" in `datasets`' eyes.
         if split != "train":
             raise ValueError(f"{path} is a single file: it has only the split 'train', not {split!r}")
         if _blank(path):
@@ -73,8 +64,7 @@ def _blank(path: Path) -> bool:
 
 
 def _raise_json_error(path: Path, err: Exception) -> None:
-    """Re-raise a failed JSON load as one sentence with the file, line and column; ``err`` itself
-    if the JSON is well-formed (the problem is elsewhere)."""
+    """Re-raise a failed JSON load naming the file, line and column (``err`` itself if the JSON is valid)."""
     text = path.read_text()
     try:
         json.loads(text)  # one JSON document (a .json list of rows)
@@ -149,9 +139,7 @@ def check_rows(dataset: Any, name: str = "dataset") -> None:
 
 
 def check_conversation(dataset: Any, columns: Sequence[str], tokenizer: Any, name: str = "dataset") -> None:
-    """Conversational columns (lists of ``{"role", "content"}`` messages, TRL's format) need a
-    tokenizer with a chat template, and every message a role a template renders; raises on the
-    first problem, naming the row. Text columns pass."""
+    """Refuse conversational columns without a chat template, or with a malformed message."""
     if isinstance(dataset, (list, tuple)):
         batches = [{c: [r.get(c) for r in dataset] for c in columns}]
     else:
@@ -212,8 +200,8 @@ def prepare_preference_dataset(
     dataset: Any, tokenizer: Any, max_length: int | None = None, truncation_mode: str = "keep_start",
     name: str = "dataset", num_proc: int | None = None,
 ) -> list[dict[str, list[int]]]:
-    """Check, split implicit prompts, tokenize; drop rows whose prompt alone fills ``max_length``
-    under ``keep_start`` (no completion token would be left, as in TRL). Returns plain lists."""
+    """Check, split implicit prompts, tokenize; drop rows whose prompt fills ``max_length`` under
+    ``keep_start`` (as TRL). Returns plain lists."""
     from trl.data_utils import extract_prompt
 
     if isinstance(dataset, (list, tuple)):
@@ -222,7 +210,7 @@ def prepare_preference_dataset(
         dataset = Dataset.from_list(list(dataset))
     check_rows(dataset, name)
     check_conversation(dataset, COLUMNS, tokenizer, name)
-    # keep_in_memory: every rank maps on its own without racing on shared cache files.
+    # keep_in_memory: ranks map alone, never racing on shared cache files.
     if "prompt" not in dataset.column_names:
         dataset = dataset.map(extract_prompt, keep_in_memory=True, num_proc=num_proc)
     keep = [c for c in dataset.column_names if c in (*COLUMNS, "tools", "chat_template_kwargs")]

@@ -1,5 +1,4 @@
-"""Prompts for the online trainers: reading prompt rows, chat templates, tokenizing, and
-left-padded batches and their positions."""
+"""Prompts for the online trainers: prompt rows, tokenizing, left-padded batches and positions."""
 
 from __future__ import annotations
 
@@ -19,25 +18,20 @@ def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str = "c
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that follow the attention mask, so a left-padded prompt starts at 0 (as in
-    generation): ``cumsum - 1`` at real tokens, the padding's own value never read."""
+    """Positions that follow the attention mask, so a left-padded prompt starts at 0."""
     return attention_mask.long().cumsum(1) - attention_mask.long()
 
 
 def padded_inputs(sequences: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
-    """A padded batch of prompt + completion ids as a model reads it (TRL's PPOTrainer): the pad
-    positions masked (their ids 0) and positions that follow the mask."""
+    """Model inputs for padded prompt + completion ids (TRL's PPOTrainer): pads masked, ids 0."""
     attention_mask = sequences != pad_token_id
     input_ids = torch.masked_fill(sequences, ~attention_mask, 0)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
 
 
-# -- prompts -------------------------------------------------------------------------------------
 def prompt_rows(train_dataset: Any, algorithm: str) -> list[dict]:
-    """Rows with a "prompt" (TRL's standard text or conversational messages) and any other
-    columns (passed to reward functions) from ``train_dataset``: a ``datasets.Dataset`` or a list
-    of dicts, as TRL's trainers take it. Required, as in TRL: the scripts load ``--dataset_name``
-    (or the tiny default's bundled prompts) and pass it."""
+    """The rows of ``train_dataset`` (a ``datasets.Dataset`` or a list of dicts with a "prompt";
+    other columns go to reward functions). Required, as in TRL."""
     if train_dataset is None:
         raise ConfigError(f"{algorithm} needs prompts: pass train_dataset= (a datasets.Dataset or a list of dicts "
                           "with a 'prompt'), as TRL's trainers take it; posttrain.scripts.data.bundled_prompts(n) "
@@ -46,8 +40,7 @@ def prompt_rows(train_dataset: Any, algorithm: str) -> list[dict]:
 
 
 def check_prompt_rows(ds: Any, name: str, algorithm: str) -> list[dict]:
-    """``ds``'s rows, refused in one sentence naming ``name`` without a "prompt" column or with an
-    empty prompt."""
+    """``ds``'s rows; refused without a "prompt" column or with an empty prompt."""
     rows = list(ds) if isinstance(ds, (list, tuple)) else ds.to_list()
     columns = ds.column_names if hasattr(ds, "column_names") else list(rows[0]) if rows else []
     if "prompt" not in columns:
@@ -60,9 +53,8 @@ def check_prompt_rows(ds: Any, name: str, algorithm: str) -> list[dict]:
 
 
 def tokenize_prompt(prompt: Any, tokenizer: Any, cfg: Any) -> list[int]:
-    """A prompt's ids as TRL builds them: the chat template with the generation prompt for
-    conversational prompts (``maybe_apply_chat_template``), the tokenizer's own special tokens for
-    text; kept to the last ``max_prompt_length`` tokens."""
+    """A prompt's ids as TRL builds them (chat template for conversational prompts), kept to the last
+    ``max_prompt_length`` tokens."""
     from trl.data_utils import is_conversational, maybe_apply_chat_template
 
     example = {"prompt": prompt}

@@ -1,19 +1,6 @@
-"""SFT data in TRL's formats: checking, tokenizing, label masks, truncation and packing, as
-``trl.SFTTrainer._prepare_dataset`` (TRL 1.16) does them.
-
-Formats: language modeling (``text``, or ``dataset_text_field``), conversational (``messages``, or
-ShareGPT's ``conversations`` of from/value, rendered with the chat template) and prompt-completion
-(``prompt``/``completion``, standard or conversational), and already tokenized (an ``input_ids``
-column, with optional ``labels``, ``completion_mask``, ``assistant_masks``). Tokenization, the EOS
-rule, the completion and assistant masks and the ``labels`` column follow TRL step for step with
-TRL's own helpers (``_tokenize``, ``common_prefix_length``, ``pack_dataset``, ...); tokenized rows
-are checked first (ints within the vocabulary, one mask value per token), since TRL would fail on
-a bad one deep inside the model's forward, or train on it silently. Written here rather than called
-from TRL because TRL's is a method of its Trainer (it reads the trainer's tokenizer and flags and
-synchronises through ``global_then_local_main_first``), and because bad rows must end in one
-sentence that names the row and the fix. Batches are built by TRL's own
-``DataCollatorForLanguageModeling``.
-"""
+"""SFT data in TRL's formats (text, conversational, prompt-completion, already tokenized): checking,
+tokenizing, label masks, truncation and packing as ``trl.SFTTrainer._prepare_dataset`` (TRL 1.16),
+with each bad row refused in one sentence naming the row and the fix."""
 
 from __future__ import annotations
 
@@ -25,15 +12,12 @@ from posttrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# The chat template of posttrain's tiny tokenizer (posttrain.demo.tiny builds it with this one).
+# The chat template of posttrain's tiny tokenizer (posttrain.demo.tiny).
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|endoftext|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-# The same with TRL's {% generation %} markers around each assistant turn (content and end-of-turn
-# token; the role tag stays outside, as in TRL's training templates), rendering exactly as it:
-# TRL's get_training_chat_template patches known hub templates only, and assistant_only_loss needs
-# the markers.
+# The same with {% generation %} markers for assistant_only_loss (TRL patches only hub templates).
 TINY_TRAINING_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'assistant' %}<|assistant|>{% generation %}"
     "{{ message['content'] }}<|endoftext|>{% endgeneration %}{% else %}<|{{ message['role'] }}|>"
@@ -53,8 +37,7 @@ def as_dataset(data: Any) -> Any:
 
 
 def dataset_kind(dataset: Any, text_field: str = "text", name: str = "dataset") -> str:
-    """"prompt_completion", "messages" (also ShareGPT ``conversations``) or "text"; a dataset with
-    none of those columns is refused in one sentence naming them."""
+    """"prompt_completion", "messages" (also ShareGPT ``conversations``) or "text"; else raises."""
     columns = dataset.column_names
     if "prompt" in columns and "completion" in columns:
         return "prompt_completion"
@@ -71,9 +54,8 @@ def dataset_kind(dataset: Any, text_field: str = "text", name: str = "dataset") 
 
 
 def training_chat_template(tokenizer: Any) -> str | None:
-    """The template that assistant_only_loss renders with (TRL's rule): None when the tokenizer's own
-    has ``{% generation %}`` markers, else TRL's patched version of a known template (the tiny
-    tokenizer's is known here)."""
+    """The template assistant_only_loss renders with: None when the tokenizer's own has ``{% generation %}``
+    markers, else TRL's patched version of a known template."""
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
     template = tokenizer.chat_template
@@ -114,8 +96,7 @@ def _holds_int_lists(feature: Any, bools: bool) -> bool:
 
 
 def _first_bad(column: Any, bad: Any) -> tuple[int, Any] | None:
-    """(row, value) of the first flattened value of a list column where the boolean array ``bad``
-    is true, or None; arrow compute throughout, so a large dataset is not copied."""
+    """(row, value) of the first flattened value of a list column where ``bad`` is true, or None."""
     import pyarrow.compute as pc
 
     if not pc.any(bad).as_py():
@@ -140,11 +121,9 @@ def _flat_values(column: Any, what: str, name: str) -> Any:
 
 def check_tokenized(dataset: Any, tokenizer: Any, *, completion_only_loss: bool, assistant_only_loss: bool,
                     packing: bool, max_length: int | None, name: str = "dataset") -> None:
-    """Refuse, in one sentence naming the row and the fix, tokenized rows that TRL's SFTTrainer would
-    fail on inside the model (ids that are not ints or lie outside the vocabulary, a mask shorter
-    than its input_ids) or train on wrongly without a word (a longer mask, mask values other than
-    0/1, padding, completion_only_loss without a completion_mask, packed rows packed again or cut).
-    ``attention_mask`` is checked because TRL's collator drops it: padding it marks would be trained on."""
+    """Refuse tokenized rows that TRL's SFTTrainer would fail on inside the model or silently train on
+    wrongly (ids outside the vocabulary, mask lengths or values, padding, packed rows repacked or cut).
+    ``attention_mask`` is checked because TRL's collator drops it."""
     import pyarrow.compute as pc
 
     columns = dataset.column_names
@@ -157,8 +136,7 @@ def check_tokenized(dataset: Any, tokenizer: Any, *, completion_only_loss: bool,
                           "columns) but the tokenized rows have no 'completion_mask' (nor 'labels'): add a completion_mask "
                           "column (1 per completion token, 0 per prompt token), or set --completion_only_loss false to "
                           "train on every token")
-    # The columns that shape the loss: labels as given, else the masks that apply (TRL's rule); unused ones
-    # are dropped unread, as TRL drops them.
+    # Labels as given, else the masks that apply (TRL's rule); unused ones are dropped unread.
     used = ["labels"] if "labels" in columns else [c for c in MASK_COLUMNS if c in columns and (
         c == "assistant_masks" or completion_only_loss)]
     used += ["attention_mask"] * ("attention_mask" in columns)
@@ -220,9 +198,9 @@ def prepare_sft_dataset(
     truncation_mode: str = "keep_start", chat_template: str | None = None, num_proc: int | None = None,
     name: str = "dataset",
 ) -> Any:
-    """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed by "bfd", or given
-    packed), prepared as TRL's SFTTrainer prepares it. ``chat_template``: the template assistant_only_loss renders with
-    (``training_chat_template``); ``truncation_mode`` "none" refuses rows longer than max_length."""
+    """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed), as TRL's SFTTrainer
+    prepares it. ``chat_template``: from :func:`training_chat_template`; ``truncation_mode`` "none"
+    refuses rows longer than max_length."""
     from trl.data_utils import is_conversational, is_conversational_from_value, maybe_convert_to_chatml
 
     dataset = as_dataset(dataset)
@@ -322,8 +300,7 @@ def _build_labels(row: dict, mask_columns: list[str]) -> dict:
 
 
 def _labels_from_masks(dataset: Any, completion_only_loss: bool, map_kwargs: dict) -> Any:
-    """TRL's ``labels`` column from the masks that apply (``assistant_masks`` always,
-    ``completion_mask`` under completion_only_loss); every mask column is dropped."""
+    """TRL's ``labels`` from the masks that apply (``completion_mask`` only under completion_only_loss)."""
     masks = [c for c in MASK_COLUMNS if c in dataset.column_names]
     applied = [c for c in masks if c == "assistant_masks" or completion_only_loss]
     return dataset.map(_build_labels, fn_kwargs={"mask_columns": applied}, remove_columns=masks, **map_kwargs)
@@ -359,8 +336,7 @@ def _finish(dataset: Any, max_length: int | None, packing: bool, strategy: str, 
 
 
 def collator(tokenizer: Any, padding_free: bool, pad_to_multiple_of: int | None = None) -> Any:
-    """TRL's ``DataCollatorForLanguageModeling`` (right padding; padding-free: one row, position ids
-    restarting per sequence, the first label of each sequence masked)."""
+    """TRL's ``DataCollatorForLanguageModeling`` (right padding, or padding-free)."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=padding_free,

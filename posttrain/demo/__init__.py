@@ -1,8 +1,5 @@
-"""The demo assets: the built-in tiny default (``tiny``: tokenizer, SFT policy, reward model) and
-the bundled synthetic tasks on its text (``synthetic``). Not the core: only the scripts, the examples
-and the tests import it (the scripts give its models and data when none is named). The bundled text is read here, so that ``tiny`` (whose
-reward model learns ``synthetic``'s pairs) and ``synthetic`` (whose tasks use the text's words)
-import it without importing each other both ways."""
+"""Demo assets, not the core (only scripts, examples and tests import them): the tiny default models
+(``tiny``) and synthetic tasks on the bundled text (``synthetic``), which is read here."""
 
 from __future__ import annotations
 

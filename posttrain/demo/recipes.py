@@ -1,10 +1,6 @@
-"""The recipes of the tiny default's trained assets: posttrain's own SFTTrainer and RewardTrainer
-on one process, from the random models and bundled data of ``posttrain.demo.tiny``.
-
-``python -m posttrain.demo.recipes DEST`` builds the default assets into DEST
-(``posttrain/demo/data/tiny`` to refresh the shipped copies); ``--asset`` builds one trained
-variant (what ``tiny.sft_model_path``/``reward_model_path`` run in a child process on first use).
-"""
+"""The recipes of the tiny default's trained assets: posttrain's SFTTrainer and RewardTrainer on one
+process. ``python -m posttrain.demo.recipes DEST`` builds the default assets into DEST; ``--asset``
+builds one trained variant."""
 
 from __future__ import annotations
 
@@ -30,16 +26,13 @@ from posttrain.demo.tiny import (
     tokenizer_path,
 )
 
-# The recipes' settings: AdamW at lr 3e-3 (weight decay 0.01), decaying linearly to 0, clipped at 1,
-# 32 lines or pairs a step, fp32, one process.
 RECIPE = dict(learning_rate=3e-3, weight_decay=0.01, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0,
               per_device_train_batch_size=32, gradient_checkpointing=False, mixed_precision="no",
               single_process_engine="torch", logging_steps=1, disable_tqdm=True, report_to=[])
 
 
 def sft_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = SFT_STEPS, **overrides):
-    """posttrain's SFTTrainer on the bundled corpus (each line ends with eos), from a randomly
-    initialised model saved in ``workdir``: the SFT policy's training, set up but not yet run."""
+    """posttrain's SFTTrainer on the bundled corpus from a random model saved in ``workdir``, not yet run."""
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
     init = workdir / "init"
@@ -50,8 +43,7 @@ def sft_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = SFT_STE
 
 
 def reward_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = REWARD_STEPS):
-    """posttrain's RewardTrainer (Bradley-Terry) on bundled synthetic preference pairs, one pass,
-    from a randomly initialised classifier saved in ``workdir``: set up but not yet run."""
+    """posttrain's RewardTrainer on synthetic preference pairs from a random classifier, not yet run."""
     from posttrain.demo import synthetic
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
 
@@ -68,8 +60,7 @@ RECIPES = {"sft": sft_recipe, "reward": reward_recipe}
 
 @contextlib.contextmanager
 def _all_threads() -> Iterator[None]:
-    """torchrun sets OMP_NUM_THREADS=1; the one-off build of an asset may use every core (the result
-    does not depend on the thread count: checked bitwise with 1 and 2)."""
+    """Use every core for a one-off build (torchrun sets OMP_NUM_THREADS=1; results do not change)."""
     import torch
 
     before = torch.get_num_threads()
@@ -88,8 +79,7 @@ def first_batch(trainer) -> dict:
 
 
 def final_loss(model, trainer) -> float:
-    """A model's loss on its recipe's first batch, as recorded in train_losses.json (the SFT model's
-    token-mean NLL, the reward model's Bradley-Terry loss)."""
+    """A model's loss on its recipe's first batch, as recorded in train_losses.json."""
     import torch
 
     from posttrain.trainers.reward import RewardTrainer, reward_loss
@@ -111,9 +101,7 @@ def replay(trainer, steps: int) -> list[float]:
 
 
 def _fit_and_save(recipe: Callable[[Path], Any], path: Path, tok_dir: Path) -> None:
-    """Train an asset by its recipe (given a scratch folder) and save it with every step's loss and
-    the final weights' loss on the first batch (what tests/test_tiny.py checks the recipe and the
-    weights against)."""
+    """Train an asset by its recipe and save it with its losses (what tests/test_tiny.py checks)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix=f"posttrain-{path.name}-") as work:
@@ -126,8 +114,7 @@ def _fit_and_save(recipe: Callable[[Path], Any], path: Path, tok_dir: Path) -> N
 
 
 def build_assets(dest: str | os.PathLike) -> dict[str, Path]:
-    """Build the default assets from their recipe into ``dest`` (the shipped copies are not
-    consulted): what ``posttrain/demo/data/tiny/`` holds. Returns each asset's path by name."""
+    """Build the default assets into ``dest``; returns each asset's path by name."""
     dest = Path(dest)
     tok_dir, sft, reward = dest / "tokenizer", dest / _name("sft", 0, SFT_STEPS), dest / _name("reward-trained", 0, REWARD_STEPS)
     for path, build in ((tok_dir, _build_tokenizer),

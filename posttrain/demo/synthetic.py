@@ -1,9 +1,5 @@
-"""Bundled synthetic tasks on the tiny corpus's vocabulary, small enough for a tiny model to learn.
-
-The corpus says "<subject> is <adj> and <adj> ." with positive and negative adjectives in equal
-measure; the tasks ask a model to prefer the positive ones. Each generator is seeded, so a held-out
-split is just another seed.
-"""
+"""Synthetic tasks on the tiny corpus's vocabulary ("<subject> is <adj> and <adj> ."): prefer the
+positive adjectives. Each generator is seeded, so a held-out split is just another seed."""
 
 from __future__ import annotations
 

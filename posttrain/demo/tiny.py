@@ -1,17 +1,7 @@
-"""The built-in tiny default: a small Llama-shaped causal LM, a sequence-classification reward
-model with the same vocabulary, and a BPE tokenizer trained on text bundled with the package.
-
-Loaded with ``from_pretrained`` like any model, so tests and the demo exercise the same loading
-code as a hub name or local path. The default assets (the tokenizer, the SFT policy and the
-trained reward model, about 2 MB) ship prebuilt in ``posttrain/demo/data/tiny/``: building them takes
-minutes on a small shared CPU, which a first ``make demo`` should not pay. Their recipes are in
-``posttrain/demo/recipes.py`` (``python -m posttrain.demo.recipes posttrain/demo/data/tiny``
-rebuilds them): the policy is trained by posttrain's own SFTTrainer and the reward model by its
-RewardTrainer, on one process without DeepSpeed, and tests/test_tiny.py checks that the recipes
-reproduce the shipped files; a trained variant builds in a child process running them (so this
-module never imports a trainer). Any other variant (another seed, shape or step count, the
-randomly initialised models) is built on first use into posttrain's cache.
-"""
+"""The built-in tiny default: a small Llama-shaped causal LM, a reward model with the same vocabulary,
+and a BPE tokenizer trained on bundled text. The default assets ship prebuilt in
+``posttrain/demo/data/tiny/`` (recipes in ``posttrain.demo.recipes``); any other variant is built on
+first use into posttrain's cache, trained variants in a child process."""
 
 from __future__ import annotations
 
@@ -32,23 +22,22 @@ SPECIAL = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"
 # Small enough for two CPU processes, large enough to learn the bundled tasks.
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128)
-SFT_STEPS, REWARD_STEPS = 300, 200  # the defaults' recipe (each step a batch of 32 lines or pairs)
+SFT_STEPS, REWARD_STEPS = 300, 200  # the defaults' recipe
 
 
 def cache_dir() -> Path:
-    """Where the tiny default is built: posttrain's cache (``posttrain.run.cache.cache_dir``), never site-packages."""
+    """Where the tiny default is built: posttrain's cache, never site-packages."""
     return cache.cache_dir()
 
 
-# -- where an asset comes from -----------------------------------------------------------------
 def _complete(path: Path) -> bool:
     # Assets are written aside and renamed, so a folder with its main file is whole.
     return (path / "config.json").is_file() or (path / "tokenizer.json").is_file()
 
 
 def _resolve(name: str, build: Callable[[Path], None], what: str) -> Path:
-    """The shipped asset ``name`` when the package has it, else ``cache_dir()/name``, built there
-    once by whichever process takes the lock first (the others wait and load it)."""
+    """The shipped asset ``name``, else ``cache_dir()/name``, built once by whichever process takes
+    the lock first."""
     if _complete(ASSETS / name):
         return ASSETS / name
     path = cache_dir() / name
@@ -74,7 +63,6 @@ def _name(prefix: str, seed: int, steps: int | None = None, **overrides) -> str:
     return f"{prefix}-s{seed}" + (f"-n{steps}" if steps is not None else "") + (f"-{tag}" if tag else "")
 
 
-# -- public paths ------------------------------------------------------------------------------
 def tokenizer_path() -> Path:
     """A byte-level BPE tokenizer trained on the bundled corpus, with pad/eos and a chat template."""
     return _resolve("tokenizer", _build_tokenizer, "the tiny tokenizer")
@@ -100,23 +88,19 @@ def model_path(kind: str = "causal", seed: int = 0, **overrides) -> Path:
 
 
 def sft_model_path(seed: int = 0, steps: int = SFT_STEPS, **overrides) -> Path:
-    """The tiny causal LM fine-tuned on the bundled corpus (each line ends with eos): a policy
-    that writes sensible sentences, for PPO and DPO to start from. Shipped for the defaults."""
+    """The tiny causal LM fine-tuned on the bundled corpus: the policy PPO and DPO start from."""
     return _resolve(_name("sft", seed, steps, **overrides),
                     lambda path: _build_in_child("sft", path, seed, steps, overrides),
                     f"the tiny SFT policy ({steps} steps of posttrain's SFTTrainer on the bundled corpus)")
 
 
 def reward_model_path(seed: int = 0, steps: int = REWARD_STEPS) -> Path:
-    """The tiny sequence-classification reward model trained on bundled synthetic preferences
-    (Bradley-Terry loss, as TRL's RewardTrainer): positive continuations score above negative.
-    Shipped for the defaults."""
+    """The tiny reward model trained on synthetic preferences (Bradley-Terry): positive scores higher."""
     return _resolve(_name("reward-trained", seed, steps),
                     lambda path: _build_in_child("reward", path, seed, steps, {}),
                     f"the tiny reward model ({steps} steps of posttrain's RewardTrainer on bundled preferences)")
 
 
-# -- building ----------------------------------------------------------------------------------
 def _write_aside(path: Path, write: Callable[[Path], None]) -> None:
     """Write an asset whole or not at all: into a sibling folder, then renamed."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -169,11 +153,8 @@ def _init_model(kind: str, seed: int, tok_dir: Path, **overrides):
 
 
 def _save(model, path: Path, tok_dir: Path, losses: dict | None = None) -> None:
-    """Save an asset with its tokenizer (and, for a trained one, its training losses).
-
-    Not plain ``model.save_pretrained``: once torch.distributed is up, transformers writes only on
-    rank 0, and whichever rank takes the build lock first must write the asset.
-    """
+    """Save an asset with its tokenizer (and losses). Not ``save_pretrained``, which writes only on
+    rank 0 while the lock's holder must write."""
     from safetensors.torch import save_model
 
     def write(tmp: Path) -> None:
@@ -194,8 +175,7 @@ _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
 
 
 def _build_in_child(kind: str, path: Path, seed: int, steps: int, overrides: dict) -> None:
-    """Build one trained asset into ``path`` with its trainer in a process of its own (a world of
-    one, whatever process asked for it: a rank of a launched run waits on the build lock)."""
+    """Build one trained asset into ``path`` in a child process (a world of one)."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items()

@@ -1,15 +1,8 @@
 """Regional compilation of a trained policy's decoder layers for its training forward and backward.
 
-Each repeated layer is compiled in place (accelerate's ``compile_regions_deepspeed``, given the
-layers alone): one graph serves every layer, activation checkpointing recomputes through it, and
-the parameters, the state dict, DeepSpeed's gradient hooks and the rollout engine (which runs the
-decoder from the weights, not through the modules) see the model as it was. Eager transformers
-layers launch a few dozen kernels each way (RMSNorm's float32 ops, the rotation, SiLU): GRPO's
-train phase at 1.1B on one H200 was bound by those launches (benchmarks/NOTES.md, section 27).
-
-The layers run compiled only where that cannot silently fall back: ``fullgraph`` (a graph break
-raises) and, around the training forward, a recompile past dynamo's limit raises instead of
-running the layers eagerly (:func:`no_eager_fallback`).
+Each repeated layer is compiled in place with ``fullgraph`` (accelerate's ``compile_regions_deepspeed``);
+parameters, state dict and DeepSpeed hooks see the model unchanged. A recompile past dynamo's limit
+raises instead of falling back to eager (:func:`no_eager_fallback`).
 """
 
 from __future__ import annotations
@@ -26,9 +19,7 @@ BACKEND = "inductor"  # the CPU tests take "aot_eager": no C++ toolchain, and bi
 
 
 def blockers(session: Any, role: str, adapters: bool, generation_backend: str) -> list[str]:
-    """What keeps ``role``'s layers from being compiled for training, in words (none: they can be).
-    ZeRO-3 gathers parameters in module hooks inside the layers' calls; with LoRA peft's layers sit
-    inside them; transformers' ``generate`` calls the layers at every length (a recompile each)."""
+    """What keeps ``role``'s layers from being compiled for training, in words (empty: nothing)."""
     out = []
     if session.engine_kind(role) == "deepspeed" and session.zero_stage(role) == 3:
         out.append("a ZeRO-3 policy (its parameters are gathered by hooks inside the layers' calls)")
@@ -41,8 +32,7 @@ def blockers(session: Any, role: str, adapters: bool, generation_backend: str) -
 
 
 def wanted(setting: bool | None, session: Any, role: str, adapters: bool, generation_backend: str) -> bool:
-    """Whether to compile: ``setting`` None (the default) compiles on a GPU where nothing blocks it;
-    True where something does is refused in one sentence naming the fix."""
+    """Whether to compile: None compiles on a GPU where nothing blocks it; True with a blocker raises."""
     found = blockers(session, role, adapters, generation_backend)
     if setting is None:
         return torch.cuda.is_available() and not found
@@ -53,8 +43,7 @@ def wanted(setting: bool | None, session: Any, role: str, adapters: bool, genera
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The repeated decoder layers of a transformers causal LM (or of a peft model's base), as
-    accelerate's regional compilation recognises repeated blocks."""
+    """The repeated decoder layers of a transformers causal LM (or a peft model's base)."""
     from accelerate.utils.other import is_repeated_blocks
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -67,8 +56,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def compile_layers(model: torch.nn.Module, required: bool = True) -> int:
-    """Compile ``model``'s decoder layers in place; returns how many (0 for a model without one list
-    of them, unless ``required``: compile_layers was asked for by name)."""
+    """Compile ``model``'s decoder layers in place; returns how many (0 if none and not ``required``)."""
     from accelerate.utils import compile_regions_deepspeed
 
     try:
@@ -83,9 +71,8 @@ def compile_layers(model: torch.nn.Module, required: bool = True) -> int:
 
 @contextmanager
 def no_eager_fallback(active: bool = True) -> Iterator[None]:
-    """Past dynamo's recompile limit a compiled function runs eagerly from then on, after one
-    warning; in here (``active``) it raises, as a failed compilation or a graph break does, naming
-    the setting that trains the layers eagerly. Every call of the compiled layers goes through it."""
+    """While ``active``, a recompile past dynamo's limit, a graph break or a failed compilation raises
+    (naming compile_layers) instead of silently running the layers eagerly."""
     from torch._dynamo import exc
 
     if not active:  # the layers are not compiled: dynamo's settings stay the user's

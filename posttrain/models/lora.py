@@ -1,11 +1,5 @@
-"""LoRA for every trainer: TRL's ``ModelConfig`` flags, peft's adapters, the base as the reference.
-
-A trainer config that mixes in :class:`LoraFields` takes ``--use_peft`` and the ``lora_*`` flags
-with TRL's names and defaults; :func:`lora_config` builds the adapter settings with TRL's own
-``get_peft_config`` so the two agree on every default. With adapters, the reference model of
-DPO/GRPO/RLOO/PPO is the trained model's base with its adapters switched off
-(:func:`adapters_disabled`, TRL's ``use_adapter``): no reference role, no reference memory.
-"""
+"""LoRA for every trainer: TRL ``ModelConfig``'s flags, peft's adapters, and the adapter-free base
+as the reference model (no reference role, no reference memory)."""
 
 from __future__ import annotations
 
@@ -29,13 +23,11 @@ class LoraFields:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
-    # None: peft's default for the architecture (q_proj, v_proj on Llama); "all-linear": every linear
-    # layer but the LM head.
+    # None: peft's default for the architecture; "all-linear": every linear layer but the LM head.
     lora_target_modules: list[str] | None = None
     lora_modules_to_save: list[str] | None = None
     use_rslora: bool = False
-    # The final save: False keeps the adapter (PEFT format, PeftModel.from_pretrained loads it, as TRL
-    # saves); True saves the base with the adapters merged in, a plain transformers model.
+    # Final save: False keeps the PEFT adapter (as TRL); True saves a plain model with adapters merged in.
     merge_adapters: bool = False
 
 
@@ -67,17 +59,14 @@ def lora_config(cfg: LoraFields, task_type: str = "CAUSAL_LM") -> Any:
 
 
 def zero3_adapters(session: Any, role: str, peft_config: Any) -> bool:
-    """Whether ``role`` trains adapters under a ZeRO-3 DeepSpeed engine, where TRL applies two peft
-    rules: the adapters keep the base's dtype (ZeRO-3's gather of mixed bf16/fp32 parameters fails,
-    DeepSpeed#8072) and activation checkpointing is reentrant (non-reentrant recomputation meets
-    released ZeRO-3 shards, DeepSpeed#4332)."""
+    """Whether ``role`` trains adapters under ZeRO-3, where (as in TRL) adapters keep the base's dtype
+    (DeepSpeed#8072) and activation checkpointing is reentrant (DeepSpeed#4332)."""
     return (peft_config is not None and session.engine_kind(role) == "deepspeed"
             and session.zero_stage(role) == 3)
 
 
 def add_adapters(model: nn.Module, peft_config: Any, session: Any, role: str) -> nn.Module:
-    """``model`` wrapped by peft with ``peft_config``'s adapters (only they train); under ZeRO-3
-    they keep the base's dtype (:func:`zero3_adapters`; peft's default makes them fp32)."""
+    """``model`` wrapped by peft with ``peft_config``'s adapters (only they train)."""
     from peft import get_peft_model
 
     return get_peft_model(model, peft_config,
@@ -103,10 +92,8 @@ _HEAD_ADAPTER = ("lora_target_modules puts an adapter on lm_head, which the fuse
 
 
 def check_no_head_adapter(model_or_config: Any) -> None:
-    """TRL's GRPO/RLOO rule: the fused LM head scores completions from ``lm_head.weight`` itself, so
-    an adapter on the head would never train; refused by name. Given a peft config (before
-    anything loads) it reads the target names; given the adapted model, the head itself (a
-    pattern that matched it)."""
+    """Refuse an adapter on the LM head, which the fused head bypasses (TRL's GRPO/RLOO rule). Takes a
+    peft config (its target names) or the adapted model (its head)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     if isinstance(model_or_config, nn.Module):
@@ -119,20 +106,14 @@ def check_no_head_adapter(model_or_config: Any) -> None:
 
 
 def save_merged(model: nn.Module, state_dict: dict[str, Any], directory: str | os.PathLike) -> None:
-    """Save ``model`` (a peft model) with its adapters merged into the base weights, as a plain
-    transformers model that ``from_pretrained`` loads; ``state_dict`` is its full state (gathered
-    under ZeRO-3). Call it on one process.
-
-    The model is rebuilt as an empty skeleton that takes the given tensors, so it works for any
-    placement (the live model's parameters may be ZeRO-3 shards); peft's ``safe_merge`` writes the
-    merged weights into new tensors, so the live model (whose tensors a ZeRO-2 or torch-engine
-    state dict shares) is left as it was."""
+    """Save peft ``model`` with its adapters merged in, as a plain transformers model; ``state_dict`` is
+    its full (gathered) state. Call on one process; the live model is left untouched."""
     from accelerate import init_empty_weights
 
     base = model.get_base_model()
     name = model.active_adapter
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not loaded
-        # The live model's peft class: a task's own modules to save (a classifier's score head) come with it.
+        # The live model's peft class, so modules_to_save (a classifier's head) come along.
         skeleton = type(model)(type(base)(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[name]),
                                adapter_name=name)
     skeleton.load_state_dict(state_dict, strict=True, assign=True)

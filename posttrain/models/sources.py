@@ -1,7 +1,5 @@
-"""The models a trainer is given, as TRL's trainers take them: each role's model is an object
-(``model=``, ``ref_model=``, ...) or a hub name / local path (the config's ``*_name_or_path``),
-given once; the trained model must be given, and its tokenizer comes with it. Nothing here
-loads a model: a source is checked, then the trainer loads it under its role's plugin."""
+"""The models a trainer is given, as TRL's trainers take them: an object or a hub name / local path,
+given once. Nothing here loads a model: a source is checked, then the trainer loads it."""
 
 from __future__ import annotations
 
@@ -28,16 +26,14 @@ class ModelFields:
 
 
 def given_once(obj: Any, path: Any, what: str, arg: str, field: str) -> Any:
-    """A model a trainer takes either as an object (``arg=``) or by its config's ``field``; both
-    given is one sentence. Returns the one given (None when neither is)."""
+    """The one of ``obj`` (``arg=``) and ``path`` (config ``field``) given, or None; both raises."""
     if obj is not None and path is not None:
         raise ConfigError(f"the {what} is given twice ({arg}= and {field}): give one of them")
     return obj if obj is not None else path
 
 
 def distinct_objects(**models: Any) -> None:
-    """Each role needs a model of its own: one object given for two roles would be trained and
-    frozen (or trained twice) at once, as TRL refuses ``ref_model is model``."""
+    """Refuse one object given for two roles, as TRL refuses ``ref_model is model``."""
     seen: dict[int, str] = {}
     for name, model in models.items():
         if isinstance(model, torch.nn.Module):
@@ -49,12 +45,9 @@ def distinct_objects(**models: Any) -> None:
 
 def policy_source(cfg: Any, model: Any, processing_class: Any, *, what: str = "policy",
                   load_tokenizer: Callable[[str], Any] | None = None) -> tuple[Any, Any, str]:
-    """The trained model as a trainer was given it: ``model`` (an ``nn.Module`` or a hub name /
-    local path) or else ``cfg.model_name_or_path``; exactly one of them, else a ``ConfigError``
-    raised before anything loads. Returns ``(source, tokenizer, name)``: the object or path, its
-    tokenizer (``processing_class``, else ``load_tokenizer(path)``, by default
-    ``AutoTokenizer.from_pretrained``; an object without one needs its ``name_or_path`` folder) and
-    a name for messages. ``what`` names the model in refusals."""
+    """``(source, tokenizer, name)`` of the trained model: ``model`` or ``cfg.model_name_or_path``
+    (exactly one, else ``ConfigError``), its tokenizer (``processing_class``, else
+    ``load_tokenizer(path)``) and a name for messages. ``what`` names the model in refusals."""
     load_tokenizer = load_tokenizer or _auto_tokenizer
     model = given_once(model, cfg.model_name_or_path, what, "model", "model_name_or_path")
     if model is None:
@@ -76,9 +69,7 @@ def policy_source(cfg: Any, model: Any, processing_class: Any, *, what: str = "p
 
 def model_and_tokenizer(cfg: ModelFields, model: Any, processing_class: Any, *,
                         what: str = "model") -> tuple[Any, Any, str]:
-    """:func:`policy_source` for the SFT, reward and DPO trainers: a tokenizer not given is loaded
-    as TRL loads it (``model_init_kwargs``' revision and remote-code setting; the EOS token pads
-    when there is no pad token)."""
+    """:func:`policy_source` for SFT, reward and DPO, loading a missing tokenizer as TRL does."""
     return policy_source(cfg, model, processing_class, what=what,
                          load_tokenizer=lambda path: load_tokenizer(path, cfg.model_init_kwargs))
 
@@ -99,9 +90,7 @@ def model_config(source: Any) -> Any:
 
 
 def reference_source(ref_model: Any, policy: Any) -> Any:
-    """The reference model's source: its own object or path, else the policy's initial weights (the
-    policy's path loaded again, or a copy of a given policy object, taken before it trains or takes
-    adapters)."""
+    """The reference model's source: its own, else the policy's path or a copy of its object."""
     if isinstance(ref_model, torch.nn.Module) or ref_model:
         return ref_model
     return copy.deepcopy(policy) if isinstance(policy, torch.nn.Module) else policy

@@ -1,6 +1,4 @@
-"""The trained model's tokenizer as TRL's SFT, reward and DPO trainers set it up: loaded from the
-model's path, then the config's chat template and EOS token, with the EOS token padding when the
-tokenizer has no pad token."""
+"""The trained model's tokenizer as TRL's SFT, reward and DPO trainers set it up."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ class TokenizerFields:
 
 
 def load_tokenizer(path: str, model_init_kwargs: dict[str, Any] | None = None) -> Any:
-    """``path``'s tokenizer as TRL loads it: with ``model_init_kwargs``' revision and remote-code
-    setting, and its EOS token as the pad token when it has none."""
+    """``path``'s tokenizer as TRL loads it (``model_init_kwargs``' revision and trust_remote_code; EOS
+    pads when there is no pad token)."""
     from transformers import AutoTokenizer
 
     kwargs = {k: v for k, v in (model_init_kwargs or {}).items() if k in ("revision", "trust_remote_code")}
@@ -37,8 +35,7 @@ def load_tokenizer(path: str, model_init_kwargs: dict[str, Any] | None = None) -
 
 
 def set_tokens(tokenizer: Any, cfg: TokenizerFields) -> None:
-    """The config's chat template and EOS token on ``tokenizer``; the EOS token pads when it has no
-    pad token (TRL's default)."""
+    """Apply the config's chat template and EOS token; EOS pads when there is no pad token (TRL)."""
     if cfg.chat_template_path is not None:
         tokenizer.chat_template = Path(cfg.chat_template_path).read_text()
     if cfg.eos_token is not None:

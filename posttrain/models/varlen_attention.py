@@ -1,15 +1,7 @@
-"""``attn_implementation="varlen"``: transformers attention on PyTorch's own FlashAttention varlen
-kernel (``torch.nn.attention.varlen.varlen_attn``), for padding-free and packed rows (issue 22).
-
-Under ``sdpa`` transformers turns a padding-free row's restarting position ids into a dense
-block-diagonal mask over the whole row, so attention costs (sum of lengths)^2; flash-attn would cost
-sum(length^2) but has no wheels for our GPU machines. This attention takes each document's bounds
-from the ``cu_seq_lens_q/k`` and ``max_length_q/k`` that TRL's padding-free collator adds (or, as
-transformers' flash path does, from position ids that restart), and its mask function is
-transformers' flash one, so no dense mask is built: a padded batch arrives with its 2D mask and is
-unpadded, as transformers' flash path does. Where torch's kernel cannot run (CPU, float32 without
-autocast, dropout, head dim over 256) each document goes through SDPA on its own: the same numbers,
-so the CPU tests check the plumbing. Sliding windows and softcapping are refused.
+"""``attn_implementation="varlen"``: transformers attention on torch's FlashAttention varlen kernel
+for padding-free and packed rows, with no dense block mask: document bounds come from TRL's
+``cu_seq_lens``/``max_length`` or restarting position ids. Where the kernel cannot run, each document
+goes through SDPA on its own (same numbers). Sliding windows and softcapping are refused.
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 @functools.cache
 def _kernel() -> tuple[Any, frozenset[str]]:
-    """torch's varlen_attn and its parameter names (they changed between 2.10 and 2.12), or None."""
+    """torch's varlen_attn and its parameter names (they vary by torch version), or None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -51,8 +43,7 @@ def _capability(index: int) -> int:
 
 
 def register() -> None:
-    """Register ``"varlen"`` with transformers (the attention function and, so that no dense mask is
-    built, the flash-attention mask function: None, or the 2D padding mask). Idempotent."""
+    """Register ``"varlen"`` with transformers, with the flash mask function (no dense mask). Idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
@@ -61,8 +52,7 @@ def register() -> None:
 
 
 def unsupported(config: Any) -> str | None:
-    """Why a model of this config cannot use varlen attention (sliding window, softcapping,
-    attention dropout), or None."""
+    """Why a model of this config cannot use varlen attention, or None."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(text, "layer_types", None) or []
     if "sliding_attention" in layer_types or (
@@ -76,11 +66,9 @@ def unsupported(config: Any) -> str | None:
 
 
 def choose(model_kwargs: dict[str, Any], config: Any, packed_rows: bool, device: torch.device | str) -> str | None:
-    """Set ``model_kwargs["attn_implementation"]`` to ``"varlen"`` where posttrain picks it by
-    default: rows padding-free or packed, no attention asked for (transformers' default, sdpa), the
-    kernel runs on ``device`` and the model (``config``: a config, or the path to read it from) has
-    none of :func:`unsupported`. Registers ``"varlen"`` whenever it is the attention. Returns the one
-    line to print when it chose varlen, else None."""
+    """Pick ``"varlen"`` in ``model_kwargs`` when rows are packed, no attention was asked for, the kernel
+    runs on ``device`` and the model (a config or its path) supports it; register it whenever it is
+    the attention. Returns the line to print when it chose varlen, else None."""
     asked = model_kwargs.get("attn_implementation")
     if asked is None and packed_rows and kernel_available(device) and unsupported(_config(config, model_kwargs)) is None:
         model_kwargs["attn_implementation"] = asked = NAME
@@ -102,7 +90,6 @@ def _config(config: Any, model_kwargs: dict[str, Any]) -> Any:
     return config
 
 
-# -- the attention function -------------------------------------------------------------------------
 def varlen_attention_forward(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
@@ -110,8 +97,7 @@ def varlen_attention_forward(
     cu_seq_lens_k: torch.Tensor | None = None, max_length_q: int | None = None, max_length_k: int | None = None,
     position_ids: torch.Tensor | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function interface: query (batch, heads, q_len, dim), key/value
-    (batch, kv_heads, kv_len, dim); returns (batch, q_len, heads, dim) and no weights."""
+    """transformers' attention interface: (batch, heads, len, dim) in, (batch, q_len, heads, dim) out."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
@@ -123,7 +109,7 @@ def varlen_attention_forward(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     dropout = dropout if module.training else 0.0
     if attention_mask is not None and (attention_mask.dim() != 2 or q_len != kv_len):
-        # A cache (generation) or a ready 4D mask: transformers' sdpa on that mask, made dense here.
+        # A cache (generation) or a ready 4D mask: sdpa on a dense mask.
         return sdpa_attention_forward(module, query, key, value, _dense_mask(attention_mask, q_len, kv_len, causal),
                                       dropout=dropout, scaling=scaling, is_causal=False)
     if attention_mask is not None:  # padded batch: unpad (as transformers' flash path), one document a row
@@ -159,9 +145,8 @@ def _restarts(position_ids: torch.Tensor) -> bool:
 
 
 def _dense_mask(mask: torch.Tensor, q_len: int, kv_len: int, causal: bool) -> torch.Tensor:
-    """A boolean (batch, 1, q_len, kv_len) mask from a 2D padding mask (queries the last q_len
-    positions), or the 4D mask as given; rows that see nothing (left padding) see everything, to
-    stay finite."""
+    """A boolean (batch, 1, q_len, kv_len) mask from a 2D padding mask (4D passes through); rows that
+    see nothing (left padding) see everything, to stay finite."""
     if mask.dim() == 4:
         return mask
     dense = mask.bool()[:, None, None, -kv_len:].expand(-1, 1, q_len, -1)
@@ -172,8 +157,7 @@ def _dense_mask(mask: torch.Tensor, q_len: int, kv_len: int, causal: bool) -> to
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
             max_k: int, scaling: float, causal: bool, dropout: float) -> torch.Tensor:
-    """Attention of each document on its own, tokens (total, heads, dim): torch's kernel where it
-    runs, else SDPA one document at a time."""
+    """Per-document attention over (total, heads, dim) tokens: torch's kernel, else SDPA per document."""
     dtype = q.dtype
     if dtype == torch.float32 and q.is_cuda and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # under autocast the kernel takes the autocast dtype
@@ -216,5 +200,5 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch
             is_causal=causal, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
         outs.append(part.transpose(0, 1))
     out = torch.cat(outs) if outs else q.new_zeros(0, *q.shape[1:])
-    # Tokens past the last document (none from TRL's collator) get zeros, as the flash kernel leaves them.
+    # Tokens past the last document get zeros, as the flash kernel leaves them.
     return F.pad(out, (0, 0, 0, 0, 0, q.shape[0] - out.shape[0]))

@@ -1,20 +1,6 @@
-"""Reward functions in TRL 1.16's convention: how a spec names one, how it is called, and what
-it may return.
-
-- A spec is one of TRL's built-in names (its ``grpo``/``rloo`` scripts' registry:
-  ``accuracy_reward``, ``reasoning_accuracy_reward``, ``think_format_reward``,
-  ``get_soft_overlong_punishment``), a Python reference ``module.function`` (TRL's spelling) or
-  ``module:function``; the current directory is importable, as TRL's scripts make it.
-  :func:`spec_kind` tells a function spec from a reward model's path or hub id by its spelling
-  alone, so a Python reference never reaches the hub.
-- :func:`call_reward_funcs` calls them as ``GRPOTrainer._calculate_rewards`` does: keyword
-  arguments ``prompts``, ``completions``, ``completion_ids`` and the caller's others (dataset
-  columns, ``trainer_state``, ``log_extra``, ``log_metric``); synchronous ones in order, then the
-  ``async`` ones together on one event loop per process. What a function returns is checked:
-  a list of one number (or None, read as NaN) per completion, else one sentence naming it.
-- :class:`RewardWarnings`: what TRL leaves silent or repeats every batch (a function scoring
-  nothing, infinite rewards, completions no function scored), said once per run on rank 0.
-"""
+"""Reward functions in TRL 1.16's convention: how a spec names one (a TRL built-in name,
+``module.function`` or ``module:function``), how they are called (as ``GRPOTrainer._calculate_rewards``),
+what they may return, and the warnings TRL leaves silent."""
 
 from __future__ import annotations
 
@@ -41,7 +27,7 @@ from posttrain.placement.ranks import sum_over_ranks
 logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list]
-# TRL 1.16's scripts (trl/scripts/grpo.py and rloo.py): name -> the function (or factory call) they use.
+# TRL 1.16's grpo/rloo scripts' registry: name -> the function (or factory call) they use.
 BUILTIN: dict[str, Callable[[], RewardFunc]] = {
     "accuracy_reward": lambda: _trl_reward("accuracy_reward"),
     "reasoning_accuracy_reward": lambda: _trl_reward("reasoning_accuracy_reward"),
@@ -50,7 +36,7 @@ BUILTIN: dict[str, Callable[[], RewardFunc]] = {
         max_completion_len=1280, soft_punish_cache=256),
 }
 _NEEDS_MATH_VERIFY = ("accuracy_reward", "reasoning_accuracy_reward")
-# Keyword arguments the trainer itself passes (TRL's): never a dataset column a function needs.
+# Keyword arguments the trainer itself passes (TRL's), never dataset columns.
 TRAINER_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
                   "environments")
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
@@ -79,10 +65,9 @@ def is_async(fn: Callable) -> bool:
     return is_async_callable(fn)
 
 
-# -- specs --------------------------------------------------------------------------------------
 def spec_kind(spec: str) -> str:
-    """``"function"`` (a built-in name or a Python reference) or ``"model"`` (a path or hub id),
-    from the spelling alone. Raises for a bare name that is neither (a typo of a built-in name)."""
+    """``"function"`` or ``"model"`` (a path or hub id), from the spelling alone, so a Python reference
+    never reaches the hub. Raises for a bare name that is neither (a typo of a built-in name)."""
     if spec in BUILTIN:
         return "function"
     local = Path(spec).expanduser()
@@ -111,8 +96,7 @@ def _importable_cwd() -> None:
 
 
 def load_reward_func(spec: str) -> RewardFunc:
-    """The function a spec names (see the module docstring); a failure is one sentence naming
-    the fix."""
+    """The function a spec names; the current directory is importable, as in TRL's scripts."""
     if spec in BUILTIN:
         if spec in _NEEDS_MATH_VERIFY:
             from trl.import_utils import is_math_verify_available
@@ -161,8 +145,7 @@ def load_reward_func(spec: str) -> RewardFunc:
 
 
 def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
-    """:func:`load_reward_func` for each spec; a model spec among them is refused (callers that
-    mix models, as GRPO does, sort them with :func:`spec_kind` first)."""
+    """:func:`load_reward_func` for each spec; a model spec among them is refused."""
     funcs = []
     for spec in specs:
         if spec_kind(spec) != "function":
@@ -173,8 +156,7 @@ def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
 
 
 def check_columns(fn: Callable, columns: Sequence[str]) -> None:
-    """Refuse, before anything loads, a function whose required arguments are neither passed by
-    the trainer nor a dataset column (TRL would fail on the first batch with a TypeError)."""
+    """Refuse a function whose required arguments are neither trainer keywords nor dataset columns."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # builtins, some C callables: nothing to check
@@ -187,13 +169,11 @@ def check_columns(fn: Callable, columns: Sequence[str]) -> None:
                           f"dataset does not have (its columns: {sorted(columns)}): use a dataset with them")
 
 
-# -- calling ------------------------------------------------------------------------------------
 _LOOP: asyncio.AbstractEventLoop | None = None
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop per process on a daemon thread, as TRL's GRPOTrainer keeps for its async
-    reward functions (so a client an async function creates stays on one loop)."""
+    """One event loop per process on a daemon thread for async reward functions, as TRL keeps."""
     global _LOOP
     if _LOOP is None:
         from trl.trainer.utils import start_event_loop_in_daemon
@@ -214,8 +194,7 @@ def _raised(name: str, err: Exception) -> RewardFuncError:
 
 
 def check_rewards(name: str, values: Any, n: int) -> list[float]:
-    """One float per completion (None as NaN) from what a reward function returned, or one
-    sentence naming it and what to return."""
+    """One float per completion (None as NaN) from what a reward function returned; else raises."""
     what = f"return a list of {n} rewards (floats, or None for a completion it does not score)"
     kind = type(values).__name__
     if hasattr(values, "tolist"):  # a numpy array or tensor (a 0-d one gives a number: refused below)
@@ -242,10 +221,8 @@ def call_reward_funcs(
     funcs: Sequence[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]] | None = None,
     device: torch.device | str = "cpu", **kwargs: Any,
 ) -> torch.Tensor:
-    """Run each function on the batch with TRL's keyword arguments (``prompts``, ``completions``,
-    ``completion_ids``, then ``kwargs``: the dataset's other columns and, from a trainer,
-    ``trainer_state``, ``log_extra``, ``log_metric``); returns float32 ``(batch, len(funcs))``,
-    None as NaN."""
+    """Run each function with TRL's keyword arguments plus ``kwargs``, sync ones in order, then async
+    ones together; returns float32 ``(batch, len(funcs))``, None as NaN."""
     n = len(prompts)
     out = torch.zeros(n, len(funcs), dtype=torch.float32, device=device)
     call = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **kwargs}
@@ -275,9 +252,7 @@ def call_reward_funcs(
 
 def weighted_sum(per_func: torch.Tensor, weights: Sequence[float] | torch.Tensor,
                  unscored: torch.Tensor | None = None) -> torch.Tensor:
-    """TRL's combination of rewards: the sum over rewards of weight x reward with a None (NaN) left
-    out, NaN on the ``unscored`` rows (default: those no reward scored), which TRL keeps out of its
-    statistics."""
+    """TRL's weighted sum of rewards, NaN left out; NaN on ``unscored`` rows (default: none scored)."""
     values = weights.tolist() if isinstance(weights, torch.Tensor) else list(weights)
     w = torch.tensor(values, dtype=per_func.dtype, device=per_func.device)
     total = (per_func * w.unsqueeze(0)).nansum(dim=1)
@@ -286,10 +261,8 @@ def weighted_sum(per_func: torch.Tensor, weights: Sequence[float] | torch.Tensor
 
 
 class RewardWarnings:
-    """Warnings about the rewards of whole generation batches (every process's rows), each said
-    once per run on the main process: a reward that scored no completion of a batch (it then adds
-    nothing: TRL's nansum), an infinite reward (the group's advantages become NaN, then 0, or
-    overflow), and completions no reward scored (TRL warns too; they get advantage 0)."""
+    """Warnings about whole generation batches' rewards, each said once per run on the main process:
+    a reward that scored nothing, an infinite reward, completions no reward scored."""
 
     def __init__(self, names: Sequence[str], main_process: bool = True) -> None:
         self.names, self.main, self.said = list(names), main_process, set()
@@ -320,8 +293,7 @@ class RewardWarnings:
 
 
 def raise_on_every_rank(session: Any, failure: Exception | None) -> None:
-    """Re-raise a rank's reward-function failure on every rank, with the failing rank's sentence,
-    so that none is left waiting in a collective."""
+    """Re-raise a rank's reward-function failure on every rank, so none waits in a collective."""
     if session.num_processes > 1:
         from accelerate.utils import gather_object
 
@@ -333,8 +305,7 @@ def raise_on_every_rank(session: Any, failure: Exception | None) -> None:
 
 
 def mean_of_logged_metrics(session: Any, logged: dict[str, list[float]]) -> dict[str, float]:
-    """Metrics reward functions logged (TRL's ``log_metric``), each averaged over every process's
-    calls: TRL's sorted union of names, then one (sum, count) reduction per name."""
+    """Metrics reward functions logged (``log_metric``), each averaged over every process's calls."""
     names = list(logged)
     if session.num_processes > 1:
         from accelerate.utils import gather_object

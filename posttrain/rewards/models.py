@@ -1,26 +1,7 @@
-"""Reward specs and sequence-classification reward models for the RL trainers (PPO, GRPO, RLOO),
-following TRL 1.16's GRPOTrainer. Reward functions themselves (names, calling convention, checks)
-are in :mod:`posttrain.rewards.functions`; the component a trainer scores with is
-:class:`posttrain.rewards.scoring.Rewards`.
-
-- :func:`resolve_reward_specs` sorts a ``reward_funcs`` list into functions and reward models by
-  spelling, and checks each (import, folder, config, one label) before anything loads.
-- A reward model reads the policy's output as :func:`reward_model_input` decides:
-
-  * GRPO/RLOO (``reencode=True``), always TRL's way: completions are decoded (special tokens
-    skipped) and prompt + completion re-encoded with the reward model's tokenizer (its chat
-    template for conversational prompts), :func:`encode_for_reward` then :func:`sequence_scores`;
-  * PPO (``reencode=False``, as TRL's PPOTrainer up to 1.12 did): when the reward model's
-    tokenizer has the policy's vocabulary (``shares_policy_ids``) it scores the policy's token
-    ids directly (:func:`scores_at`); otherwise as above.
-
-  A model object (PPO's ``reward_model=``/``value_model=``, GRPO's among ``reward_funcs``) is
-  read with its given tokenizer, else as its folder when it has one (:func:`scorer_input`).
-
-  A combination that cannot be scored (no tokenizer and another vocabulary size, ids beyond the
-  reward model's embedding) is refused with the fix, instead of scoring the wrong tokens or
-  failing inside ``F.embedding``.
-"""
+"""Reward specs and sequence-classification reward models for PPO, GRPO and RLOO (TRL 1.16).
+A reward model reads completions re-encoded with its own tokenizer (GRPO/RLOO, ``reencode=True``)
+or, for PPO, the policy's ids when it shares the vocabulary (:func:`reward_model_input`); a
+combination that cannot be scored is refused with the fix."""
 
 from __future__ import annotations
 
@@ -39,11 +20,9 @@ from posttrain.rewards.functions import load_reward_func, spec_kind
 
 logger = logging.getLogger(__name__)
 
-# Files any saved Hugging Face tokenizer leaves in its folder.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 
 
-# -- reward specs -------------------------------------------------------------------------------
 @dataclass
 class RewardSpec:
     """One entry of ``reward_funcs``, resolved: a function (``func``) or a reward model (``path``)."""
@@ -58,15 +37,12 @@ class RewardSpec:
 
 
 def is_function_name(name: str) -> bool:
-    """True for a reward function spec (a TRL built-in name, ``module.function`` or
-    ``module:function``); False for a model (an existing path or a hub id). Decided by the
-    spelling alone: nothing is looked up."""
+    """Whether ``name`` spells a reward function rather than a model (nothing is looked up)."""
     return spec_kind(name) == "function"
 
 
 def resolve_reward_specs(specs: Sequence[str]) -> list[RewardSpec]:
-    """Every ``reward_funcs`` entry checked before anything loads: functions imported, reward
-    models' folders (or hub ids) and configs read. A failure is one sentence naming the fix."""
+    """Every ``reward_funcs`` entry resolved and checked (functions imported, models' configs read)."""
     out = []
     for spec in specs:
         if spec_kind(spec) == "function":
@@ -86,16 +62,14 @@ _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def _looks_local(spec: str) -> bool:
-    """A path rather than a hub id: absolute, relative with ./ or ~, several folders deep, or
-    under a folder that exists here."""
+    """A path rather than a hub id (explicitly relative/absolute, deep, or under an existing folder)."""
     if spec.startswith(("/", "./", "../", "~", ".\\")) or "\\" in spec or not _HUB_ID.fullmatch(spec):
         return True
     return Path(spec.split("/")[0]).is_dir()
 
 
 def check_reward_model(spec: str) -> None:
-    """A reward model's folder or hub id that can load as a one-score classifier (TRL loads it
-    with ``num_labels=1``); a typo'd path never reaches the hub."""
+    """Refuse a reward model that cannot load as a one-score classifier (TRL's ``num_labels=1``)."""
     from transformers import PretrainedConfig
 
     local = Path(spec).expanduser()
@@ -130,8 +104,7 @@ def check_reward_weights(weights: Sequence[float] | None, n: int, what: str = "r
 
 
 def as_completions(prompts: list, texts: list[str]) -> list:
-    """Completions in the prompts' format: text, or one assistant message for conversational
-    prompts (what TRL hands reward functions)."""
+    """Completions in the prompts' format: text, or one assistant message (as TRL hands them)."""
     if prompts and _conversational(prompts[0]):
         return [[{"role": "assistant", "content": t}] for t in texts]
     return list(texts)
@@ -143,11 +116,9 @@ def _conversational(prompt: Any) -> bool:
     return is_conversational({"prompt": prompt})
 
 
-# -- reward models -----------------------------------------------------------------------------
 @dataclass
 class RewardModelInput:
-    """How a reward model reads completions: the policy's ids (``shares_policy_ids``) or text
-    re-encoded with ``tokenizer``, the reward model's own."""
+    """How a reward model reads completions: the policy's ids, or text re-encoded with ``tokenizer``."""
 
     path: str
     shares_policy_ids: bool
@@ -155,8 +126,7 @@ class RewardModelInput:
     vocab_size: int = 0  # rows of its input embedding
 
     def prepare(self, model: torch.nn.Module) -> None:
-        """Point the model's pad id at the tokenizer it will read (TRL does the same), so its own
-        last-token pooling skips padding."""
+        """Point the model's pad id at its tokenizer's (as TRL), so its pooling skips padding."""
         if not self.shares_policy_ids and self.tokenizer is not None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
             if hasattr(model.config, "get_text_config"):
@@ -164,8 +134,7 @@ class RewardModelInput:
 
 
 def load_reward_tokenizer(path: str) -> Any | None:
-    """The tokenizer saved with a reward model, or None when it has none. A pad token is added
-    as TRL does (the eos token) when the tokenizer lacks one."""
+    """The tokenizer saved with a reward model (EOS as pad when it has none), or None."""
     from transformers import AutoTokenizer
 
     local = Path(path)
@@ -184,13 +153,8 @@ def load_reward_tokenizer(path: str) -> Any | None:
 
 def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int | None = None,
                        reencode: bool = False) -> RewardModelInput:
-    """Decide how the reward model at ``path`` scores the policy's completions (see the module
-    docstring); refuses a combination that cannot work, naming the fix.
-
-    ``policy_vocab_size`` is the policy's embedding size (default ``len(policy_tokenizer)``).
-    ``reencode``: always read text (TRL's GRPO/RLOO); a reward model saved without a tokenizer
-    and with the policy's vocabulary size then re-encodes with the policy's tokenizer.
-    """
+    """How the reward model at ``path`` reads the policy's completions; refuses what cannot work.
+    ``policy_vocab_size`` defaults to ``len(policy_tokenizer)``; ``reencode`` always reads text."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -228,13 +192,8 @@ def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int 
 
 def scorer_input(source: Any, policy_tokenizer: Any, policy_vocab: int, what: str, reencode: bool = False,
                  tokenizer: Any = None) -> RewardModelInput:
-    """How a reward or value model, a path or an object (PPO's ``reward_model=``/``value_model=``,
-    GRPO's reward models among ``reward_funcs``), reads the policy's output, as
-    :func:`reward_model_input` decides for a path. An object reads with ``tokenizer`` when given
-    (TRL's ``reward_processing_classes``), else as the folder it was loaded from when it has one,
-    else as if saved without a tokenizer: on the policy's ids (TRL's PPOTrainer) or, with
-    ``reencode``, text re-encoded with the policy's tokenizer, so its vocabulary must have the
-    policy's size."""
+    """:func:`reward_model_input` for a path or a model object; an object reads with ``tokenizer`` when
+    given, else as its folder, else as a model saved without a tokenizer."""
     if not isinstance(source, torch.nn.Module):
         return reward_model_input(source, policy_tokenizer, policy_vocab, reencode)
     labels = getattr(source.config, "num_labels", None)
@@ -271,9 +230,7 @@ def model_name(source: Any) -> str:
 
 def reward_texts(prompts: list, completions: list[str], tokenizer: Any,
                  chat_template_kwargs: dict | None = None) -> list[str]:
-    """Prompt + completion as the reward model reads them: its chat template over the messages
-    for conversational prompts (the completion as the assistant's turn), else plain
-    concatenation (TRL's GRPOTrainer)."""
+    """Prompt + completion as the reward model reads them (its chat template when conversational)."""
     from trl.data_utils import apply_chat_template
 
     if prompts and _conversational(prompts[0]):
@@ -288,8 +245,7 @@ def reward_texts(prompts: list, completions: list[str], tokenizer: Any,
 
 def encode_for_reward(prompts: list, completions: list[str], tokenizer: Any, device: torch.device | str = "cpu",
                       max_length: int | None = None, chat_template_kwargs: dict | None = None) -> dict[str, torch.Tensor]:
-    """Re-encode with the reward model's tokenizer: right padding, no added special tokens
-    (the chat template already has them), as TRL does."""
+    """Re-encode with the reward model's tokenizer as TRL does (right padding, no special tokens)."""
     enc = tokenizer(text=reward_texts(prompts, completions, tokenizer, chat_template_kwargs), return_tensors="pt", padding=True,
                     padding_side="right", add_special_tokens=False, truncation=max_length is not None,
                     max_length=max_length)
@@ -297,10 +253,8 @@ def encode_for_reward(prompts: list, completions: list[str], tokenizer: Any, dev
 
 
 def head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
-    """A decoder classifier's ``score`` head at every position (reward and value models).
-
-    The model runs through its own (engine) forward and a hook captures the head's output:
-    calling the backbone and head separately bypasses a ZeRO-3 engine's parameter gathering."""
+    """A decoder classifier's ``score`` head at every position, hooked during the engine's own forward
+    (calling backbone and head separately would bypass ZeRO-3's parameter gathering)."""
     module = getattr(model, "module", model)
     captured: list[torch.Tensor] = []
     handle = module.score.register_forward_hook(lambda _m, _inp, out: captured.append(out))
@@ -312,14 +266,12 @@ def head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
 
 
 def head_scores(model: Any, sequences: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """A sequence-classification model's head at every position of the policy's sequences (TRL's
-    ``get_reward``: PPO's value model, and a reward model that reads the policy's ids)."""
+    """A classifier's head at every position of the policy's sequences (TRL's ``get_reward``)."""
     return head_outputs(model, **padded_inputs(sequences, pad_token_id), return_dict=True)
 
 
 def scores_at(model: Any, sequences: torch.Tensor, pad_token_id: int, last: torch.Tensor) -> torch.Tensor:
-    """A reward model that reads the policy's ids: its head at each row's position ``last`` (the
-    completion's last token before padding, as TRL's PPOTrainer reads it)."""
+    """A reward model's head at each row's position ``last`` of the policy's sequences."""
     logits = head_scores(model, sequences, pad_token_id)
     return logits[torch.arange(logits.size(0), device=logits.device), last].squeeze(-1)
 
@@ -327,12 +279,7 @@ def scores_at(model: Any, sequences: torch.Tensor, pad_token_id: int, last: torc
 @torch.no_grad()
 def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     vocab_size: int | None = None) -> torch.Tensor:
-    """A sequence-classification model's first logit at each row's last attended token.
-
-    Decoder classifiers (a ``score`` head) are read through a hook on the head, with positions
-    and the last token taken from ``attention_mask``: that works for any padding side or pad id,
-    and through a (ZeRO-3) engine's own forward. Other classifiers pool themselves.
-    """
+    """A classifier's first logit at each row's last attended token (any padding side or pad id)."""
     if vocab_size and int(input_ids.max()) >= vocab_size:
         raise ConfigError(f"token id {int(input_ids.max())} is beyond the reward model's {vocab_size} embedding "
                           "rows: its tokenizer and weights do not match")
@@ -348,8 +295,7 @@ def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
 def score_texts(model: Any, rin: RewardModelInput, prompts: list, completions: list[str],
                 device: torch.device | str, batch_size: int = 64, max_length: int | None = None,
                 chat_template_kwargs: dict | None = None) -> torch.Tensor:
-    """Scores from a reward model that reads text (``not rin.shares_policy_ids``): re-encode,
-    then :func:`sequence_scores`, ``batch_size`` rows at a time. Returns float32 ``(batch,)``."""
+    """Float32 ``(batch,)`` scores from a reward model that reads text, ``batch_size`` rows at a time."""
     out = []
     for i in range(0, len(prompts), batch_size):
         enc = encode_for_reward(prompts[i : i + batch_size], completions[i : i + batch_size], rin.tokenizer,

@@ -1,8 +1,5 @@
-"""The rewards a GRPO, RLOO or PPO run scores completions with, as one component the trainer owns
-(:class:`Rewards`): reward functions and sequence-classification reward models (each model a
-frozen role of its own: ``reward``, ``reward_1``, ...), resolved and checked before anything loads,
-scored as TRL 1.16's ``_calculate_rewards`` does, combined with ``reward_weights`` and reported
-under TRL's metric names."""
+"""The rewards a GRPO, RLOO or PPO run scores completions with, as one component (:class:`Rewards`):
+reward functions and reward models (each a frozen role), combined and reported as TRL 1.16 does."""
 
 from __future__ import annotations
 
@@ -39,9 +36,7 @@ from posttrain.rewards.models import (
 
 @dataclass
 class RewardSource:
-    """One reward: a function (``func``), or a reward model under its frozen ``role`` (``model``: its
-    path or object; ``tokenizer``: the one given with an object; ``reads``: how it reads
-    completions, decided by :meth:`Rewards.plan`). ``name`` is TRL's metric name for it."""
+    """One reward: a function (``func``) or a reward model (path or object) under its frozen ``role``."""
 
     name: str
     func: Callable | None = None
@@ -56,18 +51,10 @@ class RewardSource:
 
 
 class Rewards:
-    """A run's rewards, in the order ``weights`` follows. Each entry of ``rewards`` is a function, a
-    reward model object (its tokenizer, if any, at the same place in ``tokenizers``: TRL's
-    ``reward_processing_classes``), a resolved :class:`~posttrain.rewards.models.RewardSpec`, or a
-    spec string (one of TRL's reward names, ``module.function``, or a reward model's path or hub
-    id), checked here, before anything loads.
-
-    ``reencode``: reward models always read the decoded text re-encoded with their own tokenizer
-    (TRL's GRPO/RLOO); False reads the policy's ids where the reward model shares its vocabulary
-    (TRL's PPOTrainer up to 1.12). ``batch_size``: rows per reward-model forward.
-
-    The trainer calls :meth:`plan` (before its session), :meth:`load` (under the session),
-    :meth:`score` per generation batch, then :meth:`total`, :meth:`metrics` and :meth:`warn`."""
+    """A run's rewards, in ``weights``' order: functions, reward model objects (their tokenizers at the
+    same place in ``tokenizers``), resolved specs or spec strings, checked before anything loads.
+    ``reencode`` False lets a reward model read the policy's ids where it shares the vocabulary (PPO).
+    Call :meth:`plan`, :meth:`load`, then :meth:`score` per generation batch."""
 
     session: Any = None
     warnings: RewardWarnings | None = None
@@ -119,7 +106,6 @@ class Rewards:
         """The reward models' frozen roles."""
         return [src.role for src in self.models]
 
-    # -- before anything loads -------------------------------------------------------------------
     def check_columns(self, rows: list[dict]) -> None:
         """Every reward function's required keyword arguments are columns of the prompts."""
         columns = [k for k in rows[0] if k != "prompt"] if rows else []
@@ -128,16 +114,13 @@ class Rewards:
                 check_columns(src.func, columns)
 
     def plan(self, policy_config: Any, tokenizer: Any) -> None:
-        """How each reward model reads completions (:func:`~posttrain.rewards.models.scorer_input`),
-        decided from its files (or an object's given tokenizer) and the policy's config before
-        anything loads; a combination that cannot be scored is refused."""
+        """Decide how each reward model reads completions, before anything loads."""
         vocab = policy_config.get_text_config().vocab_size
         self.pad_token_id = tokenizer.pad_token_id
         for src in self.models:
             src.reads = scorer_input(src.model, tokenizer, vocab, "reward model", reencode=self.reencode,
                                      tokenizer=src.tokenizer)
 
-    # -- under the session -----------------------------------------------------------------------
     def load(self, session: Any) -> None:
         """Each reward model under its own frozen role (an object is taken as it is)."""
         from transformers import AutoModelForSequenceClassification
@@ -152,12 +135,8 @@ class Rewards:
     def score(self, prompts: list, texts: list[str], completion_ids: list[list[int]], *,
               rows: list[dict] | None = None, trainer_state: Any = None, sequences: torch.Tensor | None = None,
               last: torch.Tensor | None = None) -> torch.Tensor:
-        """``(local batch, len(sources))`` float32, None as NaN, as TRL's ``_calculate_rewards``: the
-        functions get TRL's keyword arguments (``prompts``, ``completions`` in the prompts' format,
-        ``completion_ids``; with ``rows`` their other columns; with ``trainer_state`` it and
-        ``log_extra``/``log_metric``), a failure raised on every rank; each reward model reads the
-        decoded text re-encoded with its own tokenizer and chat template, or the policy's
-        ``sequences`` at positions ``last`` where it shares the policy's ids."""
+        """``(local batch, len(sources))`` float32, None as NaN, as TRL's ``_calculate_rewards``; a reward
+        model that shares the policy's ids reads ``sequences`` at positions ``last``."""
         s = self.session
         out = torch.zeros(len(texts), len(self.sources), dtype=torch.float32, device=s.device)
         funcs = [(j, src.func) for j, src in enumerate(self.sources) if not src.is_model]
@@ -193,15 +172,13 @@ class Rewards:
         return torch.cat([scores_at(engine, sequences[i : i + bs], self.pad_token_id, last[i : i + bs])
                           for i in range(0, sequences.shape[0], bs)]).float()
 
-    # -- the scores' use -------------------------------------------------------------------------
     def total(self, per_func: torch.Tensor) -> torch.Tensor:
         """The weighted sum (TRL's): NaN where no reward scored the completion."""
         return weighted_sum(per_func, self.weights)
 
     def metrics(self, all_per_func: torch.Tensor) -> dict[str, float]:
-        """TRL's reward metrics over a whole generation batch (every process's rows):
-        ``rewards/<name>/mean`` and ``/std`` over the completions each reward scored, ``reward`` and
-        ``reward_std`` of the weighted sum over the completions any reward scored."""
+        """TRL's reward metrics (``rewards/<name>/mean``/``std``, ``reward``, ``reward_std``) over a whole
+        generation batch."""
         from trl.trainer.utils import nanstd
 
         m: dict[str, float] = {}
@@ -217,7 +194,6 @@ class Rewards:
         """Say once per run what TRL leaves silent (see :class:`RewardWarnings`)."""
         self.warnings.check(all_per_func)
 
-    # -- what reward functions log (TRL's log_extra and log_metric) -------------------------------
     def log_extra(self, column: str, values: list) -> None:
         """TRL's ``log_extra``: a column for the logged samples (samples.jsonl)."""
         self._extra_columns.setdefault(column, []).extend(values)
@@ -227,8 +203,7 @@ class Rewards:
         self._logged.setdefault(name, []).append(float(value))
 
     def logged_metrics(self) -> dict[str, float]:
-        """The metrics reward functions logged on this generation batch, averaged over every
-        process's calls (TRL's sorted union of names, then a (sum, count) reduction); then cleared."""
+        """The metrics reward functions logged on this batch, averaged over processes; then cleared."""
         out = mean_of_logged_metrics(self.session, self._logged)
         self._logged.clear()
         return out

@@ -1,9 +1,6 @@
-"""DeepSpeed config files: reading them with useful errors, and filling every ``"auto"``.
-
-accelerate fills some ``"auto"`` values only while preparing, and only when it sees a dataloader;
-posttrain knows them up front (micro batch, accumulation, clipping, precision, the model's hidden
-size), so it resolves them here and hands DeepSpeed a concrete config. What nothing can fill is
-reported by name instead of failing deep inside ``deepspeed.initialize``.
+"""DeepSpeed config files: reading them with useful errors, and filling every ``"auto"`` up front
+(accelerate fills some only while preparing with a dataloader); what nothing can fill is reported
+by name instead of failing inside ``deepspeed.initialize``.
 """
 
 from __future__ import annotations
@@ -21,17 +18,12 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "presets" / "deepspeed"
 # Keys that only make sense for a model that trains.
 TRAINING_KEYS = ("optimizer", "scheduler", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size")
 
-# DeepSpeed's own defaults for the ZeRO-3 keys that accelerate cannot fill (its multi-model guide
-# writes them as "auto", which accelerate rejects).
+# DeepSpeed's defaults for the ZeRO-3 keys accelerate cannot fill (its multi-model guide writes "auto").
 ZERO3_DEFAULTS = {"stage3_max_live_parameters": int(1e9), "stage3_max_reuse_distance": int(1e9)}
 HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
-# Precision of a trained role's optimizer: "fp32" keeps fp32 master weights and fp32 Adam states
-# beside the bf16 model (DeepSpeed's default under bf16, 16 bytes per parameter with gradients);
-# "bf16" updates bf16 master weights with bf16 gradients and Adam states (8 bytes: what TRL's
-# trainers do with a bf16 model and no DeepSpeed). DeepSpeed 0.19.8 accepts the bf16 keys at ZeRO
-# stages 1-3 only (runtime/config.py), and bf16 master weights without bf16 optimizer states only
-# with ZeRO-Offload and DeepSpeedCPUAdam (base_optimizer._configure_master_weights).
+# A trained role's optimizer precision: "fp32" master weights and Adam states beside the bf16 model
+# (DeepSpeed's default), or "bf16" ones (TRL's numerics with a bf16 model and no DeepSpeed).
 MASTER_WEIGHTS = ("fp32", "bf16")
 BF16_STATE_KEYS = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
@@ -134,15 +126,9 @@ def check_master_weights(cfg: dict, where: str, mixed_precision: str) -> None:
 def one_rank(cfg: dict, trains: bool) -> tuple[dict, str | None]:
     """The cheapest equivalent of a role's config in a world of one process, and what changed.
 
-    - A frozen ZeRO-3 role (parameters not offloaded): its one shard is the whole model, so
-      gathering it before every layer is pointless: the replicated placement (stage 0) holds the
-      same bytes with nothing to gather.
-    - A trained ZeRO-1/2 role: ``overlap_comm`` off (stage_1_and_2.py: with it on, every bucket
-      reduced through the reduce-scatter path runs ``allreduce_and_copy``, which synchronizes the
-      whole device, and the gradient bucket is double-buffered) and ``reduce_scatter`` off (each
-      bucket becomes one in-place all-reduce of a world of one, instead of per-parameter offsets
-      and a flatten/unflatten copy pair). Numerics are unchanged: averaging over one rank is
-      the identity.
+    A frozen ZeRO-3 role (not offloaded) becomes replicated: its one shard is the whole model. A
+    trained ZeRO-1/2 role gets ``overlap_comm`` (which synchronizes the device per bucket) and
+    ``reduce_scatter`` off. Numerics are unchanged: averaging over one rank is the identity.
     """
     stage = zero_stage(cfg)
     if not trains and stage == 3 and not params_offloaded(cfg):
@@ -197,9 +183,7 @@ def resolve(
     memory_efficient_linear: bool = False,
 ) -> dict:
     """Fill every ``"auto"`` that does not need the model, and make a frozen role's config safe.
-
-    Hidden-size keys stay ``"auto"`` until :func:`resolve_hidden_size` sees the model config.
-    """
+    Hidden-size keys stay ``"auto"`` until :func:`resolve_hidden_size` sees the model config."""
     cfg = copy.deepcopy(cfg)
     where = f"role {role!r}"
     zero = cfg.setdefault("zero_optimization", {})
@@ -210,14 +194,12 @@ def resolve(
                     f"{where} is frozen but its DeepSpeed config has an {key!r} block: remove the block, "
                     "or declare the role with trains=True"
                 )
-        # A frozen engine still needs an integer micro batch, and the trained role's accumulation
-        # value: accelerate copies the prepared plugin's value into the process-wide state.
+        # accelerate copies the prepared plugin's accumulation into the process-wide state.
         cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
         cfg["gradient_accumulation_steps"] = gradient_accumulation_steps
         cfg.pop("train_batch_size", None)
         cfg.pop("gradient_clipping", None)
-        # Off unless asked: DeepSpeed's memory-efficient linear patches F.linear for the whole
-        # process and slows every other model in it, the trained policy included.
+        # DeepSpeed's memory-efficient linear patches F.linear process-wide, slowing the policy too.
         if zero_stage(cfg) == 3 and not memory_efficient_linear:
             zero.setdefault("memory_efficient_linear", False)
     elif is_inference_only(cfg):
@@ -249,8 +231,7 @@ def resolve(
     for dotted, value in fills.items():
         if value is not None:
             _set_if_auto(cfg, dotted, value)
-    # A hard-coded value that disagrees with the trainer's would make DeepSpeed's batch arithmetic
-    # (train_batch_size = micro * accumulation * world) and the trainer's loop inconsistent.
+    # A hard-coded value other than the trainer's would break DeepSpeed's batch arithmetic.
     for key, want in (("train_micro_batch_size_per_gpu", micro_batch_size),
                       ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if trains and cfg.get(key, want) != want:
@@ -263,15 +244,8 @@ def resolve(
 
 
 def check_leaf_modules(cfg: dict, where: str) -> None:
-    """Refuse ZeRO-3 leaf modules by size on a GPU: they give wrong outputs there.
-
-    A positive ``stage3_module_granularity_threshold`` turns on DeepSpeed's
-    ``fast_sharding_for_leaf_module``, whose release drops a gathered parameter without recording
-    the compute stream's use of it (0.19.8); the caching allocator then hands that memory to the
-    next all-gather while the module's kernels are still queued, and log-probs come out wrong by
-    whole nats once the compute stream lags (benchmarks/NOTES.md). CPU devices are synchronous, so
-    the key is harmless there.
-    """
+    """Refuse ZeRO-3 leaf modules by size on a GPU: DeepSpeed 0.19's release of them skips
+    record_stream, so the next gather can overwrite weights still in use (benchmarks/NOTES.md)."""
     import torch
 
     zero = cfg.get("zero_optimization") or {}

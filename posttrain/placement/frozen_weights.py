@@ -1,7 +1,5 @@
-"""Changing a frozen role's weights in place, whatever its placement (ZeRO-3 ones gathered): a
-function on every parameter, a saved folder's weights, or TR-DPO's blend of another role into it.
-A mixin of :class:`posttrain.placement.session.Session`: it reads the session's roles, engines and fast
-frozen models."""
+"""Changing a frozen role's weights in place, whatever its placement; a mixin of
+:class:`posttrain.placement.session.Session`."""
 
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ class FrozenWeightsMixin:
         elif self.zero_stage(name) == 3:
             import deepspeed
 
-            # TRL's way (SyncRefModelCallback): rank 0 changes the gathered weights, DeepSpeed
-            # partitions its values again on exit.
+            # TRL's SyncRefModelCallback: rank 0 changes the gathered weights, repartitioned on exit.
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
                 if self.process_index == 0:
                     for n, p in module.named_parameters():
@@ -43,9 +40,7 @@ class FrozenWeightsMixin:
                 fn(n, p.data)
 
     def load_weights(self, name: str, directory: str | os.PathLike) -> None:
-        """Overwrite a frozen role's weights with a ``save_pretrained`` folder's safetensors (a
-        reference that TR-DPO or GRPO's ``sync_ref_model`` changed, saved in a checkpoint).
-        Collective, like :meth:`update_weights`."""
+        """Overwrite a frozen role's weights with a ``save_pretrained`` folder's safetensors. Collective."""
         from safetensors.torch import load_file
 
         directory = Path(directory)
@@ -65,9 +60,8 @@ class FrozenWeightsMixin:
 
     @torch.no_grad()
     def blend(self, target: str, source: str, alpha: float) -> None:
-        """``target = (1 - alpha) * target + alpha * source``, parameter by parameter: TR-DPO's
-        reference sync (trl's SyncRefModelCallback.sync_target_model), for any placement of the
-        two roles. Collective."""
+        """``target = (1 - alpha) * target + alpha * source`` per parameter (TR-DPO's reference
+        sync), for any placement of the two roles. Collective."""
         import deepspeed
 
         src_module = self.engines[source].module

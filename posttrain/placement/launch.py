@@ -1,9 +1,5 @@
-"""Launching the trainer commands on several processes: the accelerate configs shipped in the
-package (``posttrain accelerate-config NAME`` prints one's path) and a check that refuses a launch
-which asked for several processes and started one.
-
-torchrun needs neither: ``torchrun --nproc_per_node 2 $(which posttrain) grpo``.
-"""
+"""Launching on several processes: the shipped accelerate configs (``posttrain accelerate-config
+NAME``) and a check that refuses a launch which asked for several processes and started one."""
 
 from __future__ import annotations
 
@@ -37,15 +33,8 @@ def _relaunch_target(argv: list[str]) -> str:
 
 
 def check_launch(env: Mapping[str, str] | None = None, argv: list[str] | None = None) -> None:
-    """Refuse a process that ``accelerate launch --num_processes N`` (N > 1) started alone.
-
-    Without an accelerate config, ``--use_deepspeed`` or several GPUs (so on CPU),
-    ``accelerate launch`` (1.15) runs its plain launcher: it starts ONE process and only exports
-    ``MASTER_ADDR``/``MASTER_PORT`` for the N asked for (``prepare_simple_launcher_cmd_env``); it
-    never sets ``WORLD_SIZE``, which every multi-process launcher (torchrun, accelerate's DeepSpeed
-    and multi-GPU launchers) does. That process would train alone and exit 0. (A MASTER_ADDR
-    exported by hand into a one-process accelerate launch looks the same: the sentence says so.)
-    """
+    """Refuse a process that ``accelerate launch --num_processes N`` (N > 1) started alone: its
+    plain launcher exports ``MASTER_ADDR`` but never ``WORLD_SIZE``, as every multi-process one does."""
     env = os.environ if env is None else env
     argv = sys.argv if argv is None else argv
     launched_by_accelerate = "ACCELERATE_DYNAMO_BACKEND" in env  # exported by every accelerate launcher

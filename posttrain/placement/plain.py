@@ -1,22 +1,7 @@
-"""A trained role without a DeepSpeed engine, for a world of one process.
-
-On one process ZeRO has nothing to partition or reduce, yet its engine still runs per-parameter
-gradient hooks, bucket copies, a reduction of a world of one per bucket and (with fp32 master
-weights) a second copy of the model. :class:`PlainEngine` is what TRL's trainers run on one GPU
-(``transformers.Trainer`` without DeepSpeed): the model itself, torch's fused AdamW (transformers'
-default ``adamw_torch_fused``), ``clip_grad_norm_``, and, under bf16 mixed precision, the forward
-in ``torch.autocast`` with outputs cast to fp32 (accelerate's ``prepare_model``). It keeps the
-engine's interface that :class:`posttrain.placement.session.Session` drives: ``backward`` divides by the
-accumulation steps, ``step`` clips and steps at accumulation boundaries, ``get_global_grad_norm``
-is the norm before clipping, ``module`` is the model.
-
-Precision (``master_weights``): "bf16" casts the parameters to bf16 (buffers stay fp32, as
-DeepSpeed's cast keeps them) and AdamW updates them in place: TRL's numerics with a bf16 model.
-"fp32" casts the parameters the optimizer updates to fp32 (however the model was loaded) and keeps
-fp32 gradients and Adam states with the bf16 autocast forward: the numerics of
-``transformers.Trainer(bf16=True)`` on an fp32 model (not the DeepSpeed fp32 path's: its forward
-runs on bf16 copies of the weights without autocast); parameters it does not update (a LoRA base)
-are bf16 under bf16 mixed precision, as DeepSpeed's engine holds them.
+"""A trained role without a DeepSpeed engine, for a world of one process, where ZeRO has nothing
+to partition yet still costs hooks, bucket copies and (fp32) a second copy of the model.
+:class:`PlainEngine` is TRL's one-GPU path (``transformers.Trainer`` without DeepSpeed) behind the
+engine interface the Session drives.
 """
 
 from __future__ import annotations
@@ -45,16 +30,9 @@ def uses_torch(setting: str, *, world_size: int, trains: bool, from_mix: bool, m
     """Whether a role runs as a :class:`PlainEngine`.
 
     ``auto``: at world size 1, for a trained role whose config comes from a mix, with bf16 master
-    weights always, and with fp32 ones unless the run's rollout engine decodes one of its trained
-    roles (``decoded``: :attr:`posttrain.placement.roles.Role.decoded`, which GRPO, RLOO and PPO declare for
-    their policy and distillation for its student when it generates on-policy): on one GPU the
-    torch path is faster and smaller than DeepSpeed's engine at both precisions (benchmarks/NOTES.md
-    sections 12 and 16). A run that decodes a trained role keeps DeepSpeed for fp32
-    (PPO's value model too, so that its two trained roles run one engine kind): the rollout engine
-    decodes from the model's weights, which the torch path keeps in fp32, where DeepSpeed's forward
-    and the rollouts run on bf16 weights as at every world size. fp16 keeps DeepSpeed under auto
-    (the torch path has no loss scaler). ``torch`` forces the torch path for every such role
-    (checked by :func:`check_setting`), ``deepspeed`` never uses it.
+    weights always, and with fp32 ones unless the run decodes a trained role (``decoded``: the
+    rollout engine would decode fp32 weights, where DeepSpeed's run on bf16) or uses fp16 (no loss
+    scaler). ``torch`` forces it for every such role, ``deepspeed`` never uses it.
     """
     if setting == "deepspeed" or world_size != 1 or not trains or not from_mix:
         return False
@@ -64,9 +42,7 @@ def uses_torch(setting: str, *, world_size: int, trains: bool, from_mix: bool, m
 
 
 def torch_roles(roles: Iterable[Role], setting: str, *, world_size: int, mixed_precision: str) -> set[str]:
-    """The names of a run's roles that take the torch path: :func:`uses_torch` for each, the run
-    decoding a trained role when any trained role is ``decoded``. The Session runs this set and
-    the planner (posttrain.planner.memory) plans it."""
+    """The names of a run's roles that take the torch path (:func:`uses_torch` for each)."""
     roles = list(roles)
     decoded = any(r.decoded for r in roles if r.trains)
     return {r.name for r in roles
@@ -108,15 +84,17 @@ def describe(master_weights: str, mixed_precision: str) -> str:
 
 
 class PlainEngine(nn.Module):
-    """The model and its torch optimizer, driven through DeepSpeed's engine interface."""
+    """The model and its torch optimizer, driven through DeepSpeed's engine interface.
+
+    ``master_weights`` "bf16": bf16 parameters updated in place; "fp32": the updated parameters in
+    fp32 with a bf16 autocast forward (``transformers.Trainer(bf16=True)``'s numerics). Parameters
+    the optimizer does not update (a LoRA base) are bf16 under bf16 mixed precision.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device,
                  gradient_accumulation_steps: int, gradient_clipping: float, mixed_precision: str,
                  master_weights: str) -> None:
         super().__init__()
-        # The optimizer's precision is the parameters' (a model loaded in bf16 gets fp32 ones for fp32 states).
-        # Parameters it does not update (a LoRA base) have no master weights: bf16 under bf16 mixed
-        # precision, as DeepSpeed's engine holds them (fp32 would double a frozen base's memory).
         trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
         _cast_parameters(model, torch.bfloat16 if master_weights == "bf16" else torch.float32,
                          frozen=torch.bfloat16 if mixed_precision == "bf16" else torch.float32, trained=trained)
@@ -167,8 +145,7 @@ class PlainEngine(nn.Module):
 
     # -- checkpoints: accelerate's files for a model without DeepSpeed ----------------------------
     def save_state(self, directory: str | os.PathLike, scheduler: Any = None) -> None:
-        """Weights, optimizer, scheduler and RNG states (accelerate's ``save_accelerator_state``:
-        ``pytorch_model.bin``, ``optimizer.bin``, ``scheduler.bin``, ``random_states_0.pkl``)."""
+        """Weights, optimizer, scheduler and RNG states, with accelerate's ``save_accelerator_state``."""
         from accelerate.checkpointing import save_accelerator_state
 
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -190,10 +167,8 @@ class PlainEngine(nn.Module):
 
 
 def _cast_parameters(model: nn.Module, dtype: torch.dtype, *, frozen: torch.dtype, trained: set[int]) -> None:
-    """Parameters in place (the optimizer keeps its references): those in ``trained`` (ids) to
-    ``dtype``, the others to ``frozen``; buffers such as rotary ``inv_freq`` stay fp32, and so do
-    modules the model keeps in fp32 (``_keep_in_fp32_modules``), as DeepSpeed's cast and
-    ``from_pretrained(dtype=...)`` leave them."""
+    """Cast parameters in place: those in ``trained`` (ids) to ``dtype``, the others to ``frozen``;
+    buffers and ``_keep_in_fp32_modules`` stay as they are, as DeepSpeed's cast leaves them."""
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     for name, param in model.named_parameters():
         target = dtype if id(param) in trained else frozen
@@ -202,8 +177,7 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype, *, frozen: torch.dtyp
 
 
 def _autocast_forward(model: nn.Module, device: torch.device) -> None:
-    """The forward in bf16 autocast with its outputs in fp32, as accelerate's ``prepare_model``
-    patches it for ``mixed_precision="bf16"`` (so ``generate`` and direct calls get it too)."""
+    """The forward in bf16 autocast with fp32 outputs, patched as accelerate's ``prepare_model`` does."""
     from accelerate.utils import convert_outputs_to_fp32
 
     forward = torch.autocast(device_type=device.type, dtype=torch.bfloat16)(model.forward.__func__)
@@ -211,11 +185,9 @@ def _autocast_forward(model: nn.Module, device: torch.device) -> None:
 
 
 def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
-    """Give an AdamW the fused kernel (transformers' default optimizer, ``adamw_torch_fused``) where
-    the parameters' device and dtypes have one. torch reads the flag at every step, so setting it
-    before the first step is ``AdamW(..., fused=True)``. Also for the torch AdamW inside a DeepSpeed
-    engine: its default (foreach) allocates a temporary the size of the master weights in every
-    step (``_foreach_sqrt`` of the second moments; the first step's memory peak, NOTES 21)."""
+    """Give an AdamW the fused kernel (transformers' default) where the parameters' device and dtypes
+    have one; before its first step this equals ``AdamW(..., fused=True)``. Also inside a DeepSpeed
+    engine: foreach allocates a master-weights-sized temporary every step (NOTES 21)."""
     if type(optimizer) is not torch.optim.AdamW or optimizer.state:
         return
     from torch.optim.optimizer import _device_dtype_check_for_fused

@@ -13,8 +13,7 @@ if TYPE_CHECKING:
 
 
 def world_size() -> int:
-    """The number of processes, from the launcher's environment: configs and step counts need it
-    before the session (and process group) exists."""
+    """The number of processes, from the launcher's environment (before the process group exists)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 

@@ -24,20 +24,14 @@ class Role:
     name: str
     config: str | dict
     trains: bool = False
-    # Frozen ZeRO-3 roles only: keep DeepSpeed's memory-efficient linear (it patches F.linear
-    # process-wide and slows the trained model; see dsconfig.resolve).
+    # Frozen ZeRO-3 roles: keep DeepSpeed's memory-efficient linear (process-wide, slows the policy).
     memory_efficient_linear: bool = field(default=False, repr=False)
-    # Frozen ZeRO-3 roles: after DeepSpeed prepares the engine, posttrain.placement.frozen takes over its
-    # gathering (one prefetched all-gather per layer instead of DeepSpeed's per-parameter hooks).
-    # None: on wherever it applies (frozen, ZeRO-3, parameters not offloaded); False: DeepSpeed's
-    # own gathering; True: required (an error where it cannot).
+    # Frozen ZeRO-3 roles: posttrain.placement.frozen takes over the gathering. None: wherever it
+    # applies (not offloaded); False: DeepSpeed's own; True: required (an error where it cannot).
     fast_frozen: bool | None = None
-    # The config came from a mix, not from the user: in a world of one process the Session may
-    # swap it for its cheapest equivalent (dsconfig.one_rank). A config given by name is kept.
+    # The config came from a mix: at one process the Session may simplify it (dsconfig.one_rank).
     from_mix: bool = field(default=False, repr=False)
-    # Trained roles only: posttrain.rollout decodes from this role's weights (GRPO, RLOO and PPO's
-    # policy; distillation's student when it generates on-policy). At one process a run with such
-    # a role keeps DeepSpeed for fp32 master weights under single_process_engine auto (plain.uses_torch).
+    # Trained roles: posttrain.rollout decodes from its weights (plain.uses_torch reads it).
     decoded: bool = False
 
 
@@ -57,9 +51,8 @@ MIXES: dict[str, tuple[str, str]] = {
 # Mixes whose frozen roles keep DeepSpeed's gathering: Role(fast_frozen=False).
 STOCK_GATHER_MIXES = {"zero2-zero3-stock"}
 DEFAULT_MIX = "zero2-zero3"
-# Each trainer's roles, by its name: the models it trains, the frozen models it may hold, and the
-# trained roles its rollout engine decodes from in every run. A trainer's ``roles`` is its row; the
-# memory planner reads the table without importing any trainer.
+# Each trainer's trained roles, the frozen ones it may hold, and those its rollout engine always
+# decodes; the planner reads it without importing any trainer.
 TRAINER_ROLES: dict[str, dict[str, list[str]]] = {
     "dpo": {"trained": ["policy"], "frozen": ["reference"]},  # with use_peft, no reference role
     # With use_peft, no reference role; the reward role only with a reward model.
@@ -94,9 +87,7 @@ def check_mix(mix: str) -> None:
 
 
 def check_placement(mix: str, role_configs: Mapping | None) -> None:
-    """The mix exists and every role config reads (a preset name or a JSON file), checked before
-    anything is written or loaded; which roles a run has is checked by :func:`roles_for` once the
-    trainer knows them."""
+    """The mix exists and every role config reads, checked before anything is written or loaded."""
     check_mix(mix)
     if role_configs is None:
         return

@@ -1,7 +1,5 @@
-"""Saving and restoring a Session's roles: the resumable state of its trained roles (engines,
-optimizers, schedulers, RNG, the trainer's counters) and any role's full weights, gathered when
-ZeRO-3 and saved in Hugging Face format. A mixin of :class:`posttrain.placement.session.Session`: it reads the
-session's roles, engines and Accelerators."""
+"""Saving and restoring a Session's roles (resumable state, full weights in Hugging Face format);
+a mixin of :class:`posttrain.placement.session.Session`."""
 
 from __future__ import annotations
 
@@ -17,10 +15,8 @@ class SavingMixin:
     """Session methods that save and restore its roles; collective: call them on every rank."""
 
     def save_state(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
-        """A resumable checkpoint: each trained role's engine (weights, optimizer), its scheduler
-        and every rank's RNG states, then ``trainer_state.json`` (``extra``, the trainer's
-        counters). That file is written last, once every rank has written its part, so its
-        presence marks a complete state; the call returns when it is on disk."""
+        """A resumable checkpoint: each trained role's engine, scheduler and RNG states, then
+        ``trainer_state.json`` (``extra``), written last so its presence marks a complete state."""
         directory = Path(directory)
         for name, role in self.roles.items():
             if name in self.plain_roles and name in self.engines:
@@ -37,8 +33,7 @@ class SavingMixin:
 
     def load_state(self, directory: str | os.PathLike) -> dict:
         """Restore what :meth:`save_state` wrote; returns its ``extra``. An incomplete state is
-        refused: accelerate would skip a missing RNG file with only an info log, and the run would
-        silently diverge from the one saved."""
+        refused (accelerate would silently skip a missing RNG file)."""
         from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME
 
         directory = Path(directory)
@@ -68,9 +63,8 @@ class SavingMixin:
         return json.loads((directory / "trainer_state.json").read_text())
 
     def state_dict(self, name: str) -> dict:
-        """The role's full weights (gathered if it is ZeRO-3), read under its own config. Collective:
-        call it on every rank. For a trained ZeRO-3 role accelerate consolidates on the main
-        process only; the other ranks get None."""
+        """The role's full weights (gathered under ZeRO-3). Collective; for a trained ZeRO-3 role
+        the ranks other than the main one get None."""
         with self.activate(name):
             accelerator = self._accelerators[name]
             if name in self.plain_roles:

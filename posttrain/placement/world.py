@@ -1,6 +1,5 @@
-"""The processes a Session runs in: launcher settings it refuses (they would override the per-role
-plugins), a world of one described when there is no launcher, DeepSpeed's CPU comm op it skips, and
-the process group taken down in step at exit."""
+"""The processes a Session runs in: refused launcher settings, a world of one without a launcher,
+and the process group's teardown."""
 
 from __future__ import annotations
 
@@ -41,11 +40,8 @@ def on_cpu() -> bool:
 
 
 def _skip_shm_comm_op() -> None:
-    """On CPU DeepSpeed JIT-compiles its shared-memory all-reduce (``deepspeed_shm_comm``, a slow
-    build, once per machine) when its comm backend starts. Only tensor-parallel inference uses it
-    (``inference_all_reduce``, which falls back to torch.distributed without it); ZeRO's
-    collectives are plain torch.distributed (gloo), so posttrain marks it unavailable through
-    DeepSpeed's own table of buildable ops, read by ``deepspeed.comm.torch.build_shm_op``."""
+    """Mark DeepSpeed's CPU shared-memory all-reduce unbuildable: its JIT build is slow and only
+    tensor-parallel inference uses it (ZeRO's collectives are plain gloo)."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -53,8 +49,7 @@ def _skip_shm_comm_op() -> None:
 
 def _single_process_env() -> None:
     """``python script.py`` with no launcher: describe a world of one, as torchrun would, so that
-    accelerate and DeepSpeed build their process group (TRL scripts run that way on one GPU or CPU).
-    Without it DeepSpeed's engine fails with "Default process group has not been initialized"."""
+    accelerate and DeepSpeed build their process group."""
     dist = torch.distributed
     if "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized()):
         return
@@ -70,13 +65,8 @@ def _single_process_env() -> None:
 
 
 def forget_destroyed_group() -> None:
-    """Let a second run in one Python process build its own process group.
-
-    A run that ends by destroying the process group (accelerate's ``end_training``, TRL's trainers,
-    ``torch.distributed.destroy_process_group``) leaves DeepSpeed holding the destroyed group: its
-    communication backend and the groups ``deepspeed.utils.groups`` caches. The next engine then
-    fails with "Group ... is not registered". DeepSpeed has no call to forget them, so their module
-    globals are reset here, and only when no process group is alive."""
+    """Let a second run in one Python process build its own process group: DeepSpeed keeps a
+    destroyed group's backend and cached groups in module globals, reset here when none is alive."""
     dist = torch.distributed
     if not dist.is_available() or dist.is_initialized():
         return
@@ -93,13 +83,8 @@ def forget_destroyed_group() -> None:
 
 
 def _destroy_process_group() -> None:
-    """At exit: take the process group down in step on every rank.
-
-    Left to interpreter teardown, gloo's C++ threads were destroyed while still joinable in about
-    1 of 13 two-process CPU runs ("terminate called without an active exception", SIGABRT after
-    the work was done); with this, 0 of 20. After an uncaught exception ranks are not in step, so
-    they skip the barrier; the gloo barrier has a timeout so that exit never hangs.
-    """
+    """At exit: take the process group down in step on every rank (left to interpreter teardown,
+    gloo's threads can abort). After an uncaught exception the ranks skip the barrier."""
     import sys
     from datetime import timedelta
 

@@ -1,7 +1,5 @@
-"""Corrections to what DeepSpeed's ZeRO does to a model, applied by the Session as it loads and
-prepares one: rotary buffers recomputed in fp32 after zero.Init, one process's ZeRO-1/2 bf16
-master weights shared with the model instead of copied, and the gradients cast to the master dtype
-as they are flattened instead of after."""
+"""Corrections to DeepSpeed's ZeRO applied by the Session: fp32 rotary buffers after zero.Init,
+shared bf16 master weights at one process, and gradients cast to the master dtype as they flatten."""
 
 from __future__ import annotations
 
@@ -12,15 +10,7 @@ import torch
 
 def share_bf16_master(zero_optimizer: Any) -> bool:
     """In a world of one, make a ZeRO-1/2 optimizer with bf16 master weights update the model's
-    own bf16 weights instead of a copy of them; returns whether it did.
-
-    DeepSpeed 0.19.8's ZeRO-1/2 clones this rank's bf16 partition into its "fp32" master partition
-    even when that is bf16 (stage_1_and_2.py, ``weights_partition = ....clone().to(master dtype)``),
-    and after every step copies it back. With one rank the partition is the whole flat buffer the
-    parameters are views of, so the clone is the model a second time (2 bytes per parameter) with
-    identical values. Its ZeRO-3 shares the storage in the same case (stage3.py, "we don't need
-    another copy of the weights"); this does the same for ZeRO-1/2: the copy-back then copies a
-    tensor onto itself, and the optimizer's states follow the shared tensor."""
+    own bf16 weights instead of a clone of them (as ZeRO-3 does); returns whether it did."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     opt = zero_optimizer
@@ -41,20 +31,12 @@ def share_bf16_master(zero_optimizer: Any) -> bool:
 
 
 def cast_grads_while_flattening(zero_optimizer: Any) -> bool:
-    """Make a ZeRO optimizer whose master weights are of another dtype than its gradients (bf16
-    gradients, fp32 master) flatten this rank's gradient partition straight into the master dtype;
-    returns whether it did.
+    """Make a ZeRO optimizer with master weights of another dtype than its gradients flatten this
+    rank's gradient partition straight into the master dtype; returns whether it did.
 
-    DeepSpeed 0.19.8's step concatenates the partition's gradients into one flat bf16 tensor, then
-    casts that to fp32 (stage_1_and_2.py ``step``; stage3.py ``_prepare_fp32_grad_for_sub_group``,
-    a sub-group at a time): for the moment of the cast it holds the gradients, their flat copy and
-    the fp32 copy, and that moment is the step's (and a GRPO or DPO step's) memory peak. Here each
-    gradient is copied into its place in an fp32 partition instead (the same layout: in order,
-    ZeRO-1/2's zero padding to the partition's size), so the flat bf16 copy, 2 bytes a parameter of
-    the partition, never exists and DeepSpeed's cast is a no-op. The values are the same: casting
-    before or after the concatenation rounds nothing differently. ZeRO-1/2 take the partition
-    through their own ``_get_preflattened_grad_partition`` hook (used by their fp32-accumulation
-    path); ZeRO-3's prepare step runs as it is with its ``flatten`` giving the fp32 partition."""
+    DeepSpeed flattens to a bf16 copy and then casts it, which is the step's memory peak; the values
+    are the same either way. ZeRO-1/2 go through ``_get_preflattened_grad_partition``, ZeRO-3
+    through its ``flatten`` inside ``_prepare_fp32_grad_for_sub_group``."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -128,19 +110,12 @@ def _zero3_flat_in_master_dtype(opt: Any) -> bool:
 
 def recompute_rotary_buffers(model: torch.nn.Module) -> int:
     """Recompute the rotary embeddings' inverse frequencies in fp32, as transformers'
-    ``_init_weights`` does; returns how many modules were fixed.
-
-    Under ``zero.Init`` every floating tensor created is made bf16/fp16 (DeepSpeed patches
-    ``torch.arange`` and the other factories), so ``inv_freq`` is computed at bf16 precision: off
-    by up to 4e-4 for a Llama head of 64, which moves RoPE angles by 0.2 rad at position 500 and
-    with them the log-probs against the same weights loaded without ZeRO-3 (benchmarks/NOTES.md).
-    DeepSpeed's ``keep_in_fp32_modules`` cannot help: it converts back to fp32 values that were
-    already rounded. Must run outside zero.Init."""
+    ``_init_weights`` does; returns how many modules were fixed. ``zero.Init`` computes them in
+    bf16, which shifts the log-probs (benchmarks/NOTES.md). Must run outside zero.Init."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     fixed = 0
     for module in model.modules():
-        # The modules transformers' _init_weights recognises as rotary embeddings.
         if "RotaryEmbedding" not in type(module).__name__ or not hasattr(module, "original_inv_freq"):
             continue
         init_fns = {"axial": getattr(module, "compute_axial_rope_parameters", None),

@@ -1,8 +1,5 @@
-"""Where posttrain keeps what it builds: the tiny default's assets and DeepSpeed's JIT-compiled ops.
-
-Never inside the installed package: site-packages may be read-only, is shared by every user of
-the environment, and is wiped by a reinstall. Imports nothing heavy: ``posttrain/__init__`` uses
-it before torch or DeepSpeed are imported.
+"""Where posttrain keeps what it builds (the tiny default's assets, DeepSpeed's JIT-compiled ops),
+never inside the installed package. Imports nothing heavy: ``posttrain/__init__`` uses it first.
 """
 
 from __future__ import annotations
@@ -37,13 +34,11 @@ def torch_extensions_dir() -> Path:
     """Where torch builds DeepSpeed's ops: a user-set ``TORCH_EXTENSIONS_DIR``, else inside ``cache_dir()``."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    # torch adds no per-environment subfolder once TORCH_EXTENSIONS_DIR is set; without one, two
-    # venvs sharing the cache would rebuild over each other's ops. Read from metadata: torch is not
-    # imported yet.
+    # A per-environment folder, or two venvs sharing the cache rebuild over each other's ops.
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = "none"
-    # "+cpu"-style local versions become "_cpu": the folder name goes into compiler command lines.
+    # "+" is replaced: the folder name goes into compiler command lines.
     tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch_version.replace('+', '_')}"
     return cache_dir() / "torch_extensions" / tag

@@ -1,19 +1,7 @@
 """Ctrl-C (SIGINT) and SIGTERM during a script: one line on rank 0 saying where the run stopped
-and how to resume it, no traceback, exit status 130 (the shell's 128 + SIGINT).
-
-No checkpoint is saved at the interrupt. The signal lands on each rank at a different point of
-its step: one may be inside a collective (an all-reduce, a ZeRO gather, an optimizer step that
-updates partitions and then all-gathers them) while another is in its forward, so a save started
-from there would pair mismatched collectives (a hang, or state from two different steps) or write
-a half-updated model. Deferring the interrupt to a step boundary would make the save consistent,
-but then Ctrl-C does not stop a long step, torchrun SIGKILLs its workers 30 s after forwarding
-the signal (often mid-save), and GRPO/RLOO can only resume on generation boundaries. So the line
-names the newest complete checkpoint (``save_steps`` writes them) instead.
-
-The KeyboardInterrupt can also cut an object's ``__init__`` short, and that object's ``__del__``
-then fails when it is collected (tqdm's bar has no ``pos`` yet), which Python prints as "Exception
-ignored in ... Traceback". After the signal such destructor errors are the interrupt's own
-debris, so they are dropped; before it, and any other unraisable error, reach the usual hook.
+and how to resume it, no traceback, exit status 130. No checkpoint is saved: the ranks are at
+different points of their step, so a save could pair mismatched collectives. Destructor errors
+after the signal (objects whose ``__init__`` it cut short) are dropped.
 """
 
 from __future__ import annotations
@@ -25,8 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# A launcher re-sends the user's Ctrl-C: torchrun's agent gets the terminal's SIGINT too and
-# forwards it to every worker at once. Repeats within this many seconds are that same interrupt.
+# torchrun forwards the terminal's SIGINT too: repeats within this many seconds are the same interrupt.
 SAME_INTERRUPT_S = 2.0
 EXIT_STATUS = 130
 
@@ -67,11 +54,9 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def exit_status(err: BaseException) -> int | None:
-    """After an interrupt (``err`` is it, or a failure it caused, such as a collective whose peer
-    left): print the line on rank 0 (once), drop the process group without waiting for the other
-    ranks, and return 130. None for any other error. A rank blocked in a collective when the
-    signal came runs its handler only when Python next runs, which can be this call: the caller
-    catches that KeyboardInterrupt and calls again."""
+    """After an interrupt (``err``, or a failure it caused): print the line on rank 0 once, drop
+    the process group and return 130; None for any other error. The signal handler may raise
+    KeyboardInterrupt inside this call: the caller catches it and calls again."""
     if not isinstance(err, KeyboardInterrupt) and _state["signal"] is None:
         return None
     _state["at"] = time.monotonic()  # a repeat that arrives while the line is written is the same interrupt
@@ -89,8 +74,7 @@ def exit_status(err: BaseException) -> int | None:
 
 
 def _leave_process_group() -> None:
-    # The ranks are not in step: a barrier at exit (Session's atexit) would wait for ranks that
-    # left or are stuck in another collective.
+    # The ranks are not in step: the Session's barrier at exit could wait forever.
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         try:

@@ -1,12 +1,6 @@
-"""Rows of ``metrics.jsonl`` (and ``samples.jsonl``): strict JSON at full precision.
-
-Python's ``json.dumps`` writes a non-finite float as a bare ``NaN``/``Infinity``, which is not
-JSON: ``jq``, JavaScript, Go and Rust parsers reject the line. A non-finite value is written as
-``null`` instead, so every line parses everywhere and the column stays numeric (pandas reads
-``null`` as NaN, as it writes NaN itself), and the row names what it was in a ``"nonfinite"``
-entry (``{"loss": "nan"}``), so a NaN loss and an infinite one stay distinguishable and
-:func:`loads_row` gives back the floats that were logged. Floats are written with ``repr``,
-which round-trips exactly (a learning rate of 1e-6 reads back as 1e-6, not rounded).
+"""Rows of ``metrics.jsonl`` (and ``samples.jsonl``): strict JSON at full precision. A non-finite
+float is written as ``null`` (bare ``NaN`` is not JSON) and named in a ``"nonfinite"`` entry, so
+:func:`loads_row` gives back the floats that were logged.
 """
 
 from __future__ import annotations

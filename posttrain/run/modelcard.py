@@ -1,13 +1,5 @@
-"""A run's model card (``README.md``) and learning curves (``learning_curves.png``), as TRL's
-trainers write a card into their output dir.
-
-TRL's ``trl.trainer.utils.generate_model_card`` renders a fixed template that says the model was
-trained with TRL and links the base model as a hub name (``[None](https://huggingface.co/None)``
-for a local one). posttrain renders its own template with the same parts: huggingface_hub's
-``ModelCardData`` header, TRL's tags, the method's paper and citation (TRL's trainer classes',
-copied in modelcard_methods.yaml), a quick start and the framework versions; and adds what a
-posttrain run knows: each role's DeepSpeed placement, the config, the final metrics and the
-curves from ``metrics.jsonl``.
+"""A run's model card (``README.md``) and learning curves (``learning_curves.png``): TRL's card
+parts, plus each role's DeepSpeed placement, the config and the final metrics.
 """
 
 from __future__ import annotations
@@ -28,15 +20,11 @@ from posttrain.run.jsonrows import read_rows
 CARD_FILE = "README.md"
 CURVES_FILE = "learning_curves.png"
 
-# Each method's name, tags and paper as TRL 1.16's trainer class carries them (``_name``,
-# ``_tag_names``, ``_paper``; tests/test_modelcard.py checks they still match), copied into
-# modelcard_methods.yaml beside this file. Copied rather than read at run time: importing
-# DPOTrainer or GKDTrainer costs seconds at the end of every run.
+# Each method's name, tags and paper from TRL's trainer classes, copied: importing them costs seconds.
 METHODS: dict[str, dict[str, Any]] = yaml.safe_load(
     (Path(__file__).resolve().parent / "modelcard_methods.yaml").read_text(encoding="utf-8"))
 
-# The main per-step curves, by metric name without an "eval/" or "train/" prefix (TRL's names);
-# a train curve and its eval counterpart share a panel. Any "<model>/loss" (multi-model runs) too.
+# The main curves by metric name without "eval/" or "train/" (any "<model>/loss" too).
 CURVES = ("loss", "rewards/accuracies", "rewards/margins", "objective/scores", "objective/rlhf_reward",
           "objective/kl", "loss/policy_avg", "loss/value_avg", "reward", "kl", "forward_kl")
 MAX_PANELS = 9
@@ -124,8 +112,7 @@ Cite TRL as:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl`` (an empty list when there is none), non-finite values
-    restored as floats (``posttrain.run.jsonrows``); the card and the curves keep the finite ones."""
+    """The rows of a ``metrics.jsonl`` (an empty list when there is none)."""
     return read_rows(path)
 
 
@@ -154,8 +141,7 @@ def curve_panels(keys: list[str] | set[str]) -> list[tuple[str, list[str]]]:
 
 
 def plot_learning_curves(rows: list[dict], path: str | Path) -> Path | None:
-    """A PNG of the main curves in ``rows``; None (with a one-line message) without matplotlib or
-    without any curve to draw."""
+    """A PNG of the main curves in ``rows``; None without matplotlib or any curve to draw."""
     try:
         from matplotlib.figure import Figure  # no pyplot: leaves the process-wide backend alone
         from matplotlib.ticker import MaxNLocator
@@ -198,13 +184,8 @@ def write_model_card(
     dataset_name: str | None = None,
 ) -> Path:
     """Write ``README.md`` and ``learning_curves.png`` into ``output_dir`` from ``cfg`` (a trainer
-    config dataclass) and the run's ``metrics.jsonl``; returns the card's path.
-
-    ``base_model`` defaults to ``cfg.model_name_or_path`` (None: posttrain's built-in tiny
-    default); ``dataset_name`` is what the caller trained on (the trainers take data objects, so
-    only the scripts know it; None: the card names no data). ``session``
-    adds each role's DeepSpeed placement. Call it on the main process only.
-    """
+    config dataclass) and its ``metrics.jsonl``; returns the card's path. ``base_model`` defaults to
+    ``cfg.model_name_or_path``; ``session`` adds the roles' placements. Main process only."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from posttrain.placement import dsconfig
@@ -217,7 +198,7 @@ def write_model_card(
     rows = read_metrics(out / "metrics.jsonl")
     try:
         curves = plot_learning_curves(rows, out / CURVES_FILE)
-    except Exception as err:  # a plotting failure must not end the run: its final model is saved after this
+    except Exception as err:  # the final model is saved after this: never fail the run here
         print(f"[posttrain] learning-curve plot skipped ({type(err).__name__}: {err}); the card is written without it",
               file=sys.stderr)
         curves = None
@@ -238,7 +219,6 @@ def write_model_card(
                 stage = "none"
             elif name in getattr(session, "one_rank_changes", {}) and dsconfig.zero_stage(resolved) == 0:
                 label += " (one process: replicated)"
-            # What ran, read from the resolved config: fp32 or bf16 master weights and Adam states.
             master = dsconfig.master_weights(resolved) if role.trains else "–"
             roles.append({"name": name, "trains": "yes" if role.trains else "no", "config": label, "stage": stage,
                           "master": master})
@@ -261,8 +241,7 @@ def write_model_card(
         trainer_citation=info["paper"].get("citation"),
         quick_start_model=_quick_start_model(cfg, out),
         quick_start=method != "multi" and (not trained or trained[0] in ("policy", "student")),
-        # Trained models saved in folders of their own: every one of a multi-model run (disjoint
-        # models), else those beside the top model (PPO's value model).
+        # Folders of their own: every model of a multi-model run, else those beside the top one.
         model_folders=trained if method == "multi" else trained[1:],
         top_model=trained[0] if trained else "model",
         roles=roles,
@@ -293,8 +272,7 @@ def _lora_text(cfg: Any) -> str | None:
 
 
 def _quick_start_model(cfg: Any, out: Path) -> str:
-    """What the quick start loads: the hub repo when the run pushes there (TRL's default name: the
-    output dir's), else the output dir, where the trained model is saved."""
+    """What the quick start loads: the hub repo when the run pushes there, else the output dir."""
     if getattr(cfg, "hub_model_id", None):
         return cfg.hub_model_id
     if getattr(cfg, "push_to_hub", False):

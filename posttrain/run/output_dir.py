@@ -1,11 +1,6 @@
-"""A run's output dir, its checkpoints and resume: the lock one run holds on the dir, what a
-new, overwriting or resumed run finds there, and the atomic ``checkpoint-N`` folders.
-
-The output dir holds the trained model at its top (as TRL: ``from_pretrained(output_dir)``;
-other trained roles, such as PPO's value model, in ``<role>/`` beside it), the run's settings
-(SETTINGS_FILE), metrics, the model card and ``checkpoint-N/``.
-A checkpoint is written as checkpoint-N.tmp and renamed to checkpoint-N once every rank has
-written its part, so a checkpoint-N folder is always complete; a .tmp one is a save that died.
+"""A run's output dir (the trained model at its top, as TRL's, other trained roles in ``<role>/``),
+the lock one run holds on it, resume, and atomic ``checkpoint-N`` folders (written as
+``checkpoint-N.tmp`` and renamed once every rank has written its part).
 """
 
 from __future__ import annotations
@@ -71,7 +66,7 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 
 def _is_main_rank() -> bool:
-    # Read from the launcher's environment: this runs before the session (and process group) exists.
+    # From the launcher's environment: this runs before the process group exists.
     return int(os.environ.get("RANK", "0")) == 0
 
 
@@ -81,17 +76,9 @@ def _say(message: str) -> None:
 
 
 def lock_output_dir(output_dir: str | os.PathLike) -> None:
-    """Hold ``output_dir`` for this run: one run at a time writes into an output dir.
-
-    Rank 0 takes an exclusive ``flock`` on ``output_dir/.posttrain.lock`` (creating the dir) and
-    keeps it until its process exits; the file says who holds it (pid, host, start time). A
-    second run's rank 0 gets one sentence naming the holder (``ConfigError``: exit status 2) and
-    its launcher stops the other ranks. The kernel releases the lock when the holder dies, even by
-    ``kill -9``, so a killed run never leaves the dir stuck; the file left behind is just
-    rewritten. Calling it again in the same process (a second trainer into the same dir) is a
-    no-op. The output dir is shared by every rank (checkpoints assume it), so rank 0's lock covers
-    the run; on a network file system the lock is only as good as its ``flock`` support.
-    """
+    """Hold ``output_dir`` for this run: rank 0 takes an exclusive ``flock`` on its lock file until
+    the process exits (the kernel releases it even after ``kill -9``); a second run gets a
+    ConfigError naming the holder. Calling it again in the same process is a no-op."""
     if not _is_main_rank():
         return
     out = Path(output_dir).resolve()
@@ -125,22 +112,11 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def prepare_output_dir(cfg: OutputDirSettings) -> None:
-    """Decide where the run starts, the same way on every rank, before any model loads.
-
-    Call it only once every setting of the run is validated (``make_session`` does): it is the
-    first thing that writes. In order:
-
-    1. The output dir is locked (:func:`lock_output_dir`): a dir another run is using is refused
-       before anything in it is touched.
-    2. Checks that need no writing: ``save_total_limit``, and the checkpoint to resume from
-       (``resume_from_checkpoint: latest`` becomes the newest complete checkpoint's path, said on
-       rank 0; with none it raises, as ``transformers.Trainer`` does for ``True``; a half-written
-       or missing one is refused). Otherwise an output dir that already holds a run (metrics,
-       checkpoints, or a saved model at its top) is refused unless ``overwrite_output_dir``.
-    3. Only then, on rank 0: half-written checkpoints (``checkpoint-N.tmp``) are reported and
-       removed, and ``overwrite_output_dir`` clears the old run's metrics and checkpoints (a saved
-       model is left in place: it may be the model this run loads; the final save replaces it).
-    """
+    """Decide where the run starts, the same way on every rank, before any model loads; call it
+    once every setting is validated, as it is the first thing that writes. Locks the dir, checks
+    the resume checkpoint (``latest`` becomes its path) or refuses a dir holding a run unless
+    ``overwrite_output_dir``; then rank 0 removes half-written checkpoints and clears an overwritten
+    run's metrics and checkpoints (a saved model stays: this run may load it)."""
     out = Path(cfg.output_dir)
     lock_output_dir(out)
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
@@ -178,9 +154,8 @@ def _checkpoint_step(path: Path) -> int:
 
 
 def resume_dir(cfg: OutputDirSettings) -> Path | None:
-    """The checkpoint this run resumes from (None: from scratch). "latest" (or "true", as
-    ``Trainer.train(resume_from_checkpoint=True)``) is the newest complete one in output_dir; with
-    none it raises, as Trainer does. A half-written or missing checkpoint is refused."""
+    """The checkpoint this run resumes from (None: from scratch). "latest" (or "true", as Trainer)
+    is the newest complete one in output_dir; none, or a half-written one, is refused."""
     if not cfg.resume_from_checkpoint:
         return None
     if str(cfg.resume_from_checkpoint).lower() in ("latest", "true"):
@@ -201,13 +176,9 @@ def resume_dir(cfg: OutputDirSettings) -> Path | None:
 
 
 def save_checkpoint(session: Session, cfg: OutputDirSettings, step: int, export: dict[str, Any], extra: dict) -> Path:
-    """``checkpoint-N/``: each exported role in Hugging Face format (``<role>/``, loadable with
-    ``from_pretrained``) and ``state/`` (engines, optimizers, schedulers, RNG, trainer counters).
-
-    Written as ``checkpoint-N.tmp`` and renamed by rank 0 after every rank has written its part
-    (the output dir is shared by all ranks, as accelerate's ``save_state`` also assumes), then the
-    oldest checkpoints beyond ``save_total_limit`` are deleted.
-    """
+    """``checkpoint-N/``: each exported role in Hugging Face format (``<role>/``) and ``state/``,
+    renamed into place by rank 0 once every rank has written; then checkpoints beyond
+    ``save_total_limit`` are deleted, oldest first."""
     final = checkpoint_dir(cfg, step)
     tmp = final.with_name(final.name + ".tmp")
     if session.is_main_process and tmp.exists():

@@ -15,13 +15,9 @@ _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_m
 
 def save_trained_model(session: Session, role: str, directory: str | os.PathLike, tokenizer: Any = None,
                        merge_adapters: bool = False) -> Path:
-    """A trained role's final model in Hugging Face format in ``directory``: the output dir itself
-    for the model a run trains (TRL's layout, so ``from_pretrained(output_dir)`` loads it), and
-    ``output_dir/<role>`` for any other trained role. A LoRA role saves its adapter (PEFT format:
-    ``PeftModel.from_pretrained(base, directory)`` loads it), or with ``merge_adapters`` the base
-    with the adapters merged in, a plain transformers model (its full weights gathered under
-    ZeRO-3, written by rank 0). An adapter an earlier run left there would make
-    ``from_pretrained`` load it instead of a full model saved over it, so a full save removes it first."""
+    """A trained role's final model in Hugging Face format in ``directory``. A LoRA role saves its
+    adapter (PEFT format), or with ``merge_adapters`` the base with the adapters merged in. A full
+    save first removes any adapter files there, which ``from_pretrained`` would prefer."""
     path = Path(directory)
     adapted = has_adapters(session.unwrap(role))
     if session.is_main_process and (merge_adapters or not adapted):

@@ -22,22 +22,19 @@ def seed_everything(seed: int) -> None:
 
 
 def mix_seed(*parts: int | str) -> int:
-    """A stable seed from the run's seed and where it is used (name, epoch, step, rank...), the same in
-    every process and run, so a resumed run draws what the uninterrupted one drew."""
+    """A stable seed from the run's seed and where it is used (name, epoch, step, rank...)."""
     digest = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**63
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The permutation for (seed, epoch), the same on every rank: TRL's (accelerate's
-    ``SeedableRandomSampler``, seeded with seed + epoch)."""
+    """The permutation for (seed, epoch), the same on every rank: TRL's, seeded with seed + epoch."""
     g = torch.Generator().manual_seed(seed + epoch)
     return torch.randperm(n, generator=g).tolist()
 
 
 def rank_batches(n: int, batch_size: int, seed: int, rank: int, world: int, start: int = 0) -> Iterator[list[int]]:
-    """Endless per-rank micro-batches of indices, each global batch split by rank (placement-independent);
-    a resumed run continues at micro-batch ``start``."""
+    """Endless per-rank micro-batches of indices (global batches split by rank), from ``start``."""
     per_epoch = max(1, n // (batch_size * world))
     step = start
     while True:

@@ -1,5 +1,4 @@
-"""Preference data in TRL's formats (standard or conversational, explicit or implicit prompt):
-loading, checking and tokenizing as ``trl.DPOTrainer`` does, batched by TRL's collator."""
+"""Preference data in TRL's formats: loading, checking and tokenizing as ``trl.DPOTrainer`` does."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.checks import check_data_path
+from posttrain.data.sft import as_dataset
 from posttrain.errors import ConfigError
 
 COLUMNS = ("prompt", "chosen", "rejected")
@@ -200,14 +200,10 @@ def prepare_preference_dataset(
     dataset: Any, tokenizer: Any, max_length: int | None = None, truncation_mode: str = "keep_start",
     name: str = "dataset", num_proc: int | None = None,
 ) -> list[dict[str, list[int]]]:
-    """Check, split implicit prompts, tokenize; drop rows whose prompt fills ``max_length`` under
-    ``keep_start`` (as TRL). Returns plain lists."""
+    """Check, split implicit prompts, tokenize; drop rows whose prompt fills ``max_length`` (keep_start)."""
     from trl.data_utils import extract_prompt
 
-    if isinstance(dataset, (list, tuple)):
-        from datasets import Dataset
-
-        dataset = Dataset.from_list(list(dataset))
+    dataset = as_dataset(dataset)
     check_rows(dataset, name)
     check_conversation(dataset, COLUMNS, tokenizer, name)
     # keep_in_memory: ranks map alone, never racing on shared cache files.

@@ -30,8 +30,7 @@ def padded_inputs(sequences: torch.Tensor, pad_token_id: int) -> dict[str, torch
 
 
 def prompt_rows(train_dataset: Any, algorithm: str) -> list[dict]:
-    """The rows of ``train_dataset`` (a ``datasets.Dataset`` or a list of dicts with a "prompt";
-    other columns go to reward functions). Required, as in TRL."""
+    """The rows of ``train_dataset`` (a Dataset or list of dicts with a "prompt"), required as in TRL."""
     if train_dataset is None:
         raise ConfigError(f"{algorithm} needs prompts: pass train_dataset= (a datasets.Dataset or a list of dicts "
                           "with a 'prompt'), as TRL's trainers take it; posttrain.scripts.data.bundled_prompts(n) "
@@ -53,8 +52,7 @@ def check_prompt_rows(ds: Any, name: str, algorithm: str) -> list[dict]:
 
 
 def tokenize_prompt(prompt: Any, tokenizer: Any, cfg: Any) -> list[int]:
-    """A prompt's ids as TRL builds them (chat template for conversational prompts), kept to the last
-    ``max_prompt_length`` tokens."""
+    """A prompt's ids as TRL builds them, kept to the last ``max_prompt_length`` tokens."""
     from trl.data_utils import is_conversational, maybe_apply_chat_template
 
     example = {"prompt": prompt}

@@ -1,6 +1,5 @@
-"""SFT data in TRL's formats (text, conversational, prompt-completion, already tokenized): checking,
-tokenizing, label masks, truncation and packing as ``trl.SFTTrainer._prepare_dataset`` (TRL 1.16),
-with each bad row refused in one sentence naming the row and the fix."""
+"""SFT data in TRL's formats: checking, tokenizing, label masks, truncation and packing as
+``trl.SFTTrainer._prepare_dataset`` (TRL 1.16), each bad row refused naming the row and the fix."""
 
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ def dataset_kind(dataset: Any, text_field: str = "text", name: str = "dataset") 
 
 
 def training_chat_template(tokenizer: Any) -> str | None:
-    """The template assistant_only_loss renders with: None when the tokenizer's own has ``{% generation %}``
+    """The template assistant_only_loss renders with: None when the tokenizer's has generation
     markers, else TRL's patched version of a known template."""
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
@@ -121,9 +120,8 @@ def _flat_values(column: Any, what: str, name: str) -> Any:
 
 def check_tokenized(dataset: Any, tokenizer: Any, *, completion_only_loss: bool, assistant_only_loss: bool,
                     packing: bool, max_length: int | None, name: str = "dataset") -> None:
-    """Refuse tokenized rows that TRL's SFTTrainer would fail on inside the model or silently train on
-    wrongly (ids outside the vocabulary, mask lengths or values, padding, packed rows repacked or cut).
-    ``attention_mask`` is checked because TRL's collator drops it."""
+    """Refuse tokenized rows TRL's SFTTrainer would fail on inside the model or silently train on wrongly
+    (``attention_mask`` too: TRL's collator drops it)."""
     import pyarrow.compute as pc
 
     columns = dataset.column_names
@@ -199,8 +197,7 @@ def prepare_sft_dataset(
     name: str = "dataset",
 ) -> Any:
     """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed), as TRL's SFTTrainer
-    prepares it. ``chat_template``: from :func:`training_chat_template`; ``truncation_mode`` "none"
-    refuses rows longer than max_length."""
+    prepares it; ``truncation_mode`` "none" refuses rows longer than max_length."""
     from trl.data_utils import is_conversational, is_conversational_from_value, maybe_convert_to_chatml
 
     dataset = as_dataset(dataset)

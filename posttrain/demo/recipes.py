@@ -1,6 +1,5 @@
-"""The recipes of the tiny default's trained assets: posttrain's SFTTrainer and RewardTrainer on one
-process. ``python -m posttrain.demo.recipes DEST`` builds the default assets into DEST; ``--asset``
-builds one trained variant."""
+"""The recipes of the tiny default's trained assets (posttrain's SFTTrainer and RewardTrainer, one
+process). ``python -m posttrain.demo.recipes DEST [--asset ...]`` builds them."""
 
 from __future__ import annotations
 

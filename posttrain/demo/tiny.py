@@ -1,7 +1,6 @@
-"""The built-in tiny default: a small Llama-shaped causal LM, a reward model with the same vocabulary,
-and a BPE tokenizer trained on bundled text. The default assets ship prebuilt in
-``posttrain/demo/data/tiny/`` (recipes in ``posttrain.demo.recipes``); any other variant is built on
-first use into posttrain's cache, trained variants in a child process."""
+"""The built-in tiny default: a small Llama-shaped causal LM, a reward model and a BPE tokenizer on
+bundled text. The defaults ship prebuilt in ``posttrain/demo/data/tiny/``; other variants build on
+first use into posttrain's cache."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def _complete(path: Path) -> bool:
 
 
 def _resolve(name: str, build: Callable[[Path], None], what: str) -> Path:
-    """The shipped asset ``name``, else ``cache_dir()/name``, built once by whichever process takes
-    the lock first."""
+    """The shipped asset ``name``, else ``cache_dir()/name``, built once under a file lock."""
     if _complete(ASSETS / name):
         return ASSETS / name
     path = cache_dir() / name
@@ -153,8 +151,7 @@ def _init_model(kind: str, seed: int, tok_dir: Path, **overrides):
 
 
 def _save(model, path: Path, tok_dir: Path, losses: dict | None = None) -> None:
-    """Save an asset with its tokenizer (and losses). Not ``save_pretrained``, which writes only on
-    rank 0 while the lock's holder must write."""
+    """Save an asset with its tokenizer (and losses) from this process (save_pretrained: rank 0 only)."""
     from safetensors.torch import save_model
 
     def write(tmp: Path) -> None:

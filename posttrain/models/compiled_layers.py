@@ -1,9 +1,5 @@
-"""Regional compilation of a trained policy's decoder layers for its training forward and backward.
-
-Each repeated layer is compiled in place with ``fullgraph`` (accelerate's ``compile_regions_deepspeed``);
-parameters, state dict and DeepSpeed hooks see the model unchanged. A recompile past dynamo's limit
-raises instead of falling back to eager (:func:`no_eager_fallback`).
-"""
+"""Regional compilation (``fullgraph``) of a trained policy's decoder layers in place, for its training
+forward and backward; parameters, state dict and DeepSpeed hooks see the model unchanged."""
 
 from __future__ import annotations
 
@@ -71,8 +67,7 @@ def compile_layers(model: torch.nn.Module, required: bool = True) -> int:
 
 @contextmanager
 def no_eager_fallback(active: bool = True) -> Iterator[None]:
-    """While ``active``, a recompile past dynamo's limit, a graph break or a failed compilation raises
-    (naming compile_layers) instead of silently running the layers eagerly."""
+    """While ``active``, a recompile past dynamo's limit or a graph break raises, never runs eagerly."""
     from torch._dynamo import exc
 
     if not active:  # the layers are not compiled: dynamo's settings stay the user's

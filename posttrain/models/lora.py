@@ -59,8 +59,7 @@ def lora_config(cfg: LoraFields, task_type: str = "CAUSAL_LM") -> Any:
 
 
 def zero3_adapters(session: Any, role: str, peft_config: Any) -> bool:
-    """Whether ``role`` trains adapters under ZeRO-3, where (as in TRL) adapters keep the base's dtype
-    (DeepSpeed#8072) and activation checkpointing is reentrant (DeepSpeed#4332)."""
+    """Whether ``role`` trains adapters under ZeRO-3 (TRL: base dtype, DeepSpeed#8072; reentrant, #4332)."""
     return (peft_config is not None and session.engine_kind(role) == "deepspeed"
             and session.zero_stage(role) == 3)
 
@@ -92,8 +91,7 @@ _HEAD_ADAPTER = ("lora_target_modules puts an adapter on lm_head, which the fuse
 
 
 def check_no_head_adapter(model_or_config: Any) -> None:
-    """Refuse an adapter on the LM head, which the fused head bypasses (TRL's GRPO/RLOO rule). Takes a
-    peft config (its target names) or the adapted model (its head)."""
+    """Refuse an adapter on the LM head (the fused head bypasses it), given a peft config or the model."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     if isinstance(model_or_config, nn.Module):
@@ -106,8 +104,8 @@ def check_no_head_adapter(model_or_config: Any) -> None:
 
 
 def save_merged(model: nn.Module, state_dict: dict[str, Any], directory: str | os.PathLike) -> None:
-    """Save peft ``model`` with its adapters merged in, as a plain transformers model; ``state_dict`` is
-    its full (gathered) state. Call on one process; the live model is left untouched."""
+    """Save peft ``model`` merged, as a plain transformers model, from its full ``state_dict``; call on
+    one process."""
     from accelerate import init_empty_weights
 
     base = model.get_base_model()

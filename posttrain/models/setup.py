@@ -41,8 +41,7 @@ def prepare_trained(session: Session, role: str, model: torch.nn.Module, cfg: An
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool = False) -> None:
-    """Recompute activations in backward (only in train-mode forwards with gradients); ``use_reentrant``
-    is TRL's setting for LoRA under ZeRO-3."""
+    """Recompute activations in backward; ``use_reentrant``: TRL's setting for LoRA under ZeRO-3."""
     kwargs = {"use_reentrant": use_reentrant}
     # Newer transformers' name; older versions have only gradient_checkpointing_enable.
     if hasattr(model, "activation_checkpointing_enable"):
@@ -53,8 +52,7 @@ def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool = 
 
 def optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, total_steps: int,
                             lr: float | None = None) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over ``model``'s trainable parameters at ``lr`` (None: ``cfg.learning_rate``) and
-    ``cfg.lr_scheduler_type``'s schedule over ``total_steps`` optimizer steps."""
+    """AdamW over trainable parameters at ``lr`` (None: cfg's) and cfg's schedule over ``total_steps``."""
     from transformers import get_scheduler
 
     params = [p for p in model.parameters() if p.requires_grad]

@@ -23,8 +23,7 @@ class TokenizerFields:
 
 
 def load_tokenizer(path: str, model_init_kwargs: dict[str, Any] | None = None) -> Any:
-    """``path``'s tokenizer as TRL loads it (``model_init_kwargs``' revision and trust_remote_code; EOS
-    pads when there is no pad token)."""
+    """``path``'s tokenizer as TRL loads it (revision, trust_remote_code; EOS pads when no pad token)."""
     from transformers import AutoTokenizer
 
     kwargs = {k: v for k, v in (model_init_kwargs or {}).items() if k in ("revision", "trust_remote_code")}

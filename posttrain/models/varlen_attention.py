@@ -1,8 +1,5 @@
-"""``attn_implementation="varlen"``: transformers attention on torch's FlashAttention varlen kernel
-for padding-free and packed rows, with no dense block mask: document bounds come from TRL's
-``cu_seq_lens``/``max_length`` or restarting position ids. Where the kernel cannot run, each document
-goes through SDPA on its own (same numbers). Sliding windows and softcapping are refused.
-"""
+"""``attn_implementation="varlen"``: torch's FlashAttention varlen kernel for padding-free and packed
+rows (no dense block mask), SDPA per document where it cannot run. No sliding windows or softcapping."""
 
 from __future__ import annotations
 
@@ -66,9 +63,8 @@ def unsupported(config: Any) -> str | None:
 
 
 def choose(model_kwargs: dict[str, Any], config: Any, packed_rows: bool, device: torch.device | str) -> str | None:
-    """Pick ``"varlen"`` in ``model_kwargs`` when rows are packed, no attention was asked for, the kernel
-    runs on ``device`` and the model (a config or its path) supports it; register it whenever it is
-    the attention. Returns the line to print when it chose varlen, else None."""
+    """Pick ``"varlen"`` in ``model_kwargs`` for packed rows when no attention was asked for and the kernel
+    and model support it; register it whenever it is the attention. Returns a line to print, or None."""
     asked = model_kwargs.get("attn_implementation")
     if asked is None and packed_rows and kernel_available(device) and unsupported(_config(config, model_kwargs)) is None:
         model_kwargs["attn_implementation"] = asked = NAME
@@ -145,8 +141,7 @@ def _restarts(position_ids: torch.Tensor) -> bool:
 
 
 def _dense_mask(mask: torch.Tensor, q_len: int, kv_len: int, causal: bool) -> torch.Tensor:
-    """A boolean (batch, 1, q_len, kv_len) mask from a 2D padding mask (4D passes through); rows that
-    see nothing (left padding) see everything, to stay finite."""
+    """A (batch, 1, q_len, kv_len) bool mask from a 2D padding mask (4D passes); all-masked rows see all."""
     if mask.dim() == 4:
         return mask
     dense = mask.bool()[:, None, None, -kv_len:].expand(-1, 1, q_len, -1)

@@ -1,6 +1,5 @@
-"""Reward functions in TRL 1.16's convention: how a spec names one (a TRL built-in name,
-``module.function`` or ``module:function``), how they are called (as ``GRPOTrainer._calculate_rewards``),
-what they may return, and the warnings TRL leaves silent."""
+"""Reward functions in TRL 1.16's convention: spec names, calling (as
+``GRPOTrainer._calculate_rewards``), return checks, and the warnings TRL leaves silent."""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ def is_async(fn: Callable) -> bool:
 
 
 def spec_kind(spec: str) -> str:
-    """``"function"`` or ``"model"`` (a path or hub id), from the spelling alone, so a Python reference
-    never reaches the hub. Raises for a bare name that is neither (a typo of a built-in name)."""
+    """``"function"`` or ``"model"`` by spelling alone (a Python reference never reaches the hub)."""
     if spec in BUILTIN:
         return "function"
     local = Path(spec).expanduser()
@@ -88,13 +86,6 @@ def spec_kind(spec: str) -> str:
     return "model"
 
 
-def _importable_cwd() -> None:
-    """TRL's scripts put the current directory first on the import path for reward modules."""
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-
-
 def load_reward_func(spec: str) -> RewardFunc:
     """The function a spec names; the current directory is importable, as in TRL's scripts."""
     if spec in BUILTIN:
@@ -105,28 +96,24 @@ def load_reward_func(spec: str) -> RewardFunc:
                 raise ConfigError(f"reward function {spec!r} (TRL's) needs the math_verify package: "
                                   "pip install math-verify")
         return BUILTIN[spec]()
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-    else:
-        module_name, _, attr = spec.rpartition(".")
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"reward function {spec!r}: write it as 'module.function' (or 'module:function')")
     if module_name.endswith(".py"):
         raise ConfigError(f"reward function {spec!r}: name the module, not its file: "
                           f"'{module_name[:-3].replace('/', '.')}.{attr}'")
-    _importable_cwd()
+    if os.getcwd() not in sys.path:  # TRL's scripts make the current directory importable
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and module_name.startswith(e.name) and module_name[len(e.name):][:1] in ("", "."):
+    except Exception as e:  # a missing module, or the module's own error
+        if (isinstance(e, ModuleNotFoundError) and e.name is not None and module_name.startswith(e.name)
+                and module_name[len(e.name):][:1] in ("", ".")):
             raise ConfigError(
                 f"reward function {spec!r}: importing {module_name!r} failed: there is no module {e.name!r} in the "
                 "current directory or on the import path; check the spelling, or run from the folder holding it (or "
                 "add that folder to PYTHONPATH)"
             ) from e
-        raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: {e}. "
-                          "Install what it needs, or put the folder holding it on PYTHONPATH.") from e
-    except Exception as e:  # the module's own error (a syntax error, a failing top-level statement...)
         raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: {e}. "
                           "Install what it needs, or put the folder holding it on PYTHONPATH.") from e
     fn: Any = module
@@ -184,13 +171,10 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return _LOOP
 
 
-def _where(err: BaseException) -> str:
-    frames = traceback.extract_tb(err.__traceback__)
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-
-
 def _raised(name: str, err: Exception) -> RewardFuncError:
-    return RewardFuncError(f"reward function {name!r} raised {type(err).__name__}: {err}{_where(err)}")
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return RewardFuncError(f"reward function {name!r} raised {type(err).__name__}: {err}{where}")
 
 
 def check_rewards(name: str, values: Any, n: int) -> list[float]:
@@ -221,8 +205,7 @@ def call_reward_funcs(
     funcs: Sequence[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]] | None = None,
     device: torch.device | str = "cpu", **kwargs: Any,
 ) -> torch.Tensor:
-    """Run each function with TRL's keyword arguments plus ``kwargs``, sync ones in order, then async
-    ones together; returns float32 ``(batch, len(funcs))``, None as NaN."""
+    """Run each function with TRL's keyword arguments plus ``kwargs``: float32 ``(batch, len(funcs))``."""
     n = len(prompts)
     out = torch.zeros(n, len(funcs), dtype=torch.float32, device=device)
     call = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **kwargs}
@@ -261,8 +244,7 @@ def weighted_sum(per_func: torch.Tensor, weights: Sequence[float] | torch.Tensor
 
 
 class RewardWarnings:
-    """Warnings about whole generation batches' rewards, each said once per run on the main process:
-    a reward that scored nothing, an infinite reward, completions no reward scored."""
+    """Warnings about a generation batch's rewards, each said once per run on the main process."""
 
     def __init__(self, names: Sequence[str], main_process: bool = True) -> None:
         self.names, self.main, self.said = list(names), main_process, set()

@@ -1,7 +1,5 @@
-"""Reward specs and sequence-classification reward models for PPO, GRPO and RLOO (TRL 1.16).
-A reward model reads completions re-encoded with its own tokenizer (GRPO/RLOO, ``reencode=True``)
-or, for PPO, the policy's ids when it shares the vocabulary (:func:`reward_model_input`); a
-combination that cannot be scored is refused with the fix."""
+"""Reward specs and sequence-classification reward models for PPO, GRPO and RLOO (TRL 1.16): how a
+reward model reads completions (:func:`reward_model_input`) and scores them."""
 
 from __future__ import annotations
 
@@ -43,13 +41,8 @@ def is_function_name(name: str) -> bool:
 
 def resolve_reward_specs(specs: Sequence[str]) -> list[RewardSpec]:
     """Every ``reward_funcs`` entry resolved and checked (functions imported, models' configs read)."""
-    out = []
-    for spec in specs:
-        if spec_kind(spec) == "function":
-            out.append(RewardSpec(spec, func=load_reward_func(spec)))
-        else:
-            out.append(reward_model_spec(spec))
-    return out
+    return [RewardSpec(spec, func=load_reward_func(spec)) if spec_kind(spec) == "function"
+            else reward_model_spec(spec) for spec in specs]
 
 
 def reward_model_spec(path: str) -> RewardSpec:
@@ -153,8 +146,8 @@ def load_reward_tokenizer(path: str) -> Any | None:
 
 def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int | None = None,
                        reencode: bool = False) -> RewardModelInput:
-    """How the reward model at ``path`` reads the policy's completions; refuses what cannot work.
-    ``policy_vocab_size`` defaults to ``len(policy_tokenizer)``; ``reencode`` always reads text."""
+    """How the reward model at ``path`` reads the policy's completions (the policy's ids only when it
+    shares the vocabulary and not ``reencode``); refuses what cannot work."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -192,8 +185,8 @@ def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int 
 
 def scorer_input(source: Any, policy_tokenizer: Any, policy_vocab: int, what: str, reencode: bool = False,
                  tokenizer: Any = None) -> RewardModelInput:
-    """:func:`reward_model_input` for a path or a model object; an object reads with ``tokenizer`` when
-    given, else as its folder, else as a model saved without a tokenizer."""
+    """As :func:`reward_model_input`, for a path or a model object (read with ``tokenizer``, else
+    as its folder)."""
     if not isinstance(source, torch.nn.Module):
         return reward_model_input(source, policy_tokenizer, policy_vocab, reencode)
     labels = getattr(source.config, "num_labels", None)
@@ -253,8 +246,7 @@ def encode_for_reward(prompts: list, completions: list[str], tokenizer: Any, dev
 
 
 def head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
-    """A decoder classifier's ``score`` head at every position, hooked during the engine's own forward
-    (calling backbone and head separately would bypass ZeRO-3's parameter gathering)."""
+    """A decoder classifier's ``score`` head at every position, hooked in the engine's forward (ZeRO-3)."""
     module = getattr(model, "module", model)
     captured: list[torch.Tensor] = []
     handle = module.score.register_forward_hook(lambda _m, _inp, out: captured.append(out))

@@ -177,8 +177,7 @@ class Rewards:
         return weighted_sum(per_func, self.weights)
 
     def metrics(self, all_per_func: torch.Tensor) -> dict[str, float]:
-        """TRL's reward metrics (``rewards/<name>/mean``/``std``, ``reward``, ``reward_std``) over a whole
-        generation batch."""
+        """TRL's reward metrics (``rewards/<name>/mean``/``std``, ``reward``, ``reward_std``) of a batch."""
         from trl.trainer.utils import nanstd
 
         m: dict[str, float] = {}

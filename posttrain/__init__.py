@@ -6,15 +6,13 @@ from posttrain.run.cache import cache_dir, torch_extensions_dir
 
 
 def _default_accelerator() -> None:
-    # DeepSpeed picks its accelerator at import; on a machine without CUDA it must be told "cpu"
-    # before anything imports it.
+    # DeepSpeed picks its accelerator at import: without CUDA it must be told "cpu" first.
     if "DS_ACCELERATOR" not in _os.environ:
         import torch
 
         if not torch.cuda.is_available():
             _os.environ["DS_ACCELERATOR"] = "cpu"
-    # DeepSpeed JIT-compiles its CPU comm op once; build it into posttrain's cache (never into
-    # site-packages), unless the user chose TORCH_EXTENSIONS_DIR.
+    # Build DeepSpeed's JIT ops into posttrain's cache, never into site-packages.
     _os.environ["TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir())
 
 

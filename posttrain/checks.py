@@ -1,7 +1,5 @@
-"""What a run is given, checked before anything is written or loaded: model folders (a config and
-weights whose safetensors headers are whole), data files, the checkpoint to resume from and a
-writable output dir (the placement is checked by ``posttrain.placement.roles``). Each failure is a ConfigError whose one
-sentence names the fix; nothing here asks the hub about a name that is plainly a local path."""
+"""What a run is given (model folders, data files, the resume checkpoint, the output dir), checked
+before anything is written or loaded; each failure is a ConfigError whose one sentence names the fix."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ def looks_local(text: str) -> bool:
 
 
 def check_model_path(name_or_path: str | os.PathLike, what: str = "model", weights: bool = True) -> None:
-    """A local model folder must hold a config and (``weights``) readable weights; a name that is
-    not a local folder must be a well-formed hub id that does not look like a path (else the hub
-    would be asked, and retried, for a typo)."""
+    """A local model folder must hold a config and (``weights``) readable weights; any other name
+    must be a well-formed hub id that does not look like a path."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     text = str(name_or_path)
@@ -50,8 +47,7 @@ def check_model_path(name_or_path: str | os.PathLike, what: str = "model", weigh
 
 
 def check_model_folder(path: Path, what: str = "model", weights: bool = True) -> None:
-    """``save_pretrained``'s output: config.json (or a PEFT adapter's adapter_config.json) and whole
-    weight files (each safetensors header read, not the tensors)."""
+    """``save_pretrained``'s output: config.json (or adapter_config.json) and whole weight files."""
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         raise ConfigError(f"{what} {str(path)!r} has no config.json: give the folder that save_pretrained wrote "
                           "(config.json beside the weights)")
@@ -76,9 +72,7 @@ def check_model_folder(path: Path, what: str = "model", weights: bool = True) ->
 
 
 def check_reward_model(name_or_path: str | os.PathLike, what: str = "reward model") -> None:
-    """A local reward model scores with one logit (``num_labels`` 1, what TRL's RewardTrainer saves).
-    Two labels (transformers' default, so also any causal LM) would give a score head of another
-    shape, or a random one; a hub id is checked when it loads."""
+    """A local reward model scores with one logit (``num_labels`` 1, as TRL's RewardTrainer saves it)."""
     path = Path(str(name_or_path)).expanduser()
     if not (path / "config.json").is_file():
         return
@@ -91,8 +85,7 @@ def check_reward_model(name_or_path: str | os.PathLike, what: str = "reward mode
 
 
 def check_safetensors(file: str | os.PathLike) -> None:
-    """A safetensors file is whole: its header (8-byte length, then JSON) parses and the last
-    tensor ends exactly at the end of the file. A copy cut short fails here, not in the load."""
+    """A safetensors file is whole: its header parses and the last tensor ends at the end of the file."""
     file = Path(file)
     size = file.stat().st_size
     fix = "copy it again or re-save the model"
@@ -129,8 +122,7 @@ def check_data_path(name: str, what: str = "--dataset_name") -> None:
 
 
 def check_resume_path(value: str | None, output_dir: str) -> None:
-    """``resume_from_checkpoint`` names a checkpoint of a run (``checkpoint-N/``, or latest), not a
-    model folder; what a checkpoint must hold is checked when the run starts from it."""
+    """``resume_from_checkpoint`` names a checkpoint (``checkpoint-N/``, or latest), not a model folder."""
     if not value or str(value).lower() in ("latest", "true"):
         return
     path = Path(value).expanduser()
@@ -143,8 +135,7 @@ def check_resume_path(value: str | None, output_dir: str) -> None:
 
 
 def check_output_dir(output_dir: str | os.PathLike) -> None:
-    """The output dir (or, if it does not exist yet, its nearest existing parent) is a writable
-    folder: a read-only one would otherwise fail only after the models load."""
+    """The output dir (or its nearest existing parent) is a writable folder."""
     path = Path(output_dir).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"output_dir {str(output_dir)!r} is a file: choose a folder with --output_dir")

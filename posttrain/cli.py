@@ -1,10 +1,6 @@
-"""``posttrain`` command line: the trainers (``posttrain sft|reward|dpo|ppo|distill|grpo|rloo``, each the
-module ``posttrain.scripts.<name>`` that examples/<name>.py runs too, with the same YAML and
-flags), ``posttrain plan`` (the memory planner) and ``posttrain accelerate-config NAME`` (the path
-of a shipped accelerate config, for launching the trainers on several processes: ``accelerate
-launch --config_file $(posttrain accelerate-config cpu_2proc) $(which posttrain) grpo``; or
-``torchrun --nproc_per_node 2 $(which posttrain) grpo``). The ZeRO-mix benchmark is not part of
-the package: ``python benchmarks/harness/harness.py`` in a clone."""
+"""``posttrain`` command line: the trainers (``posttrain sft|reward|dpo|ppo|distill|grpo|rloo``, each
+``posttrain.scripts.<name>``), ``posttrain plan`` (the memory planner) and ``posttrain
+accelerate-config NAME`` (a shipped accelerate config's path)."""
 
 from __future__ import annotations
 
@@ -92,7 +88,7 @@ def _plan_checked(argv: list[str]) -> int:
     elif args.lora_target_modules or args.lora_r != 16:
         raise ConfigError("--lora-r and --lora-target-modules plan adapters: add --use-peft")
     precisions = ["fp32", "bf16"] if args.master_weights == "both" else [args.master_weights]
-    # GRPO/RLOO's groups share a prompt; PPO and distillation decode one completion a prompt.
+    # GRPO/RLOO's groups share a prompt; PPO and distillation decode one completion per prompt.
     shared_group = None
     if args.generation_shared_prompt_kv:
         shared_group = args.num_generations if args.workload in ("grpo", "rloo") else 1

@@ -1,7 +1,5 @@
-"""A trained role without a DeepSpeed engine, for a world of one process, where ZeRO has nothing
-to partition yet still costs hooks, bucket copies and (fp32) a second copy of the model.
-:class:`PlainEngine` is TRL's one-GPU path (``transformers.Trainer`` without DeepSpeed) behind the
-engine interface the Session drives.
+"""A trained role without a DeepSpeed engine at one process, where ZeRO partitions nothing yet
+costs hooks, bucket copies and (fp32) a second model copy: TRL's one-GPU path behind the engine API.
 """
 
 from __future__ import annotations
@@ -27,13 +25,9 @@ ENGINES = ("auto", "deepspeed", "torch")
 
 def uses_torch(setting: str, *, world_size: int, trains: bool, from_mix: bool, master_weights: str,
                decoded: bool, mixed_precision: str) -> bool:
-    """Whether a role runs as a :class:`PlainEngine`.
-
-    ``auto``: at world size 1, for a trained role whose config comes from a mix, with bf16 master
-    weights always, and with fp32 ones unless the run decodes a trained role (``decoded``: the
-    rollout engine would decode fp32 weights, where DeepSpeed's run on bf16) or uses fp16 (no loss
-    scaler). ``torch`` forces it for every such role, ``deepspeed`` never uses it.
-    """
+    """Whether a role runs as a :class:`PlainEngine`. ``auto``: at world size 1, for a trained role
+    whose config comes from a mix, with bf16 master weights always, with fp32 ones unless the run
+    decodes a trained role (it would decode fp32 weights) or uses fp16 (no loss scaler)."""
     if setting == "deepspeed" or world_size != 1 or not trains or not from_mix:
         return False
     if setting == "torch" or master_weights == "bf16":
@@ -85,11 +79,8 @@ def describe(master_weights: str, mixed_precision: str) -> str:
 
 class PlainEngine(nn.Module):
     """The model and its torch optimizer, driven through DeepSpeed's engine interface.
-
-    ``master_weights`` "bf16": bf16 parameters updated in place; "fp32": the updated parameters in
-    fp32 with a bf16 autocast forward (``transformers.Trainer(bf16=True)``'s numerics). Parameters
-    the optimizer does not update (a LoRA base) are bf16 under bf16 mixed precision.
-    """
+    ``master_weights`` "bf16": bf16 parameters updated in place; "fp32": fp32 ones with a bf16
+    autocast forward. Parameters not updated (a LoRA base) are bf16 under bf16 mixed precision."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device,
                  gradient_accumulation_steps: int, gradient_clipping: float, mixed_precision: str,

@@ -1,8 +1,5 @@
-"""Roles: which models a run holds, whether each trains, and which DeepSpeed config each gets.
-
-A *mix* names the usual placements: the trained roles get one config and the frozen roles
-another. A YAML file can name a mix, map roles to configs, or both (the map overrides the mix).
-"""
+"""Roles: which models a run holds, whether each trains, and which DeepSpeed config each gets (a
+*mix* gives the trained roles one config and the frozen roles another; per-role configs override)."""
 
 from __future__ import annotations
 
@@ -26,8 +23,8 @@ class Role:
     trains: bool = False
     # Frozen ZeRO-3 roles: keep DeepSpeed's memory-efficient linear (process-wide, slows the policy).
     memory_efficient_linear: bool = field(default=False, repr=False)
-    # Frozen ZeRO-3 roles: posttrain.placement.frozen takes over the gathering. None: wherever it
-    # applies (not offloaded); False: DeepSpeed's own; True: required (an error where it cannot).
+    # Frozen ZeRO-3 roles: posttrain.placement.frozen gathers (None: where it applies; False: off;
+    # True: required).
     fast_frozen: bool | None = None
     # The config came from a mix: at one process the Session may simplify it (dsconfig.one_rank).
     from_mix: bool = field(default=False, repr=False)
@@ -51,8 +48,7 @@ MIXES: dict[str, tuple[str, str]] = {
 # Mixes whose frozen roles keep DeepSpeed's gathering: Role(fast_frozen=False).
 STOCK_GATHER_MIXES = {"zero2-zero3-stock"}
 DEFAULT_MIX = "zero2-zero3"
-# Each trainer's trained roles, the frozen ones it may hold, and those its rollout engine always
-# decodes; the planner reads it without importing any trainer.
+# Each trainer's trained, possible frozen, and always-decoded roles (the planner imports no trainer).
 TRAINER_ROLES: dict[str, dict[str, list[str]]] = {
     "dpo": {"trained": ["policy"], "frozen": ["reference"]},  # with use_peft, no reference role
     # With use_peft, no reference role; the reward role only with a reward model.

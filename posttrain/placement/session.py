@@ -1,9 +1,6 @@
-"""The Session: owns the Accelerator(s) and every role's DeepSpeed engine.
-
-Each role has its own named plugin, and is loaded and prepared while it is active (a ZeRO-3 role
-partitioned by zero.Init beside a ZeRO-2 one), and its own Accelerator, so that ``backward``,
-``get_state_dict`` and ``save_state`` see exactly one engine (shared/knowledge/multi-plugin-facts.md).
-"""
+"""The Session: owns the Accelerator(s) and every role's DeepSpeed engine. Each role is loaded and
+prepared under its own named plugin and has its own Accelerator, so that ``backward`` and saving
+see exactly one engine (shared/knowledge/multi-plugin-facts.md)."""
 
 from __future__ import annotations
 

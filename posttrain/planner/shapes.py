@@ -1,6 +1,5 @@
-"""Model shapes for the planner and the benchmarks: Llama-shaped presets, configs from presets,
-hub names or local paths, parameter counts from a model built on the meta device, and the
-parameters peft's LoRA adapters add."""
+"""Model shapes for the planner and the benchmarks: Llama-shaped presets, configs, parameter counts
+from the meta device, and the parameters peft's LoRA adapters add."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def resolve_shape(spec: str, what: str = "--shape") -> str:
-    """A preset's name in any case ("1B" is "1b"), or a model folder or hub id, checked before the
-    hub is asked: a size that is not a preset, or a local path that does not exist, is refused."""
+    """A preset's name in any case, or a model folder or hub id (checked before the hub is asked)."""
     from posttrain.checks import check_model_path
 
     if spec.lower() in SHAPES:
@@ -49,9 +47,7 @@ def resolve_shape(spec: str, what: str = "--shape") -> str:
 
 def model_config(spec: str, kind: str = "causal", vocab_size: int | None = None) -> Any:
     """A transformers config: a preset from :data:`SHAPES`, or a hub name / local path.
-
-    ``vocab_size`` replaces the vocabulary: models of one run share a tokenizer, so a smaller value
-    or reward model takes the policy's."""
+    ``vocab_size`` replaces the vocabulary (models of one run share a tokenizer)."""
     from transformers import AutoConfig, LlamaConfig
 
     if spec in SHAPES:
@@ -131,11 +127,8 @@ class Lora:
 
 @functools.lru_cache(maxsize=64)
 def adapter_params(spec: str, kind: str, lora: Lora, vocab_size: int | None = None) -> int:
-    """Trainable parameters peft gives the model: ``r * (in + out)`` per targeted linear layer (an
-    embedding: ``r * (rows + dim)``), chosen by peft's rule (None: its table by model type;
-    "all-linear": every linear layer but the output embedding, or a classifier's head; names: a
-    module whose name is, or ends with ".", one of them), plus a classifier's head, which peft
-    trains in full (``modules_to_save``)."""
+    """Trainable parameters peft gives the model: ``r * (in + out)`` per adapted linear layer
+    (``r * (rows + dim)`` per embedding), plus a classifier's head, which peft trains in full."""
     from peft.utils.constants import SEQ_CLS_HEAD_NAMES
     from torch import nn
     from transformers.pytorch_utils import Conv1D
@@ -166,7 +159,8 @@ def _default_targets(model: Any) -> Any:
 
 
 def _adapted(model: Any, targets: Any, saved: list[str]) -> Any:
-    """The modules peft puts adapters on (see :func:`adapter_params`)."""
+    """The modules peft puts adapters on: "all-linear" every linear layer but the output embedding,
+    else a module whose name is one of ``targets`` or ends with "." and one; never ``saved`` heads."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
@@ -184,8 +178,8 @@ def _adapted(model: Any, targets: Any, saved: list[str]) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def merged_adapter_params(spec: str, lora: Lora, vocab_size: int | None = None) -> int:
-    """Weights the rollout engine keeps merged (W + scaling * B A, its default ``lora_mode``) for a
-    causal policy with these adapters: every adapted linear layer's weight once more."""
+    """Weights the rollout engine keeps merged (its default ``lora_mode``): every adapted linear
+    layer's weight once more."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 

@@ -1,8 +1,6 @@
-"""A fast forward for frozen ZeRO-3 models: one prefetched gather per layer into flat buffers.
-
-:func:`take_over` keeps a prepared inference-only ZeRO-3 engine and replaces how its parameters are
-stored and gathered (DeepSpeed's per-parameter bookkeeping dominates a frozen forward). Transport:
-``POSTTRAIN_FROZEN_TRANSPORT`` = auto (p2p on one host with CUDA, else nccl), p2p or nccl.
+"""A fast forward for frozen ZeRO-3 models: :func:`take_over` replaces a prepared engine's gathering
+(whose per-parameter bookkeeping dominates a frozen forward) with one prefetched gather per layer into
+flat buffers. ``POSTTRAIN_FROZEN_TRANSPORT``: auto (p2p on one host with CUDA, else nccl), p2p or nccl.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_ALIGN_BYTES = 128
+_ALIGN_BYTES = 128  # each parameter's offset in a flat vector: its views keep fast kernels' alignment
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -198,7 +196,7 @@ class _Group:
 
 class _PeerMemory:
     """Every group's shard in one symmetric-memory buffer per rank, mapped by every rank of the
-    host, so a rank reads the others' shards with plain device copies."""
+    host: a rank reads the others' shards with device copies, which take no SMs from the forward."""
 
     def __init__(self, groups: list[_Group], process_group: Any, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem

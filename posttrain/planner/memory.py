@@ -1,7 +1,5 @@
-"""Memory planner: per-GPU memory of every role under a mix, and the fastest mix that fits.
-
-Model states come from DeepSpeed's own estimators; on top of them sits the largest transient of
-any phase (saved activations, a frozen forward's working set, generation's KV cache), from
+"""Memory planner: per-GPU memory of every role under a mix, and the fastest mix that fits. Model
+states come from DeepSpeed's estimators; on top sits the largest transient of any phase, from
 per-token coefficients for a Llama-shaped model under bf16 with SDPA attention.
 """
 

@@ -1,15 +1,6 @@
-"""Settings for the scripts, parsed in one place: a YAML (``--config``) plus flags, TRL's way.
-
-Which YAML applies:
-
-- ``--config FILE``: that file; flags override it.
-- no ``--config`` and no model named: the script's demo settings (``posttrain/scripts/demo/<name>.yaml``,
-  also reachable as ``configs/<name>.yaml`` in a clone), tuned for the built-in tiny default.
-- no ``--config`` and a model named (``--model_name_or_path``): the dataclasses' defaults, which are
-  TRL's where the concept is the same, plus flags. A user's model never gets the demo's settings.
-
-Unknown flags and YAML keys are refused with the nearest known name. The effective settings are
-printed once (rank 0) and the trainer writes them to ``<output_dir>/posttrain_config.json``.
+"""The scripts' settings, TRL's way: ``--config FILE`` plus flags; with no config and no model named,
+the script's demo YAML (``posttrain/scripts/demo/<name>.yaml``); with a model, the dataclasses'
+defaults. Unknown names are refused with the nearest known one.
 """
 
 from __future__ import annotations
@@ -35,19 +26,15 @@ DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
 
 def demo_config(name: str) -> Path:
-    """The demo settings of script ``name`` (shipped in the package)."""
+    """The demo settings of script ``name``."""
     return DEMO_DIR / f"{name}.yaml"
 
 
-def parse_config(
-    dataclass_types: Any,
-    demo: str | os.PathLike | None = None,
-    argv: Sequence[str] | None = None,
-    model_fields: Sequence[str] = ("model_name_or_path",),
-    prog: str | None = None,
-) -> tuple:
-    """Instances of ``dataclass_types`` from ``--config`` (or the demo YAML when none of
-    ``model_fields`` is set) and flags; see the module docstring for which YAML applies."""
+def parse_config(dataclass_types: Any, demo: str | os.PathLike | None = None,
+                 argv: Sequence[str] | None = None, model_fields: Sequence[str] = ("model_name_or_path",),
+                 prog: str | None = None) -> tuple:
+    """Instances of ``dataclass_types`` from ``--config`` (or ``demo`` when none of ``model_fields``
+    is set) and flags; prints the settings once."""
     types = list(dataclass_types) if isinstance(dataclass_types, (list, tuple)) else [dataclass_types]
     argv = _split_config_flag(list(sys.argv[1:] if argv is None else argv))
     config = argv.pop(argv.index("--config") + 1) if "--config" in argv else None
@@ -56,7 +43,6 @@ def parse_config(
     source = f"--config {config}" if config else "defaults (TRL's where the concept is the same) and flags"
     outputs = _parse(types, config, argv, prog)
     if config is None and demo is not None and not any(getattr(o, f, None) for o in outputs for f in model_fields):
-        # The built-in tiny default: its demo settings, under the same flags.
         outputs = _parse(types, str(demo), argv, prog)
         source = f"the built-in tiny default's demo settings ({_shown_path(demo)}) and flags"
     check_inputs(outputs)
@@ -81,8 +67,7 @@ def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -
         "--config FILE: a YAML of settings, which the flags below override. Without it, a run with no model "
         "takes the built-in tiny default's demo settings, a run with your model the defaults shown."))
     known = {s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")}
-    # argparse takes "-1e-3" for a flag ("expected one argument"): its pattern for negative numbers
-    # misses exponents before Python 3.14 (gh-124693), whose pattern this is. No flag here looks like a number.
+    # argparse takes "-1e-3" for a flag before Python 3.14 (gh-124693); this is 3.14's pattern.
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
     if config is not None:
         path = Path(config)
@@ -108,8 +93,8 @@ def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -
     return tuple(outputs)
 
 
-# Settings posttrain renamed, with their names now (difflib would pick another one).
-RENAMED = {"dataset_split": "dataset_train_split"}  # GRPO/PPO's prompt split, now TRL's ScriptArguments'
+# Renamed settings, with their names now (difflib would pick another one).
+RENAMED = {"dataset_split": "dataset_train_split"}
 
 
 def _nearest(name: str, known: set[str], prefix: str = "") -> str:
@@ -123,8 +108,7 @@ def _nearest(name: str, known: set[str], prefix: str = "") -> str:
 
 
 def _coerce(parser: Any, values: dict) -> dict:
-    """YAML leaves ``1e-3`` (no dot) a string; convert such scalars with the flag's own type, as
-    argparse does for the command line, so a YAML and a flag give the same value."""
+    """Convert YAML strings such as ``1e-3`` with the flag's own type, so a YAML and a flag agree."""
     types = {a.dest: a.type for a in parser._actions if callable(a.type)}
     out = {}
     for key, value in values.items():
@@ -144,8 +128,7 @@ KEY_SETTINGS = ("model_name_or_path", "dataset_name", "learning_rate", "per_devi
 
 
 def describe(outputs: Sequence[Any], source: str, prog: str | None = None) -> str:
-    """A compact view of the settings: where they come from, the key ones, and every other value
-    that differs from its dataclass default (the trainer writes all of them to <output_dir>/posttrain_config.json)."""
+    """The settings' source, the key ones, and every other value that differs from its default."""
     values, changed, output_dir = {}, [], None
     for obj in outputs:
         for f in fields(obj):
@@ -159,16 +142,15 @@ def describe(outputs: Sequence[Any], source: str, prog: str | None = None) -> st
     key = [f"{k}={values[k]}" for k in KEY_SETTINGS if k in values and values[k] is not None]
     head = f"{prog or 'posttrain'}: settings from {source}"
     if output_dir:
-        head += f"; all of them go to {output_dir}/posttrain_config.json"  # record_script_arguments: the rest
+        head += f"; all of them go to {output_dir}/posttrain_config.json"
     body = textwrap.fill(" ".join(key + changed), width=108, initial_indent="  ", subsequent_indent="  ",
                          break_on_hyphens=False)
     return f"{head}\n{body}"
 
 
 def record_script_arguments(output_dir: str | os.PathLike, *arguments: Any) -> None:
-    """Add the script's own dataclasses (TRL's ScriptArguments, the data's arguments: what the run
-    trained on) to the trainer's ``posttrain_config.json``, under "script_arguments". The trainer
-    writes that file when training starts; a script calls this after it ends (main process)."""
+    """Add the script's own dataclasses to the trainer's ``posttrain_config.json`` under
+    "script_arguments"; call it after training, on the main process."""
     from posttrain.run.output_dir import SETTINGS_FILE
 
     path = Path(output_dir) / SETTINGS_FILE
@@ -190,8 +172,7 @@ def _is_main_process() -> bool:
 
 
 def check_model_paths(outputs: Sequence[Any]) -> None:
-    """Every model setting (``*model_name_or_path``, ``*model_path``) names a model folder (a config
-    and whole weights) or a well-formed hub id, checked before any tokenizer or process group is built."""
+    """Check that every ``*model_name_or_path``/``*model_path`` names a model folder or a hub id."""
     for obj in outputs:
         for f in fields(obj):
             value = getattr(obj, f.name)
@@ -202,10 +183,8 @@ def check_model_paths(outputs: Sequence[Any]) -> None:
 
 
 def check_inputs(outputs: Sequence[Any]) -> None:
-    """What the run is given, before anything is written or loaded: model paths, a dataset that is
-    a local path (not a stream), the placement (mix, role configs), the checkpoint to resume from
-    and a writable output dir (posttrain.checks and posttrain.placement.roles; the trainers repeat
-    the last three for Python callers)."""
+    """Check what the run is given before anything is written or loaded: model and data paths,
+    placement, the checkpoint to resume from and the output dir."""
     check_model_paths(outputs)
     values = {f.name: getattr(o, f.name) for o in outputs for f in fields(o)}
     if values.get("dataset_streaming"):  # TRL's ScriptArguments flag: the trainers take whole datasets
@@ -221,8 +200,7 @@ def check_inputs(outputs: Sequence[Any]) -> None:
 
 
 def require_dataset(outputs: Sequence[Any], model_fields: Sequence[str] = ("model_name_or_path",)) -> None:
-    """A run on your own model needs your data: without ``--dataset_name`` it would train on the
-    bundled synthetic data made for the tiny default."""
+    """Refuse a named model without ``--dataset_name`` (the bundled data is made for the tiny default)."""
     values = {f.name: getattr(o, f.name) for o in outputs for f in fields(o)}
     named = [f for f in model_fields if values.get(f)]
     if named and not values.get("dataset_name"):
@@ -232,14 +210,13 @@ def require_dataset(outputs: Sequence[Any], model_fields: Sequence[str] = ("mode
 
 
 def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | None = None) -> int:
-    """Run a script's ``main``: bad settings or data end it with their one sentence and exit status
-    2, not a traceback (:func:`report_error`); Ctrl-C with one line saying how to resume and status
-    130 (``posttrain.run.interrupt``)."""
+    """Run a script's ``main``: a ConfigError ends it with one sentence and status 2, Ctrl-C with a
+    line saying how to resume and status 130."""
     from posttrain.run import interrupt
 
     interrupt.install()
     try:
-        check_launch()  # before anything: a multi-process launch that started one process
+        check_launch()  # a multi-process launch that started one process
         main(None if argv is None else list(argv))
     except ConfigError as err:
         return report_error(err)
@@ -254,26 +231,22 @@ def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | No
     return 0
 
 
-# How long a rank other than 0 waits before it reports a bad input itself. Every rank checks the
-# same input, so rank 0 fails too and its launcher stops the others when it sees that (torchrun and
-# accelerate poll every 0.1 s); a rank still alive after this failed alone and must speak.
+# How long a rank other than 0 waits before reporting a bad input itself: rank 0 normally fails too
+# and its launcher stops the others; a rank still alive after this failed alone.
 OTHER_RANKS_WAIT_S = 10.0
 
 
 def report_error(err: Exception) -> int:
-    """The sentence once: rank 0 says it, other ranks only if rank 0 did not fail (see above).
-    Under torchrun or accelerate launch it goes into the launcher's error file instead of stderr,
-    so the launcher's failure block (which always follows a failed rank) ends with it as the root
-    cause rather than "To enable traceback see ..."; elsewhere it goes to stderr. Returns 2."""
+    """Say the sentence once (rank 0, or another rank that failed alone), in the launcher's error
+    file when there is one so that its failure report ends with it, else on stderr. Returns 2."""
     message = f"error: {err}"
     rank = int(os.environ.get("RANK", "0"))
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        # After an error the ranks are not in step: no exit barrier (posttrain.placement.session's atexit one).
+        # After an error the ranks are not in step: no exit barrier.
         torch.distributed.destroy_process_group()
     if rank != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # The launcher stops this rank with a signal once rank 0 has failed: a plain, silent end
-        # (posttrain.run.interrupt's handler would turn it into an interrupt report and a traceback).
+        # The launcher's signal once rank 0 has failed: a silent end, not an interrupt report.
         import signal
 
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -286,11 +259,8 @@ def report_error(err: Exception) -> int:
 
 
 def _write_launcher_error_file(message: str) -> bool:
-    """Write ``message`` where torch.distributed.elastic's agent reads a failed worker's error
-    (``TORCHELASTIC_ERROR_FILE``, in the format of its ``ErrorHandler.record_exception``); False
-    when there is no such file (no elastic launcher) or it cannot be written."""
-    import json
-
+    """Write ``message`` to ``TORCHELASTIC_ERROR_FILE`` as torch elastic's ``ErrorHandler`` does;
+    False when there is none or it cannot be written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False

@@ -1,6 +1,4 @@
-"""A script's training and held-out data from ``--dataset_name``, TRL's way: the train split, and
-for evaluation the dataset's test split or, with ``--test_split_size``, part of the train split;
-without a dataset the script's bundled demo rows."""
+"""A script's training and held-out data: ``--dataset_name``'s splits (TRL's way) or the bundled rows."""
 
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ Trainer = TypeVar("Trainer")
 
 def load_train_eval(script: ScriptArguments, test_split_size: float, cfg: TrainConfig,
                     check: Callable[[Any, str], None] | None = None) -> tuple[Any, Any]:
-    """(train, eval) ``datasets.Dataset``s; eval is None under ``eval_strategy: no`` (TRL's scripts
-    pass none then) or when there is nothing to evaluate on, which is said in one line. ``check``
-    validates each split's rows (it gets the dataset and a name for messages)."""
+    """(train, eval) datasets: eval is the test split or, with ``test_split_size``, part of train;
+    None under ``eval_strategy: no`` or when there is none. ``check(dataset, name)`` validates each."""
     name = script.dataset_name
     train = load_dataset_source(name, script.dataset_train_split, script.dataset_config)
     if check is not None:
@@ -34,7 +31,7 @@ def load_train_eval(script: ScriptArguments, test_split_size: float, cfg: TrainC
         return train, None
     if test_split_size:
         size = int(test_split_size) if test_split_size >= 1 else test_split_size
-        split = train.train_test_split(test_size=size, seed=cfg.seed)  # `datasets`' own split
+        split = train.train_test_split(test_size=size, seed=cfg.seed)
         return split["train"], split["test"]
     try:
         test = load_dataset_source(name, script.dataset_test_split, script.dataset_config)
@@ -50,7 +47,7 @@ def load_train_eval(script: ScriptArguments, test_split_size: float, cfg: TrainC
 
 
 def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
-    """``eval_strategy: epoch`` as a number of optimizer steps (one pass over ``rows`` training rows)."""
+    """``eval_strategy: epoch`` as a number of optimizer steps over ``rows`` training rows."""
     from posttrain.placement.ranks import world_size
 
     world = world_size()
@@ -60,13 +57,8 @@ def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
 def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, script: ScriptArguments,
                     test_split_size: float, bundled: Callable[[], tuple[list[dict], list[dict]]],
                     check: Callable[[Any, str], None] | None = None, model: Any = None) -> tuple[Trainer, dict]:
-    """A rows trainer (SFT, reward, DPO) on the script's data, given ``model`` (None: the config's
-    ``model_name_or_path``), and its held-out metrics before training ({} when nothing is evaluated).
-
-    The data: ``--dataset_name``'s splits (:func:`load_train_eval`, ``check`` validating them) or,
-    with no dataset, the (train, held-out) rows ``bundled()`` builds in memory: nothing is written
-    before the output dir is checked and held, and every rank builds the same rows. Under
-    ``eval_strategy: epoch`` evaluation runs once per pass over the trainer's rows."""
+    """A rows trainer (SFT, reward, DPO) on ``--dataset_name``'s splits or the rows ``bundled()``
+    builds, and its held-out metrics before training ({} when nothing is evaluated)."""
     if script.dataset_name is None:
         from datasets import Dataset
 
@@ -82,8 +74,7 @@ def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, scrip
 
 
 def bundled_pairs(train_size: int, eval_size: int) -> tuple[list[dict], list[dict]]:
-    """The bundled synthetic preference pairs (DPO's and reward's data without a dataset) as (train,
-    held-out) rows; the held-out ones are another seed."""
+    """The bundled synthetic preference pairs as (train, held-out) rows, the latter of another seed."""
     return synthetic.preference_pairs(train_size, seed=0), synthetic.preference_pairs(eval_size, seed=1)
 
 
@@ -93,23 +84,19 @@ BUNDLED_PROMPTS = "posttrain's bundled synthetic prompts"
 
 @dataclass
 class PromptArguments:
-    """Beside TRL's ScriptArguments (dataset_name, dataset_train_split, ...) in ``posttrain grpo``,
-    ``rloo`` and ``ppo``."""
+    """Beside TRL's ScriptArguments in ``posttrain grpo``, ``rloo`` and ``ppo``."""
 
     num_prompts: int = 2048  # bundled prompts (no dataset_name)
 
 
 def bundled_prompts(count: int, seed: int = 42) -> list[dict]:
-    """The tiny default's bundled prompts (openings of its sentences) as rows with a "prompt"; the
-    default seed is the trainers' (TrainConfig.seed)."""
+    """The tiny default's bundled prompts as rows with a "prompt"."""
     return [{"prompt": p} for p in synthetic.prompts(count, seed=seed)]
 
 
 def load_prompts(script: ScriptArguments, num_prompts: int, seed: int, algorithm: str) -> tuple[list[dict], str]:
-    """The online scripts' prompt rows and what the model card calls them: ``--dataset_name``'s
-    ``dataset_train_split`` (a hub name, a local json/jsonl/parquet/csv file or a saved dataset
-    folder), its rows checked under the dataset's name before any model loads, or without a
-    dataset ``num_prompts`` bundled prompts drawn with the run's seed."""
+    """The online scripts' prompt rows (``--dataset_name``'s train split, checked, or ``num_prompts``
+    bundled ones) and what the model card calls them."""
     from posttrain.data.prompts import check_prompt_rows
 
     if script.dataset_name is None:

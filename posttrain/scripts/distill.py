@@ -1,13 +1,6 @@
-"""``posttrain distill`` (and examples/distill.py): knowledge distillation, the student training
-under ZeRO-2 while the teacher is sharded with ZeRO-3.
-
-With no model named it runs the built-in tiny default under the demo settings
-(posttrain/scripts/demo/distill.yaml): it first trains a tiny teacher (a wider, deeper tiny Llama)
-on the bundled text and caches it; then the tiny student, from random weights, learns from it on
-the bundled lines, and the run reports the student-teacher divergence on held-out lines before and
-after. A real run names both models (``--model_name_or_path``, ``--teacher_model_name_or_path``;
-one vocabulary) and a dataset of prompt-completion rows (``--dataset_name``), under DistillConfig's
-defaults or ``--config FILE``.
+"""``posttrain distill``: knowledge distillation. With no model named, a tiny teacher is trained (once,
+cached) on the bundled text and distilled into the tiny student; a real run names both models and a
+prompt-completion ``--dataset_name``.
 """
 
 from __future__ import annotations
@@ -47,8 +40,7 @@ class TeacherArguments:
     teacher_batch_size: int = 16
     heldout_lines: int = 400  # the corpus's last lines; those also in the training lines are dropped
     prompt_words: int = 2  # each line's first words prompt the rest
-    # A named dataset without a test split: hold out this fraction (or number, if >= 1) of its rows.
-    test_split_size: float = 0.0
+    test_split_size: float = 0.0  # held out of train (a fraction, or rows if >= 1) without a test split
 
 
 def split(lines: list[str], prompt_words: int) -> list[dict[str, str]]:
@@ -69,7 +61,7 @@ def tiny_teacher(args: TeacherArguments, lines: list[str], seed: int) -> tuple[P
     cfg = MultiConfig(output_dir=str(path.parent / f"{path.name}-run"), learning_rate=args.teacher_learning_rate,
                       warmup_steps=args.teacher_steps // 10, max_steps=args.teacher_steps, seed=seed,
                       per_device_train_batch_size=args.teacher_batch_size,
-                      overwrite_output_dir=True)  # a build that died midway starts over
+                      overwrite_output_dir=True)
     start = tiny.model_path("causal", seed=seed + 1, **args.teacher_shape)
     trainer = MultiTrainer(cfg, {"teacher": Task(start, lines, text_collate(tok), tokenizer=tok)})
     history = trainer.train()
@@ -116,7 +108,6 @@ def main(argv: list[str] | None = None) -> None:
     train_rows, eval_rows = load_rows(script, targs, cfg)
     if eval_rows is not None and cfg.eval_strategy == "epoch":
         cfg.eval_steps = eval_steps_per_epoch(len(train_rows), cfg)
-    # No student named: the built-in tiny default's, from random weights.
     student = str(tiny.model_path()) if cfg.model_name_or_path is None else None
     trainer = DistillTrainer(cfg, train_rows, eval_rows, model=student)
     before = []
@@ -126,13 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     final = trainer.save_model()
     if not trainer.session.is_main_process:
         return
-    # The card written at the end of training cannot know the data (the trainer takes rows): name it.
+    # The card written at the end of training cannot know the data: name it.
     write_model_card(cfg.output_dir, cfg, "distill", trainer.session,
                      dataset_name=script.dataset_name or "lines of posttrain's bundled text")
     record_script_arguments(cfg.output_dir, script, targs)
     evals = before + [h for h in history if "eval/forward_kl" in h]
     summary = {
-        "heldout_lines": len(eval_rows or []),  # held-out rows (lines of the bundled text)
+        "heldout_lines": len(eval_rows or []),
         "teacher": cfg.teacher_model_name_or_path,
         "teacher_lm_loss": teacher_losses,
         "placement": {"student": trainer.session.zero_stage("student"),

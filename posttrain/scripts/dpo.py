@@ -1,10 +1,5 @@
-"""``posttrain dpo`` (and examples/dpo.py): DPO with the policy and the reference on their own
-DeepSpeed plugins.
-
-With no model it trains the built-in tiny default on bundled synthetic preference pairs under the
-demo settings (posttrain/scripts/demo/dpo.yaml) and reports held-out reward accuracy. With
-``--model_name_or_path`` and ``--dataset_name`` (a hub name or a local json/jsonl/parquet/csv file)
-TRL's DPOConfig defaults apply, as in ``trl dpo``; ``--config FILE`` gives settings of your own.
+"""``posttrain dpo``: DPO. With no model, the built-in tiny default on bundled preference pairs under
+the demo settings; with ``--model_name_or_path`` and ``--dataset_name``, as ``trl dpo``.
 """
 
 from __future__ import annotations

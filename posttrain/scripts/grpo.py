@@ -1,13 +1,5 @@
-"""``posttrain grpo`` (and examples/grpo.py): GRPO with a ZeRO-2 policy, a ZeRO-3 reference (none
-at ``beta: 0``, TRL's default) and reward models as ZeRO-3 roles of their own.
-
-With no model it runs on the built-in tiny default (a tiny policy fine-tuned on bundled text; the
-bundled reward function counts positive adjectives) under the demo settings
-(posttrain/scripts/demo/grpo.yaml), on ``--num_prompts`` bundled prompts. With ``--model_name_or_path``,
-``--reward_funcs`` and ``--dataset_name`` (TRL's ScriptArguments: a hub name or a local
-json/jsonl/parquet/csv file with a "prompt" column; its ``--dataset_train_split``) the GRPOConfig
-defaults apply (TRL 1.16's); ``--config FILE`` gives your own.
-``--use_peft`` (with TRL's ``lora_*`` flags) trains LoRA adapters, with the base as the reference.
+"""``posttrain grpo``: GRPO. With no model, the built-in tiny default and its bundled reward under the
+demo settings; else ``--model_name_or_path``, ``--reward_funcs`` and ``--dataset_name`` (a "prompt" column).
 """
 
 from __future__ import annotations
@@ -35,10 +27,8 @@ PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
 
 
 def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
-    """The run's summary: mean reward over the first and last tenth of the logged rows that
-    sampled (a row of steps that reused an earlier generation batch has no reward, as in TRL),
-    time per phase. ``history`` is the whole run's (after a resume too); ``seconds`` is this
-    process's wall time, so after a resume only the resumed part's."""
+    """Mean reward over the first and last tenth of the rows that sampled, and time per phase;
+    ``seconds`` is this process's wall time."""
     scored = [h["reward"] for h in history if isinstance(h.get("reward"), float) and math.isfinite(h["reward"])]
     tenth = max(1, len(scored) // 10)
     first = sum(scored[:tenth]) / tenth if scored else math.nan
@@ -50,8 +40,7 @@ def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
 
 
 def demo_models(cfg: GRPOConfig) -> dict:
-    """What the trainer is given when no model is named: the built-in tiny default's policy and,
-    unless a reward is named, its bundled reward function."""
+    """The tiny default's policy and, unless a reward is named, its reward, when no model is named."""
     if cfg.model_name_or_path is not None:
         return {}
     named = cfg.reward_funcs or cfg.reward_model_name_or_path
@@ -69,11 +58,10 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
     prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
     trainer = trainer_cls(cfg, train_dataset=prompts, **demo_models(cfg))
     history = trainer.train()
-    final = trainer.save_model()  # the output dir itself, as TRL
+    final = trainer.save_model()
     if not trainer.session.is_main_process:
         return
-    # The card written at the end of training cannot know the data (the trainer takes rows): name it,
-    # after the save (as the rows scripts: a peft save would rewrite the card's tags).
+    # Name the data in the card, after the save (a peft save rewrites the card's tags).
     write_model_card(cfg.output_dir, cfg, name, trainer.session, dataset_name=dataset_name)
     record_script_arguments(cfg.output_dir, script, data)
     if history:

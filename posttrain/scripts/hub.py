@@ -1,5 +1,4 @@
-"""``--push_to_hub``: the final model to the Hugging Face Hub with ``huggingface_hub``, as
-``transformers.Trainer.push_to_hub`` does (create the repo if needed, upload the folder)."""
+"""``--push_to_hub``: upload the final model as ``transformers.Trainer.push_to_hub`` does."""
 
 from __future__ import annotations
 
@@ -9,10 +8,7 @@ from pathlib import Path
 from posttrain.run.output_dir import LOCK_FILE
 from posttrain.trainers.config import TrainConfig
 
-# What the run's output dir adds beside the model: the model card and learning curves, when written.
-RUN_FILES = ["README.md", "*.png"]
-# Left out of an upload of the output dir (the model is at its top): Trainer.push_to_hub's
-# patterns (checkpoints, private files) and the run's lock.
+RUN_FILES = ["README.md", "*.png"]  # the model card and learning curves
 IGNORED = ["_*", "checkpoint-*", LOCK_FILE]
 
 
@@ -22,9 +18,8 @@ def hub_repo_id(cfg: TrainConfig) -> str:
 
 
 def push_to_hub(cfg: TrainConfig, model_dir: str | os.PathLike, commit_message: str = "End of training") -> str:
-    """Upload ``model_dir`` (a ``from_pretrained`` folder: the output dir itself after training)
-    as the repo's root, checkpoints left out, plus the run's model card and plots from the output
-    dir when the model is elsewhere; returns the repo's URL. Call it on the main process only."""
+    """Upload ``model_dir`` as the repo's root without checkpoints (plus the output dir's card and plots
+    when the model is elsewhere); returns the repo's URL. Main process only."""
     from huggingface_hub import HfApi
 
     api = HfApi()

@@ -1,12 +1,5 @@
-"""``posttrain ppo`` (and examples/ppo.py): PPO with a ZeRO-2 policy and value model and ZeRO-3
-reference and reward models.
-
-With no model it runs on the built-in tiny default (a tiny policy fine-tuned on bundled text and a
-tiny reward model trained on bundled preferences for positive adjectives) under the demo settings
-(posttrain/scripts/demo/ppo.yaml), on ``--num_prompts`` bundled prompts. With ``--model_name_or_path``,
-``--reward_model_path`` and ``--dataset_name`` (TRL's ScriptArguments: a hub name or a local
-json/jsonl/parquet/csv file with a "prompt" column; its ``--dataset_train_split``) the PPOConfig
-defaults apply (TRL's, up to 1.12); ``--config FILE`` gives your own.
+"""``posttrain ppo``: PPO. With no model, the built-in tiny policy and reward model under the demo
+settings; else ``--model_name_or_path``, ``--reward_model_path`` and ``--dataset_name``.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
 
 def summarize(history: list[dict], cfg: PPOConfig) -> dict:
-    """The run's summary: mean score over the first and last tenth of the updates, time per phase;
-    ``history`` is the whole run's, after a resume too."""
+    """Mean score over the first and last tenth of the updates, and time per phase."""
     rows = [h for h in history if "objective/scores" in h]
     tenth = max(1, len(rows) // 10)
     first = sum(h["objective/scores"] for h in rows[:tenth]) / tenth
@@ -53,8 +45,7 @@ def saved_as(cfg: LoraFields) -> str:
 
 
 def demo_models(cfg: PPOConfig) -> dict:
-    """What the trainer is given when no model is named: the built-in tiny default's policy and,
-    unless a reward model is named, its tiny reward model."""
+    """The tiny default's policy and, unless one is named, reward model, when no model is named."""
     if cfg.model_name_or_path is not None:
         return {}
     reward = {} if cfg.reward_model_path else {"reward_model": str(tiny.reward_model_path())}
@@ -68,11 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
     trainer = PPOTrainer(cfg, train_dataset=prompts, **demo_models(cfg))
     history = trainer.train()
-    final = trainer.save_model()  # the output dir itself, as TRL; the value model in value/
+    final = trainer.save_model()  # the value model in value/
     if not trainer.session.is_main_process:
         return
-    # The card written at the end of training cannot know the data (the trainer takes rows): name it,
-    # after the save (as the rows scripts: a peft save would rewrite the card's tags).
+    # Name the data in the card, after the save (a peft save rewrites the card's tags).
     write_model_card(cfg.output_dir, cfg, "ppo", trainer.session, dataset_name=dataset_name)
     record_script_arguments(cfg.output_dir, script, data)
     if history:

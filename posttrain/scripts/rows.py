@@ -1,9 +1,5 @@
-"""The run the commands that train on rows (``posttrain sft|reward|dpo``) share, in TRL's scripts'
-order: parse the settings, check the data, build the trainer on its data (``--dataset_name``'s
-splits or the bundled rows) and evaluate it, train, save the model at the top of the output dir;
-then, on the main process, the held-out metrics before -> after, ``summary.json``, the model card
-naming the data, and the upload. Reward's and DPO's bundled data are the same preference pairs,
-so they share their data flags too.
+"""The run ``posttrain sft|reward|dpo`` share, in TRL's scripts' order: parse, build the trainer on its
+data, evaluate, train, save; then held-out metrics before -> after, ``summary.json``, card and upload.
 """
 
 from __future__ import annotations
@@ -26,9 +22,7 @@ from posttrain.scripts.hub import push_to_hub
 class PairArguments:
     """Beside TRL's ScriptArguments (dataset_name, dataset_train_split, dataset_test_split, ...)."""
 
-    # Hold out this fraction of the training split (or this many rows, if >= 1) for evaluation, when
-    # the dataset has no test split (a single file has only "train").
-    test_split_size: float = 0.0
+    test_split_size: float = 0.0  # held out of train (a fraction, or rows if >= 1) without a test split
     synthetic_train_size: int = 512  # bundled pairs (no dataset_name)
     synthetic_eval_size: int = 128
     bundled_name: ClassVar[str] = "posttrain's bundled synthetic preference pairs"  # in the model card
@@ -41,14 +35,9 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
         demo_model: Callable[[], Any], metrics: tuple[str, ...], saved: str,
         check: Callable[[Any, str], None] | None = None,
         train_summary: Callable[[list[dict]], dict] | None = None) -> None:
-    """Parse, train and save; then the report on the main process. ``demo_model()``: the built-in
-    tiny default's model the trainer is given when no model is named. ``data_cls``: the script's
-    data flags beside TRL's ScriptArguments, with ``test_split_size``, ``bundled()`` (the (train,
-    held-out) rows without a dataset) and ``bundled_name`` (what the card calls them); ``check``
-    validates a dataset's splits. ``metrics``: the held-out metrics kept in ``summary.json``
-    (``eval/<name>`` as ``eval_<name>``, transformers' names; the first also as
-    ``eval_<name>_before``), the first two printed before -> after. ``saved`` names the model in
-    the last line; ``train_summary(history)`` adds summary keys of the training rows."""
+    """Parse, train and save, then report on the main process. ``demo_model()``: the model when none is
+    named; ``data_cls``: the data flags (``test_split_size``, ``bundled()``, ``bundled_name``);
+    ``metrics``: held-out metrics for ``summary.json``, the first two printed before -> after."""
     name = trainer_cls.name
     script, data, cfg = parse_config((ScriptArguments, data_cls, config_cls), demo_config(name), argv,
                                      prog=f"posttrain {name}")
@@ -57,7 +46,7 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
     trainer, before = trainer_on_data(trainer_cls, cfg, script, data.test_split_size, data.bundled, check=check,
                                       model=model)
     history = trainer.train()
-    final = trainer.save_model()  # the output dir itself, as TRL
+    final = trainer.save_model()
     if not trainer.session.is_main_process:
         return
     summary: dict[str, Any] = {"steps": trainer.step, "final_model": str(final),
@@ -70,7 +59,7 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
         print(f"held-out {first}: {_shown(first, before)} -> {_shown(first, after)} "
               f"({second} {_shown(second, before)} -> {_shown(second, after)})")
     Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
-    # The card written at the end of training cannot know the data (the trainer takes rows): name it.
+    # The card written at the end of training cannot know the data: name it.
     write_model_card(cfg.output_dir, cfg, name, trainer.session,
                      dataset_name=script.dataset_name or data.bundled_name)
     record_script_arguments(cfg.output_dir, script, data)
@@ -80,5 +69,5 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
 
 
 def _shown(key: str, row: dict) -> str:
-    """A held-out value as the scripts print it: losses to 4 decimals, rates to 3."""
+    """Losses to 4 decimals, rates to 3."""
     return f"{row[key]:.4f}" if key.endswith("loss") else f"{row[key]:.3f}"

@@ -1,12 +1,5 @@
-"""``posttrain sft`` (and examples/sft.py): supervised fine-tuning with the model on its own
-DeepSpeed plugin.
-
-With no model it trains the built-in tiny default (a randomly initialised tiny Llama) on the bundled
-corpus (one sentence a row, TRL's language-modelling format) under the demo settings
-(posttrain/scripts/demo/sft.yaml) and reports the held-out loss before and after. With
-``--model_name_or_path`` and ``--dataset_name`` (text, messages, prompt/completion or tokenized
-``input_ids``; a hub name or a local json/jsonl/parquet/csv file) TRL's SFTConfig defaults apply, as
-in ``trl sft``.
+"""``posttrain sft``: supervised fine-tuning. With no model, the built-in tiny default on the bundled
+corpus under the demo settings; with ``--model_name_or_path`` and ``--dataset_name``, as ``trl sft``.
 """
 
 from __future__ import annotations
@@ -24,14 +17,12 @@ from posttrain.trainers.sft import SFTConfig, SFTTrainer
 class DataArguments:
     """Beside TRL's ScriptArguments (dataset_name, dataset_train_split, dataset_test_split, ...)."""
 
-    # Hold out this fraction of the training split (or this many rows, if >= 1) for evaluation, when
-    # the dataset has no test split (a single file has only "train").
-    test_split_size: float = 0.0
+    test_split_size: float = 0.0  # held out of train (a fraction, or rows if >= 1) without a test split
     corpus_eval_size: int = 300  # bundled corpus (no dataset_name): its last rows are held out
     bundled_name: ClassVar[str] = "posttrain's bundled corpus (one sentence a row)"  # in the model card
 
     def bundled(self) -> tuple[list[dict], list[dict]]:
-        """The bundled corpus (no dataset_name) as (train, held-out) rows: its last rows are held out."""
+        """The bundled corpus as (train, held-out) rows."""
         lines, n = tiny.corpus(), self.corpus_eval_size
         return [{"text": t} for t in lines[:-n]], [{"text": t} for t in lines[-n:]]
 

@@ -1,5 +1,5 @@
-"""The base config every trainer shares (TRL's ``TrainingArguments`` fields), its checks, the
-step count of a run over rows, and the run's Session built from it."""
+"""The base config every trainer shares (TRL's ``TrainingArguments`` fields), its checks, and the
+run's step count and Session."""
 
 from __future__ import annotations
 
@@ -36,39 +36,25 @@ class TrainConfig:
     warmup_steps: int = 0
     num_train_epochs: float = 3.0
     max_steps: int = -1
-    # TRL's is 10 (DPOConfig keeps it); the other trainers log every optimizer step, which their
-    # run summaries and tests read. Pass --logging_steps 10 for TRL's cadence.
-    logging_steps: int = 1
+    logging_steps: int = 1  # TRL's is 10 (DPOConfig keeps it); the run summaries read every step
     eval_steps: int | None = None
-    # TRL saves every 500 steps; here a checkpoint holds every trained role's engine and optimizer
-    # state (PPO: policy and value), so it is asked for. The final model is always saved.
-    save_steps: int | None = None
+    save_steps: int | None = None  # checkpoints are large (every trained role's state): asked for
     report_to: list[str] = field(default_factory=list)
-    # "no" | "bf16" | "fp16"; None: accelerate launch's setting, else fp32. TRL turns bf16 on by
-    # default; here the same command also runs on CPU, so precision is chosen: --bf16 on GPUs.
+    # "no" | "bf16" | "fp16"; None: accelerate launch's setting, else fp32 (the same command runs on CPU).
     mixed_precision: str | None = None
-    # Placement: a mix name (roles.MIXES) and optional per-role DeepSpeed configs (preset name or
-    # JSON path; a dict from Python). Set role_configs in the YAML: TrlParser cannot parse a dict flag.
-    mix: str = DEFAULT_MIX
+    mix: str = DEFAULT_MIX  # a placement mix name (roles.MIXES)
+    # Per-role DeepSpeed configs (preset name or JSON path); YAML only: TrlParser cannot parse a dict flag.
     role_configs: dict[str, str] = field(default_factory=dict)
-    # Optimizer precision of every trained role: "fp32" keeps fp32 master weights and fp32 Adam
-    # states (16 bytes per parameter with the bf16 weights and gradients); "bf16" updates bf16
-    # weights with bf16 gradients and Adam states (8 bytes: TRL's footprint with a bf16 model).
-    # bf16 needs mixed_precision bf16 and ZeRO stage 1-3 (the zero*_train_bf16_states presets).
+    # Trained roles' master weights and Adam states: "fp32", or "bf16" (needs bf16 and ZeRO 1-3).
     master_weights: str = "fp32"
-    # One process: "auto" trains the mix's trained roles without a DeepSpeed engine (posttrain.placement.plain), except
-    # fp32 master weights in a run whose rollouts decode a trained role (GRPO, RLOO, PPO, on-policy distillation)
-    # or under fp16; "torch" does so for those too, "deepspeed" keeps the engine.
+    # One process: "auto" trains without a DeepSpeed engine except fp32 master weights in a run that
+    # decodes a trained role, or fp16; "torch" always does, "deepspeed" keeps the engine.
     single_process_engine: str = "auto"
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest" in output_dir
-    # A reused output_dir (metrics.jsonl or checkpoints in it) is refused unless this is set (it then
-    # clears them) or the run resumes. TrainingArguments' names and meanings.
-    overwrite_output_dir: bool = False
+    overwrite_output_dir: bool = False  # else a reused output_dir is refused unless the run resumes
     save_total_limit: int | None = None  # keep only the newest N checkpoints; None keeps all
     disable_tqdm: bool = False
-    # TrainingArguments' flags, as TRL users pass them. bf16/fp16 set mixed_precision. Evaluation
-    # runs when a trainer is given eval data; the scripts give it none under eval_strategy "no"
-    # (TRL's scripts do the same) and every eval_steps steps otherwise.
+    # TrainingArguments' flags: bf16/fp16 set mixed_precision.
     bf16: bool = False
     fp16: bool = False
     eval_strategy: str = "no"  # "no" | "steps" | "epoch"
@@ -84,8 +70,8 @@ class TrainConfig:
 
 
 def validate_train_config(cfg: TrainConfig) -> None:
-    """Bad values are refused here, before any process group or model, each with the flag to fix;
-    bf16/fp16 are folded into mixed_precision and eval_steps defaults to logging_steps (TRL's rule)."""
+    """Refuse bad values before any process group or model, each with the flag to fix; fold bf16/fp16
+    into mixed_precision and default eval_steps to logging_steps (TRL's rule)."""
     if isinstance(cfg, LoraFields):
         check_lora_fields(cfg)
     at_least_one = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -119,8 +105,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
     precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
     if precision and cfg.mixed_precision not in (None, precision):
         raise ConfigError(f"--{precision} contradicts mixed_precision {cfg.mixed_precision!r}: keep one of them")
-    # Resolved here, so posttrain_config.json records the precision the run uses (accelerate launch's setting
-    # when none is given, which the Session would read the same way).
+    # Resolved here so that posttrain_config.json records the precision the run uses.
     cfg.mixed_precision = precision or cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if cfg.mixed_precision not in (None, "no", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {cfg.mixed_precision!r}")
@@ -138,8 +123,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
 
 
 def steps_for_rows(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> int:
-    """Optimizer steps of a run over ``n_rows`` prepared rows (``max_steps``, else whole global
-    batches per epoch times ``num_train_epochs``); fewer rows than one global batch is refused."""
+    """Optimizer steps of a run over ``n_rows`` rows; fewer rows than one global batch is refused."""
     world = world_size()
     global_batch = cfg.per_device_train_batch_size * world
     if n_rows < global_batch:
@@ -152,9 +136,8 @@ def steps_for_rows(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> int:
 
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None,
                  decoded: list[str] | tuple[str, ...] = ()) -> Session:
-    """The run's Session; ``decoded``: the trained roles its rollout engine decodes from (Role.decoded:
-    the trainer's ``roles["decoded"]``, which decides the one-process engine at fp32 master weights)."""
-    # Everything the run is given is checked before prepare_output_dir clears anything.
+    """The run's Session; ``decoded``: the trained roles its rollout engine decodes from."""
+    # Everything is checked before prepare_output_dir clears anything.
     check_placement(cfg.mix, cfg.role_configs)
     roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs, master_weights=cfg.master_weights,
                       decoded=decoded)
@@ -163,17 +146,9 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
     checks.check_output_dir(cfg.output_dir)
     checks.check_resume_path(cfg.resume_from_checkpoint, cfg.output_dir)
     prepare_output_dir(cfg)  # before any model loads: a reused dir or a missing checkpoint fails fast
-    return Session(
-        roles,
-        micro_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        max_grad_norm=cfg.max_grad_norm,
-        mixed_precision=cfg.mixed_precision,
-        learning_rate=cfg.learning_rate,
-        weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps,
-        total_steps=total_steps,
-        log_with=cfg.report_to or None,
-        project_dir=cfg.output_dir,
-        single_process_engine=cfg.single_process_engine,
-    )
+    return Session(roles, micro_batch_size=cfg.per_device_train_batch_size,
+                   gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                   max_grad_norm=cfg.max_grad_norm, mixed_precision=cfg.mixed_precision,
+                   learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                   warmup_steps=cfg.warmup_steps, total_steps=total_steps, log_with=cfg.report_to or None,
+                   project_dir=cfg.output_dir, single_process_engine=cfg.single_process_engine)

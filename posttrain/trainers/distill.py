@@ -1,17 +1,6 @@
-"""Knowledge distillation: a trained student learns a frozen teacher's next-token distributions.
-
-The loss is TRL's generalized Jensen-Shannon divergence (GKD, https://huggingface.co/papers/2306.13649):
-``beta`` 0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher), values in
-between the generalized JSD; both distributions are softened by ``temperature``. The sequences it
-is measured on come, per step, from the student (with probability ``lmbda``, on-policy), else from
-the teacher (``seq_kd``, sequence-level KD), else from the dataset, as in TRL's GKDTrainer.
-
-Placement: the student trains under its role's plugin (default ZeRO-2, whole on every rank) while
-the teacher is sharded for inference (default ZeRO-3), the first scenario of accelerate's
-multi-model DeepSpeed guide.
-
-LoRA (``use_peft``, TRL's flags): the student trains adapters on its frozen base, as GKDTrainer
-given a ``peft_config``; the teacher keeps its own frozen role and plugin.
+"""Knowledge distillation as TRL's GKDTrainer: a trained student learns a frozen teacher's next-token
+distributions (generalized JSD) on sequences from the student (``lmbda``), the teacher (``seq_kd``)
+or the dataset, each model under its own DeepSpeed plugin.
 """
 
 from __future__ import annotations
@@ -43,25 +32,20 @@ class DistillConfig(TrainConfig, LoraFields, RolloutFields):
     """Distillation settings; names follow TRL's GKDConfig / DistillationConfig."""
 
     output_dir: str = "runs/distill"
-    learning_rate: float = 1e-6  # TRL's DistillationConfig (the demo YAML sets its own)
+    learning_rate: float = 1e-6  # TRL's DistillationConfig
     model_name_or_path: str | None = None  # the student (or model=)
     teacher_model_name_or_path: str | None = None
-    beta: float = 0.5  # 0: forward KL, 0.5: JSD, 1: reverse KL (GKDConfig's 0.5; DistillationConfig's is 1)
-    # Softens both distributions in the loss and samples generations, as TRL's DistillationTrainer
-    # does (GKDTrainer samples with it but scores at temperature 1).
-    temperature: float = 1.0
-    # Fraction of steps trained on the student's own generations (on-policy). GKDConfig's is 0.5 and
-    # TRL's DistillationTrainer always generates; 0 trains on the data's completions unless asked,
-    # since generation is most of a step's time.
+    beta: float = 0.5  # 0: forward KL, 0.5: JSD, 1: reverse KL (GKDConfig's default)
+    temperature: float = 1.0  # softens both distributions in the loss, and samples (DistillationTrainer)
+    # Fraction of steps on the student's own generations; 0 since generation dominates a step's time.
     lmbda: float = 0.0
     seq_kd: bool = False  # on the other steps, train on the teacher's generations instead of the data
     max_new_tokens: int = 128  # TRL's GKDConfig
     max_length: int = 128  # prompt + completion tokens of a dataset row (generation adds max_new_tokens)
-    # GKDConfig's default: the student's dropout (LoRA's too) is off, so the loss is deterministic.
-    disable_dropout: bool = True
+    disable_dropout: bool = True  # GKDConfig's default: a deterministic loss
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # TrainConfig's checks
+        super().__post_init__()
         for name in ("beta", "lmbda"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -71,20 +55,11 @@ class DistillConfig(TrainConfig, LoraFields, RolloutFields):
         check_rollout_fields(self)
 
 
-def generalized_jsd_loss(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    labels: torch.Tensor | None = None,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    reduction: str = "batchmean",
-) -> torch.Tensor:
-    """TRL's GKD loss: ``beta·KL(teacher‖m) + (1-beta)·KL(student‖m)`` with the mixture
-    ``m = beta·teacher + (1-beta)·student``; positions whose label is -100 are left out.
-    "batchmean" averages over the kept positions.
-
-    Why a copy: TRL keeps this in ``trl.experimental.gkd``, which can change or vanish between
-    releases (TRL's PPO did in 1.13); tests/test_distill.py checks it against TRL's own function."""
+def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                         labels: torch.Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
+                         reduction: str = "batchmean") -> torch.Tensor:
+    """TRL's GKD loss, ``beta·KL(teacher‖m) + (1-beta)·KL(student‖m)`` with ``m = beta·teacher +
+    (1-beta)·student``, over positions whose label is not -100. A copy: TRL's is experimental."""
     student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
     teacher_log_probs = F.log_softmax(teacher_logits / temperature, dim=-1)
     if beta == 0:  # forward KL(teacher || student)
@@ -122,9 +97,8 @@ def check_vocabularies(student_config: Any, teacher_config: Any) -> None:
         )
 
 
-def completion_batch(
-    prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device
-) -> dict[str, torch.Tensor]:
+def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+                     device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded ``prompt + completion`` rows; labels keep only the completion tokens."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
@@ -139,10 +113,8 @@ def completion_batch(
 
 
 class DistillTrainer(Trainer):
-    """Distil the teacher into the student on ``{"prompt", "completion"}`` rows (a list of dicts
-    or a ``datasets.Dataset``). Each model is the config's path or, with GKDTrainer's names, an
-    object: ``model=`` the student (with its ``processing_class``) and ``teacher_model=``. Both
-    models are loaded and prepared here, as TRL's trainers do.
+    """Distil the teacher into the student on ``{"prompt", "completion"}`` rows. Each model is the
+    config's path or, with GKDTrainer's names, an object (``model=``, ``teacher_model=``).
 
     >>> trainer = DistillTrainer(DistillConfig(model_name_or_path="small", teacher_model_name_or_path="big"),
     ...                          train_rows, eval_rows)
@@ -156,16 +128,8 @@ class DistillTrainer(Trainer):
     roles = TRAINER_ROLES["distill"]
     evaluates = True
 
-    def __init__(
-        self,
-        cfg: DistillConfig,
-        train_dataset: Any,
-        eval_dataset: Any = None,
-        *,
-        model: Any = None,
-        teacher_model: Any = None,
-        processing_class: Any = None,
-    ) -> None:
+    def __init__(self, cfg: DistillConfig, train_dataset: Any, eval_dataset: Any = None, *, model: Any = None,
+                 teacher_model: Any = None, processing_class: Any = None) -> None:
         distinct_objects(model=model, teacher_model=teacher_model)
         self.teacher_source = given_once(teacher_model, cfg.teacher_model_name_or_path or None, "teacher", "teacher_model",
                                          "teacher_model_name_or_path")
@@ -179,7 +143,6 @@ class DistillTrainer(Trainer):
                                   "conversational rows first (tokenizer.apply_chat_template(..., tokenize=False))")
         self.cfg = cfg
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        # The student: an object (with its tokenizer) or a path.
         self.student_source, self.tokenizer, self.student_path = policy_source(cfg, model, processing_class,
                                                                                 what="student")
         if self.tokenizer.pad_token_id is None:
@@ -187,7 +150,6 @@ class DistillTrainer(Trainer):
         check_vocabularies(model_config(self.student_source), model_config(self.teacher_source))
         seed_everything(cfg.seed)
         self.total_steps = self.count_steps()
-        # On-policy steps (lmbda > 0) decode the student.
         self.session = s = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps,
                                         decoded=self.roles["trained"] if cfg.lmbda > 0 else [])
         # GKDTrainer's order (adapters, then dropout off); trained without activation checkpointing.
@@ -195,7 +157,7 @@ class DistillTrainer(Trainer):
                                        total_steps=self.total_steps, gradient_checkpointing=False)
         self.teacher = s.prepare("teacher", s.load("teacher", self.teacher_source))
         self.phases = Phases()
-        self._batches = None  # the data order, from the step the run starts at
+        self._batches = None
         self.rollouts: dict[str, Any] = {}  # role -> posttrain.rollout.Rollout
         self.history: list[dict] = []
 
@@ -220,16 +182,13 @@ class DistillTrainer(Trainer):
 
     @torch.no_grad()
     def generate(self, role: str, prompts: list[list[int]]) -> list[list[int]]:
-        """Sample completions from ``role``'s model with posttrain.rollout (``generation_backend``),
-        each cut after its first end-of-sequence token. Collective for a ZeRO-3 model (gathered
-        once per rollout, or in lock-step with ``generate``)."""
+        """Sample completions from ``role``'s model, each cut after its first EOS (collective on ZeRO-3)."""
         from posttrain.rollout import Rollout, SamplingParams
 
         s, tok, cfg = self.session, self.tokenizer, self.cfg
         if role not in self.rollouts:
             sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id,
                                       temperature=cfg.temperature, stop_token_ids=[tok.eos_token_id])
-            # Prompts are cut to max_length - 1 tokens (_encode); a micro-batch at a time.
             self.rollouts[role] = Rollout.from_config(cfg, s, role, sampling, max_batch=cfg.per_device_train_batch_size,
                                                       max_prompt_len=max(1, cfg.max_length - 1))
         ids, mask = left_pad(prompts, tok.pad_token_id, s.device)
@@ -237,8 +196,7 @@ class DistillTrainer(Trainer):
         return [row[:n] for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1).tolist())]
 
     def _source(self, micro_step: int) -> str:
-        # GKD's draw, once per micro-batch, but from (seed, micro-step) so that it is the same on
-        # every rank (a ZeRO-3 model must run the same forwards on all ranks) and on resume.
+        # GKD's draw, seeded by micro-step: the same on every rank (ZeRO-3 is collective) and on resume.
         if random.Random(mix_seed(self.cfg.seed, "source", micro_step)).random() < self.cfg.lmbda:
             return "student"
         return "teacher" if self.cfg.seq_kd else "data"
@@ -290,11 +248,9 @@ class DistillTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict[str, str]] | None = None) -> dict[str, float]:
-        """Token-weighted forward KL, reverse KL and JSD (temperature 1) and the training loss on the
-        completions of ``rows`` (default: the eval dataset), over all ranks."""
+        """Token-weighted forward KL, reverse KL, JSD and training loss on ``rows`` (default: eval set)."""
         s, cfg = self.session, self.cfg
         rows = rows if rows is not None else self.eval_dataset or []
-        # Every rank runs the same number of forwards (a ZeRO-3 teacher gathers collectively).
         per_rank = len(rows) // s.num_processes
         if per_rank == 0:
             raise ConfigError(f"evaluation needs at least {s.num_processes} rows, one per process")

@@ -1,9 +1,5 @@
-"""DPO on the role layer: the policy trains under its own plugin (ZeRO-2 by default) and the frozen
-reference is loaded and prepared under another (ZeRO-3 by default), which TRL's DPOTrainer cannot do.
-
-The loss and metrics follow ``trl.DPOTrainer`` (TRL 1.16) formula by formula; tests/test_dpo.py
-checks them against TRL's own code on the same model, batch and reference.
-"""
+"""DPO with the policy and the frozen reference under their own DeepSpeed plugins; the loss and
+metrics are ``trl.DPOTrainer``'s (TRL 1.16), formula by formula."""
 
 from __future__ import annotations
 
@@ -42,8 +38,7 @@ class DPOConfig(TrainConfig, LoraFields, ModelFields):
     output_dir: str = "runs/dpo"
     learning_rate: float = 1e-6
     logging_steps: int = 10
-    # A hub name or local path, as model_name_or_path; default: the policy's weights.
-    ref_model_name_or_path: str | None = None
+    ref_model_name_or_path: str | None = None  # default: the policy's weights
     disable_dropout: bool = True
     # Data
     dataset_num_proc: int | None = None
@@ -51,8 +46,7 @@ class DPOConfig(TrainConfig, LoraFields, ModelFields):
     truncation_mode: str = "keep_start"
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
-    # TR-DPO (arXiv 2404.09656; trl.DPOConfig's names): every ref_model_sync_steps optimizer steps,
-    # reference = ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference.
+    # TR-DPO: every ref_model_sync_steps steps, reference = alpha * policy + (1 - alpha) * reference.
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
@@ -68,7 +62,7 @@ class DPOConfig(TrainConfig, LoraFields, ModelFields):
     discopop_tau: float = 0.05
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # TrainConfig's checks
+        super().__post_init__()
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
         validate(self)
@@ -107,8 +101,8 @@ def validate(cfg: DPOConfig) -> None:
 
 # -- the math (TRL 1.16's DPOTrainer._compute_loss) -----------------------------------------------
 def sequence_logps(model: Any, batch: dict, ld_alpha: float | None, stats: bool = False) -> dict[str, torch.Tensor]:
-    """Per-token log-probs of the completion tokens and their (LD-weighted) sum per sequence;
-    with ``stats``, the per-token entropy, mean logit, top-1 hit and log sum p² as well."""
+    """Per-token completion log-probs and their (LD-weighted) sum per sequence; with ``stats``, also
+    the per-token entropy, mean logit, top-1 hit and log sum p²."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
@@ -237,18 +231,11 @@ def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tupl
 
 # -- the trainer --------------------------------------------------------------------------------------
 class DPOTrainer(Trainer):
-    """Direct Preference Optimization with the policy and reference on their own DeepSpeed plugins.
+    """DPO with the policy and reference on their own DeepSpeed plugins.
 
-    Loss types, their formulas and the metric names are those of ``trl.DPOTrainer`` (TRL 1.16); for
-    every loss type the loss and metrics equal TRL's within 1e-5 in fp32 on the same model, batch and
-    reference (tests/test_dpo.py runs TRL's own code for the reference numbers).
-
-    Reference modes: a frozen model under the ``reference`` role (the mix's frozen config, ZeRO-3 by
-    default); ``precompute_ref_log_probs`` (one pass under the reference role, then the engine is
-    released); ``use_peft`` (LoRA policy; the reference is its base with adapters disabled, no role).
-    ``sync_ref_model`` (TR-DPO) blends the policy into the reference every ``ref_model_sync_steps``
-    steps, as TRL's SyncRefModelCallback does, whatever the two roles' placements
-    (``Session.blend``); checkpoints then carry the reference too, and a resumed run reloads it.
+    The reference is a frozen ``reference`` role, or precomputed log-probs
+    (``precompute_ref_log_probs``: the role is released after one pass), or under ``use_peft`` the
+    policy's base with adapters disabled. With ``sync_ref_model`` checkpoints carry the reference too.
 
     >>> trainer = DPOTrainer(DPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
     >>> trainer.train()
@@ -264,7 +251,6 @@ class DPOTrainer(Trainer):
         self.cfg = cfg = args
         validate(cfg)
         seed_everything(cfg.seed)
-        # The policy: a model object (with its tokenizer) or a path, as TRL's trainers take it.
         policy, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class, what="policy")
         self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
@@ -286,17 +272,17 @@ class DPOTrainer(Trainer):
             ref = self.session.load("reference", reference_source(cfg.ref_model_name_or_path, policy), **kwargs)
             self._no_dropout(ref)
             self.reference = self.session.prepare("reference", ref)
-            if cfg.precompute_ref_log_probs:
-                # One pass under the reference role, then its memory is given back before the policy loads.
+            if cfg.precompute_ref_log_probs:  # the reference's memory is given back before the policy loads
                 self._precompute_all()
-                self._release_reference()
+                self.session.release("reference")
+                self.reference = None
 
         model = self.session.load("policy", policy, **kwargs)
         self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, total_steps=self.total_steps)
         if self.peft_config is not None and cfg.precompute_ref_log_probs:
             self._precompute_all()  # the base model, adapters disabled: saves a forward per step
         self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
-        self._batches = None  # the training data order, from the step the run starts at
+        self._batches = None
         self.history: list[dict] = []
 
     # -- setup helpers ---------------------------------------------------------------------------------
@@ -306,13 +292,9 @@ class DPOTrainer(Trainer):
 
             disable_dropout_in_model(model)
 
-    def _release_reference(self) -> None:
-        self.session.release("reference")
-        self.reference = None
-
     def _shard(self, n: int, batch_size: int) -> list[tuple[list[int], int]]:
-        """This rank's share of ``range(n)`` as (indices, valid count) batches; every rank gets the same
-        number of batches (ZeRO-3 forwards are collective), short ones padded with index 0."""
+        """This rank's share of ``range(n)`` as (indices, valid count) batches, the same number on every
+        rank (ZeRO-3 forwards are collective), short ones padded with index 0."""
         rank, world = self.session.process_index, self.session.num_processes
         mine = list(range(rank, n, world))
         per_rank = math.ceil(n / world)
@@ -362,8 +344,7 @@ class DPOTrainer(Trainer):
         return out["logps"].chunk(2)
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
-        """TRL's DPO loss on one collated batch ([chosen; rejected] rows); returns the loss, the
-        per-pair metric values and the (sum, count) token metrics."""
+        """The loss of one [chosen; rejected] batch, its per-pair metrics and (sum, count) token metrics."""
         batch = self._to_device(batch)
         with self.phases("reference"):
             ref_chosen, ref_rejected = self._reference_logps(batch)
@@ -374,13 +355,12 @@ class DPOTrainer(Trainer):
         pairs["loss"] = loss.detach()
         return loss.mean(), pairs, token_metrics(policy, batch["completion_mask"])
 
-    # -- the step (posttrain.trainers.loop runs the loop) ------------------------------------------
+    # -- the step ------------------------------------------------------------------------------------
     def training_step(self, step: int) -> dict[str, float]:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches: the mean loss and
-        pair metrics, the token metrics over the step's tokens, and this step's rate and norm."""
+        """One optimizer step: mean loss and pair metrics, token metrics over the step's tokens."""
         cfg, s = self.cfg, self.session
         ga = cfg.gradient_accumulation_steps
-        if self._batches is None:  # the data order continues at the step the run starts from
+        if self._batches is None:
             self._batches = collated_batches(self, (step - 1) * ga)
         sums: dict[str, float] = {}
         tokens: dict[str, list[float]] = {}
@@ -416,7 +396,7 @@ class DPOTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
-        """TRL's metrics over every eval pair (exact means over the whole set, whatever the world size)."""
+        """TRL's metrics as exact means over every eval pair, whatever the world size."""
         rows = rows if rows is not None else self.eval_rows
         if rows is None:
             raise ValueError("no eval_dataset was given")

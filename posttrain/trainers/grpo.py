@@ -1,24 +1,6 @@
-"""GRPO (TRL 1.16's ``GRPOTrainer``) with every model role under its own DeepSpeed plugin.
-
-Roles: ``policy`` trains (ZeRO-2 by default); ``reference`` is frozen (ZeRO-3 by default) and does
-not exist at all when ``beta == 0`` or with LoRA (``use_peft``/``peft_config``: only the policy's
-adapters train and the reference is its base with the adapters disabled, as in TRL); every
-sequence-classification reward model is a frozen role of its own (``reward``, ``reward_1``, ...,
-``posttrain/rewards/scoring.py``). Completions come from ``posttrain.rollout.Rollout`` (``generation_backend``:
-the fast ``posttrain`` engine or Hugging Face ``generate``).
-
-The math follows TRL 1.16 line by line (``_generate_and_score_completions`` and ``_compute_loss``):
-group-relative advantages (``scale_rewards`` group/batch/none, ``multi_objective_aggregation``),
-every ``loss_type`` TRL accepts (grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo) with its
-normaliser, token- or sequence-level importance sampling, ``epsilon``/``epsilon_high``/``delta``
-clipping, the k3 KL to the reference (times the importance ratio with ``use_bias_correction_kl``),
-``top_entropy_quantile`` and ``mask_truncated_completions``. The loss is a pure function
-(:func:`grpo_loss`) so that the tests compare it with TRL's own trainer on identical inputs.
-
-One generation batch (``per_device_train_batch_size * steps_per_generation`` completions per
-process) is sampled, scored, shuffled and split into ``steps_per_generation`` micro-batches, which
-are trained ``num_iterations`` times; the log-probs of the sampling policy are kept (``old``) when
-the batch outlives one optimizer step, as TRL does.
+"""GRPO (TRL 1.16's ``GRPOTrainer``) with every model role under its own DeepSpeed plugin: a trained
+``policy``, a frozen ``reference`` (none at ``beta == 0`` or with LoRA, where the policy's base is the
+reference) and one frozen role per reward model. The math is TRL's, in :mod:`posttrain.trainers.grpo_loss`.
 """
 
 from __future__ import annotations
@@ -36,12 +18,7 @@ from posttrain.data.preference import check_conversation
 from posttrain.data.prompts import left_pad, prompt_rows, tokenize_prompt
 from posttrain.errors import ConfigError
 from posttrain.models import compiled_layers
-from posttrain.models.lora import (
-    LoraFields,
-    adapters_disabled,
-    check_no_head_adapter,
-    lora_config,
-)
+from posttrain.models.lora import LoraFields, adapters_disabled, check_no_head_adapter, lora_config
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import given_once, model_config, policy_source, reference_source
 from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ranks, world_size
@@ -67,25 +44,19 @@ from posttrain.trainers.run_log import Phases
 class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
     """GRPO settings; names and defaults follow TRL 1.16's ``GRPOConfig`` where the concept is the same."""
 
-    # Models: hub names or local paths (or the trainer's model=).
-    model_name_or_path: str | None = None
+    model_name_or_path: str | None = None  # hub name or local path (or the trainer's model=)
     ref_model_name_or_path: str | None = None  # default: the policy's; only with beta > 0
-    # Rewards, in TRL's spellings (posttrain.rewards.functions): one of TRL's built-in reward functions by
-    # name (accuracy_reward, think_format_reward, ...), a Python reference "module.function" (or
-    # "module:function"; the current directory is importable), or a path/hub id of a
-    # sequence-classification reward model (a frozen role). One is required (or the trainer's reward_funcs=).
+    # TRL's reward names (accuracy_reward, ...), "module.function", or a reward model's path; one is required.
     reward_funcs: list[str] | None = None
     reward_model_name_or_path: str | None = None  # TRL's scripts' flag: a reward model put before reward_funcs
     reward_weights: list[float] | None = None
     multi_objective_aggregation: str = "sum_then_normalize"  # | "normalize_then_sum"
-    # Prompts (the trainer's train_dataset=): TRL's standard (text) or conversational (messages) format.
     max_prompt_length: int | None = 512  # prompts are truncated from the left
     chat_template_kwargs: dict | None = None
     learning_rate: float = 1e-6
     disable_dropout: bool = False
-    gradient_checkpointing: bool = True  # TRL's GRPO/RLOO default: activations recomputed in backward
-    compile_layers: bool | None = None  # the policy's decoder layers compiled for training (None: on a GPU where
-    # it applies, trainers/compiled_layers.py)
+    gradient_checkpointing: bool = True  # TRL's GRPO/RLOO default
+    compile_layers: bool | None = None  # compile the policy's decoder layers (None: where it applies)
     # Generation
     num_generations: int = 8
     max_completion_length: int = 512
@@ -112,16 +83,15 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0
     use_bias_correction_kl: bool = True
-    # TR-DPO's reference sync (TRL's names and defaults), any placement (Session.blend)
+    # TR-DPO's reference sync (TRL's names and defaults)
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
     log_completions: bool = False  # write samples.jsonl every logging step
     num_completions_to_print: int | None = 4
-    # What the KL is measured against, for posttrain_config.json and the model card (not a flag).
-    reference_model: str = field(default="", init=False)
+    reference_model: str = field(default="", init=False)  # what the KL is measured against (not a flag)
 
-    _loss_types = LOSS_TYPES  # (RLOO has its own one)
+    _loss_types = LOSS_TYPES
     _algorithm = "GRPO"
     _evaluates = False
 
@@ -168,7 +138,6 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
         # TRL's batch arithmetic: a generation batch is steps_per_generation micro-batches per process.
         per_step = self.per_device_train_batch_size * world
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
-            # Both given (or a config this method already completed, saved and read back): they must agree.
             if self.generation_batch_size != per_step * self.steps_per_generation:
                 raise ConfigError("set generation_batch_size or steps_per_generation, not both (they disagree: "
                                   f"{self.generation_batch_size} != {per_step} x {self.steps_per_generation})")
@@ -195,8 +164,7 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
 
 
 def check_reference(cfg: GRPOConfig, adapters: bool) -> None:
-    """With LoRA the reference is the policy's base with its adapters disabled (TRL's rule): a
-    reference of its own is refused by name. Records what the reference is (``reference_model``)."""
+    """Refuse a reference of its own under LoRA (TRL's rule); record ``cfg.reference_model``."""
     if adapters and cfg.ref_model_name_or_path:
         raise ConfigError("use_peft takes the reference from the policy's base model (adapters disabled), so "
                           "ref_model_name_or_path is not used: drop ref_model_name_or_path, or train without --use_peft")
@@ -213,19 +181,16 @@ def check_reference(cfg: GRPOConfig, adapters: bool) -> None:
 
 # -- the trainer ---------------------------------------------------------------------------------
 class GRPOTrainer(Trainer):
-    """GRPO with per-role placement. ``train()`` returns the logged metrics, one dict per optimizer
-    step (TRL's names: ``reward``, ``reward_std``, ``rewards/<func>/mean``, ``kl``, ``entropy``,
-    ``clip_ratio/...``, ``completions/...``) plus ``time/<phase>``."""
+    """GRPO with per-role placement; ``train()`` returns the logged rows under TRL's metric names."""
 
     name = "grpo"
     shown = ("reward", "kl", "loss")
-    # Reference only with beta > 0; each reward model is a frozen role of its own (reward, reward_1, ...).
     roles = TRAINER_ROLES["grpo"]
     peft_config: Any = None  # LoRA's settings (peft), None for full fine-tuning
 
     @property
     def separate_reference(self) -> bool:
-        """A reference role of its own: beta > 0 without LoRA (with it, the base is the reference)."""
+        """A reference role of its own: beta > 0 without LoRA."""
         return self.cfg.beta != 0.0 and self.peft_config is None
 
     def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None,
@@ -234,15 +199,12 @@ class GRPOTrainer(Trainer):
         from posttrain.rollout import Rollout, SamplingParams
 
         self.cfg = cfg
-        # LoRA (TRL's peft_config, or the use_peft flags): only the adapters train, and the
-        # reference is the policy's base with its adapters disabled (no reference role).
         self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
         if peft_config is not None:
             check_reference(cfg, adapters=True)
         if self.peft_config is not None:
             check_no_head_adapter(self.peft_config)
         seed_everything(cfg.seed)
-        # The policy: a model object (with its processing_class) or a path, as TRL's trainers take it.
         policy_given, self.tokenizer, policy_path = policy_source(cfg, model, processing_class)
         tok = self.tokenizer
         if tok.pad_token_id is None:
@@ -252,7 +214,6 @@ class GRPOTrainer(Trainer):
 
         self.rewards = self._rewards(reward_funcs, reward_processing_classes)
 
-        # The prompts: train_dataset (TRL's name: a datasets.Dataset or rows, required) or train_rows (as given).
         given_once(train_rows, train_dataset, "prompt dataset", "train_rows", "train_dataset=")
         self.rows = train_rows if train_rows is not None else prompt_rows(train_dataset, cfg._algorithm)
         check_conversation(self.rows, ("prompt",), tok, "train_rows" if train_rows is not None else "train_dataset")
@@ -293,7 +254,7 @@ class GRPOTrainer(Trainer):
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_given)
         policy.generation_config.pad_token_id = tok.pad_token_id
-        # TRL's order; the adapters seeded, so that every placement starts from the same ones.
+        # Seeded adapters: every placement starts from the same ones.
         prepare_trained(s, "policy", policy, cfg, self.peft_config, total_steps=self.total_steps,
                         adapter_seed=mix_seed(cfg.seed, "adapters"), before_optimizer=self._prepare_base)
         if self.separate_reference:
@@ -309,7 +270,7 @@ class GRPOTrainer(Trainer):
         self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches
         self.num_tokens = 0.0
         self.history: list[dict] = []
-        # What TRL hands reward functions beside the data: the trainer's state and two loggers.
+        # TRL hands reward functions the trainer's state.
         from transformers import TrainerState
 
         self.trainer_state = TrainerState(max_steps=self.total_steps, num_train_epochs=cfg.num_train_epochs,
@@ -318,10 +279,8 @@ class GRPOTrainer(Trainer):
         self.trainer_state.is_world_process_zero = s.is_main_process
 
     def _rewards(self, reward_funcs: list | None, processing_classes: Any) -> Rewards:
-        """The run's rewards in TRL's order: functions and reward-model objects passed in code (TRL's
-        ``reward_funcs``, an object's tokenizer in ``processing_classes``, TRL's
-        ``reward_processing_classes``), the reward model flag, then the config's ``reward_funcs``;
-        every spec checked before anything loads or the output dir is touched."""
+        """The rewards in TRL's order: those passed in code, the reward model flag, the config's
+        ``reward_funcs``; every spec is checked before anything loads."""
         cfg = self.cfg
         given = list(reward_funcs or [])
         if processing_classes is not None and not isinstance(processing_classes, list):
@@ -338,11 +297,8 @@ class GRPOTrainer(Trainer):
                        batch_size=cfg.per_device_train_batch_size, chat_template_kwargs=cfg.chat_template_kwargs)
 
     def _prepare_base(self, base: torch.nn.Module) -> None:
-        """GRPO's own change to the policy's base model, after its adapters, activation
-        checkpointing and dropout: no adapter on the head, TRL's fused LM head (the policy's
-        log-probs and entropies without float32 logits over the vocabulary; generation still calls
-        the original forward; peft's forward passes its arguments through), and the decoder layers
-        compiled where that applies."""
+        """After adapters and checkpointing: TRL's fused LM head (log-probs and entropies without full
+        float32 logits) and, where it applies, compiled decoder layers."""
         from trl.trainer.utils import add_fused_lm_head
 
         cfg = self.cfg
@@ -354,9 +310,8 @@ class GRPOTrainer(Trainer):
 
     # -- one generation batch ------------------------------------------------------------------
     def _generation_rows(self, cycle: int) -> list[int]:
-        """This process's rows of generation batch ``cycle``: the global batch is
-        ``prompts_per_generation`` prompts of the epoch's order, each ``num_generations`` times in a
-        row (a group), split across processes in order, so the data does not depend on placement."""
+        """This process's rows of generation batch ``cycle``: prompts of the epoch's order, each
+        ``num_generations`` times in a row, split across processes so the data ignores placement."""
         cfg, s = self.cfg, self.session
         per_epoch = max(1, len(self.rows) // self.prompts_per_generation)
         epoch, k = divmod(cycle, per_epoch)
@@ -372,15 +327,13 @@ class GRPOTrainer(Trainer):
         return sum_over_ranks(self.session, t)
 
     def needs_old_logps(self) -> bool:
-        """TRL keeps the sampling policy's log-probs only when a generation batch outlives one
-        optimizer step (else the detached current ones are equal)."""
+        """Whether a generation batch outlives one optimizer step (TRL's rule for keeping old log-probs)."""
         cfg = self.cfg
         return cfg.gradient_accumulation_steps % (cfg.steps_per_generation * cfg.num_iterations) != 0
 
     @torch.no_grad()
     def generate_and_score(self, cycle: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
-        """Sample, score and compute advantages for generation batch ``cycle``; returns its
-        ``steps_per_generation`` shuffled micro-batches and the generation's metrics."""
+        """Sample and score generation batch ``cycle``; returns its shuffled micro-batches and metrics."""
         cfg, s, tok = self.cfg, self.session, self.tokenizer
         dev = s.device
         idx = self._generation_rows(cycle)
@@ -463,7 +416,7 @@ class GRPOTrainer(Trainer):
         m["num_tokens"] = self.num_tokens
         return {**m, **completion_metrics(all_lengths, self._gather(truncated))}
 
-    # -- the loss on one micro-batch ---------------------------------------------------------------
+    # -- the loss --------------------------------------------------------------------------------
     def policy_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's per-token log-probs and entropies of the batch's completions (with grad)."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -493,15 +446,13 @@ class GRPOTrainer(Trainer):
         return loss, stats
 
     def backward_scale(self) -> float:
-        """The DeepSpeed engine divides every loss by the accumulation steps; TRL's GRPO loss
-        already is, so it is scaled back (RLOO's is not, as in TRL)."""
+        """TRL's GRPO loss is already divided for accumulation, as the engine also does: undo one."""
         return float(self.cfg.gradient_accumulation_steps)
 
-    # -- the step (posttrain.trainers.loop runs the loop) -----------------------------------------
+    # -- the step --------------------------------------------------------------------------------
     def training_step(self, step: int) -> dict[str, Any]:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches of the current
-        generation batch (a new one is sampled when it is used up); returns the step's loss, its
-        micro-batches' loss statistics and the generations it sampled, reduced by :meth:`log_row`."""
+        """One optimizer step over the current generation batch's micro-batches (sampling a new batch
+        when it is used up); :meth:`log_row` reduces what it returns."""
         cfg, s = self.cfg, self.session
         ga = cfg.gradient_accumulation_steps
         tick = time.perf_counter()
@@ -527,9 +478,8 @@ class GRPOTrainer(Trainer):
                 "times": {**self.phases.pop(), "time/step": time.perf_counter() - tick}}
 
     def log_row(self, rows: list[dict[str, Any]]) -> dict[str, float]:
-        """What a logged row averages, as TRL's _metrics between two log() calls: the generations
-        sampled in the window (none when every step reused an earlier batch: then no reward or
-        completion metrics, as in TRL), every micro-batch's loss statistics, every step's loss."""
+        """A window's row as TRL logs it: its generations' metrics (none if it sampled none), every
+        micro-batch's loss statistics and the mean step loss."""
         row = reduce_loss_stats([st for r in rows for st in r["stats"]], self._sum, self._gather)
         row["loss"] = mean_over_ranks(self.session, {"loss": sum(r["loss"] for r in rows) / len(rows)})["loss"]
         row.update(average_generation_metrics([g for r in rows for g in r["generations"]]))
@@ -555,7 +505,7 @@ class GRPOTrainer(Trainer):
             self.session.load_weights("reference", checkpoint / "reference")
 
     def can_checkpoint(self, step: int) -> bool:
-        # A checkpoint holds no generation batch: it is taken only where one ends (save_steps is checked for it).
+        # A checkpoint holds no generation batch, so it is taken only where one ends.
         return (step * self.cfg.gradient_accumulation_steps) % self.micro_per_generation == 0
 
     def _log_samples(self) -> None:
@@ -570,9 +520,6 @@ class GRPOTrainer(Trainer):
 
 
 def micro_batches_per_epoch(num_prompts: int, cfg: GRPOConfig) -> int:
-    """TRL's epoch in micro-batches (the length of its dataloader, which yields one generation
-    slice per micro-batch): every full generation batch of the prompts, each of its
-    steps_per_generation slices num_iterations times. transformers' Trainer logs ``epoch`` as the
-    micro-batches done over this."""
+    """TRL's epoch in micro-batches (its dataloader's length), the unit of the logged ``epoch``."""
     prompts_per_generation = cfg.generation_batch_size // cfg.num_generations
     return (num_prompts // prompts_per_generation) * cfg.steps_per_generation * cfg.num_iterations

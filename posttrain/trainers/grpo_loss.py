@@ -1,6 +1,5 @@
-"""GRPO's math, TRL 1.16's line by line: group-relative advantages (``_generate_and_score_completions``)
-and the loss of every ``loss_type`` with the statistics it logs (``_compute_loss``), as pure functions
-so that the tests compare them with TRL's own trainer on identical inputs."""
+"""GRPO's math, TRL 1.16's line by line, as pure functions: group-relative advantages and the loss of
+every ``loss_type`` with the statistics it logs."""
 
 from __future__ import annotations
 
@@ -18,10 +17,8 @@ _CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style min(
 # -- advantages ----------------------------------------------------------------------------------
 def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
                      scale_rewards: str = "group", aggregation: str = "sum_then_normalize") -> dict[str, torch.Tensor]:
-    """TRL 1.16's GRPO advantages over the whole generation batch (all processes), grouped by prompt
-    (``num_generations`` consecutive rows). A row where every reward function returned None (NaN)
-    is left out of the statistics and gets advantage 0. Returns advantages, the weighted rewards and
-    whether each row's std was zero."""
+    """TRL 1.16's GRPO advantages over the whole generation batch, grouped by prompt; a row no reward
+    function scored (NaN) is left out of the statistics and gets 0. Also returns ``is_std_zero``."""
     from trl.trainer.utils import nanstd
 
     if aggregation == "sum_then_normalize":
@@ -59,22 +56,14 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: fl
     return ((entropies * mask.float()) >= cut) & mask.bool()
 
 
-def grpo_loss(
-    cfg: Any,
-    per_token_logps: torch.Tensor,
-    old_per_token_logps: torch.Tensor | None,
-    ref_per_token_logps: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    entropy_mask: torch.Tensor | None = None,
-    num_items_in_batch: torch.Tensor | float | None = None,
-    num_processes: int = 1,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """TRL 1.16's ``GRPOTrainer._compute_loss`` on given log-probs: returns the loss of one
-    micro-batch (already divided for gradient accumulation, as TRL's is) and the statistics it logs,
-    as (sum, count) pairs (``means``) and per-sequence values (``per_seq``) for the caller to reduce
-    over processes. ``num_items_in_batch``: valid tokens of the whole generation batch, all processes
-    (dapo, cispo, vespo)."""
+def grpo_loss(cfg: Any, per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
+              ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
+              entropy_mask: torch.Tensor | None = None,
+              num_items_in_batch: torch.Tensor | float | None = None,
+              num_processes: int = 1) -> tuple[torch.Tensor, dict[str, Any]]:
+    """TRL 1.16's ``GRPOTrainer._compute_loss``: one micro-batch's loss (divided for accumulation)
+    and its statistics as (sum, count) ``means`` and ``per_seq`` values for the caller to reduce.
+    ``num_items_in_batch``: valid tokens of the whole generation batch, all processes."""
     from trl import GRPOTrainer
 
     ga, mask = cfg.gradient_accumulation_steps, mask.to(per_token_logps.dtype)
@@ -158,11 +147,8 @@ def grpo_loss(
 
 
 def reduce_loss_stats(stats: list[dict[str, Any]], sum_over_ranks: Any = None, gather: Any = None) -> dict[str, float]:
-    """TRL's logged loss statistics from :func:`grpo_loss`'s parts: token-weighted means over every
-    process (``sum_over_ranks``: an all-reduce sum), ``clip_ratio/low_min`` and ``high_max`` over
-    every process's sequences (``gather``: an all-gather). One dict per micro-batch in ``stats``
-    (the caller adds ``means["entropy"]``);
-    the result is their mean, as TRL averages its per-micro-batch values over a logging step."""
+    """TRL's logged loss statistics: each micro-batch's token-weighted means (``sum_over_ranks``) and
+    min/max over all sequences (``gather``), averaged over micro-batches."""
     from trl.trainer.utils import nanmax, nanmin
 
     sum_over_ranks = sum_over_ranks or (lambda t: t)
@@ -182,10 +168,8 @@ def reduce_loss_stats(stats: list[dict[str, Any]], sum_over_ranks: Any = None, g
 
 
 def average_generation_metrics(gens: list[dict[str, float]]) -> dict[str, float]:
-    """The generation metrics of a logging window as TRL's ``log()`` reports them: each key's
-    mean over the window's generations, NaN values left out (NaN when none is left), except
-    ``num_tokens``, the latest cumulative count (TRL replaces it instead of appending). No
-    generation in the window: no keys."""
+    """A logging window's generation metrics as TRL's ``log()`` reports them: NaN-skipping means,
+    except ``num_tokens``, the latest count."""
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for m in gens for k in m):
         if key == "num_tokens":
@@ -197,8 +181,7 @@ def average_generation_metrics(gens: list[dict[str, float]]) -> dict[str, float]
 
 
 def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
-    """TRL's ``completions/*`` metrics over every process's completion lengths (``truncated``:
-    the ones that hit max_completion_length without ending)."""
+    """TRL's ``completions/*`` metrics over every process's completion lengths."""
     m = {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
          "completions/max_length": lengths.max().item(),
          "completions/clipped_ratio": truncated.float().mean().item()}

@@ -1,7 +1,5 @@
-"""The one training loop every trainer runs: resume, the logging cadence, evaluation, checkpoints,
-progress, trackers, metrics.jsonl, Ctrl-C and closing. A trainer subclasses :class:`Trainer` and
-supplies its step (:meth:`Trainer.training_step`), optionally its evaluation
-(:meth:`Trainer.evaluate`) and how a logging window of steps becomes one row."""
+"""The training loop every trainer runs: resume, logging, evaluation, checkpoints and closing. A
+trainer subclasses :class:`Trainer` and supplies its step, optionally its evaluation and its log rows."""
 
 from __future__ import annotations
 
@@ -19,28 +17,18 @@ from posttrain.run.save import save_trained_model
 from posttrain.trainers.config import TrainConfig
 from posttrain.trainers.run_log import RunLog
 
-# Values a logged row takes from the window's last step rather than averaging (TRL logs the
-# latest rate, epoch and gradient norm at a logging step).
+# Values a logged row takes from the window's last step rather than averaging, as TRL.
 LATEST = ("grad_norm", "learning_rate", "lr", "epoch", "episode", "num_tokens")
 
 
 class Trainer:
     """The loop's side of a trainer.
 
-    A subclass sets ``name`` (the run's name in progress lines and the model card), ``shown`` (the
-    metrics the progress bar shows) and ``roles`` (its trained and frozen roles, and under
-    "decoded" the trained roles its rollout engine decodes from in every run; read by the memory
-    planner and passed to ``make_session``), and builds its models in ``__init__``, as TRL's trainers
-    do: a constructed trainer holds ``self.cfg``, ``self.session`` (its engines prepared) and
-    ``self.total_steps``. It supplies:
-
-    - ``training_step(step)``: one optimizer step (step counts from 1); returns this rank's values
-      of the step (the ones the step used);
-    - ``log_row(rows)``: the logged row of a logging window's steps (default: each value's mean
-      over the window, ``LATEST`` values from its last step, then the mean over ranks);
-    - ``evaluate()`` (if ``evaluates``) and ``has_eval_data()``;
-    - ``checkpoint_models()`` (role -> tokenizer saved in each checkpoint),
-      ``checkpoint_state()`` and ``restore(state, checkpoint)`` for what else resuming needs.
+    A subclass sets ``name``, ``shown`` (the progress bar's metrics) and ``roles`` (trained, frozen
+    and "decoded" roles), and builds ``self.cfg``, ``self.session`` and ``self.total_steps`` in
+    ``__init__``, as TRL's trainers do. It supplies ``training_step(step)`` (step counts from 1) and
+    optionally ``log_row(rows)``, ``evaluate()``, ``checkpoint_models()``, ``checkpoint_state()`` and
+    ``restore(state, checkpoint)``.
     """
 
     name: ClassVar[str] = "train"
@@ -75,7 +63,7 @@ class Trainer:
         return {}
 
     def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
-        """What a checkpoint holds beyond the engines (the step is restored by the loop)."""
+        """Restore what a checkpoint holds beyond the engines and the step."""
 
     def can_checkpoint(self, step: int) -> bool:
         return True
@@ -86,8 +74,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
     @property
     def start(self) -> int:
-        """The step this run starts from: the checkpoint's when resuming (read from its trainer
-        state, so known before :meth:`train` loads it), else 0."""
+        """The step this run starts from: the resumed checkpoint's (known before :meth:`train`), else 0."""
         ckpt = resume_dir(self.cfg)
         if ckpt is None:
             return 0
@@ -98,7 +85,7 @@ class Trainer:
         cfg, s = self.cfg, self.session
         self.step = 0
         ckpt = resume_dir(cfg)
-        if ckpt is not None:  # the one place a run resumes: engines, optimizers, RNG, counters
+        if ckpt is not None:  # engines, optimizers, RNG, counters
             state = s.load_state(ckpt / "state")
             self.step = int(state["step"])
             self.restore(state, ckpt)
@@ -106,7 +93,7 @@ class Trainer:
         self.history = log.history
         window: list[dict[str, Any]] = []
         while self.step < self.total_steps:
-            # self.step counts the steps done, as TRL's global_step: during a step, the ones before it.
+            # self.step counts the steps done, as TRL's global_step.
             window.append(self.training_step(self.step + 1))
             self.step += 1
             last = self.step == self.total_steps
@@ -125,11 +112,10 @@ class Trainer:
         return self.history
 
     def save_model(self, directory: str | os.PathLike | None = None) -> Path:
-        """The first trained role in Hugging Face format, in the output dir itself by default (TRL's
-        layout: ``from_pretrained(output_dir)`` loads it), every other trained role in ``<role>/``
-        beside it; returns the first one's folder."""
+        """Save the first trained role in the output dir itself (TRL's layout), every other one in
+        ``<role>/`` beside it; returns the first one's folder."""
         trained = self.roles["trained"]
-        merge = getattr(self.cfg, "merge_adapters", False)  # LoRA roles: the merged model instead of the adapter
+        merge = getattr(self.cfg, "merge_adapters", False)
         path = save_trained_model(self.session, trained[0], directory or self.cfg.output_dir, self.tokenizer, merge)
         for role in trained[1:]:
             save_trained_model(self.session, role, path / role, self.tokenizer, merge)
@@ -137,9 +123,7 @@ class Trainer:
 
 
 def collated_batches(trainer: Any, start_micro: int) -> Iterator[dict]:
-    """This process's micro-batches of ``trainer.train_rows`` in the data order of
-    :func:`~posttrain.data.order.rank_batches`, from micro-batch ``start_micro`` on, collated by ``trainer.collate``
-    (DPO, SFT, reward)."""
+    """This process's collated micro-batches of ``trainer.train_rows``, from ``start_micro`` on."""
     cfg, s = trainer.cfg, trainer.session
     for idx in rank_batches(len(trainer.train_rows), cfg.per_device_train_batch_size, cfg.seed,
                             s.process_index, s.num_processes, start=start_micro):
@@ -147,20 +131,16 @@ def collated_batches(trainer: Any, start_micro: int) -> Iterator[dict]:
 
 
 def eval_shards(session: Any, n: int, batch_size: int) -> Iterator[list[int]]:
-    """This process's share of ``range(n)`` (every ``num_processes``-th index) in batches of up to
-    ``batch_size``. Every process gets the same number of batches, as ZeRO-3 forwards are
-    collective: one out of indices gets empty batches, and still runs a forward on some row that
-    it does not count (SFT, reward)."""
+    """This process's share of ``range(n)`` in batches of up to ``batch_size``, the same number on every
+    process (ZeRO-3 forwards are collective): one out of indices gets empty batches."""
     mine = list(range(session.process_index, n, session.num_processes))
     for j in range(math.ceil(math.ceil(n / session.num_processes) / batch_size)):
         yield mine[j * batch_size : (j + 1) * batch_size]
 
 
 class RowsTrainer(Trainer):
-    """A trainer whose step is one optimizer step over prepared rows (SFT, reward): the data order
-    of :func:`~posttrain.data.order.rank_batches`, the micro-batches collated by ``self.collate``, and a running
-    ``num_tokens`` kept in checkpoints. A subclass sets ``train_rows``, ``eval_rows``, ``collate``,
-    ``phases`` and ``num_tokens`` and supplies ``optimizer_step(micro_batches)``."""
+    """A trainer stepping over prepared rows (SFT, reward). A subclass sets ``train_rows``,
+    ``eval_rows``, ``collate``, ``phases`` and ``num_tokens`` and supplies ``optimizer_step``."""
 
     _batches: Any = None
 
@@ -168,8 +148,6 @@ class RowsTrainer(Trainer):
         raise NotImplementedError
 
     def training_step(self, step: int) -> dict[str, Any]:
-        """The next accumulation micro-batches of the data order (from the resumed step's on), one
-        optimizer step, and the values the step used."""
         cfg, s, ga = self.cfg, self.session, self.cfg.gradient_accumulation_steps
         role = self.roles["trained"][0]
         if self._batches is None:
@@ -191,8 +169,7 @@ class RowsTrainer(Trainer):
 
 
 def window_mean(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """A logging window's row: each value's mean over the window's steps (a step without it counts
-    0, as a phase that ran only in some steps), ``LATEST`` values from the last step."""
+    """Each value's mean over the window (a step without it counts 0); ``LATEST`` ones from its last."""
     keys = dict.fromkeys(k for r in rows for k in r)
     out = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
     out.update({k: rows[-1][k] for k in LATEST if k in rows[-1]})

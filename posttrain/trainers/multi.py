@@ -1,10 +1,5 @@
-"""Disjoint multi-model training: several independent models, each trained under its own role's
-DeepSpeed plugin (say one ZeRO-2 and one ZeRO-3) with its own optimizer and scheduler, stepping in
-one loop. The second scenario of accelerate's multi-model DeepSpeed guide.
-
-accelerate drives only the first engine prepared on an Accelerator, so every further trained model
-needs an Accelerator of its own; the Session holds one per trained role, and this trainer only ever
-names a role, so backward, clipping, the optimizer step, saving and resuming reach that model's engine.
+"""Disjoint multi-model training: independent models, each a trained role under its own DeepSpeed
+plugin with its own optimizer and scheduler, stepping in one loop (accelerate's multi-model guide).
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ def model_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def text_collate(tokenizer: Any, max_length: int = 128, lm_labels: bool = True) -> Callable[[list[str]], dict]:
-    """A collate for texts: right-padded ids and mask, and (``lm_labels``) labels for a causal LM's
-    own loss with the padding left out."""
+    """A collate for texts: right-padded ids and mask, and (``lm_labels``) labels without padding."""
 
     def collate(texts: list[str]) -> dict[str, torch.Tensor]:
         enc = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True, max_length=max_length)
@@ -49,12 +43,8 @@ def text_collate(tokenizer: Any, max_length: int = 128, lm_labels: bool = True) 
 
 @dataclass
 class Task:
-    """One model of a multi-model run and what it learns.
-
-    ``model`` is a hub name or local path (loaded under the role's plugin, so a ZeRO-3 model is
-    created partitioned) or a built ``nn.Module``. ``collate`` turns a list of ``data`` items into a
-    batch of tensors; ``loss(model, batch)`` gives the scalar to minimise.
-    """
+    """One model of a multi-model run: a path (loaded under its role's plugin) or an ``nn.Module``,
+    its ``data``, a ``collate`` of items into tensors and ``loss(model, batch)``."""
 
     model: str | os.PathLike | torch.nn.Module
     data: Sequence[Any]
@@ -66,15 +56,14 @@ class Task:
 
 @dataclass
 class MultiConfig(TrainConfig):
-    """Shared loop settings; placement per model through ``role_configs`` (model name -> DeepSpeed
-    config), the others get ``mix``'s training config."""
+    """Shared loop settings; ``role_configs`` places each model (default: ``mix``'s training config)."""
 
     output_dir: str = "runs/multi"
     learning_rate: float = 1e-3
     learning_rates: dict[str, float] = field(default_factory=dict)  # per model; default learning_rate
 
     _algorithm = "multi-model training"
-    _evaluates = False  # MultiTrainer.evaluate(name, items) is called by the script, not the loop
+    _evaluates = False  # the script calls MultiTrainer.evaluate(name, items), not the loop
 
 
 class MultiTrainer(Trainer):
@@ -89,8 +78,6 @@ class MultiTrainer(Trainer):
     roles = {"trained": [], "frozen": []}  # one trained role per task, named like it
 
     def __init__(self, cfg: MultiConfig, tasks: dict[str, Task]) -> None:
-        """Check the tasks, then load and prepare every model under its own role, each with its own
-        optimizer and scheduler (a resumed run restores them all in train())."""
         if not tasks:
             raise ConfigError("multi-model training needs at least one task")
         unknown = set(cfg.learning_rates) - set(tasks)
@@ -104,11 +91,10 @@ class MultiTrainer(Trainer):
         for name, task in tasks.items():
             model = task.model if isinstance(task.model, torch.nn.Module) else s.load(name, task.model,
                                                                                       model_cls=task.model_cls)
-            # MultiConfig has no gradient_checkpointing setting: each model keeps its activations.
             prepare_trained(s, name, model, cfg, None, total_steps=self.total_steps, gradient_checkpointing=False,
                             learning_rate=cfg.learning_rates.get(name))
         self.phases = Phases()
-        self.batches: dict[str, Iterator[list[int]]] | None = None  # each model's data order, from the start step
+        self.batches: dict[str, Iterator[list[int]]] | None = None  # each model's data order
 
     def count_steps(self) -> int:
         cfg = self.cfg
@@ -122,7 +108,6 @@ class MultiTrainer(Trainer):
         return {k: v.to(self.session.device) for k, v in self.tasks[name].collate(items).items()}
 
     def _data_order(self, start_step: int) -> dict[str, Iterator[list[int]]]:
-        # Each model reads its own data order; a resumed run continues where the saved one stopped.
         s, cfg = self.session, self.cfg
         return {name: rank_batches(len(task.data), cfg.per_device_train_batch_size, cfg.seed + i, s.process_index,
                                    s.num_processes, start=start_step * cfg.gradient_accumulation_steps)
@@ -167,17 +152,14 @@ class MultiTrainer(Trainer):
         return {name: task.tokenizer for name, task in self.tasks.items()}
 
     def save_model(self, directory: str | os.PathLike | None = None) -> dict[str, Path]:
-        """Every model in Hugging Face format in its own folder, ``<output_dir>/<name>/`` (the
-        models are disjoint: none is *the* model of the run, so none goes at the top as a single
-        trained model does); returns name -> folder."""
+        """Save every model in its own folder, ``<output_dir>/<name>/``; returns name -> folder."""
         root = Path(directory or self.cfg.output_dir)
         return {name: save_trained_model(self.session, name, root / name, tokenizer=task.tokenizer)
                 for name, task in self.tasks.items()}
 
     @torch.no_grad()
     def evaluate(self, name: str, items: Sequence[Any]) -> float:
-        """Mean loss of model ``name`` over ``items``, split evenly over ranks (a ZeRO-3 model
-        gathers collectively, so every rank runs the same number of forwards)."""
+        """Mean loss of model ``name`` over ``items``, split evenly over ranks (ZeRO-3 is collective)."""
         s, task = self.session, self.tasks[name]
         per_rank = len(items) // s.num_processes
         if per_rank == 0:

@@ -1,5 +1,4 @@
-"""What the online-RL trainers (PPO, GRPO, RLOO) share: the one completion log-prob function (fused
-and unfused, one position-id convention), which completions were truncated, and samples.jsonl."""
+"""What the online-RL trainers (PPO, GRPO, RLOO) share: completion log-probs, truncation, samples.jsonl."""
 
 from __future__ import annotations
 
@@ -16,25 +15,11 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
                      temperature: float, *, compute_entropy: bool = False, batch_size: int | None = None,
                      fused: bool = False, float32: bool = True,
                      fill_padding: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropies) of the last ``logits_to_keep`` tokens at the sampling
-    temperature, 0 where the attention mask is 0 (as TRL's fused LM head gives them): the one way
-    GRPO, RLOO and PPO score completions. Runs the model's (engine's) own forward so ZeRO-3
-    gathering applies, ``batch_size`` rows at a time; positions follow the attention mask, as in
-    generation. The entropies carry no gradient (metrics and the entropy mask read them).
-
-    ``fused``: the model carries TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, with
-    this temperature), which projects and scores the completion's positions in tiles instead of
-    materialising float32 logits over the vocabulary; it gathers a ZeRO-3 head itself. Without it,
-    the logits of the last ``logits_to_keep + 1`` positions are computed (frozen models:
-    posttrain.placement.frozen gathers through module hooks only), in float32 unless
-    ``float32=False`` (TRL's PPOTrainer up to 1.12 scores in the model's dtype).
-    ``fill_padding=False`` keeps the values at padding (PPO averages its entropy over every
-    response position, as TRL's PPOTrainer did).
-
-    Where posttrain differs from TRL: ``position_ids`` come from the attention mask, so a left-padded
-    prompt starts at position 0. TRL 1.16 passes none; with learned absolute positions (GPT-2) its
-    log-probs then depend on how much padding the batch's other prompts impose (and so on the number
-    of ranks); rotary models are unaffected either way (tests/test_grpo_positions.py)."""
+    """Per-token log-probs (and detached entropies) of the last ``logits_to_keep`` tokens at the
+    sampling temperature, ``batch_size`` rows at a time, 0 at padding unless ``fill_padding=False``.
+    ``fused``: the model carries TRL's fused LM head (no full float32 logits); else the logits are
+    float32 unless ``float32=False``. Positions follow the attention mask (unlike TRL), so a
+    left-padded prompt starts at position 0 and learned absolute positions do not see padding."""
     from trl.trainer.utils import selective_log_softmax
 
     batch_size = batch_size or input_ids.size(0)
@@ -68,8 +53,7 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
 
 
 def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, terminal_ids: list[int]) -> torch.Tensor:
-    """Completions that hit ``max_completion_length`` without ending: TRL's test, the last kept
-    token is not EOS (or pad)."""
+    """Completions that hit ``max_completion_length`` without ending (last kept token not EOS/pad)."""
     lengths = completion_mask.sum(1)
     last = completion_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     return ~torch.isin(last, torch.tensor(terminal_ids, device=last.device)) | (lengths == 0)

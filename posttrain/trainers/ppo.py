@@ -1,20 +1,6 @@
-"""PPO for RLHF with four roles, each under its own DeepSpeed plugin.
-
-TRL removed its PPOTrainer in 1.13. This trainer follows the formulation TRL implemented up to
-1.12 (``trl.experimental.ppo``, after "The N+ Implementation Details of RLHF with PPO", Huang et
-al. 2024): a per-token KL penalty (k1 or k3 estimator) with the score added at the last response
-token, optional reward whitening, GAE, whitened advantages, the clipped policy loss and the
-clipped value loss, and TRL's metric names. One difference, for separate placement: the policy and
-the value model are separate trained roles with separate optimizers, so gradient clipping applies
-to each model's norm rather than to their joint norm.
-
-Roles: ``policy`` and ``value`` train (ZeRO-2 by default); ``reference`` and ``reward`` are frozen
-(ZeRO-3 by default). The reward is a sequence-classification model, Python functions on the
-decoded text, or both (a weighted sum).
-
-LoRA (``use_peft``), as TRL's PPOTrainer up to 1.12 with a ``peft_config``: the policy carries the
-adapters and the reference is its base with the adapters disabled (no reference role, no
-reference memory); the value model trains in full, as TRL's did.
+"""PPO for RLHF as TRL's PPOTrainer up to 1.12: trained ``policy`` and ``value`` roles, frozen
+``reference`` (none with LoRA: the policy's base) and ``reward``, each under its own DeepSpeed plugin.
+Policy and value have separate optimizers, so each model's gradient norm is clipped on its own.
 """
 
 from __future__ import annotations
@@ -65,14 +51,12 @@ INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a respon
 class PPOConfig(TrainConfig, LoraFields, RolloutFields):
     """PPO settings; names follow TRL's PPOConfig (up to 1.12) where the concept is the same."""
 
-    # Models: hub names or local paths (or the trainer's model=, reward_model=, ...).
     model_name_or_path: str | None = None  # the policy (TRL: sft_model_path); required
     ref_model_name_or_path: str | None = None  # default: the policy's; with use_peft, the policy's base
     reward_model_path: str | None = None  # a sequence-classification model; "none" to use only reward_funcs
     value_model_path: str | None = None  # default: the reward model; any causal LM backbone also works
     reward_funcs: list[str] = field(default_factory=list)  # "module:function" on decoded text
     reward_weights: list[float] | None = None  # one per function; the reward model's weight is 1
-    # Prompts (the trainer's train_dataset=): text or conversational messages.
     max_prompt_length: int = 64
     # PPO (TRL's names and defaults)
     num_ppo_epochs: int = 4
@@ -99,7 +83,7 @@ class PPOConfig(TrainConfig, LoraFields, RolloutFields):
     _evaluates = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # TrainConfig's checks
+        super().__post_init__()
         check_rollout_fields(self)
         if self.kl_estimator not in ("k1", "k3"):
             raise ConfigError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
@@ -110,7 +94,7 @@ class PPOConfig(TrainConfig, LoraFields, RolloutFields):
                               "ref_model_name_or_path, or drop use_peft to use a reference model of its own")
 
 
-# -- the math (TRL <= 1.12's helpers; TRL 1.16 no longer ships them) ---------------------------
+# -- the math (TRL <= 1.12's helpers) ---------------------------------------------------------
 def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Index of the first True in each row, or the row length if there is none."""
     row_len = bools.size(-1)
@@ -201,10 +185,8 @@ def value_loss(
 # -- model calls -----------------------------------------------------------------------------
 def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                 temperature: float, compute_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The response tokens' log-probs (and entropies) at the sampling temperature, as TRL's
-    PPOTrainer (up to 1.12) took them (:func:`~posttrain.trainers.online.completion_logps` with its
-    settings): padding masked out of the forward, the logits in the model's dtype over
-    ``temperature + 1e-7``, the values at padding kept (PPO masks what it reads)."""
+    """The response tokens' log-probs (and entropies) as TRL's PPOTrainer took them: logits in the
+    model's dtype over ``temperature + 1e-7``, values at padding kept (PPO masks what it reads)."""
     inputs = padded_inputs(query_responses, pad_token_id)
     return completion_logps(model, inputs["input_ids"], inputs["attention_mask"],
                             query_responses.shape[1] - context_length, temperature + 1e-7,
@@ -212,8 +194,7 @@ def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, 
 
 
 def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) -> dict[str, float]:
-    """TRL's per-rollout metrics on this rank's batch. The entropy estimate sums -log p over the
-    response's tokens only: padded positions hold INVALID_LOGPROB and would count -1 each."""
+    """TRL's per-rollout metrics on this rank's batch (the entropy skips padding's INVALID_LOGPROB)."""
     valid = ~batch["padding_mask"]
     return {
         "objective/kl": batch["kl"].sum(1).mean().item(),
@@ -234,19 +215,13 @@ def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 # -- the trainer -----------------------------------------------------------------------------
 class PPOTrainer(Trainer):
-    """PPO with per-role placement. ``train()`` returns the logged metrics, one dict per logging
-    step (update); ``save_model()`` puts the policy at the top of the output dir and the value
-    model in ``value/`` (``AutoModelForSequenceClassification``).
-
-    Each model is the config's path or, as TRL's PPOTrainer (up to 1.12) took them, an object:
-    ``model=`` (with its ``processing_class``), ``ref_model=`` (default: a copy of the policy's
-    initial weights), ``reward_model=`` and ``value_model=`` (one-score sequence classifiers; the
-    value model defaults to a copy of the reward model when it reads the policy's ids). The prompts:
-    ``train_dataset=`` (a ``datasets.Dataset`` or rows with a "prompt"; required, as in TRL)."""
+    """PPO with per-role placement; ``save_model()`` puts the policy at the top of the output dir and
+    the value model in ``value/``. Each model is the config's path or, as TRL took them, an object
+    (``model=``, ``ref_model=``, ``reward_model=``, ``value_model=``); the value model defaults to the
+    reward model when it reads the policy's ids, else the policy's backbone."""
 
     name = "ppo"
     shown = ("objective/scores", "objective/kl", "loss/policy_avg")
-    # reward: when a reward model is given; reference: unless use_peft (then the policy's base)
     roles = TRAINER_ROLES["ppo"]
 
     def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None, *, model: Any = None,
@@ -258,8 +233,6 @@ class PPOTrainer(Trainer):
 
         self.cfg = cfg
         seed_everything(cfg.seed)
-        # The models as TRL's PPOTrainer (up to 1.12) took them, objects (model= with its
-        # processing_class, ref_model=, reward_model=, value_model=), or the config's paths.
         distinct_objects(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         policy_given, self.tokenizer, policy_name = policy_source(cfg, model, processing_class)
         reference_given = given_once(ref_model, cfg.ref_model_name_or_path, "reference", "ref_model",
@@ -275,7 +248,7 @@ class PPOTrainer(Trainer):
         if reward_given is None and not funcs:
             raise ConfigError("PPO needs a reward: set reward_model_path (a sequence-classification model) and/or "
                               "reward_funcs (\"module.function\"), or pass reward_model= or reward_funcs=")
-        # The reward model first, with weight 1; reward_weights are the functions' (PPO's config).
+        # The reward model first, with weight 1; reward_weights are the functions'.
         weights = check_reward_weights(cfg.reward_weights, len(funcs))
         reward_models = [] if reward_given is None else [
             reward_given if isinstance(reward_given, torch.nn.Module) else reward_model_spec(reward_given)]
@@ -285,12 +258,10 @@ class PPOTrainer(Trainer):
         if self.tokenizer.pad_token_id is None:
             raise ConfigError(f"{policy_name}: the tokenizer has no pad token; set one (e.g. a new '<pad>')")
         self.stop_token_id = self.tokenizer.eos_token_id if cfg.stop_token == "eos" else cfg.stop_token_id
-        # How the reward model reads the policy's output, decided (or refused) before anything loads.
         policy_config = model_config(policy_given)
         self.rewards.plan(policy_config, self.tokenizer)
         reads = self.rewards.models[0].reads if self.rewards.models else None
-        # The value model scores every token of the policy's ids, so it needs the policy's vocabulary:
-        # the default is the reward model when it has it, else the policy's own backbone.
+        # The value model scores the policy's token ids, so it needs the policy's vocabulary.
         value_given = given_once(value_model, cfg.value_model_path, "value model", "value_model", "value_model_path")
         if value_given is None:
             value_given = reward_given if reads is not None and reads.shares_policy_ids else policy_given
@@ -299,8 +270,7 @@ class PPOTrainer(Trainer):
                     raise ConfigError("a policy object needs its value model: pass value_model= (a sequence-"
                                       "classification model with num_labels=1, as TRL's PPOTrainer takes it) or "
                                       "value_model_path")
-                # The value model trains from the reward model's weights, as a fresh load by path
-                # would; the reward object stays as given (frozen).
+                # A copy: the reward object stays frozen.
                 value_given = copy.deepcopy(value_given).requires_grad_(True)
         elif not scorer_input(value_given, self.tokenizer, policy_config.get_text_config().vocab_size,
                               "value model").shares_policy_ids:
@@ -323,7 +293,6 @@ class PPOTrainer(Trainer):
             self.num_updates = min(self.num_updates, cfg.max_steps)
         optimizer_steps = self.num_updates * cfg.num_ppo_epochs * cfg.num_mini_batches
 
-        # With adapters the reference is the policy's base (adapters disabled): no role of its own.
         self.peft_config = lora_config(cfg)
         frozen = ([] if self.peft_config is not None else ["reference"]) + self.rewards.roles
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps,
@@ -333,8 +302,7 @@ class PPOTrainer(Trainer):
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_given)
         policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
-        # TRL's PPOTrainer: every dropout off (LoRA's too) so that rollout and update agree, and no
-        # activation checkpointing.
+        # TRL's PPOTrainer: dropout off so that rollout and update agree; no activation checkpointing.
         prepare_trained(s, "policy", policy, cfg, self.peft_config, total_steps=optimizer_steps,
                         gradient_checkpointing=False, disable_dropout=True)
         value = s.load("value", value_given, model_cls=AutoModelForSequenceClassification, num_labels=1)
@@ -345,8 +313,7 @@ class PPOTrainer(Trainer):
             s.prepare("reference", _no_dropout(s.load("reference", reference)))
         self.rewards.load(s)
         self.phases = Phases()
-        # Responses are never cut while sampling: the stop token is applied afterwards (TRL's
-        # truncate_response), so every row gets the full response length.
+        # Responses are not cut while sampling: truncate_response applies the stop token afterwards.
         sampling = SamplingParams(max_new_tokens=cfg.response_length, pad_token_id=self.tokenizer.pad_token_id,
                                   temperature=cfg.temperature + 1e-7, top_k=0, top_p=1.0)
         self.rollout_engine = Rollout.from_config(cfg, s, "policy", sampling, max_prompt_len=cfg.max_prompt_length,
@@ -364,9 +331,7 @@ class PPOTrainer(Trainer):
 
     @torch.no_grad()
     def generate(self, queries: torch.Tensor) -> torch.Tensor:
-        """Sample responses with posttrain.rollout (``generation_backend``), chunk by chunk; a ZeRO-3
-        policy is gathered once per rollout (``ds3_gather_for_generation``), or generates with its
-        hooks and synced ranks; every row gets the full response length."""
+        """Sample full-length responses with posttrain.rollout, chunk by chunk."""
         cfg, pad = self.cfg, self.tokenizer.pad_token_id
         out = []
         for i in range(0, queries.shape[0], cfg.local_rollout_forward_batch_size):
@@ -376,8 +341,8 @@ class PPOTrainer(Trainer):
 
     @torch.no_grad()
     def rollout(self, queries: torch.Tensor, prompts: list | None = None) -> dict[str, torch.Tensor]:
-        """Generate, then score: policy and reference log-probs, values, rewards, advantages.
-        ``prompts`` are the dataset's (text or messages) for the rewards; default: the decoded queries."""
+        """Generate and score: log-probs, values, rewards and advantages. ``prompts`` (the dataset's)
+        go to the reward functions; default: the decoded queries."""
         cfg, s = self.cfg, self.session
         pad, ctx = self.tokenizer.pad_token_id, queries.shape[1]
         with self.phases("generate"):
@@ -413,8 +378,7 @@ class PPOTrainer(Trainer):
 
     @torch.no_grad()
     def reference_logprobs(self, query_responses: torch.Tensor, context_length: int) -> torch.Tensor:
-        """The reference's log-probs of the responses: its own role, or with adapters the policy's
-        base (TRL's ``null_ref_context``)."""
+        """The reference's log-probs: its own role, or with adapters the policy's base."""
         cfg, s, pad = self.cfg, self.session, self.tokenizer.pad_token_id
         if self.peft_config is not None:
             with adapters_disabled(s.engines["policy"]):
@@ -425,7 +389,7 @@ class PPOTrainer(Trainer):
     def advantages(self, responses: torch.Tensor, post: torch.Tensor, logprobs: torch.Tensor,
                    ref_logprobs: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
                    sequence_lengths: torch.Tensor, **extra: Any) -> dict[str, torch.Tensor]:
-        """TRL's reward shaping and GAE on one rollout batch (see the module docstring)."""
+        """TRL's reward shaping (KL penalty, score at the last token, optional whitening) and GAE."""
         cfg = self.cfg
         if cfg.missing_eos_penalty is not None:
             contain_eos = torch.any(post == self.tokenizer.eos_token_id, dim=-1)
@@ -456,8 +420,7 @@ class PPOTrainer(Trainer):
 
     # -- optimisation ------------------------------------------------------------------------
     def train_on(self, batch: dict[str, torch.Tensor], update: int) -> dict[str, float]:
-        """num_ppo_epochs passes over the rollouts in mini-batches of micro-batches; returns the
-        averaged statistics under TRL's names."""
+        """``num_ppo_epochs`` passes over the rollouts; returns the averaged statistics (TRL's names)."""
         cfg, s = self.cfg, self.session
         pad = self.tokenizer.pad_token_id
         qr = batch["query_responses"]
@@ -466,7 +429,7 @@ class PPOTrainer(Trainer):
                                                 ("approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
         mb = cfg.per_device_train_batch_size
         for epoch in range(cfg.num_ppo_epochs):
-            # A permutation that depends only on (seed, update, epoch, rank): resumable.
+            # Depends only on (seed, update, epoch, rank): resumable.
             g = torch.Generator().manual_seed(mix_seed(cfg.seed, "minibatches", update, epoch, s.process_index))
             order = torch.randperm(self.local_batch_size, generator=g).to(qr.device)
             for start in range(0, self.local_batch_size, self.local_mini_batch_size):

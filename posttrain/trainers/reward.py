@@ -1,13 +1,5 @@
-"""Reward modelling on the role layer: a sequence classifier (one logit) trained as the ``reward``
-role under its own plugin, with ``trl.RewardTrainer``'s (TRL 1.16) data handling and loss.
-
-Pairs are read and checked as DPO's are (posttrain/data/preference.py: standard or conversational,
-explicit or implicit prompt); each side is the whole prompt+completion sequence, which is exactly
-the concatenation of DPO's prompt and completion ids. The loss is Bradley-Terry,
-``-logsigmoid(r_chosen - r_rejected - margin)``, plus ``center_rewards_coefficient * mean((r_c + r_r)^2)``.
-The saved model is an ``AutoModelForSequenceClassification`` with ``num_labels=1``, what PPO's
-``reward_model_path`` and GRPO/RLOO's ``reward_funcs`` load. tests/test_reward_trainer.py checks
-loss, metrics and gradients against TRL's own trainer.
+"""Reward modelling: a one-logit sequence classifier trained as the ``reward`` role under its own
+plugin, with ``trl.RewardTrainer``'s (TRL 1.16) data handling and Bradley-Terry loss.
 """
 
 from __future__ import annotations
@@ -58,9 +50,14 @@ class RewardConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
 def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int | None, name: str = "dataset",
                            num_proc: int | None = None) -> list[dict]:
     """``chosen_ids``/``rejected_ids`` (and ``margin``) per pair, as ``trl.RewardTrainer._prepare_dataset``."""
-    dataset = _as_dataset(dataset)
+    from trl.data_utils import is_conversational
+
+    if isinstance(dataset, (list, tuple)):
+        from datasets import Dataset
+
+        dataset = Dataset.from_list(list(dataset))
     preference.check_rows(dataset, name)
-    if _is_conversational(dataset) and tokenizer.chat_template is None:
+    if is_conversational(dataset[0]) and tokenizer.chat_template is None:
         raise ConfigError(f"{name} is conversational but the tokenizer has no chat template: give one with "
                           "--chat_template_path FILE.jinja (or use a tokenizer that has one)")
     margins = None
@@ -69,8 +66,7 @@ def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int | None,
         bad = next((i for i, m in enumerate(margins) if not isinstance(m, (int, float)) or not math.isfinite(m)), None)
         if bad is not None:
             raise ConfigError(f"{name}: row {bad} has margin {margins[bad]!r}, not a finite number: fix or drop the row")
-    # DPO's tokenization (prompt, then the completion where the two tokenizations diverge):
-    # prompt_ids + chosen_ids is the whole sequence, as TRL's reward trainer tokenizes it.
+    # DPO's tokenization: prompt_ids + chosen_ids is the whole sequence, as TRL's reward trainer's.
     rows = preference.prepare_preference_dataset(dataset, tokenizer, max_length=None, name=name, num_proc=num_proc)
     out = []
     for i, row in enumerate(rows):
@@ -82,20 +78,6 @@ def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int | None,
     if not out:
         raise ConfigError(f"{name}: every pair has a side longer than max_length={max_length}: raise --max_length")
     return out
-
-
-def _as_dataset(data: Any) -> Any:
-    if isinstance(data, (list, tuple)):
-        from datasets import Dataset
-
-        return Dataset.from_list(list(data))
-    return data
-
-
-def _is_conversational(dataset: Any) -> bool:
-    from trl.data_utils import is_conversational
-
-    return is_conversational(dataset[0])
 
 
 def collator(tokenizer: Any, pad_to_multiple_of: int | None = None) -> Any:
@@ -121,10 +103,8 @@ def reward_loss(rewards: torch.Tensor, margin: torch.Tensor | None,
 
 # -- the trainer --------------------------------------------------------------------------------------
 class RewardTrainer(RowsTrainer):
-    """A Bradley-Terry reward model with the classifier on its own DeepSpeed plugin. The model is
-    ``args.model_name_or_path`` (loaded with a one-logit head) or, as TRL's RewardTrainer takes it,
-    ``model=`` (a sequence-classification object with ``num_labels=1`` and its
-    ``processing_class``, or a path); one of them is required.
+    """A Bradley-Terry reward model; the model is ``args.model_name_or_path`` (given a one-logit head)
+    or ``model=`` (a classifier with ``num_labels=1`` and its ``processing_class``, or a path).
 
     >>> trainer = RewardTrainer(RewardConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=pairs)
     >>> trainer.train()
@@ -141,7 +121,6 @@ class RewardTrainer(RowsTrainer):
         seed_everything(cfg.seed)
         source, self.tokenizer, path = model_and_tokenizer(cfg, model, processing_class, what="reward model")
         if isinstance(source, torch.nn.Module) and getattr(source.config, "num_labels", None) != 1:
-            # TRL's check: the object is used as it is, so its head must give one score.
             raise ConfigError(f"the reward model object has num_labels={source.config.num_labels}; a reward model "
                               "needs 1: build it with AutoModelForSequenceClassification(..., num_labels=1), or pass "
                               "its path to get a one-logit head")
@@ -168,7 +147,6 @@ class RewardTrainer(RowsTrainer):
         model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model = prepare_trained(self.session, ROLE, model, cfg, self.peft_config, total_steps=self.total_steps)
         self.setup_times = self.phases.pop()
-        self.step = 0
         self.num_tokens = 0
 
     # -- the step ----------------------------------------------------------------------------------
@@ -186,8 +164,8 @@ class RewardTrainer(RowsTrainer):
         return gather_ranks(self.session, t)
 
     def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
-        """One optimizer step; each micro-batch's loss, accuracy and margin averaged over ranks and the
-        rewards' min/mean/max over all ranks' rows, then averaged over micro-batches (TRL's logging)."""
+        """One optimizer step; loss, accuracy, margin and rewards' min/mean/max over all ranks, averaged
+        over micro-batches as TRL logs them."""
         s, ga = self.session, self.cfg.gradient_accumulation_steps
         sums: dict[str, float] = {}
         tokens = 0
@@ -209,8 +187,7 @@ class RewardTrainer(RowsTrainer):
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
-        """Loss, accuracy and margin as exact means over every eval pair, whatever the world size
-        (TRL averages per-batch values instead); rewards' min/mean/max over all of them."""
+        """Loss, accuracy, margin and rewards' min/mean/max over every eval pair, whatever the world size."""
         rows = rows if rows is not None else self.eval_rows
         if rows is None:
             raise ValueError("no eval_dataset was given")

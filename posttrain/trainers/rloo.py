@@ -1,12 +1,5 @@
-"""RLOO (TRL 1.16's ``RLOOTrainer``) on per-role plugins: GRPO's loop, roles and generation with
-RLOO's objective.
-
-What differs from GRPO (``trainers/grpo.py``), as in TRL: the KL to the reference is folded into
-the reward (the sequence sum of the first-order log-ratio, times ``beta``); the advantage is the
-reward minus the mean reward of the other completions of the same prompt (leave-one-out),
-optionally normalised over the generation batch (``normalize_advantages``) after clipping rewards
-to ``reward_clip_range``; the loss is PPO's clipped objective on the sequence-level ratio of
-summed log-probs, averaged over sequences.
+"""RLOO (TRL 1.16's ``RLOOTrainer``): GRPO's loop, roles and generation with RLOO's objective (KL
+folded into the reward, leave-one-out advantages, clipped loss on the sequence-level ratio).
 """
 
 from __future__ import annotations
@@ -23,8 +16,7 @@ from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 @dataclass
 class RLOOConfig(GRPOConfig):
-    """RLOO settings; names and defaults follow TRL 1.16's ``RLOOConfig`` (which GRPO's fields it
-    shares keep GRPO's meaning; the GRPO-only loss options are refused)."""
+    """RLOO settings; names and defaults follow TRL 1.16's ``RLOOConfig``; GRPO-only options are refused."""
 
     beta: float = 0.05
     normalize_advantages: bool = False
@@ -48,9 +40,8 @@ class RLOOConfig(GRPOConfig):
 def rloo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
                     kl: torch.Tensor | None = None, beta: float = 0.0, normalize_advantages: bool = False,
                     reward_clip_range: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
-    """TRL 1.16's RLOO advantages over the whole generation batch (all processes): weighted rewards,
-    clipped, minus ``beta`` times each sequence's summed log-ratio ``kl``, minus the leave-one-out
-    mean of the scorable siblings; rows no reward function scored get 0."""
+    """TRL 1.16's RLOO advantages over the whole generation batch: clipped weighted rewards minus
+    ``beta * kl``, minus the leave-one-out mean of the scored siblings; unscored rows get 0."""
     from trl.trainer.utils import nanstd
 
     rewards = weighted_sum(rewards_per_func, weights)
@@ -71,9 +62,8 @@ def rloo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_g
 
 def rloo_loss(cfg: RLOOConfig, per_token_logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-    """TRL 1.16's ``RLOOTrainer._compute_loss`` on given log-probs: the clipped objective on the
-    ratio of summed completion log-probs (``old_logps``: the sampling policy's sums), averaged
-    over sequences (the engine divides by the accumulation steps, as HF's Trainer does for TRL)."""
+    """TRL 1.16's ``RLOOTrainer._compute_loss``: the clipped objective on the ratio of summed
+    completion log-probs (``old_logps``: the sampling policy's sums), averaged over sequences."""
     logps = (per_token_logps * mask).sum(1)
     coef_1 = torch.exp(logps - old_logps)
     coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_up)
@@ -100,7 +90,7 @@ class RLOOTrainer(GRPOTrainer):
         cfg, mask = self.cfg, completion_mask.float()
         kl, metrics = None, {}
         if cfg.beta != 0.0:
-            # First-order log-ratio, as TRL's RLOO (and the RLOO paper): summed per sequence.
+            # First-order log-ratio summed per sequence, as TRL's RLOO.
             per_token_kl = (old - ref) * mask
             kl = self._gather(per_token_kl.sum(-1))
             totals = self._sum(torch.stack([per_token_kl.sum(), mask.sum()]))

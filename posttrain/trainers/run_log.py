@@ -1,5 +1,4 @@
-"""A run's progress as users see it: phase times, the progress bar, ``metrics.jsonl`` and
-accelerate's trackers."""
+"""A run's progress: phase times, the progress bar, ``metrics.jsonl`` and accelerate's trackers."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from posttrain.trainers.config import TrainConfig
 
 
 class Phases:
-    """Wall time per phase (``time/generate``, ``time/score``, ...), synchronised so that a
-    phase's time includes its device work."""
+    """Wall time per phase (``time/<name>``), synchronised so that it includes the device work."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
@@ -52,13 +50,9 @@ def _sync() -> None:
 
 
 class RunLog:
-    """Progress bar, ``metrics.jsonl`` in the output dir, and accelerate trackers.
-
-    ``shown``: the metrics the progress bar shows (the ones a user watches: the reward for RL
-    trainers, loss and accuracy for DPO); with ``disable_tqdm`` they are printed as one line per
-    logged row instead (rank 0), as TRL prints its logs then. ``history`` holds the whole run's
-    rows: after a resume, the rows kept in ``metrics.jsonl`` up to the checkpoint come first.
-    """
+    """Progress bar, ``metrics.jsonl`` in the output dir, and accelerate trackers. ``shown``: the
+    metrics on the bar (a printed line per row with ``disable_tqdm``). ``history`` holds the whole
+    run's rows, those before a resume included."""
 
     def __init__(self, session: Session, cfg: TrainConfig, total: int, name: str, start: int = 0,
                  shown: tuple[str, ...] = ("loss",)) -> None:
@@ -70,10 +64,9 @@ class RunLog:
         self.closed = False
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
-            # Not config.json: the trained model is saved beside it, in output_dir itself (as TRL).
+            # Not config.json: the trained model is saved in output_dir itself.
             (self.out / SETTINGS_FILE).write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
-            # A resumed run continues the files at its checkpoint's step: rows the dead run wrote
-            # after it are dropped (they are written again).
+            # A resumed run drops the rows logged after its checkpoint (they are written again).
             truncate_jsonl(self.out / "metrics.jsonl", start)
             truncate_jsonl(self.out / "samples.jsonl", start)
         self.history: list[dict] = []
@@ -109,7 +102,7 @@ class RunLog:
             self.advance()
 
     def line(self, step: int, metrics: dict[str, float], shown: dict[str, str]) -> str:
-        """The per-row line printed without a progress bar: ``grpo step 3/60  reward 0.51  loss 0.0012 ...``."""
+        """The line printed per row without a progress bar: ``grpo step 3/60  reward 0.51 ...``."""
         extra = {k: _short(metrics[k]) for k in ("learning_rate", "lr", "epoch") if k in metrics}
         parts = [f"{self.name} step {step}/{self.total}", *(f"{k} {v}" for k, v in {**shown, **extra}.items())]
         return "  ".join(parts)
@@ -139,8 +132,7 @@ class RunLog:
     def close(self) -> None:
         self.closed = True
         self.bar.close()
-        # Not accelerator.end_training(): in accelerate 1.15 it also destroys the process group,
-        # which saving or evaluating after training still needs.
+        # Not accelerator.end_training(): it destroys the process group, which saving still needs.
         for tracker in self.session.accelerator.trackers:
             tracker.finish()
         if self.main:  # as TRL's trainers do: a model card (and the learning curves) in the output dir
@@ -148,8 +140,7 @@ class RunLog:
 
 
 def _label(key: str) -> str:
-    """A metric's name on the progress bar: ``rewards/accuracies`` -> ``accuracies``,
-    ``eval/rewards/accuracies`` -> ``eval_accuracies``, ``lm/loss`` -> ``lm_loss``."""
+    """A metric's name on the progress bar: ``eval/rewards/accuracies`` -> ``eval_accuracies``."""
     return key.replace("objective/", "").replace("rewards/", "").replace("/", "_")
 
 
@@ -158,8 +149,8 @@ def _short(value: Any) -> str:
 
 
 def truncate_jsonl(path: Path, step: int) -> int:
-    """Keep the rows of a metrics/samples file logged at ``step`` or before (by their "step" or
-    "update" key); returns how many were dropped, a line cut short by a killed run among them."""
+    """Keep the rows of a metrics/samples file logged at ``step`` or before; returns how many were
+    dropped (a half-written line among them)."""
     if not path.exists():
         return 0
     rows = [line for line in path.read_text().splitlines() if line.strip()]
@@ -180,7 +171,7 @@ def _row_step(line: str) -> float:
 
 
 def _jsonable(d: dict) -> dict:
-    """The settings file's values: JSON types as they are, a non-finite float and anything else as its text."""
+    """JSON types as they are; a non-finite float and anything else as its text."""
     def plain(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
             return repr(v)

@@ -1,13 +1,5 @@
-"""Supervised fine-tuning on the role layer: one trained role (``policy``) under its own plugin.
-
-Data preparation (posttrain/data/sft.py) and the loss follow ``trl.SFTTrainer`` (TRL 1.16): the
-"nll" loss is the summed token NLL of a whole optimizer step (every accumulation micro-batch on
-every process) over that step's count of trained tokens, TRL's ``num_items_in_batch`` with
-``average_tokens_across_devices``; "dft" weights each token's NLL by its (detached) probability.
-As in TRL, the model gets TRL's fused LM head (``add_fused_lm_head``): the log-probs, entropy and
-top-1 hits are folded over vocabulary tiles in the model's dtype, so the (batch, length, vocab)
-logits are never built.
-tests/test_sft.py checks loss, token accuracy and gradients against TRL's own trainer.
+"""Supervised fine-tuning with the ``policy`` role under its own plugin; data, loss ("nll": a step's
+summed token NLL over its trained tokens, all processes; "dft") and fused LM head follow ``trl.SFTTrainer``.
 """
 
 from __future__ import annotations
@@ -48,8 +40,7 @@ class SFTConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
     dataset_text_field: str = "text"
     dataset_num_proc: int | None = None
     max_length: int | None = 1024
-    # TRL's keep_start/keep_end, and posttrain's "none": a row longer than max_length is refused.
-    truncation_mode: str = "keep_start"
+    truncation_mode: str = "keep_start"  # or keep_end, or "none": a row longer than max_length is refused
     shuffle_dataset: bool = False
     packing: bool = False
     packing_strategy: str = "bfd"
@@ -67,7 +58,7 @@ class SFTConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
 
 
 def validate(cfg: SFTConfig) -> None:
-    """TRL's checks on the SFT settings, as one sentence each, before any model loads."""
+    """TRL's checks on the SFT settings, before any model loads."""
     if cfg.packing_strategy not in PACKING_STRATEGIES:
         raise ConfigError(f"unknown packing_strategy {cfg.packing_strategy!r}: choose from {', '.join(PACKING_STRATEGIES)}")
     if cfg.loss_type not in LOSS_TYPES:
@@ -94,10 +85,7 @@ FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
 def add_fused_head(model: Any) -> Any:
-    """Give ``model`` TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, as TRL's
-    SFTTrainer does before PEFT wraps it): :func:`token_terms` then gets per-token log-probs,
-    entropy and top-1 hits projected in vocabulary tiles, never the (batch, length, vocab) logits.
-    Returns the model (patched in place)."""
+    """Give ``model`` TRL's fused LM head in place, as TRL's SFTTrainer does before PEFT; returns it."""
     from trl.trainer.utils import add_fused_lm_head
 
     add_fused_lm_head(model, outputs=FUSED_OUTPUTS)
@@ -105,9 +93,8 @@ def add_fused_head(model: Any) -> Any:
 
 
 def token_terms(model: Any, batch: dict, loss_type: str = "nll") -> dict[str, torch.Tensor]:
-    """Summed per-token loss (with gradient), trained-token count, summed entropy and top-1 hits
-    of one collated batch, from the fused head of a model given :func:`add_fused_head` (TRL's
-    computation: no full logits, the vocabulary projected in tiles)."""
+    """Summed token loss (with gradient), trained-token count, summed entropy and top-1 hits of one
+    batch, from the fused head (:func:`add_fused_head`)."""
     out = model(**model_inputs(batch), labels=batch["labels"], fused_lm_head=True)
     mask = out.label_mask
     per_token = -out.log_probs  # zero where the label is -100
@@ -118,8 +105,7 @@ def token_terms(model: Any, batch: dict, loss_type: str = "nll") -> dict[str, to
 
 
 def input_tokens(batch: dict) -> int:
-    """Tokens a batch feeds the model, TRL's ``num_tokens`` count (padding excluded, except the
-    pad_to_multiple_of tail of a padding-free row, as TRL counts it)."""
+    """Tokens a batch feeds the model, as TRL's ``num_tokens`` counts them."""
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
     return int(batch["position_ids"].size(1))
@@ -127,9 +113,8 @@ def input_tokens(batch: dict) -> int:
 
 # -- the trainer --------------------------------------------------------------------------------------
 class SFTTrainer(RowsTrainer):
-    """Supervised fine-tuning with the trained model on its own DeepSpeed plugin. The model is
-    ``args.model_name_or_path`` or, as TRL's SFTTrainer takes it, ``model=`` (a model object, with
-    its ``processing_class``, or a path); one of them is required.
+    """Supervised fine-tuning; the model is ``args.model_name_or_path`` or ``model=`` (an object with
+    its ``processing_class``, or a path).
 
     >>> trainer = SFTTrainer(SFTConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
     >>> trainer = SFTTrainer(SFTConfig(), train_dataset=rows, model=model, processing_class=tokenizer)
@@ -166,7 +151,7 @@ class SFTTrainer(RowsTrainer):
         self.phases = Phases()
         kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}  # TRL loads float32 unless told
         if not isinstance(source, torch.nn.Module):  # an object keeps the attention it was built with
-            # Padding-free rows on CUDA: torch's varlen kernel, unless an attention is asked for (issue 22).
+            # Padding-free rows on CUDA: torch's varlen kernel, unless an attention is asked for.
             chosen = varlen_attention.choose(kwargs, source, self.padding_free, self.session.device)
             if chosen and self.session.is_main_process:
                 print(chosen, flush=True)
@@ -177,7 +162,6 @@ class SFTTrainer(RowsTrainer):
         add_fused_head(model)  # before the adapters, as TRL
         self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, total_steps=self.total_steps)
         self.setup_times = self.phases.pop()
-        self.step = 0
         self.num_tokens = 0
 
     def _prepare(self, dataset: Any, name: str, packing: bool, prep: dict) -> list[dict]:
@@ -194,9 +178,8 @@ class SFTTrainer(RowsTrainer):
         return sum_over_ranks(self.session, torch.tensor(values, dtype=torch.float64, device=self.session.device)).tolist()
 
     def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
-        """One optimizer step over this rank's accumulation micro-batches; returns the step's loss
-        (global token mean), token accuracy and entropy (means over micro-batches of each one's
-        all-rank ratio, as TRL logs them) and input tokens."""
+        """One optimizer step; returns the loss (global token mean), token accuracy and entropy (as TRL
+        logs them) and the input tokens so far."""
         s, ga = self.session, self.cfg.gradient_accumulation_steps
         batches = [self._to_device(b) for b in micro_batches]
         # TRL's num_items_in_batch: the trained tokens of the whole step, all processes.
@@ -206,8 +189,7 @@ class SFTTrainer(RowsTrainer):
         for batch in batches:
             with self.phases("forward"):
                 terms = token_terms(self.policy, batch, self.cfg.loss_type)
-            # The engine divides by the accumulation steps and averages over processes: undone here,
-            # so the gradient is d(sum of NLL)/d(theta) / items, TRL's.
+            # Undo the engine's division by accumulation steps and processes: the gradient is TRL's.
             loss = terms["loss_sum"] * (s.num_processes * ga / items)
             with self.phases("backward"):
                 s.backward("policy", loss)
@@ -224,8 +206,7 @@ class SFTTrainer(RowsTrainer):
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
-        """Loss (token mean), token accuracy and entropy over every eval token, whatever the world
-        size (TRL averages per-batch values instead)."""
+        """Loss, token accuracy and entropy over every eval token, whatever the world size."""
         rows = rows if rows is not None else self.eval_rows
         if rows is None:
             raise ValueError("no eval_dataset was given")

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.checks import check_data_path
-from posttrain.data.sft import as_dataset
 from posttrain.errors import ConfigError
 
 COLUMNS = ("prompt", "chosen", "rejected")
@@ -102,6 +101,15 @@ def write_jsonl(rows: Sequence[dict], path: str | os.PathLike) -> Path:
     return path
 
 
+def as_dataset(data: Any) -> Any:
+    """A ``datasets.Dataset`` from a list of row dicts (or the dataset itself)."""
+    if isinstance(data, (list, tuple)):
+        from datasets import Dataset
+
+        return Dataset.from_list(list(data))
+    return data
+
+
 def _empty(value: Any) -> bool:
     """None, a blank string, an empty list, or a message/content part with blank text."""
     if value is None:
@@ -128,14 +136,19 @@ def check_rows(dataset: Any, name: str = "dataset") -> None:
             f"{name}: no column {missing[0]!r}; a preference dataset needs {', '.join(COLUMNS)} "
             f"(or an implicit prompt in chosen/rejected), got columns {dataset.column_names}: rename its columns"
         )
+    check_values(dataset, list(need), name)
+
+
+def check_values(dataset: Any, columns: Sequence[str], name: str) -> None:
+    """Raise on the first missing or empty value of ``columns``, naming its row and column."""
     index = 0
-    for batch in dataset.select_columns(list(need)).iter(batch_size=1000):
-        for i in range(len(batch[need[0]])):
-            for column in need:
+    for batch in dataset.select_columns(list(columns)).iter(batch_size=1000):
+        for i in range(len(batch[columns[0]])):
+            for column in columns:
                 if _empty(batch[column][i]):
                     raise ConfigError(f"{name}: row {index + i} has a missing or empty {column!r}; "
                                       "fill it in or drop the row")
-        index += len(batch[need[0]])
+        index += len(batch[columns[0]])
 
 
 def check_conversation(dataset: Any, columns: Sequence[str], tokenizer: Any, name: str = "dataset") -> None:

@@ -7,6 +7,7 @@ import json
 import logging
 from typing import Any
 
+from posttrain.data.preference import as_dataset, check_values
 from posttrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -24,15 +25,6 @@ TINY_TRAINING_CHAT_TEMPLATE = (
 )
 TRUNCATION_MODES = ("keep_start", "keep_end", "none")
 MASK_COLUMNS = ("completion_mask", "assistant_masks")
-
-
-def as_dataset(data: Any) -> Any:
-    """A ``datasets.Dataset`` from a list of row dicts (or the dataset itself)."""
-    if isinstance(data, (list, tuple)):
-        from datasets import Dataset
-
-        return Dataset.from_list(list(data))
-    return data
 
 
 def dataset_kind(dataset: Any, text_field: str = "text", name: str = "dataset") -> str:
@@ -72,15 +64,6 @@ def training_chat_template(tokenizer: Any) -> str | None:
             "assistant turn and TRL cannot patch this tokenizer's: give one with --chat_template_path FILE.jinja, "
             "or drop --assistant_only_loss"
         ) from err
-
-
-def _check_values(dataset: Any, columns: list[str], name: str) -> None:
-    from posttrain.data.preference import _empty
-
-    for index, row in enumerate(dataset.select_columns(columns)):
-        for column in columns:
-            if _empty(row[column]):
-                raise ConfigError(f"{name}: row {index} has a missing or empty {column!r}; fill it in or drop the row")
 
 
 _INT_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
@@ -228,7 +211,7 @@ def prepare_sft_dataset(
     columns = {"prompt_completion": ["prompt", "completion"], "messages": None, "text": [text_field]}[kind]
     if columns is None:
         columns = ["messages" if "messages" in dataset.column_names else "conversations"]
-    _check_values(dataset, columns, name)
+    check_values(dataset, columns, name)
     if is_conversational_from_value(dataset[0]):
         dataset = dataset.map(maybe_convert_to_chatml, remove_columns="conversations", **map_kwargs)
     first = dataset[0]

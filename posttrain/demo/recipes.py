@@ -126,7 +126,6 @@ def build_assets(dest: str | os.PathLike) -> dict[str, Path]:
     return {p.name: p for p in (tok_dir, sft, reward)}
 
 
-
 def _build_one(dest: Path, kind: str, seed: int, steps: int, overrides: dict, name: str) -> Path:
     tok_dir = tokenizer_path()
     path = dest / name

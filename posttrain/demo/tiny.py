@@ -184,5 +184,3 @@ def _build_in_child(kind: str, path: Path, seed: int, steps: int, overrides: dic
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"building {path} failed (exit status {proc.returncode}): see the messages above")
-
-

@@ -8,13 +8,9 @@ import random
 from posttrain.demo import words
 
 
-def _words() -> dict[str, list[str]]:
-    return words()
-
-
 def prompts(n: int, seed: int = 0) -> list[str]:
     """Prompts that the corpus continues with adjectives: "<subject> is" or "<subject> felt"."""
-    rng, w = random.Random(seed), _words()
+    rng, w = random.Random(seed), words()
     return [f"{rng.choice(w['subjects'])} {rng.choice(['is', 'felt'])}" for _ in range(n)]
 
 
@@ -27,7 +23,7 @@ def _continuation(rng: random.Random, verb: str, adjs: list[str]) -> str:
 
 def preference_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
     """TRL's standard preference format: prompt, chosen (positive), rejected (negative)."""
-    rng, w = random.Random(seed), _words()
+    rng, w = random.Random(seed), words()
     rows = []
     for _ in range(n):
         verb = rng.choice(["is", "felt"])
@@ -39,7 +35,7 @@ def preference_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 def sentiment_score(text: str) -> float:
     """The bundled reward function: positive adjectives minus negative ones, in [-2, 2]."""
-    w = _words()
+    w = words()
     pos, neg = set(w["positive"]), set(w["negative"])
     tokens = text.replace(".", " ").split()
     score = sum(t in pos for t in tokens) - sum(t in neg for t in tokens)

@@ -1,7 +1,5 @@
-"""The scripts' settings, TRL's way: ``--config FILE`` plus flags; with no config and no model named,
-the script's demo YAML (``posttrain/scripts/demo/<name>.yaml``); with a model, the dataclasses'
-defaults. Unknown names are refused with the nearest known one.
-"""
+"""The scripts' settings, TRL's way: ``--config FILE`` (else the demo YAML when no model is named) plus
+flags; unknown names are refused with the nearest known one."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ def demo_config(name: str) -> Path:
 def parse_config(dataclass_types: Any, demo: str | os.PathLike | None = None,
                  argv: Sequence[str] | None = None, model_fields: Sequence[str] = ("model_name_or_path",),
                  prog: str | None = None) -> tuple:
-    """Instances of ``dataclass_types`` from ``--config`` (or ``demo`` when none of ``model_fields``
-    is set) and flags; prints the settings once."""
+    """Instances of ``dataclass_types`` from ``--config`` (or ``demo`` if no model is named) and flags."""
     types = list(dataclass_types) if isinstance(dataclass_types, (list, tuple)) else [dataclass_types]
     argv = _split_config_flag(list(sys.argv[1:] if argv is None else argv))
     config = argv.pop(argv.index("--config") + 1) if "--config" in argv else None
@@ -149,8 +146,7 @@ def describe(outputs: Sequence[Any], source: str, prog: str | None = None) -> st
 
 
 def record_script_arguments(output_dir: str | os.PathLike, *arguments: Any) -> None:
-    """Add the script's own dataclasses to the trainer's ``posttrain_config.json`` under
-    "script_arguments"; call it after training, on the main process."""
+    """Add the script's dataclasses to ``posttrain_config.json`` (after training, main process)."""
     from posttrain.run.output_dir import SETTINGS_FILE
 
     path = Path(output_dir) / SETTINGS_FILE
@@ -183,8 +179,7 @@ def check_model_paths(outputs: Sequence[Any]) -> None:
 
 
 def check_inputs(outputs: Sequence[Any]) -> None:
-    """Check what the run is given before anything is written or loaded: model and data paths,
-    placement, the checkpoint to resume from and the output dir."""
+    """Check paths, placement, checkpoint and output dir before anything is written or loaded."""
     check_model_paths(outputs)
     values = {f.name: getattr(o, f.name) for o in outputs for f in fields(o)}
     if values.get("dataset_streaming"):  # TRL's ScriptArguments flag: the trainers take whole datasets
@@ -210,8 +205,7 @@ def require_dataset(outputs: Sequence[Any], model_fields: Sequence[str] = ("mode
 
 
 def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | None = None) -> int:
-    """Run a script's ``main``: a ConfigError ends it with one sentence and status 2, Ctrl-C with a
-    line saying how to resume and status 130."""
+    """Run a script's ``main``: a ConfigError ends it with one sentence (status 2), Ctrl-C with 130."""
     from posttrain.run import interrupt
 
     interrupt.install()
@@ -259,8 +253,7 @@ def report_error(err: Exception) -> int:
 
 
 def _write_launcher_error_file(message: str) -> bool:
-    """Write ``message`` to ``TORCHELASTIC_ERROR_FILE`` as torch elastic's ``ErrorHandler`` does;
-    False when there is none or it cannot be written."""
+    """Write ``message`` to ``TORCHELASTIC_ERROR_FILE`` as torch elastic does; False if not possible."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False

@@ -57,8 +57,7 @@ def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
 def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, script: ScriptArguments,
                     test_split_size: float, bundled: Callable[[], tuple[list[dict], list[dict]]],
                     check: Callable[[Any, str], None] | None = None, model: Any = None) -> tuple[Trainer, dict]:
-    """A rows trainer (SFT, reward, DPO) on ``--dataset_name``'s splits or the rows ``bundled()``
-    builds, and its held-out metrics before training ({} when nothing is evaluated)."""
+    """A rows trainer on the script's data (or ``bundled()``) and its held-out metrics before training."""
     if script.dataset_name is None:
         from datasets import Dataset
 
@@ -78,7 +77,6 @@ def bundled_pairs(train_size: int, eval_size: int) -> tuple[list[dict], list[dic
     return synthetic.preference_pairs(train_size, seed=0), synthetic.preference_pairs(eval_size, seed=1)
 
 
-# -- the online scripts' prompts (GRPO, RLOO, PPO) ----------------------------------------------
 BUNDLED_PROMPTS = "posttrain's bundled synthetic prompts"
 
 
@@ -95,8 +93,7 @@ def bundled_prompts(count: int, seed: int = 42) -> list[dict]:
 
 
 def load_prompts(script: ScriptArguments, num_prompts: int, seed: int, algorithm: str) -> tuple[list[dict], str]:
-    """The online scripts' prompt rows (``--dataset_name``'s train split, checked, or ``num_prompts``
-    bundled ones) and what the model card calls them."""
+    """The online scripts' prompt rows (the dataset's or bundled) and what the model card calls them."""
     from posttrain.data.prompts import check_prompt_rows
 
     if script.dataset_name is None:

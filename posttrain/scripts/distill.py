@@ -1,7 +1,5 @@
 """``posttrain distill``: knowledge distillation. With no model named, a tiny teacher is trained (once,
-cached) on the bundled text and distilled into the tiny student; a real run names both models and a
-prompt-completion ``--dataset_name``.
-"""
+cached) on the bundled text and distilled into the tiny student."""
 
 from __future__ import annotations
 

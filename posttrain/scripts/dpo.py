@@ -1,6 +1,4 @@
-"""``posttrain dpo``: DPO. With no model, the built-in tiny default on bundled preference pairs under
-the demo settings; with ``--model_name_or_path`` and ``--dataset_name``, as ``trl dpo``.
-"""
+"""``posttrain dpo``: DPO; with no model named, the built-in tiny default on bundled preference pairs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""``posttrain grpo``: GRPO. With no model, the built-in tiny default and its bundled reward under the
-demo settings; else ``--model_name_or_path``, ``--reward_funcs`` and ``--dataset_name`` (a "prompt" column).
-"""
+"""``posttrain grpo``: GRPO; with no model named, the built-in tiny default and its bundled reward."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
 
 
 def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
-    """Mean reward over the first and last tenth of the rows that sampled, and time per phase;
-    ``seconds`` is this process's wall time."""
+    """Mean reward over the first and last tenth of the rows that sampled, and time per phase."""
     scored = [h["reward"] for h in history if isinstance(h.get("reward"), float) and math.isfinite(h["reward"])]
     tenth = max(1, len(scored) // 10)
     first = sum(scored[:tenth]) / tenth if scored else math.nan

@@ -18,8 +18,7 @@ def hub_repo_id(cfg: TrainConfig) -> str:
 
 
 def push_to_hub(cfg: TrainConfig, model_dir: str | os.PathLike, commit_message: str = "End of training") -> str:
-    """Upload ``model_dir`` as the repo's root without checkpoints (plus the output dir's card and plots
-    when the model is elsewhere); returns the repo's URL. Main process only."""
+    """Upload ``model_dir`` (and the run's card and plots); returns the repo's URL. Main process only."""
     from huggingface_hub import HfApi
 
     api = HfApi()

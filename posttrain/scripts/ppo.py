@@ -1,6 +1,4 @@
-"""``posttrain ppo``: PPO. With no model, the built-in tiny policy and reward model under the demo
-settings; else ``--model_name_or_path``, ``--reward_model_path`` and ``--dataset_name``.
-"""
+"""``posttrain ppo``: PPO; with no model named, the built-in tiny policy and reward model."""
 
 from __future__ import annotations
 

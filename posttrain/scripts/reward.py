@@ -1,6 +1,4 @@
-"""``posttrain reward``: a Bradley-Terry reward model, for PPO's ``--reward_model_path`` and GRPO's
-``--reward_funcs``. With no model, the tiny default's SFT policy on bundled pairs; else as ``trl reward``.
-"""
+"""``posttrain reward``: a Bradley-Terry reward model; with no model named, the tiny SFT policy's."""
 
 from __future__ import annotations
 

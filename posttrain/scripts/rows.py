@@ -1,6 +1,5 @@
 """The run ``posttrain sft|reward|dpo`` share, in TRL's scripts' order: parse, build the trainer on its
-data, evaluate, train, save; then held-out metrics before -> after, ``summary.json``, card and upload.
-"""
+data, evaluate, train, save; then held-out metrics before -> after, ``summary.json``, card and upload."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""``posttrain sft``: supervised fine-tuning. With no model, the built-in tiny default on the bundled
-corpus under the demo settings; with ``--model_name_or_path`` and ``--dataset_name``, as ``trl sft``.
-"""
+"""``posttrain sft``: supervised fine-tuning; with no model named, the tiny default on the bundled corpus."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The base config every trainer shares (TRL's ``TrainingArguments`` fields), its checks, and the
-run's step count and Session."""
+"""The base config every trainer shares (TRL's ``TrainingArguments`` fields), its checks and Session."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Knowledge distillation as TRL's GKDTrainer: a trained student learns a frozen teacher's next-token
-distributions (generalized JSD) on sequences from the student (``lmbda``), the teacher (``seq_kd``)
-or the dataset, each model under its own DeepSpeed plugin.
-"""
+distributions, each model under its own DeepSpeed plugin."""
 
 from __future__ import annotations
 
@@ -113,15 +111,8 @@ def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad
 
 
 class DistillTrainer(Trainer):
-    """Distil the teacher into the student on ``{"prompt", "completion"}`` rows. Each model is the
-    config's path or, with GKDTrainer's names, an object (``model=``, ``teacher_model=``).
-
-    >>> trainer = DistillTrainer(DistillConfig(model_name_or_path="small", teacher_model_name_or_path="big"),
-    ...                          train_rows, eval_rows)
-    >>> trainer = DistillTrainer(DistillConfig(), train_rows, model=student, teacher_model=teacher,
-    ...                          processing_class=tokenizer)
-    >>> trainer.train()
-    """
+    """Distil the teacher into the student on ``{"prompt", "completion"}`` rows; each model is the
+    config's path or an object (``model=``, ``teacher_model=``)."""
 
     name = "distill"
     shown = ("loss", "eval/loss")
@@ -169,7 +160,6 @@ class DistillTrainer(Trainer):
         per_step = cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps
         return max(1, math.ceil(cfg.num_train_epochs * len(self.train_dataset) / per_step))
 
-    # -- data ------------------------------------------------------------------------------
     def _encode(self, rows: list[dict[str, str]]) -> tuple[list[list[int]], list[list[int]]]:
         tok, keep = self.tokenizer, self.cfg.max_length - 1
         # The prompt as the tokenizer encodes text (with its BOS, if any), the completion bare + EOS.
@@ -201,7 +191,6 @@ class DistillTrainer(Trainer):
             return "student"
         return "teacher" if self.cfg.seq_kd else "data"
 
-    # -- loss ------------------------------------------------------------------------------
     def logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Student and teacher logits at the positions that predict a next token (all but the last)."""
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}

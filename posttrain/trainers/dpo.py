@@ -99,7 +99,6 @@ def validate(cfg: DPOConfig) -> None:
             raise ConfigError("sync_ref_model needs ref_model_sync_steps >= 1 and 0 < ref_model_mixup_alpha <= 1")
 
 
-# -- the math (TRL 1.16's DPOTrainer._compute_loss) -----------------------------------------------
 def sequence_logps(model: Any, batch: dict, ld_alpha: float | None, stats: bool = False) -> dict[str, torch.Tensor]:
     """Per-token completion log-probs and their (LD-weighted) sum per sequence; with ``stats``, also
     the per-token entropy, mean logit, top-1 hit and log sum p²."""
@@ -229,16 +228,11 @@ def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tupl
     }
 
 
-# -- the trainer --------------------------------------------------------------------------------------
 class DPOTrainer(Trainer):
-    """DPO with the policy and reference on their own DeepSpeed plugins.
+    """DPO; the reference is a frozen ``reference`` role (released after one pass with
+    ``precompute_ref_log_probs``), or under ``use_peft`` the policy's base with adapters disabled.
 
-    The reference is a frozen ``reference`` role, or precomputed log-probs
-    (``precompute_ref_log_probs``: the role is released after one pass), or under ``use_peft`` the
-    policy's base with adapters disabled. With ``sync_ref_model`` checkpoints carry the reference too.
-
-    >>> trainer = DPOTrainer(DPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
-    >>> trainer.train()
+    >>> DPOTrainer(DPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows).train()
     """
 
     name = "dpo"
@@ -285,7 +279,6 @@ class DPOTrainer(Trainer):
         self._batches = None
         self.history: list[dict] = []
 
-    # -- setup helpers ---------------------------------------------------------------------------------
     def _no_dropout(self, model: torch.nn.Module) -> None:
         if self.cfg.disable_dropout:
             from trl.trainer.utils import disable_dropout_in_model
@@ -327,7 +320,6 @@ class DPOTrainer(Trainer):
         for row, (c, r) in zip(rows, values.tolist()):
             row["ref_chosen_logps"], row["ref_rejected_logps"] = c, r
 
-    # -- the loss --------------------------------------------------------------------------------------
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if "ref_chosen_logps" in batch:
             dtype = torch.get_default_dtype()
@@ -355,7 +347,6 @@ class DPOTrainer(Trainer):
         pairs["loss"] = loss.detach()
         return loss.mean(), pairs, token_metrics(policy, batch["completion_mask"])
 
-    # -- the step ------------------------------------------------------------------------------------
     def training_step(self, step: int) -> dict[str, float]:
         """One optimizer step: mean loss and pair metrics, token metrics over the step's tokens."""
         cfg, s = self.cfg, self.session

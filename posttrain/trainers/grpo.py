@@ -1,7 +1,5 @@
-"""GRPO (TRL 1.16's ``GRPOTrainer``) with every model role under its own DeepSpeed plugin: a trained
-``policy``, a frozen ``reference`` (none at ``beta == 0`` or with LoRA, where the policy's base is the
-reference) and one frozen role per reward model. The math is TRL's, in :mod:`posttrain.trainers.grpo_loss`.
-"""
+"""GRPO (TRL 1.16's ``GRPOTrainer``) with a trained ``policy``, a frozen ``reference`` (none at ``beta == 0``
+or with LoRA) and one frozen role per reward model, each under its own DeepSpeed plugin."""
 
 from __future__ import annotations
 
@@ -179,7 +177,6 @@ def check_reference(cfg: GRPOConfig, adapters: bool) -> None:
                            cfg.ref_model_name_or_path or "the policy's initial weights")
 
 
-# -- the trainer ---------------------------------------------------------------------------------
 class GRPOTrainer(Trainer):
     """GRPO with per-role placement; ``train()`` returns the logged rows under TRL's metric names."""
 
@@ -279,8 +276,7 @@ class GRPOTrainer(Trainer):
         self.trainer_state.is_world_process_zero = s.is_main_process
 
     def _rewards(self, reward_funcs: list | None, processing_classes: Any) -> Rewards:
-        """The rewards in TRL's order: those passed in code, the reward model flag, the config's
-        ``reward_funcs``; every spec is checked before anything loads."""
+        """The rewards in TRL's order (code's, the reward model flag, the config's), all checked."""
         cfg = self.cfg
         given = list(reward_funcs or [])
         if processing_classes is not None and not isinstance(processing_classes, list):
@@ -308,7 +304,6 @@ class GRPOTrainer(Trainer):
         if self._compile:
             self.compiled_layers = compiled_layers.compile_layers(base, required=cfg.compile_layers is True)
 
-    # -- one generation batch ------------------------------------------------------------------
     def _generation_rows(self, cycle: int) -> list[int]:
         """This process's rows of generation batch ``cycle``: prompts of the epoch's order, each
         ``num_generations`` times in a row, split across processes so the data ignores placement."""
@@ -416,7 +411,6 @@ class GRPOTrainer(Trainer):
         m["num_tokens"] = self.num_tokens
         return {**m, **completion_metrics(all_lengths, self._gather(truncated))}
 
-    # -- the loss --------------------------------------------------------------------------------
     def policy_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's per-token log-probs and entropies of the batch's completions (with grad)."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -449,10 +443,8 @@ class GRPOTrainer(Trainer):
         """TRL's GRPO loss is already divided for accumulation, as the engine also does: undo one."""
         return float(self.cfg.gradient_accumulation_steps)
 
-    # -- the step --------------------------------------------------------------------------------
     def training_step(self, step: int) -> dict[str, Any]:
-        """One optimizer step over the current generation batch's micro-batches (sampling a new batch
-        when it is used up); :meth:`log_row` reduces what it returns."""
+        """One optimizer step, sampling a new generation batch when the current one is used up."""
         cfg, s = self.cfg, self.session
         ga = cfg.gradient_accumulation_steps
         tick = time.perf_counter()

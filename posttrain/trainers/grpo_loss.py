@@ -1,5 +1,4 @@
-"""GRPO's math, TRL 1.16's line by line, as pure functions: group-relative advantages and the loss of
-every ``loss_type`` with the statistics it logs."""
+"""GRPO's math, TRL 1.16's line by line, as pure functions: advantages, loss and logged statistics."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vesp
 _CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style min(r A, clip(r) A)
 
 
-# -- advantages ----------------------------------------------------------------------------------
 def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
                      scale_rewards: str = "group", aggregation: str = "sum_then_normalize") -> dict[str, torch.Tensor]:
     """TRL 1.16's GRPO advantages over the whole generation batch, grouped by prompt; a row no reward
@@ -44,7 +42,6 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
             "is_std_zero": torch.isclose(std, torch.zeros_like(std))}
 
 
-# -- the loss ------------------------------------------------------------------------------------
 def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float,
                       all_entropies: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens whose entropy is at least the ``threshold`` quantile of every valid token's entropy
@@ -168,8 +165,7 @@ def reduce_loss_stats(stats: list[dict[str, Any]], sum_over_ranks: Any = None, g
 
 
 def average_generation_metrics(gens: list[dict[str, float]]) -> dict[str, float]:
-    """A logging window's generation metrics as TRL's ``log()`` reports them: NaN-skipping means,
-    except ``num_tokens``, the latest count."""
+    """A window's generation metrics as TRL logs them: NaN-skipping means; the latest ``num_tokens``."""
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for m in gens for k in m):
         if key == "num_tokens":

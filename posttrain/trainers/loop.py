@@ -1,5 +1,4 @@
-"""The training loop every trainer runs: resume, logging, evaluation, checkpoints and closing. A
-trainer subclasses :class:`Trainer` and supplies its step, optionally its evaluation and its log rows."""
+"""The training loop every trainer runs: resume, logging, evaluation, checkpoints and closing."""
 
 from __future__ import annotations
 
@@ -22,14 +21,9 @@ LATEST = ("grad_norm", "learning_rate", "lr", "epoch", "episode", "num_tokens")
 
 
 class Trainer:
-    """The loop's side of a trainer.
-
-    A subclass sets ``name``, ``shown`` (the progress bar's metrics) and ``roles`` (trained, frozen
-    and "decoded" roles), and builds ``self.cfg``, ``self.session`` and ``self.total_steps`` in
-    ``__init__``, as TRL's trainers do. It supplies ``training_step(step)`` (step counts from 1) and
-    optionally ``log_row(rows)``, ``evaluate()``, ``checkpoint_models()``, ``checkpoint_state()`` and
-    ``restore(state, checkpoint)``.
-    """
+    """The loop's side of a trainer. A subclass sets ``name``, ``shown`` and ``roles``, builds
+    ``cfg``, ``session`` and ``total_steps`` in ``__init__`` and supplies ``training_step(step)``
+    (from 1); the other methods below have defaults."""
 
     name: ClassVar[str] = "train"
     shown: ClassVar[tuple[str, ...]] = ("loss",)
@@ -43,7 +37,6 @@ class Trainer:
     history: list[dict]
     run_log: RunLog | None = None
 
-    # -- what a trainer supplies ---------------------------------------------------------------
     def training_step(self, step: int) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -71,7 +64,6 @@ class Trainer:
     def on_log(self, step: int) -> None:
         """Called after a row is logged (GRPO writes its samples then)."""
 
-    # -- the loop ------------------------------------------------------------------------------
     @property
     def start(self) -> int:
         """The step this run starts from: the resumed checkpoint's (known before :meth:`train`), else 0."""
@@ -112,8 +104,7 @@ class Trainer:
         return self.history
 
     def save_model(self, directory: str | os.PathLike | None = None) -> Path:
-        """Save the first trained role in the output dir itself (TRL's layout), every other one in
-        ``<role>/`` beside it; returns the first one's folder."""
+        """Save the first trained role in the output dir (TRL's layout), others in ``<role>/``; returns it."""
         trained = self.roles["trained"]
         merge = getattr(self.cfg, "merge_adapters", False)
         path = save_trained_model(self.session, trained[0], directory or self.cfg.output_dir, self.tokenizer, merge)

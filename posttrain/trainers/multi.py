@@ -1,6 +1,4 @@
-"""Disjoint multi-model training: independent models, each a trained role under its own DeepSpeed
-plugin with its own optimizer and scheduler, stepping in one loop (accelerate's multi-model guide).
-"""
+"""Disjoint multi-model training: independent models, each under its own plugin, in one loop."""
 
 from __future__ import annotations
 
@@ -67,12 +65,7 @@ class MultiConfig(TrainConfig):
 
 
 class MultiTrainer(Trainer):
-    """Train every task's model in one loop; each model is a trained role named like its task.
-
-    >>> trainer = MultiTrainer(MultiConfig(role_configs={"lm": "zero2_train", "clf": "zero3_train"}),
-    ...                        {"lm": Task("path/lm", texts, collate_lm), "clf": Task(...)})
-    >>> trainer.train()
-    """
+    """Train every task's model in one loop; each model is a trained role named like its task."""
 
     name = "multi"
     roles = {"trained": [], "frozen": []}  # one trained role per task, named like it

@@ -1,7 +1,5 @@
-"""PPO for RLHF as TRL's PPOTrainer up to 1.12: trained ``policy`` and ``value`` roles, frozen
-``reference`` (none with LoRA: the policy's base) and ``reward``, each under its own DeepSpeed plugin.
-Policy and value have separate optimizers, so each model's gradient norm is clipped on its own.
-"""
+"""PPO as TRL's PPOTrainer up to 1.12, each role under its own plugin. Policy and value have separate
+optimizers, so each model's gradient norm is clipped on its own."""
 
 from __future__ import annotations
 
@@ -94,7 +92,6 @@ class PPOConfig(TrainConfig, LoraFields, RolloutFields):
                               "ref_model_name_or_path, or drop use_peft to use a reference model of its own")
 
 
-# -- the math (TRL <= 1.12's helpers) ---------------------------------------------------------
 def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Index of the first True in each row, or the row length if there is none."""
     row_len = bools.size(-1)
@@ -182,7 +179,6 @@ def value_loss(
     return loss, clipfrac
 
 
-# -- model calls -----------------------------------------------------------------------------
 def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                 temperature: float, compute_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The response tokens' log-probs (and entropies) as TRL's PPOTrainer took them: logits in the
@@ -213,12 +209,9 @@ def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-# -- the trainer -----------------------------------------------------------------------------
 class PPOTrainer(Trainer):
-    """PPO with per-role placement; ``save_model()`` puts the policy at the top of the output dir and
-    the value model in ``value/``. Each model is the config's path or, as TRL took them, an object
-    (``model=``, ``ref_model=``, ``reward_model=``, ``value_model=``); the value model defaults to the
-    reward model when it reads the policy's ids, else the policy's backbone."""
+    """PPO; each model is the config's path or an object, as TRL took them. The value model defaults to
+    the reward model if it reads the policy's ids, else the policy; it is saved in ``value/``."""
 
     name = "ppo"
     shown = ("objective/scores", "objective/kl", "loss/policy_avg")
@@ -323,7 +316,6 @@ class PPOTrainer(Trainer):
         self._batches = None  # the prompt order, from the update the run starts at
         self.sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
 
-    # -- rollout -----------------------------------------------------------------------------
     def _queries(self, indices: list[int]) -> torch.Tensor:
         enc = self.tokenizer([self.prompts[i] for i in indices], return_tensors="pt", padding=True,
                              padding_side="left", truncation=True, max_length=self.cfg.max_prompt_length)
@@ -418,7 +410,6 @@ class PPOTrainer(Trainer):
                     scores=scores, kl=kl, non_score_reward=non_score_reward, advantages=advantages,
                     returns=returns, padding_mask=padding_mask, padding_mask_p1=padding_mask_p1, **extra)
 
-    # -- optimisation ------------------------------------------------------------------------
     def train_on(self, batch: dict[str, torch.Tensor], update: int) -> dict[str, float]:
         """``num_ppo_epochs`` passes over the rollouts; returns the averaged statistics (TRL's names)."""
         cfg, s = self.cfg, self.session

@@ -1,6 +1,4 @@
-"""Reward modelling: a one-logit sequence classifier trained as the ``reward`` role under its own
-plugin, with ``trl.RewardTrainer``'s (TRL 1.16) data handling and Bradley-Terry loss.
-"""
+"""Reward modelling with ``trl.RewardTrainer``'s data handling and loss, the model on its own plugin."""
 
 from __future__ import annotations
 
@@ -46,7 +44,6 @@ class RewardConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
         self.check_tokenizer_fields()
 
 
-# -- data ------------------------------------------------------------------------------------------
 def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int | None, name: str = "dataset",
                            num_proc: int | None = None) -> list[dict]:
     """``chosen_ids``/``rejected_ids`` (and ``margin``) per pair, as ``trl.RewardTrainer._prepare_dataset``."""
@@ -87,11 +84,9 @@ def collator(tokenizer: Any, pad_to_multiple_of: int | None = None) -> Any:
     return DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
 
 
-# -- the math (TRL 1.16's RewardTrainer.compute_loss) ---------------------------------------------
 def reward_loss(rewards: torch.Tensor, margin: torch.Tensor | None,
                 center_rewards_coefficient: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Bradley-Terry loss of [chosen; rejected] rewards (shape (2B,)) and the per-pair values behind
-    TRL's metrics (detached)."""
+    """Bradley-Terry loss of [chosen; rejected] rewards and the detached per-pair metric values."""
     chosen, rejected = rewards.chunk(2)
     diff = chosen - rejected
     loss = -F.logsigmoid(diff - margin if margin is not None else diff).mean()
@@ -101,14 +96,9 @@ def reward_loss(rewards: torch.Tensor, margin: torch.Tensor | None,
     return loss, {"accuracy": (d > 0).float(), "margin": d, "rewards": rewards.detach()}
 
 
-# -- the trainer --------------------------------------------------------------------------------------
 class RewardTrainer(RowsTrainer):
-    """A Bradley-Terry reward model; the model is ``args.model_name_or_path`` (given a one-logit head)
-    or ``model=`` (a classifier with ``num_labels=1`` and its ``processing_class``, or a path).
-
-    >>> trainer = RewardTrainer(RewardConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=pairs)
-    >>> trainer.train()
-    """
+    """A Bradley-Terry reward model: ``args.model_name_or_path`` (given a one-logit head) or ``model=``
+    (a classifier with ``num_labels=1``, or a path)."""
 
     name = "reward"
     shown = ("loss", "accuracy", "eval/accuracy")
@@ -149,7 +139,6 @@ class RewardTrainer(RowsTrainer):
         self.setup_times = self.phases.pop()
         self.num_tokens = 0
 
-    # -- the step ----------------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.session.device) for k, v in batch.items()}
 

@@ -1,6 +1,4 @@
-"""RLOO (TRL 1.16's ``RLOOTrainer``): GRPO's loop, roles and generation with RLOO's objective (KL
-folded into the reward, leave-one-out advantages, clipped loss on the sequence-level ratio).
-"""
+"""RLOO (TRL 1.16's ``RLOOTrainer``): GRPO's loop, roles and generation with RLOO's objective."""
 
 from __future__ import annotations
 

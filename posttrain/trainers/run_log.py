@@ -50,9 +50,7 @@ def _sync() -> None:
 
 
 class RunLog:
-    """Progress bar, ``metrics.jsonl`` in the output dir, and accelerate trackers. ``shown``: the
-    metrics on the bar (a printed line per row with ``disable_tqdm``). ``history`` holds the whole
-    run's rows, those before a resume included."""
+    """Progress bar (``shown`` metrics), ``metrics.jsonl`` and trackers; ``history`` is the whole run's."""
 
     def __init__(self, session: Session, cfg: TrainConfig, total: int, name: str, start: int = 0,
                  shown: tuple[str, ...] = ("loss",)) -> None:

@@ -1,6 +1,4 @@
-"""Supervised fine-tuning with the ``policy`` role under its own plugin; data, loss ("nll": a step's
-summed token NLL over its trained tokens, all processes; "dft") and fused LM head follow ``trl.SFTTrainer``.
-"""
+"""Supervised fine-tuning with the ``policy`` role under its own plugin, as ``trl.SFTTrainer``."""
 
 from __future__ import annotations
 
@@ -75,7 +73,6 @@ def validate(cfg: SFTConfig) -> None:
     cfg.check_tokenizer_fields()
 
 
-# -- the math (TRL 1.16's SFTTrainer.compute_loss) ---------------------------------------------------
 def model_inputs(batch: dict) -> dict:
     return {k: batch[k] for k in _MODEL_KEYS if k in batch}
 
@@ -111,15 +108,8 @@ def input_tokens(batch: dict) -> int:
     return int(batch["position_ids"].size(1))
 
 
-# -- the trainer --------------------------------------------------------------------------------------
 class SFTTrainer(RowsTrainer):
-    """Supervised fine-tuning; the model is ``args.model_name_or_path`` or ``model=`` (an object with
-    its ``processing_class``, or a path).
-
-    >>> trainer = SFTTrainer(SFTConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows)
-    >>> trainer = SFTTrainer(SFTConfig(), train_dataset=rows, model=model, processing_class=tokenizer)
-    >>> trainer.train()
-    """
+    """Supervised fine-tuning of ``args.model_name_or_path`` or ``model=`` (an object, or a path)."""
 
     name = "sft"
     shown = ("loss", "mean_token_accuracy", "eval/loss")
@@ -170,7 +160,6 @@ class SFTTrainer(RowsTrainer):
             rows = rows.shuffle(seed=self.cfg.seed)
         return rows.to_list()
 
-    # -- the step ----------------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.session.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 

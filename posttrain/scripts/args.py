@@ -24,7 +24,6 @@ DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
 
 def demo_config(name: str) -> Path:
-    """The demo settings of script ``name``."""
     return DEMO_DIR / f"{name}.yaml"
 
 

@@ -26,7 +26,6 @@ class DataArguments:
 
 
 def train_losses(history: list[dict]) -> dict:
-    """The first and last logged training loss."""
     return {"train_loss_first": history[0].get("loss") if history else None,
             "train_loss_last": next((r["loss"] for r in reversed(history) if "loss" in r), None)}
 

@@ -40,7 +40,6 @@ class DPOConfig(TrainConfig, LoraFields, ModelFields):
     logging_steps: int = 10
     ref_model_name_or_path: str | None = None  # default: the policy's weights
     disable_dropout: bool = True
-    # Data
     dataset_num_proc: int | None = None
     max_length: int | None = 1024
     truncation_mode: str = "keep_start"
@@ -50,7 +49,6 @@ class DPOConfig(TrainConfig, LoraFields, ModelFields):
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
-    # Loss
     loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
     loss_weights: list[float] | None = None
     ld_alpha: float | None = None
@@ -298,9 +296,6 @@ class DPOTrainer(Trainer):
             out.append((idx + [0] * (min(batch_size, per_rank - start) - valid), valid))
         return out
 
-    def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.session.device) for k, v in batch.items()}
-
     def _precompute_all(self) -> None:
         with self.phases("precompute"):
             cfg = self.cfg
@@ -313,7 +308,8 @@ class DPOTrainer(Trainer):
         """Reference log-probs of every pair, stored in the rows (``ref_chosen_logps``/``ref_rejected_logps``)."""
         values = torch.zeros(len(rows), 2, dtype=torch.float64, device=self.session.device)
         for idx, valid in self._shard(len(rows), bs):
-            batch = self._to_device(self.collate([_pair_only(rows[i]) for i in idx]))
+            pairs = [{k: rows[i][k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for i in idx]
+            batch = self._to_device(self.collate(pairs))
             chosen, rejected = self._reference_forward(batch)
             values[idx[:valid]] = torch.stack([chosen, rejected], 1)[:valid].double()
         values = sum_over_ranks(self.session, values)  # each row was computed on exactly one rank
@@ -412,9 +408,3 @@ class DPOTrainer(Trainer):
         for j, k in enumerate(tok_keys):
             out[f"{prefix}/{k}"] = (sums[len(keys) + 1 + 2 * j] / sums[len(keys) + 2 + 2 * j].clamp(min=1)).item()
         return out
-
-
-def _pair_only(row: dict) -> dict:
-    return {k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
-
-

@@ -389,11 +389,9 @@ class GRPOTrainer(Trainer):
         # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
         g = torch.Generator().manual_seed(mix_seed(cfg.seed, "shuffle", cycle, s.process_index))
         perm = torch.randperm(len(idx), generator=g).to(dev)
-        micro = []
-        for j in range(cfg.steps_per_generation):
-            sel = perm[j * bs : (j + 1) * bs]
-            micro.append({k: (v[sel] if v.dim() and v.shape[0] == len(idx) else v) for k, v in batch.items()})
-        return micro, metrics
+        sels = [perm[j * bs : (j + 1) * bs] for j in range(cfg.steps_per_generation)]
+        return [{k: (v[sel] if v.dim() and v.shape[0] == len(idx) else v) for k, v in batch.items()}
+                for sel in sels], metrics
 
     def advantages(self, rewards_per_func: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
                    completion_mask: torch.Tensor) -> dict[str, Any]:

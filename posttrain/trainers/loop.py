@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from posttrain.data.order import rank_batches
 from posttrain.placement.ranks import mean_over_ranks
 from posttrain.run.output_dir import resume_dir, save_checkpoint
@@ -60,6 +62,9 @@ class Trainer:
 
     def can_checkpoint(self, step: int) -> bool:
         return True
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.session.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def on_log(self, step: int) -> None:
         """Called after a row is logged (GRPO writes its samples then)."""

@@ -151,10 +151,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
     return advantages, advantages + values
 
 
-def policy_loss(
-    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    cliprange: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, cliprange: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate: mean over valid tokens of max(-A r, -A clip(r, 1 +- eps))."""
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
@@ -167,9 +165,8 @@ def policy_loss(
     return loss, stats
 
 
-def value_loss(
-    vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The clipped value loss: 0.5 * mean over valid tokens of max((v - R)^2, (clip(v) - R)^2)."""
     vpredclipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
     vf_losses1 = torch.square(vpred - returns)
@@ -416,8 +413,9 @@ class PPOTrainer(Trainer):
         pad = self.tokenizer.pad_token_id
         qr = batch["query_responses"]
         ctx = qr.shape[1] - batch["responses"].shape[1]
-        stats: dict[str, list[torch.Tensor]] = {k: [] for k in
-                                                ("approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        names = ("policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
+                 "val/clipfrac_avg", "policy/entropy_avg", "ratio")
+        stats: dict[str, list[torch.Tensor]] = {k: [] for k in names}
         mb = cfg.per_device_train_batch_size
         for epoch in range(cfg.num_ppo_epochs):
             # Depends only on (seed, update, epoch, rank): resumable.
@@ -441,22 +439,14 @@ class PPOTrainer(Trainer):
                                                       cfg.cliprange_value)
                     s.backward("value", cfg.vf_coef * vf_loss)
                     s.step("value")
-                    for k, v in (("approxkl", pg["approxkl"]), ("clipfrac", pg["clipfrac"]), ("pg_loss", pg_loss),
-                                 ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy.mean()),
-                                 ("ratio", pg["ratio"])):
+                    for k, v in zip(names, (pg["approxkl"], pg["clipfrac"], pg_loss, vf_loss, vf_clipfrac,
+                                            entropy.mean(), pg["ratio"])):
                         stats[k].append(v.detach().float())
         # TRL's val/ratio_var: the variance over every rank's values, not a mean of per-rank variances.
-        ratios = gather_ranks(s, torch.stack(stats["ratio"]))
-        return {
-            "policy/approxkl_avg": torch.stack(stats["approxkl"]).mean().item(),
-            "policy/clipfrac_avg": torch.stack(stats["clipfrac"]).mean().item(),
-            "loss/policy_avg": torch.stack(stats["pg_loss"]).mean().item(),
-            "loss/value_avg": torch.stack(stats["vf_loss"]).mean().item(),
-            "val/clipfrac_avg": torch.stack(stats["vf_clipfrac"]).mean().item(),
-            "policy/entropy_avg": torch.stack(stats["entropy"]).mean().item(),
-            "val/ratio": ratios.mean().item(),
-            "val/ratio_var": ratios.var().item() if ratios.numel() > 1 else 0.0,
-        }
+        ratios = gather_ranks(s, torch.stack(stats.pop("ratio")))
+        means = {k: torch.stack(v).mean().item() for k, v in stats.items()}
+        var = ratios.var().item() if ratios.numel() > 1 else 0.0
+        return {**means, "val/ratio": ratios.mean().item(), "val/ratio_var": var}
 
     def training_step(self, update: int) -> dict[str, float]:
         """One PPO update: a rollout batch, then num_ppo_epochs passes over it."""

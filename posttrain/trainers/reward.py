@@ -32,11 +32,9 @@ class RewardConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
     output_dir: str = "runs/reward"
     learning_rate: float = 1e-4
     disable_dropout: bool = True
-    # Data
     dataset_num_proc: int | None = None
     max_length: int | None = 1024  # pairs with a side longer than this are dropped (TRL's rule)
     pad_to_multiple_of: int | None = None
-    # Loss
     center_rewards_coefficient: float | None = None
 
     def __post_init__(self) -> None:
@@ -138,9 +136,6 @@ class RewardTrainer(RowsTrainer):
         self.model = prepare_trained(self.session, ROLE, model, cfg, self.peft_config, total_steps=self.total_steps)
         self.setup_times = self.phases.pop()
         self.num_tokens = 0
-
-    def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.session.device) for k, v in batch.items()}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = self._to_device(batch)

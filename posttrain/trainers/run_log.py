@@ -106,7 +106,6 @@ class RunLog:
         return "  ".join(parts)
 
     def advance(self) -> None:
-        """One optimizer step (update) done."""
         self.done += 1
         self.bar.update(1)
 

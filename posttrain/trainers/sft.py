@@ -34,7 +34,6 @@ class SFTConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
 
     output_dir: str = "runs/sft"
     learning_rate: float = 2e-5
-    # Data
     dataset_text_field: str = "text"
     dataset_num_proc: int | None = None
     max_length: int | None = 1024
@@ -45,7 +44,6 @@ class SFTConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
     padding_free: bool = False
     pad_to_multiple_of: int | None = None
     eval_packing: bool | None = None
-    # Loss
     completion_only_loss: bool | None = None  # None: on for prompt-completion data (TRL's rule)
     assistant_only_loss: bool = False
     loss_type: str = "nll"
@@ -159,9 +157,6 @@ class SFTTrainer(RowsTrainer):
         if self.cfg.shuffle_dataset:
             rows = rows.shuffle(seed=self.cfg.seed)
         return rows.to_list()
-
-    def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.session.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         return sum_over_ranks(self.session, torch.tensor(values, dtype=torch.float64, device=self.session.device)).tolist()

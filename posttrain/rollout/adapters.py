@@ -1,39 +1,8 @@
-"""peft LoRA adapters as the decode engine reads them: which layers carry them, what it cannot run
-exactly (then ``generate``, with the reason), and the three ways it applies them.
-
-A peft ``LoraLayer`` keeps the base projection in ``base_layer`` and one ``lora_A``/``lora_B`` pair
-per adapter; its ``weight`` is the base weight, so a decoder that reads ``q_proj.weight`` silently
-drops the adapters. Here every projection the decoder reads goes through :meth:`Adapters.linear`,
-which returns the base weight and bias plus the adapters' terms, as one of three modes
-(``lora_mode``: the trainers' ``generation_lora_mode``, the engine's option; default ``"merged"``):
-
-- ``"merged"``: one persistent buffer per adapted matrix holds ``W + scaling * B @ A`` (peft's own
-  merge arithmetic: the delta in the adapter's dtype, added to the weight's), rewritten in place
-  once per rollout, so the step runs the plain model's kernels and a captured graph keeps its
-  addresses. Memory: one extra copy of every adapted matrix; with the engine's fused q|k|v and
-  gate|up buffers, those matrices' merged buffers are their slices of the fused ones (no third copy).
-- ``"live"``: the step adds ``(x @ A^T) @ B^T * scaling`` to each base projection, reading the live
-  adapter parameters (as peft's forward does: input cast to the adapter's dtype, the sum cast back),
-  two small GEMMs more per adapted projection, no extra copy.
-- ``"grouped"``: ``"live"`` with the projections that share an input (q|k|v, gate|up) taking one
-  low-rank product per adapter: their A's stacked and their B's as one block-diagonal matrix, with
-  a per-row scaling, copied in place once per rollout (a copy of the adapters' size): 8 small
-  GEMMs per layer instead of 14. Where the modules of a group do not carry the
-  same adapters, each keeps its own terms.
-
-In each mode an in-place update of the adapters (an optimizer step) is seen by the next rollout
-with no recompile and no recapture, and the scalings are buffers the step reads, so switching
-adapters off or on (peft's ``disable_adapter``), or changing which adapter is active, changes
-values, not graphs. Semantics follow peft's ``lora.Linear.forward`` in eval mode: the active
-adapters that the layer has, summed in order; none when adapters are disabled or already merged
-into the base weight. Adapter dropout is not applied while sampling (nor is the base model's, as
-with vLLM in TRL). ``modules_to_save`` copies are read in place of the originals when active.
-
-Not run by the engine (the rollout uses ``generate``, which runs peft's own forward, and says why):
-peft tuners other than LoRA, prompt learning, LoRA variants (DoRA, aLoRA, ...), LoRA on an
-embedding or any non-``nn.Linear`` layer, ``fan_in_fan_out``, trainable-token wrappers, and
-adapters merged into the base while disabled (checked every rollout).
-"""
+"""peft LoRA adapters as the decode engine reads them, following peft's eval forward, in one of three
+modes: ``"merged"`` (a W + scaling * B @ A buffer per adapted matrix, rewritten each rollout), ``"live"``
+(the low-rank terms inside the step) or ``"grouped"`` (``"live"`` with q|k|v and gate|up one product each).
+Scalings are buffers and updates are in place: no recapture. What the engine cannot run exactly goes to
+``generate`` (:func:`unsupported_reason`)."""
 
 from __future__ import annotations
 
@@ -48,7 +17,7 @@ LORA_MODES = ("merged", "live", "grouped")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft ``PeftModel`` (its LoRA layers in place); others as they are."""
+    """The transformers model inside a peft ``PeftModel``; others as they are."""
     if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
         return model.get_base_model()
     return model
@@ -70,8 +39,8 @@ def active(layer: Any) -> list[str]:
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the engine cannot apply ``model``'s peft adapters exactly (then ``generate`` runs), or
-    None (also without adapters). ``model``: a PeftModel or the transformers model inside one."""
+    """Why the engine cannot apply ``model``'s peft adapters exactly (then ``generate`` runs), or None
+    (also without adapters). ``model``: a PeftModel or the model inside one."""
     if not hasattr(model, "peft_config") and not any("lora_" in n or "modules_to_save" in n or "trainable_tokens" in n
                                                      for n, _ in model.named_modules()):
         return None
@@ -103,8 +72,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 
 def resolve(module: nn.Module) -> nn.Module:
-    """The module peft's forward runs for ``module``: a ``modules_to_save`` wrapper's active copy
-    (or its original when adapters are off); any other module itself."""
+    """The module peft's forward runs for ``module``: a ``modules_to_save`` wrapper's active copy (its
+    original when adapters are off); any other module itself."""
     if not hasattr(module, "modules_to_save") or not hasattr(module, "original_module"):
         return module
     names = module.active_adapters
@@ -114,9 +83,9 @@ def resolve(module: nn.Module) -> nn.Module:
 
 
 class Adapters:
-    """How the decoder reads a model's projections (see the module docstring): the live parameters
-    (``tensor`` maps each to what is read instead: a ZeRO-3 shadow's copy), resolved through peft's
-    wrappers, LoRA applied as ``mode`` says. ``refresh()`` once per rollout, before reading."""
+    """How the decoder reads a model's projections: live parameters (or what ``tensor`` maps them to, e.g.
+    a ZeRO-3 shadow's copies) through peft's wrappers, LoRA applied as ``mode`` says. Call ``refresh()``
+    once per rollout, before reading."""
 
     def __init__(self, model: nn.Module, mode: str = "merged", tensor: Any = None) -> None:
         if mode not in LORA_MODES:
@@ -138,8 +107,7 @@ class Adapters:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the merged buffers (mode "merged"; not those in the engine's fused buffers)
-        and of the grouped copies."""
+        """Bytes of the merged buffers not held in the engine's fused ones, and of the grouped copies."""
         merged = [t for key, (w, b) in self.merged.items() if key not in self.adopted for t in (w, b)]
         grouped = [t for _, _, terms in self.groups.values() for term in terms for t in term]
         return sum(t.numel() * t.element_size() for t in merged + grouped if t is not None)
@@ -152,8 +120,7 @@ class Adapters:
 
     def linear(self, m: nn.Module, terms: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """(weight, bias, LoRA terms) of projection ``m``. Terms (modes "live" and "grouped", unless
-        ``terms`` is False: the group carries them): per adapter the layer has, (A, B, B's bias or
-        None, scaling buffer), scaling 0 when not active."""
+        ``terms`` is False): per adapter, (A, B, B's bias or None, scaling buffer; 0 when not active)."""
         m = self.module(m)
         if not (self.lora and hasattr(m, "lora_A") and hasattr(m, "base_layer")):
             return self.tensor(m.weight), self.tensor(m.bias), None
@@ -168,9 +135,9 @@ class Adapters:
         return self.tensor(base.weight), self.tensor(base.bias), found
 
     def group(self, modules: tuple[nn.Module, ...]) -> tuple | None:
-        """Mode "grouped": the LoRA terms of projections that share an input, per adapter (stacked
-        A [sum r, in], block-diagonal B [sum out, sum r], B's biases or None, per-row scaling in the
-        adapter's dtype), or None (another mode, or the modules do not all carry the same adapters)."""
+        """Mode "grouped": the LoRA terms of projections sharing an input, per adapter (stacked A,
+        block-diagonal B, B's biases or None, per-row scaling), or None where they do not all carry the
+        same adapters."""
         if self.mode != "grouped" or not self.lora:
             return None
         ms = [self.module(m) for m in modules]
@@ -214,7 +181,7 @@ class Adapters:
                 r0, o0 = r0 + r, o0 + o
 
     def _lora_layer(self, m: nn.Module) -> Any:
-        """``m`` resolved, if it is a LoRA layer whose weight ``linear`` returns as a merged buffer."""
+        """``m`` resolved, if it is a LoRA layer whose weight ``linear`` returns merged."""
         m = self.module(m)
         adapted = self.lora and hasattr(m, "lora_A") and hasattr(m, "base_layer")
         return m if adapted else None
@@ -235,9 +202,8 @@ class Adapters:
         return lora.get_base_layer().bias is not None
 
     def adopt(self, m: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Mode "merged": ``weight``/``bias`` (slices of the engine's fused q|k|v or gate|up buffer)
-        become ``m``'s merged buffers, merged now and by every ``refresh``; False (nothing done)
-        for a projection without adapters or in another mode."""
+        """Mode "merged": ``weight``/``bias`` (slices of the engine's fused buffer) become ``m``'s merged
+        buffers; False (nothing done) without adapters or in another mode."""
         lora = self._lora_layer(m)
         if lora is None or self.mode != "merged":
             return False
@@ -258,8 +224,8 @@ class Adapters:
 
     @torch.no_grad()
     def _merge(self, m: Any) -> None:
-        """peft's ``merge`` arithmetic into the buffers: W + (B @ A) * scaling per active adapter,
-        in order, the delta in the adapter's dtype; biases likewise (``lora_bias``)."""
+        """peft's ``merge`` arithmetic into the buffers: W + (B @ A) * scaling per active adapter in order,
+        the delta in the adapter's dtype; biases likewise."""
         weight, bias = self.merged[id(m)]
         base = m.get_base_layer()
         weight.copy_(self.tensor(base.weight))
@@ -274,8 +240,8 @@ class Adapters:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Once per rollout: rewrite the merged buffers (mode "merged"), the scalings (modes "live"
-        and "grouped") and the groups' copies from the adapters' current values and state, in place."""
+        """Once per rollout, in place: the merged buffers, the scalings and the groups' copies from the
+        adapters' current values and state."""
         if not self.lora:
             return
         for key in self.groups:

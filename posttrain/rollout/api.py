@@ -1,15 +1,6 @@
-"""``Rollout``: sampling completions from a role's model for PPO, GRPO/RLOO and on-policy distillation.
-
-Built once per run for a trained (or frozen) role of a Session; ``generate`` samples. Two
-backends: ``"posttrain"`` (default; the engine of ``engine.py`` driven by ``scheduler.py``) and
-``"hf"`` (transformers' ``generate``, ``hf.py``). Architectures the engine cannot run fall back to
-``"hf"`` with one log line saying why (``stats["fallback"]``).
-
-Same seed, same samples: each ``generate`` draws one 62-bit key from torch's default CPU generator
-(seeded by the run's seed, saved and restored with a checkpoint's RNG state), mixed with the
-process rank; the noise of a sequence's token is a hash of (key, step, sequence index, token), so
-the same key gives the same samples on CPU and GPU, in either backend, in any slot.
-"""
+"""``Rollout``: sampling completions from a role's model with the engine (``"posttrain"``) or transformers'
+``generate`` (``"hf"``, also the logged fallback for what the engine cannot run). Each ``generate`` draws
+one key from torch's default generator, so the run's seed fixes the samples."""
 
 from __future__ import annotations
 
@@ -36,8 +27,7 @@ BACKENDS = ("posttrain", "hf")
 
 @dataclass
 class RolloutFields:
-    """The rollout's settings for a trainer's config (a mixin, as ``posttrain.models.lora.LoraFields``);
-    :meth:`Rollout.from_config` reads them."""
+    """The rollout's settings, a mixin for trainer configs; read by :meth:`Rollout.from_config`."""
 
     # "posttrain" (the rollout engine) | "hf" (transformers' generate).
     generation_backend: str = "posttrain"
@@ -89,9 +79,8 @@ def check_rollout_fields(cfg: RolloutFields) -> None:
 
 
 def engine_options(cfg: RolloutFields, group_size: int | None = None) -> dict[str, Any]:
-    """The :class:`DecodeEngine` options a trainer's config asks for. ``group_size``: the rows that
-    continue one prompt, for shared prompt slots (None: the config's ``num_generations``, GRPO's
-    and RLOO's, else 1)."""
+    """The :class:`DecodeEngine` options a trainer's config asks for. ``group_size``: rows per prompt for
+    shared prompt slots (None: the config's ``num_generations``, else 1)."""
     options: dict[str, Any] = {"lora_mode": cfg.generation_lora_mode}
     if cfg.generation_fused_projections:
         options["fused"] = True
@@ -109,24 +98,15 @@ SLOW_FALLBACKS = ("compile_fallbacks", "capture_fallbacks", "adapter_fallbacks",
 
 
 def slowed(stats: dict[str, Any]) -> bool:
-    """Whether rollout ``stats`` (:attr:`Rollout.stats`, or a rank's copy of them) count a fallback
-    that makes generation slower than it should be (any ``*_fallbacks`` counter)."""
+    """Whether rollout ``stats`` count a fallback that slows generation (any ``*_fallbacks`` counter)."""
     return any(v for k, v in stats.items() if k.endswith("_fallbacks"))
 
 
 class Rollout:
-    """``max_batch``: the sequences a rollout usually has, and the default KV budget; a rollout may
-    pass more (they stream through the slots). ``kv_slots``: the KV budget in sequences (the cache
-    is ``kv_slots x (max_prompt_len + max_new_tokens)``); default ``max_batch``.
-    ``ds3_gather_for_generation`` (TRL's name): a ZeRO-3 model is gathered whole for generation;
-    False generates through DeepSpeed's per-layer hooks (less memory, slow; always ``generate``).
-    ``sampling``: the run's settings; ``generate(..., sampling=...)`` may change temperature and
-    the other knobs per call (new top-k, top-p on/off or stop tokens make a new engine: keep them
-    fixed in a run) and take up to the built ``max_new_tokens``. ``engine_options``: keyword
-    arguments of :class:`DecodeEngine` (:func:`engine_options` gives a config's; tests and
-    benchmarks add buckets, sync interval, compile backend). A trainer builds it with
-    :meth:`from_config`. A peft model (``get_peft_model``) decodes with its active adapters, as its
-    forward would."""
+    """Built once per run for a role of a Session; ``generate`` samples. ``max_batch``: the usual sequences
+    per rollout (more stream through the slots); ``kv_slots``: the KV budget in sequences (default
+    ``max_batch``); ``model``: a bare module without a session (tests, benchmarks). A per-call ``sampling``
+    may change the knobs; new top-k, top-p on/off or stop tokens build a new engine."""
 
     def __init__(self, session: Any, role: str, sampling: SamplingParams, *, max_batch: int, max_prompt_len: int,
                  backend: str = "posttrain", ds3_gather_for_generation: bool = True,
@@ -167,11 +147,8 @@ class Rollout:
     def from_config(cls, cfg: RolloutFields, session: Any, role: str, sampling: SamplingParams, *, max_batch: int,
                     max_prompt_len: int, group_size: int | None = None, model: nn.Module | None = None
                     ) -> Rollout:
-        """The rollout a trainer's config asks for: every :class:`RolloutFields` setting of ``cfg``
-        (backend, KV budget, fused projections, shared prompt KV, LoRA mode, ZeRO-3 gathering).
-        ``group_size``: the rows that continue one prompt (shared prompt slots; None: the config's
-        ``num_generations`` if it has one, else 1). ``model``: a bare module without a session
-        (tests, benchmarks)."""
+        """The rollout a trainer's config asks for (every :class:`RolloutFields` setting). ``group_size``:
+        rows per prompt (None: ``num_generations`` if the config has it, else 1)."""
         missing = [f.name for f in fields(RolloutFields) if not hasattr(cfg, f.name)]
         if missing:
             raise ConfigError(f"{type(cfg).__name__} lacks the rollout settings {missing}: mix "
@@ -183,13 +160,8 @@ class Rollout:
                    engine_options=engine_options(cfg, group_size))
 
     def metrics(self) -> dict[str, float]:
-        """Per-step metrics: graph captures so far, recaptures (0 after warm-up), capture seconds,
-        whether the decode attention and the sampler ran on posttrain's Triton kernels (the sampler
-        does where there is no top-k or top-p), and every loss of speed: each counter of
-        :data:`SLOW_FALLBACKS` (compile, capture, the Triton kernels' and fused views' fallbacks,
-        the rollouts that ran ``generate`` because of the adapters' state at that time) and 1 if
-        the backend fell back to ``generate`` for an unsupported model (or peft adapters the
-        engine cannot run)."""
+        """Per-step metrics: captures, recaptures, capture seconds, whether the Triton decode and sampler
+        ran, each :data:`SLOW_FALLBACKS` counter and whether the backend fell back to ``generate``."""
         st = self.stats
         out = {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
                "rollout/capture_s": st["capture_s"], "rollout/triton_decode": float(bool(st.get("triton_decode"))),
@@ -225,8 +197,8 @@ class Rollout:
         return (draw ^ (rank * 0x3C6EF372)) & 0x7FFFFFFF
 
     def _engine_model(self) -> tuple[nn.Module, Any]:
-        """The transformers model the engine decodes (a peft model's, adapters in place) and, for
-        ZeRO-3, the shadow's copy of each parameter (gathered now, once per rollout)."""
+        """The model the engine decodes (adapters in place) and, for ZeRO-3, the shadow's ``view``
+        (refreshed now)."""
         model = adapters.unwrap(self._module())
         if not self._zero3():
             return model, None

@@ -1,25 +1,6 @@
-"""The Llama-family decoder as pure functions of its weights: prefill and one decode token.
-
-Nothing here calls a module. Trainers prepare the policy in ways that put Python on a module's
-call path: gradient checkpointing registers a forward hook on the input embeddings that calls
-``requires_grad_()`` (``torch.compile(fullgraph=True)`` cannot trace it), TRL's fused LM head
-replaces ``forward``, training mode switches dropout on, DeepSpeed wraps the module. Reading the
-weights (``F.embedding`` on the embedding matrix, ``F.linear`` on each projection, RMSNorm and the
-rotary embedding computed from their parameters and buffers; ``weights.py``) makes the decode step
-the same traceable function whatever the trainer did.
-
-Numerics follow transformers' forward (RMSNorm in float32 then cast, cos/sin in float32 then
-cast, rotation in the model dtype), and the decode attention here is one
-``scaled_dot_product_attention`` call, as the forward's (on CUDA the engine runs posttrain's
-Triton kernels instead: ``kernels/decode_attention.py``). Rows whose prompt is in a shared prompt
-slot attend in two parts merged by their log-sum-exp (:func:`decode_attention_shared`), each by
-SDPA's kernels that return it.
-
-Why not transformers' ``StaticCache`` and the model's own forward: the cache and forward signatures
-changed within 5.x, while the module attributes read here (``q_proj``, ``input_layernorm``,
-``rotary_emb``...) are the same in every release of the supported families (Llama, Qwen2, Qwen3,
-Mistral without a sliding window). Any other architecture falls back to ``generate``.
-"""
+"""The Llama-family decoder as pure functions of its weights, prefill and one decode token. No module is
+called, so the step traces the same whatever hooks or wrappers a trainer put on the policy; numerics follow
+transformers' forward. Other architectures fall back to ``generate``."""
 
 from __future__ import annotations
 
@@ -82,8 +63,7 @@ def unsupported_reason(model: nn.Module, cache_len: int | None = None) -> str | 
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """The model's fixed numbers (read once), and whether the decode step runs posttrain's Triton
-    kernels (``kernels/``: the attention in the engine, here the pointwise ops)."""
+    """The model's fixed numbers, and whether the decode step runs posttrain's Triton kernels."""
 
     heads: int
     kv_heads: int
@@ -108,8 +88,8 @@ class DecoderSpec:
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, terms: Any) -> torch.Tensor:
-    """``y`` plus LoRA terms of input ``x``, as peft's ``lora.Linear.forward`` adds them: the input
-    cast to each adapter's dtype, ``lora_B(lora_A(x)) * scaling`` summed, the sum cast back."""
+    """``y`` plus LoRA terms of input ``x`` as peft's ``lora.Linear.forward`` adds them (input cast to each
+    adapter's dtype, the sum cast back)."""
     if not terms:
         return y
     out = y
@@ -120,8 +100,8 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, terms: Any) -> torch.Tensor:
 
 
 def lora_add_parts(ys: list[torch.Tensor], x: torch.Tensor, terms: Any) -> list[torch.Tensor]:
-    """:func:`lora_add` for projections of one input whose adapters are stacked (LoRA mode
-    "grouped"): one product per adapter, split into each part's columns."""
+    """:func:`lora_add` for projections of one input with stacked adapters (mode "grouped"), split into
+    each part's columns."""
     if not terms:
         return ys
     outs, sizes = list(ys), [y.shape[-1] for y in ys]
@@ -160,15 +140,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer's input norm, projections, q/k norms and rotation: q [B, heads, T, d], k and v
-    [B, kv_heads, T, d]."""
+    """The layer's input norm, then :func:`project_qkv`: q [B, heads, T, d], k and v [B, kv_heads, T, d]."""
     return project_qkv(spec, w, rms_norm(x, w["ln1"], spec.eps), cos, sin)
 
 
 def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`qkv` of the layer's normed input ``h``; ``rotate`` False: q and k before their
-    rotation (the Triton decode kernel rotates them)."""
+    """Projections, q/k norms and rotation of the normed input ``h``; ``rotate`` False leaves q and k
+    unrotated (the Triton kernel rotates them)."""
     b, t, _ = h.shape
     d = spec.head_dim
     if "qkv" in w:
@@ -191,10 +170,9 @@ def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, 
 
 def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
                   next_norm: torch.Tensor | None = None) -> Any:
-    """Output projection, residual, post-attention norm, MLP, residual. ``attn`` [B, heads, T, d].
-    ``next_norm``: the residual stream and its norm by it. With ``spec.triton`` (the decode step on
-    CUDA) each residual add and the norm after it are one kernel, and so is SiLU-and-multiply where
-    gate|up is one GEMM without LoRA terms (``kernels/pointwise.py``)."""
+    """Output projection, residual, post-attention norm, MLP, residual; ``attn`` [B, heads, T, d].
+    ``next_norm``: also return the residual stream's norm by it. With ``spec.triton`` the add+norm and
+    SiLU-and-multiply run on ``kernels/pointwise.py``."""
     b, t = attn.shape[0], attn.shape[2]
     o = linear(w, "o", attn.transpose(1, 2).reshape(b, t, -1))
     # The ops are registered by the engine's import of the kernels; they keep x's dtype (eager's
@@ -227,9 +205,8 @@ def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor
 
 def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      bias: torch.Tensor) -> torch.Tensor:
-    """One query per row over the cache [B, kv_heads, L, d] (``bias`` [B, 1, 1, L]: 0 or -inf) as
-    one SDPA call, the training forward's own attention: a group's query heads are SDPA's queries
-    of its key/value head (float32 scores and softmax inside, no repeat of the cache)."""
+    """One query per row over the cache [B, kv_heads, L, d] as one SDPA call (``bias`` [B, 1, 1, L]), a
+    group's query heads as the queries of its key/value head."""
     b, groups, d = q.shape[0], spec.heads // spec.kv_heads, spec.head_dim
     out = F.scaled_dot_product_attention(q.reshape(b, spec.kv_heads, groups, d), keys, values,
                                          attn_mask=bias, scale=spec.scaling)
@@ -238,12 +215,9 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
 
 def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's own kernels with the log-sum-exp they compute, which ``F.scaled_dot_product_attention``
-    does not return: ``q`` [n, h, t, d] over ``keys``/``values`` [n, h, L, d] with the additive
-    mask ``bias`` [n, 1, 1, L]; the output (q's dtype) and the log-sum-exp [n, h, t] (float32).
-    On CUDA the memory-efficient kernel (the SDPA kernel that takes a mask and returns it), on CPU
-    the flash kernel. A row whose every key is masked gives 0 and float32's lowest log-sum-exp, so
-    it weighs nothing in :func:`decode_attention_shared`'s merge."""
+    """SDPA's own kernels with their log-sum-exp: ``q`` [n, h, t, d] over ``keys``/``values`` [n, h, L, d],
+    mask ``bias`` [n, 1, 1, L]; the output and the float32 log-sum-exp [n, h, t]. A fully masked row gives
+    0 and float32's lowest log-sum-exp, so it weighs nothing in a merge."""
     length = keys.shape[2]
     if q.is_cuda:
         mask = bias
@@ -265,14 +239,9 @@ def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: to
 
 def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             bias: torch.Tensor, prompt: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """:func:`decode_attention` with each row's prompt in a shared prompt slot (the engine's
-    shared-prompt mode, ``prompt_cache.py``): ``keys``/``values`` [B, kv_heads, Lc, d] hold the
-    rows' completions (``bias`` [B, 1, 1, Lc]), ``prompt`` = (prompt keys and values [S, kv_heads,
-    W, d], their mask ``pbias`` [S, 1, 1, W], ``members`` [S, G]: the rows of each prompt slot, B
-    where none, ``place`` [B]: each row's prompt slot * G + its member index). The prompt part
-    reads each prompt's keys and values once for the queries of all its rows (one SDPA call with
-    G x the query rows); the two parts (SDPA's kernels, with their log-sum-exp) are merged by their
-    log-sum-exp, which is the softmax over the concatenated keys (up to rounding)."""
+    """:func:`decode_attention` with the rows' prompts in shared slots: ``keys``/``values`` hold the
+    completions; ``prompt`` = (pkeys, pvalues [S, kv_heads, W, d], pbias [S, 1, 1, W], members [S, G] (B
+    where none), place [B]: slot * G + member index). The two parts are merged by their log-sum-exp."""
     pkeys, pvalues, pbias, members, place = prompt
     b, kvh, g, d = q.shape[0], spec.kv_heads, spec.heads // spec.kv_heads, spec.head_dim
     s, n = pkeys.shape[0], members.shape[1]
@@ -295,10 +264,8 @@ def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tens
 def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, q: torch.Tensor,
                       keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, next_norm: torch.Tensor,
                       prompt: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rest of a decoder layer for one token per row, after its key and value are in the cache:
-    the residual stream and its norm by ``next_norm`` (the next layer's input norm, or the final
-    norm), computed here so that the residual add and the norm are one kernel. ``prompt``: the
-    rows' prompts in shared slots (:func:`decode_attention_shared`)."""
+    """The rest of a decoder layer for one token per row, its key and value already cached: the residual
+    stream and its norm by ``next_norm``."""
     if prompt is None:
         attn = decode_attention(spec, q, keys, values, bias)
     else:
@@ -307,17 +274,15 @@ def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Te
 
 
 def head(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor, normed: bool = False) -> torch.Tensor:
-    """Final norm (unless ``normed``) and LM head of [B, 1, H]: logits [B, V] in the model dtype
-    (as the forward's)."""
+    """Final norm (unless ``normed``) and LM head of [B, 1, H]: logits [B, V] in the model dtype."""
     h = x if normed else rms_norm(x, weights["norm"], spec.eps)
     return lora_add(F.linear(h, weights["head"], weights["head_bias"]), h, weights.get("head_lora"))[:, 0]
 
 
 def prefill(spec: DecoderSpec, weights: dict[str, Any], ids: torch.Tensor, positions: torch.Tensor,
             key_mask: torch.Tensor, write: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
-    """Run left-padded prompts [b, P] (``key_mask`` 1 on real tokens) with SDPA, as the forward does;
-    ``write(layer, k, v)`` stores each layer's keys and values [b, kv_heads, P, d]. Returns the last
-    position's logits [b, V]."""
+    """Run left-padded prompts [b, P] (``key_mask`` 1 on real tokens) with SDPA; ``write(layer, k, v)``
+    stores each layer's keys and values. Returns the last position's logits [b, V]."""
     b, p = ids.shape
     causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
     allowed = causal.unsqueeze(0) & key_mask.bool().unsqueeze(1)

@@ -1,26 +1,6 @@
-"""The decode engine (nano-vllm's model runner): the slots (``slots.py``), the step over a (rows,
-columns) bucket, and on CUDA that step compiled and captured as one CUDA graph per bucket.
-
-- Buckets: the step runs rows ``0..B-1`` over cache columns ``0..L-1``, B from a few batch sizes
-  (powers of two from ``smallest_bucket``, and the slots), L a multiple of ``length_bucket``: rows
-  that finished stop costing (the scheduler compacts live rows into the first slots) and attention
-  reads only the filled columns. Plain tensors rather than a paged cache: a slice
-  ``cache[:B, :, :L]`` is a view, so the step stays dense GEMMs and one decode attention, the CPU
-  runs the same code, and a new bucket costs one graph capture; the price is KV memory held per
-  slot for the whole length (shared prompt slots, ``prompt_cache.py``, hold a group's prompt once).
-- One step per device. On CUDA each decoder layer runs as two compiled halves (``step.Parts``)
-  around posttrain's Triton decode attention, which also rotates the step's query and key and
-  writes its key and value into the cache; pointwise ops and the sampler (without top-k or top-p)
-  run on Triton kernels too (``kernels/``), cuBLASLt picks the GEMMs, and each bucket's step is
-  captured as a CUDA graph (nothing in it syncs the host). Elsewhere (CPU) the same halves run
-  eagerly with SDPA attention and ``index_copy_`` cache writes. Every fallback is logged and
-  counted, never silent: SDPA where the kernels cannot run or their step does not compile
-  (``triton_fallbacks``), the eager step where a compile still fails (``compile_fallbacks``), no
-  graphs where a capture fails (``capture_fallbacks``).
-- Weights are read live (``weights.read_weights`` each rollout): an optimizer step that writes the
-  parameters in place is seen with no recapture; a parameter whose storage moved is noticed (data
-  pointers compared) and the graphs are captured again (``recaptures``).
-"""
+"""The decode engine (nano-vllm's model runner): slots, the step over a (rows, columns) bucket, compiled
+and captured as a CUDA graph per bucket on CUDA. Every fallback (SDPA, eager step, no graphs) is logged and
+counted; weights are read live, recaptured only when a storage moves."""
 
 from __future__ import annotations
 
@@ -79,9 +59,8 @@ class Clock:
 
 @contextlib.contextmanager
 def preferred_blas(name: str | None) -> Iterator[None]:
-    """torch's preferred BLAS library ``name`` ("cublaslt") for the GEMMs run inside, the previous
-    one after (None: as it is). The engine's compile, warm-up and capture run inside it: a captured
-    graph keeps the kernels chosen then, so the rest of the process (training) keeps its own."""
+    """torch's preferred BLAS library ``name`` inside, the previous one after (None: unchanged), so
+    captured graphs keep cuBLASLt and training keeps its own."""
     if name is None:
         yield
         return
@@ -94,10 +73,8 @@ def preferred_blas(name: str | None) -> Iterator[None]:
 
 
 def _release_cublas_workspaces() -> None:
-    """Free cuBLAS's workspaces (it keeps one per stream it ran on, allocated through torch's
-    allocator and held for the whole run: a warm-up stream's or a capture's would otherwise stay
-    allocated beside training, as inductor's CUDA graph trees also avoid). Matmuls allocate them
-    again on first use (from the allocator's cache); a captured graph's stays in its pool."""
+    """Free cuBLAS's per-stream workspaces, which a warm-up stream or capture would otherwise keep
+    allocated beside training."""
     torch.cuda.synchronize()
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
@@ -105,18 +82,11 @@ def _release_cublas_workspaces() -> None:
 
 
 class DecodeEngine:
-    """Cache slots, their state, the bucketed step and its graphs. See the module docstring.
-
-    ``lora_mode`` and ``tensor``: how the weights are read (``adapters.py``; ``tensor`` a ZeRO-3
-    shadow's copy of each parameter, ``shadow.py``). ``fused``: q|k|v and gate|up as one GEMM each
-    also where they do not lie end to end (copies refreshed every rollout). ``shared_prompt_kv``:
-    each prompt's keys and values once, in prompt slots of ``group_size`` rows (at most
-    ``prompt_slots`` prompts in flight). Scheduling: ``sync_every`` steps between host syncs,
-    ``smallest_bucket``/``length_bucket`` the buckets, ``prefill_tokens`` a prefill chunk,
-    ``admit_min`` the smallest admission wave. ``compile_backend``: None compiles with inductor on
-    CUDA and not elsewhere; a backend ("aot_eager") compiles on any device (tests trace what CUDA
-    compiles). ``triton_decode``: None uses the Triton kernels on CUDA; True requires them (on CPU
-    under Triton's interpreter: tests); False runs SDPA."""
+    """Cache slots, their state, the bucketed step and its graphs. ``lora_mode``/``tensor``: how weights
+    are read (``adapters.py``; ``tensor`` a ZeRO-3 shadow's view). ``fused``: q|k|v and gate|up copies
+    where no views exist. ``shared_prompt_kv``: prompt slots of ``group_size`` rows. ``compile_backend``:
+    None is inductor on CUDA, eager elsewhere. ``triton_decode``: None uses the Triton kernels on CUDA,
+    True requires them, False runs SDPA."""
 
     def __init__(self, model: torch.nn.Module, sampling: SamplingParams, slots: int, max_prompt_len: int, *,
                  tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, lora_mode: str = "merged",
@@ -190,8 +160,7 @@ class DecodeEngine:
         self._captured_keys: set[tuple[int, ...]] = set()
 
     def _attention(self, spec: DecoderSpec, triton_decode: bool | None) -> DecoderSpec:
-        """``spec`` with the Triton kernels on where they run (see the class docstring); on CUDA,
-        where they cannot, SDPA, counted."""
+        """``spec`` with the Triton kernels on where they run; on CUDA, where they cannot, SDPA, counted."""
         if triton_decode is False or (triton_decode is None and self.device.type != "cuda"):
             return spec
         why = kernels.unavailable(self.device, spec.head_dim)
@@ -223,13 +192,11 @@ class DecodeEngine:
         return self.slots.nbytes + (self.prompts.nbytes if self.prompts else 0)
 
     def sampler_kernel(self) -> bool:
-        """Whether the step samples with posttrain's Triton sampler: with the Triton kernels, where
-        the sampling has no top-k or top-p."""
+        """Whether the step uses the Triton sampler (Triton kernels, no top-k or top-p)."""
         return self.spec.triton and not self.top_k and not self.use_top_p
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters (``COUNTERS``) and what it runs: the decode attention, sampler,
-        compile, graphs, fused projections, LoRA mode, memory, and each fallback's reason."""
+        """The engine's counters (``COUNTERS``), what it runs and each fallback's reason."""
         return {**self._stats, "capture_s": round(self._stats["capture_s"], 3), "triton_decode": self.spec.triton,
                 "triton_sampler": self.sampler_kernel(), "compiled": self.compiled, "graphs": len(self.graphs),
                 "blas": self.blas or "default", "shared_prompt_kv": self.prompts is not None,
@@ -300,9 +267,8 @@ class DecodeEngine:
     @torch.no_grad()
     def admit(self, slots: list[int], seq_ids: list[int], ids: torch.Tensor, mask: torch.Tensor,
               groups: list[int] | None = None) -> None:
-        """Prefill sequences ``seq_ids`` (prompts ``ids``/``mask`` [k, width], left-padded) into
-        ``slots`` and choose their first token (``prefill.py``); with shared prompt slots,
-        ``groups`` (each prompt's id in the rollout) places them."""
+        """Prefill sequences ``seq_ids`` (left-padded ``ids``/``mask``) into ``slots`` and choose their
+        first token; ``groups`` (prompt ids) places them in shared prompt slots."""
         dev, p = self.device, self.width
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         seq_t = torch.tensor(seq_ids, dtype=torch.long, device=dev)
@@ -331,8 +297,8 @@ class DecodeEngine:
         self._stats["admissions"] += 1
 
     def fits(self, groups: list[int]) -> int:
-        """How many of the next sequences (their prompts' ids ``groups``) the shared prompt slots
-        take now (all without them); fewer is a wait, counted."""
+        """How many of the next sequences (prompt ids ``groups``) the shared prompt slots take now; fewer
+        is a wait, counted."""
         if self.prompts is None:
             return len(groups)
         fit = self.prompts.fits(groups)
@@ -347,13 +313,12 @@ class DecodeEngine:
         self._stats["compactions"] += 1
 
     def compact_prompts(self) -> None:
-        """Shared prompt slots: move the highest in use down into free ones, where that lets the
-        step read fewer (``prompt_cache.SharedPrompts.compact``)."""
+        """Move shared prompt slots down where that lets the step read fewer."""
         if self.prompts is not None and self.prompts.compact(self.width):
             self._stats["prompt_compactions"] += 1
 
     def harvest(self, slots: list[int], seq_ids: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Finished slots' outputs into the rollout's results at their sequences' rows; the slots free."""
+        """Finished slots' outputs into the rollout's results; the slots free."""
         self.slots.harvest(slots, seq_ids, tokens, logprobs)
         if self.prompts is not None:
             self.prompts.leave(slots)
@@ -367,8 +332,7 @@ class DecodeEngine:
 
     # -- the step --------------------------------------------------------------------------------
     def _step(self, rows: int, length: int) -> None:
-        """One token for rows ``:rows`` over cache columns ``:length`` (and, with shared prompt
-        slots, slots ``:prompt_rows`` over their columns ``:prompt_width``)."""
+        """One token for rows ``:rows`` over cache columns ``:length``."""
         spec, w, layers, parts, st = self.spec, self.weights, self.weights["layers"], self.parts, self.slots
         x, h, cos, sin, bias, where = parts.inputs(spec, st.last[:rows], st.pos[:rows], st.col[:rows],
                                                    st.key_valid[:rows, :length], st.cols[:length], w["embed"],
@@ -428,8 +392,8 @@ class DecodeEngine:
         return (rows, length, self.prompt_rows, self.prompt_width) if self.prompts is not None else (rows, length)
 
     def _warm_up(self, rows: int, length: int) -> None:
-        """Run the step on the real buffers (restored after): compile, autotune and allocate
-        outside capture; on CUDA three times on a side stream, as capture requires."""
+        """Run the step on the real buffers, restored after, to compile, autotune and allocate outside
+        capture (on CUDA three times on a side stream, as capture requires)."""
         saved = [t.clone() for t in self.slots.written_by_step()]
         try:
             with torch.no_grad(), preferred_blas(self.blas):
@@ -449,9 +413,8 @@ class DecodeEngine:
                 t.copy_(s)
 
     def _prepare(self, rows: int, length: int) -> None:
-        """Compile the step's parts and run it once. A step with the Triton kernels that fails is
-        compiled again with SDPA (``triton_fallbacks``); a compile that still fails falls back to
-        the eager parts (``compile_fallbacks``): each logged and counted."""
+        """Compile the step's parts and run it once. A failing Triton step retries with SDPA
+        (``triton_fallbacks``), a failing compile runs eager (``compile_fallbacks``)."""
         tick = time.perf_counter()
         self._prepared = True
         if not self.compiled:
@@ -475,8 +438,8 @@ class DecodeEngine:
         self._stats["capture_s"] += time.perf_counter() - tick
 
     def _capture(self, rows: int, length: int) -> Any:
-        """Capture bucket (rows, length) as a CUDA graph (after a warm-up); a capture that fails
-        leaves the engine without graphs, logged and counted in ``capture_fallbacks``."""
+        """Capture bucket (rows, length) as a CUDA graph; a failed capture leaves the engine without graphs
+        (``capture_fallbacks``)."""
         tick = time.perf_counter()
         self._warm_up(rows, length)
         if self.pool is None:

@@ -1,11 +1,5 @@
-"""The ``"hf"`` backend: transformers' ``generate``, with the engine's keyed sampler.
-
-Sampling is :class:`~posttrain.rollout.sampling.GumbelSampling` after transformers' own processors
-(min_new_tokens), then greedy search's argmax: the same samples as the engine for the same key and
-logits. A ZeRO-3 policy is gathered once per rollout with TRL's ``unwrap_model_for_generation``,
-as TRL's online trainers do; a fast frozen ZeRO-3 role, or ``ds3_gather_for_generation=False``,
-generates through per-layer gathering with the ranks in lock-step.
-"""
+"""The ``"hf"`` backend: transformers' ``generate`` with the engine's keyed sampler (same samples as the
+engine for the same key and logits)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
-"""Shared prompt slots: one copy of a prompt's keys and values for all the rows that continue it
-(a GRPO/RLOO group's ``num_generations`` rows), the engine's ``shared_prompt_kv`` mode.
-
-The cache is split in two. Prompt slots ([prompt_slots, kv_heads, max_prompt_len, head_dim] per
-layer) hold each prompt in flight once, with its last position's logits, from which each row's
-first token is sampled. The rows' own slots hold only their completions. Decode attention reads a
-prompt slot once for the queries of all its rows (``decoder.decode_attention_shared``), so the
-prompt's KV memory and its reads per step are divided by the group's size.
-
-- A prompt slot has ``group_size`` member places. A row enters its group's slot while a place is
-  free (a row of a group split across admission waves joins the slot its group's first wave
-  prefilled: no second prefill), else the group takes a free prompt slot (one prefill).
-- A slot is free again when its last member is harvested. ``compact`` moves the highest slots into
-  the holes below, so the step reads the smallest bucket of prompt slots.
-- Why this layout rather than a paged cache with a block table (vLLM's): the prompt part stays one
-  dense batched GEMM over contiguous slots, as the completion part, the engine's other buffers and
-  its captured graphs are; the only indirection is over the queries (a gather of [B, heads, d]).
-
-The host keeps the assignment (which group owns which slot, which row is which member) and
-uploads the two small index tensors the step reads (``members``, ``place``) when it changes.
-"""
+"""Shared prompt slots (``shared_prompt_kv``): one copy of a prompt's keys and values for every row that
+continues it, read once a step for the whole group. The host keeps the assignment and uploads the step's
+index tensors (``members``, ``place``) when it changes."""
 
 from __future__ import annotations
 
@@ -30,16 +12,14 @@ from posttrain.rollout.decoder import DecoderSpec
 
 
 def default_prompt_slots(slots: int, group_size: int) -> int:
-    """An engine's prompt slots for ``slots`` row slots and groups of ``group_size``: one per group
-    when the slots hold whole groups (a process's share of a generation batch of whole groups),
-    else one more (such a share may cut a group at each end). Sequences streaming through fewer
-    slots than they are wait for a free prompt slot (``stats["prompt_waits"]``)."""
+    """Prompt slots for ``slots`` row slots and groups of ``group_size``: one per group, plus one when the
+    slots do not hold whole groups (a share may cut a group at each end)."""
     return math.ceil(slots / group_size) + (1 if slots % group_size else 0)
 
 
 def bucket_sizes(smallest: int, largest: int) -> list[int]:
-    """Powers of two from ``smallest`` below ``largest``, and ``largest``: the batch sizes a step
-    is compiled and captured for (row slots here and in the engine)."""
+    """Powers of two from ``smallest`` below ``largest``, and ``largest``: the batch sizes a step is
+    compiled and captured for."""
     sizes, b = {largest}, max(1, smallest)
     while b < largest:
         sizes.add(b)
@@ -91,7 +71,7 @@ class SharedPrompts:
         self.values[layer][:, :, :width].index_copy_(0, dst, values)
 
     def fill(self, dst: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> None:
-        """Prompt slots ``dst``' last logits and key mask [k, width] (their columns past it masked)."""
+        """Prompt slots ``dst``' last logits and key mask [k, width] (later columns masked)."""
         self.logits.index_copy_(0, dst, logits)
         valid = torch.zeros(len(dst), self.valid.shape[1], dtype=torch.bool, device=self.device)
         valid[:, : mask.shape[1]] = mask
@@ -120,9 +100,9 @@ class SharedPrompts:
         return len(groups)
 
     def enter(self, slots: list[int], groups: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """Give rows ``slots`` (of prompts ``groups``; :meth:`fits` said they fit) member places.
-        Returns each row's prompt slot, and the slots taken now as (prompt slot, index of the
-        first of ``slots`` with that prompt): those need their prompt prefilled."""
+        """Give rows ``slots`` (of prompts ``groups``, which :meth:`fits`) member places. Returns each
+        row's prompt slot, and the slots taken now as (prompt slot, index of its first row): those need
+        their prompt prefilled."""
         open_slots = self._open()
         taken: list[tuple[int, int]] = []
         out = []
@@ -168,8 +148,8 @@ class SharedPrompts:
 
     @torch.no_grad()
     def compact(self, width: int) -> bool:
-        """Move the highest prompt slots in use into free ones below (their first ``width``
-        columns), if that makes :meth:`bucket` smaller. Returns whether any moved."""
+        """Move the highest prompt slots in use into free ones below (columns ``:width``) if that makes
+        :meth:`bucket` smaller. Returns whether any moved."""
         used = [s for s, g in enumerate(self.owner) if g is not None]
         target = next(b for b in self.buckets if b >= max(1, len(used)))
         if self.bucket() <= target:

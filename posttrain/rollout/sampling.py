@@ -1,11 +1,6 @@
-"""What to sample and how: the settings, the filters (top-k, top-p), keyed Gumbel-max sampling and
-TRL's truncation after the first stop token. Shared by both backends and the engine's step.
-
-Same seed, same samples, wherever a sequence runs: the noise of the token a sequence chooses at
-step ``t`` is a hash of (rollout key, t, the sequence's index in the rollout, vocabulary entry),
-a counter-based generator (as Philox is), so a captured graph needs no generator state and a
-sequence samples the same tokens whichever slot, batch bucket or refill wave it lands in.
-"""
+"""What to sample and how: settings, top-k/top-p, keyed Gumbel-max and TRL's truncation after the first
+stop token. The noise is a hash of (key, step, sequence index, token): same samples in any slot, bucket or
+wave, and no generator state in a graph."""
 
 from __future__ import annotations
 
@@ -54,17 +49,16 @@ class RolloutOutput:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature) at ``tokens``, in float32: the distribution before top-k/top-p
-    filtering and min_new_tokens masking, i.e. what a forward pass over the sequence gives."""
+    """log softmax(logits / temperature) at ``tokens`` in float32, before top-k/top-p and min_new_tokens
+    masking (what a forward pass gives)."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float | torch.Tensor, use_top_p: bool | None = None
                   ) -> torch.Tensor:
-    """transformers' TopKLogitsWarper then TopPLogitsWarper (keep at least one token), without
-    data-dependent shapes: removed entries become -inf. ``top_p`` may be a 0-d tensor (a graph
-    input); ``use_top_p`` then says whether to sort at all."""
+    """transformers' TopK then TopP warpers (keeping at least one token) without data-dependent shapes:
+    removed entries become -inf. ``use_top_p`` says whether to sort when ``top_p`` is a 0-d tensor."""
     if top_k > 0 and top_k < scaled.size(-1):
         kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -82,8 +76,7 @@ _M32 = 0xFFFFFFFF
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer (Wellons' lowbias32) on int64 tensors holding values < 2**32.
-    Products stay below 2**63 (constants < 2**31), so nothing overflows on any backend."""
+    """Wellons' lowbias32 on int64 tensors holding values < 2**32 (products stay below 2**63)."""
     x = x & _M32
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & _M32
@@ -93,10 +86,8 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(key: torch.Tensor, step: torch.Tensor, seq: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [rows, vocab] as a pure function of (key, step, sequence, token).
-
-    ``seq`` [rows]: each row's sequence index in the rollout (not its slot); ``step``: a 0-d
-    tensor or [rows], the index of the token each row chooses."""
+    """Gumbel(0, 1) noise [rows, vocab] as a pure function of (key, step, sequence, token); ``seq``: each
+    row's sequence index in the rollout, ``step``: 0-d or [rows]."""
     seq = seq.view(-1, 1).to(torch.int64)
     step = step.view(-1, 1) if step.dim() else step
     tok = torch.arange(vocab, device=seq.device, dtype=torch.int64).unsqueeze(0)
@@ -111,11 +102,10 @@ def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *
                   top_p: float | torch.Tensor = 1.0, use_top_p: bool | None = None,
                   min_new_tokens: int | torch.Tensor = 0, stop_ids: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its log-prob, from raw logits [B, V]. ``step`` (0-d or [B] int64) is
-    the index of the token being chosen; ``seq`` [B] the rows' sequence indices (default 0..B-1);
-    stop tokens are barred while step < min_new_tokens. Temperature, do_sample, top_p and
-    min_new_tokens may be 0-d tensors: the engine's graph reads them, so changing them needs no
-    recompile; top_k, whether to sort for top-p and the stop tokens are fixed per graph."""
+    """One token per row and its log-prob from raw logits [B, V]; ``step`` (0-d or [B]) is the index of the
+    token being chosen, ``seq`` the rows' sequence indices (default 0..B-1). Temperature, do_sample, top_p
+    and min_new_tokens may be 0-d tensors (graph inputs); top_k, ``use_top_p`` and the stop tokens are
+    fixed per graph."""
     if seq is None:
         seq = torch.arange(logits.size(0), device=logits.device)
     scaled = logits.float() / temperature
@@ -138,8 +128,8 @@ def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *
 
 def finish(completion: torch.Tensor, logprobs: torch.Tensor, sampling: SamplingParams
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """TRL's truncate_response for several stop tokens: pad after the first stop token (kept), the
-    mask 1 up to and including it, log-probs 0 where masked."""
+    """TRL's truncate_response for several stop tokens: pad after the first stop token (kept), mask 1 up to
+    and including it, log-probs 0 where masked."""
     n = completion.size(1)
     if sampling.stop_token_ids:
         stops = torch.tensor(sampling.stop_token_ids, device=completion.device)
@@ -153,8 +143,8 @@ def finish(completion: torch.Tensor, logprobs: torch.Tensor, sampling: SamplingP
 
 
 class GumbelSampling(LogitsProcessor):
-    """A transformers logits processor that turns greedy search into the engine's sampler:
-    temperature, top-k, top-p, then Gumbel noise keyed like the engine's (row = sequence index)."""
+    """A transformers logits processor turning greedy search into the engine's sampler (temperature, top-k,
+    top-p, keyed Gumbel noise with row = sequence index)."""
 
     def __init__(self, sampling: SamplingParams, key: int, prompt_len: int) -> None:
         self.sampling, self.key, self.prompt_len = sampling, key, prompt_len

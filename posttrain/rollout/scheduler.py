@@ -1,18 +1,5 @@
-"""Which sequence decodes in which slot, and when: continuous batching over the engine's slots.
-
-A rollout of any number of sequences streams through the engine's ``slots`` (the KV budget):
-
-- sequences enter in order as slots free, in waves of at least ``engine.admit_min`` (each wave is
-  one prefill, whose rows with the same prompt are prefilled once: a GRPO group's
-  ``num_generations`` rows cost one prompt's prefill);
-- every ``sync_every`` steps the host reads the done flags (one sync; none without stop tokens,
-  when the host knows every row's end), harvests finished rows into the results, and compacts:
-  live rows move down into the freed slots, so the step runs the smallest batch bucket that holds
-  them, over the smallest length bucket that holds the longest live row.
-
-Each sequence's samples depend only on (rollout key, its index, its step): not on its slot, its
-wave or the bucket it ran in (``sampling.gumbel_noise``).
-"""
+"""Continuous batching: which sequence decodes in which engine slot, and when. A sequence's samples depend
+only on (rollout key, its index, its step), not on its slot, wave or bucket."""
 
 from __future__ import annotations
 

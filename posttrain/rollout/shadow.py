@@ -1,12 +1,5 @@
-"""ZeRO-3: a persistent full copy of the model's weights, gathered once per rollout.
-
-The engine's graphs hold the addresses of the weights they read; a ZeRO-3 model has none to hold
-(its parameters are gathered into temporary buffers per forward). The shadow keeps a copy of each
-parameter in one flat buffer, refreshed from the sharded model once per rollout, so the graphs
-read the same addresses every rollout; the decoder walks the source module itself (so peft's
-LoRA layers, their active adapters and their on/off state are read as they are) and reads the
-copies in place of the partitioned parameters.
-"""
+"""ZeRO-3: a persistent full copy of the model's weights, gathered once per rollout, so the engine's graphs
+read the same addresses every rollout."""
 
 from __future__ import annotations
 
@@ -18,11 +11,9 @@ from torch import nn
 
 
 class ShadowModel:
-    """A persistent flat buffer holding a full copy of every parameter of a ZeRO-3 model (adapters
-    included), refreshed from the sharded model once per rollout (collective), chunk by chunk so
-    that at most about 1/16 of the model is gathered beside the buffer. The engine reads the source
-    module's structure (peft's LoRA layers and their state included) and each parameter's copy
-    through :meth:`view`; the copies' addresses never change, so graphs need no recapture."""
+    """A flat buffer per dtype holding a copy of every parameter of a ZeRO-3 model (adapters included),
+    refreshed chunk by chunk (about 1/16 of the model gathered at a time). :meth:`view` maps a source
+    parameter to its copy, whose address never changes."""
 
     def __init__(self, module: nn.Module, fast_frozen: Any = None) -> None:
         self.source, self.fast = module, fast_frozen

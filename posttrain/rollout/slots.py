@@ -1,14 +1,5 @@
-"""The engine's slots: the KV budget's cache and each slot's decode state, in one object.
-
-A slot holds one sequence at a time: its keys and values ([slots, kv_heads, length, head_dim] per
-layer), the token fed to the next step, its position, the cache column it writes, the index of the
-token it chooses next, its sequence's index in the rollout, whether it is done, which of its cache
-columns it may attend to, and its outputs so far. Sequences that entered at different times decode
-side by side. The scheduler decides who sits where; the engine changes the state only through
-:meth:`Slots.admit`, :meth:`Slots.move`, :meth:`Slots.harvest` and :meth:`Slots.record` (the
-step's epilogue). Captured CUDA graphs hold these tensors' addresses: they are written in place
-only.
-"""
+"""The engine's slots: the KV budget's cache and each slot's decode state. Captured CUDA graphs hold these
+tensors' addresses: they are written in place only."""
 
 from __future__ import annotations
 
@@ -60,8 +51,7 @@ class Slots:
         return self.done[:rows].tolist()  # one host sync
 
     def store(self, layer: int, dst: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Prompts' keys and values [k, kv_heads, width, d] of ``layer`` into slots ``dst``' first
-        ``width`` columns."""
+        """Prompts' keys and values [k, kv_heads, width, d] of ``layer`` into slots ``dst``."""
         width = keys.shape[2]
         self.keys[layer][:, :, :width].index_copy_(0, dst, keys)
         self.values[layer][:, :, :width].index_copy_(0, dst, values)
@@ -69,9 +59,9 @@ class Slots:
     @torch.no_grad()
     def admit(self, slots: torch.Tensor, seq: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
               positions: torch.Tensor, valid: torch.Tensor, col: int, done: torch.Tensor, pad: int) -> None:
-        """Sequences ``seq`` into ``slots`` (their prompts already stored) with their first tokens
-        and log-probs, the position of the token fed next, their attendable columns ``valid``, the
-        cache column ``col`` of their first completion token and whether they are ``done``."""
+        """Sequences ``seq`` into ``slots`` (prompts already stored): first tokens and log-probs,
+        positions, attendable columns ``valid``, the cache column ``col`` of the first completion token,
+        ``done``."""
         k = len(slots)
         out_t = torch.full((k, self.out_tokens.shape[1]), pad, dtype=torch.long, device=self.device)
         out_l = torch.zeros(k, self.out_logprobs.shape[1], dtype=torch.float32, device=self.device)
@@ -105,7 +95,6 @@ class Slots:
 
     def record(self, tokens: torch.Tensor, logprobs: torch.Tensor, limit: torch.Tensor, stop_mask: torch.Tensor | None,
                pad: int, epilogue: Callable[..., None] = step.record) -> None:
-        """The step's chosen ``tokens`` and ``logprobs`` for rows ``:len(tokens)``: outputs, done
-        flags, counters (``epilogue``: ``step.record``, or its compiled form)."""
+        """The step's epilogue (``step.record`` or its compiled form) for rows ``:len(tokens)``."""
         epilogue(self.done, self.step, self.last, self.pos, self.col, self.out_tokens, self.out_logprobs, tokens,
                  logprobs, limit, stop_mask, pad)

@@ -1,14 +1,6 @@
-"""The decode step's parts, pure functions of their tensors: the prologue (inputs), a decoder layer's
-two halves (``decoder.py``), the LM head with the sampler, and the epilogue on the slot state; and
-:class:`Parts`, the set the engine runs, eager or compiled.
-
-On CUDA the engine compiles each part (``torch.compile``: fullgraph, so a graph break raises and
-the engine falls back, counted; dynamic shapes, so one compile serves every (rows, columns)
-bucket) and captures the step; one compile of a layer half serves every layer (a compile of
-seconds, not of the whole depth). Each layer ends with the next one's input norm, so the residual
-add and that norm are one kernel. Inductor emulates the eager forward's casts to the model dtype
-(``emulate_precision_casts``), so fusing changes no rounding.
-"""
+"""The decode step's parts as pure functions (prologue, a decoder layer's two halves, sampler, epilogue)
+and :class:`Parts`, the set the engine runs eager or compiled (fullgraph, dynamic shapes: one compile of a
+layer half serves every layer and bucket)."""
 
 from __future__ import annotations
 
@@ -28,9 +20,8 @@ def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: An
             do_sample: torch.Tensor, top_p: torch.Tensor, min_new: torch.Tensor, top_k: int, use_top_p: bool,
             stop_ids: torch.Tensor | None, stop_mask: torch.Tensor | None = None, kernel: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LM head of the last layer's output ``h`` (final norm applied) and the sampler: ``kernel``
-    posttrain's Triton sampler (no top-k or top-p; ``stop_mask`` the stop tokens as a vocabulary
-    mask), else ``sampling.choose_tokens``."""
+    """LM head of the final-normed ``h``, then posttrain's Triton sampler if ``kernel`` (no top-k/top-p;
+    ``stop_mask`` the stop tokens as a vocabulary mask), else ``sampling.choose_tokens``."""
     logits = decoder.head(spec, {"head": head, "head_bias": head_bias, "head_lora": head_lora}, h, normed=True)
     if kernel:
         from posttrain.rollout.kernels import sample as triton_sample
@@ -43,10 +34,9 @@ def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: An
 def inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, key_valid: torch.Tensor,
             cols: torch.Tensor, embed: torch.Tensor, ln1: torch.Tensor, inv_freq: torch.Tensor, max_len: int
             ) -> tuple[torch.Tensor, ...]:
-    """The step's prologue: embeddings and their norm by the first layer's ``ln1``, rotary cos/sin
-    (once per step for every layer), the additive mask [B, 1, 1, L] and where each row's new
-    key/value heads go in a cache viewed as [slots * kv_heads * max_len, head_dim] (rows that are
-    done may point past L: clamped, they only overwrite their own stale slot)."""
+    """The step's prologue: embeddings and their ``ln1`` norm, rotary cos/sin, the additive mask [B, 1, 1,
+    L] and each row's flat cache index for its new key/value (clamped: a done row only overwrites its own
+    stale slot)."""
     x = torch.nn.functional.embedding(last.unsqueeze(1), embed)
     cos, sin = decoder.rotary(pos.unsqueeze(1), inv_freq, spec.rope_scaling, x.dtype)
     allowed = key_valid & (cols.unsqueeze(0) <= col.unsqueeze(1))
@@ -63,9 +53,8 @@ def inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.
 def record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
             out_tokens: torch.Tensor, out_logprobs: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
             limit: torch.Tensor, stop_mask: torch.Tensor | None, pad: int) -> None:
-    """The step's epilogue on the slot state (rows ``:len(tokens)``, in place): outputs, done flags,
-    counters. Stop tokens are looked up in a vocabulary mask (``torch.isin`` may sync the host,
-    which a CUDA graph capture cannot)."""
+    """The step's epilogue on the slot state (rows ``:len(tokens)``, in place). Stop tokens are read from a
+    vocabulary mask: ``torch.isin`` may sync the host, which a graph capture cannot."""
     rows = tokens.shape[0]
     d, st = done[:rows], step[:rows]
     tokens = torch.where(d, pad, tokens)
@@ -86,10 +75,8 @@ def record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torc
 
 def prompt_inputs(valid: torch.Tensor, members: torch.Tensor, place: torch.Tensor, dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shared prompt slots' part of the prologue for rows ``:len(place)``: the slots' additive mask
-    [S, 1, 1, W] from ``valid`` [S, W], ``members`` [S, G] with every row at or past B (no
-    member) pointing at B (the zero query ``decoder.decode_attention_shared`` appends), and each
-    row's place clamped into the S slots read (a done row may hold a stale one)."""
+    """Shared prompt slots' prologue: the slots' additive mask [S, 1, 1, W], ``members`` with no-member
+    entries clamped to B (the zero query) and each row's place clamped into the slots read."""
     rows = place.shape[0]
     bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
     return (bias.view(valid.shape[0], 1, 1, valid.shape[1]), members.clamp(max=rows),
@@ -98,9 +85,8 @@ def prompt_inputs(valid: torch.Tensor, members: torch.Tensor, place: torch.Tenso
 
 @dataclass(frozen=True)
 class Parts:
-    """The functions one decode step calls: ``inputs``, ``prompt`` (shared prompt slots' part of
-    the prologue), ``qkv`` (a layer's first half), ``post`` (its second half with SDPA attention),
-    ``out`` (its second half after the Triton kernels' attention), ``sample`` and ``record``."""
+    """The functions one decode step calls (``post``: a layer's second half with SDPA; ``out``: after the
+    Triton attention)."""
 
     inputs: Callable
     prompt: Callable
@@ -117,7 +103,7 @@ class Parts:
 
     @classmethod
     def compiled(cls, backend: str | Callable) -> Parts:
-        """Each part ``torch.compile``d with ``backend`` (see the module docstring)."""
+        """Each part ``torch.compile``d with ``backend``, fullgraph and dynamic."""
         import torch._dynamo
 
         # Each engine (and knob set) is a recompile of the same functions: keep clear of the limit,

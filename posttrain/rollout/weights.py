@@ -1,10 +1,5 @@
-"""What the decoder reads: the model's weights as detached views of its live parameters, and q|k|v
-and gate|up fused into one matrix each (views where they lie end to end, else copies on request).
-
-Reading the live parameters (not copies) means an optimizer step that writes them in place is seen
-by the next rollout with no recapture; ``adapters.Adapters`` resolves peft's wrappers, LoRA and a
-ZeRO-3 shadow's copies on the way.
-"""
+"""What the decoder reads: detached views of the live parameters (an in-place optimizer step needs no
+recapture), with q|k|v and gate|up fused where possible."""
 
 from __future__ import annotations
 
@@ -15,11 +10,9 @@ from torch import nn
 
 
 def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor | None]] | None, src: Any) -> dict[str, Any]:
-    """The decoder's weights, detached views of the live parameters (no module is called later).
-    ``fused``: per layer, q|k|v (and bias) and gate|up matrices that replace those keys. ``src``:
-    an :class:`~posttrain.rollout.adapters.Adapters` (peft wrappers and LoRA, a ZeRO-3 shadow's
-    copies). A projection ``name`` gives keys ``name``, ``name + "b"`` (its bias) and
-    ``name + "_lora"`` (LoRA terms, modes "live" and "grouped")."""
+    """The decoder's weights as detached views of the live parameters, read through ``src`` (an
+    ``adapters.Adapters``); ``fused`` per layer replaces the q|k|v and gate|up keys. A projection ``name``
+    gives keys ``name``, ``name + "b"`` (bias) and ``name + "_lora"`` (LoRA terms)."""
     base = model.model
     norm = src.module
 
@@ -77,10 +70,8 @@ def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def fused_views(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]] | None:
-    """q|k|v (+bias) and gate|up per layer as views of the live weights, where every layer's
-    matrices lie end to end in one storage, as in DeepSpeed's ZeRO-1/2 flat buffers and the ZeRO-3
-    shadow (parameters in module order): the fused GEMMs at no copy and nothing to refresh. None
-    where any group does not (separately allocated parameters, biases between the matrices, LoRA)."""
+    """q|k|v (+bias) and gate|up per layer as views of the live weights where every group lies end to end
+    in one storage (DeepSpeed's flat buffers, the ZeRO-3 shadow); else None."""
     if src.lora:
         return None
     out = []
@@ -99,10 +90,8 @@ def fused_views(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | Non
 
 
 def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]]:
-    """q|k|v (+bias) and gate|up (+bias) buffers per layer (engine option ``fused``): 4 GEMMs per
-    layer and token instead of 7, at the cost of a copy of those weights. In LoRA's "merged" mode an adapted projection's merged
-    buffer is its slice of the fused one (:meth:`~posttrain.rollout.adapters.Adapters.adopt`),
-    so the adapted matrices are not held twice."""
+    """q|k|v (+bias) and gate|up (+bias) copies per layer (engine option ``fused``); a merged LoRA
+    projection's buffer is adopted as its slice, so it is not held twice."""
     out = []
     for layer in model.model.layers:
         entry: dict[str, torch.Tensor | None] = {}
@@ -124,8 +113,8 @@ def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | N
 
 @torch.no_grad()
 def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]], src: Any) -> None:
-    """Copy the live weights into the fused buffers (in place: graphs keep their addresses). A
-    merged LoRA projection's slice is its merged buffer, rewritten by ``Adapters.refresh``."""
+    """Copy the live weights into the fused buffers in place; adopted merged-LoRA slices are rewritten by
+    ``Adapters.refresh``."""
     for layer, entry in zip(model.model.layers, fused):
         for key, modules in _groups(layer):
             o = 0

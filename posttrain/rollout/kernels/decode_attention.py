@@ -1,25 +1,6 @@
-"""Decode attention as Triton kernels over the engine's cache: one query token per row, each row's
-keys read in one pass, first to last, as SDPA's cudnn forward reads them (so the outputs round as
-the training forward's do).
-
-The query heads of a group read their key/value head once. The kernels take the engine's additive
-mask ([B, L], 0 or -inf) and read no masked key (a row's left padding, its columns past its end:
-the loads are predicated off per key). In the engine's step they also rotate the query and the
-step's key and write its key and value into the cache (:func:`attend_step`), so neither costs a
-launch of its own.
-
-With shared prompt slots (``prompt_cache.py``) a row's keys are its prompt's, held once per group
-of rows, and its own completion's. One program per prompt slot and head reads the prompt's keys
-once for the queries of all the slot's rows (an MMA tile of rows x query heads); the rows' own
-programs read their completions; a merge kernel combines the two partial outputs by their
-log-sum-exps.
-
-Numerics as SDPA's fused kernels: scores, softmax and the sums in float32, the probabilities cast
-to the cache dtype for the value product. A row whose every key is masked gives zeros.
-
-CPU runs them under Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported),
-which is how the tests check them.
-"""
+"""Decode attention as Triton kernels over the engine's cache, one query per row, rounding as SDPA's fused
+kernels; with shared prompt slots, a prompt pass per slot and a merge by log-sum-exp. CPU runs them under
+``TRITON_INTERPRET=1`` (the tests)."""
 
 from __future__ import annotations
 
@@ -39,14 +20,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # each row's rotary cos, sin [B, d]
 def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, length, scale_log2, k_new, v_new, col,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
             HAS_NEW: tl.constexpr):
-    """Queries ``q`` [M, D] over keys ``0:length``, first to last: the normalized output [M, D] and
-    the log2-sum-exp [M] (-inf where every key is masked). ``PRECISION``: "ieee" for float32 inputs
-    (not TF32). ``HAS_NEW``: column ``col``'s key and value are ``k_new``/``v_new`` [D] (this
-    step's, not yet in the cache as read), attended after the loop from registers (the column is
-    masked in the loop, where the key would cost a select before its product). The softmax steps
-    are flash attention's, as SDPA's cudnn kernel takes them: the max over unscaled scores, exp2 of
-    one fused multiply-add, the probabilities rounded to the cache dtype for the value product
-    (their sum is not), the sum's reciprocal at the end."""
+    """Queries ``q`` [M, D] over keys ``0:length``, first to last: the normalized output and the
+    log2-sum-exp [M] (-inf where all masked). ``HAS_NEW``: column ``col``'s key and value are
+    ``k_new``/``v_new``, attended last from registers. Softmax steps as SDPA's cudnn kernel takes them."""
     d = tl.arange(0, D)
     m = tl.full([M], float("-inf"), tl.float32)  # running max of the unscaled scores
     total = tl.zeros([M], tl.float32)
@@ -86,8 +62,8 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, length, scale_log2, k_new,
 
 @triton.jit
 def _rope(x, partner, cos, sin, D: tl.constexpr):
-    """``x * cos + rotate_half(x) * sin`` (``partner``: x at d + D/2 mod D), each product and the
-    sum rounded to x's dtype as eager torch rounds transformers' ``apply_rotary_pos_emb``."""
+    """``x * cos + rotate_half(x) * sin`` (``partner``: x at d + D/2 mod D), rounded as eager torch rounds
+    ``apply_rotary_pos_emb``."""
     d = tl.arange(0, D)
     rot = tl.where(d < D // 2, -partner.to(tl.float32), partner.to(tl.float32))
     a = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype)
@@ -101,11 +77,9 @@ def _own(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, kn_ptr, vn_ptr, col_pt
          so_b, so_h, so_g, sl_b, sl_h, skn_b, skn_h, svn_b, svn_h, scos_b, ssin_b, scale_log2, length,
          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
          PARTIAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr, ROPE: tl.constexpr):
-    """Row b's query heads of key/value head h over the row's own keys: the output, or with
-    ``PARTIAL`` the float32 partial output and its log-sum-exp (for :func:`_merge`). ``HAS_NEW``:
-    the row's new key and value go into the cache at its column ``col`` (clamped to the last) and
-    are attended from registers. ``ROPE``: the query and the new key are rotated here first (row
-    b's cos and sin)."""
+    """Row b's query heads of key/value head h over its own keys: the output, or with ``PARTIAL`` the
+    float32 partial and its log-sum-exp. ``HAS_NEW`` writes the new key and value into the cache; ``ROPE``
+    rotates q and the new key first."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # b * a cache stride: past 2**31
     g = tl.arange(0, BLOCK_G)
     mine = g < G
@@ -144,8 +118,7 @@ def _prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr, cos_pt
             so_b, so_h, so_g, sl_b, sl_h, scos_b, ssin_b, scale_log2, length, rows,
             G: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr):
-    """Prompt slot p's rows (their query heads of key/value head h, side by side) over the prompt's
-    keys, written as each row's prompt partial (``ROPE``: the queries rotated here first)."""
+    """Prompt slot p's member rows over the prompt's keys, written as each row's prompt partial."""
     p, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
@@ -168,9 +141,8 @@ def _prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr, cos_pt
 @triton.jit
 def _merge(out_ptr, lse_ptr, final_ptr, place_ptr, members_ptr, so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s,
            sf_b, sf_h, sf_g, smem, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, MEMBERS: tl.constexpr):
-    """Row b's two partials of head h (its own keys', then its prompt slot's) merged by their
-    log-sum-exps; the prompt's counted only if the row is a member of the slot its ``place`` names
-    (a finished row's place may be stale)."""
+    """Row b's own and prompt partials of head h merged by their log-sum-exps; the prompt's counted only if
+    the row is a member of the slot its ``place`` names (a finished row's may be stale)."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s = tl.arange(0, 2)
     g = tl.arange(0, BLOCK_G)
@@ -212,9 +184,7 @@ def _tile(rows: int) -> int:
 
 def _launch_own(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor | None, scale: float, block_n: int, new: NewKV | None, rope: Rope | None) -> None:
-    """Launch :func:`_own` over the rows' own keys into ``out`` [B, kv_heads, G, d] (with ``lse``
-    [B, kv_heads, G]: a float32 partial); ``new``: the step's keys and values written into the
-    cache as they are attended; ``rope``: cos, sin [B, d]."""
+    """Launch :func:`_own` over the rows' own keys into ``out`` (with ``lse``: a float32 partial)."""
     b, hkv, groups, d = q.shape
     k_new, v_new, col = new if new is not None else (keys, values, out)
     cos, sin = rope if rope is not None else (out, out)
@@ -238,14 +208,10 @@ def _launch_own(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias:
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
                      block_n: int | None = None, new: NewKV | None = None, rope: Rope | None = None) -> torch.Tensor:
-    """``q`` [B, kv_heads, G, d] (a group's query heads over their key/value head); ``keys`` and
-    ``values`` [B, kv_heads, L, d] (views of a longer cache are read in place); ``bias`` [B, L] or
-    [B, 1, 1, L] (0 or -inf; masked keys are not read). ``new`` = (k, v [B, kv_heads, 1, d], col
-    [B]): the step's keys and values, written into ``keys``/``values`` at column ``col`` (clamped
-    to L - 1) by the kernel that attends them, so the cache write is no launch of its own. ``rope``
-    = (cos, sin [B, d]): q (and the new keys) are rotated by the kernel, not yet before it.
-    ``block_n``: keys a block (default :func:`block_size`). Returns [B, kv_heads, G, d] in q's
-    dtype."""
+    """``q`` [B, kv_heads, G, d] over ``keys``/``values`` [B, kv_heads, L, d] with ``bias`` [B, L] or [B,
+    1, 1, L] (masked keys are not read). ``new`` = (k, v, col): the step's keys and values, written at
+    column ``col`` by the kernel; ``rope`` = (cos, sin [B, d]) rotates q and k in the kernel. Returns [B,
+    kv_heads, G, d]."""
     b, _, _, d = q.shape
     _check(q, keys, values)
     out = torch.empty_like(q)
@@ -258,12 +224,9 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                             pkeys: torch.Tensor, pvalues: torch.Tensor, pbias: torch.Tensor, members: torch.Tensor,
                             place: torch.Tensor, scale: float, block_n: int | None = None, new: NewKV | None = None,
                             rope: Rope | None = None) -> torch.Tensor:
-    """:func:`decode_attention` over each row's prompt in a shared slot and its own completion:
-    ``keys``/``values`` [B, kv_heads, Lc, d] and ``bias`` [B, Lc] the completions'; ``pkeys``/
-    ``pvalues`` [S, kv_heads, W, d] and ``pbias`` [S, W] the prompt slots'; ``members`` [S, n] each
-    slot's rows (B or more where none); ``place`` [B] each row's slot * n + its member index.
-    The softmax is over both parts' keys together. ``new``: as in :func:`decode_attention`, into
-    the completions' cache; ``rope`` likewise."""
+    """:func:`decode_attention` over each row's shared prompt slot and its own completion:
+    ``pkeys``/``pvalues`` [S, kv_heads, W, d], ``pbias`` [S, W], ``members`` [S, n] (B or more where none),
+    ``place`` [B] (slot * n + member index)."""
     b, hkv, groups, d = q.shape
     slots, n = members.shape
     length, width = keys.shape[2], pkeys.shape[2]
@@ -293,12 +256,9 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 bias: torch.Tensor, col: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,
                 prompt: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-    """One decode step's attention as the engine runs it, eagerly between its two compiled halves:
-    ``q`` [B, heads, 1, d] and this step's ``k`` [B, kv_heads, 1, d] before their rotation by
-    ``cos``/``sin`` [B, 1, d] (the kernel rotates them: no launches of their own), ``v`` [B,
-    kv_heads, 1, d]; ``k``/``v`` written into the cache views ``keys``/``values`` [B, kv_heads, L,
-    d] at columns ``col`` by the kernel (in place of two ``index_copy_`` launches), ``prompt`` the
-    shared prompt slots (pkeys, pvalues, pbias, members, place) or None. Returns [B, heads, 1, d]."""
+    """One decode step's attention as the engine runs it: ``q`` [B, heads, 1, d] and the step's ``k``/``v``
+    unrotated, rotated and cached by the kernel; ``prompt`` the shared prompt slots or None. Returns [B,
+    heads, 1, d]."""
     b, heads, _, d = q.shape
     qg = q.reshape(b, keys.shape[1], heads // keys.shape[1], d)
     new, rope = (k, v, col), (cos.reshape(b, d), sin.reshape(b, d))

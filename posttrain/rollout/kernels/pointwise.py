@@ -1,13 +1,5 @@
-"""The decode step's two kinds of pointwise kernels, written for a few rows: SiLU-and-multiply of
-the gate|up projection's halves, and the residual add with the RMSNorm that follows it.
-
-They replace inductor's kernels for the same ops, and round as transformers' eager modules do, op
-for op: SiLU in float32 rounded to the activations' dtype, the product rounded; the residual sum
-rounded, the norm's scale in float32, rounded, then times the weight, rounded.
-
-CPU runs them under Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported), which
-is how the tests check them.
-"""
+"""The decode step's Triton pointwise kernels: SiLU-and-multiply and the residual add with its RMSNorm,
+rounding as transformers' eager modules do. CPU runs them under ``TRITON_INTERPRET=1`` (the tests)."""
 
 from __future__ import annotations
 

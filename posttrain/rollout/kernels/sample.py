@@ -1,18 +1,6 @@
-"""The engine's sampler (``sampling.choose_tokens`` without top-k or top-p) as one Triton kernel
-over the logits, split along the vocabulary.
-
-inductor compiles ``choose_tokens`` into three reductions over each row's logits (the max, the
-sum of exponentials, then the Gumbel noise and the argmax), one program a row. Here each program
-reads a chunk of one row's logits once and keeps the chunk's running max and sum of exponentials
-(online, as flash attention does) and its best noised logit, with the noise hashed in 32-bit
-unsigned arithmetic (the same bits as ``sampling.gumbel_noise``'s masked 64-bit one).
-:func:`choose_tokens` combines the chunks in torch (a few ops on [rows, chunks] that inductor
-fuses): the token is the same as ``choose_tokens``' (ties go to the first index, as ``argmax``'s
-do); its log-prob differs only in the order of the float32 sum.
-
-CPU runs it under Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported), which
-is how the tests check it.
-"""
+"""The engine's sampler (``sampling.choose_tokens`` without top-k/top-p) as one Triton kernel over
+vocabulary chunks (online max and exp-sum, hashed noise), combined in torch: the same token, its log-prob
+up to float32 summation order. CPU runs it under ``TRITON_INTERPRET=1``."""
 
 from __future__ import annotations
 
@@ -37,9 +25,8 @@ def _mix(x):
 def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_ptr, sample_ptr, min_new_ptr,
              max_ptr, sum_ptr, best_ptr, index_ptr, vocab, chunk, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
              HAS_STOP: tl.constexpr):
-    """Program (row, c): over vocabulary entries ``c * chunk`` on, the max and the sum of
-    exp(scaled - max) of the scaled logits, and the largest noised (and barred) logit with its
-    index (the first on ties)."""
+    """Program (row, c) over vocabulary entries ``c * chunk`` on: the max and sum of exp(scaled - max) of
+    the scaled logits, and the first largest noised (and barred) logit with its index."""
     row, c = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temp_ptr)
     do_sample = tl.load(sample_ptr)
@@ -86,9 +73,8 @@ def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_
 
 
 def chunks_for(vocab: int) -> int:
-    """Chunks a row: four blocks or more each, at most 16 (not a function of the rows, which the
-    compiled step takes as a dynamic size: 8 chunks of a 32k vocabulary make 1024 programs at 128
-    rows and 128 at 16)."""
+    """Chunks a row: four blocks or more each, at most 16; not a function of the rows, which the compiled
+    step takes as a dynamic size."""
     return max(1, min(16, triton.cdiv(vocab, 4 * BLOCK_V)))
 
 
@@ -133,9 +119,9 @@ def _(logits, key, step, seq, stop_mask, temperature, do_sample, min_new, chunks
 def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, seq: torch.Tensor,
                   temperature: torch.Tensor, do_sample: torch.Tensor, min_new: torch.Tensor,
                   stop_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sampling.choose_tokens`` without top-k/top-p for logits [B, V]: ``step``, ``seq`` [B]
-    int64; ``key`` (int64), ``temperature``, ``do_sample`` (1.0 or 0.0) and ``min_new`` 0-d
-    tensors; ``stop_mask`` [V] (the stop tokens, barred while step < min_new) or None."""
+    """``sampling.choose_tokens`` without top-k/top-p for logits [B, V]: ``step``, ``seq`` [B] int64;
+    ``key``, ``temperature``, ``do_sample`` (1.0/0.0) and ``min_new`` 0-d tensors; ``stop_mask`` [V] or
+    None."""
     m, total, best, index = torch.ops.posttrain.sample_partials(logits, key, step, seq, stop_mask, temperature,
                                                                 do_sample, min_new, chunks_for(logits.shape[1]))
     top = m.amax(1, keepdim=True)

@@ -1,6 +1,5 @@
-"""Rollouts: sampling completions from a role's model for PPO, GRPO/RLOO and on-policy distillation.
-``api.Rollout`` is the entry point; ``scheduler`` places sequences in ``engine``'s slots; ``decoder``,
-``step`` and ``kernels`` make the decode step; ``hf`` is the ``generate`` backend."""
+"""Rollouts: sampling completions from a role's model for PPO, GRPO/RLOO and on-policy distillation
+(``api.Rollout``)."""
 
 from posttrain.rollout.adapters import LORA_MODES
 from posttrain.rollout.api import BACKENDS, Rollout, RolloutFields, check_rollout_fields

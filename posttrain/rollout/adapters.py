@@ -39,8 +39,7 @@ def active(layer: Any) -> list[str]:
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the engine cannot apply ``model``'s peft adapters exactly (then ``generate`` runs), or None
-    (also without adapters). ``model``: a PeftModel or the model inside one."""
+    """Why the engine cannot apply ``model``'s peft adapters exactly, or None."""
     if not hasattr(model, "peft_config") and not any("lora_" in n or "modules_to_save" in n or "trainable_tokens" in n
                                                      for n, _ in model.named_modules()):
         return None
@@ -72,8 +71,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 
 def resolve(module: nn.Module) -> nn.Module:
-    """The module peft's forward runs for ``module``: a ``modules_to_save`` wrapper's active copy (its
-    original when adapters are off); any other module itself."""
+    """The module peft's forward runs for ``module`` (a ``modules_to_save`` wrapper's active copy)."""
     if not hasattr(module, "modules_to_save") or not hasattr(module, "original_module"):
         return module
     names = module.active_adapters
@@ -119,8 +117,7 @@ class Adapters:
         return self.scales[key]
 
     def linear(self, m: nn.Module, terms: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
-        """(weight, bias, LoRA terms) of projection ``m``. Terms (modes "live" and "grouped", unless
-        ``terms`` is False): per adapter, (A, B, B's bias or None, scaling buffer; 0 when not active)."""
+        """(weight, bias, LoRA terms) of projection ``m``; terms: (A, B, B's bias, scaling) per adapter."""
         m = self.module(m)
         if not (self.lora and hasattr(m, "lora_A") and hasattr(m, "base_layer")):
             return self.tensor(m.weight), self.tensor(m.bias), None
@@ -202,8 +199,7 @@ class Adapters:
         return lora.get_base_layer().bias is not None
 
     def adopt(self, m: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Mode "merged": ``weight``/``bias`` (slices of the engine's fused buffer) become ``m``'s merged
-        buffers; False (nothing done) without adapters or in another mode."""
+        """Mode "merged": fused-buffer slices become ``m``'s merged buffers; False if not applicable."""
         lora = self._lora_layer(m)
         if lora is None or self.mode != "merged":
             return False
@@ -224,8 +220,7 @@ class Adapters:
 
     @torch.no_grad()
     def _merge(self, m: Any) -> None:
-        """peft's ``merge`` arithmetic into the buffers: W + (B @ A) * scaling per active adapter in order,
-        the delta in the adapter's dtype; biases likewise."""
+        """peft's ``merge`` arithmetic into ``m``'s buffers, per active adapter in order."""
         weight, bias = self.merged[id(m)]
         base = m.get_base_layer()
         weight.copy_(self.tensor(base.weight))
@@ -240,8 +235,7 @@ class Adapters:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Once per rollout, in place: the merged buffers, the scalings and the groups' copies from the
-        adapters' current values and state."""
+        """Once per rollout, in place: merged buffers, scalings and grouped copies."""
         if not self.lora:
             return
         for key in self.groups:

@@ -31,33 +31,19 @@ class RolloutFields:
 
     # "posttrain" (the rollout engine) | "hf" (transformers' generate).
     generation_backend: str = "posttrain"
-    # The KV budget in sequences: the engine's cache holds this many sequences of prompt +
-    # completion tokens; a generation batch with more streams through as slots free (same samples).
-    # None: one slot per sequence of the trainer's generation batch (its per-process
-    # generation_batch_size in GRPO/RLOO), the fastest and the most memory. Named after
-    # generation_backend / generation_batch_size; TRL has no such setting (its vLLM server's
-    # counterpart is max_num_seqs).
+    # The KV budget in sequences (prompt + completion each); more stream through as slots free.
+    # None: one slot per sequence of the per-process generation batch (fastest, most memory).
     generation_kv_slots: int | None = None
-    # The decode step runs q|k|v and gate|up as one GEMM each wherever those weights lie end to end
-    # (DeepSpeed's ZeRO-1/2 flat buffers, the ZeRO-3 shadow: views, no copy). True: elsewhere too
-    # (separately allocated parameters, biases between the matrices, LoRA), from copies of those
-    # matrices rewritten once per rollout (none with LoRA's merged buffers, which become its
-    # slices); `posttrain plan --generation-fused-projections` counts that copy.
+    # q|k|v and gate|up as one GEMM each also where the weights do not lie end to end, from copies
+    # rewritten each rollout (`posttrain plan --generation-fused-projections` counts them).
     generation_fused_projections: bool = False
-    # Each prompt's keys and values held once for the rows that continue it (a GRPO/RLOO group's
-    # num_generations rows) instead of once per row: the prompts' KV memory / num_generations, and
-    # decode attention reads each prompt once a step for its whole group. The rows' cache then holds
-    # only completions, and the engine one prompt slot per group of its KV budget (plus one where
-    # the budget is not whole groups). `posttrain plan --generation-shared-prompt-kv` counts it.
-    # A memory setting: slower than the default where timed (benchmarks/NOTES.md).
+    # Each prompt's keys and values held once for its num_generations rows: prompt KV memory divided
+    # by the group size (a memory setting; `posttrain plan --generation-shared-prompt-kv` counts it).
     generation_shared_prompt_kv: bool = False
-    # How a peft policy's LoRA adapters decode (rollout/adapters.py): "merged" (a W + scaling*B@A
-    # buffer per adapted matrix, rewritten each rollout: the plain model's speed, a copy of those
-    # matrices), "live" (the low-rank terms inside the step, no copy) or "grouped" ("live" with
-    # q|k|v and gate|up each one low-rank product).
+    # How LoRA adapters decode: "merged" (merged copies), "live" (low-rank terms, no copy) or
+    # "grouped" ("live" with q|k|v and gate|up one product each); see rollout/adapters.py.
     generation_lora_mode: str = "merged"
-    # TRL's name: a ZeRO-3 model is gathered whole for generation; False generates through
-    # DeepSpeed's per-layer hooks (less memory, slow; always transformers' generate).
+    # TRL's: gather a ZeRO-3 model whole; False: per-layer hooks (less memory, slow, always generate).
     ds3_gather_for_generation: bool = True
 
 
@@ -79,8 +65,7 @@ def check_rollout_fields(cfg: RolloutFields) -> None:
 
 
 def engine_options(cfg: RolloutFields, group_size: int | None = None) -> dict[str, Any]:
-    """The :class:`DecodeEngine` options a trainer's config asks for. ``group_size``: rows per prompt for
-    shared prompt slots (None: the config's ``num_generations``, else 1)."""
+    """The :class:`DecodeEngine` options a trainer's config asks for."""
     options: dict[str, Any] = {"lora_mode": cfg.generation_lora_mode}
     if cfg.generation_fused_projections:
         options["fused"] = True
@@ -90,9 +75,7 @@ def engine_options(cfg: RolloutFields, group_size: int | None = None) -> dict[st
     return options
 
 
-# The rollout stats' counters of a path lost to a fallback (every stat named ``*_fallbacks``): a
-# compile, capture, Triton-kernel or fused-views fallback, or a rollout that ran ``generate`` for
-# its adapters' state.
+# Rollout stats counting a fast path lost to a fallback.
 SLOW_FALLBACKS = ("compile_fallbacks", "capture_fallbacks", "adapter_fallbacks", "fused_fallbacks",
                   "triton_fallbacks")
 
@@ -121,7 +104,6 @@ class Rollout:
         self.max_batch, self.max_prompt_len = max_batch, max_prompt_len
         self.kv_slots = kv_slots or max_batch
         self.engine_options = dict(engine_options or {})
-        # ``model``: a bare module without a session (benchmarks, tests): no ZeRO, this process only.
         self._bare = model
         self.gather = ds3_gather_for_generation
         self.stats: dict[str, Any] = {"backend": backend, "fallback": None, "captures": 0, "recaptures": 0,
@@ -147,8 +129,7 @@ class Rollout:
     def from_config(cls, cfg: RolloutFields, session: Any, role: str, sampling: SamplingParams, *, max_batch: int,
                     max_prompt_len: int, group_size: int | None = None, model: nn.Module | None = None
                     ) -> Rollout:
-        """The rollout a trainer's config asks for (every :class:`RolloutFields` setting). ``group_size``:
-        rows per prompt (None: ``num_generations`` if the config has it, else 1)."""
+        """The rollout a trainer's config asks for (every :class:`RolloutFields` setting)."""
         missing = [f.name for f in fields(RolloutFields) if not hasattr(cfg, f.name)]
         if missing:
             raise ConfigError(f"{type(cfg).__name__} lacks the rollout settings {missing}: mix "
@@ -175,7 +156,6 @@ class Rollout:
         """Whether generation runs slower than it should (:func:`slowed`)."""
         return slowed(self.stats)
 
-    # -- where the weights are ---------------------------------------------------------------------
     def _module(self) -> nn.Module:
         if self._bare is not None:
             return self._bare
@@ -190,15 +170,13 @@ class Rollout:
         self.stats.update(backend="hf", fallback=reason)
 
     def _seed_key(self) -> int:
-        # One draw from the default generator per rollout (the run's seed; restored on resume),
-        # mixed with the rank so that ranks sample differently.
+        # The run's seed fixes the draw (restored on resume); the rank makes ranks sample differently.
         draw = int(torch.randint(0, 2**31 - 1, (1,)).item())
         rank = 0 if self._bare is not None else self.session.process_index
         return (draw ^ (rank * 0x3C6EF372)) & 0x7FFFFFFF
 
     def _engine_model(self) -> tuple[nn.Module, Any]:
-        """The model the engine decodes (adapters in place) and, for ZeRO-3, the shadow's ``view``
-        (refreshed now)."""
+        """The model the engine decodes and, for ZeRO-3, the refreshed shadow's ``view``."""
         model = adapters.unwrap(self._module())
         if not self._zero3():
             return model, None
@@ -208,7 +186,6 @@ class Rollout:
         self.shadow.refresh()
         return model, self.shadow.view
 
-    # -- generation ---------------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sampling: SamplingParams | None = None) -> RolloutOutput:
         """Sample completions of left-padded prompts [B, P] (``prompt_mask`` 1 on real tokens)."""

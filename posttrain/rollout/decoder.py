@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Architectures whose decoder this engine runs (module layout of transformers' Llama family).
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -88,8 +87,7 @@ class DecoderSpec:
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, terms: Any) -> torch.Tensor:
-    """``y`` plus LoRA terms of input ``x`` as peft's ``lora.Linear.forward`` adds them (input cast to each
-    adapter's dtype, the sum cast back)."""
+    """``y`` plus LoRA terms of input ``x``, cast as peft's ``lora.Linear.forward`` casts them."""
     if not terms:
         return y
     out = y
@@ -100,8 +98,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, terms: Any) -> torch.Tensor:
 
 
 def lora_add_parts(ys: list[torch.Tensor], x: torch.Tensor, terms: Any) -> list[torch.Tensor]:
-    """:func:`lora_add` for projections of one input with stacked adapters (mode "grouped"), split into
-    each part's columns."""
+    """:func:`lora_add` for projections of one input with stacked adapters ("grouped")."""
     if not terms:
         return ys
     outs, sizes = list(ys), [y.shape[-1] for y in ys]
@@ -117,7 +114,6 @@ def linear(w: dict[str, Any], key: str, x: torch.Tensor) -> torch.Tensor:
     return lora_add(F.linear(x, w[key], w.get(key + "b")), x, w.get(key + "_lora"))
 
 
-# -- the pieces (each a pure function: the engine compiles them) ------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm, op for op."""
     h = x.to(torch.float32)
@@ -146,8 +142,7 @@ def qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, cos: tor
 
 def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Projections, q/k norms and rotation of the normed input ``h``; ``rotate`` False leaves q and k
-    unrotated (the Triton kernel rotates them)."""
+    """Projections, q/k norms and rotation (unless not ``rotate``) of the normed input ``h``."""
     b, t, _ = h.shape
     d = spec.head_dim
     if "qkv" in w:
@@ -175,8 +170,7 @@ def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor
     SiLU-and-multiply run on ``kernels/pointwise.py``."""
     b, t = attn.shape[0], attn.shape[2]
     o = linear(w, "o", attn.transpose(1, 2).reshape(b, t, -1))
-    # The ops are registered by the engine's import of the kernels; they keep x's dtype (eager's
-    # weight * h would promote to a float32 norm weight's).
+    # The kernels keep x's dtype, where eager would promote to a float32 norm weight's.
     pointwise = spec.triton and w["ln2"].dtype == x.dtype
     if pointwise:
         x, h = torch.ops.posttrain.add_rms_norm(x, o, w["ln2"], spec.eps)
@@ -205,8 +199,7 @@ def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor
 
 def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      bias: torch.Tensor) -> torch.Tensor:
-    """One query per row over the cache [B, kv_heads, L, d] as one SDPA call (``bias`` [B, 1, 1, L]), a
-    group's query heads as the queries of its key/value head."""
+    """One query per row over the cache [B, kv_heads, L, d] as one SDPA call."""
     b, groups, d = q.shape[0], spec.heads // spec.kv_heads, spec.head_dim
     out = F.scaled_dot_product_attention(q.reshape(b, spec.kv_heads, groups, d), keys, values,
                                          attn_mask=bias, scale=spec.scaling)
@@ -264,8 +257,7 @@ def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tens
 def decode_layer_post(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, q: torch.Tensor,
                       keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, next_norm: torch.Tensor,
                       prompt: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rest of a decoder layer for one token per row, its key and value already cached: the residual
-    stream and its norm by ``next_norm``."""
+    """The rest of a decoder layer once its key and value are cached."""
     if prompt is None:
         attn = decode_attention(spec, q, keys, values, bias)
     else:
@@ -281,8 +273,7 @@ def head(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor, normed: bo
 
 def prefill(spec: DecoderSpec, weights: dict[str, Any], ids: torch.Tensor, positions: torch.Tensor,
             key_mask: torch.Tensor, write: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
-    """Run left-padded prompts [b, P] (``key_mask`` 1 on real tokens) with SDPA; ``write(layer, k, v)``
-    stores each layer's keys and values. Returns the last position's logits [b, V]."""
+    """Run left-padded prompts [b, P] with SDPA, ``write`` each layer's k and v; last logits [b, V]."""
     b, p = ids.shape
     causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
     allowed = causal.unsqueeze(0) & key_mask.bool().unsqueeze(1)

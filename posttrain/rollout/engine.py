@@ -1,6 +1,5 @@
-"""The decode engine (nano-vllm's model runner): slots, the step over a (rows, columns) bucket, compiled
-and captured as a CUDA graph per bucket on CUDA. Every fallback (SDPA, eager step, no graphs) is logged and
-counted; weights are read live, recaptured only when a storage moves."""
+"""The decode engine (nano-vllm's model runner): slots and the step over (rows, columns) buckets, compiled
+and captured as CUDA graphs on CUDA; every fallback logged and counted."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ class Clock:
 
 @contextlib.contextmanager
 def preferred_blas(name: str | None) -> Iterator[None]:
-    """torch's preferred BLAS library ``name`` inside, the previous one after (None: unchanged), so
-    captured graphs keep cuBLASLt and training keeps its own."""
+    """torch's preferred BLAS library ``name`` inside (None: unchanged), the previous after."""
     if name is None:
         yield
         return
@@ -73,8 +71,7 @@ def preferred_blas(name: str | None) -> Iterator[None]:
 
 
 def _release_cublas_workspaces() -> None:
-    """Free cuBLAS's per-stream workspaces, which a warm-up stream or capture would otherwise keep
-    allocated beside training."""
+    """Free cuBLAS's per-stream workspaces so warm-ups don't hold them beside training."""
     torch.cuda.synchronize()
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
@@ -106,8 +103,7 @@ class DecodeEngine:
         self.fallback_reasons: list[str] = []
         self.spec = self._attention(DecoderSpec.of(model), triton_decode)
         self.blas = "cublaslt" if self.device.type == "cuda" else None
-        # q|k|v and gate|up: views where the weights lie end to end (DeepSpeed's flat buffers, the
-        # ZeRO-3 shadow), else copies if ``fused``, else separate GEMMs.
+        # Fused q|k|v and gate|up: views where possible, else copies if ``fused``, else separate GEMMs.
         views = weights.fused_views(model, self.adapters)
         self.fuse_views = views is not None
         self.fused = weights.fused_buffers(model, self.adapters) if fused and views is None else None
@@ -135,7 +131,7 @@ class DecodeEngine:
         self.compiled = compile_backend is not None
         self.parts = Parts.eager()
         self._prepared = False
-        # The rollout's scalars the graphs read (written in place only).
+        # Scalars the graphs read: written in place only; set_knobs changes the knobs, graph_key the rest.
         dev = self.device
         self.key = torch.zeros((), dtype=torch.long, device=dev)  # sampling key of this rollout
         self.limit = torch.full((), self.max_new, dtype=torch.long, device=dev)  # this rollout's max_new_tokens
@@ -143,7 +139,6 @@ class DecodeEngine:
                          if sampling.stop_token_ids else None)
         self.stop_mask = (torch.zeros(self.spec.vocab, dtype=torch.bool, device=dev).index_fill_(0, self.stop_ids, True)
                           if self.stop_ids is not None else None)
-        # Knobs the graph reads (set_knobs changes them, no recompile); the rest is in graph_key.
         self.temperature = torch.ones((), dtype=torch.float32, device=dev)
         self.do_sample = torch.ones((), dtype=torch.float32, device=dev)
         self.top_p = torch.ones((), dtype=torch.float32, device=dev)
@@ -171,7 +166,6 @@ class DecodeEngine:
         self._fall_back(f"{why}; decode attention by SDPA", counter="triton_fallbacks")
         return spec
 
-    # -- knobs, weights, stats -----------------------------------------------------------------
     @staticmethod
     def graph_key(sampling: SamplingParams) -> tuple:
         """What a compiled step is specialised on; other knobs are buffers."""
@@ -248,8 +242,7 @@ class DecodeEngine:
         self.weights = weights.read_weights(self.model, fused, self.adapters)
         ptrs = self._weight_ptrs()
         if self.ptrs and ptrs != self.ptrs:
-            # A parameter's storage moved (replaced, not written in place): graphs would read the old
-            # addresses, so they are captured again on use (an eager step reads the new ones).
+            # A parameter was replaced, not written in place: graphs would read the old addresses.
             self._stats["storage_moves"] += 1
             logger.info("rollout: a parameter's storage moved since the last rollout%s",
                         "; recapturing" if self.graphs else "")
@@ -263,12 +256,10 @@ class DecodeEngine:
             self.prompt_width = min(self.prompt_len, math.ceil(max(1, width) / self.length_bucket) * self.length_bucket)
         self.slots.reset()
 
-    # -- sequences in and out (the scheduler decides, the engine does and counts) ----------------
     @torch.no_grad()
     def admit(self, slots: list[int], seq_ids: list[int], ids: torch.Tensor, mask: torch.Tensor,
               groups: list[int] | None = None) -> None:
-        """Prefill sequences ``seq_ids`` (left-padded ``ids``/``mask``) into ``slots`` and choose their
-        first token; ``groups`` (prompt ids) places them in shared prompt slots."""
+        """Prefill sequences into ``slots`` and choose their first token."""
         dev, p = self.device, self.width
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         seq_t = torch.tensor(seq_ids, dtype=torch.long, device=dev)
@@ -297,8 +288,7 @@ class DecodeEngine:
         self._stats["admissions"] += 1
 
     def fits(self, groups: list[int]) -> int:
-        """How many of the next sequences (prompt ids ``groups``) the shared prompt slots take now; fewer
-        is a wait, counted."""
+        """How many of the next sequences the shared prompt slots take now (a wait is counted)."""
         if self.prompts is None:
             return len(groups)
         fit = self.prompts.fits(groups)
@@ -330,7 +320,6 @@ class DecodeEngine:
     def done_flags(self, rows: int) -> list[bool]:
         return self.slots.done_flags(rows)
 
-    # -- the step --------------------------------------------------------------------------------
     def _step(self, rows: int, length: int) -> None:
         """One token for rows ``:rows`` over cache columns ``:length``."""
         spec, w, layers, parts, st = self.spec, self.weights, self.weights["layers"], self.parts, self.slots
@@ -355,7 +344,6 @@ class DecodeEngine:
                 x, h = parts.out(spec, lw, x, attn, next_norm)
                 continue
             q, k, v = parts.qkv(spec, lw, h, cos, sin)
-            # One index_copy per cache: row r's head h goes to flat row (r * kv_heads + h) * max_len + col.
             st.keys[i].view(-1, d).index_copy_(0, where, k.reshape(-1, d))
             st.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))
             x, h = parts.post(spec, lw, x, q, keys, values, bias, next_norm, prompt)
@@ -387,13 +375,11 @@ class DecodeEngine:
                 for _ in range(steps):
                     self._step(rows, length)
 
-    # -- compile and capture -------------------------------------------------------------------
     def _graph_key(self, rows: int, length: int) -> tuple[int, ...]:
         return (rows, length, self.prompt_rows, self.prompt_width) if self.prompts is not None else (rows, length)
 
     def _warm_up(self, rows: int, length: int) -> None:
-        """Run the step on the real buffers, restored after, to compile, autotune and allocate outside
-        capture (on CUDA three times on a side stream, as capture requires)."""
+        """Run the step on the real buffers (restored after), outside capture."""
         saved = [t.clone() for t in self.slots.written_by_step()]
         try:
             with torch.no_grad(), preferred_blas(self.blas):
@@ -413,8 +399,7 @@ class DecodeEngine:
                 t.copy_(s)
 
     def _prepare(self, rows: int, length: int) -> None:
-        """Compile the step's parts and run it once. A failing Triton step retries with SDPA
-        (``triton_fallbacks``), a failing compile runs eager (``compile_fallbacks``)."""
+        """Compile the step's parts and run it once, falling back (counted) on failure."""
         tick = time.perf_counter()
         self._prepared = True
         if not self.compiled:
@@ -438,8 +423,7 @@ class DecodeEngine:
         self._stats["capture_s"] += time.perf_counter() - tick
 
     def _capture(self, rows: int, length: int) -> Any:
-        """Capture bucket (rows, length) as a CUDA graph; a failed capture leaves the engine without graphs
-        (``capture_fallbacks``)."""
+        """Capture bucket (rows, length) as a CUDA graph, or fall back (counted)."""
         tick = time.perf_counter()
         self._warm_up(rows, length)
         if self.pool is None:
@@ -470,7 +454,6 @@ class DecodeEngine:
         self._stats["capture_s"] += time.perf_counter() - tick
         return graph
 
-    # -- buckets ---------------------------------------------------------------------------------
     def rows_bucket(self, rows: int) -> int:
         return next(b for b in self.batch_buckets if b >= rows)
 

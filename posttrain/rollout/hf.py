@@ -1,5 +1,4 @@
-"""The ``"hf"`` backend: transformers' ``generate`` with the engine's keyed sampler (same samples as the
-engine for the same key and logits)."""
+"""The ``"hf"`` backend: transformers' ``generate`` with the engine's keyed sampler."""
 
 from __future__ import annotations
 

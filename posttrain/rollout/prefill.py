@@ -1,5 +1,4 @@
-"""Prompts into the engine's cache, eagerly between decode steps: each distinct prompt prefilled once, in
-chunks; the rows' first logits returned."""
+"""Prompts into the engine's cache: each distinct prompt prefilled once, in chunks."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ Writer = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, keys, valu
 
 def _chunks(spec: DecoderSpec, weights: dict[str, Any], ids: torch.Tensor, mask: torch.Tensor, chunk_tokens: int,
             writer: Callable[[int, int], Writer], dtype: torch.dtype) -> torch.Tensor:
-    """Prefill distinct prompts ``ids`` [u, width] in chunks of about ``chunk_tokens`` tokens; ``writer(u0,
-    u1)`` stores rows ``u0:u1``' keys and values per layer. Their last logits [u, V]."""
+    """Prefill distinct prompts in chunks, ``writer(u0, u1)`` storing their k/v; last logits [u, V]."""
     u, p = ids.shape
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     logits = torch.empty(u, spec.vocab, dtype=dtype, device=ids.device)
@@ -33,8 +31,7 @@ def _chunks(spec: DecoderSpec, weights: dict[str, Any], ids: torch.Tensor, mask:
 @torch.no_grad()
 def into_rows(spec: DecoderSpec, weights: dict[str, Any], slots: Slots, dst: torch.Tensor, ids: torch.Tensor,
               mask: torch.Tensor, chunk_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """Each row's left-padded prompt into its slot of ``dst``, each distinct prompt prefilled once. The
-    rows' first logits, and the prompts prefilled."""
+    """Rows' prompts into their slots, each distinct prompt once; (first logits, prompts prefilled)."""
     content = ids.masked_fill(mask == 0, -1)
     uniq, inv = torch.unique(content, dim=0, return_inverse=True)
 
@@ -55,8 +52,7 @@ def into_rows(spec: DecoderSpec, weights: dict[str, Any], slots: Slots, dst: tor
 def into_prompt_slots(spec: DecoderSpec, weights: dict[str, Any], prompts: SharedPrompts, rows: list[int],
                       ids: torch.Tensor, mask: torch.Tensor, groups: list[int], chunk_tokens: int,
                       dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
-    """Rows into their groups' shared prompt slots (``groups``: each row's prompt id), prefilling only the
-    prompts that take a slot now. The rows' first logits, the prompts prefilled and the rows that joined."""
+    """Rows into shared prompt slots; (first logits, prompts prefilled, rows that joined)."""
     placed, taken = prompts.enter(rows, groups)
     new = {s for s, _ in taken}
     joins = sum(s not in new for s in placed)

@@ -1,6 +1,5 @@
 """Shared prompt slots (``shared_prompt_kv``): one copy of a prompt's keys and values for every row that
-continues it, read once a step for the whole group. The host keeps the assignment and uploads the step's
-index tensors (``members``, ``place``) when it changes."""
+continues it."""
 
 from __future__ import annotations
 
@@ -12,14 +11,12 @@ from posttrain.rollout.decoder import DecoderSpec
 
 
 def default_prompt_slots(slots: int, group_size: int) -> int:
-    """Prompt slots for ``slots`` row slots and groups of ``group_size``: one per group, plus one when the
-    slots do not hold whole groups (a share may cut a group at each end)."""
+    """One prompt slot per group, plus one when ``slots`` is not whole groups."""
     return math.ceil(slots / group_size) + (1 if slots % group_size else 0)
 
 
 def bucket_sizes(smallest: int, largest: int) -> list[int]:
-    """Powers of two from ``smallest`` below ``largest``, and ``largest``: the batch sizes a step is
-    compiled and captured for."""
+    """Powers of two from ``smallest`` below ``largest``, and ``largest``."""
     sizes, b = {largest}, max(1, smallest)
     while b < largest:
         sizes.add(b)
@@ -38,8 +35,7 @@ class SharedPrompts:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.valid = torch.zeros(prompt_slots, max_prompt_len, dtype=torch.bool, device=device)
         self.logits = torch.zeros(prompt_slots, spec.vocab, dtype=dtype, device=device)
-        # members[s, j]: the row slot of prompt slot s's j-th member (``slots``: none); place[r]:
-        # row r's s * group_size + j. The graphs hold these addresses: written in place only.
+        # members[s, j]: slot s's j-th member row (``slots``: none); place[r] = s * group_size + j.
         self.members = torch.full((prompt_slots, group_size), slots, dtype=torch.long, device=device)
         self.place = torch.zeros(slots, dtype=torch.long, device=device)
         self.buckets = bucket_sizes(1, prompt_slots)
@@ -148,8 +144,7 @@ class SharedPrompts:
 
     @torch.no_grad()
     def compact(self, width: int) -> bool:
-        """Move the highest prompt slots in use into free ones below (columns ``:width``) if that makes
-        :meth:`bucket` smaller. Returns whether any moved."""
+        """Move the highest used prompt slots down if that shrinks :meth:`bucket`; whether any moved."""
         used = [s for s, g in enumerate(self.owner) if g is not None]
         target = next(b for b in self.buckets if b >= max(1, len(used)))
         if self.bucket() <= target:

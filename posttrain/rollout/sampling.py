@@ -1,6 +1,5 @@
-"""What to sample and how: settings, top-k/top-p, keyed Gumbel-max and TRL's truncation after the first
-stop token. The noise is a hash of (key, step, sequence index, token): same samples in any slot, bucket or
-wave, and no generator state in a graph."""
+"""Sampling settings, top-k/top-p, keyed Gumbel-max (the noise a hash of key, step, sequence and token) and
+TRL's truncation after the first stop token."""
 
 from __future__ import annotations
 
@@ -49,16 +48,14 @@ class RolloutOutput:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature) at ``tokens`` in float32, before top-k/top-p and min_new_tokens
-    masking (what a forward pass gives)."""
+    """log softmax(logits / temperature) at ``tokens`` (float32), before any filtering."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float | torch.Tensor, use_top_p: bool | None = None
                   ) -> torch.Tensor:
-    """transformers' TopK then TopP warpers (keeping at least one token) without data-dependent shapes:
-    removed entries become -inf. ``use_top_p`` says whether to sort when ``top_p`` is a 0-d tensor."""
+    """transformers' TopK then TopP warpers with static shapes (removed entries -inf)."""
     if top_k > 0 and top_k < scaled.size(-1):
         kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -86,8 +83,7 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(key: torch.Tensor, step: torch.Tensor, seq: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [rows, vocab] as a pure function of (key, step, sequence, token); ``seq``: each
-    row's sequence index in the rollout, ``step``: 0-d or [rows]."""
+    """Gumbel(0, 1) noise [rows, vocab], a pure function of (key, step, seq, token)."""
     seq = seq.view(-1, 1).to(torch.int64)
     step = step.view(-1, 1) if step.dim() else step
     tok = torch.arange(vocab, device=seq.device, dtype=torch.int64).unsqueeze(0)
@@ -128,8 +124,7 @@ def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *
 
 def finish(completion: torch.Tensor, logprobs: torch.Tensor, sampling: SamplingParams
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """TRL's truncate_response for several stop tokens: pad after the first stop token (kept), mask 1 up to
-    and including it, log-probs 0 where masked."""
+    """TRL's truncate_response for several stop tokens; (completion, mask, log-probs)."""
     n = completion.size(1)
     if sampling.stop_token_ids:
         stops = torch.tensor(sampling.stop_token_ids, device=completion.device)
@@ -143,8 +138,7 @@ def finish(completion: torch.Tensor, logprobs: torch.Tensor, sampling: SamplingP
 
 
 class GumbelSampling(LogitsProcessor):
-    """A transformers logits processor turning greedy search into the engine's sampler (temperature, top-k,
-    top-p, keyed Gumbel noise with row = sequence index)."""
+    """A logits processor turning transformers' greedy search into the engine's sampler."""
 
     def __init__(self, sampling: SamplingParams, key: int, prompt_len: int) -> None:
         self.sampling, self.key, self.prompt_len = sampling, key, prompt_len

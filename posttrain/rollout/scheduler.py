@@ -1,5 +1,4 @@
-"""Continuous batching: which sequence decodes in which engine slot, and when. A sequence's samples depend
-only on (rollout key, its index, its step), not on its slot, wave or bucket."""
+"""Continuous batching: which sequence decodes in which engine slot, and when."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from posttrain.rollout.engine import Clock, DecodeEngine
 
 def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key: int,
              max_new_tokens: int, profile: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Completion tokens and log-probs [n, max_new_tokens] (pad and 0 after a sequence is done)
-    for left-padded prompts [n, P]; and timings (ms) when ``profile``."""
+    """Completions and log-probs [n, max_new_tokens] of left-padded prompts; timings if ``profile``."""
     n, width = prompt_ids.shape
     engine.begin(key, max_new_tokens, width)
     dev, pad = engine.device, engine.sampling.pad_token_id

@@ -1,5 +1,4 @@
-"""ZeRO-3: a persistent full copy of the model's weights, gathered once per rollout, so the engine's graphs
-read the same addresses every rollout."""
+"""ZeRO-3: a persistent full copy of the model's weights, gathered once per rollout."""
 
 from __future__ import annotations
 
@@ -11,9 +10,7 @@ from torch import nn
 
 
 class ShadowModel:
-    """A flat buffer per dtype holding a copy of every parameter of a ZeRO-3 model (adapters included),
-    refreshed chunk by chunk (about 1/16 of the model gathered at a time). :meth:`view` maps a source
-    parameter to its copy, whose address never changes."""
+    """Per-dtype flat buffers holding every parameter, refreshed in chunks; fixed addresses."""
 
     def __init__(self, module: nn.Module, fast_frozen: Any = None) -> None:
         self.source, self.fast = module, fast_frozen

@@ -1,5 +1,4 @@
-"""The engine's slots: the KV budget's cache and each slot's decode state. Captured CUDA graphs hold these
-tensors' addresses: they are written in place only."""
+"""The engine's slots: the KV cache and each slot's decode state (written in place only)."""
 
 from __future__ import annotations
 
@@ -59,9 +58,7 @@ class Slots:
     @torch.no_grad()
     def admit(self, slots: torch.Tensor, seq: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
               positions: torch.Tensor, valid: torch.Tensor, col: int, done: torch.Tensor, pad: int) -> None:
-        """Sequences ``seq`` into ``slots`` (prompts already stored): first tokens and log-probs,
-        positions, attendable columns ``valid``, the cache column ``col`` of the first completion token,
-        ``done``."""
+        """Sequences ``seq`` into ``slots`` with their first tokens and state."""
         k = len(slots)
         out_t = torch.full((k, self.out_tokens.shape[1]), pad, dtype=torch.long, device=self.device)
         out_l = torch.zeros(k, self.out_logprobs.shape[1], dtype=torch.float32, device=self.device)
@@ -73,8 +70,7 @@ class Slots:
 
     @torch.no_grad()
     def move(self, src: list[int], dst: list[int], length: int) -> None:
-        """Sequences from slots ``src`` to free slots ``dst`` (cache columns ``:length`` and state);
-        ``src`` are left done."""
+        """Sequences from slots ``src`` to free slots ``dst``; ``src`` left done."""
         s = torch.tensor(src, dtype=torch.long, device=self.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
         for cache in self.keys + self.values:

@@ -1,6 +1,4 @@
-"""The decode step's parts as pure functions (prologue, a decoder layer's two halves, sampler, epilogue)
-and :class:`Parts`, the set the engine runs eager or compiled (fullgraph, dynamic shapes: one compile of a
-layer half serves every layer and bucket)."""
+"""The decode step's parts as pure functions and :class:`Parts`, the set the engine runs eager or compiled."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: An
             do_sample: torch.Tensor, top_p: torch.Tensor, min_new: torch.Tensor, top_k: int, use_top_p: bool,
             stop_ids: torch.Tensor | None, stop_mask: torch.Tensor | None = None, kernel: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LM head of the final-normed ``h``, then posttrain's Triton sampler if ``kernel`` (no top-k/top-p;
-    ``stop_mask`` the stop tokens as a vocabulary mask), else ``sampling.choose_tokens``."""
+    """LM head and the sampler (posttrain's Triton one if ``kernel``, else ``choose_tokens``)."""
     logits = decoder.head(spec, {"head": head, "head_bias": head_bias, "head_lora": head_lora}, h, normed=True)
     if kernel:
         from posttrain.rollout.kernels import sample as triton_sample
@@ -53,8 +50,7 @@ def inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.
 def record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
             out_tokens: torch.Tensor, out_logprobs: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
             limit: torch.Tensor, stop_mask: torch.Tensor | None, pad: int) -> None:
-    """The step's epilogue on the slot state (rows ``:len(tokens)``, in place). Stop tokens are read from a
-    vocabulary mask: ``torch.isin`` may sync the host, which a graph capture cannot."""
+    """The step's epilogue on the slot state, in place (stop tokens by mask: no host sync)."""
     rows = tokens.shape[0]
     d, st = done[:rows], step[:rows]
     tokens = torch.where(d, pad, tokens)
@@ -75,8 +71,7 @@ def record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torc
 
 def prompt_inputs(valid: torch.Tensor, members: torch.Tensor, place: torch.Tensor, dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shared prompt slots' prologue: the slots' additive mask [S, 1, 1, W], ``members`` with no-member
-    entries clamped to B (the zero query) and each row's place clamped into the slots read."""
+    """Shared prompt slots' prologue: their mask, clamped ``members`` and ``place``."""
     rows = place.shape[0]
     bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
     return (bias.view(valid.shape[0], 1, 1, valid.shape[1]), members.clamp(max=rows),
@@ -85,8 +80,7 @@ def prompt_inputs(valid: torch.Tensor, members: torch.Tensor, place: torch.Tenso
 
 @dataclass(frozen=True)
 class Parts:
-    """The functions one decode step calls (``post``: a layer's second half with SDPA; ``out``: after the
-    Triton attention)."""
+    """The functions one decode step calls (eager or ``torch.compile``d)."""
 
     inputs: Callable
     prompt: Callable
@@ -106,8 +100,7 @@ class Parts:
         """Each part ``torch.compile``d with ``backend``, fullgraph and dynamic."""
         import torch._dynamo
 
-        # Each engine (and knob set) is a recompile of the same functions: keep clear of the limit,
-        # past which dynamo would run them eagerly without a word.
+        # Each engine is a recompile of these functions: past the limit dynamo would silently run eager.
         limit = max(64, getattr(torch._dynamo.config, "recompile_limit", 8))
         torch._dynamo.config.recompile_limit = limit
         if hasattr(torch._dynamo.config, "cache_size_limit"):

@@ -1,5 +1,4 @@
-"""What the decoder reads: detached views of the live parameters (an in-place optimizer step needs no
-recapture), with q|k|v and gate|up fused where possible."""
+"""What the decoder reads: detached views of the live parameters, q|k|v and gate|up fused where possible."""
 
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def fused_views(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]] | None:
-    """q|k|v (+bias) and gate|up per layer as views of the live weights where every group lies end to end
-    in one storage (DeepSpeed's flat buffers, the ZeRO-3 shadow); else None."""
+    """Per-layer fused q|k|v and gate|up views where each group lies end to end; else None."""
     if src.lora:
         return None
     out = []
@@ -90,8 +88,7 @@ def fused_views(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | Non
 
 
 def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | None]]:
-    """q|k|v (+bias) and gate|up (+bias) copies per layer (engine option ``fused``); a merged LoRA
-    projection's buffer is adopted as its slice, so it is not held twice."""
+    """Per-layer fused q|k|v and gate|up copies (engine option ``fused``)."""
     out = []
     for layer in model.model.layers:
         entry: dict[str, torch.Tensor | None] = {}
@@ -113,8 +110,7 @@ def fused_buffers(model: nn.Module, src: Any) -> list[dict[str, torch.Tensor | N
 
 @torch.no_grad()
 def refresh_fused(model: nn.Module, fused: list[dict[str, torch.Tensor | None]], src: Any) -> None:
-    """Copy the live weights into the fused buffers in place; adopted merged-LoRA slices are rewritten by
-    ``Adapters.refresh``."""
+    """Copy the live weights into the fused buffers, in place."""
     for layer, entry in zip(model.model.layers, fused):
         for key, modules in _groups(layer):
             o = 0

@@ -6,8 +6,7 @@ import torch
 
 
 def unavailable(device: torch.device, head_dim: int) -> str | None:
-    """Why the decode step cannot run these kernels on ``device`` for heads of ``head_dim``, or None.
-    Importing them registers the ops the compiled step calls."""
+    """Why the decode step cannot run these kernels, or None (importing them registers the step's ops)."""
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
         return f"head size {head_dim}: the Triton decode kernels take powers of two from 16 to 256"
     try:

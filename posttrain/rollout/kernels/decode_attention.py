@@ -1,6 +1,5 @@
-"""Decode attention as Triton kernels over the engine's cache, one query per row, rounding as SDPA's fused
-kernels; with shared prompt slots, a prompt pass per slot and a merge by log-sum-exp. CPU runs them under
-``TRITON_INTERPRET=1`` (the tests)."""
+"""Decode attention as Triton kernels over the engine's cache, rounding as SDPA's fused kernels. CPU runs
+them under ``TRITON_INTERPRET=1`` (the tests)."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, length, scale_log2, k_new,
 
 @triton.jit
 def _rope(x, partner, cos, sin, D: tl.constexpr):
-    """``x * cos + rotate_half(x) * sin`` (``partner``: x at d + D/2 mod D), rounded as eager torch rounds
-    ``apply_rotary_pos_emb``."""
+    """``x * cos + rotate_half(x) * sin`` rounded as eager ``apply_rotary_pos_emb``."""
     d = tl.arange(0, D)
     rot = tl.where(d < D // 2, -partner.to(tl.float32), partner.to(tl.float32))
     a = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype)
@@ -141,8 +139,7 @@ def _prompt(q_ptr, k_ptr, v_ptr, bias_ptr, members_ptr, out_ptr, lse_ptr, cos_pt
 @triton.jit
 def _merge(out_ptr, lse_ptr, final_ptr, place_ptr, members_ptr, so_b, so_h, so_s, so_g, sl_b, sl_h, sl_s,
            sf_b, sf_h, sf_g, smem, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, MEMBERS: tl.constexpr):
-    """Row b's own and prompt partials of head h merged by their log-sum-exps; the prompt's counted only if
-    the row is a member of the slot its ``place`` names (a finished row's may be stale)."""
+    """Row b's own and prompt partials merged by log-sum-exp (the prompt's only for a member)."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s = tl.arange(0, 2)
     g = tl.arange(0, BLOCK_G)
@@ -191,10 +188,7 @@ def _launch_own(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias:
     if new is not None:
         _check(k_new, v_new)
     sl = lse.stride()[:2] if lse is not None else (0, 0)
-    # No FP contraction (enable_fp_fusion): the compiler would fuse the rotation's second product
-    # and its rounded sum into one bf16 FMA, a rounding fewer than eager torch takes, so the keys
-    # written into the cache would differ from the training forward's. The softmax's own FMA is
-    # explicit (tl.fma) and stays.
+    # No FP contraction: a fused rotation FMA would round the cached keys unlike the training forward.
     _own[(b, hkv)](
         q, keys, values, bias, out, out if lse is None else lse, k_new, v_new, col, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
@@ -256,9 +250,7 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 bias: torch.Tensor, col: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,
                 prompt: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-    """One decode step's attention as the engine runs it: ``q`` [B, heads, 1, d] and the step's ``k``/``v``
-    unrotated, rotated and cached by the kernel; ``prompt`` the shared prompt slots or None. Returns [B,
-    heads, 1, d]."""
+    """One decode step's attention as the engine runs it: rotates and caches ``k``/``v``."""
     b, heads, _, d = q.shape
     qg = q.reshape(b, keys.shape[1], heads // keys.shape[1], d)
     new, rope = (k, v, col), (cos.reshape(b, d), sin.reshape(b, d))

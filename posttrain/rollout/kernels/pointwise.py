@@ -1,5 +1,5 @@
-"""The decode step's Triton pointwise kernels: SiLU-and-multiply and the residual add with its RMSNorm,
-rounding as transformers' eager modules do. CPU runs them under ``TRITON_INTERPRET=1`` (the tests)."""
+"""The decode step's Triton pointwise kernels (SiLU-and-multiply, add + RMSNorm), rounding as transformers'
+eager modules."""
 
 from __future__ import annotations
 

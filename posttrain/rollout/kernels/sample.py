@@ -1,6 +1,5 @@
-"""The engine's sampler (``sampling.choose_tokens`` without top-k/top-p) as one Triton kernel over
-vocabulary chunks (online max and exp-sum, hashed noise), combined in torch: the same token, its log-prob
-up to float32 summation order. CPU runs it under ``TRITON_INTERPRET=1``."""
+"""The engine's sampler (``sampling.choose_tokens`` without top-k/top-p) as a Triton kernel over vocabulary
+chunks. CPU runs it under ``TRITON_INTERPRET=1``."""
 
 from __future__ import annotations
 
@@ -25,21 +24,18 @@ def _mix(x):
 def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_ptr, sample_ptr, min_new_ptr,
              max_ptr, sum_ptr, best_ptr, index_ptr, vocab, chunk, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
              HAS_STOP: tl.constexpr):
-    """Program (row, c) over vocabulary entries ``c * chunk`` on: the max and sum of exp(scaled - max) of
-    the scaled logits, and the first largest noised (and barred) logit with its index."""
+    """Program (row, c): max and exp-sum of the chunk's scaled logits and its first best noised one."""
     row, c = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temp_ptr)
     do_sample = tl.load(sample_ptr)
     step = tl.load(step_ptr + row)
     early = step < tl.load(min_new_ptr)
-    # gumbel_noise's row hash modulo 2**32 (the int64 products' low bits are the uint32 products')
+    # gumbel_noise's row hash modulo 2**32: the int64 products' low bits are the uint32 products.
     base = _mix(tl.load(key_ptr).to(tl.uint32) ^ (step.to(tl.uint32) * 0x2545F491))
     base = _mix(base + tl.load(seq_ptr + row).to(tl.uint32) * 0x5851F42D)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, vocab)
-    # Per lane (no reduction across the block inside the loop): the running max and sum of
-    # exp(scaled - max) (one exp a logit: the new logit's distance to the max, either way), and the
-    # best noised logit with its index (strictly larger: a lane keeps its first).
+    # Per lane, no cross-lane reduction in the loop; strictly larger, so a lane keeps its first best.
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_V], tl.float32)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -73,8 +69,7 @@ def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_
 
 
 def chunks_for(vocab: int) -> int:
-    """Chunks a row: four blocks or more each, at most 16; not a function of the rows, which the compiled
-    step takes as a dynamic size."""
+    """Chunks a row: four blocks or more each, at most 16, independent of the rows."""
     return max(1, min(16, triton.cdiv(vocab, 4 * BLOCK_V)))
 
 

@@ -1,8 +1,6 @@
-"""peft LoRA adapters as the decode engine reads them, following peft's eval forward, in one of three
-modes: ``"merged"`` (a W + scaling * B @ A buffer per adapted matrix, rewritten each rollout), ``"live"``
-(the low-rank terms inside the step) or ``"grouped"`` (``"live"`` with q|k|v and gate|up one product each).
-Scalings are buffers and updates are in place: no recapture. What the engine cannot run exactly goes to
-``generate`` (:func:`unsupported_reason`)."""
+"""peft LoRA adapters as the decode engine reads them, as peft's eval forward applies them: ``"merged"`` (W
++ scaling * B @ A buffers), ``"live"`` (low-rank terms in the step) or ``"grouped"`` (``"live"``, one
+product per q|k|v and gate|up); in-place updates need no recapture."""
 
 from __future__ import annotations
 
@@ -81,9 +79,8 @@ def resolve(module: nn.Module) -> nn.Module:
 
 
 class Adapters:
-    """How the decoder reads a model's projections: live parameters (or what ``tensor`` maps them to, e.g.
-    a ZeRO-3 shadow's copies) through peft's wrappers, LoRA applied as ``mode`` says. Call ``refresh()``
-    once per rollout, before reading."""
+    """How the decoder reads a model's projections (``tensor``: e.g. a ZeRO-3 shadow's view), LoRA applied
+    as ``mode`` says; ``refresh()`` once per rollout."""
 
     def __init__(self, model: nn.Module, mode: str = "merged", tensor: Any = None) -> None:
         if mode not in LORA_MODES:
@@ -105,7 +102,7 @@ class Adapters:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the merged buffers not held in the engine's fused ones, and of the grouped copies."""
+        """Bytes of the merged buffers outside the fused ones, and of the grouped copies."""
         merged = [t for key, (w, b) in self.merged.items() if key not in self.adopted for t in (w, b)]
         grouped = [t for _, _, terms in self.groups.values() for term in terms for t in term]
         return sum(t.numel() * t.element_size() for t in merged + grouped if t is not None)
@@ -132,9 +129,7 @@ class Adapters:
         return self.tensor(base.weight), self.tensor(base.bias), found
 
     def group(self, modules: tuple[nn.Module, ...]) -> tuple | None:
-        """Mode "grouped": the LoRA terms of projections sharing an input, per adapter (stacked A,
-        block-diagonal B, B's biases or None, per-row scaling), or None where they do not all carry the
-        same adapters."""
+        """Mode "grouped": per adapter, the stacked LoRA terms of projections sharing an input, or None."""
         if self.mode != "grouped" or not self.lora:
             return None
         ms = [self.module(m) for m in modules]

@@ -1,6 +1,5 @@
 """``Rollout``: sampling completions from a role's model with the engine (``"posttrain"``) or transformers'
-``generate`` (``"hf"``, also the logged fallback for what the engine cannot run). Each ``generate`` draws
-one key from torch's default generator, so the run's seed fixes the samples."""
+``generate`` (``"hf"``, also the logged fallback)."""
 
 from __future__ import annotations
 
@@ -86,10 +85,8 @@ def slowed(stats: dict[str, Any]) -> bool:
 
 
 class Rollout:
-    """Built once per run for a role of a Session; ``generate`` samples. ``max_batch``: the usual sequences
-    per rollout (more stream through the slots); ``kv_slots``: the KV budget in sequences (default
-    ``max_batch``); ``model``: a bare module without a session (tests, benchmarks). A per-call ``sampling``
-    may change the knobs; new top-k, top-p on/off or stop tokens build a new engine."""
+    """Samples completions for a role of a Session. ``kv_slots``: the KV budget in sequences (default
+    ``max_batch``; more stream through); ``model``: a bare module without a session (tests, benchmarks)."""
 
     def __init__(self, session: Any, role: str, sampling: SamplingParams, *, max_batch: int, max_prompt_len: int,
                  backend: str = "posttrain", ds3_gather_for_generation: bool = True,
@@ -141,8 +138,8 @@ class Rollout:
                    engine_options=engine_options(cfg, group_size))
 
     def metrics(self) -> dict[str, float]:
-        """Per-step metrics: captures, recaptures, capture seconds, whether the Triton decode and sampler
-        ran, each :data:`SLOW_FALLBACKS` counter and whether the backend fell back to ``generate``."""
+        """Per-step metrics: captures, Triton use, each :data:`SLOW_FALLBACKS` counter and the backend
+        fallback."""
         st = self.stats
         out = {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
                "rollout/capture_s": st["capture_s"], "rollout/triton_decode": float(bool(st.get("triton_decode"))),

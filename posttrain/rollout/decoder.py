@@ -1,6 +1,5 @@
-"""The Llama-family decoder as pure functions of its weights, prefill and one decode token. No module is
-called, so the step traces the same whatever hooks or wrappers a trainer put on the policy; numerics follow
-transformers' forward. Other architectures fall back to ``generate``."""
+"""The Llama-family decoder as pure functions of its weights (no module calls, so it traces whatever a
+trainer wrapped), numerics as transformers' forward."""
 
 from __future__ import annotations
 
@@ -165,9 +164,7 @@ def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, 
 
 def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor,
                   next_norm: torch.Tensor | None = None) -> Any:
-    """Output projection, residual, post-attention norm, MLP, residual; ``attn`` [B, heads, T, d].
-    ``next_norm``: also return the residual stream's norm by it. With ``spec.triton`` the add+norm and
-    SiLU-and-multiply run on ``kernels/pointwise.py``."""
+    """Output projection, residual, norm, MLP, residual; with ``next_norm`` also the stream's norm by it."""
     b, t = attn.shape[0], attn.shape[2]
     o = linear(w, "o", attn.transpose(1, 2).reshape(b, t, -1))
     # The kernels keep x's dtype, where eager would promote to a float32 norm weight's.
@@ -208,9 +205,7 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
 
 def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's own kernels with their log-sum-exp: ``q`` [n, h, t, d] over ``keys``/``values`` [n, h, L, d],
-    mask ``bias`` [n, 1, 1, L]; the output and the float32 log-sum-exp [n, h, t]. A fully masked row gives
-    0 and float32's lowest log-sum-exp, so it weighs nothing in a merge."""
+    """SDPA's own kernels with their float32 log-sum-exp (a fully masked row: 0 and float32's lowest)."""
     length = keys.shape[2]
     if q.is_cuda:
         mask = bias
@@ -232,9 +227,8 @@ def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: to
 
 def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             bias: torch.Tensor, prompt: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """:func:`decode_attention` with the rows' prompts in shared slots: ``keys``/``values`` hold the
-    completions; ``prompt`` = (pkeys, pvalues [S, kv_heads, W, d], pbias [S, 1, 1, W], members [S, G] (B
-    where none), place [B]: slot * G + member index). The two parts are merged by their log-sum-exp."""
+    """:func:`decode_attention` with prompts in shared slots (``prompt`` = pkeys, pvalues, pbias, members,
+    place), merged by log-sum-exp."""
     pkeys, pvalues, pbias, members, place = prompt
     b, kvh, g, d = q.shape[0], spec.kv_heads, spec.heads // spec.kv_heads, spec.head_dim
     s, n = pkeys.shape[0], members.shape[1]

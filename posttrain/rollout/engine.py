@@ -79,11 +79,9 @@ def _release_cublas_workspaces() -> None:
 
 
 class DecodeEngine:
-    """Cache slots, their state, the bucketed step and its graphs. ``lora_mode``/``tensor``: how weights
-    are read (``adapters.py``; ``tensor`` a ZeRO-3 shadow's view). ``fused``: q|k|v and gate|up copies
-    where no views exist. ``shared_prompt_kv``: prompt slots of ``group_size`` rows. ``compile_backend``:
-    None is inductor on CUDA, eager elsewhere. ``triton_decode``: None uses the Triton kernels on CUDA,
-    True requires them, False runs SDPA."""
+    """Cache slots, their state, the bucketed step and its graphs. ``compile_backend``: None is inductor on
+    CUDA, eager elsewhere; ``triton_decode``: None uses the Triton kernels on CUDA, True requires them,
+    False runs SDPA."""
 
     def __init__(self, model: torch.nn.Module, sampling: SamplingParams, slots: int, max_prompt_len: int, *,
                  tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, lora_mode: str = "merged",
@@ -125,9 +123,8 @@ class DecodeEngine:
         self.admit_min = admit_min if admit_min is not None else max(1, slots // 8)
         self.batch_buckets = bucket_sizes(smallest_bucket, slots)
         self.use_graphs = self.device.type == "cuda"
-        if compile_backend is None and self.device.type == "cuda":
-            compile_backend = "inductor"
-        self.compile_backend = compile_backend
+        self.compile_backend = ("inductor" if compile_backend is None and self.device.type == "cuda"
+                                else compile_backend)
         self.compiled = compile_backend is not None
         self.parts = Parts.eager()
         self._prepared = False
@@ -139,9 +136,8 @@ class DecodeEngine:
                          if sampling.stop_token_ids else None)
         self.stop_mask = (torch.zeros(self.spec.vocab, dtype=torch.bool, device=dev).index_fill_(0, self.stop_ids, True)
                           if self.stop_ids is not None else None)
-        self.temperature = torch.ones((), dtype=torch.float32, device=dev)
-        self.do_sample = torch.ones((), dtype=torch.float32, device=dev)
-        self.top_p = torch.ones((), dtype=torch.float32, device=dev)
+        self.temperature, self.do_sample, self.top_p = (torch.ones((), dtype=torch.float32, device=dev)
+                                                        for _ in range(3))
         self.min_new = torch.zeros((), dtype=torch.long, device=dev)
         self.top_k, self.use_top_p = sampling.top_k, sampling.top_p < 1.0
         self.set_knobs(sampling)
@@ -155,7 +151,7 @@ class DecodeEngine:
         self._captured_keys: set[tuple[int, ...]] = set()
 
     def _attention(self, spec: DecoderSpec, triton_decode: bool | None) -> DecoderSpec:
-        """``spec`` with the Triton kernels on where they run; on CUDA, where they cannot, SDPA, counted."""
+        """``spec`` with the Triton kernels where they run, else SDPA (counted on CUDA)."""
         if triton_decode is False or (triton_decode is None and self.device.type != "cuda"):
             return spec
         why = kernels.unavailable(self.device, spec.head_dim)
@@ -190,7 +186,7 @@ class DecodeEngine:
         return self.spec.triton and not self.top_k and not self.use_top_p
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters (``COUNTERS``), what it runs and each fallback's reason."""
+        """The engine's counters, what it runs and each fallback's reason."""
         return {**self._stats, "capture_s": round(self._stats["capture_s"], 3), "triton_decode": self.spec.triton,
                 "triton_sampler": self.sampler_kernel(), "compiled": self.compiled, "graphs": len(self.graphs),
                 "blas": self.blas or "default", "shared_prompt_kv": self.prompts is not None,

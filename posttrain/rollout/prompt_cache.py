@@ -1,5 +1,5 @@
-"""Shared prompt slots (``shared_prompt_kv``): one copy of a prompt's keys and values for every row that
-continues it."""
+"""Shared prompt slots (``shared_prompt_kv``): one copy of a prompt's keys and values for all the rows that
+continue it."""
 
 from __future__ import annotations
 
@@ -96,9 +96,8 @@ class SharedPrompts:
         return len(groups)
 
     def enter(self, slots: list[int], groups: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """Give rows ``slots`` (of prompts ``groups``, which :meth:`fits`) member places. Returns each
-        row's prompt slot, and the slots taken now as (prompt slot, index of its first row): those need
-        their prompt prefilled."""
+        """Member places for rows ``slots``; (each row's prompt slot, slots taken now as (slot, first row
+        index))."""
         open_slots = self._open()
         taken: list[tuple[int, int]] = []
         out = []

@@ -98,10 +98,8 @@ def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *
                   top_p: float | torch.Tensor = 1.0, use_top_p: bool | None = None,
                   min_new_tokens: int | torch.Tensor = 0, stop_ids: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its log-prob from raw logits [B, V]; ``step`` (0-d or [B]) is the index of the
-    token being chosen, ``seq`` the rows' sequence indices (default 0..B-1). Temperature, do_sample, top_p
-    and min_new_tokens may be 0-d tensors (graph inputs); top_k, ``use_top_p`` and the stop tokens are
-    fixed per graph."""
+    """One token per row and its log-prob from raw logits [B, V]. Scalars may be 0-d tensors (graph
+    inputs); top_k, ``use_top_p`` and stop tokens are fixed per graph."""
     if seq is None:
         seq = torch.arange(logits.size(0), device=logits.device)
     scaled = logits.float() / temperature

@@ -24,16 +24,13 @@ class ShadowModel:
                       for d in dtypes}
         self.flat = self.flats[named[0][1].dtype]
         self.views: dict[int, torch.Tensor] = {}
-        self.names: list[str] = []
         offsets = dict.fromkeys(dtypes, 0)
-        for (name, p), shape, n in zip(named, shapes, numels):
+        for (_, p), shape, n in zip(named, shapes, numels):
             o = offsets[p.dtype]
             self.views[id(p)] = self.flats[p.dtype][o : o + n].view(shape)
             offsets[p.dtype] = o + n
-            self.names.append(name)
 
     def view(self, p: torch.Tensor) -> torch.Tensor:
-        """The copy of parameter ``p`` of the source model."""
         return self.views[id(p)]
 
     @torch.no_grad()

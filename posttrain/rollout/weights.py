@@ -1,4 +1,4 @@
-"""What the decoder reads: detached views of the live parameters, q|k|v and gate|up fused where possible."""
+"""What the decoder reads: detached views of the live parameters."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from torch import nn
 
 
 def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor | None]] | None, src: Any) -> dict[str, Any]:
-    """The decoder's weights as detached views of the live parameters, read through ``src`` (an
-    ``adapters.Adapters``); ``fused`` per layer replaces the q|k|v and gate|up keys. A projection ``name``
-    gives keys ``name``, ``name + "b"`` (bias) and ``name + "_lora"`` (LoRA terms)."""
+    """The decoder's weights as detached views of the live parameters, read through ``src``
+    (``adapters.Adapters``); ``fused`` replaces q|k|v and gate|up."""
     base = model.model
     norm = src.module
 
@@ -56,7 +55,7 @@ def _groups(layer: nn.Module) -> tuple[tuple[str, tuple[nn.Module, ...]], ...]:
 
 
 def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """``torch.cat(parts)`` as a view, if the parts lie end to end in one storage; else None."""
+    """``torch.cat(parts)`` as a view if the parts lie end to end in one storage, else None."""
     first = parts[0]
     end = first.data_ptr()
     for t in parts:

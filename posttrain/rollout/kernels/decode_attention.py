@@ -19,9 +19,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # each row's rotary cos, sin [B, d]
 def _attend(q, k_base, v_base, bias_base, sk_l, sv_l, length, scale_log2, k_new, v_new, col,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
             HAS_NEW: tl.constexpr):
-    """Queries ``q`` [M, D] over keys ``0:length``, first to last: the normalized output and the
-    log2-sum-exp [M] (-inf where all masked). ``HAS_NEW``: column ``col``'s key and value are
-    ``k_new``/``v_new``, attended last from registers. Softmax steps as SDPA's cudnn kernel takes them."""
+    """Queries ``q`` [M, D] over keys ``0:length``: the normalized output and the log2-sum-exp (-inf if all
+    masked); ``HAS_NEW`` attends column ``col`` from registers."""
     d = tl.arange(0, D)
     m = tl.full([M], float("-inf"), tl.float32)  # running max of the unscaled scores
     total = tl.zeros([M], tl.float32)
@@ -75,9 +74,8 @@ def _own(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, kn_ptr, vn_ptr, col_pt
          so_b, so_h, so_g, sl_b, sl_h, skn_b, skn_h, svn_b, svn_h, scos_b, ssin_b, scale_log2, length,
          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
          PARTIAL: tl.constexpr, PRECISION: tl.constexpr, HAS_NEW: tl.constexpr, ROPE: tl.constexpr):
-    """Row b's query heads of key/value head h over its own keys: the output, or with ``PARTIAL`` the
-    float32 partial and its log-sum-exp. ``HAS_NEW`` writes the new key and value into the cache; ``ROPE``
-    rotates q and the new key first."""
+    """Row b's query heads of kv head h over its own keys (``PARTIAL``: float32 partial and lse);
+    ``HAS_NEW`` caches k/v, ``ROPE`` rotates."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # b * a cache stride: past 2**31
     g = tl.arange(0, BLOCK_G)
     mine = g < G
@@ -175,13 +173,12 @@ def _check(*tensors: torch.Tensor) -> None:
 
 
 def _tile(rows: int) -> int:
-    """An MMA tile's rows for ``rows`` queries: tl.dot's smallest is 16."""
+    """An MMA tile's rows for ``rows`` queries (tl.dot's smallest is 16)."""
     return max(16, triton.next_power_of_2(rows))
 
 
 def _launch_own(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor | None, scale: float, block_n: int, new: NewKV | None, rope: Rope | None) -> None:
-    """Launch :func:`_own` over the rows' own keys into ``out`` (with ``lse``: a float32 partial)."""
     b, hkv, groups, d = q.shape
     k_new, v_new, col = new if new is not None else (keys, values, out)
     cos, sin = rope if rope is not None else (out, out)
@@ -202,10 +199,8 @@ def _launch_own(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias:
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
                      block_n: int | None = None, new: NewKV | None = None, rope: Rope | None = None) -> torch.Tensor:
-    """``q`` [B, kv_heads, G, d] over ``keys``/``values`` [B, kv_heads, L, d] with ``bias`` [B, L] or [B,
-    1, 1, L] (masked keys are not read). ``new`` = (k, v, col): the step's keys and values, written at
-    column ``col`` by the kernel; ``rope`` = (cos, sin [B, d]) rotates q and k in the kernel. Returns [B,
-    kv_heads, G, d]."""
+    """``q`` [B, kv_heads, G, d] over ``keys``/``values`` [B, kv_heads, L, d]; ``new`` = (k, v, col) cached
+    by the kernel, ``rope`` = (cos, sin) applied in it."""
     b, _, _, d = q.shape
     _check(q, keys, values)
     out = torch.empty_like(q)
@@ -218,9 +213,8 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                             pkeys: torch.Tensor, pvalues: torch.Tensor, pbias: torch.Tensor, members: torch.Tensor,
                             place: torch.Tensor, scale: float, block_n: int | None = None, new: NewKV | None = None,
                             rope: Rope | None = None) -> torch.Tensor:
-    """:func:`decode_attention` over each row's shared prompt slot and its own completion:
-    ``pkeys``/``pvalues`` [S, kv_heads, W, d], ``pbias`` [S, W], ``members`` [S, n] (B or more where none),
-    ``place`` [B] (slot * n + member index)."""
+    """:func:`decode_attention` over each row's shared prompt slot (``pkeys``, ``pvalues``, ``pbias``,
+    ``members``, ``place``) and its own keys."""
     b, hkv, groups, d = q.shape
     slots, n = members.shape
     length, width = keys.shape[2], pkeys.shape[2]

@@ -74,7 +74,6 @@ def chunks_for(vocab: int) -> int:
 
 
 def _chunking(vocab: int, chunks: int) -> tuple[int, int]:
-    """(entries a chunk, a whole number of blocks; chunks) for about ``chunks`` chunks of ``vocab``."""
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK_V) * BLOCK_V
     return chunk, triton.cdiv(vocab, chunk)
 
@@ -114,9 +113,8 @@ def _(logits, key, step, seq, stop_mask, temperature, do_sample, min_new, chunks
 def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, seq: torch.Tensor,
                   temperature: torch.Tensor, do_sample: torch.Tensor, min_new: torch.Tensor,
                   stop_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sampling.choose_tokens`` without top-k/top-p for logits [B, V]: ``step``, ``seq`` [B] int64;
-    ``key``, ``temperature``, ``do_sample`` (1.0/0.0) and ``min_new`` 0-d tensors; ``stop_mask`` [V] or
-    None."""
+    """``sampling.choose_tokens`` without top-k/top-p for logits [B, V]; scalars as 0-d tensors,
+    ``stop_mask`` [V] or None."""
     m, total, best, index = torch.ops.posttrain.sample_partials(logits, key, step, seq, stop_mask, temperature,
                                                                 do_sample, min_new, chunks_for(logits.shape[1]))
     top = m.amax(1, keepdim=True)

@@ -166,22 +166,11 @@ def _set_if_auto(cfg: dict, dotted: str, value: Any) -> None:
         node[leaf] = value
 
 
-def resolve(
-    cfg: dict,
-    *,
-    role: str,
-    trains: bool,
-    micro_batch_size: int,
-    gradient_accumulation_steps: int,
-    world_size: int,
-    mixed_precision: str,
-    max_grad_norm: float | None = None,
-    learning_rate: float | None = None,
-    weight_decay: float | None = None,
-    warmup_steps: int | None = None,
-    total_steps: int | None = None,
-    memory_efficient_linear: bool = False,
-) -> dict:
+def resolve(cfg: dict, *, role: str, trains: bool, micro_batch_size: int, gradient_accumulation_steps: int,
+            world_size: int, mixed_precision: str, max_grad_norm: float | None = None,
+            learning_rate: float | None = None, weight_decay: float | None = None,
+            warmup_steps: int | None = None, total_steps: int | None = None,
+            memory_efficient_linear: bool = False) -> dict:
     """Fill every ``"auto"`` that does not need the model, and make a frozen role's config safe.
     Hidden-size keys stay ``"auto"`` until :func:`resolve_hidden_size` sees the model config."""
     cfg = copy.deepcopy(cfg)

@@ -97,14 +97,9 @@ def check_placement(mix: str, role_configs: Mapping | None) -> None:
             raise ConfigError(f"role_configs {role}: {err}") from None
 
 
-def roles_for(
-    trained: Iterable[str],
-    frozen: Iterable[str] = (),
-    mix: str = DEFAULT_MIX,
-    configs: Mapping[str, str | dict] | None = None,
-    master_weights: str = "fp32",
-    decoded: Iterable[str] = (),
-) -> list[Role]:
+def roles_for(trained: Iterable[str], frozen: Iterable[str] = (), mix: str = DEFAULT_MIX,
+              configs: Mapping[str, str | dict] | None = None, master_weights: str = "fp32",
+              decoded: Iterable[str] = ()) -> list[Role]:
     """Roles for a trainer: ``mix`` gives each its config, ``configs`` overrides per role;
     ``master_weights`` ("fp32" or "bf16") is the optimizer precision of every trained role;
     ``decoded`` names the trained roles the rollout engine decodes from (:attr:`Role.decoded`)."""
@@ -129,9 +124,8 @@ def roles_for(
     ]
 
 
-def roles_from_yaml(
-    source: str | Path | Mapping, trained: Iterable[str], frozen: Iterable[str] = ()
-) -> list[Role]:
+def roles_from_yaml(source: str | Path | Mapping, trained: Iterable[str],
+                    frozen: Iterable[str] = ()) -> list[Role]:
     """Read ``mix:``, ``roles: {name: config}`` and ``master_weights:`` from a YAML file (or its parsed mapping)."""
     if isinstance(source, Mapping):
         data = dict(source)

@@ -41,22 +41,12 @@ class Session(SavingMixin, FrozenWeightsMixin):
     >>> reference = session.prepare("reference", session.load("reference", "path/to/model"))
     """
 
-    def __init__(
-        self,
-        roles: Sequence[Role],
-        *,
-        micro_batch_size: int = 1,
-        gradient_accumulation_steps: int = 1,
-        max_grad_norm: float | None = 1.0,
-        mixed_precision: str | None = None,
-        learning_rate: float | None = None,
-        weight_decay: float | None = None,
-        warmup_steps: int | None = None,
-        total_steps: int | None = None,
-        log_with: str | list[str] | None = None,
-        project_dir: str | None = None,
-        single_process_engine: str = "auto",
-    ) -> None:
+    def __init__(self, roles: Sequence[Role], *, micro_batch_size: int = 1,
+                 gradient_accumulation_steps: int = 1, max_grad_norm: float | None = 1.0,
+                 mixed_precision: str | None = None, learning_rate: float | None = None,
+                 weight_decay: float | None = None, warmup_steps: int | None = None,
+                 total_steps: int | None = None, log_with: str | list[str] | None = None,
+                 project_dir: str | None = None, single_process_engine: str = "auto") -> None:
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
@@ -117,14 +107,9 @@ class Session(SavingMixin, FrozenWeightsMixin):
         handlers = [InitProcessGroupKwargs(backend="gloo")] if on_cpu() else []
         if on_cpu():
             _skip_shm_comm_op()
-        self.accelerator = Accelerator(
-            deepspeed_plugins=plugins,
-            mixed_precision=self.mixed_precision,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            kwargs_handlers=handlers,
-            log_with=log_with,
-            project_dir=project_dir,
-        )
+        self.accelerator = Accelerator(deepspeed_plugins=plugins, mixed_precision=self.mixed_precision,
+                                       gradient_accumulation_steps=gradient_accumulation_steps,
+                                       kwargs_handlers=handlers, log_with=log_with, project_dir=project_dir)
         self._check_world(world_size)
         self._pin_accumulation()
         atexit.unregister(_destroy_process_group)  # once, however many sessions
@@ -217,15 +202,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
         dsconfig.resolve_hidden_size(cfg, dsconfig.hidden_size_of(model_config), name)
         self.configs[name] = cfg
 
-    def load(
-        self,
-        name: str,
-        name_or_path: str | os.PathLike | torch.nn.Module | None = None,
-        *,
-        config: Any = None,
-        model_cls: Any = None,
-        **kwargs: Any,
-    ) -> torch.nn.Module:
+    def load(self, name: str, name_or_path: str | os.PathLike | torch.nn.Module | None = None, *,
+             config: Any = None, model_cls: Any = None, **kwargs: Any) -> torch.nn.Module:
         """Build a role's model under its plugin (``from_pretrained``, or ``from_config`` with only
         ``config``; a model object is taken as it is). A frozen role's model comes back in eval
         mode without gradients."""
@@ -260,13 +238,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
             model.requires_grad_(False)
         return model
 
-    def prepare(
-        self,
-        name: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any = None,
-    ) -> Any:
+    def prepare(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                scheduler: Any = None) -> Any:
         """Wrap ``model`` in its role's engine and return it. A trained role needs ``optimizer`` (or
         an ``optimizer`` config block); ``scheduler`` is stepped per optimizer step and checkpointed."""
         from accelerate.utils import DummyOptim

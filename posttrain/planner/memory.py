@@ -236,24 +236,11 @@ def _lora_states(r: RolePlan, world: int) -> None:
     r.grads, r.resident_grads, r.optimizer = adapters.grads, adapters.resident_grads, adapters.optimizer
 
 
-def plan(
-    workload: str,
-    shapes: dict[str, str] | str,
-    mix: str,
-    *,
-    world_size: int,
-    micro_batch: int,
-    seq_len: int,
-    response_len: int = 64,
-    gpu_memory_gib: float = 139.0,
-    generation_backend: str = "posttrain",
-    master_weights: str = "fp32",
-    gradient_checkpointing: bool = False,
-    lora: Lora | None = None,
-    single_process_engine: str = "auto",
-    fused_projections: bool = False,
-    shared_prompt_group: int | None = None,
-) -> Plan:
+def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: int, micro_batch: int,
+         seq_len: int, response_len: int = 64, gpu_memory_gib: float = 139.0,
+         generation_backend: str = "posttrain", master_weights: str = "fp32",
+         gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
+         fused_projections: bool = False, shared_prompt_group: int | None = None) -> Plan:
     """Per-GPU memory of every role of ``workload`` under ``mix``.
 
     ``micro_batch`` counts prompts (PPO), pairs (DPO) or sequences per GPU; ``seq_len`` is the

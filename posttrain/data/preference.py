@@ -209,10 +209,9 @@ def tokenize_row(row: dict, tokenizer: Any) -> dict[str, list[int]]:
     return {"prompt_ids": prompt[:n], "chosen_ids": chosen[n:], "rejected_ids": rejected[n:]}
 
 
-def prepare_preference_dataset(
-    dataset: Any, tokenizer: Any, max_length: int | None = None, truncation_mode: str = "keep_start",
-    name: str = "dataset", num_proc: int | None = None,
-) -> list[dict[str, list[int]]]:
+def prepare_preference_dataset(dataset: Any, tokenizer: Any, max_length: int | None = None,
+                               truncation_mode: str = "keep_start", name: str = "dataset",
+                               num_proc: int | None = None) -> list[dict[str, list[int]]]:
     """Check, split implicit prompts, tokenize; drop rows whose prompt fills ``max_length`` (keep_start)."""
     from trl.data_utils import extract_prompt
 
@@ -223,10 +222,8 @@ def prepare_preference_dataset(
     if "prompt" not in dataset.column_names:
         dataset = dataset.map(extract_prompt, keep_in_memory=True, num_proc=num_proc)
     keep = [c for c in dataset.column_names if c in (*COLUMNS, "tools", "chat_template_kwargs")]
-    tokenized = dataset.select_columns(keep).map(
-        tokenize_row, fn_kwargs={"tokenizer": tokenizer}, remove_columns=keep, keep_in_memory=True,
-        num_proc=num_proc,
-    )
+    tokenized = dataset.select_columns(keep).map(tokenize_row, fn_kwargs={"tokenizer": tokenizer},
+                                                 remove_columns=keep, keep_in_memory=True, num_proc=num_proc)
     rows = tokenized.to_list()
     if max_length is not None and truncation_mode == "keep_start":
         rows = [r for r in rows if len(r["prompt_ids"]) < max_length]

@@ -173,12 +173,11 @@ def check_tokenized(dataset: Any, tokenizer: Any, *, completion_only_loss: bool,
                                   "to none")
 
 
-def prepare_sft_dataset(
-    dataset: Any, tokenizer: Any, *, max_length: int | None, packing: bool, packing_strategy: str = "bfd",
-    completion_only_loss: bool | None = None, assistant_only_loss: bool = False, text_field: str = "text",
-    truncation_mode: str = "keep_start", chat_template: str | None = None, num_proc: int | None = None,
-    name: str = "dataset",
-) -> Any:
+def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, max_length: int | None, packing: bool,
+                        packing_strategy: str = "bfd", completion_only_loss: bool | None = None,
+                        assistant_only_loss: bool = False, text_field: str = "text",
+                        truncation_mode: str = "keep_start", chat_template: str | None = None,
+                        num_proc: int | None = None, name: str = "dataset") -> Any:
     """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed), as TRL's SFTTrainer
     prepares it; ``truncation_mode`` "none" refuses rows longer than max_length."""
     from trl.data_utils import is_conversational, is_conversational_from_value, maybe_convert_to_chatml
@@ -230,11 +229,10 @@ def prepare_sft_dataset(
             return {key: row[key] if row[key].endswith(eos) else row[key] + eos}
 
         dataset = dataset.map(add_eos, **map_kwargs)
-    dataset = dataset.map(
-        _tokenize_row, with_indices=True, remove_columns=dataset.column_names, **map_kwargs,
-        fn_kwargs={"tokenizer": tokenizer, "kind": kind, "text_field": text_field, "name": name,
-                   "assistant_only_loss": assistant_only_loss, "chat_template": chat_template},
-    )
+    dataset = dataset.map(_tokenize_row, with_indices=True, remove_columns=dataset.column_names, **map_kwargs,
+                          fn_kwargs={"tokenizer": tokenizer, "kind": kind, "text_field": text_field,
+                                     "name": name, "assistant_only_loss": assistant_only_loss,
+                                     "chat_template": chat_template})
     dataset = _labels_from_masks(dataset, completion_only_loss, map_kwargs)
     return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name)
 

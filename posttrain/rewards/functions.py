@@ -201,10 +201,9 @@ def check_rewards(name: str, values: Any, n: int) -> list[float]:
     return out
 
 
-def call_reward_funcs(
-    funcs: Sequence[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]] | None = None,
-    device: torch.device | str = "cpu", **kwargs: Any,
-) -> torch.Tensor:
+def call_reward_funcs(funcs: Sequence[RewardFunc], prompts: list, completions: list,
+                      completion_ids: list[list[int]] | None = None, device: torch.device | str = "cpu",
+                      **kwargs: Any) -> torch.Tensor:
     """Run each function with TRL's keyword arguments plus ``kwargs``: float32 ``(batch, len(funcs))``."""
     n = len(prompts)
     out = torch.zeros(n, len(funcs), dtype=torch.float32, device=device)

@@ -60,9 +60,8 @@ def read_config(source: str | Path | dict) -> dict:
             hint = " (a trailing comma: JSON does not allow one before '}' or ']'; delete it)"
         line = text.count("\n", 0, pos) + 1
         col = pos - (text.rfind("\n", 0, pos) + 1) + 1
-        raise ConfigError(
-            f"{path}:{line}:{col}: invalid JSON: {err.msg}{hint}\n    {text.splitlines()[line - 1].strip()}"
-        ) from None
+        raise ConfigError(f"{path}:{line}:{col}: invalid "
+                          f"JSON: {err.msg}{hint}\n    {text.splitlines()[line - 1].strip()}") from None
 
 
 def get(cfg: dict, dotted: str, default: Any = None) -> Any:
@@ -179,10 +178,8 @@ def resolve(cfg: dict, *, role: str, trains: bool, micro_batch_size: int, gradie
     if not trains:
         for key in ("optimizer", "scheduler"):
             if key in cfg:
-                raise ConfigError(
-                    f"{where} is frozen but its DeepSpeed config has an {key!r} block: remove the block, "
-                    "or declare the role with trains=True"
-                )
+                raise ConfigError(f"{where} is frozen but its DeepSpeed config has an {key!r} block: remove "
+                                  "the block, or declare the role with trains=True")
         # accelerate copies the prepared plugin's accumulation into the process-wide state.
         cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
         cfg["gradient_accumulation_steps"] = gradient_accumulation_steps
@@ -192,11 +189,9 @@ def resolve(cfg: dict, *, role: str, trains: bool, micro_batch_size: int, gradie
         if zero_stage(cfg) == 3 and not memory_efficient_linear:
             zero.setdefault("memory_efficient_linear", False)
     elif is_inference_only(cfg):
-        raise ConfigError(
-            f"{where} trains but its DeepSpeed config is inference-only (none of {', '.join(TRAINING_KEYS)}): "
-            f"use a training config such as the preset 'zero2_train' ({CONFIG_DIR / 'zero2_train.json'}), "
-            "or declare the role frozen"
-        )
+        raise ConfigError(f"{where} trains but its DeepSpeed config is inference-only (none "
+                          f"of {', '.join(TRAINING_KEYS)}): use a training config such as the preset "
+                          f"'zero2_train' ({CONFIG_DIR / 'zero2_train.json'}), or declare the role frozen")
 
     check_leaf_modules(cfg, where)
     check_master_weights(cfg, where, mixed_precision)
@@ -224,10 +219,8 @@ def resolve(cfg: dict, *, role: str, trains: bool, micro_batch_size: int, gradie
     for key, want in (("train_micro_batch_size_per_gpu", micro_batch_size),
                       ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if trains and cfg.get(key, want) != want:
-            raise ConfigError(
-                f"{where}: {key} is {cfg.get(key)} in the DeepSpeed config but the trainer uses {want}: "
-                f"set it to \"auto\" or to {want}"
-            )
+            raise ConfigError(f"{where}: {key} is {cfg.get(key)} in the DeepSpeed config but the trainer "
+                              f"uses {want}: set it to \"auto\" or to {want}")
     check_auto(cfg, role, allow=HIDDEN_SIZE_KEYS)
     return cfg
 
@@ -240,11 +233,10 @@ def check_leaf_modules(cfg: dict, where: str) -> None:
     zero = cfg.get("zero_optimization") or {}
     threshold = zero.get("stage3_module_granularity_threshold", zero.get("module_granularity_threshold", 0))
     if zero_stage(cfg) == 3 and isinstance(threshold, (int, float)) and threshold > 0 and torch.cuda.is_available():
-        raise ConfigError(
-            f"{where}: stage3_module_granularity_threshold={threshold} makes DeepSpeed 0.19's ZeRO-3 release "
-            "gathered parameters while the GPU may still read them (wrong outputs, see benchmarks/NOTES.md): "
-            "remove the key; for a fast frozen ZeRO-3 model keep posttrain's default fast_frozen path"
-        )
+        raise ConfigError(f"{where}: stage3_module_granularity_threshold={threshold} makes DeepSpeed 0.19's "
+                          "ZeRO-3 release gathered parameters while the GPU may still read them (wrong "
+                          "outputs, see benchmarks/NOTES.md): remove the key; for a fast frozen ZeRO-3 "
+                          "model keep posttrain's default fast_frozen path")
 
 
 def resolve_hidden_size(cfg: dict, hidden_size: int | None, role: str) -> None:
@@ -260,10 +252,9 @@ def resolve_hidden_size(cfg: dict, hidden_size: int | None, role: str) -> None:
 def check_auto(cfg: dict, role: str, allow: tuple[str, ...] = ()) -> None:
     left = [p for p in _auto_paths(cfg) if p.split(".")[-1] not in allow]
     if left:
-        raise ConfigError(
-            f"role {role!r}: nothing can fill the DeepSpeed config value(s) {', '.join(left)} set to \"auto\": "
-            "replace each with a number (DeepSpeed's documentation gives the defaults)"
-        )
+        raise ConfigError(f"role {role!r}: nothing can fill the DeepSpeed config value(s) {', '.join(left)} "
+                          "set to \"auto\": replace each with a number (DeepSpeed's documentation gives the "
+                          "defaults)")
 
 
 def hidden_size_of(model_config: Any) -> int | None:

@@ -390,11 +390,10 @@ class FastFrozen:
 
     def _refuse_at_rest(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if not all(g.live for g in self.groups):
-            raise RuntimeError(
-                "this frozen ZeRO-3 model keeps only its shards between forwards, so its parameters "
-                "cannot be read now: take its state dict with Session.state_dict(role) or "
-                "Session.save_pretrained(role, directory), or inside `with FastFrozen.gathered():` "
-                "(collective: on every rank)")
+            raise RuntimeError("this frozen ZeRO-3 model keeps only its shards between forwards, so its "
+                               "parameters cannot be read now: take its state dict with "
+                               "Session.state_dict(role) or Session.save_pretrained(role, directory), or "
+                               "inside `with FastFrozen.gathered():` (collective: on every rank)")
 
     def _rest(self) -> None:
         for group in self.groups:

@@ -73,8 +73,7 @@ class FrozenWeightsMixin:
             want = [n for n, _ in self.engines[target].module.named_parameters()]
             missing = [n for n in want if n not in src]
             if missing or len(want) != len(src):
-                raise ConfigError(
-                    f"cannot blend role {source!r} into {target!r}: their parameters differ "
-                    f"(e.g. {(missing or sorted(set(src) - set(want)))[:3]}); both need the same architecture"
-                )
+                raise ConfigError(f"cannot blend role {source!r} into {target!r}: their parameters differ "
+                                  f"(e.g. {(missing or sorted(set(src) - set(want)))[:3]}); both need the "
+                                  "same architecture")
             self.update_weights(target, lambda n, t: t.mul_(1.0 - alpha).add_(src[n].data.to(t.dtype), alpha=alpha))

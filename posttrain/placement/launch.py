@@ -41,12 +41,11 @@ def check_launch(env: Mapping[str, str] | None = None, argv: list[str] | None = 
     if not launched_by_accelerate or "WORLD_SIZE" in env or "MASTER_ADDR" not in env:
         return
     target = _relaunch_target(argv)
-    raise ConfigError(
-        "accelerate launch started 1 process where several were asked (with no accelerate config, "
-        "--use_deepspeed or several GPUs it starts only one): launch with "
-        f"`accelerate launch --config_file $(posttrain accelerate-config cpu_2proc) --num_processes N {target}` "
-        f"or `torchrun --nproc_per_node N {target}` (for one process, leave MASTER_ADDR unset)"
-    )
+    raise ConfigError("accelerate launch started 1 process where several were asked (with no accelerate "
+                      "config, --use_deepspeed or several GPUs it starts only one): launch with `accelerate "
+                      "launch --config_file $(posttrain accelerate-config cpu_2proc) --num_processes "
+                      f"N {target}` or `torchrun --nproc_per_node N {target}` (for one process, leave "
+                      "MASTER_ADDR unset)")
 
 
 def accelerate_config_command(argv: list[str]) -> int:

@@ -108,9 +108,8 @@ def roles_for(trained: Iterable[str], frozen: Iterable[str] = (), mix: str = DEF
     configs = dict(configs or {})
     unknown = set(configs) - set(trained) - set(frozen)
     if unknown:
-        raise ConfigError(
-            f"config given for unknown role(s) {sorted(unknown)}: this run's roles are {trained + frozen}"
-        )
+        raise ConfigError(f"config given for unknown role(s) {sorted(unknown)}: this run's roles "
+                          f"are {trained + frozen}")
     if not decoded <= set(trained):
         raise ConfigError(f"decoded role(s) {sorted(decoded - set(trained))} are not trained roles of this run "
                           f"({trained}): only a trained role's engine choice depends on it")

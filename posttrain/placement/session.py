@@ -135,11 +135,10 @@ class Session(SavingMixin, FrozenWeightsMixin):
         got = self.accelerator.num_processes
         actual = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if got != expected or actual != expected:
-            raise RuntimeError(
-                f"world size disagrees: the launcher set WORLD_SIZE={expected}, accelerate sees {got}, "
-                f"torch.distributed sees {actual}. Launch with `accelerate launch --use_deepspeed "
-                "--num_processes N` or `torchrun --nproc_per_node N`, and on CPU keep the gloo backend."
-            )
+            raise RuntimeError(f"world size disagrees: the launcher set WORLD_SIZE={expected}, accelerate "
+                               f"sees {got}, torch.distributed sees {actual}. Launch with `accelerate launch "
+                               "--use_deepspeed --num_processes N` or `torchrun --nproc_per_node N`, and on "
+                               "CPU keep the gloo backend.")
 
     @property
     def device(self) -> torch.device:
@@ -159,10 +158,9 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
     def role(self, name: str) -> Role:
         if name not in self.roles:
-            raise ConfigError(
-                f"unknown role {name!r}: this session's roles are {list(self.roles)}; declare it with "
-                "Role(name, config) or roles_for(...) so that it gets a DeepSpeed plugin"
-            )
+            raise ConfigError(f"unknown role {name!r}: this session's roles are {list(self.roles)}; declare "
+                              "it with Role(name, config) or roles_for(...) so that it gets a DeepSpeed "
+                              "plugin")
         return self.roles[name]
 
     def zero_stage(self, name: str) -> int:
@@ -249,18 +247,14 @@ class Session(SavingMixin, FrozenWeightsMixin):
             raise ConfigError(f"role {name!r} is already prepared; a role holds one model")
         cfg = self.configs[name]
         if not role.trains and (optimizer is not None or scheduler is not None):
-            raise ConfigError(
-                f"role {name!r} is frozen and cannot take an optimizer or scheduler: drop them, or declare "
-                "the role with trains=True and a training config"
-            )
+            raise ConfigError(f"role {name!r} is frozen and cannot take an optimizer or scheduler: drop "
+                              "them, or declare the role with trains=True and a training config")
         if name in self.plain_roles:
             return self._prepare_plain(name, model, optimizer, scheduler)
         if role.trains and optimizer is None:
             if "optimizer" not in cfg:
-                raise ConfigError(
-                    f"role {name!r} trains: pass an optimizer to prepare(), or add an 'optimizer' block "
-                    "to its DeepSpeed config"
-                )
+                raise ConfigError(f"role {name!r} trains: pass an optimizer to prepare(), or add an "
+                                  "'optimizer' block to its DeepSpeed config")
             optimizer = DummyOptim(model.parameters())
         fast = self._fast_frozen(name)
         if hasattr(model, "config"):
@@ -324,10 +318,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
         if role.fast_frozen and not applies:
             why = ("its parameters are offloaded (the fast path keeps its shards on the device)" if offloaded
                    else "it applies to frozen ZeRO-3 roles only")
-            raise ConfigError(
-                f"role {name!r}: fast_frozen cannot apply: {why}; drop fast_frozen, or give the role a ZeRO-3 "
-                "inference config such as zero3_inference"
-            )
+            raise ConfigError(f"role {name!r}: fast_frozen cannot apply: {why}; drop fast_frozen, or give "
+                              "the role a ZeRO-3 inference config such as zero3_inference")
         return applies if role.fast_frozen is None else role.fast_frozen
 
     def numel_at_rest(self, name: str) -> tuple[int, int]:

@@ -21,13 +21,11 @@ def check_environment() -> None:
     """Refuse launcher settings that would silently override the per-role plugins."""
     found = [k for k in OVERRIDING_ENV if os.environ.get(k) not in (None, "", "none")]
     if found:
-        raise ConfigError(
-            f"{', '.join(f'{k}={os.environ[k]}' for k in found)} would override posttrain's per-role "
-            "DeepSpeed configs. Remove deepspeed_config_file / zero_stage / offload_* / gradient_* from "
-            "your accelerate config (or the matching --flags of accelerate launch), keep only "
-            "use_deepspeed/num_processes/machine settings, and choose placements with posttrain's mix "
-            "or role configs."
-        )
+        raise ConfigError(f"{', '.join(f'{k}={os.environ[k]}' for k in found)} would override posttrain's "
+                          "per-role DeepSpeed configs. Remove deepspeed_config_file / zero_stage / "
+                          "offload_* / gradient_* from your accelerate config (or the matching --flags of "
+                          "accelerate launch), keep only use_deepspeed/num_processes/machine settings, and "
+                          "choose placements with posttrain's mix or role configs.")
 
 
 def on_cpu() -> bool:

@@ -124,11 +124,10 @@ def prepare_output_dir(cfg: OutputDirSettings) -> None:
     resume = resume_dir(cfg) if cfg.resume_from_checkpoint else None
     used = [name for name in (*_RUN_FILES, *_MODEL_FILES) if (out / name).exists()] + [p.name for p in checkpoints(out)]
     if resume is None and used and not cfg.overwrite_output_dir:
-        raise ConfigError(
-            f"output_dir {out} already holds a run ({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}): "
-            "pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir true to replace it, "
-            "or choose another --output_dir"
-        )
+        raise ConfigError(f"output_dir {out} already holds a run "
+                          f"({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}): pass "
+                          "--resume_from_checkpoint latest to continue it, --overwrite_output_dir true to "
+                          "replace it, or choose another --output_dir")
     for partial in partial_checkpoints(out):
         _say(f"removing {partial}: a half-written checkpoint (its save did not finish on every rank)")
         if _is_main_rank():

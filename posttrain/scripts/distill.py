@@ -58,8 +58,7 @@ def tiny_teacher(args: TeacherArguments, lines: list[str], seed: int) -> tuple[P
     tok = tiny.load_tokenizer()
     cfg = MultiConfig(output_dir=str(path.parent / f"{path.name}-run"), learning_rate=args.teacher_learning_rate,
                       warmup_steps=args.teacher_steps // 10, max_steps=args.teacher_steps, seed=seed,
-                      per_device_train_batch_size=args.teacher_batch_size,
-                      overwrite_output_dir=True)
+                      per_device_train_batch_size=args.teacher_batch_size, overwrite_output_dir=True)
     start = tiny.model_path("causal", seed=seed + 1, **args.teacher_shape)
     trainer = MultiTrainer(cfg, {"teacher": Task(start, lines, text_collate(tok), tokenizer=tok)})
     history = trainer.train()
@@ -120,14 +119,11 @@ def main(argv: list[str] | None = None) -> None:
                      dataset_name=script.dataset_name or "lines of posttrain's bundled text")
     record_script_arguments(cfg.output_dir, script, targs)
     evals = before + [h for h in history if "eval/forward_kl" in h]
-    summary = {
-        "heldout_lines": len(eval_rows or []),
-        "teacher": cfg.teacher_model_name_or_path,
-        "teacher_lm_loss": teacher_losses,
-        "placement": {"student": trainer.session.zero_stage("student"),
-                      "teacher": trainer.session.zero_stage("teacher")},
-        "steps": history[-1]["step"] if history else 0,
-    }
+    summary = {"heldout_lines": len(eval_rows or []), "teacher": cfg.teacher_model_name_or_path,
+               "teacher_lm_loss": teacher_losses,
+               "placement": {"student": trainer.session.zero_stage("student"),
+                             "teacher": trainer.session.zero_stage("teacher")},
+               "steps": history[-1]["step"] if history else 0}
     print("\ndistillation summary")
     if teacher_losses:
         print(f"  teacher LM loss on the training text: {teacher_losses['first']:.3f} -> {teacher_losses['last']:.3f}")

@@ -88,11 +88,10 @@ def check_vocabularies(student_config: Any, teacher_config: Any) -> None:
     s = student_config.get_text_config().vocab_size
     t = teacher_config.get_text_config().vocab_size
     if s != t:
-        raise ConfigError(
-            f"the student's vocabulary has {s} tokens but the teacher's has {t}: distillation compares the "
-            "teacher's full next-token distribution with the student's, so both must share one vocabulary "
-            "(and tokenizer). Pick a teacher and student from the same model family."
-        )
+        raise ConfigError(f"the student's vocabulary has {s} tokens but the teacher's has {t}: distillation "
+                          "compares the teacher's full next-token distribution with the student's, so both "
+                          "must share one vocabulary (and tokenizer). Pick a teacher and student from the "
+                          "same model family.")
 
 
 def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int,

@@ -218,12 +218,10 @@ def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tupl
     chosen_mask, rejected_mask = mask.chunk(2)
     mean_chosen, mean_rejected = policy["mean_logits"].chunk(2)
     top1 = policy["is_top1"].chunk(2)[0]
-    return {
-        "entropy": (policy["entropy"][mask].sum().item(), mask.sum().item()),
-        "logits/chosen": (mean_chosen[chosen_mask].sum().item(), chosen_mask.sum().item()),
-        "logits/rejected": (mean_rejected[rejected_mask].sum().item(), rejected_mask.sum().item()),
-        "mean_token_accuracy": ((top1 & chosen_mask).sum().item(), chosen_mask.sum().item()),
-    }
+    return {"entropy": (policy["entropy"][mask].sum().item(), mask.sum().item()),
+            "logits/chosen": (mean_chosen[chosen_mask].sum().item(), chosen_mask.sum().item()),
+            "logits/rejected": (mean_rejected[rejected_mask].sum().item(), rejected_mask.sum().item()),
+            "mean_token_accuracy": ((top1 & chosen_mask).sum().item(), chosen_mask.sum().item())}
 
 
 class DPOTrainer(Trainer):

@@ -189,14 +189,12 @@ def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, 
 def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) -> dict[str, float]:
     """TRL's per-rollout metrics on this rank's batch (the entropy skips padding's INVALID_LOGPROB)."""
     valid = ~batch["padding_mask"]
-    return {
-        "objective/kl": batch["kl"].sum(1).mean().item(),
-        "objective/entropy": (-batch["logprobs"] * valid).sum(1).mean().item(),
-        "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
-        "objective/rlhf_reward": (batch["scores"] + batch["non_score_reward"].sum(1)).mean().item(),
-        "objective/scores": batch["scores"].mean().item(),
-        "val/num_eos_tokens": (batch["responses"] == eos_token_id).sum().item(),
-    }
+    return {"objective/kl": batch["kl"].sum(1).mean().item(),
+            "objective/entropy": (-batch["logprobs"] * valid).sum(1).mean().item(),
+            "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
+            "objective/rlhf_reward": (batch["scores"] + batch["non_score_reward"].sum(1)).mean().item(),
+            "objective/scores": batch["scores"].mean().item(),
+            "val/num_eos_tokens": (batch["responses"] == eos_token_id).sum().item()}
 
 
 def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -200,18 +200,14 @@ def resolve(cfg: dict, *, role: str, trains: bool, micro_batch_size: int, gradie
     half = {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16"}
     for key, on in half.items():
         _set_if_auto(cfg, f"{key}.enabled", on)
-    fills = {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": gradient_accumulation_steps,
-        "train_batch_size": micro_batch_size * gradient_accumulation_steps * world_size,
-        "gradient_clipping": max_grad_norm if max_grad_norm is not None else 1.0,
-        "optimizer.params.lr": learning_rate,
-        "optimizer.params.weight_decay": weight_decay,
-        "scheduler.params.warmup_min_lr": 0.0,
-        "scheduler.params.warmup_max_lr": learning_rate,
-        "scheduler.params.warmup_num_steps": max(1, warmup_steps or 0) if warmup_steps is not None else None,
-        "scheduler.params.total_num_steps": total_steps,
-    }
+    fills = {"train_micro_batch_size_per_gpu": micro_batch_size,
+             "gradient_accumulation_steps": gradient_accumulation_steps,
+             "train_batch_size": micro_batch_size * gradient_accumulation_steps * world_size,
+             "gradient_clipping": max_grad_norm if max_grad_norm is not None else 1.0,
+             "optimizer.params.lr": learning_rate, "optimizer.params.weight_decay": weight_decay,
+             "scheduler.params.warmup_min_lr": 0.0, "scheduler.params.warmup_max_lr": learning_rate,
+             "scheduler.params.warmup_num_steps": max(1, warmup_steps or 0) if warmup_steps is not None
+             else None, "scheduler.params.total_num_steps": total_steps}
     for dotted, value in fills.items():
         if value is not None:
             _set_if_auto(cfg, dotted, value)

@@ -115,9 +115,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
         atexit.unregister(_destroy_process_group)  # once, however many sessions
         atexit.register(_destroy_process_group)
         # One Accelerator per role (sharing the process-wide state), each holding exactly one engine.
-        self._accelerators: dict[str, Any] = {
-            name: self.accelerator if name == self.primary else Accelerator() for name in self.roles
-        }
+        self._accelerators: dict[str, Any] = {name: self.accelerator if name == self.primary
+                                              else Accelerator() for name in self.roles}
         self.engines: dict[str, Any] = {}
         self.fast_frozen: dict[str, Any] = {}  # role -> posttrain.placement.frozen.FastFrozen
         self.optimizers: dict[str, Any] = {}

@@ -118,9 +118,7 @@ def roles_for(trained: Iterable[str], frozen: Iterable[str] = (), mix: str = DEF
     return [Role(n, trained_config(configs.get(n, train_cfg), master_weights, n), trains=True,
                  from_mix=n not in configs and not stock, decoded=n in decoded) for n in trained] + [
         Role(n, configs.get(n, frozen_cfg), trains=False, fast_frozen=False if stock else None,
-             from_mix=n not in configs and not stock)
-        for n in frozen
-    ]
+             from_mix=n not in configs and not stock) for n in frozen]
 
 
 def roles_from_yaml(source: str | Path | Mapping, trained: Iterable[str],

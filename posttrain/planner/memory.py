@@ -381,10 +381,9 @@ def recommend(plans: list[Plan]) -> tuple[Plan | None, str]:
     return None, "no mix fits: " + "; ".join(skipped) + ". Lower the micro batch or add GPUs."
 
 
-MASTER_WEIGHTS_TEXT = {
-    "fp32": "fp32 master weights and Adam states beside the bf16 weights (the default)",
-    "bf16": "bf16 master weights, gradients and Adam states (TRL's footprint with a bf16 model)",
-}
+MASTER_WEIGHTS_TEXT = {"fp32": "fp32 master weights and Adam states beside the bf16 weights (the default)",
+                       "bf16": "bf16 master weights, gradients and Adam states (TRL's footprint with a bf16 "
+                               "model)"}
 
 
 def precision_summary(best: dict[str, Plan | None]) -> str:

@@ -224,27 +224,17 @@ def write_model_card(output_dir: str | Path, cfg: Any, method: str, session: Any
                               model_name=model_name, tags=["generated_from_trainer", *info["tags"], "posttrain"])
     trained = [r.name for r in session.roles.values() if r.trains] if session is not None else []
     card = ModelCard.from_template(
-        card_data,
-        template_str=_TEMPLATE,
-        model_name=model_name,
+        card_data, template_str=_TEMPLATE, model_name=model_name,
         base_model_text=_source_text(base_model, "https://huggingface.co", "posttrain's built-in tiny default"),
         dataset_text=_source_text(dataset_name, "https://huggingface.co/datasets", None),
-        trainer_name=info["name"],
-        paper_title=info["paper"].get("title"),
-        paper_id=info["paper"].get("id"),
-        trainer_citation=info["paper"].get("citation"),
-        quick_start_model=_quick_start_model(cfg, out),
+        trainer_name=info["name"], paper_title=info["paper"].get("title"), paper_id=info["paper"].get("id"),
+        trainer_citation=info["paper"].get("citation"), quick_start_model=_quick_start_model(cfg, out),
         quick_start=method != "multi" and (not trained or trained[0] in ("policy", "student")),
         # Folders of their own: every model of a multi-model run, else those beside the top one.
         model_folders=trained if method == "multi" else trained[1:],
-        top_model=trained[0] if trained else "model",
-        roles=roles,
-        metrics=metrics,
-        curves=CURVES_FILE if curves is not None else None,
-        lora_text=_lora_text(cfg),
-        config_yaml=_config_yaml(cfg),
-        versions=[(name, _version(dist)) for name, dist in _FRAMEWORKS],
-    )
+        top_model=trained[0] if trained else "model", roles=roles, metrics=metrics,
+        curves=CURVES_FILE if curves is not None else None, lora_text=_lora_text(cfg),
+        config_yaml=_config_yaml(cfg), versions=[(name, _version(dist)) for name, dist in _FRAMEWORKS])
     path = out / CARD_FILE
     card.save(path)
     return path

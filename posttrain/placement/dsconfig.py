@@ -1,7 +1,6 @@
-"""DeepSpeed config files: reading them with useful errors, and filling every ``"auto"`` up front
-(accelerate fills some only while preparing with a dataloader); what nothing can fill is reported
-by name instead of failing inside ``deepspeed.initialize``.
-"""
+"""DeepSpeed config files: reading them with useful errors, and filling every ``"auto"`` up front (accelerate
+fills some only while preparing with a dataloader); what nothing can fill is reported by name instead of
+failing inside ``deepspeed.initialize``."""
 
 from __future__ import annotations
 
@@ -125,10 +124,9 @@ def check_master_weights(cfg: dict, where: str, mixed_precision: str) -> None:
 def one_rank(cfg: dict, trains: bool) -> tuple[dict, str | None]:
     """The cheapest equivalent of a role's config in a world of one process, and what changed.
 
-    A frozen ZeRO-3 role (not offloaded) becomes replicated: its one shard is the whole model. A
-    trained ZeRO-1/2 role gets ``overlap_comm`` (which synchronizes the device per bucket) and
-    ``reduce_scatter`` off. Numerics are unchanged: averaging over one rank is the identity.
-    """
+    A frozen ZeRO-3 role (not offloaded) becomes replicated: its one shard is the whole model. A trained
+    ZeRO-1/2 role gets ``overlap_comm`` (which synchronizes the device per bucket) and ``reduce_scatter`` off.
+    Numerics are unchanged: averaging over one rank is the identity."""
     stage = zero_stage(cfg)
     if not trains and stage == 3 and not params_offloaded(cfg):
         out = {k: copy.deepcopy(v) for k, v in cfg.items() if k != "zero_optimization"}

@@ -1,7 +1,6 @@
-"""A fast forward for frozen ZeRO-3 models: :func:`take_over` replaces a prepared engine's gathering
-(whose per-parameter bookkeeping dominates a frozen forward) with one prefetched gather per layer into
-flat buffers. ``POSTTRAIN_FROZEN_TRANSPORT``: auto (p2p on one host with CUDA, else nccl), p2p or nccl.
-"""
+"""A fast forward for frozen ZeRO-3 models: :func:`take_over` replaces a prepared engine's gathering (whose
+per-parameter bookkeeping dominates a frozen forward) with one prefetched gather per layer into flat buffers.
+``POSTTRAIN_FROZEN_TRANSPORT``: auto (p2p on one host with CUDA, else nccl), p2p or nccl."""
 
 from __future__ import annotations
 
@@ -56,10 +55,9 @@ def _fetch_plan(offsets: list[int], numels: list[int], shard_numel: int, world: 
 class _Group:
     """Parameters stored as one flat vector, 1/N of it per rank.
 
-    A parameter wholly inside this rank's slice is a permanent view of it; every other one is a
-    permanent view into ``full``, whose storage exists only while gathered (resized to zero at
-    rest, as FSDP does). Read the parameters only inside a forward or :meth:`FastFrozen.gathered`.
-    """
+    A parameter wholly inside this rank's slice is a permanent view of it; every other one is a permanent view
+    into ``full``, whose storage exists only while gathered (resized to zero at rest, as FSDP does). Read the
+    parameters only inside a forward or :meth:`FastFrozen.gathered`."""
 
     def __init__(self, params: list[nn.Parameter], process_group: Any) -> None:
         self.params = params
@@ -292,10 +290,9 @@ def _units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter], bool]]
 class FastFrozen:
     """Owns a frozen model's flat shards and the hooks that gather them layer by layer.
 
-    Each unit (decoder layer, or other module owning parameters) has a flat group per dtype; while
-    one unit runs, the next units of the last forward's order are gathered ahead, about one layer's
-    bytes. A tied parameter is stored once, in the first owner's group.
-    """
+    Each unit (decoder layer, or other module owning parameters) has a flat group per dtype; while one unit
+    runs, the next units of the last forward's order are gathered ahead, about one layer's bytes. A tied
+    parameter is stored once, in the first owner's group."""
 
     def __init__(self, model: nn.Module, process_group: Any = None, transport: str = "auto") -> None:
         self.model = model

@@ -1,6 +1,5 @@
-"""A trained role without a DeepSpeed engine at one process, where ZeRO partitions nothing yet
-costs hooks, bucket copies and (fp32) a second model copy: TRL's one-GPU path behind the engine API.
-"""
+"""A trained role without a DeepSpeed engine at one process, where ZeRO partitions nothing yet costs hooks,
+bucket copies and (fp32) a second model copy: TRL's one-GPU path behind the engine API."""
 
 from __future__ import annotations
 

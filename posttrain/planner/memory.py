@@ -1,7 +1,6 @@
-"""Memory planner: per-GPU memory of every role under a mix, and the fastest mix that fits. Model
-states come from DeepSpeed's estimators; on top sits the largest transient of any phase, from
-per-token coefficients for a Llama-shaped model under bf16 with SDPA attention.
-"""
+"""Memory planner: per-GPU memory of every role under a mix, and the fastest mix that fits. Model states come
+from DeepSpeed's estimators; on top sits the largest transient of any phase, from per-token coefficients for a
+Llama-shaped model under bf16 with SDPA attention."""
 
 from __future__ import annotations
 
@@ -243,13 +242,12 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          fused_projections: bool = False, shared_prompt_group: int | None = None) -> Plan:
     """Per-GPU memory of every role of ``workload`` under ``mix``.
 
-    ``micro_batch`` counts prompts (PPO), pairs (DPO) or sequences per GPU; ``seq_len`` is the
-    whole sequence (prompt plus ``response_len``). ``generation_backend``: "posttrain" keeps its
-    rollout buffers for the run, "hf" only while generating. ``master_weights``,
-    ``gradient_checkpointing``, ``single_process_engine``, ``fused_projections``
-    (``generation_fused_projections``) are the trainers' settings; ``lora``: the first trained role
-    trains adapters and there is no reference role; ``shared_prompt_group``: rows per shared prompt
-    (``generation_shared_prompt_kv``)."""
+    ``micro_batch`` counts prompts (PPO), pairs (DPO) or sequences per GPU; ``seq_len`` is the whole sequence
+    (prompt plus ``response_len``). ``generation_backend``: "posttrain" keeps its rollout buffers for the run,
+    "hf" only while generating. ``master_weights``, ``gradient_checkpointing``, ``single_process_engine``,
+    ``fused_projections`` (``generation_fused_projections``) are the trainers' settings; ``lora``: the first
+    trained role trains adapters and there is no reference role; ``shared_prompt_group``: rows per shared
+    prompt (``generation_shared_prompt_kv``)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]

@@ -1,6 +1,5 @@
-"""Where posttrain keeps what it builds (the tiny default's assets, DeepSpeed's JIT-compiled ops),
-never inside the installed package. Imports nothing heavy: ``posttrain/__init__`` uses it first.
-"""
+"""Where posttrain keeps what it builds (the tiny default's assets, DeepSpeed's JIT-compiled ops), never
+inside the installed package. Imports nothing heavy: ``posttrain/__init__`` uses it first."""
 
 from __future__ import annotations
 

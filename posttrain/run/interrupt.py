@@ -1,8 +1,7 @@
-"""Ctrl-C (SIGINT) and SIGTERM during a script: one line on rank 0 saying where the run stopped
-and how to resume it, no traceback, exit status 130. No checkpoint is saved: the ranks are at
-different points of their step, so a save could pair mismatched collectives. Destructor errors
-after the signal (objects whose ``__init__`` it cut short) are dropped.
-"""
+"""Ctrl-C (SIGINT) and SIGTERM during a script: one line on rank 0 saying where the run stopped and how to
+resume it, no traceback, exit status 130. No checkpoint is saved: the ranks are at different points of their
+step, so a save could pair mismatched collectives. Destructor errors after the signal (objects whose
+``__init__`` it cut short) are dropped."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Rows of ``metrics.jsonl`` (and ``samples.jsonl``): strict JSON at full precision. A non-finite
 float is written as ``null`` (bare ``NaN`` is not JSON) and named in a ``"nonfinite"`` entry, so
-:func:`loads_row` gives back the floats that were logged.
-"""
+:func:`loads_row` gives back the floats that were logged."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""A run's model card (``README.md``) and learning curves (``learning_curves.png``): TRL's card
-parts, plus each role's DeepSpeed placement, the config and the final metrics.
-"""
+"""A run's model card (``README.md``) and learning curves (``learning_curves.png``): TRL's card parts, plus
+each role's DeepSpeed placement, the config and the final metrics."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""A run's output dir (the trained model at its top, as TRL's, other trained roles in ``<role>/``),
-the lock one run holds on it, resume, and atomic ``checkpoint-N`` folders (written as
-``checkpoint-N.tmp`` and renamed once every rank has written its part).
-"""
+"""A run's output dir (the trained model at its top, as TRL's, other trained roles in ``<role>/``), the lock
+one run holds on it, resume, and atomic ``checkpoint-N`` folders (written as ``checkpoint-N.tmp`` and renamed
+once every rank has written its part)."""
 
 from __future__ import annotations
 

@@ -43,8 +43,7 @@ MIXES: dict[str, tuple[str, str]] = {
     # Frozen models sharded and their parameters kept in CPU memory.
     "zero2-zero3-offload": ("zero2_train", "zero3_inference_offload"),
     # zero2-zero3 with DeepSpeed's own per-parameter gathering for the frozen roles (for comparison).
-    "zero2-zero3-stock": ("zero2_train", "zero3_inference"),
-}
+    "zero2-zero3-stock": ("zero2_train", "zero3_inference")}
 # Mixes whose frozen roles keep DeepSpeed's gathering: Role(fast_frozen=False).
 STOCK_GATHER_MIXES = {"zero2-zero3-stock"}
 DEFAULT_MIX = "zero2-zero3"
@@ -58,8 +57,7 @@ TRAINER_ROLES: dict[str, dict[str, list[str]]] = {
     "grpo": {"trained": ["policy"], "frozen": ["reference"], "decoded": ["policy"]},
     "rloo": {"trained": ["policy"], "frozen": ["reference"], "decoded": ["policy"]},
     "sft": {"trained": ["policy"], "frozen": []},
-    "reward": {"trained": ["reward"], "frozen": []},
-}
+    "reward": {"trained": ["reward"], "frozen": []}}
 # The trained presets with bf16 master weights and optimizer states (master_weights: bf16).
 BF16_STATE_PRESETS = {"zero2_train": "zero2_train_bf16_states", "zero3_train": "zero3_train_bf16_states"}
 

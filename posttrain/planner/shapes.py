@@ -24,8 +24,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     # Llama-3-8B's shape.
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-}
+               num_key_value_heads=8, vocab_size=128256)}
 
 
 def resolve_shape(spec: str, what: str = "--shape") -> str:

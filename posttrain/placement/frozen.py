@@ -1,11 +1,10 @@
 """A fast forward for frozen ZeRO-3 models: :func:`take_over` replaces a prepared engine's gathering (whose
 per-parameter bookkeeping dominates a frozen forward) with one prefetched gather per layer into flat buffers.
-``POSTTRAIN_FROZEN_TRANSPORT``: auto (p2p on one host with CUDA, else nccl), p2p or nccl."""
+The transport is p2p (peer-mapped shards) on one host with CUDA, else NCCL."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -243,14 +242,14 @@ def _peer_memory_or_none(groups: list[_Group], process_group: Any, device: torch
 def _choose_transport(requested: str, process_group: Any, device: torch.device) -> str:
     """"p2p" where every rank of the group is a CUDA process on this host, else "nccl" (collective)."""
     if requested not in ("auto", "p2p", "nccl"):
-        raise ValueError(f"POSTTRAIN_FROZEN_TRANSPORT={requested!r}: expected auto, p2p or nccl")
+        raise ValueError(f"transport={requested!r}: expected auto, p2p or nccl")
     if requested == "nccl":
         return "nccl"
     hosts: list[Any] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(hosts, (socket.gethostname(), device.type), group=process_group)
     possible = device.type == "cuda" and len(set(hosts)) == 1
     if requested == "p2p" and not possible:
-        raise ValueError("POSTTRAIN_FROZEN_TRANSPORT=p2p needs every rank of the group on one host, on CUDA")
+        raise ValueError("transport=p2p needs every rank of the group on one host, on CUDA")
     return "p2p" if possible else "nccl"
 
 
@@ -317,10 +316,9 @@ class FastFrozen:
         pg = (self.groups[0].pg if self.groups else None) or dist.group.WORLD
         first = self.groups[0].params[0] if self.groups else None
         device = getattr(first, "ds_tensor", first).device if first is not None else torch.device("cpu")
-        requested = os.environ.get("POSTTRAIN_FROZEN_TRANSPORT", transport)
-        self.transport = _choose_transport(requested, pg, device) if self.groups else "nccl"
+        self.transport = _choose_transport(transport, pg, device) if self.groups else "nccl"
         if self.transport == "p2p":
-            self.peers = _peer_memory_or_none(self.groups, pg, device, required=requested == "p2p")
+            self.peers = _peer_memory_or_none(self.groups, pg, device, required=transport == "p2p")
             self.transport = "p2p" if self.peers is not None else "nccl"
         for i, group in enumerate(self.groups):
             if self.peers is None:

@@ -19,10 +19,8 @@ def prepare_trained(session: Session, role: str, model: torch.nn.Module, cfg: An
                     disable_dropout: bool | None = None, adapter_seed: int | None = None,
                     learning_rate: float | None = None,
                     before_optimizer: Callable[[torch.nn.Module], None] | None = None) -> Any:
-    """``role``'s engine for ``model``, prepared in TRL's order: adapters from ``peft_config`` (seeded
-    with ``adapter_seed``), activation checkpointing, dropout off, ``before_optimizer(base)``, AdamW
-    and ``cfg``'s LR schedule over ``total_steps``, then ``session.prepare``. Keywords left None take
-    ``cfg``'s value (``cfg`` is a trainer config)."""
+    """``role``'s prepared engine: adapters (seeded by ``adapter_seed``), checkpointing, dropout off,
+    ``before_optimizer(base)``, AdamW + LR schedule over ``total_steps``. None keywords take ``cfg``'s."""
     if peft_config is not None:
         if adapter_seed is not None:
             torch.manual_seed(adapter_seed)

@@ -51,10 +51,8 @@ class RewardSource:
 
 
 class Rewards:
-    """A run's rewards, in ``weights``' order: functions, reward model objects (their tokenizers at the
-    same place in ``tokenizers``), resolved specs or spec strings, checked before anything loads.
-    ``reencode`` False lets a reward model read the policy's ids where it shares the vocabulary (PPO).
-    Call :meth:`plan`, :meth:`load`, then :meth:`score` per generation batch."""
+    """Rewards in ``weights``' order (functions, models with ``tokenizers`` at the same index, or specs).
+    ``reencode`` False: a model sharing the policy's vocab reads its ids. Call plan, load, then score."""
 
     session: Any = None
     warnings: RewardWarnings | None = None

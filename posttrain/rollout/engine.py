@@ -79,9 +79,8 @@ def _release_cublas_workspaces() -> None:
 
 
 class DecodeEngine:
-    """Cache slots, their state, the bucketed step and its graphs. ``compile_backend``: None is inductor on
-    CUDA, eager elsewhere; ``triton_decode``: None uses the Triton kernels on CUDA, True requires them,
-    False runs SDPA."""
+    """Cache slots, state, bucketed step and graphs. ``compile_backend`` None: inductor on CUDA, else eager;
+    ``triton_decode`` None: Triton on CUDA, True: required, False: SDPA."""
 
     def __init__(self, model: torch.nn.Module, sampling: SamplingParams, slots: int, max_prompt_len: int, *,
                  tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, lora_mode: str = "merged",

@@ -34,9 +34,8 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
         demo_model: Callable[[], Any], metrics: tuple[str, ...], saved: str,
         check: Callable[[Any, str], None] | None = None,
         train_summary: Callable[[list[dict]], dict] | None = None) -> None:
-    """Parse, train and save, then report on the main process. ``demo_model()``: the model when none is
-    named; ``data_cls``: the data flags (``test_split_size``, ``bundled()``, ``bundled_name``);
-    ``metrics``: held-out metrics for ``summary.json``, the first two printed before -> after."""
+    """Parse, train, save, report. ``demo_model()``: model if none named; ``data_cls``: ``test_split_size``,
+    ``bundled()``, ``bundled_name``; ``metrics``: for ``summary.json``, first two printed before -> after."""
     name = trainer_cls.name
     script, data, cfg = parse_config((ScriptArguments, data_cls, config_cls), demo_config(name), argv,
                                      prog=f"posttrain {name}")

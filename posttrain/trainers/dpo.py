@@ -225,11 +225,8 @@ def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tupl
 
 
 class DPOTrainer(Trainer):
-    """DPO; the reference is a frozen ``reference`` role (released after one pass with
-    ``precompute_ref_log_probs``), or under ``use_peft`` the policy's base with adapters disabled.
-
-    >>> DPOTrainer(DPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B"), train_dataset=rows).train()
-    """
+    """DPO; the reference is a frozen ``reference`` role (freed after one pass with
+    ``precompute_ref_log_probs``), or with ``use_peft`` the policy's base with adapters disabled."""
 
     name = "dpo"
     shown = ("loss", "rewards/accuracies", "rewards/margins", "eval/loss", "eval/rewards/accuracies")

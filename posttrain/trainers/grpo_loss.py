@@ -58,8 +58,7 @@ def grpo_loss(cfg: Any, per_token_logps: torch.Tensor, old_per_token_logps: torc
               entropy_mask: torch.Tensor | None = None,
               num_items_in_batch: torch.Tensor | float | None = None,
               num_processes: int = 1) -> tuple[torch.Tensor, dict[str, Any]]:
-    """TRL 1.16's ``GRPOTrainer._compute_loss``: one micro-batch's loss (divided for accumulation)
-    and its statistics as (sum, count) ``means`` and ``per_seq`` values for the caller to reduce.
+    """One micro-batch's loss (divided for accumulation) and (sum, count) ``means``/``per_seq`` to reduce.
     ``num_items_in_batch``: valid tokens of the whole generation batch, all processes."""
     from trl import GRPOTrainer
 

@@ -23,9 +23,8 @@ LATEST = ("grad_norm", "learning_rate", "lr", "epoch", "episode", "num_tokens")
 
 
 class Trainer:
-    """The loop's side of a trainer. A subclass sets ``name``, ``shown`` and ``roles``, builds
-    ``cfg``, ``session`` and ``total_steps`` in ``__init__`` and supplies ``training_step(step)``
-    (from 1); the other methods below have defaults."""
+    """Subclasses set ``name``, ``shown``, ``roles``; build ``cfg``, ``session``, ``total_steps`` in
+    ``__init__``; and supply ``training_step(step)`` (step from 1). Other methods have defaults."""
 
     name: ClassVar[str] = "train"
     shown: ClassVar[tuple[str, ...]] = ("loss",)

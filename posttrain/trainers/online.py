@@ -15,11 +15,8 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
                      temperature: float, *, compute_entropy: bool = False, batch_size: int | None = None,
                      fused: bool = False, float32: bool = True,
                      fill_padding: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and detached entropies) of the last ``logits_to_keep`` tokens at the
-    sampling temperature, ``batch_size`` rows at a time, 0 at padding unless ``fill_padding=False``.
-    ``fused``: the model carries TRL's fused LM head (no full float32 logits); else the logits are
-    float32 unless ``float32=False``. Positions follow the attention mask (unlike TRL), so a
-    left-padded prompt starts at position 0 and learned absolute positions do not see padding."""
+    """Log-probs and detached entropies of the last ``logits_to_keep`` tokens, 0 at padding unless
+    ``fill_padding=False``. ``fused``: model has TRL's fused LM head. Positions follow the mask."""
     from trl.trainer.utils import selective_log_softmax
 
     batch_size = batch_size or input_ids.size(0)

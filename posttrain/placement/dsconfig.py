@@ -122,11 +122,8 @@ def check_master_weights(cfg: dict, where: str, mixed_precision: str) -> None:
 
 
 def one_rank(cfg: dict, trains: bool) -> tuple[dict, str | None]:
-    """The cheapest equivalent of a role's config in a world of one process, and what changed.
-
-    A frozen ZeRO-3 role (not offloaded) becomes replicated: its one shard is the whole model. A trained
-    ZeRO-1/2 role gets ``overlap_comm`` (which synchronizes the device per bucket) and ``reduce_scatter`` off.
-    Numerics are unchanged: averaging over one rank is the identity."""
+    """A role's config made cheapest for a one-process world (same numerics), and what changed: frozen
+    ZeRO-3 becomes replicated; trained ZeRO-1/2 turns ``overlap_comm`` and ``reduce_scatter`` off."""
     stage = zero_stage(cfg)
     if not trains and stage == 3 and not params_offloaded(cfg):
         out = {k: copy.deepcopy(v) for k, v in cfg.items() if k != "zero_optimization"}

@@ -27,11 +27,8 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _fetch_plan(offsets: list[int], numels: list[int], shard_numel: int, world: int, rank: int, align: int,
                 whole: bool) -> tuple[list[bool], int, int, list[tuple[int, int, int]]]:
-    """How ``rank`` gathers a flat vector split in ``world`` slices of ``shard_numel`` elements.
-
-    Returns (per parameter: lies wholly in this rank's slice, base, span of the gather buffer,
-    pieces ``(source rank, start, end)`` the other parameters need). ``whole``: the buffer covers
-    the entire vector (an all-gather fills it), else only the needed pieces' span."""
+    """How ``rank`` gathers a flat vector of ``world`` slices of ``shard_numel``: returns (per param: in own
+    slice, base, buffer span, pieces ``(src rank, start, end)``); ``whole``: buffer spans the whole vector."""
     lo, hi = rank * shard_numel, (rank + 1) * shard_numel
     local = [lo <= o and o + n <= hi for o, n in zip(offsets, numels)]
     needed: list[tuple[int, int]] = []  # merged ranges of the non-local parameters
@@ -52,11 +49,7 @@ def _fetch_plan(offsets: list[int], numels: list[int], shard_numel: int, world: 
 
 
 class _Group:
-    """Parameters stored as one flat vector, 1/N of it per rank.
-
-    A parameter wholly inside this rank's slice is a permanent view of it; every other one is a permanent view
-    into ``full``, whose storage exists only while gathered (resized to zero at rest, as FSDP does). Read the
-    parameters only inside a forward or :meth:`FastFrozen.gathered`."""
+    """One flat vector of parameters, 1/N per rank; read only in a forward or :meth:`FastFrozen.gathered`."""
 
     def __init__(self, params: list[nn.Parameter], process_group: Any) -> None:
         self.params = params
@@ -287,11 +280,7 @@ def _units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter], bool]]
 
 
 class FastFrozen:
-    """Owns a frozen model's flat shards and the hooks that gather them layer by layer.
-
-    Each unit (decoder layer, or other module owning parameters) has a flat group per dtype; while one unit
-    runs, the next units of the last forward's order are gathered ahead, about one layer's bytes. A tied
-    parameter is stored once, in the first owner's group."""
+    """Owns a frozen model's flat shards and the hooks that gather them layer by layer, prefetching ahead."""
 
     def __init__(self, model: nn.Module, process_group: Any = None, transport: str = "auto") -> None:
         self.model = model

@@ -18,9 +18,8 @@ class FrozenWeightsMixin:
 
     @torch.no_grad()
     def update_weights(self, name: str, fn: Callable[[str, torch.Tensor], None]) -> None:
-        """Change a frozen role's weights in place: ``fn(parameter_name, full_tensor)`` on every
-        parameter (tied ones once), whatever the role's placement. Collective: call it on every
-        rank, with an ``fn`` that computes the same on each."""
+        """Change a frozen role's weights in place: ``fn(parameter_name, full_tensor)`` per parameter (tied
+        once). Collective: call on every rank with an ``fn`` that computes the same on each."""
         if self.role(name).trains:
             raise ConfigError(f"role {name!r} trains: its weights change through its optimizer (or load_state)")
         module = self.engines[name].module

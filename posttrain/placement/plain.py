@@ -24,9 +24,8 @@ ENGINES = ("auto", "deepspeed", "torch")
 
 def uses_torch(setting: str, *, world_size: int, trains: bool, from_mix: bool, master_weights: str,
                decoded: bool, mixed_precision: str) -> bool:
-    """Whether a role runs as a :class:`PlainEngine`. ``auto``: at world size 1, for a trained role
-    whose config comes from a mix, with bf16 master weights always, with fp32 ones unless the run
-    decodes a trained role (it would decode fp32 weights) or uses fp16 (no loss scaler)."""
+    """Whether a role runs as a :class:`PlainEngine`. ``auto``: at world size 1 for a trained role from a mix,
+    with bf16 master weights, or fp32 ones unless a trained role is decoded or fp16 is used."""
     if setting == "deepspeed" or world_size != 1 or not trains or not from_mix:
         return False
     if setting == "torch" or master_weights == "bf16":
@@ -77,9 +76,8 @@ def describe(master_weights: str, mixed_precision: str) -> str:
 
 
 class PlainEngine(nn.Module):
-    """The model and its torch optimizer, driven through DeepSpeed's engine interface.
-    ``master_weights`` "bf16": bf16 parameters updated in place; "fp32": fp32 ones with a bf16
-    autocast forward. Parameters not updated (a LoRA base) are bf16 under bf16 mixed precision."""
+    """Model and torch optimizer behind DeepSpeed's engine interface. ``master_weights`` "bf16": bf16 params
+    updated in place; "fp32": fp32 params, bf16 autocast forward. Frozen params are bf16 under bf16."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device,
                  gradient_accumulation_steps: int, gradient_clipping: float, mixed_precision: str,
@@ -175,9 +173,8 @@ def _autocast_forward(model: nn.Module, device: torch.device) -> None:
 
 
 def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
-    """Give an AdamW the fused kernel (transformers' default) where the parameters' device and dtypes
-    have one; before its first step this equals ``AdamW(..., fused=True)``. Also inside a DeepSpeed
-    engine: foreach allocates a master-weights-sized temporary every step (NOTES 21)."""
+    """Switch an AdamW to the fused kernel where device and dtypes allow (as ``fused=True`` before its first
+    step). Use it on DeepSpeed engines too: foreach allocates a master-weights-sized temporary each step."""
     if type(optimizer) is not torch.optim.AdamW or optimizer.state:
         return
     from torch.optim.optimizer import _device_dtype_check_for_fused

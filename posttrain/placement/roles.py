@@ -98,9 +98,8 @@ def check_placement(mix: str, role_configs: Mapping | None) -> None:
 def roles_for(trained: Iterable[str], frozen: Iterable[str] = (), mix: str = DEFAULT_MIX,
               configs: Mapping[str, str | dict] | None = None, master_weights: str = "fp32",
               decoded: Iterable[str] = ()) -> list[Role]:
-    """Roles for a trainer: ``mix`` gives each its config, ``configs`` overrides per role;
-    ``master_weights`` ("fp32" or "bf16") is the optimizer precision of every trained role;
-    ``decoded`` names the trained roles the rollout engine decodes from (:attr:`Role.decoded`)."""
+    """Roles for a trainer: ``mix`` gives configs, ``configs`` overrides per role; ``master_weights`` ("fp32"
+    or "bf16") applies to trained roles; ``decoded``: trained roles the rollout engine decodes from."""
     check_mix(mix)
     trained, frozen, decoded = list(trained), list(frozen), set(decoded)
     configs = dict(configs or {})

@@ -34,12 +34,7 @@ from posttrain.placement.zero_fixes import (
 
 
 class Session(SavingMixin, FrozenWeightsMixin):
-    """Owns the Accelerator(s) and the prepared engine of every role.
-
-    >>> session = Session(roles_for(["policy"], ["reference"]), micro_batch_size=4)
-    >>> policy = session.prepare("policy", session.load("policy", "path/to/model"), optimizer)
-    >>> reference = session.prepare("reference", session.load("reference", "path/to/model"))
-    """
+    """Owns the Accelerator(s) and role engines: ``prepare(name, load(name, path), optimizer)`` per role."""
 
     def __init__(self, roles: Sequence[Role], *, micro_batch_size: int = 1,
                  gradient_accumulation_steps: int = 1, max_grad_norm: float | None = 1.0,
@@ -201,9 +196,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
     def load(self, name: str, name_or_path: str | os.PathLike | torch.nn.Module | None = None, *,
              config: Any = None, model_cls: Any = None, **kwargs: Any) -> torch.nn.Module:
-        """Build a role's model under its plugin (``from_pretrained``, or ``from_config`` with only
-        ``config``; a model object is taken as it is). A frozen role's model comes back in eval
-        mode without gradients."""
+        """Build a role's model (``from_pretrained``/``from_config``/as given); frozen: eval, no grad."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         role = self.role(name)

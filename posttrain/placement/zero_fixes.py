@@ -31,12 +31,7 @@ def share_bf16_master(zero_optimizer: Any) -> bool:
 
 
 def cast_grads_while_flattening(zero_optimizer: Any) -> bool:
-    """Make a ZeRO optimizer with master weights of another dtype than its gradients flatten this
-    rank's gradient partition straight into the master dtype; returns whether it did.
-
-    DeepSpeed flattens to a bf16 copy and then casts it, which is the step's memory peak; the values
-    are the same either way. ZeRO-1/2 go through ``_get_preflattened_grad_partition``, ZeRO-3
-    through its ``flatten`` inside ``_prepare_fp32_grad_for_sub_group``."""
+    """Flatten a ZeRO optimizer's grads straight into its (different) master dtype; returns whether it did."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -109,9 +104,7 @@ def _zero3_flat_in_master_dtype(opt: Any) -> bool:
 
 
 def recompute_rotary_buffers(model: torch.nn.Module) -> int:
-    """Recompute the rotary embeddings' inverse frequencies in fp32, as transformers'
-    ``_init_weights`` does; returns how many modules were fixed. ``zero.Init`` computes them in
-    bf16, which shifts the log-probs (benchmarks/NOTES.md). Must run outside zero.Init."""
+    """Recompute rotary inverse frequencies in fp32 (call outside zero.Init); returns how many were fixed."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     fixed = 0

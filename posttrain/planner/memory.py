@@ -240,14 +240,8 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          generation_backend: str = "posttrain", master_weights: str = "fp32",
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
          fused_projections: bool = False, shared_prompt_group: int | None = None) -> Plan:
-    """Per-GPU memory of every role of ``workload`` under ``mix``.
-
-    ``micro_batch`` counts prompts (PPO), pairs (DPO) or sequences per GPU; ``seq_len`` is the whole sequence
-    (prompt plus ``response_len``). ``generation_backend``: "posttrain" keeps its rollout buffers for the run,
-    "hf" only while generating. ``master_weights``, ``gradient_checkpointing``, ``single_process_engine``,
-    ``fused_projections`` (``generation_fused_projections``) are the trainers' settings; ``lora``: the first
-    trained role trains adapters and there is no reference role; ``shared_prompt_group``: rows per shared
-    prompt (``generation_shared_prompt_kv``)."""
+    """Per-GPU memory of every role of ``workload`` under ``mix``. ``micro_batch``: prompts (PPO), pairs (DPO)
+    or sequences; ``seq_len`` includes ``response_len``; ``lora``: no reference; rest are trainer settings."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]

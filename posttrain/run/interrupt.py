@@ -53,9 +53,8 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def exit_status(err: BaseException) -> int | None:
-    """After an interrupt (``err``, or a failure it caused): print the line on rank 0 once, drop
-    the process group and return 130; None for any other error. The signal handler may raise
-    KeyboardInterrupt inside this call: the caller catches it and calls again."""
+    """After an interrupt (``err`` or a failure it caused): print the line on rank 0 once, drop the process
+    group, return 130; None otherwise. If this raises KeyboardInterrupt, catch it and call again."""
     if not isinstance(err, KeyboardInterrupt) and _state["signal"] is None:
         return None
     _state["at"] = time.monotonic()  # a repeat that arrives while the line is written is the same interrupt

@@ -75,9 +75,7 @@ def _say(message: str) -> None:
 
 
 def lock_output_dir(output_dir: str | os.PathLike) -> None:
-    """Hold ``output_dir`` for this run: rank 0 takes an exclusive ``flock`` on its lock file until
-    the process exits (the kernel releases it even after ``kill -9``); a second run gets a
-    ConfigError naming the holder. Calling it again in the same process is a no-op."""
+    """Hold ``output_dir`` (rank-0 flock until exit); a second run gets a ConfigError. Repeat calls: no-op."""
     if not _is_main_rank():
         return
     out = Path(output_dir).resolve()
@@ -111,11 +109,8 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def prepare_output_dir(cfg: OutputDirSettings) -> None:
-    """Decide where the run starts, the same way on every rank, before any model loads; call it
-    once every setting is validated, as it is the first thing that writes. Locks the dir, checks
-    the resume checkpoint (``latest`` becomes its path) or refuses a dir holding a run unless
-    ``overwrite_output_dir``; then rank 0 removes half-written checkpoints and clears an overwritten
-    run's metrics and checkpoints (a saved model stays: this run may load it)."""
+    """Call on every rank once settings are validated, before models load: locks the dir, resolves resume
+    (``latest`` becomes its path) or refuses a used dir unless ``overwrite_output_dir``, then cleans it."""
     out = Path(cfg.output_dir)
     lock_output_dir(out)
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
@@ -174,9 +169,7 @@ def resume_dir(cfg: OutputDirSettings) -> Path | None:
 
 
 def save_checkpoint(session: Session, cfg: OutputDirSettings, step: int, export: dict[str, Any], extra: dict) -> Path:
-    """``checkpoint-N/``: each exported role in Hugging Face format (``<role>/``) and ``state/``,
-    renamed into place by rank 0 once every rank has written; then checkpoints beyond
-    ``save_total_limit`` are deleted, oldest first."""
+    """Write ``checkpoint-N/`` (``<role>/`` exports, ``state/``) atomically; prune to ``save_total_limit``."""
     final = checkpoint_dir(cfg, step)
     tmp = final.with_name(final.name + ".tmp")
     if session.is_main_process and tmp.exists():

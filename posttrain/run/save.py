@@ -15,9 +15,8 @@ _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_m
 
 def save_trained_model(session: Session, role: str, directory: str | os.PathLike, tokenizer: Any = None,
                        merge_adapters: bool = False) -> Path:
-    """A trained role's final model in Hugging Face format in ``directory``. A LoRA role saves its
-    adapter (PEFT format), or with ``merge_adapters`` the base with the adapters merged in. A full
-    save first removes any adapter files there, which ``from_pretrained`` would prefer."""
+    """Save a trained role's final model in HF format to ``directory`` (LoRA: the PEFT adapter, or merged with
+    ``merge_adapters``); a full save first removes adapter files there."""
     path = Path(directory)
     adapted = has_adapters(session.unwrap(role))
     if session.is_main_process and (merge_adapters or not adapted):

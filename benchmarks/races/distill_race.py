@@ -100,7 +100,7 @@ def run_posttrain(spec: dict, student: Path, teacher: Path, rows: list[dict], ou
     from posttrain.placement.session import Session
     from posttrain.trainers.distill import DistillConfig, DistillTrainer
 
-    stamps.wrap_session(Session)  # the session is made inside train(): patched on the class
+    stamps.wrap_session(Session)  # patched on the class: the trainer makes its session in __init__
     cfg = DistillConfig(output_dir=str(out / f"posttrain-{engine}-{master_weights}"), overwrite_output_dir=True,
                         model_name_or_path=str(student), teacher_model_name_or_path=str(teacher),
                         per_device_train_batch_size=spec["pairs"], max_length=spec["seq_len"], learning_rate=1e-6,

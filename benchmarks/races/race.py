@@ -85,7 +85,7 @@ class Stamps(list):
 
     def wrap_session(self, target: Any) -> None:
         """Stamp after every ``step`` of posttrain's ``Session`` that stepped the optimizer; ``target``
-        is a session, or the Session class itself when the trainer makes its session inside ``train()``."""
+        is a session, or the Session class itself when the trainer makes its session (in ``__init__``)."""
         step = target.step
         if isinstance(target, type):
             def stamped(session: Any, name: str) -> bool:

@@ -1,6 +1,5 @@
-"""The built-in tiny default: a small Llama-shaped causal LM, a reward model and a BPE tokenizer on
-bundled text. The defaults ship prebuilt in ``posttrain/demo/data/tiny/``; other variants build on
-first use into posttrain's cache."""
+"""The built-in tiny default: a small Llama-shaped LM, reward model and BPE tokenizer on bundled text;
+defaults ship prebuilt in ``posttrain/demo/data/tiny/``, other variants build into posttrain's cache."""
 
 from __future__ import annotations
 

@@ -146,8 +146,7 @@ def load_reward_tokenizer(path: str) -> Any | None:
 
 def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int | None = None,
                        reencode: bool = False) -> RewardModelInput:
-    """How the reward model at ``path`` reads the policy's completions (the policy's ids only when it
-    shares the vocabulary and not ``reencode``); refuses what cannot work."""
+    """How the reward model at ``path`` reads completions (policy ids iff same vocab, not ``reencode``)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -185,8 +184,7 @@ def reward_model_input(path: str, policy_tokenizer: Any, policy_vocab_size: int 
 
 def scorer_input(source: Any, policy_tokenizer: Any, policy_vocab: int, what: str, reencode: bool = False,
                  tokenizer: Any = None) -> RewardModelInput:
-    """As :func:`reward_model_input`, for a path or a model object (read with ``tokenizer``, else
-    as its folder)."""
+    """As :func:`reward_model_input`, for a path or a model (read with ``tokenizer``, else its folder)."""
     if not isinstance(source, torch.nn.Module):
         return reward_model_input(source, policy_tokenizer, policy_vocab, reencode)
     labels = getattr(source.config, "num_labels", None)

@@ -133,8 +133,7 @@ class Rewards:
     def score(self, prompts: list, texts: list[str], completion_ids: list[list[int]], *,
               rows: list[dict] | None = None, trainer_state: Any = None, sequences: torch.Tensor | None = None,
               last: torch.Tensor | None = None) -> torch.Tensor:
-        """``(local batch, len(sources))`` float32, None as NaN, as TRL's ``_calculate_rewards``; a reward
-        model that shares the policy's ids reads ``sequences`` at positions ``last``."""
+        """(local batch, sources) float32, NaN for None; shared-ids RMs read ``sequences`` at ``last``."""
         s = self.session
         out = torch.zeros(len(texts), len(self.sources), dtype=torch.float32, device=s.device)
         funcs = [(j, src.func) for j, src in enumerate(self.sources) if not src.is_model]

@@ -1,6 +1,5 @@
-"""peft LoRA adapters as the decode engine reads them, as peft's eval forward applies them: ``"merged"`` (W
-+ scaling * B @ A buffers), ``"live"`` (low-rank terms in the step) or ``"grouped"`` (``"live"``, one
-product per q|k|v and gate|up); in-place updates need no recapture."""
+"""peft LoRA adapters as the decode engine reads them: ``"merged"`` (W + scaling * B @ A buffers), ``"live"``
+(low-rank terms in the step) or ``"grouped"`` (one product per q|k|v, gate|up); updates need no recapture."""
 
 from __future__ import annotations
 
@@ -79,8 +78,7 @@ def resolve(module: nn.Module) -> nn.Module:
 
 
 class Adapters:
-    """How the decoder reads a model's projections (``tensor``: e.g. a ZeRO-3 shadow's view), LoRA applied
-    as ``mode`` says; ``refresh()`` once per rollout."""
+    """How the decoder reads projections (``tensor``), LoRA per ``mode``; ``refresh()`` once per rollout."""
 
     def __init__(self, model: nn.Module, mode: str = "merged", tensor: Any = None) -> None:
         if mode not in LORA_MODES:

@@ -138,8 +138,7 @@ class Rollout:
                    engine_options=engine_options(cfg, group_size))
 
     def metrics(self) -> dict[str, float]:
-        """Per-step metrics: captures, Triton use, each :data:`SLOW_FALLBACKS` counter and the backend
-        fallback."""
+        """Per-step metrics: captures, Triton use, :data:`SLOW_FALLBACKS` counters, backend fallback."""
         st = self.stats
         out = {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
                "rollout/capture_s": st["capture_s"], "rollout/triton_decode": float(bool(st.get("triton_decode"))),

@@ -227,8 +227,7 @@ def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: to
 
 def decode_attention_shared(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             bias: torch.Tensor, prompt: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """:func:`decode_attention` with prompts in shared slots (``prompt`` = pkeys, pvalues, pbias, members,
-    place), merged by log-sum-exp."""
+    """:func:`decode_attention`, shared prompt slots: ``prompt`` = (pkeys, pvalues, pbias, members, place)."""
     pkeys, pvalues, pbias, members, place = prompt
     b, kvh, g, d = q.shape[0], spec.kv_heads, spec.heads // spec.kv_heads, spec.head_dim
     s, n = pkeys.shape[0], members.shape[1]

@@ -96,8 +96,7 @@ class SharedPrompts:
         return len(groups)
 
     def enter(self, slots: list[int], groups: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """Member places for rows ``slots``; (each row's prompt slot, slots taken now as (slot, first row
-        index))."""
+        """Member places for ``slots``; (each row's prompt slot, new slots as (slot, first row index))."""
         open_slots = self._open()
         taken: list[tuple[int, int]] = []
         out = []

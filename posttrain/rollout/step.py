@@ -31,8 +31,7 @@ def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: An
 def inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, key_valid: torch.Tensor,
             cols: torch.Tensor, embed: torch.Tensor, ln1: torch.Tensor, inv_freq: torch.Tensor, max_len: int
             ) -> tuple[torch.Tensor, ...]:
-    """The step's prologue: embeddings and their norm, rotary cos/sin, the additive mask and each row's
-    flat cache index."""
+    """The step's prologue: embeddings, norm, rotary cos/sin, additive mask, each row's flat cache index."""
     x = torch.nn.functional.embedding(last.unsqueeze(1), embed)
     cos, sin = decoder.rotary(pos.unsqueeze(1), inv_freq, spec.rope_scaling, x.dtype)
     allowed = key_valid & (cols.unsqueeze(0) <= col.unsqueeze(1))

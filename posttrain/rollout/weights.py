@@ -9,8 +9,7 @@ from torch import nn
 
 
 def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor | None]] | None, src: Any) -> dict[str, Any]:
-    """The decoder's weights as detached views of the live parameters, read through ``src``
-    (``adapters.Adapters``); ``fused`` replaces q|k|v and gate|up."""
+    """Decoder weights as detached views of live params, read via ``src``; ``fused`` fuses q|k|v, gate|up."""
     base = model.model
     norm = src.module
 

@@ -110,8 +110,7 @@ def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad
 
 
 class DistillTrainer(Trainer):
-    """Distil the teacher into the student on ``{"prompt", "completion"}`` rows; each model is the
-    config's path or an object (``model=``, ``teacher_model=``)."""
+    """Distil teacher into student on prompt/completion rows; each model a config path or an object."""
 
     name = "distill"
     shown = ("loss", "eval/loss")

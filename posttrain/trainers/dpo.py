@@ -279,8 +279,7 @@ class DPOTrainer(Trainer):
             disable_dropout_in_model(model)
 
     def _shard(self, n: int, batch_size: int) -> list[tuple[list[int], int]]:
-        """This rank's share of ``range(n)`` as (indices, valid count) batches, the same number on every
-        rank (ZeRO-3 forwards are collective), short ones padded with index 0."""
+        """This rank's ``range(n)`` as (indices, valid count) batches, equal count per rank, 0-padded."""
         rank, world = self.session.process_index, self.session.num_processes
         mine = list(range(rank, n, world))
         per_rank = math.ceil(n / world)

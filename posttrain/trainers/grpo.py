@@ -293,8 +293,7 @@ class GRPOTrainer(Trainer):
                        batch_size=cfg.per_device_train_batch_size, chat_template_kwargs=cfg.chat_template_kwargs)
 
     def _prepare_base(self, base: torch.nn.Module) -> None:
-        """After adapters and checkpointing: TRL's fused LM head (log-probs and entropies without full
-        float32 logits) and, where it applies, compiled decoder layers."""
+        """After adapters/checkpointing: TRL's fused LM head and compiled decoder layers where it applies."""
         from trl.trainer.utils import add_fused_lm_head
 
         cfg = self.cfg
@@ -305,8 +304,7 @@ class GRPOTrainer(Trainer):
             self.compiled_layers = compiled_layers.compile_layers(base, required=cfg.compile_layers is True)
 
     def _generation_rows(self, cycle: int) -> list[int]:
-        """This process's rows of generation batch ``cycle``: prompts of the epoch's order, each
-        ``num_generations`` times in a row, split across processes so the data ignores placement."""
+        """This process's rows of generation batch ``cycle``: prompts, each ``num_generations`` times."""
         cfg, s = self.cfg, self.session
         per_epoch = max(1, len(self.rows) // self.prompts_per_generation)
         epoch, k = divmod(cycle, per_epoch)
@@ -468,8 +466,7 @@ class GRPOTrainer(Trainer):
                 "times": {**self.phases.pop(), "time/step": time.perf_counter() - tick}}
 
     def log_row(self, rows: list[dict[str, Any]]) -> dict[str, float]:
-        """A window's row as TRL logs it: its generations' metrics (none if it sampled none), every
-        micro-batch's loss statistics and the mean step loss."""
+        """A window's row as TRL logs it: generation metrics, micro-batch loss stats, mean step loss."""
         row = reduce_loss_stats([st for r in rows for st in r["stats"]], self._sum, self._gather)
         row["loss"] = mean_over_ranks(self.session, {"loss": sum(r["loss"] for r in rows) / len(rows)})["loss"]
         row.update(average_generation_metrics([g for r in rows for g in r["generations"]]))

@@ -44,8 +44,7 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
 
 def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float,
                       all_entropies: torch.Tensor | None = None) -> torch.Tensor:
-    """Tokens whose entropy is at least the ``threshold`` quantile of every valid token's entropy
-    (``all_entropies``: those of every process; default this process's)."""
+    """Tokens with entropy >= the ``threshold`` quantile of ``all_entropies`` (default: this process's)."""
     pool = entropies[mask.bool()].float() if all_entropies is None else all_entropies
     if pool.numel() == 0:
         return torch.zeros_like(entropies, dtype=torch.bool)
@@ -143,8 +142,7 @@ def grpo_loss(cfg: Any, per_token_logps: torch.Tensor, old_per_token_logps: torc
 
 
 def reduce_loss_stats(stats: list[dict[str, Any]], sum_over_ranks: Any = None, gather: Any = None) -> dict[str, float]:
-    """TRL's logged loss statistics: each micro-batch's token-weighted means (``sum_over_ranks``) and
-    min/max over all sequences (``gather``), averaged over micro-batches."""
+    """TRL's logged loss stats: token-weighted means (``sum_over_ranks``), min/max (``gather``), averaged."""
     from trl.trainer.utils import nanmax, nanmin
 
     sum_over_ranks = sum_over_ranks or (lambda t: t)

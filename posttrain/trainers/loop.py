@@ -126,8 +126,7 @@ def collated_batches(trainer: Any, start_micro: int) -> Iterator[dict]:
 
 
 def eval_shards(session: Any, n: int, batch_size: int) -> Iterator[list[int]]:
-    """This process's share of ``range(n)`` in batches of up to ``batch_size``, the same number on every
-    process (ZeRO-3 forwards are collective): one out of indices gets empty batches."""
+    """This process's ``range(n)`` share in batches, the same count on every process (ZeRO-3 collectives)."""
     mine = list(range(session.process_index, n, session.num_processes))
     for j in range(math.ceil(math.ceil(n / session.num_processes) / batch_size)):
         yield mine[j * batch_size : (j + 1) * batch_size]

@@ -328,8 +328,7 @@ class PPOTrainer(Trainer):
 
     @torch.no_grad()
     def rollout(self, queries: torch.Tensor, prompts: list | None = None) -> dict[str, torch.Tensor]:
-        """Generate and score: log-probs, values, rewards and advantages. ``prompts`` (the dataset's)
-        go to the reward functions; default: the decoded queries."""
+        """Generate and score (logprobs, values, rewards, advantages); ``prompts`` go to reward functions."""
         cfg, s = self.cfg, self.session
         pad, ctx = self.tokenizer.pad_token_id, queries.shape[1]
         with self.phases("generate"):

@@ -95,8 +95,7 @@ def reward_loss(rewards: torch.Tensor, margin: torch.Tensor | None,
 
 
 class RewardTrainer(RowsTrainer):
-    """A Bradley-Terry reward model: ``args.model_name_or_path`` (given a one-logit head) or ``model=``
-    (a classifier with ``num_labels=1``, or a path)."""
+    """A Bradley-Terry reward model: the config's path (one-logit head) or ``model=`` (``num_labels=1``)."""
 
     name = "reward"
     shown = ("loss", "accuracy", "eval/accuracy")
@@ -148,8 +147,7 @@ class RewardTrainer(RowsTrainer):
         return gather_ranks(self.session, t)
 
     def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
-        """One optimizer step; loss, accuracy, margin and rewards' min/mean/max over all ranks, averaged
-        over micro-batches as TRL logs them."""
+        """One optimizer step; loss, accuracy, margin, reward min/mean/max over ranks, as TRL logs them."""
         s, ga = self.session, self.cfg.gradient_accumulation_steps
         sums: dict[str, float] = {}
         tokens = 0

@@ -146,8 +146,7 @@ def _short(value: Any) -> str:
 
 
 def truncate_jsonl(path: Path, step: int) -> int:
-    """Keep the rows of a metrics/samples file logged at ``step`` or before; returns how many were
-    dropped (a half-written line among them)."""
+    """Keep rows logged at ``step`` or earlier; returns how many were dropped (half-written line included)."""
     if not path.exists():
         return 0
     rows = [line for line in path.read_text().splitlines() if line.strip()]

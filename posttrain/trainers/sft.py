@@ -88,8 +88,7 @@ def add_fused_head(model: Any) -> Any:
 
 
 def token_terms(model: Any, batch: dict, loss_type: str = "nll") -> dict[str, torch.Tensor]:
-    """Summed token loss (with gradient), trained-token count, summed entropy and top-1 hits of one
-    batch, from the fused head (:func:`add_fused_head`)."""
+    """Summed token loss (with grad), trained-token count, summed entropy, top-1 hits, via the fused head."""
     out = model(**model_inputs(batch), labels=batch["labels"], fused_lm_head=True)
     mask = out.label_mask
     per_token = -out.log_probs  # zero where the label is -100
@@ -162,8 +161,7 @@ class SFTTrainer(RowsTrainer):
         return sum_over_ranks(self.session, torch.tensor(values, dtype=torch.float64, device=self.session.device)).tolist()
 
     def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
-        """One optimizer step; returns the loss (global token mean), token accuracy and entropy (as TRL
-        logs them) and the input tokens so far."""
+        """One optimizer step; loss (global token mean), token accuracy, entropy, input tokens so far."""
         s, ga = self.session, self.cfg.gradient_accumulation_steps
         batches = [self._to_device(b) for b in micro_batches]
         # TRL's num_items_in_batch: the trained tokens of the whole step, all processes.

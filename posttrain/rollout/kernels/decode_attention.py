@@ -213,8 +213,7 @@ def decode_attention_shared(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                             pkeys: torch.Tensor, pvalues: torch.Tensor, pbias: torch.Tensor, members: torch.Tensor,
                             place: torch.Tensor, scale: float, block_n: int | None = None, new: NewKV | None = None,
                             rope: Rope | None = None) -> torch.Tensor:
-    """:func:`decode_attention` over each row's shared prompt slot (``pkeys``, ``pvalues``, ``pbias``,
-    ``members``, ``place``) and its own keys."""
+    """:func:`decode_attention` over each row's shared prompt slot (``pkeys``..``place``) and own keys."""
     b, hkv, groups, d = q.shape
     slots, n = members.shape
     length, width = keys.shape[2], pkeys.shape[2]

@@ -113,8 +113,7 @@ def _(logits, key, step, seq, stop_mask, temperature, do_sample, min_new, chunks
 def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, seq: torch.Tensor,
                   temperature: torch.Tensor, do_sample: torch.Tensor, min_new: torch.Tensor,
                   stop_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sampling.choose_tokens`` without top-k/top-p for logits [B, V]; scalars as 0-d tensors,
-    ``stop_mask`` [V] or None."""
+    """``sampling.choose_tokens`` sans top-k/top-p, logits [B, V]; scalars 0-d, ``stop_mask`` [V] or None."""
     m, total, best, index = torch.ops.posttrain.sample_partials(logits, key, step, seq, stop_mask, temperature,
                                                                 do_sample, min_new, chunks_for(logits.shape[1]))
     top = m.amax(1, keepdim=True)

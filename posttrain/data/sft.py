@@ -45,8 +45,7 @@ def dataset_kind(dataset: Any, text_field: str = "text", name: str = "dataset") 
 
 
 def training_chat_template(tokenizer: Any) -> str | None:
-    """The template assistant_only_loss renders with: None when the tokenizer's has generation
-    markers, else TRL's patched version of a known template."""
+    """assistant_only_loss's template: None if the tokenizer's has generation markers, else TRL's patched."""
     from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
     template = tokenizer.chat_template
@@ -103,8 +102,7 @@ def _flat_values(column: Any, what: str, name: str) -> Any:
 
 def check_tokenized(dataset: Any, tokenizer: Any, *, completion_only_loss: bool, assistant_only_loss: bool,
                     packing: bool, max_length: int | None, name: str = "dataset") -> None:
-    """Refuse tokenized rows TRL's SFTTrainer would fail on inside the model or silently train on wrongly
-    (``attention_mask`` too: TRL's collator drops it)."""
+    """Refuse tokenized rows SFTTrainer fails on or mistrains (``attention_mask`` too: it gets dropped)."""
     import pyarrow.compute as pc
 
     columns = dataset.column_names
@@ -178,8 +176,7 @@ def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, max_length: int | None,
                         assistant_only_loss: bool = False, text_field: str = "text",
                         truncation_mode: str = "keep_start", chat_template: str | None = None,
                         num_proc: int | None = None, name: str = "dataset") -> Any:
-    """A dataset of ``input_ids``/``labels`` (and ``seq_lengths`` when packed), as TRL's SFTTrainer
-    prepares it; ``truncation_mode`` "none" refuses rows longer than max_length."""
+    """``input_ids``/``labels`` (+``seq_lengths`` packed) as SFTTrainer; truncation "none" refuses long."""
     from trl.data_utils import is_conversational, is_conversational_from_value, maybe_convert_to_chatml
 
     dataset = as_dataset(dataset)

@@ -104,8 +104,7 @@ def check_no_head_adapter(model_or_config: Any) -> None:
 
 
 def save_merged(model: nn.Module, state_dict: dict[str, Any], directory: str | os.PathLike) -> None:
-    """Save peft ``model`` merged, as a plain transformers model, from its full ``state_dict``; call on
-    one process."""
+    """Save peft ``model`` merged, as a plain transformers model, from its full ``state_dict``; one rank."""
     from accelerate import init_empty_weights
 
     base = model.get_base_model()

@@ -19,8 +19,7 @@ def prepare_trained(session: Session, role: str, model: torch.nn.Module, cfg: An
                     disable_dropout: bool | None = None, adapter_seed: int | None = None,
                     learning_rate: float | None = None,
                     before_optimizer: Callable[[torch.nn.Module], None] | None = None) -> Any:
-    """``role``'s prepared engine: adapters (seeded by ``adapter_seed``), checkpointing, dropout off,
-    ``before_optimizer(base)``, AdamW + LR schedule over ``total_steps``. None keywords take ``cfg``'s."""
+    """``role``'s engine: adapters, checkpointing, no dropout, ``before_optimizer``, AdamW+LR; None: cfg's."""
     if peft_config is not None:
         if adapter_seed is not None:
             torch.manual_seed(adapter_seed)

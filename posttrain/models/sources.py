@@ -45,8 +45,7 @@ def distinct_objects(**models: Any) -> None:
 
 def policy_source(cfg: Any, model: Any, processing_class: Any, *, what: str = "policy",
                   load_tokenizer: Callable[[str], Any] | None = None) -> tuple[Any, Any, str]:
-    """``(source, tokenizer, name)`` of the trained model, ``model`` or ``cfg.model_name_or_path``
-    (exactly one); ``what`` names it in refusals."""
+    """``(source, tokenizer, name)`` of ``model`` or ``cfg.model_name_or_path`` (one); ``what``: errors."""
     load_tokenizer = load_tokenizer or _auto_tokenizer
     model = given_once(model, cfg.model_name_or_path, what, "model", "model_name_or_path")
     if model is None:

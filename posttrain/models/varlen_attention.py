@@ -63,8 +63,7 @@ def unsupported(config: Any) -> str | None:
 
 
 def choose(model_kwargs: dict[str, Any], config: Any, packed_rows: bool, device: torch.device | str) -> str | None:
-    """Pick ``"varlen"`` in ``model_kwargs`` for packed rows when no attention was asked for and the kernel
-    and model support it; register it whenever it is the attention. Returns a line to print, or None."""
+    """Set "varlen" for packed rows if unasked and supported (registered if used); returns a line or None."""
     asked = model_kwargs.get("attn_implementation")
     if asked is None and packed_rows and kernel_available(device) and unsupported(_config(config, model_kwargs)) is None:
         model_kwargs["attn_implementation"] = asked = NAME

@@ -1,6 +1,4 @@
-"""DeepSpeed config files: reading them with useful errors, and filling every ``"auto"`` up front (accelerate
-fills some only while preparing with a dataloader); what nothing can fill is reported by name instead of
-failing inside ``deepspeed.initialize``."""
+"""DeepSpeed configs: read with useful errors, every ``"auto"`` filled up front, unfillable ones named."""
 
 from __future__ import annotations
 
@@ -122,8 +120,7 @@ def check_master_weights(cfg: dict, where: str, mixed_precision: str) -> None:
 
 
 def one_rank(cfg: dict, trains: bool) -> tuple[dict, str | None]:
-    """A role's config made cheapest for a one-process world (same numerics), and what changed: frozen
-    ZeRO-3 becomes replicated; trained ZeRO-1/2 turns ``overlap_comm`` and ``reduce_scatter`` off."""
+    """A role's config made cheapest for a one-process world (same numerics), and a note of what changed."""
     stage = zero_stage(cfg)
     if not trains and stage == 3 and not params_offloaded(cfg):
         out = {k: copy.deepcopy(v) for k, v in cfg.items() if k != "zero_optimization"}
@@ -165,8 +162,7 @@ def resolve(cfg: dict, *, role: str, trains: bool, micro_batch_size: int, gradie
             learning_rate: float | None = None, weight_decay: float | None = None,
             warmup_steps: int | None = None, total_steps: int | None = None,
             memory_efficient_linear: bool = False) -> dict:
-    """Fill every ``"auto"`` that does not need the model, and make a frozen role's config safe.
-    Hidden-size keys stay ``"auto"`` until :func:`resolve_hidden_size` sees the model config."""
+    """Fill model-free ``"auto"``s (hidden sizes: :func:`resolve_hidden_size`); make frozen configs safe."""
     cfg = copy.deepcopy(cfg)
     where = f"role {role!r}"
     zero = cfg.setdefault("zero_optimization", {})
@@ -217,8 +213,7 @@ def resolve(cfg: dict, *, role: str, trains: bool, micro_batch_size: int, gradie
 
 
 def check_leaf_modules(cfg: dict, where: str) -> None:
-    """Refuse ZeRO-3 leaf modules by size on a GPU: DeepSpeed 0.19's release of them skips
-    record_stream, so the next gather can overwrite weights still in use (benchmarks/NOTES.md)."""
+    """Refuse ZeRO-3 leaf modules by size on GPU: DeepSpeed 0.19 skips record_stream (benchmarks/NOTES.md)."""
     import torch
 
     zero = cfg.get("zero_optimization") or {}

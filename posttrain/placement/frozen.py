@@ -1,6 +1,4 @@
-"""A fast forward for frozen ZeRO-3 models: :func:`take_over` replaces a prepared engine's gathering (whose
-per-parameter bookkeeping dominates a frozen forward) with one prefetched gather per layer into flat buffers.
-The transport is p2p (peer-mapped shards) on one host with CUDA, else NCCL."""
+"""Fast frozen ZeRO-3 forward: :func:`take_over` gathers one prefetched flat buffer per layer."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _fetch_plan(offsets: list[int], numels: list[int], shard_numel: int, world: int, rank: int, align: int,
                 whole: bool) -> tuple[list[bool], int, int, list[tuple[int, int, int]]]:
-    """How ``rank`` gathers a flat vector of ``world`` slices of ``shard_numel``: returns (per param: in own
-    slice, base, buffer span, pieces ``(src rank, start, end)``); ``whole``: buffer spans the whole vector."""
+    """``rank``'s plan: (per param own-slice, base, span, pieces (src, start, end)); ``whole``: full span."""
     lo, hi = rank * shard_numel, (rank + 1) * shard_numel
     local = [lo <= o and o + n <= hi for o, n in zip(offsets, numels)]
     needed: list[tuple[int, int]] = []  # merged ranges of the non-local parameters
@@ -84,8 +81,7 @@ class _Group:
         self.pending = False  # "p2p": copies issued that the compute stream has not waited for
 
     def build_shard(self, out: torch.Tensor | None = None) -> None:
-        """Cut this rank's slice out of the gathered parameters (into ``out``, peer-mapped memory,
-        or a tensor of its own), make each parameter a view of it or of ``full``, free ``full``."""
+        """Cut this rank's slice (``out``, peer or own memory); params view it or ``full``; frees ``full``."""
         import deepspeed
 
         zero = [p for p in self.params if hasattr(p, "ds_id")]
@@ -123,8 +119,7 @@ class _Group:
             self.ready, self.copied = torch.cuda.Event(), torch.cuda.Event()
 
     def start(self, compute: Any = None) -> None:
-        """Begin gathering what this rank does not hold, unless already live. ``compute``: the
-        stream that will use it (default: the current one)."""
+        """Gather what this rank lacks unless live; ``compute``: the stream using it (default: current)."""
         if self.live:
             return
         self.live = True
@@ -185,8 +180,7 @@ class _Group:
 
 
 class _PeerMemory:
-    """Every group's shard in one symmetric-memory buffer per rank, mapped by every rank of the
-    host: a rank reads the others' shards with device copies, which take no SMs from the forward."""
+    """Each rank's shards in one symmetric-memory buffer mapped by the host; read by copies (no SMs)."""
 
     def __init__(self, groups: list[_Group], process_group: Any, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -258,8 +252,7 @@ class _Unit:
 
 
 def _units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter], bool]]:
-    """(module, parameters it uses, is a layer) for each ModuleList child (a decoder layer) and
-    each other module owning parameters, in registration order."""
+    """(module, parameters it uses, is a layer) per ModuleList child and other parameter owner, in order."""
     out: list[tuple[nn.Module, list[nn.Parameter], bool]] = []
 
     def walk(module: nn.Module, whole: bool) -> None:
@@ -414,8 +407,7 @@ class FastFrozen:
 
     @torch.no_grad()
     def update_(self, fn: Any) -> None:
-        """``fn(param)`` on every whole parameter, one group at a time; each rank keeps its slice.
-        Collective; ``fn`` must compute the same on every rank."""
+        """``fn(param)`` per whole parameter, group by group; ranks keep slices. Collective, same ``fn``."""
         for group in self.groups:
             group.acquire()
             try:
@@ -443,8 +435,7 @@ class FastFrozen:
 
 
 def take_over(engine: Any) -> FastFrozen:
-    """Replace a prepared inference-only ZeRO-3 engine's gathering with :class:`FastFrozen`; the
-    engine stays the object the user holds."""
+    """Swap a prepared inference-only ZeRO-3 engine's gathering for :class:`FastFrozen` (same object)."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
     offload = getattr(engine, "optimizer", None)

@@ -18,8 +18,7 @@ class FrozenWeightsMixin:
 
     @torch.no_grad()
     def update_weights(self, name: str, fn: Callable[[str, torch.Tensor], None]) -> None:
-        """Change a frozen role's weights in place: ``fn(parameter_name, full_tensor)`` per parameter (tied
-        once). Collective: call on every rank with an ``fn`` that computes the same on each."""
+        """Change a frozen role's weights in place: ``fn(name, full_tensor)`` per param. Collective."""
         if self.role(name).trains:
             raise ConfigError(f"role {name!r} trains: its weights change through its optimizer (or load_state)")
         module = self.engines[name].module
@@ -59,8 +58,7 @@ class FrozenWeightsMixin:
 
     @torch.no_grad()
     def blend(self, target: str, source: str, alpha: float) -> None:
-        """``target = (1 - alpha) * target + alpha * source`` per parameter (TR-DPO's reference
-        sync), for any placement of the two roles. Collective."""
+        """``target = (1 - alpha) * target + alpha * source`` (TR-DPO), any placement. Collective."""
         import deepspeed
 
         src_module = self.engines[source].module

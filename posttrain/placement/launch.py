@@ -33,8 +33,7 @@ def _relaunch_target(argv: list[str]) -> str:
 
 
 def check_launch(env: Mapping[str, str] | None = None, argv: list[str] | None = None) -> None:
-    """Refuse a process that ``accelerate launch --num_processes N`` (N > 1) started alone: its
-    plain launcher exports ``MASTER_ADDR`` but never ``WORLD_SIZE``, as every multi-process one does."""
+    """Refuse a process that ``accelerate launch --num_processes N`` (N > 1) started alone."""
     env = os.environ if env is None else env
     argv = sys.argv if argv is None else argv
     launched_by_accelerate = "ACCELERATE_DYNAMO_BACKEND" in env  # exported by every accelerate launcher
@@ -49,8 +48,7 @@ def check_launch(env: Mapping[str, str] | None = None, argv: list[str] | None = 
 
 
 def accelerate_config_command(argv: list[str]) -> int:
-    """``posttrain accelerate-config [NAME]``: the path of a shipped accelerate config (for
-    ``accelerate launch --config_file``), or every name and path."""
+    """``posttrain accelerate-config [NAME]``: a shipped config's path, or every name and path."""
     if not argv:
         for name, path in accelerate_configs().items():
             print(f"{name:12s} {path}")

@@ -24,8 +24,7 @@ ENGINES = ("auto", "deepspeed", "torch")
 
 def uses_torch(setting: str, *, world_size: int, trains: bool, from_mix: bool, master_weights: str,
                decoded: bool, mixed_precision: str) -> bool:
-    """Whether a role runs as a :class:`PlainEngine`. ``auto``: at world size 1 for a trained role from a mix,
-    with bf16 master weights, or fp32 ones unless a trained role is decoded or fp16 is used."""
+    """Whether a role runs as :class:`PlainEngine` (``auto``: world 1, trained, no fp16/decoded fp32)."""
     if setting == "deepspeed" or world_size != 1 or not trains or not from_mix:
         return False
     if setting == "torch" or master_weights == "bf16":
@@ -76,8 +75,7 @@ def describe(master_weights: str, mixed_precision: str) -> str:
 
 
 class PlainEngine(nn.Module):
-    """Model and torch optimizer behind DeepSpeed's engine interface. ``master_weights`` "bf16": bf16 params
-    updated in place; "fp32": fp32 params, bf16 autocast forward. Frozen params are bf16 under bf16."""
+    """Model + torch optimizer as a DeepSpeed engine; ``master_weights`` "bf16" or "fp32" (autocast)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device,
                  gradient_accumulation_steps: int, gradient_clipping: float, mixed_precision: str,
@@ -155,8 +153,7 @@ class PlainEngine(nn.Module):
 
 
 def _cast_parameters(model: nn.Module, dtype: torch.dtype, *, frozen: torch.dtype, trained: set[int]) -> None:
-    """Cast parameters in place: those in ``trained`` (ids) to ``dtype``, the others to ``frozen``;
-    buffers and ``_keep_in_fp32_modules`` stay as they are, as DeepSpeed's cast leaves them."""
+    """Cast ``trained`` (ids) to ``dtype``, others to ``frozen``, in place; buffers as DeepSpeed leaves."""
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     for name, param in model.named_parameters():
         target = dtype if id(param) in trained else frozen
@@ -173,8 +170,7 @@ def _autocast_forward(model: nn.Module, device: torch.device) -> None:
 
 
 def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
-    """Switch an AdamW to the fused kernel where device and dtypes allow (as ``fused=True`` before its first
-    step). Use it on DeepSpeed engines too: foreach allocates a master-weights-sized temporary each step."""
+    """Switch an AdamW to fused where allowed; use on DeepSpeed too (foreach has a master-sized temp)."""
     if type(optimizer) is not torch.optim.AdamW or optimizer.state:
         return
     from torch.optim.optimizer import _device_dtype_check_for_fused

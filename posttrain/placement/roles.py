@@ -63,8 +63,7 @@ BF16_STATE_PRESETS = {"zero2_train": "zero2_train_bf16_states", "zero3_train": "
 
 
 def trained_config(config: str | dict, master_weights: str, role: str) -> str | dict:
-    """A trained role's config at the optimizer precision asked for: a shipped preset maps to its
-    ``_bf16_states`` twin; any other config gets DeepSpeed's two bf16 keys added (as a dict)."""
+    """Trained config at ``master_weights``: a preset's ``_bf16_states`` twin, else DeepSpeed's bf16 keys."""
     if master_weights == "bf16" and isinstance(config, str) and config in BF16_STATE_PRESETS:
         return BF16_STATE_PRESETS[config]
     checked = with_master_weights(read_config(config), master_weights, f"role {role!r}")
@@ -98,8 +97,7 @@ def check_placement(mix: str, role_configs: Mapping | None) -> None:
 def roles_for(trained: Iterable[str], frozen: Iterable[str] = (), mix: str = DEFAULT_MIX,
               configs: Mapping[str, str | dict] | None = None, master_weights: str = "fp32",
               decoded: Iterable[str] = ()) -> list[Role]:
-    """Roles for a trainer: ``mix`` gives configs, ``configs`` overrides per role; ``master_weights`` ("fp32"
-    or "bf16") applies to trained roles; ``decoded``: trained roles the rollout engine decodes from."""
+    """Roles from ``mix``, ``configs`` per role; trained get ``master_weights``; ``decoded``: rollout's."""
     check_mix(mix)
     trained, frozen, decoded = list(trained), list(frozen), set(decoded)
     configs = dict(configs or {})

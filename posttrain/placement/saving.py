@@ -15,8 +15,7 @@ class SavingMixin:
     """Session methods that save and restore its roles; collective: call them on every rank."""
 
     def save_state(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
-        """A resumable checkpoint: each trained role's engine, scheduler and RNG states, then
-        ``trainer_state.json`` (``extra``), written last so its presence marks a complete state."""
+        """Resumable checkpoint: engine/scheduler/RNG states, then ``trainer_state.json`` (``extra``) last."""
         directory = Path(directory)
         for name, role in self.roles.items():
             if name in self.plain_roles and name in self.engines:
@@ -32,8 +31,7 @@ class SavingMixin:
         self.accelerator.wait_for_everyone()
 
     def load_state(self, directory: str | os.PathLike) -> dict:
-        """Restore what :meth:`save_state` wrote; returns its ``extra``. An incomplete state is
-        refused (accelerate would silently skip a missing RNG file)."""
+        """Restore what :meth:`save_state` wrote and return its ``extra``; refuses an incomplete state."""
         from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME
 
         directory = Path(directory)
@@ -63,8 +61,7 @@ class SavingMixin:
         return json.loads((directory / "trainer_state.json").read_text())
 
     def state_dict(self, name: str) -> dict:
-        """The role's full weights (gathered under ZeRO-3). Collective; for a trained ZeRO-3 role
-        the ranks other than the main one get None."""
+        """The role's full weights. Collective; a trained ZeRO-3 role gives None off the main rank."""
         with self.activate(name):
             accelerator = self._accelerators[name]
             if name in self.plain_roles:

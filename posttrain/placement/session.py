@@ -1,6 +1,4 @@
-"""The Session: owns the Accelerator(s) and every role's DeepSpeed engine. Each role is loaded and
-prepared under its own named plugin and has its own Accelerator, so that ``backward`` and saving
-see exactly one engine (shared/knowledge/multi-plugin-facts.md)."""
+"""The Session: every role's DeepSpeed engine, each under its own plugin and Accelerator."""
 
 from __future__ import annotations
 
@@ -230,8 +228,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
     def prepare(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 scheduler: Any = None) -> Any:
-        """Wrap ``model`` in its role's engine and return it. A trained role needs ``optimizer`` (or
-        an ``optimizer`` config block); ``scheduler`` is stepped per optimizer step and checkpointed."""
+        """Wrap ``model`` in its role's engine; trained roles need ``optimizer``; ``scheduler`` is saved."""
         from accelerate.utils import DummyOptim
 
         role = self.role(name)
@@ -359,8 +356,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         self._trained_engine(name).backward(loss)
 
     def step(self, name: str) -> bool:
-        """The engine's step, then the role's scheduler at an accumulation boundary; returns whether
-        the optimizer stepped."""
+        """Engine step, then scheduler at an accumulation boundary; returns whether the optimizer stepped."""
         engine = self._trained_engine(name)
         boundary = engine.is_gradient_accumulation_boundary()
         if boundary:  # read before the schedulers move it on (a DeepSpeed-config scheduler steps in engine.step)
@@ -375,8 +371,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
         return None if norm is None else float(norm)
 
     def learning_rate(self, name: str) -> float:
-        """The rate the role's last optimizer step used (``transformers.Trainer``'s ``learning_rate``);
-        before any step, the rate the first one will use."""
+        """The rate of the role's last optimizer step (or, before any, the first one's), as Trainer logs."""
         engine = self._trained_engine(name)
         return self._step_lr.get(name, float(engine.get_lr()[0]))
 

@@ -33,16 +33,14 @@ def on_cpu() -> bool:
 
 
 def _skip_shm_comm_op() -> None:
-    """Mark DeepSpeed's CPU shared-memory all-reduce unbuildable: its JIT build is slow and only
-    tensor-parallel inference uses it (ZeRO's collectives are plain gloo)."""
+    """Mark DeepSpeed's CPU shm all-reduce unbuildable: slow JIT, only tensor-parallel inference uses it."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _single_process_env() -> None:
-    """``python script.py`` with no launcher: describe a world of one, as torchrun would, so that
-    accelerate and DeepSpeed build their process group."""
+    """No launcher (``python script.py``): describe a world of one, as torchrun would."""
     dist = torch.distributed
     if "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized()):
         return
@@ -58,8 +56,7 @@ def _single_process_env() -> None:
 
 
 def forget_destroyed_group() -> None:
-    """Let a second run in one Python process build its own process group: DeepSpeed keeps a
-    destroyed group's backend and cached groups in module globals, reset here when none is alive."""
+    """Let a second run in one process build its own group: reset DeepSpeed's globals when none is alive."""
     dist = torch.distributed
     if not dist.is_available() or dist.is_initialized():
         return
@@ -76,8 +73,7 @@ def forget_destroyed_group() -> None:
 
 
 def _destroy_process_group() -> None:
-    """At exit: take the process group down in step on every rank (left to interpreter teardown,
-    gloo's threads can abort). After an uncaught exception the ranks skip the barrier."""
+    """At exit: take the process group down in step on all ranks (no barrier after an uncaught exception)."""
     import sys
     from datetime import timedelta
 

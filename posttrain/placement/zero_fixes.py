@@ -9,8 +9,7 @@ import torch
 
 
 def share_bf16_master(zero_optimizer: Any) -> bool:
-    """In a world of one, make a ZeRO-1/2 optimizer with bf16 master weights update the model's
-    own bf16 weights instead of a clone of them (as ZeRO-3 does); returns whether it did."""
+    """World of one: ZeRO-1/2 bf16 master updates the model's own weights, not a clone; returns whether."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     opt = zero_optimizer

@@ -1,6 +1,4 @@
-"""Memory planner: per-GPU memory of every role under a mix, and the fastest mix that fits. Model states come
-from DeepSpeed's estimators; on top sits the largest transient of any phase, from per-token coefficients for a
-Llama-shaped model under bf16 with SDPA attention."""
+"""Memory planner: per-GPU memory of every role under a mix, and the fastest mix that fits."""
 
 from __future__ import annotations
 
@@ -62,8 +60,7 @@ def shared_vocab(shapes: dict[str, str], workload: str) -> int:
 
 
 def train_activation_bytes(m: ModelSize, tokens: int, checkpointing: bool = False) -> int:
-    """Bytes saved for backward by a forward over ``tokens`` tokens, head included. With gradient
-    checkpointing each layer keeps only its bf16 input (2h per token), plus one layer's activations."""
+    """Bytes kept for backward over ``tokens`` tokens, head included; checkpointing: 2h/token/layer + 1."""
     per_layer = ACT_H * m.hidden + ACT_KV * m.kv_dim + ACT_F * m.intermediate
     head = HEAD_TRAIN_V * m.vocab if m.kind == "causal" else 8 * m.hidden
     layers = m.layers * 2 * m.hidden + per_layer if checkpointing else m.layers * per_layer
@@ -79,8 +76,7 @@ def inference_bytes(m: ModelSize, tokens: int) -> int:
 
 def kv_cache_bytes(m: ModelSize, sequences: int, length: int, prompt_slots: int | None = None,
                    prompt_len: int = 0) -> int:
-    """Generation's bf16 KV cache, every layer. With shared prompt slots (``generation_shared_prompt_kv``)
-    the rows hold their completions and each of ``prompt_slots`` slots a prompt of ``prompt_len``."""
+    """bf16 KV cache, all layers; shared prompt slots: completions, plus ``prompt_slots`` x ``prompt_len``."""
     columns = sequences * length
     if prompt_slots is not None:
         columns = sequences * (length - prompt_len) + prompt_slots * prompt_len
@@ -98,8 +94,7 @@ def fused_projection_bytes(m: ModelSize) -> int:
 
 def rollout_engine_bytes(m: ModelSize, sequences: int, length: int, policy_stage: int,
                          fused_projections: bool = False, kv_cache: int | None = None) -> int:
-    """What posttrain.rollout keeps for a run: KV cache (``kv_cache``, default every row's), graph
-    pool, a ZeRO-3 policy's gathered bf16 copy, and the fused projections when asked for."""
+    """posttrain.rollout's bytes: KV cache (default all rows'), graphs, ZeRO-3 copy, fused projections."""
     pool = GRAPH_POOL_BYTES_PER_ROW_VOCAB * sequences * m.vocab
     fused = fused_projection_bytes(m) if fused_projections else 0
     kv = kv_cache_bytes(m, sequences, length) if kv_cache is None else kv_cache
@@ -189,8 +184,7 @@ class Plan:
 
 
 def _states(r: RolePlan, world: int) -> None:
-    """A role's states. A trained role's gradients (beyond ``resident_grads``) exist only from
-    backward to the step, so they count in the train phase, not at rest."""
+    """A role's states; trained grads beyond ``resident_grads`` count in the train phase, not at rest."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -240,8 +234,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          generation_backend: str = "posttrain", master_weights: str = "fp32",
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
          fused_projections: bool = False, shared_prompt_group: int | None = None) -> Plan:
-    """Per-GPU memory of every role of ``workload`` under ``mix``. ``micro_batch``: prompts (PPO), pairs (DPO)
-    or sequences; ``seq_len`` includes ``response_len``; ``lora``: no reference; rest are trainer settings."""
+    """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]

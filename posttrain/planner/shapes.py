@@ -45,8 +45,7 @@ def resolve_shape(spec: str, what: str = "--shape") -> str:
 
 
 def model_config(spec: str, kind: str = "causal", vocab_size: int | None = None) -> Any:
-    """A transformers config: a preset from :data:`SHAPES`, or a hub name / local path.
-    ``vocab_size`` replaces the vocabulary (models of one run share a tokenizer)."""
+    """A transformers config: :data:`SHAPES` preset, hub name or path; ``vocab_size`` replaces the vocab."""
     from transformers import AutoConfig, LlamaConfig
 
     if spec in SHAPES:
@@ -117,8 +116,7 @@ def model_size(spec: str, kind: str = "causal", vocab_size: int | None = None) -
 
 @dataclass(frozen=True)
 class Lora:
-    """Adapters of rank ``r`` on ``target_modules`` (TRL's ``lora_r`` / ``lora_target_modules``):
-    None is peft's default for the architecture, ("all-linear",) every linear layer but the head."""
+    """Rank-``r`` adapters on ``target_modules``: None: peft's default; ("all-linear",): all but the head."""
 
     r: int = 16
     target_modules: tuple[str, ...] | None = None
@@ -126,8 +124,7 @@ class Lora:
 
 @functools.lru_cache(maxsize=64)
 def adapter_params(spec: str, kind: str, lora: Lora, vocab_size: int | None = None) -> int:
-    """Trainable parameters peft gives the model: ``r * (in + out)`` per adapted linear layer
-    (``r * (rows + dim)`` per embedding), plus a classifier's head, which peft trains in full."""
+    """Trainable params peft gives: ``r * (in + out)`` per adapted linear (embeddings too), plus the head."""
     from peft.utils.constants import SEQ_CLS_HEAD_NAMES
     from torch import nn
     from transformers.pytorch_utils import Conv1D
@@ -158,8 +155,7 @@ def _default_targets(model: Any) -> Any:
 
 
 def _adapted(model: Any, targets: Any, saved: list[str]) -> Any:
-    """The modules peft puts adapters on: "all-linear" every linear layer but the output embedding,
-    else a module whose name is one of ``targets`` or ends with "." and one; never ``saved`` heads."""
+    """Modules peft adapts: "all-linear" (all but output embedding) or matching ``targets``; not ``saved``."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
@@ -177,8 +173,7 @@ def _adapted(model: Any, targets: Any, saved: list[str]) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def merged_adapter_params(spec: str, lora: Lora, vocab_size: int | None = None) -> int:
-    """Weights the rollout engine keeps merged (its default ``lora_mode``): every adapted linear
-    layer's weight once more."""
+    """Weights the rollout engine keeps merged (default ``lora_mode``): each adapted linear weight again."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 

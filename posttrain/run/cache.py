@@ -18,8 +18,7 @@ def source_checkout() -> Path | None:
 
 
 def cache_dir() -> Path:
-    """posttrain's cache: ``$POSTTRAIN_CACHE``; in a clone ``<clone>/.cache/posttrain`` (``make clean``
-    removes it); installed, ``$XDG_CACHE_HOME/posttrain`` or ``~/.cache/posttrain``."""
+    """``$POSTTRAIN_CACHE``, else ``<clone>/.cache/posttrain``, else the XDG/``~/.cache`` posttrain dir."""
     if os.environ.get("POSTTRAIN_CACHE"):
         return Path(os.environ["POSTTRAIN_CACHE"]).expanduser()
     checkout = source_checkout()

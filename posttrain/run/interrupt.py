@@ -1,7 +1,4 @@
-"""Ctrl-C (SIGINT) and SIGTERM during a script: one line on rank 0 saying where the run stopped and how to
-resume it, no traceback, exit status 130. No checkpoint is saved: the ranks are at different points of their
-step, so a save could pair mismatched collectives. Destructor errors after the signal (objects whose
-``__init__`` it cut short) are dropped."""
+"""SIGINT/SIGTERM in a script: one resume line on rank 0, no traceback or checkpoint, exit status 130."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ _state: dict[str, Any] = {"signal": None, "at": 0.0, "describe": None, "unraisab
 
 
 def install() -> None:
-    """Turn the first SIGINT/SIGTERM into KeyboardInterrupt (once); a repeat from the launcher is
-    ignored, one the user sends later ends the process at once."""
+    """First SIGINT/SIGTERM becomes KeyboardInterrupt; a launcher repeat is ignored, a later one kills."""
     _state.update(signal=None, at=0.0, reported=False)
     if not _is_main_thread():
         return
@@ -53,8 +49,7 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def exit_status(err: BaseException) -> int | None:
-    """After an interrupt (``err`` or a failure it caused): print the line on rank 0 once, drop the process
-    group, return 130; None otherwise. If this raises KeyboardInterrupt, catch it and call again."""
+    """After an interrupt: rank-0 line, drop group, return 130 (else None); on KeyboardInterrupt, recall."""
     if not isinstance(err, KeyboardInterrupt) and _state["signal"] is None:
         return None
     _state["at"] = time.monotonic()  # a repeat that arrives while the line is written is the same interrupt

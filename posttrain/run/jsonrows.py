@@ -1,6 +1,4 @@
-"""Rows of ``metrics.jsonl`` (and ``samples.jsonl``): strict JSON at full precision. A non-finite
-float is written as ``null`` (bare ``NaN`` is not JSON) and named in a ``"nonfinite"`` entry, so
-:func:`loads_row` gives back the floats that were logged."""
+"""Rows of ``metrics.jsonl``/``samples.jsonl``: strict JSON at full precision; non-finite floats kept."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ def loads_row(line: str) -> dict[str, Any]:
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Every complete row of a ``.jsonl`` file; an empty list when there is none. A last line cut
-    short by a killed run is left out."""
+    """Every complete row of a ``.jsonl`` file ([] if none); a last line cut short is left out."""
     path = Path(path)
     if not path.is_file():
         return []

@@ -176,8 +176,7 @@ def plot_learning_curves(rows: list[dict], path: str | Path) -> Path | None:
 
 def write_model_card(output_dir: str | Path, cfg: Any, method: str, session: Any = None,
                      base_model: str | None = None, dataset_name: str | None = None) -> Path:
-    """Write ``README.md`` and ``learning_curves.png`` to ``output_dir`` from ``cfg`` (trainer config) and its
-    ``metrics.jsonl``; returns the card's path. ``session`` adds placements. Main process only."""
+    """Write ``README.md`` and curves to ``output_dir`` from ``cfg``; returns its path. Main only."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from posttrain.placement import dsconfig

@@ -1,6 +1,4 @@
-"""A run's output dir (the trained model at its top, as TRL's, other trained roles in ``<role>/``), the lock
-one run holds on it, resume, and atomic ``checkpoint-N`` folders (written as ``checkpoint-N.tmp`` and renamed
-once every rank has written its part)."""
+"""A run's output dir: layout, lock, resume, and atomic ``checkpoint-N`` folders."""
 
 from __future__ import annotations
 
@@ -109,8 +107,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def prepare_output_dir(cfg: OutputDirSettings) -> None:
-    """Call on every rank once settings are validated, before models load: locks the dir, resolves resume
-    (``latest`` becomes its path) or refuses a used dir unless ``overwrite_output_dir``, then cleans it."""
+    """Every rank, before models load: lock the dir, resolve resume or refuse a used one, then clean it."""
     out = Path(cfg.output_dir)
     lock_output_dir(out)
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
@@ -147,8 +144,7 @@ def _checkpoint_step(path: Path) -> int:
 
 
 def resume_dir(cfg: OutputDirSettings) -> Path | None:
-    """The checkpoint this run resumes from (None: from scratch). "latest" (or "true", as Trainer)
-    is the newest complete one in output_dir; none, or a half-written one, is refused."""
+    """Checkpoint to resume (None: scratch); "latest"/"true": newest complete; none/half-written: refused."""
     if not cfg.resume_from_checkpoint:
         return None
     if str(cfg.resume_from_checkpoint).lower() in ("latest", "true"):

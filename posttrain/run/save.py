@@ -15,8 +15,7 @@ _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_m
 
 def save_trained_model(session: Session, role: str, directory: str | os.PathLike, tokenizer: Any = None,
                        merge_adapters: bool = False) -> Path:
-    """Save a trained role's final model in HF format to ``directory`` (LoRA: the PEFT adapter, or merged with
-    ``merge_adapters``); a full save first removes adapter files there."""
+    """Save a role's final HF model to ``directory`` (LoRA: adapter or merged); full saves drop adapters."""
     path = Path(directory)
     adapted = has_adapters(session.unwrap(role))
     if session.is_main_process and (merge_adapters or not adapted):

@@ -28,5 +28,24 @@ from posttrain.errors import ConfigError  # noqa: E402
 from posttrain.placement.roles import DEFAULT_MIX, MIXES, Role, roles_for, roles_from_yaml  # noqa: E402
 from posttrain.placement.session import Session  # noqa: E402
 
-__all__ = ["ConfigError", "cache_dir", "DEFAULT_MIX", "MIXES", "Role", "Session", "roles_for", "roles_from_yaml"]
+# TRL's class names: ``from posttrain import GRPOTrainer, GRPOConfig`` where a script had ``from trl import``.
+# Imported on first use, so that ``import posttrain`` stays light.
+_TRAINERS = {
+    "SFTTrainer": "sft", "SFTConfig": "sft", "RewardTrainer": "reward", "RewardConfig": "reward",
+    "DPOTrainer": "dpo", "DPOConfig": "dpo", "GRPOTrainer": "grpo", "GRPOConfig": "grpo", "RLOOTrainer": "rloo",
+    "RLOOConfig": "rloo", "PPOTrainer": "ppo", "PPOConfig": "ppo", "DistillationTrainer": "distill",
+    "DistillationConfig": "distill", "MultiTrainer": "multi", "MultiConfig": "multi",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _TRAINERS:
+        import importlib
+
+        return getattr(importlib.import_module(f"posttrain.trainers.{_TRAINERS[name]}"), name)
+    raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", "cache_dir", "DEFAULT_MIX", "MIXES", "Role", "Session", "roles_for", "roles_from_yaml",
+           *_TRAINERS]
 __version__ = "0.1.0"

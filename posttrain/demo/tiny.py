@@ -146,6 +146,7 @@ def _init_model(kind: str, seed: int, tok_dir: Path, **overrides):
     cls = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
     model = cls.from_config(_config(kind, load_tokenizer(tok_dir), **overrides))
     model.config.dtype = model.dtype  # recorded in config.json, as from_pretrained does
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it (TRL loads by it)
     return model
 
 

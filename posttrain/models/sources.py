@@ -47,7 +47,7 @@ def policy_source(cfg: Any, model: Any, processing_class: Any, *, what: str = "p
                   load_tokenizer: Callable[[str], Any] | None = None) -> tuple[Any, Any, str]:
     """``(source, tokenizer, name)`` of ``model`` or ``cfg.model_name_or_path`` (one); ``what``: errors."""
     load_tokenizer = load_tokenizer or _auto_tokenizer
-    model = given_once(model, cfg.model_name_or_path, what, "model", "model_name_or_path")
+    model = given_once(model, getattr(cfg, "model_name_or_path", None), what, "model", "model_name_or_path")
     if model is None:
         raise ConfigError(f"no {what} is given: set model_name_or_path (a hub name or local path) or pass model= "
                           "(a model object with its processing_class)")
@@ -65,11 +65,19 @@ def policy_source(cfg: Any, model: Any, processing_class: Any, *, what: str = "p
     return path, processing_class or load_tokenizer(path), path
 
 
-def model_and_tokenizer(cfg: ModelFields, model: Any, processing_class: Any, *,
+def model_and_tokenizer(cfg: Any, model: Any, processing_class: Any, *,
                         what: str = "model") -> tuple[Any, Any, str]:
     """:func:`policy_source` for SFT, reward and DPO, loading a missing tokenizer as TRL does."""
     return policy_source(cfg, model, processing_class, what=what,
-                         load_tokenizer=lambda path: load_tokenizer(path, cfg.model_init_kwargs))
+                         load_tokenizer=lambda path: load_tokenizer(path, init_kwargs(cfg)))
+
+
+def init_kwargs(cfg: Any, **defaults: Any) -> dict[str, Any]:
+    """``from_pretrained``'s keywords: ``defaults``, then ``model_init_kwargs`` and ``trust_remote_code``."""
+    kwargs = {**defaults, **(cfg.model_init_kwargs or {})}
+    if getattr(cfg, "trust_remote_code", False):
+        kwargs.setdefault("trust_remote_code", True)
+    return kwargs
 
 
 def _auto_tokenizer(path: str) -> Any:

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from posttrain.errors import ConfigError
 
 
-@dataclass
-class TokenizerFields:
-    """The tokenizer's fields of ``trl.SFTConfig`` and ``RewardConfig``."""
-
-    chat_template_path: str | None = None  # a .jinja file: the chat template to render conversations with
-    eos_token: str | None = None  # the token that ends a turn or sequence; None: the tokenizer's own
-
-    def check_tokenizer_fields(self) -> None:
-        if self.chat_template_path is not None and not str(self.chat_template_path).endswith((".jinja", ".j2")):
-            raise ConfigError(f"chat_template_path {self.chat_template_path!r} is not a .jinja/.j2 file: give the "
-                              "template as a Jinja file")
+def check_tokenizer_fields(cfg: Any) -> None:
+    """Refuse a chat template that is not a Jinja file, before anything loads."""
+    path = cfg.chat_template_path
+    if path is not None and not str(path).endswith((".jinja", ".j2")):
+        raise ConfigError(f"chat_template_path {path!r} is not a .jinja/.j2 file: give the template as a Jinja file")
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"chat_template_path {path!r} does not exist: give the path of a .jinja file")
 
 
 def load_tokenizer(path: str, model_init_kwargs: dict[str, Any] | None = None) -> Any:
@@ -33,13 +28,17 @@ def load_tokenizer(path: str, model_init_kwargs: dict[str, Any] | None = None) -
     return tok
 
 
-def set_tokens(tokenizer: Any, cfg: TokenizerFields) -> None:
-    """Apply the config's chat template and EOS token; EOS pads when there is no pad token (TRL)."""
+def set_tokens(tokenizer: Any, cfg: Any) -> None:
+    """Apply the config's chat template, EOS and pad tokens; EOS pads when there is no pad token (TRL)."""
     if cfg.chat_template_path is not None:
         tokenizer.chat_template = Path(cfg.chat_template_path).read_text()
     if cfg.eos_token is not None:
         if cfg.eos_token not in tokenizer.get_vocab():
             raise ConfigError(f"eos_token {cfg.eos_token!r} is not in the tokenizer's vocabulary: give one of its tokens")
         tokenizer.eos_token = cfg.eos_token
+    if getattr(cfg, "pad_token", None) is not None:
+        if cfg.pad_token not in tokenizer.get_vocab():
+            raise ConfigError(f"pad_token {cfg.pad_token!r} is not in the tokenizer's vocabulary: give one of its tokens")
+        tokenizer.pad_token = cfg.pad_token
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

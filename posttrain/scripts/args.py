@@ -203,6 +203,34 @@ def require_dataset(outputs: Sequence[Any], model_fields: Sequence[str] = ("mode
                           "tiny default on its bundled data")
 
 
+# ModelConfig's LoRA flags: set without --use_peft they would be ignored.
+_LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+               "lora_modules_to_save", "use_rslora", "use_dora")
+
+
+def model_arguments(model_args: Any, cfg: Any, demo_model: Callable[[], Any]) -> tuple[str, Any]:
+    """The model to train and its peft config from TRL's ``ModelConfig``, as TRL's scripts build them
+    (``model_init_kwargs`` from ``--dtype``, ``--model_revision``, ``--attn_implementation``)."""
+    from trl import ModelConfig, get_peft_config
+
+    defaults = ModelConfig()
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        raise ConfigError("--load_in_4bit / --load_in_8bit: quantized (bitsandbytes) training is not supported; "
+                          "drop the flag and load the model in bf16 (--dtype bfloat16)")
+    changed = [f for f in _LORA_FLAGS if hasattr(model_args, f) and getattr(model_args, f) != getattr(defaults, f)]
+    if changed and not model_args.use_peft:
+        raise ConfigError(f"--{changed[0]} is set but --use_peft is not: add --use_peft to train LoRA adapters, or "
+                          "drop the LoRA flags")
+    if getattr(cfg, "merge_adapters", False) and not model_args.use_peft:
+        raise ConfigError("--merge_adapters merges LoRA adapters into the saved model, but --use_peft is not set: "
+                          "add --use_peft, or drop --merge_adapters")
+    kwargs = {"revision": model_args.model_revision, "trust_remote_code": getattr(cfg, "trust_remote_code", None),
+              "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype}
+    cfg.model_init_kwargs = {**{k: v for k, v in kwargs.items() if v is not None}, **(cfg.model_init_kwargs or {})}
+    model = model_args.model_name_or_path or str(demo_model())
+    return model, get_peft_config(model_args)
+
+
 def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | None = None) -> int:
     """Run a script's ``main``: a ConfigError ends it with one sentence (status 2), Ctrl-C with 130."""
     from posttrain.run import interrupt

@@ -12,6 +12,7 @@ from trl import ScriptArguments
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
+from posttrain.run.hub import push_to_hub
 from posttrain.run.modelcard import write_model_card
 from posttrain.scripts.args import (
     demo_config,
@@ -21,7 +22,6 @@ from posttrain.scripts.args import (
     run_script,
 )
 from posttrain.scripts.data import eval_steps_per_epoch, load_train_eval
-from posttrain.scripts.hub import push_to_hub
 from posttrain.scripts.ppo import saved_as
 from posttrain.trainers.distill import DistillConfig, DistillTrainer
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate

@@ -9,6 +9,7 @@ from trl import ScriptArguments
 
 from posttrain.demo import tiny
 from posttrain.models.lora import LoraFields
+from posttrain.run.hub import push_to_hub
 from posttrain.run.modelcard import write_model_card
 from posttrain.scripts.args import (
     demo_config,
@@ -18,7 +19,6 @@ from posttrain.scripts.args import (
     run_script,
 )
 from posttrain.scripts.data import PromptArguments, load_prompts
-from posttrain.scripts.hub import push_to_hub
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
 

@@ -9,12 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from trl import ScriptArguments
+from trl import ModelConfig, ScriptArguments
 
-from posttrain.run.modelcard import write_model_card
-from posttrain.scripts.args import demo_config, parse_config, record_script_arguments, require_dataset
+from posttrain.scripts.args import (
+    demo_config,
+    model_arguments,
+    parse_config,
+    record_script_arguments,
+    require_dataset,
+)
 from posttrain.scripts.data import bundled_pairs, trainer_on_data
-from posttrain.scripts.hub import push_to_hub
 
 
 @dataclass
@@ -37,33 +41,35 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
     """Parse, train, save, report. ``demo_model()``: model if none named; ``data_cls``: ``test_split_size``,
     ``bundled()``, ``bundled_name``; ``metrics``: for ``summary.json``, first two printed before -> after."""
     name = trainer_cls.name
-    script, data, cfg = parse_config((ScriptArguments, data_cls, config_cls), demo_config(name), argv,
-                                     prog=f"posttrain {name}")
-    require_dataset([script, cfg])
-    model = str(demo_model()) if cfg.model_name_or_path is None else None
+    script, data, cfg, model_args = parse_config((ScriptArguments, data_cls, config_cls, ModelConfig),
+                                                 demo_config(name), argv, prog=f"posttrain {name}")
+    require_dataset([script, model_args])
+    model, peft_config = model_arguments(model_args, cfg, demo_model)
     trainer, before = trainer_on_data(trainer_cls, cfg, script, data.test_split_size, data.bundled, check=check,
-                                      model=model)
-    history = trainer.train()
+                                      model=model, peft_config=peft_config)
+    trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+    history = trainer.state.log_history
     final = trainer.save_model()
-    if not trainer.session.is_main_process:
-        return
-    summary: dict[str, Any] = {"steps": trainer.step, "final_model": str(final),
-                               **(train_summary(history) if train_summary else {})}
-    if before:
-        after = next(r for r in reversed(history) if f"eval/{metrics[0]}" in r)
-        summary[f"eval_{metrics[0]}_before"] = before[f"eval/{metrics[0]}"]
-        summary.update({f"eval_{m}": after[f"eval/{m}"] for m in metrics})
-        first, second = (f"eval/{m}" for m in metrics[:2])
-        print(f"held-out {first}: {_shown(first, before)} -> {_shown(first, after)} "
-              f"({second} {_shown(second, before)} -> {_shown(second, after)})")
-    Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+    if trainer.is_world_process_zero():
+        summary: dict[str, Any] = {"steps": trainer.step, "final_model": str(final),
+                                   **(train_summary(history) if train_summary else {})}
+        if before:
+            after = next(r for r in reversed(history) if f"eval/{metrics[0]}" in r)
+            summary[f"eval_{metrics[0]}_before"] = before[f"eval/{metrics[0]}"]
+            summary.update({f"eval_{m}": after[f"eval/{m}"] for m in metrics})
+            first, second = (f"eval/{m}" for m in metrics[:2])
+            print(f"held-out {first}: {_shown(first, before)} -> {_shown(first, after)} "
+                  f"({second} {_shown(second, before)} -> {_shown(second, after)})")
+        Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+        record_script_arguments(cfg.output_dir, script, data, model_args)
+        print(f"{saved} saved to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
     # The card written at the end of training cannot know the data: name it.
-    write_model_card(cfg.output_dir, cfg, name, trainer.session,
-                     dataset_name=script.dataset_name or data.bundled_name)
-    record_script_arguments(cfg.output_dir, script, data)
-    print(f"{saved} saved to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
+    trainer.create_model_card(dataset_name=script.dataset_name or data.bundled_name)
     if cfg.push_to_hub:
-        print(f"pushed to {push_to_hub(cfg, final)}")
+        url = trainer.push_to_hub(dataset_name=script.dataset_name or data.bundled_name)
+        if url:
+            print(f"pushed to {url}")
+    trainer.end()
 
 
 def _shown(key: str, row: dict) -> str:

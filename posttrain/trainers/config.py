@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
 
 from posttrain import checks
 from posttrain.errors import ConfigError
@@ -14,33 +18,15 @@ from posttrain.placement.ranks import world_size
 from posttrain.placement.roles import DEFAULT_MIX, check_placement, roles_for
 from posttrain.placement.session import Session
 from posttrain.run.output_dir import prepare_output_dir
+from posttrain.trainers.trl_fields import check_trl_fields
 
 
 @dataclass
 class TrainConfig:
-    """Fields shared by every trainer; names follow ``transformers.TrainingArguments``/TRL."""
+    """posttrain's fields beside TRL's. Each trainer's config subclasses this and TRL's config (TRL's
+    fields, names, defaults and help, so ``TrlParser`` takes it beside ``ModelConfig``); its
+    ``__post_init__`` is posttrain's: TrainingArguments' would set up devices before the placement is known."""
 
-    output_dir: str = "runs/posttrain"
-    seed: int = 42
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    max_grad_norm: float = 1.0
-    lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
-    num_train_epochs: float = 3.0
-    max_steps: int = -1
-    logging_steps: int = 1  # TRL's is 10 (DPOConfig keeps it); the run summaries read every step
-    eval_steps: int | None = None
-    save_steps: int | None = None  # checkpoints are large (every trained role's state): asked for
-    report_to: list[str] = field(default_factory=list)
-    # "no" | "bf16" | "fp16"; None: accelerate launch's setting, else fp32 (the same command runs on CPU).
-    mixed_precision: str | None = None
     mix: str = DEFAULT_MIX  # a placement mix name (roles.MIXES)
     # Per-role DeepSpeed configs (preset name or JSON path); YAML only: TrlParser cannot parse a dict flag.
     role_configs: dict[str, str] = field(default_factory=dict)
@@ -49,23 +35,65 @@ class TrainConfig:
     # One process: "auto" trains without a DeepSpeed engine except fp32 master weights in a run that
     # decodes a trained role, or fp16; "torch" always does, "deepspeed" keeps the engine.
     single_process_engine: str = "auto"
-    resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest" in output_dir
+    # "no" | "bf16" | "fp16"; None: bf16/fp16, else accelerate launch's setting, else TRL's default.
+    mixed_precision: str | None = None
     overwrite_output_dir: bool = False  # else a reused output_dir is refused unless the run resumes
-    save_total_limit: int | None = None  # keep only the newest N checkpoints; None keeps all
-    disable_tqdm: bool = False
-    # TrainingArguments' flags: bf16/fp16 set mixed_precision.
-    bf16: bool = False
-    fp16: bool = False
-    eval_strategy: str = "no"  # "no" | "steps" | "epoch"
-    push_to_hub: bool = False  # the scripts upload the final model with huggingface_hub
-    hub_model_id: str | None = None  # default: the output dir's name under your account
-    hub_private_repo: bool | None = None
+    # Final save: False keeps the PEFT adapter (as TRL); True saves a plain model with adapters merged in.
+    merge_adapters: bool = False
 
-    _algorithm = "this trainer"
-    _evaluates = True  # False: the trainer has no evaluation, and eval_strategy is refused by name
+    _algorithm: ClassVar[str] = "this trainer"
+    _evaluates: ClassVar[bool] = True  # False: no evaluation, and eval_strategy is refused by name
+    _trl_works: ClassVar[tuple[str, ...]] = ()  # the TRL config's own fields that take effect
+    _trl_refused: ClassVar[dict[str, str]] = {}  # the TRL config's own fields refused, with the reason
+
+    @classmethod
+    def trl_config(cls) -> type:
+        """The TRL (or transformers) config this one extends."""
+        from transformers import TrainingArguments
+
+        return next(b for b in cls.__mro__ if issubclass(b, TrainingArguments) and not issubclass(b, TrainConfig))
 
     def __post_init__(self) -> None:
+        resolve_training_arguments(self)
+        check_trl_fields(self)
         validate_train_config(self)
+
+
+_DICT_FIELDS = ("model_init_kwargs", "ref_model_init_kwargs", "teacher_model_init_kwargs", "generation_kwargs",
+                "chat_template_kwargs", "role_configs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
+
+
+def resolve_training_arguments(cfg: Any) -> None:
+    """TrainingArguments' own resolutions that posttrain reads: output dir, trackers, progress bar."""
+    if cfg.output_dir is None:
+        cfg.output_dir = "trainer_output"  # TrainingArguments' default
+    cfg.output_dir = str(cfg.output_dir)
+    report = cfg.report_to
+    report = [report] if isinstance(report, str) else list(report or [])
+    cfg.report_to = [] if report in ([], ["none"]) else report
+    cfg.disable_tqdm = bool(cfg.disable_tqdm)
+    for name in ("logging_steps", "eval_steps", "save_steps"):  # TrainingArguments types them float (ratios)
+        value = getattr(cfg, name)
+        if isinstance(value, float) and value.is_integer():
+            setattr(cfg, name, int(value))
+    for name in _DICT_FIELDS:  # a JSON string from the command line, as TrainingArguments takes it
+        value = getattr(cfg, name, None)
+        if isinstance(value, str):
+            try:
+                setattr(cfg, name, json.loads(value))
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{name} {value!r} is not a JSON dict ({err.msg}): write it as "
+                                  f"--{name} '{{\"dtype\": \"bfloat16\"}}'") from None
+    cfg.gradient_checkpointing = bool(cfg.gradient_checkpointing)
+    for name in ("logging_strategy", "save_strategy", "eval_strategy", "lr_scheduler_type", "optim"):
+        value = getattr(cfg, name, None)  # TrlParser and YAML give strings; transformers' enums also work
+        setattr(cfg, name, getattr(value, "value", value))
+    if cfg.tf32 is not None and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
+    if cfg.log_level != "passive":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(hf_logging.get_log_levels_dict()[cfg.log_level])
 
 
 def validate_train_config(cfg: TrainConfig) -> None:
@@ -82,7 +110,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1 or unset, got {value}: set --{name} to a positive number of steps")
-    for name in ("learning_rate", "weight_decay", "adam_epsilon", "warmup_steps"):
+    for name in ("learning_rate", "weight_decay", "adam_epsilon", "warmup_steps"):  # warmup_steps < 1: a ratio
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}: set --{name} to 0 or more")
     for name in ("adam_beta1", "adam_beta2"):
@@ -92,6 +120,14 @@ def validate_train_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"max_grad_norm must be >= 0, got {cfg.max_grad_norm}: set --max_grad_norm 0 to turn clipping off")
     if cfg.max_steps <= 0 and not cfg.num_train_epochs > 0:
         raise ConfigError(f"num_train_epochs is {cfg.num_train_epochs} and max_steps is unset: set one of them")
+    if cfg.use_cpu and torch.cuda.is_available():
+        raise ConfigError("use_cpu is set but this machine has a GPU, which posttrain uses: hide it with "
+                          "CUDA_VISIBLE_DEVICES='' to train on the CPU, or drop --use_cpu")
+    for name, allowed in (("logging_strategy", ("steps",)), ("save_strategy", ("steps", "no")),
+                          ("optim", ("adamw_torch", "adamw_torch_fused"))):
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name} {getattr(cfg, name)!r} is not supported: posttrain takes "
+                              f"{' or '.join(map(repr, allowed))}")
     if cfg.eval_strategy not in ("no", "steps", "epoch"):
         raise ConfigError(f"eval_strategy must be 'no', 'steps' or 'epoch', got {cfg.eval_strategy!r}")
     if cfg.eval_strategy != "no" and not cfg._evaluates:
@@ -104,8 +140,12 @@ def validate_train_config(cfg: TrainConfig) -> None:
     precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
     if precision and cfg.mixed_precision not in (None, precision):
         raise ConfigError(f"--{precision} contradicts mixed_precision {cfg.mixed_precision!r}: keep one of them")
+    # TRL's default (bf16 unset) is bf16; on a device without bf16, where TRL refuses to start, fp32.
+    default = "bf16" if cfg.bf16 is None and torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     # Resolved here so that posttrain_config.json records the precision the run uses.
-    cfg.mixed_precision = precision or cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    cfg.mixed_precision = (precision or cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")
+                           or default)
+    cfg.bf16, cfg.fp16 = cfg.mixed_precision == "bf16", cfg.mixed_precision == "fp16"
     if cfg.mixed_precision not in (None, "no", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {cfg.mixed_precision!r}")
     if cfg.master_weights not in ("fp32", "bf16"):
@@ -133,6 +173,18 @@ def steps_for_rows(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> int:
     return cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
 
 
+def saves(cfg: TrainConfig) -> bool:
+    """Whether the run writes checkpoints (TrainingArguments' save_strategy and save_steps)."""
+    return getattr(cfg, "save_strategy", "steps") == "steps" and bool(cfg.save_steps)
+
+
+def warmup_steps(cfg: TrainConfig, total_steps: int | None) -> int:
+    """TrainingArguments' rule: warmup_steps below 1 is a fraction of the run's steps."""
+    if 0 < cfg.warmup_steps < 1 and total_steps:
+        return math.ceil(cfg.warmup_steps * total_steps)
+    return int(cfg.warmup_steps)
+
+
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None,
                  decoded: list[str] | tuple[str, ...] = ()) -> Session:
     """The run's Session; ``decoded``: the trained roles its rollout engine decodes from."""
@@ -149,5 +201,5 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
                    gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                    max_grad_norm=cfg.max_grad_norm, mixed_precision=cfg.mixed_precision,
                    learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                   warmup_steps=cfg.warmup_steps, total_steps=total_steps, log_with=cfg.report_to or None,
+                   warmup_steps=warmup_steps(cfg, total_steps), total_steps=total_steps, log_with=cfg.report_to or None,
                    project_dir=cfg.output_dir, single_process_engine=cfg.single_process_engine)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -12,10 +13,11 @@ from typing import Any, ClassVar
 import torch
 
 from posttrain.data.order import rank_batches
+from posttrain.errors import ConfigError
 from posttrain.placement.ranks import mean_over_ranks
 from posttrain.run.output_dir import resume_dir, save_checkpoint
 from posttrain.run.save import save_trained_model
-from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.config import TrainConfig, saves
 from posttrain.trainers.run_log import RunLog
 
 # Values a logged row takes from the window's last step rather than averaging, as TRL.
@@ -76,9 +78,61 @@ class Trainer:
             return 0
         return int(json.loads((ckpt / "state" / "trainer_state.json").read_text()).get("step", 0))
 
-    def train(self) -> list[dict]:
-        """Train to ``total_steps``; returns the logged rows (the whole run's after a resume)."""
+    def _init_callbacks(self, callbacks: list[Any] | None) -> None:
+        """transformers' callback handler and state, as TRL's trainers keep them."""
+        from transformers.trainer_callback import (
+            CallbackHandler,
+            DefaultFlowCallback,
+            TrainerControl,
+            TrainerState,
+        )
+
+        handlers = [DefaultFlowCallback, *(callbacks or [])]
+        self.callback_handler = CallbackHandler(handlers, getattr(self, "model", None), self.tokenizer, None, None)
+        self.state = TrainerState(is_local_process_zero=self.session.accelerator.is_local_main_process,
+                                  is_world_process_zero=self.session.is_main_process, max_steps=self.total_steps,
+                                  logging_steps=self.cfg.logging_steps, eval_steps=self.cfg.eval_steps or 0,
+                                  save_steps=self.cfg.save_steps or 0,
+                                  train_batch_size=self.cfg.per_device_train_batch_size)
+        self.control = TrainerControl()
+        self.control = self.callback_handler.on_init_end(self.cfg, self.state, self.control)
+
+    def add_callback(self, callback: Any) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def _event(self, event: str, **kwargs: Any) -> None:
+        self.state.global_step = self.step
+        self.control = getattr(self.callback_handler, event)(self.cfg, self.state, self.control, **kwargs)
+
+    @property
+    def accelerator(self) -> Any:
+        return self.session.accelerator
+
+    @property
+    def processing_class(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def args(self) -> TrainConfig:
+        return self.cfg
+
+    def is_world_process_zero(self) -> bool:
+        return self.session.is_main_process
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
+        """Train to ``total_steps`` (or until a callback stops it); returns transformers' ``TrainOutput``.
+        The logged rows are ``state.log_history`` (the whole run's after a resume)."""
+        from transformers.trainer_utils import TrainOutput
+
         cfg, s = self.cfg, self.session
+        if not hasattr(self, "state"):
+            self._init_callbacks(None)
+        if resume_from_checkpoint not in (None, False):
+            wanted = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+            if wanted != cfg.resume_from_checkpoint and self.start == 0:
+                raise ConfigError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}) differs from the config's "
+                                  f"resume_from_checkpoint {cfg.resume_from_checkpoint!r}: set it in the config "
+                                  "(args.resume_from_checkpoint), which the trainer reads before it loads anything")
         self.step = 0
         ckpt = resume_dir(cfg)
         if ckpt is not None:  # engines, optimizers, RNG, counters
@@ -86,26 +140,73 @@ class Trainer:
             self.step = int(state["step"])
             self.restore(state, ckpt)
         log = self.run_log = RunLog(s, cfg, self.total_steps, self.name, start=self.step, shown=self.shown)
-        self.history = log.history
+        self.history = self.state.log_history = log.history
+        started, first, losses = time.perf_counter(), self.step, []
         window: list[dict[str, Any]] = []
+        self._event("on_train_begin")
         while self.step < self.total_steps:
+            self._event("on_step_begin")
             # self.step counts the steps done, as TRL's global_step.
             window.append(self.training_step(self.step + 1))
+            losses.append(window[-1].get("loss"))
             self.step += 1
-            last = self.step == self.total_steps
-            if self.step % cfg.logging_steps == 0 or last:
-                log.log(self.step, self.log_row(window), advance=False)
+            self.state.epoch = window[-1].get("epoch", self.state.epoch)
+            self._event("on_step_end")
+            last = self.step == self.total_steps or self.control.should_training_stop
+            if self.step % cfg.logging_steps == 0 or last or (self.step == 1 and cfg.logging_first_step):
+                row = self.log_row(window)
+                log.log(self.step, row, advance=False)
                 window = []
                 self.on_log(self.step)
+                self._event("on_log", logs=row)
             log.advance()
             if self.evaluates and self.has_eval_data() and (
                     (cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
-                log.log(self.step, self.evaluate(), advance=False)
-            if cfg.save_steps and (self.step % cfg.save_steps == 0 or last) and self.can_checkpoint(self.step):
+                metrics = self.evaluate()
+                log.log(self.step, metrics, advance=False)
+                self._event("on_evaluate", metrics=metrics)
+            if saves(cfg) and (self.step % cfg.save_steps == 0 or last) and self.can_checkpoint(self.step):
                 save_checkpoint(s, cfg, self.step, self.checkpoint_models(),
                                 {"total_steps": self.total_steps, **self.checkpoint_state()})
+                self._event("on_save")
+            if last:
+                break
         log.close()
-        return self.history
+        self._event("on_train_end")
+        runtime = time.perf_counter() - started
+        losses = [v for v in losses if v is not None]
+        train_loss = sum(losses) / len(losses) if losses else 0.0
+        metrics = {"train_runtime": runtime, "train_steps_per_second": (self.step - first) / max(runtime, 1e-9),
+                   "train_loss": train_loss, "epoch": self.state.epoch}
+        return TrainOutput(self.step, train_loss, metrics)
+
+    def end(self) -> None:
+        """Finish the trackers, leave the process as it was (no ZeRO-3 mode, no process group): call it
+        once, after everything that needs the other processes (saving, pushing)."""
+        self.session.close()
+
+    @property
+    def hub_model_id(self) -> str:
+        from posttrain.run.hub import hub_repo_id
+
+        return hub_repo_id(self.cfg)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: Any = None) -> None:
+        """Write the model card (``README.md``) and learning curves to the output dir (main process)."""
+        from posttrain.run.modelcard import write_model_card
+
+        if self.session.is_main_process:
+            write_model_card(self.cfg.output_dir, self.cfg, self.name, self.session, dataset_name=dataset_name)
+
+    def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, **card: Any) -> str | None:
+        """Upload the saved model in the output dir, with its card, as ``transformers.Trainer.push_to_hub``."""
+        from posttrain.run.hub import push_to_hub
+
+        self.create_model_card(**{k: v for k, v in card.items() if k in ("model_name", "dataset_name", "tags")})
+        if not self.session.is_main_process:
+            return None
+        return push_to_hub(self.cfg, self.cfg.output_dir, commit_message)
 
     def save_model(self, directory: str | os.PathLike | None = None) -> Path:
         """Save the first trained role in the output dir (TRL's layout), others in ``<role>/``; returns it."""
@@ -115,6 +216,37 @@ class Trainer:
         for role in trained[1:]:
             save_trained_model(self.session, role, path / role, self.tokenizer, merge)
         return path
+
+
+# TRL constructor arguments posttrain does not take, and why.
+_NOT_TAKEN = {
+    "data_collator": "posttrain collates its own batches (padding-free where that is exact)",
+    "compute_loss_func": "the loss is the algorithm's own: subclass the trainer to change it",
+    "compute_metrics": "evaluation reports the trainer's own metrics over the whole eval set",
+    "preprocess_logits_for_metrics": "evaluation reports the trainer's own metrics over the whole eval set",
+    "optimizers": "each trained role's AdamW is built under its DeepSpeed plugin: set learning_rate, weight_decay "
+                  "and adam_* in args",
+    "optimizer_cls_and_kwargs": "each trained role's AdamW is built under its DeepSpeed plugin: set learning_rate, "
+                                "weight_decay and adam_* in args",
+    "quantization_config": "quantized (bitsandbytes) models are not supported: load the model in bf16",
+    "formatting_func": "format the rows into the text column first (dataset.map)",
+    "tools": "multi-turn tool use is not supported yet",
+    "rollout_func": "a custom rollout is not supported: posttrain generates with its own engine",
+    "environment_factory": "environments are not supported yet",
+}
+
+
+def refuse_arguments(trainer: str, **given: Any) -> None:
+    """Refuse the TRL constructor arguments posttrain does not take, by name, before anything loads."""
+    for name, value in given.items():
+        if value is not None and value != (None, None):
+            raise ConfigError(f"{trainer}({name}=...) is not supported: {_NOT_TAKEN[name]}")
+
+
+def default_args(config_cls: type, model: Any, suffix: str) -> Any:
+    """TRL's config when ``args`` is None: the defaults, in ``<model name>-<suffix>``."""
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+    return config_cls(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
 
 
 def collated_batches(trainer: Any, start_micro: int) -> Iterator[dict]:

@@ -19,7 +19,7 @@ from posttrain.run import interrupt
 from posttrain.run.jsonrows import dumps_row, read_rows
 from posttrain.run.modelcard import write_model_card
 from posttrain.run.output_dir import SETTINGS_FILE, latest_checkpoint
-from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.config import TrainConfig, saves
 
 
 class Phases:
@@ -63,7 +63,7 @@ class RunLog:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             # Not config.json: the trained model is saved in output_dir itself.
-            (self.out / SETTINGS_FILE).write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
+            (self.out / SETTINGS_FILE).write_text(json.dumps(_jsonable(settings(cfg)), indent=1))
             # A resumed run drops the rows logged after its checkpoint (they are written again).
             truncate_jsonl(self.out / "metrics.jsonl", start)
             truncate_jsonl(self.out / "samples.jsonl", start)
@@ -73,8 +73,9 @@ class RunLog:
             self.history = read_rows(self.out / "metrics.jsonl")
         if cfg.report_to:
             # Trackers (TensorBoard's hparams) take scalars only.
-            scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(cfg).items()}
-            session.accelerator.init_trackers(name, config=scalars)
+            scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in settings(cfg).items()}
+            run = {"wandb": {"name": cfg.run_name}} if getattr(cfg, "run_name", None) else None
+            session.accelerator.init_trackers(name, config=scalars, init_kwargs=run)
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, initial=start, desc=name, disable=not self.main or cfg.disable_tqdm,
@@ -116,7 +117,7 @@ class RunLog:
         if latest is not None:
             how = f"resume with --resume_from_checkpoint latest ({latest.name})"
         else:
-            how = "no checkpoint yet" + ("" if self.cfg.save_steps else " (--save_steps N writes them)")
+            how = "no checkpoint yet" + ("" if saves(self.cfg) else " (--save_steps N writes them)")
         step = max([self.done, *(int(h.get("step", 0)) for h in self.history[-1:])])  # logged, not yet advanced
         if self.closed:  # saving the model, or a later part of the script
             return f"interrupted after {self.name}'s training ended (step {step} of {self.total}); {how}"
@@ -134,6 +135,11 @@ class RunLog:
             tracker.finish()
         if self.main:  # as TRL's trainers do: a model card (and the learning curves) in the output dir
             write_model_card(self.out, self.cfg, self.name, self.session)
+
+
+def settings(cfg: Any) -> dict[str, Any]:
+    """The config's fields, tokens masked (TrainingArguments.to_dict) where the config can."""
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else asdict(cfg)
 
 
 def _label(key: str) -> str:

@@ -6,19 +6,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import trl
 
 from posttrain.data import sft as sft_data
 from posttrain.data.order import seed_everything
 from posttrain.errors import ConfigError
 from posttrain.models import varlen_attention
-from posttrain.models.lora import LoraFields, lora_config
 from posttrain.models.setup import prepare_trained
-from posttrain.models.sources import ModelFields, model_and_tokenizer
-from posttrain.models.tokenizer import TokenizerFields, set_tokens
+from posttrain.models.sources import init_kwargs, model_and_tokenizer
+from posttrain.models.tokenizer import check_tokenizer_fields, set_tokens
 from posttrain.placement.ranks import sum_over_ranks
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
-from posttrain.trainers.loop import RowsTrainer, eval_shards
+from posttrain.trainers.loop import RowsTrainer, default_args, eval_shards, refuse_arguments
 from posttrain.trainers.run_log import Phases
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -29,26 +29,18 @@ _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "
 
 
 @dataclass
-class SFTConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
-    """SFT settings; names and defaults follow ``trl.SFTConfig`` where the concept is the same."""
+class SFTConfig(TrainConfig, trl.SFTConfig):
+    """``trl.SFTConfig`` (its fields, names and defaults) plus posttrain's placement fields."""
 
-    output_dir: str = "runs/sft"
-    learning_rate: float = 2e-5
-    dataset_text_field: str = "text"
-    dataset_num_proc: int | None = None
-    max_length: int | None = 1024
-    truncation_mode: str = "keep_start"  # or keep_end, or "none": a row longer than max_length is refused
-    shuffle_dataset: bool = False
-    packing: bool = False
-    packing_strategy: str = "bfd"
-    padding_free: bool = False
-    pad_to_multiple_of: int | None = None
-    eval_packing: bool | None = None
-    completion_only_loss: bool | None = None  # None: on for prompt-completion data (TRL's rule)
-    assistant_only_loss: bool = False
-    loss_type: str = "nll"
+    _algorithm = "SFT"
+    _trl_works = ("model_init_kwargs", "trust_remote_code", "chat_template_path", "dataset_text_field",
+                  "dataset_num_proc", "eos_token", "pad_token", "max_length", "truncation_mode", "shuffle_dataset",
+                  "packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "eval_packing",
+                  "completion_only_loss", "assistant_only_loss", "loss_type")
 
     def __post_init__(self) -> None:
+        if self.pad_to_multiple_of == "auto":  # TRL's "auto": 128 on Neuron devices only
+            self.pad_to_multiple_of = None
         super().__post_init__()
         validate(self)
 
@@ -68,7 +60,7 @@ def validate(cfg: SFTConfig) -> None:
         # TRL's rule: padding-free rows are concatenated, so max_length would bound nothing.
         raise ConfigError("padding_free without packing does not enforce max_length: add --packing true, set "
                           "--max_length none, or set --truncation_mode none (rows longer than max_length refused)")
-    cfg.check_tokenizer_fields()
+    check_tokenizer_fields(cfg)
 
 
 def model_inputs(batch: dict) -> dict:
@@ -113,14 +105,24 @@ class SFTTrainer(RowsTrainer):
     roles = TRAINER_ROLES["sft"]
     evaluates = True
 
-    def __init__(self, args: SFTConfig, train_dataset: Any, eval_dataset: Any = None, peft_config: Any = None, *,
-                 model: Any = None, processing_class: Any = None) -> None:
-        self.cfg = cfg = args
+    def __init__(self, model: Any, args: SFTConfig | None = None, data_collator: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, compute_loss_func: Any = None,
+                 compute_metrics: Any = None, callbacks: list | None = None, optimizers: tuple = (None, None),
+                 optimizer_cls_and_kwargs: Any = None, preprocess_logits_for_metrics: Any = None,
+                 quantization_config: Any = None, peft_config: Any = None, formatting_func: Any = None) -> None:
+        refuse_arguments("SFTTrainer", data_collator=data_collator, compute_loss_func=compute_loss_func,
+                         compute_metrics=compute_metrics, optimizers=optimizers,
+                         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                         quantization_config=quantization_config, formatting_func=formatting_func)
+        self.cfg = cfg = args if args is not None else default_args(SFTConfig, model, "SFT")
+        if train_dataset is None:
+            raise ConfigError("SFTTrainer needs train_dataset= (a datasets.Dataset or a list of rows)")
         validate(cfg)
         seed_everything(cfg.seed)
         source, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class)
         set_tokens(self.tokenizer, cfg)
-        self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
+        self.peft_config = peft_config
         self.padding_free = cfg.padding_free or (cfg.packing and cfg.packing_strategy in ("bfd", "bfd_split"))
         self.collate = sft_data.collator(self.tokenizer, self.padding_free, cfg.pad_to_multiple_of)
         chat_template = sft_data.training_chat_template(self.tokenizer) if cfg.assistant_only_loss else None
@@ -136,7 +138,7 @@ class SFTTrainer(RowsTrainer):
         self.total_steps = steps_for_rows(cfg, len(self.train_rows))
         self.session = make_session(cfg, ["policy"], [], total_steps=self.total_steps)
         self.phases = Phases()
-        kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}  # TRL loads float32 unless told
+        kwargs = init_kwargs(cfg, dtype="float32")  # TRL loads float32 unless told
         if not isinstance(source, torch.nn.Module):  # an object keeps the attention it was built with
             # Padding-free rows on CUDA: torch's varlen kernel, unless an attention is asked for.
             chosen = varlen_attention.choose(kwargs, source, self.padding_free, self.session.device)
@@ -147,9 +149,11 @@ class SFTTrainer(RowsTrainer):
         if self.tokenizer.eos_token_id is not None and cfg.eos_token is not None:
             model.config.get_text_config().eos_token_id = self.tokenizer.eos_token_id
         add_fused_head(model)  # before the adapters, as TRL
-        self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, total_steps=self.total_steps)
+        self.policy = self.model = prepare_trained(self.session, "policy", model, cfg, self.peft_config,
+                                                   total_steps=self.total_steps)
         self.setup_times = self.phases.pop()
         self.num_tokens = 0
+        self._init_callbacks(callbacks)
 
     def _prepare(self, dataset: Any, name: str, packing: bool, prep: dict) -> list[dict]:
         rows = sft_data.prepare_sft_dataset(dataset, packing=packing, name=name, **prep)

@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from posttrain.checks import check_data_path
 from posttrain.errors import ConfigError
@@ -101,13 +101,83 @@ def write_jsonl(rows: Sequence[dict], path: str | os.PathLike) -> Path:
     return path
 
 
-def as_dataset(data: Any) -> Any:
-    """A ``datasets.Dataset`` from a list of row dicts (or the dataset itself)."""
+def as_dataset(data: Any, name: str = "dataset") -> Any:
+    """A ``datasets.Dataset`` from a list of row dicts (or the dataset itself); mixed value types refused."""
     if isinstance(data, (list, tuple)):
+        import pyarrow as pa
         from datasets import Dataset
 
-        return Dataset.from_list(list(data))
+        try:
+            return Dataset.from_list(list(data))
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as err:  # a column of mixed types: arrow names no row
+            _raise_mixed_types(list(data), name, err)
     return data
+
+
+def _python_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a bool"
+    if isinstance(value, (int, float)):  # arrow stores ints and floats together
+        return "a number"
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return "a list of messages"
+    return {str: "a string", dict: "a dict", list: "a list"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _raise_mixed_types(rows: list, name: str, err: Exception) -> NoReturn:
+    """Name the first column whose rows hold values of different kinds; ``err`` itself if none does."""
+    for column in dict.fromkeys(key for row in rows if isinstance(row, dict) for key in row):
+        first: dict[str, int] = {}
+        for index, row in enumerate(rows):
+            value = row.get(column) if isinstance(row, dict) else None
+            if value is not None:
+                first.setdefault(_python_kind(value), index)
+        if len(first) > 1:
+            (kind_a, row_a), (kind_b, row_b) = list(first.items())[:2]
+            raise ConfigError(f"{name}: row {row_a}'s {column!r} is {kind_a} but row {row_b}'s is {kind_b}: give "
+                              f"every row's {column!r} the same form") from err
+    raise err
+
+
+def feature_form(feature: Any) -> str:
+    """"text" (strings), "messages" (lists of dicts), "null" (every value missing), else what it holds."""
+    from datasets import LargeList, List, Value
+
+    if isinstance(feature, Value):
+        if feature.dtype in ("string", "large_string"):
+            return "text"
+        return "null" if feature.dtype == "null" else f"{feature.dtype} values"
+    if isinstance(feature, (List, LargeList)):
+        inner = feature.feature
+        if isinstance(inner, dict):
+            return "messages"
+        if isinstance(inner, Value) and inner.dtype in ("string", "large_string"):
+            return "lists of strings"
+        return f"lists of {feature_form(inner)}"
+    if isinstance(feature, dict):
+        return "single dicts"
+    return str(feature)
+
+
+def check_forms(dataset: Any, columns: Sequence[str], name: str) -> None:
+    """Refuse a column that is neither text nor messages, or text and messages mixed in one row (TRL: TypeError)."""
+    present = [c for c in columns if c in dataset.column_names]
+    forms = {c: feature_form(dataset.features[c]) for c in present}
+    for column, form in forms.items():
+        if form not in ("text", "messages", "null"):
+            others = {f for c, f in forms.items() if c != column and f in ("text", "messages")}
+            want = ("one string" if others == {"text"} else "a list of {\"role\": ..., \"content\": ...} messages"
+                    if others == {"messages"} else "one string or a list of {\"role\": ..., \"content\": ...} messages")
+            raise ConfigError(f"{name}: its {column!r} column holds {form}, neither strings (standard) nor lists of "
+                              f"messages (conversational): give each row's {column!r} as {want}")
+    text = [c for c, f in forms.items() if f == "text"]
+    messages = [c for c, f in forms.items() if f == "messages"]
+    if text and messages:
+        listed = " and ".join([", ".join(map(repr, present[:-1])), repr(present[-1])])
+        every = "both" if len(present) == 2 else "all"
+        raise ConfigError(f"{name}: its {messages[0]!r} column holds lists of messages (conversational) but its "
+                          f"{text[0]!r} column holds strings (standard): give {listed} {every} as lists of messages "
+                          f"or {every} as strings")
 
 
 def _empty(value: Any) -> bool:
@@ -129,6 +199,8 @@ def _empty(value: Any) -> bool:
 
 def check_rows(dataset: Any, name: str = "dataset") -> None:
     """Raise on a missing column or a missing/empty value, naming the row index and column."""
+    if len(dataset) == 0:  # an empty list has no columns either: say so, not "rename its columns"
+        raise ConfigError(f"{name} has no rows: give it at least one")
     need = ("chosen", "rejected") if "prompt" not in dataset.column_names else COLUMNS
     missing = [c for c in need if c not in dataset.column_names]
     if missing:
@@ -215,9 +287,10 @@ def prepare_preference_dataset(dataset: Any, tokenizer: Any, max_length: int | N
     """Check, split implicit prompts, tokenize; drop rows whose prompt fills ``max_length`` (keep_start)."""
     from trl.data_utils import extract_prompt
 
-    dataset = as_dataset(dataset)
+    dataset = as_dataset(dataset, name)
     check_rows(dataset, name)
     check_conversation(dataset, COLUMNS, tokenizer, name)
+    check_forms(dataset, COLUMNS, name)
     # keep_in_memory: ranks map alone, never racing on shared cache files.
     if "prompt" not in dataset.column_names:
         dataset = dataset.map(extract_prompt, keep_in_memory=True, num_proc=num_proc)

@@ -7,7 +7,7 @@ import json
 import logging
 from typing import Any
 
-from posttrain.data.preference import as_dataset, check_values
+from posttrain.data.preference import ROLES, as_dataset, check_forms, check_values, feature_form
 from posttrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,9 @@ TINY_TRAINING_CHAT_TEMPLATE = (
     "{{ message['content'] }}<|endoftext|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 TRUNCATION_MODES = ("keep_start", "keep_end", "none")
+# ShareGPT's speakers as chat roles (TRL's maybe_convert_to_chatml renames the keys only, so templates print "gpt").
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+CONVERSATIONAL_COLUMNS = ("messages", "prompt", "completion")
 MASK_COLUMNS = ("completion_mask", "assistant_masks")
 
 
@@ -175,11 +178,11 @@ def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, max_length: int | None,
                         packing_strategy: str = "bfd", completion_only_loss: bool | None = None,
                         assistant_only_loss: bool = False, text_field: str = "text",
                         truncation_mode: str = "keep_start", chat_template: str | None = None,
-                        num_proc: int | None = None, name: str = "dataset") -> Any:
-    """``input_ids``/``labels`` (+``seq_lengths`` packed) as SFTTrainer; truncation "none" refuses long."""
-    from trl.data_utils import is_conversational, is_conversational_from_value, maybe_convert_to_chatml
+                        num_proc: int | None = None, name: str = "dataset", shuffle_seed: int | None = None) -> Any:
+    """``input_ids``/``labels`` (+``seq_lengths`` packed) as SFTTrainer; ``shuffle_seed``: its pre-packing shuffle."""
+    from trl.data_utils import is_conversational
 
-    dataset = as_dataset(dataset)
+    dataset = as_dataset(dataset, name)
     if len(dataset) == 0:
         raise ConfigError(f"{name} has no rows: give it at least one")
     map_kwargs = {"num_proc": num_proc, "keep_in_memory": True}  # every rank maps alone, no shared cache files
@@ -197,7 +200,8 @@ def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, max_length: int | None,
             dataset = _labels_from_masks(dataset, completion_only_loss, map_kwargs)
         kept = [c for c in ("input_ids", "labels", "seq_lengths") if c in dataset.column_names]  # TRL's signature
         dataset = dataset.select_columns(kept)
-        return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name)
+        return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name,
+                       shuffle_seed)
     if "prompt_ids" in dataset.column_names or "completion_ids" in dataset.column_names:
         raise ConfigError(f"{name} has 'prompt_ids'/'completion_ids' but no 'input_ids', which SFT (as TRL) reads "
                           "tokenized rows from: give each row input_ids = prompt_ids + completion_ids and a "
@@ -207,9 +211,18 @@ def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, max_length: int | None,
     columns = {"prompt_completion": ["prompt", "completion"], "messages": None, "text": [text_field]}[kind]
     if columns is None:
         columns = ["messages" if "messages" in dataset.column_names else "conversations"]
+    _check_column_forms(dataset, kind, columns, name)
+    if completion_only_loss and (kind == "text" or kind == "messages" and not assistant_only_loss):
+        raise ConfigError(_completion_only_loss_error(kind, columns[0], name))
     check_values(dataset, columns, name)
-    if is_conversational_from_value(dataset[0]):
-        dataset = dataset.map(maybe_convert_to_chatml, remove_columns="conversations", **map_kwargs)
+    shown = columns[0]  # the column named in errors: the user's 'conversations', not the renamed one
+    if kind != "text" and _needs_chatml(dataset, columns):
+        dataset = dataset.map(_to_chatml, remove_columns=["conversations"] * ("conversations" in columns),
+                              **map_kwargs)
+        columns = ["messages"] if kind == "messages" else columns
+    conversational_columns = [c for c in columns if feature_form(dataset.features[c]) == "messages"]
+    if conversational_columns:
+        _check_roles(dataset, conversational_columns, shown, name)
     first = dataset[0]
     conversational = is_conversational(first)
     if assistant_only_loss and not conversational:
@@ -231,7 +244,93 @@ def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, max_length: int | None,
                                      "name": name, "assistant_only_loss": assistant_only_loss,
                                      "chat_template": chat_template})
     dataset = _labels_from_masks(dataset, completion_only_loss, map_kwargs)
-    return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name)
+    return _finish(dataset, max_length, packing, packing_strategy, truncation_mode, map_kwargs, name, shuffle_seed)
+
+
+def _check_column_forms(dataset: Any, kind: str, columns: list[str], name: str) -> None:
+    """Refuse a text column of non-strings or a messages column of non-lists (TRL: KeyError, AttributeError)."""
+    if kind == "prompt_completion":
+        check_forms(dataset, columns, name)
+        return
+    column = columns[0]
+    form = feature_form(dataset.features[column])
+    if kind == "text" and form not in ("text", "null"):  # null: every value missing, named by check_values
+        raise ConfigError(f"{name}: its {column!r} column holds {form}, not strings: give each row's text as a "
+                          "string, or set --dataset_text_field to the column that holds the text")
+    if kind == "messages" and form not in ("messages", "null"):
+        fix = {"text": f"give each row's {column!r} as a list of {{\"role\": ..., \"content\": ...}} dicts, not "
+                       "as a JSON string (json.loads it)",
+               "single dicts": "wrap each row's message in a list, one dict per message"}.get(
+            form, f"give each row's {column!r} as a list of {{\"role\": ..., \"content\": ...}} dicts")
+        holds = "strings" if form == "text" else form
+        raise ConfigError(f"{name}: its {column!r} column holds {holds}, not lists of messages: {fix}")
+
+
+def _completion_only_loss_error(kind: str, column: str, name: str) -> str:
+    """The sentence for completion_only_loss on data with no completion, which TRL ignores (every token trains)."""
+    if kind == "text":
+        return (f"{name}: completion_only_loss is on but the rows are plain text ({column!r}) with no completion to "
+                "train on alone (TRL would train on every token): give the data as 'prompt'/'completion' columns, or "
+                "set --completion_only_loss false")
+    return (f"{name}: completion_only_loss is on but the rows are conversations ({column!r}) with no "
+            "prompt/completion split (TRL would train on every token): set --assistant_only_loss true to train on "
+            "the assistant turns, or --completion_only_loss false")
+
+
+def _needs_chatml(dataset: Any, columns: list[str]) -> bool:
+    """A ShareGPT ``conversations`` column, or messages with ShareGPT's "from"/"value" keys."""
+    if "conversations" in columns:
+        return True
+    for column in columns:
+        inner = getattr(dataset.features[column], "feature", None)
+        if isinstance(inner, dict) and "from" in inner and "value" in inner:
+            return True
+    return False
+
+
+def _to_chatml(row: dict) -> dict:
+    """TRL's ``maybe_convert_to_chatml`` (keys "from"/"value" to "role"/"content"), then human/gpt to user/assistant."""
+    from trl.data_utils import maybe_convert_to_chatml
+
+    row = maybe_convert_to_chatml(row)
+    for column in CONVERSATIONAL_COLUMNS:
+        if isinstance(row.get(column), list):
+            for message in row[column]:
+                if isinstance(message, dict) and message.get("role") in SHAREGPT_ROLES:
+                    message["role"] = SHAREGPT_ROLES[message["role"]]
+    return row
+
+
+def _check_roles(dataset: Any, columns: list[str], shown: str, name: str) -> None:
+    """Refuse a message without a role, or with one chat templates do not know (they drop or misprint it)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    seen: dict[str, None] = {}
+    first_bad = None  # (row, column, role)
+    for column in columns:
+        col = table.column(column).combine_chunks()
+        flat = pc.list_flatten(col)
+        label = shown if column == "messages" else column
+        if not pa.types.is_struct(flat.type) or flat.type.get_field_index("role") < 0:
+            keys = [flat.type.field(i).name for i in range(flat.type.num_fields)] if pa.types.is_struct(flat.type) else []
+            raise ConfigError(f"{name}: the messages of its {label!r} column have no 'role' (their keys: "
+                              f"{', '.join(keys)}): give each message as {{\"role\": ..., \"content\": ...}}")
+        roles = pc.struct_field(flat, "role")
+        if roles.null_count:
+            row, _ = _first_bad(col, roles.is_null())
+            raise ConfigError(f"{name}: row {row}'s {label!r} has a message with no 'role': give each message as "
+                              "{\"role\": ..., \"content\": ...}")
+        seen.update(dict.fromkeys(pc.unique(roles).to_pylist()))
+        unknown = pc.invert(pc.is_in(roles, value_set=pa.array(ROLES)))
+        if first_bad is None and pc.any(unknown).as_py():
+            at = pc.index(unknown, True).as_py()
+            first_bad = (pc.list_parent_indices(col)[at].as_py(), label, roles[at].as_py())
+    if first_bad:
+        row, label, role = first_bad
+        raise ConfigError(f"{name}: row {row}'s {label!r} has the unknown role {role!r} (roles in the data: "
+                          f"{', '.join(seen)}): use only {', '.join(ROLES)}")
 
 
 def _tokenize_row(row: dict, index: int, tokenizer: Any, kind: str, text_field: str, name: str,
@@ -282,7 +381,7 @@ def _labels_from_masks(dataset: Any, completion_only_loss: bool, map_kwargs: dic
 
 
 def _finish(dataset: Any, max_length: int | None, packing: bool, strategy: str, truncation_mode: str,
-            map_kwargs: dict, name: str) -> Any:
+            map_kwargs: dict, name: str, shuffle_seed: int | None = None) -> Any:
     """Truncation (or, with truncation_mode "none", refusal) of unpacked rows, then TRL's packing."""
     from trl.data_utils import pack_dataset
 
@@ -306,7 +405,10 @@ def _finish(dataset: Any, max_length: int | None, packing: bool, strategy: str, 
     if packing:
         if max_length is None:
             raise ConfigError("packing needs max_length (the packed row length): set --max_length")
-        dataset = pack_dataset(dataset.select_columns(["input_ids", "labels"]), max_length, strategy, map_kwargs)
+        dataset = dataset.select_columns(["input_ids", "labels"])
+        if shuffle_seed is not None:  # TRL's shuffle_dataset also shuffles rows before packing (the caller after)
+            dataset = dataset.shuffle(seed=shuffle_seed, keep_in_memory=True)
+        dataset = pack_dataset(dataset, max_length, strategy, map_kwargs)
     return dataset
 
 

@@ -103,12 +103,15 @@ def test_sft_and_reward_take_model_objects(tmp_path):
     text = Dataset.from_list([{"text": line} for line in tiny.corpus()[:12]])
     path = tiny.model_path("causal")
     zero3 = dict(role_configs={"policy": "zero3_train"})
-    by_path = SFTTrainer(SFTConfig(output_dir=str(tmp_path / "sft_path"), model_name_or_path=str(path), **settings,
-                                   **zero3), train_dataset=text).train()
+    by_path = SFTTrainer(str(path), args=SFTConfig(output_dir=str(tmp_path / "sft_path"), **settings, **zero3),
+                         train_dataset=text)
+    by_path.train()
+    by_path = by_path.state.log_history
     model = AutoModelForCausalLM.from_pretrained(path)
-    sft = SFTTrainer(SFTConfig(output_dir=str(tmp_path / "sft_object"), **settings, **zero3), train_dataset=text,
-                     model=model, processing_class=tiny.load_tokenizer(path))
-    by_object = sft.train()
+    sft = SFTTrainer(model, args=SFTConfig(output_dir=str(tmp_path / "sft_object"), **settings, **zero3),
+                     train_dataset=text, processing_class=tiny.load_tokenizer(path))
+    sft.train()
+    by_object = sft.state.log_history
     assert losses(by_object) == pytest.approx(losses(by_path), abs=1e-6) and len(losses(by_path)) == 3
     assert losses(by_path)[-1] < losses(by_path)[0] and sft.session.unwrap("policy") is model
     assert sft.session.zero_stage("policy") == 3 and all(hasattr(p, "ds_id") for p in model.parameters())
@@ -208,11 +211,9 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
     path, tok = tiny.sft_model_path(), tiny.load_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(path)
     rows = [{"text": "the cat is calm ."}] * 4
-    with pytest.raises(ConfigError, match=r"^the model is given twice \(model= and model_name_or_path\)"):
-        SFTTrainer(SFTConfig(output_dir=str(tmp_path / "a"), model_name_or_path=str(path)), rows, model=model)
-    with pytest.raises(ConfigError, match=r"^no model is given: set model_name_or_path \(a hub name or local path\) "
-                                          r"or pass model="):
-        SFTTrainer(SFTConfig(output_dir=str(tmp_path / "a")), rows, processing_class=tok)
+    with pytest.raises(ConfigError, match=r"^no model is given: pass model= \(a hub name, a local path or a model "
+                                          r"object\)"):
+        SFTTrainer(None, args=SFTConfig(output_dir=str(tmp_path / "a")), train_dataset=rows, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^the reward model object has num_labels=2; a reward model needs 1"):
         RewardTrainer(RewardConfig(output_dir=str(tmp_path / "a")), rows, model=model, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^the reference is given twice \(ref_model= and ref_model_name_or_path\)"):

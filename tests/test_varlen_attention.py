@@ -145,9 +145,9 @@ def test_sft_trainer_with_varlen_equals_sdpa(tmp_path):
     rows = [{"text": line} for line in tiny.corpus()[:16]]
     results = {}
     for attn in ("sdpa", "varlen"):
-        cfg = SFTConfig(output_dir=str(tmp_path / attn), model_name_or_path=str(tiny.model_path()), padding_free=True, max_length=None, max_steps=1, seed=0,
+        cfg = SFTConfig(output_dir=str(tmp_path / attn), padding_free=True, max_length=None, max_steps=1, seed=0,
                         model_init_kwargs={"attn_implementation": attn})
-        trainer = SFTTrainer(cfg, train_dataset=rows, eval_dataset=rows[:8])
+        trainer = SFTTrainer(str(tiny.model_path()), args=cfg, train_dataset=rows, eval_dataset=rows[:8])
         assert trainer.session.unwrap("policy").config._attn_implementation == attn
         step = trainer.optimizer_step([trainer.collate(trainer.train_rows[:8])])
         results[attn] = (step["loss"], trainer.evaluate()["eval/loss"])

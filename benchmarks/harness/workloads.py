@@ -390,8 +390,8 @@ def sft_documents(spec: dict[str, Any]) -> list[dict[str, str]]:
 def posttrain_sft(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
-    cfg = SFTConfig(model_name_or_path=str(role_path(spec, "policy")), max_length=spec["seq_len"], **common)
-    return SFTTrainer, dict(args=cfg, train_dataset=sft_documents(spec))
+    cfg = SFTConfig(max_length=spec["seq_len"], **common)
+    return SFTTrainer, dict(model=str(role_path(spec, "policy")), args=cfg, train_dataset=sft_documents(spec))
 
 
 def trl_sft(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:

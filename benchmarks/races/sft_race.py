@@ -135,13 +135,13 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
                 "tokens_per_step": race.per_step_tokens([float(r["num_tokens"]) for r in logs])}
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
-    cfg = SFTConfig(output_dir=str(out / side), overwrite_output_dir=True, model_name_or_path=str(path),
-                    master_weights=spec["states"], **common)
-    trainer = SFTTrainer(cfg, train_dataset=rows)
+    cfg = SFTConfig(output_dir=str(out / side), overwrite_output_dir=True, master_weights=spec["states"], **common)
+    trainer = SFTTrainer(str(path), args=cfg, train_dataset=rows)
     s = trainer.session
     stamps.wrap_session(s)
     stamps.mark()
-    history = [h for h in trainer.train() if "loss" in h]
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
     return {**info, "attn_implementation": s.unwrap("policy").config._attn_implementation,
             "engine": s.engine_kind("policy"), "master_weights": s.master_weights("policy"),
             "losses": [h["loss"] for h in history][spec["warmup"]:],

@@ -36,9 +36,10 @@ def sft_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = SFT_STE
 
     init = workdir / "init"
     _save(_init_model("causal", seed, tok_dir, **overrides), init, tok_dir)
-    cfg = SFTConfig(output_dir=str(workdir / "run"), model_name_or_path=str(init), seed=seed, max_steps=steps,
+    cfg = SFTConfig(output_dir=str(workdir / "run"), seed=seed, max_steps=steps,
                     max_length=TINY_SHAPE["max_position_embeddings"], **RECIPE)
-    return SFTTrainer(cfg, train_dataset=[{"text": line} for line in corpus()], processing_class=load_tokenizer(tok_dir))
+    return SFTTrainer(str(init), args=cfg, train_dataset=[{"text": line} for line in corpus()],
+                      processing_class=load_tokenizer(tok_dir))
 
 
 def reward_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = REWARD_STEPS):

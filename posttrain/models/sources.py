@@ -49,8 +49,7 @@ def policy_source(cfg: Any, model: Any, processing_class: Any, *, what: str = "p
     load_tokenizer = load_tokenizer or _auto_tokenizer
     model = given_once(model, getattr(cfg, "model_name_or_path", None), what, "model", "model_name_or_path")
     if model is None:
-        raise ConfigError(f"no {what} is given: set model_name_or_path (a hub name or local path) or pass model= "
-                          "(a model object with its processing_class)")
+        raise ConfigError(f"no {what} is given: pass model= (a hub name, a local path or a model object)")
     if isinstance(model, torch.nn.Module):
         name = str(getattr(model, "name_or_path", "") or "")
         if getattr(cfg, "model_init_kwargs", None):  # TRL warns the same way

@@ -156,7 +156,9 @@ class SFTTrainer(RowsTrainer):
         self._init_callbacks(callbacks)
 
     def _prepare(self, dataset: Any, name: str, packing: bool, prep: dict) -> list[dict]:
-        rows = sft_data.prepare_sft_dataset(dataset, packing=packing, name=name, **prep)
+        # TRL shuffles with seed before packing and again after.
+        seed = self.cfg.seed if self.cfg.shuffle_dataset else None
+        rows = sft_data.prepare_sft_dataset(dataset, packing=packing, name=name, shuffle_seed=seed, **prep)
         if self.cfg.shuffle_dataset:
             rows = rows.shuffle(seed=self.cfg.seed)
         return rows.to_list()

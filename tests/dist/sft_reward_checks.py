@@ -33,10 +33,10 @@ def record(trainer, history) -> dict:
 
 
 def sft(tmp: Path, name: str, **fields) -> tuple[SFTTrainer, dict]:
-    cfg = SFTConfig(output_dir=str(tmp / name), model_name_or_path=str(tiny.model_path(seed=0)), packing=True,
-                    max_length=32, **{**COMMON, **fields})
-    trainer = SFTTrainer(cfg, train_dataset=SFT_TRAIN, eval_dataset=SFT_EVAL)
-    return trainer, record(trainer, trainer.train())
+    cfg = SFTConfig(output_dir=str(tmp / name), packing=True, max_length=32, **{**COMMON, **fields})
+    trainer = SFTTrainer(str(tiny.model_path(seed=0)), args=cfg, train_dataset=SFT_TRAIN, eval_dataset=SFT_EVAL)
+    trainer.train()
+    return trainer, record(trainer, trainer.state.log_history)
 
 
 def reward(tmp: Path, name: str, **fields) -> tuple[RewardTrainer, dict]:

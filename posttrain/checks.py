@@ -86,27 +86,33 @@ def check_reward_model(name_or_path: str | os.PathLike, what: str = "reward mode
 
 def check_safetensors(file: str | os.PathLike) -> None:
     """A safetensors file is whole: its header parses and the last tensor ends at the end of the file."""
+    problem = safetensors_problem(file)
+    if problem:
+        raise ConfigError(f"{file} {problem}: copy it again or re-save the model")
+
+
+def safetensors_problem(file: str | os.PathLike) -> str | None:
+    """What is wrong with a safetensors file ("is truncated (...)"), or None when it is whole."""
     file = Path(file)
     size = file.stat().st_size
-    fix = "copy it again or re-save the model"
     with open(file, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ConfigError(f"{file} is truncated ({size} bytes, no safetensors header): {fix}")
+            return f"is truncated ({size} bytes, no safetensors header)"
         (length,) = struct.unpack("<Q", head)
         if 8 + length > size:
-            raise ConfigError(f"{file} is truncated (its header says {length} bytes, the file has {size}): {fix}")
+            return f"is truncated (its header says {length} bytes, the file has {size})"
         try:
             header = json.loads(f.read(length))
         except (ValueError, UnicodeDecodeError):
-            raise ConfigError(f"{file} is not a safetensors file (its header is not JSON): {fix}") from None
+            return "is not a safetensors file (its header is not JSON)"
     if not isinstance(header, dict):
-        raise ConfigError(f"{file} is not a safetensors file (its header is not a mapping): {fix}")
+        return "is not a safetensors file (its header is not a mapping)"
     end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
                and "data_offsets" in t), default=0)
     if 8 + length + end != size:
-        raise ConfigError(f"{file} is truncated or corrupt ({size} bytes; its header says "
-                          f"{8 + length + end}): {fix}")
+        return f"is truncated or corrupt ({size} bytes; its header says {8 + length + end})"
+    return None
 
 
 def check_data_path(name: str, what: str = "--dataset_name") -> None:
@@ -134,17 +140,28 @@ def check_resume_path(value: str | None, output_dir: str) -> None:
                           "weights pass --model_name_or_path instead; to continue a run give its checkpoint-N folder")
 
 
-def check_output_dir(output_dir: str | os.PathLike) -> None:
-    """The output dir (or its nearest existing parent) is a writable folder."""
-    path = Path(output_dir).expanduser().absolute()
+def check_output_dir(output_dir: str | os.PathLike) -> str:
+    """The output dir (or its nearest existing parent) is a writable folder; returns it with ``~`` expanded,
+    the path the run must use (a YAML value reaches here unexpanded: no folder named ``~`` is ever made)."""
+    text = os.fspath(output_dir)
+    if not text.strip():
+        raise ConfigError("output_dir is empty: give the folder for the run with --output_dir (it is created if "
+                          "missing)")
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        user = expanded[1:].split("/", 1)[0]
+        raise ConfigError(f"output_dir {text!r} starts with ~{user}, and this machine has no user {user!r}: give the "
+                          "folder's full path with --output_dir")
+    path = Path(expanded).absolute()
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"output_dir {str(output_dir)!r} is a file: choose a folder with --output_dir")
+        raise ConfigError(f"output_dir {text!r} is a file: choose a folder with --output_dir")
     existing = path
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"output_dir {str(output_dir)!r} cannot be created: {existing} is a file; choose another "
+        raise ConfigError(f"output_dir {text!r} cannot be created: {existing} is a file; choose another "
                           "--output_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
-        raise ConfigError(f"output_dir {str(output_dir)!r} {what}; choose a writable --output_dir")
+        raise ConfigError(f"output_dir {text!r} {what}; choose a writable --output_dir")
+    return expanded

@@ -1,6 +1,6 @@
 """The output dir: held by one run at a time (a lock a second run reports in one sentence, that a
-run killed with kill -9 does not leave stuck), cleared only after every check, the trained model
-at its top; and launching the installed command on several processes."""
+run killed with kill -9 does not leave stuck), checked with no side effect and cleared only when the run
+claims it, files posttrain did not write kept, ``~`` expanded; and launching the installed command."""
 
 import os
 import shutil
@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,14 +19,24 @@ from test_checkpoints import fake_checkpoint, write_rows
 from posttrain import cli
 from posttrain.errors import ConfigError
 from posttrain.placement import launch
-from posttrain.run.output_dir import LOCK_FILE, prepare_output_dir
-from posttrain.trainers.config import TrainConfig
+from posttrain.run import modelcard
+from posttrain.run.output_dir import LOCK_FILE, claim_output_dir, plan_output_dir, prepare_output_dir
 
 HOLD = ("import sys, time\n"
         "from posttrain.run.output_dir import lock_output_dir\n"
         "lock_output_dir(sys.argv[1])\n"
         "print('held', flush=True)\n"
         "time.sleep(600)\n")
+
+
+@dataclass
+class TrainConfig:
+    """The fields the output dir reads of a trainer's config (output_dir.OutputDirSettings), without TRL's import."""
+
+    output_dir: str
+    overwrite_output_dir: bool = False
+    resume_from_checkpoint: str | None = None
+    save_total_limit: int | None = None
 
 
 def _env() -> dict:
@@ -106,7 +117,7 @@ def test_overwrite_clears_only_after_every_check(tmp_path):
     with pytest.raises(ConfigError, match="is not a posttrain checkpoint"):
         prepare_output_dir(TrainConfig(output_dir=str(out), overwrite_output_dir=True,
                                        resume_from_checkpoint=str(tmp_path / "no-such-checkpoint")))
-    assert sorted(p.name for p in out.iterdir()) == sorted(before + [LOCK_FILE])
+    assert sorted(p.name for p in out.iterdir()) == before  # not even the lock file: refused before the claim
 
 
 def test_a_saved_model_counts_as_a_run_and_overwrite_keeps_it(tmp_path, capsys):
@@ -127,8 +138,100 @@ def test_a_saved_model_counts_as_a_run_and_overwrite_keeps_it(tmp_path, capsys):
 def test_an_unwritable_output_dir_is_one_sentence(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(ConfigError, match=r"output_dir .*/file/run cannot be written \(.*\): choose a writable"):
+    with pytest.raises(ConfigError, match=r"output_dir '.*/file/run' cannot be created: .*/file is a file; choose "
+                                          r"another --output_dir"):
         prepare_output_dir(TrainConfig(output_dir=str(blocker / "run")))
+
+
+def _listing(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+def test_the_check_changes_nothing_and_the_claim_clears(tmp_path, capsys):
+    """Load first, delete last: the check before models load touches nothing; the claim at train() clears."""
+    out = tmp_path / "run"
+    out.mkdir()
+    write_rows(out / "metrics.jsonl", [1, 2])
+    fake_checkpoint(out, 2)
+    partial = fake_checkpoint(out, 4, complete=False)
+    before = _listing(out)
+    cfg = TrainConfig(output_dir=str(out), overwrite_output_dir=True)
+    plan = plan_output_dir(cfg)
+    assert (plan.clear, plan.partial, plan.resume, plan.kept) == (("metrics.jsonl", "checkpoint-2"), (partial,), None, ())
+    assert _listing(out) == before and not capsys.readouterr().err  # no lock, no removal, no word yet
+    # A setting only a loaded model can check fails here, between the two: the old run is whole.
+    claim_output_dir(cfg)
+    assert _listing(out) == [LOCK_FILE]
+    assert "clearing metrics.jsonl, checkpoint-2 in" in capsys.readouterr().err
+
+
+def test_an_empty_output_dir_is_refused_and_tilde_is_expanded(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(ConfigError) as err:
+        plan_output_dir(TrainConfig(output_dir=""))
+    assert str(err.value) == "output_dir is empty: give the folder for the run with --output_dir (it is created if missing)"
+    with pytest.raises(ConfigError, match=r"^output_dir '~no-such-user-42/run' starts with ~no-such-user-42, and this "
+                                          r"machine has no user 'no-such-user-42': give the folder's full path"):
+        plan_output_dir(TrainConfig(output_dir="~no-such-user-42/run"))
+    cfg = TrainConfig(output_dir="~/runs/sft")  # as a YAML gives it: no shell expanded it
+    claim_output_dir(cfg)
+    assert cfg.output_dir == str(tmp_path / "home" / "runs" / "sft")  # what the run writes to and records
+    assert (tmp_path / "home" / "runs" / "sft" / LOCK_FILE).is_file() and _listing(tmp_path) == ["home"]
+    assert f"output_dir '~/runs/sft' is {tmp_path / 'home' / 'runs' / 'sft'}" in capsys.readouterr().err
+
+
+def test_a_project_folder_is_refused_and_overwrite_keeps_its_files(tmp_path, monkeypatch, capsys):
+    """--output_dir . in a clone: refused; with overwrite_output_dir its README.md, .git and the rest stay."""
+    project = tmp_path / "project"
+    (project / ".git").mkdir(parents=True)
+    (project / "README.md").write_text("# My project\n")
+    (project / "pyproject.toml").write_text("[project]\n")
+    monkeypatch.chdir(project)
+    with pytest.raises(ConfigError) as err:
+        prepare_output_dir(TrainConfig(output_dir="."))
+    assert str(err.value) == (
+        f"output_dir {project} holds files posttrain did not write (.git, README.md, pyproject.toml): choose a new or empty "
+        "--output_dir, or pass --overwrite_output_dir true to write the run beside them (posttrain deletes and "
+        "replaces none of them, and writes no model card over a README.md not its own)")
+    assert _listing(project) == [".git", "README.md", "pyproject.toml"]
+    cfg = TrainConfig(output_dir=".", overwrite_output_dir=True)
+    write_rows(project / "metrics.jsonl", [1])  # a previous run's, which overwrite clears
+    prepare_output_dir(cfg)
+    said = capsys.readouterr().err
+    assert f"output_dir '.' is {project}" in said
+    assert f"keeping .git, README.md, pyproject.toml in {project} (posttrain did not write them)" in said
+    assert _listing(project) == sorted([LOCK_FILE, ".git", "README.md", "pyproject.toml"])  # metrics.jsonl cleared
+    # The model card is not written over the project's README (said once), nor its curves.
+    assert modelcard.write_model_card(".", cfg, "sft") is None
+    assert modelcard.write_model_card(".", cfg, "sft") is None
+    assert (project / "README.md").read_text() == "# My project\n"
+    said = capsys.readouterr().err
+    assert said.count("README.md is not posttrain's model card: it is kept as it is") == 1
+    assert not (project / modelcard.CURVES_FILE).exists()
+
+
+def test_posttrain_card_is_its_own_and_replaced(tmp_path):
+    out = tmp_path / "run"
+    cfg = TrainConfig(output_dir=str(out))
+    card = modelcard.write_model_card(out, cfg, "sft")
+    assert modelcard.is_posttrain_card(card)
+    assert modelcard.write_model_card(out, cfg, "dpo") == card and "DPO" in card.read_text()  # replaced: it is ours
+    plan = plan_output_dir(TrainConfig(output_dir=str(out)))
+    assert plan.kept == ()  # a run dir with its card is posttrain's own
+    card.write_text("---\ntags: [trl]\n---\n# TRL's card\n")
+    assert not modelcard.is_posttrain_card(card)
+
+
+def test_a_config_json_without_weights_is_never_replaced(tmp_path):
+    out = tmp_path / "app"
+    out.mkdir()
+    (out / "config.json").write_text('{"port": 8080}')
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match=r"holds a config.json that is no saved model's \(no weights beside it\), "
+                                              r"and saving the trained model there would replace it: choose another"):
+            prepare_output_dir(TrainConfig(output_dir=str(out), overwrite_output_dir=overwrite))
+    assert _listing(out) == ["config.json"]
 
 
 # -- launching: accelerate's plain launcher starts one process ----------------------------------

@@ -27,6 +27,7 @@ METHODS: dict[str, dict[str, Any]] = yaml.safe_load(
 CURVES = ("loss", "rewards/accuracies", "rewards/margins", "objective/scores", "objective/rlhf_reward",
           "objective/kl", "loss/policy_avg", "loss/value_avg", "reward", "kl", "forward_kl")
 MAX_PANELS = 9
+_kept_readmes: set[Path] = set()  # output dirs whose README.md was kept (said once per dir)
 
 _TEMPLATE = """\
 ---
@@ -110,6 +111,23 @@ Cite TRL as:
 """
 
 
+def is_posttrain_card(path: str | Path) -> bool:
+    """Whether ``path`` is a model card posttrain wrote (its front matter tags "posttrain")."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(65536)  # the front matter is at the top
+    except OSError:
+        return False
+    match = re.match(r"---\n(.*?)\n---\n", text, re.DOTALL)
+    if match is None:
+        return False
+    try:
+        front = yaml.safe_load(match.group(1))
+    except yaml.YAMLError:
+        return False
+    return isinstance(front, dict) and isinstance(front.get("tags"), list) and "posttrain" in front["tags"]
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a ``metrics.jsonl`` (an empty list when there is none)."""
     return read_rows(path)
@@ -175,14 +193,22 @@ def plot_learning_curves(rows: list[dict], path: str | Path) -> Path | None:
 
 
 def write_model_card(output_dir: str | Path, cfg: Any, method: str, session: Any = None,
-                     base_model: str | None = None, dataset_name: str | None = None) -> Path:
-    """Write ``README.md`` and curves to ``output_dir`` from ``cfg``; returns its path. Main only."""
+                     base_model: str | None = None, dataset_name: str | None = None) -> Path | None:
+    """Write ``README.md`` and curves to ``output_dir`` from ``cfg``; returns its path. Main only.
+    A README.md posttrain did not write is kept (said once) and None returned."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from posttrain.placement import dsconfig
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if (out / CARD_FILE).exists() and not is_posttrain_card(out / CARD_FILE):
+        # Someone else's README (a project's, in --output_dir .): never replaced, and no curves for a card not written.
+        if out.resolve() not in _kept_readmes:
+            _kept_readmes.add(out.resolve())
+            print(f"[posttrain] {out / CARD_FILE} is not posttrain's model card: it is kept as it is, and the run's "
+                  "model card is not written", file=sys.stderr)
+        return None
     info = METHODS.get(method, {"name": method, "tags": [method], "paper": {}})
     base_model = base_model or getattr(cfg, "model_name_or_path", None)
 

@@ -173,3 +173,30 @@ def field_table(config_classes: list[type]) -> str:
     for name in sorted(rows):
         lines.append(f"| `{name}` | " + " | ".join(rows[name]) + f" | {reasons.get(name, '')} |")
     return "\n".join(lines)
+
+
+README_START, README_END = "<!-- trl-fields:start -->", "<!-- trl-fields:end -->"
+
+
+def readme_table() -> str:
+    """The table of every exported trainer config, as the README shows it."""
+    import posttrain
+
+    configs = [getattr(posttrain, name) for name in posttrain._TRAINERS if name.endswith("Config")]
+    return field_table([c for c in configs if c.trl_config().__module__.startswith("trl")])
+
+
+def write_readme(path: str) -> None:
+    """Replace the README's table (between its markers) with :func:`readme_table`'s."""
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    head, rest = text.split(README_START, 1)
+    tail = rest.split(README_END, 1)[1]
+    Path(path).write_text(f"{head}{README_START}\n{readme_table()}\n{README_END}{tail}")
+
+
+if __name__ == "__main__":  # python -m posttrain.trainers.trl_fields README.md
+    import sys
+
+    write_readme(sys.argv[1])

@@ -1,0 +1,53 @@
+"""Every field of TRL 1.16's configs is accounted for in posttrain's (it works, or a value other than TRL's
+default is refused in one sentence), and the README's table is the one the code generates."""
+
+from pathlib import Path
+
+import pytest
+
+import posttrain
+from posttrain.errors import ConfigError
+from posttrain.trainers import trl_fields
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = [name for name in posttrain._TRAINERS if name.endswith("Config")]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_trl_field_is_accounted_for(name):
+    cls = getattr(posttrain, name)
+    status = trl_fields.field_status(cls)
+    assert [f for f, reason in status.items() if reason == "?"] == []
+    # posttrain keeps TRL's name for each of TRL's fields: none is shadowed by a field of another meaning.
+    assert set(status) <= {f.name for f in __import__("dataclasses").fields(cls)}
+
+
+@pytest.mark.parametrize("name", ["SFTConfig"])
+def test_a_refused_field_names_its_reason(name, tmp_path):
+    cls = getattr(posttrain, name)
+    with pytest.raises(ConfigError, match=r"^fsdp is 'full_shard', which posttrain does not support \(posttrain "
+                                          r"places every model with its own DeepSpeed plugin"):
+        cls(output_dir=str(tmp_path), fsdp="full_shard")
+    with pytest.raises(ConfigError, match=r"^optim 'adafactor' is not supported: posttrain takes 'adamw_torch' or "
+                                          r"'adamw_torch_fused'"):
+        cls(output_dir=str(tmp_path), optim="adafactor")
+    with pytest.raises(ConfigError, match=r"^model_init_kwargs 'dtype=bf16' is not a JSON dict"):
+        cls(output_dir=str(tmp_path), model_init_kwargs="dtype=bf16")
+    cfg = cls(output_dir=str(tmp_path), model_init_kwargs='{"dtype": "bfloat16"}', report_to="none",
+              logging_steps=5.0, warmup_steps=0.1)
+    assert cfg.model_init_kwargs == {"dtype": "bfloat16"} and cfg.report_to == [] and cfg.logging_steps == 5
+
+
+def test_trl_parser_takes_posttrain_configs_beside_model_config():
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+    for name in CONFIGS:
+        cls = getattr(posttrain, name)
+        if cls.trl_config().__module__.startswith("trl"):
+            TrlParser((ScriptArguments, cls, ModelConfig, DatasetMixtureConfig))  # no conflicting option
+
+
+def test_readme_table_is_generated_from_the_code():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split(trl_fields.README_START, 1)[1].split(trl_fields.README_END, 1)[0].strip()
+    assert table == trl_fields.readme_table(), "run: python -m posttrain.trainers.trl_fields README.md"

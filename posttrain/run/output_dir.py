@@ -519,13 +519,13 @@ def _no_space(session: Session, cfg: OutputDirSettings, tmp: Path, final: Path) 
     if session.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     previous = latest_checkpoint(cfg.output_dir)
-    need = f"about {_gb(_size(previous))} (as {previous.name}), " if previous is not None else ""
+    need = f"it needs about {_human(_size(previous))}, as much as {previous.name}; " if previous is not None else ""
     limit = (f"lower --save_total_limit (now {cfg.save_total_limit}; a save needs room for one more)"
              if cfg.save_total_limit else "set --save_total_limit N to keep only the newest N")
     kept = (f"; {previous.name} is whole, resume from it with --resume_from_checkpoint latest" if previous is not None
             else "")
     return ConfigError(f"the disk of {final.parent} is full: {final.name} could not be saved ({need}"
-                       f"{_gb(_free_bytes(final.parent))} free): free space there, {limit}, or choose an --output_dir "
+                       f"{_human(_free_bytes(final.parent))} free): free space there, {limit}, or choose an --output_dir "
                        f"on a larger disk{kept}")
 
 
@@ -533,5 +533,8 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.1f} MB"
+def _human(n: int) -> str:
+    for exponent, unit in ((30, "GB"), (20, "MB"), (10, "KB")):
+        if n >= 2**exponent:
+            return f"{n / 2**exponent:.1f} {unit}"
+    return f"{n} bytes"

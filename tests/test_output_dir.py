@@ -196,12 +196,11 @@ def test_a_project_folder_is_refused_and_overwrite_keeps_its_files(tmp_path, mon
         "replaces none of them, and writes no model card over a README.md not its own)")
     assert _listing(project) == [".git", "README.md", "pyproject.toml"]
     cfg = TrainConfig(output_dir=".", overwrite_output_dir=True)
-    write_rows(project / "metrics.jsonl", [1])  # a previous run's, which overwrite clears
     prepare_output_dir(cfg)
     said = capsys.readouterr().err
     assert f"output_dir '.' is {project}" in said
     assert f"keeping .git, README.md, pyproject.toml in {project} (posttrain did not write them)" in said
-    assert _listing(project) == sorted([LOCK_FILE, ".git", "README.md", "pyproject.toml"])  # metrics.jsonl cleared
+    assert _listing(project) == sorted([LOCK_FILE, ".git", "README.md", "pyproject.toml"])
     # The model card is not written over the project's README (said once), nor its curves.
     assert modelcard.write_model_card(".", cfg, "sft") is None
     assert modelcard.write_model_card(".", cfg, "sft") is None
@@ -223,15 +222,22 @@ def test_posttrain_card_is_its_own_and_replaced(tmp_path):
     assert not modelcard.is_posttrain_card(card)
 
 
-def test_a_config_json_without_weights_is_never_replaced(tmp_path):
+def test_files_the_run_would_replace_in_a_folder_that_is_no_run_are_refused(tmp_path):
+    """A config.json (or metrics.jsonl) with no run of posttrain's beside it is someone else's: even
+    overwrite_output_dir does not replace it; beside weights or posttrain's settings it is a run's."""
     out = tmp_path / "app"
     out.mkdir()
     (out / "config.json").write_text('{"port": 8080}')
+    write_rows(out / "metrics.jsonl", [1])
     for overwrite in (False, True):
-        with pytest.raises(ConfigError, match=r"holds a config.json that is no saved model's \(no weights beside it\), "
-                                              r"and saving the trained model there would replace it: choose another"):
+        with pytest.raises(ConfigError) as err:
             prepare_output_dir(TrainConfig(output_dir=str(out), overwrite_output_dir=overwrite))
-    assert _listing(out) == ["config.json"]
+        assert str(err.value) == (f"output_dir {out} holds config.json, metrics.jsonl that posttrain did not write (no "
+                                  "run of its own is there), and the run would replace them: choose another --output_dir")
+    assert _listing(out) == ["config.json", "metrics.jsonl"]
+    (out / "posttrain_config.json").write_text("{}")  # a run of posttrain's after all: overwrite clears its metrics
+    prepare_output_dir(TrainConfig(output_dir=str(out), overwrite_output_dir=True))
+    assert _listing(out) == [LOCK_FILE, "config.json", "posttrain_config.json"]
 
 
 # -- launching: accelerate's plain launcher starts one process ----------------------------------

@@ -180,9 +180,11 @@ def plan_output_dir(cfg: OutputDirSettings) -> OutputDirPlan:
     foreign = foreign_entries(out)
     used = [name for name in (*_RUN_FILES, *_MODEL_FILES) if (out / name).exists() and name not in foreign]
     used += [p.name for p in checkpoints(out)]
-    if resume is None and "config.json" in foreign:
-        raise ConfigError(f"output_dir {out} holds a config.json that is no saved model's (no weights beside it), and "
-                          "saving the trained model there would replace it: choose another --output_dir")
+    replaced = [name for name in foreign if _would_write(name)]
+    if resume is None and replaced:
+        raise ConfigError(f"output_dir {out.absolute()} holds {', '.join(replaced[:4])}{', ...' if len(replaced) > 4 else ''} "
+                          "that posttrain did not write (no run of its own is there), and the run would replace "
+                          f"{'them' if len(replaced) > 1 else 'it'}: choose another --output_dir")
     if resume is None and used and not cfg.overwrite_output_dir:
         raise ConfigError(f"output_dir {out} already holds a run "
                           f"({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}): pass "
@@ -233,27 +235,32 @@ def prepare_output_dir(cfg: OutputDirSettings) -> OutputDirPlan:
 
 
 def foreign_entries(output_dir: str | os.PathLike) -> list[str]:
-    """Names at the top of ``output_dir`` that posttrain did not write: neither its run files, checkpoints, model card
-    nor a saved model (a config.json counts only beside weights or posttrain's settings)."""
+    """Names at the top of ``output_dir`` that posttrain did not write. Its run files and a saved model's files
+    count as its own only where a run of its own is (its settings, lock, model card, a checkpoint or weights)."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
     names = sorted(p.name for p in out.iterdir())
-    a_run = SETTINGS_FILE in names or any(_WEIGHTS.fullmatch(n) for n in names)
+    a_run = (SETTINGS_FILE in names or LOCK_FILE in names or any(_WEIGHTS.fullmatch(n) for n in names)
+             or bool(checkpoints(out)) or (CARD_FILE in names and is_posttrain_card(out / CARD_FILE)))
     foreign = []
     for name in names:
-        path = out / name
-        if name in _OWN_FILES or _CHECKPOINT.fullmatch(name) or _PARTIAL.fullmatch(name):
+        if _CHECKPOINT.fullmatch(name) or _PARTIAL.fullmatch(name):
             continue
         if name == CARD_FILE:
-            ours = is_posttrain_card(path)
-        elif _SAVED_MODEL.fullmatch(name):
-            ours = a_run or name != "config.json"
+            ours = is_posttrain_card(out / name)
+        elif _would_write(name):
+            ours = a_run
         else:
-            ours = path.is_dir() and _is_model_or_log_folder(path)
+            ours = (out / name).is_dir() and _is_model_or_log_folder(out / name)
         if not ours:
             foreign.append(name)
     return foreign
+
+
+def _would_write(name: str) -> bool:
+    """A name the run writes (or overwrite_output_dir clears) at the output dir's top, README.md aside."""
+    return name in _OWN_FILES or bool(_SAVED_MODEL.fullmatch(name))
 
 
 def _is_model_or_log_folder(path: Path) -> bool:

@@ -157,7 +157,8 @@ def test_the_check_changes_nothing_and_the_claim_clears(tmp_path, capsys):
     before = _listing(out)
     cfg = TrainConfig(output_dir=str(out), overwrite_output_dir=True)
     plan = plan_output_dir(cfg)
-    assert (plan.clear, plan.partial, plan.resume, plan.kept) == (("metrics.jsonl", "checkpoint-2"), (partial,), None, ())
+    assert plan.clear == ("metrics.jsonl", "checkpoint-2") and plan.partial == (partial,)
+    assert plan.resume is None and plan.kept == ()
     assert _listing(out) == before and not capsys.readouterr().err  # no lock, no removal, no word yet
     # A setting only a loaded model can check fails here, between the two: the old run is whole.
     claim_output_dir(cfg)
@@ -170,7 +171,8 @@ def test_an_empty_output_dir_is_refused_and_tilde_is_expanded(tmp_path, monkeypa
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with pytest.raises(ConfigError) as err:
         plan_output_dir(TrainConfig(output_dir=""))
-    assert str(err.value) == "output_dir is empty: give the folder for the run with --output_dir (it is created if missing)"
+    assert str(err.value) == ("output_dir is empty: give the folder for the run with --output_dir (it is created if "
+                              "missing)")
     with pytest.raises(ConfigError, match=r"^output_dir '~no-such-user-42/run' starts with ~no-such-user-42, and this "
                                           r"machine has no user 'no-such-user-42': give the folder's full path"):
         plan_output_dir(TrainConfig(output_dir="~no-such-user-42/run"))
@@ -191,9 +193,9 @@ def test_a_project_folder_is_refused_and_overwrite_keeps_its_files(tmp_path, mon
     with pytest.raises(ConfigError) as err:
         prepare_output_dir(TrainConfig(output_dir="."))
     assert str(err.value) == (
-        f"output_dir {project} holds files posttrain did not write (.git, README.md, pyproject.toml): choose a new or empty "
-        "--output_dir, or pass --overwrite_output_dir true to write the run beside them (posttrain deletes and "
-        "replaces none of them, and writes no model card over a README.md not its own)")
+        f"output_dir {project} holds files posttrain did not write (.git, README.md, pyproject.toml): choose a new "
+        "or empty --output_dir, or pass --overwrite_output_dir true to write the run beside them (posttrain deletes "
+        "and replaces none of them, and writes no model card over a README.md not its own)")
     assert _listing(project) == [".git", "README.md", "pyproject.toml"]
     cfg = TrainConfig(output_dir=".", overwrite_output_dir=True)
     prepare_output_dir(cfg)
@@ -232,8 +234,9 @@ def test_files_the_run_would_replace_in_a_folder_that_is_no_run_are_refused(tmp_
     for overwrite in (False, True):
         with pytest.raises(ConfigError) as err:
             prepare_output_dir(TrainConfig(output_dir=str(out), overwrite_output_dir=overwrite))
-        assert str(err.value) == (f"output_dir {out} holds config.json, metrics.jsonl that posttrain did not write (no "
-                                  "run of its own is there), and the run would replace them: choose another --output_dir")
+        assert str(err.value) == (f"output_dir {out} holds config.json, metrics.jsonl that posttrain did not write "
+                                  "(no run of its own is there), and the run would replace them: choose another "
+                                  "--output_dir")
     assert _listing(out) == ["config.json", "metrics.jsonl"]
     (out / "posttrain_config.json").write_text("{}")  # a run of posttrain's after all: overwrite clears its metrics
     prepare_output_dir(TrainConfig(output_dir=str(out), overwrite_output_dir=True))

@@ -60,7 +60,8 @@ class StubSession:
             (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
         else:
             self.model.config.save_pretrained(directory)
-        save_file({"w": torch.zeros(256)}, directory / ("adapter_model.safetensors" if self.peft else "model.safetensors"))
+        weights = "adapter_model.safetensors" if self.peft else "model.safetensors"
+        save_file({"w": torch.zeros(256)}, directory / weights)
 
     def save_state(self, directory, extra=None):
         tag = directory / "policy" / "pytorch_model"
@@ -126,8 +127,8 @@ def test_another_architecture_is_refused(tmp_path):
     ckpt = save(old, 2, StubSession(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)))
     (ckpt / "state" / SAVED_BY_FILE).unlink()
     (old / "posttrain_config.json").write_text(json.dumps({"model_name_or_path": "runs/gpt2-tiny"}))
-    with pytest.raises(ConfigError, match=r"\(hidden_size 32 there, 64 here\): give --model_name_or_path runs/gpt2-tiny "
-                                          r"to resume it"):
+    with pytest.raises(ConfigError, match=r"\(hidden_size 32 there, 64 here\): give --model_name_or_path "
+                                          r"runs/gpt2-tiny to resume it"):
         check_resume(latest(old), "sft", {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2,
                                           "vocab_size": 64})
     assert check_resume(latest(old), "sft", GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)) == ckpt
@@ -205,8 +206,9 @@ def test_a_full_disk_while_saving_is_one_sentence_and_keeps_the_previous_checkpo
     size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file()) / 2**10
     assert str(err.value) == (
         f"the disk of {out} is full: checkpoint-4 could not be saved (it needs about {size:.1f} KB, as much as "
-        "checkpoint-2; 3.0 MB free): free space there, lower --save_total_limit (now 1; a save needs room for one more), or choose an "
-        "--output_dir on a larger disk; checkpoint-2 is whole, resume from it with --resume_from_checkpoint latest")
+        "checkpoint-2; 3.0 MB free): free space there, lower --save_total_limit (now 1; a save needs room for one "
+        "more), or choose an --output_dir on a larger disk; checkpoint-2 is whole, resume from it with "
+        "--resume_from_checkpoint latest")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]  # the half-written folder is gone
     assert sorted(str(p.relative_to(first)) for p in first.rglob("*")) == kept
     # torch's zip writer fails without an errno: a full disk shows in the free space; else the error is its own.

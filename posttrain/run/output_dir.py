@@ -182,9 +182,10 @@ def plan_output_dir(cfg: OutputDirSettings) -> OutputDirPlan:
     used += [p.name for p in checkpoints(out)]
     replaced = [name for name in foreign if _would_write(name)]
     if resume is None and replaced:
-        raise ConfigError(f"output_dir {out.absolute()} holds {', '.join(replaced[:4])}{', ...' if len(replaced) > 4 else ''} "
-                          "that posttrain did not write (no run of its own is there), and the run would replace "
-                          f"{'them' if len(replaced) > 1 else 'it'}: choose another --output_dir")
+        names = ", ".join(replaced[:4]) + (", ..." if len(replaced) > 4 else "")
+        raise ConfigError(f"output_dir {out.absolute()} holds {names} that posttrain did not write (no run of its own "
+                          f"is there), and the run would replace {'them' if len(replaced) > 1 else 'it'}: choose "
+                          "another --output_dir")
     if resume is None and used and not cfg.overwrite_output_dir:
         raise ConfigError(f"output_dir {out} already holds a run "
                           f"({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}): pass "
@@ -192,10 +193,12 @@ def plan_output_dir(cfg: OutputDirSettings) -> OutputDirPlan:
                           "replace it, or choose another --output_dir")
     if resume is None and foreign and not cfg.overwrite_output_dir:
         shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-        raise ConfigError(f"output_dir {out.absolute()} holds files posttrain did not write ({shown}): choose a new or empty "
-                          "--output_dir, or pass --overwrite_output_dir true to write the run beside them (posttrain "
-                          "deletes and replaces none of them, and writes no model card over a README.md not its own)")
-    clear = () if resume is not None or not cfg.overwrite_output_dir else tuple(n for n in used if n not in _MODEL_FILES)
+        raise ConfigError(f"output_dir {out.absolute()} holds files posttrain did not write ({shown}): choose a new "
+                          "or empty --output_dir, or pass --overwrite_output_dir true to write the run beside them "
+                          "(posttrain deletes and replaces none of them, and writes no model card over a README.md "
+                          "not its own)")
+    clearing = resume is None and cfg.overwrite_output_dir
+    clear = tuple(n for n in used if n not in _MODEL_FILES) if clearing else ()
     return OutputDirPlan(out, str(given), resume, clear, tuple(partial_checkpoints(out)), tuple(foreign))
 
 
@@ -212,7 +215,7 @@ def claim_output_dir(cfg: OutputDirSettings) -> OutputDirPlan:
         if _is_main_rank():
             shutil.rmtree(partial, ignore_errors=True)
     if plan.resume is not None:
-        cfg.resume_from_checkpoint = str(plan.resume)  # the trainer (and posttrain_config.json) see the checkpoint taken
+        cfg.resume_from_checkpoint = str(plan.resume)  # the trainer and posttrain_config.json see the one taken
         _say(f"resuming from {plan.resume} (step {_checkpoint_step(plan.resume)})")
         return plan
     if plan.kept:
@@ -318,7 +321,8 @@ def check_resume(cfg: OutputDirSettings, trainer_name: str, model_config: Any = 
     if saved.get("trainer") is not None:
         other = f"the {saved['trainer']} trainer" if saved["trainer"] != trainer_name else None
     else:
-        other = f"a run configured with {saved['config']}" if saved.get("config") not in (None, type(cfg).__name__) else None
+        config = saved.get("config")
+        other = f"a run configured with {config}" if config not in (None, type(cfg).__name__) else None
     if other is not None:
         raise ConfigError(f"checkpoint {ckpt} was saved by {other} and this run is {trainer_name} (resuming would take "
                           f"its optimizer, schedule and step): give a checkpoint of a {trainer_name} run, or {start}")
@@ -501,7 +505,7 @@ def save_checkpoint(session: Session, cfg: OutputDirSettings, step: int, export:
 
 
 def _disk_full(err: BaseException, folder: Path) -> bool:
-    """ENOSPC (or a quota) anywhere in the chain; torch's zip writer says neither, so its failure counts on a full disk."""
+    """ENOSPC (or a quota) in the chain; torch's zip writer says neither, so its failure counts on a full disk."""
     seen: BaseException | None = err
     for _ in range(8):  # __context__ chains are short; the bound guards against a cycle
         if seen is None:
@@ -531,9 +535,9 @@ def _no_space(session: Session, cfg: OutputDirSettings, tmp: Path, final: Path) 
              if cfg.save_total_limit else "set --save_total_limit N to keep only the newest N")
     kept = (f"; {previous.name} is whole, resume from it with --resume_from_checkpoint latest" if previous is not None
             else "")
-    return ConfigError(f"the disk of {final.parent} is full: {final.name} could not be saved ({need}"
-                       f"{_human(_free_bytes(final.parent))} free): free space there, {limit}, or choose an --output_dir "
-                       f"on a larger disk{kept}")
+    free = _human(_free_bytes(final.parent))
+    return ConfigError(f"the disk of {final.parent} is full: {final.name} could not be saved ({need}{free} free): free "
+                       f"space there, {limit}, or choose an --output_dir on a larger disk{kept}")
 
 
 def _size(path: Path) -> int:

@@ -64,3 +64,25 @@ def test_callbacks_state_and_end(tmp_path):
                        train_dataset=rows, processing_class=tiny.load_tokenizer())
     assert again.train().global_step == 1
     again.end()
+
+
+def test_a_failed_overwrite_keeps_the_previous_run(tmp_path):
+    """--overwrite_output_dir clears the previous run only once every model is loaded and prepared: a
+    LoRA target no module matches fails first, and the old run's metrics and checkpoints are still there."""
+    import pytest
+    from peft import LoraConfig
+
+    from posttrain.errors import ConfigError
+
+    rows = [{"text": line} for line in tiny.corpus()[:8]]
+    out = tmp_path / "run"
+    common = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=1, save_steps=1, disable_tqdm=True,
+                  max_length=32)
+    first = SFTTrainer(str(tiny.model_path()), args=SFTConfig(**common), train_dataset=rows)
+    first.train()
+    first.end()
+    kept = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="lora_target_modules|target_modules"):
+        SFTTrainer(str(tiny.model_path()), args=SFTConfig(**common, overwrite_output_dir=True), train_dataset=rows,
+                   peft_config=LoraConfig(target_modules=["q_projj"], task_type="CAUSAL_LM"))
+    assert (out / "metrics.jsonl").read_text() == kept and (out / "checkpoint-1").is_dir()

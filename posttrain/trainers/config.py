@@ -17,7 +17,7 @@ from posttrain.placement.plain import check_setting as check_engine_setting
 from posttrain.placement.ranks import world_size
 from posttrain.placement.roles import DEFAULT_MIX, check_placement, roles_for
 from posttrain.placement.session import Session
-from posttrain.run.output_dir import prepare_output_dir
+from posttrain.run.output_dir import plan_output_dir
 from posttrain.trainers.trl_fields import check_trl_fields
 
 
@@ -188,7 +188,7 @@ def warmup_steps(cfg: TrainConfig, total_steps: int | None) -> int:
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None,
                  decoded: list[str] | tuple[str, ...] = ()) -> Session:
     """The run's Session; ``decoded``: the trained roles its rollout engine decodes from."""
-    # Everything is checked before prepare_output_dir clears anything.
+    # Everything is checked before anything in the output dir is cleared (at train()).
     check_placement(cfg.mix, cfg.role_configs)
     roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs, master_weights=cfg.master_weights,
                       decoded=decoded)
@@ -196,7 +196,7 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
                          mixed_precision=cfg.mixed_precision, own_configs=[r.name for r in roles if r.trains and not r.from_mix])
     checks.check_output_dir(cfg.output_dir)
     checks.check_resume_path(cfg.resume_from_checkpoint, cfg.output_dir)
-    prepare_output_dir(cfg)  # before any model loads: a reused dir or a missing checkpoint fails fast
+    plan_output_dir(cfg)  # checked before any model loads; claimed (cleared, locked) only when train() starts
     return Session(roles, micro_batch_size=cfg.per_device_train_batch_size,
                    gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                    max_grad_norm=cfg.max_grad_norm, mixed_precision=cfg.mixed_precision,

@@ -15,7 +15,7 @@ import torch
 from posttrain.data.order import rank_batches
 from posttrain.errors import ConfigError
 from posttrain.placement.ranks import mean_over_ranks
-from posttrain.run.output_dir import resume_dir, save_checkpoint
+from posttrain.run.output_dir import check_resume, claim_output_dir, resume_dir, save_checkpoint
 from posttrain.run.save import save_trained_model
 from posttrain.trainers.config import TrainConfig, saves
 from posttrain.trainers.run_log import RunLog
@@ -133,6 +133,10 @@ class Trainer:
                 raise ConfigError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}) differs from the config's "
                                   f"resume_from_checkpoint {cfg.resume_from_checkpoint!r}: set it in the config "
                                   "(args.resume_from_checkpoint), which the trainer reads before it loads anything")
+        role = self.roles["trained"][0]
+        check_resume(cfg, self.name, model_config=getattr(s.unwrap(role), "config", None),
+                     uses_peft=getattr(self, "peft_config", None) is not None, role=role, num_processes=s.num_processes)
+        claim_output_dir(cfg)  # every model loaded: only now is a previous run cleared
         self.step = 0
         ckpt = resume_dir(cfg)
         if ckpt is not None:  # engines, optimizers, RNG, counters
@@ -167,7 +171,7 @@ class Trainer:
                 self._event("on_evaluate", metrics=metrics)
             if saves(cfg) and (self.step % cfg.save_steps == 0 or last) and self.can_checkpoint(self.step):
                 save_checkpoint(s, cfg, self.step, self.checkpoint_models(),
-                                {"total_steps": self.total_steps, **self.checkpoint_state()})
+                                {"total_steps": self.total_steps, **self.checkpoint_state()}, trainer=self.name)
                 self._event("on_save")
             if last:
                 break

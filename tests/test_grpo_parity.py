@@ -5,7 +5,6 @@ old and reference log-probs."""
 
 import pytest
 import torch
-from conftest import tiny_defaults
 
 from posttrain.demo import tiny
 from posttrain.models.setup import enable_gradient_checkpointing
@@ -24,6 +23,7 @@ from posttrain.trainers.grpo import (
 
 G, N, TEMPERATURE = 4, 6, 0.9
 TOL = 1e-5
+SENTIMENT = "posttrain.demo.synthetic.sentiment_reward"  # the bundled reward, as TRL's scripts name a function
 
 
 def assert_gradients_close(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
@@ -243,7 +243,7 @@ def test_rloo_settings():
     from posttrain.trainers.rloo import RLOOConfig
 
     assert RLOOConfig(per_device_train_batch_size=8, num_generations=4).beta == 0.05  # TRL's RLOO default
-    with pytest.raises(ConfigError, match="GRPO options"):
+    with pytest.raises(TypeError, match="importance_sampling_level"):  # TRL's RLOOConfig has no GRPO options
         RLOOConfig(per_device_train_batch_size=8, num_generations=4, importance_sampling_level="sequence")
     with pytest.raises(ConfigError, match="reward_clip_range"):
         RLOOConfig(per_device_train_batch_size=8, num_generations=4, reward_clip_range=[2.0, -1.0])
@@ -256,9 +256,9 @@ def test_checkpoints_only_on_generation_boundaries(tmp_path):
     from posttrain.trainers.grpo import GRPOTrainer
 
     cfg = GRPOConfig(per_device_train_batch_size=8, num_generations=4, steps_per_generation=2, save_steps=1,
-                     output_dir=str(tmp_path), **tiny_defaults())
+                     output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="generation boundary"):
-        GRPOTrainer(cfg, train_dataset=bundled_prompts(16))
+        GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=[SENTIMENT], args=cfg, train_dataset=bundled_prompts(16))
 
 
 @pytest.mark.parametrize("prompts,steps_per_generation,num_iterations", [(8, 1, 1), (10, 2, 2), (9, 3, 1)])
@@ -279,3 +279,27 @@ def test_epoch_is_trls(tmp_path, prompts, steps_per_generation, num_iterations):
                          processing_class=tiny.load_tokenizer())
     ours = micro_batches_per_epoch(prompts, GRPOConfig(max_completion_length=N, **fields))
     assert ours == len(trainer.get_train_dataloader())
+
+
+@pytest.mark.parametrize("config", ["grpo", "rloo"])
+def test_every_trl_field_works_or_is_refused(config):
+    """Each field of TRL's GRPOConfig / RLOOConfig takes effect or is refused with its reason; a refused
+    one set to another value than TRL's default is one sentence naming it."""
+    from posttrain.errors import ConfigError
+    from posttrain.trainers.rloo import RLOOConfig
+    from posttrain.trainers.trl_fields import field_status
+
+    cls = {"grpo": GRPOConfig, "rloo": RLOOConfig}[config]
+    status = field_status(cls)
+    assert [k for k, v in status.items() if v == "?"] == []
+    assert status["num_generations"] == status["temperature"] == status["ds3_gather_for_generation"] == ""
+    assert status["use_vllm"] and status["pad_to_multiple_of"]
+    for name, value in (("use_vllm", True), ("min_p", 0.1), ("pad_to_multiple_of", 8)):
+        with pytest.raises(ConfigError, match=f"^{name} is {value!r}, which posttrain does not support"):
+            cls(per_device_train_batch_size=8, num_generations=4, **{name: value})
+    cls(per_device_train_batch_size=8, num_generations=4, pad_to_multiple_of=None)  # TRL's "auto" off Neuron
+    # No script-level field (TrlParser takes the config beside ModelConfig and TRL's script arguments).
+    from trl import ModelConfig, TrlParser
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    TrlParser((GRPOScriptArguments, cls, ModelConfig))

@@ -8,6 +8,7 @@ reward models re-encoding text, and the warnings about rewards that score nothin
 import asyncio
 import logging
 import math
+import re
 import sys
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -265,3 +266,44 @@ def test_rloo_rewards_equal_trl(trl_trainer, tmp_path):
     t, _ = ours_stub(cfg, [dict(r) for r in rows], prompt_ids, completion_ids, tok)
     ours = t.rewards.score(prompts, texts, completion_ids, rows=[dict(r) for r in rows], trainer_state=t.trainer_state)
     assert torch.allclose(ours, theirs, atol=1e-5), (ours, theirs)
+
+
+def test_a_language_model_is_refused_as_a_reward_model(tmp_path):
+    """A plain causal LM given as a reward model (its folder or the object) is one sentence: loaded as a
+    classifier its score head would be random, so GRPO would train on noise (TRL takes it without a word)."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.scripts.data import bundled_prompts
+
+    path = str(tiny.sft_model_path())
+    said = "is a language model (LlamaForCausalLM) without a trained score head"
+    with pytest.raises(ConfigError, match=rf"^reward model {path} {re.escape(said)}"):
+        rewards.resolve_reward_specs([path])
+    cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4)
+    lm = AutoModelForCausalLM.from_pretrained(path)
+    for reward, what in ((path, f"reward model {path}"), (lm, "the reward model object")):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(what)} {re.escape(said)}"):
+            GRPOTrainer(path, reward_funcs=reward, args=cfg, train_dataset=bundled_prompts(16))
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_reward_funcs_as_trl_takes_them(tmp_path):
+    """One reward or a list; a function, TRL's built-in name, a dotted ``module.function`` name, the reward
+    model's path: each names its reward in the metrics, in the order given."""
+    from posttrain.demo import synthetic
+    from posttrain.scripts.data import bundled_prompts
+
+    cfg = GRPOConfig(output_dir=str(tmp_path / "a"), per_device_train_batch_size=8, num_generations=4)
+    one = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=synthetic.sentiment_reward, args=cfg,
+                      train_dataset=bundled_prompts(16))
+    assert one.rewards.names == ["sentiment_reward"] and one.rewards.roles == []
+    one.end()
+    cfg = GRPOConfig(output_dir=str(tmp_path / "b"), per_device_train_batch_size=8, num_generations=4)
+    many = GRPOTrainer(str(tiny.sft_model_path()), args=cfg, train_dataset=bundled_prompts(16),
+                       reward_funcs=["posttrain.demo.synthetic.sentiment_reward", "think_format_reward",
+                                     str(tiny.reward_model_path())])
+    assert many.rewards.names == ["sentiment_reward", "think_format_reward", "reward-trained-s0-n200"]
+    assert many.rewards.roles == ["reward"]
+    many.end()
+    with pytest.raises(ConfigError, match="^GRPO needs a reward: pass reward_funcs="):
+        GRPOTrainer(str(tiny.sft_model_path()), args=cfg, train_dataset=bundled_prompts(16))

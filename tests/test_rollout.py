@@ -641,7 +641,7 @@ def test_generation_kv_slots_is_a_config_field(models, tok, grouped):
 def test_from_config_reads_every_rollout_setting(models, tok, grouped):
     """``Rollout.from_config``: every ``RolloutFields`` setting of a trainer's config (backend, KV
     budget, fused projections, shared prompt KV with the config's ``num_generations`` as the group,
-    LoRA mode, ZeRO-3 gathering) reaches the rollout and its engine, with the samples of the
+    LoRA mode) and TRL's ``ds3_gather_for_generation`` reach the rollout and its engine, with the samples of the
     constructor given the same settings; a bad setting is refused by its flag, and a config
     without the fields by what to mix in."""
     from dataclasses import dataclass
@@ -651,6 +651,7 @@ def test_from_config_reads_every_rollout_setting(models, tok, grouped):
     @dataclass
     class Cfg(RolloutFields):
         num_generations: int = GROUPS
+        ds3_gather_for_generation: bool = True  # the TRL config's field (GRPOConfig, DistillationConfig)
 
     model, (ids, mask) = models["llama"], grouped
     sampling = SamplingParams(pad_token_id=tok.pad_token_id, **stopping(tok, N))

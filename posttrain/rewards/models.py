@@ -79,11 +79,26 @@ def check_reward_model(spec: str) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"reward model {spec}: not a local folder and not found on the Hub ({first}); check the "
                           "name, or give a local folder") from e
+    check_not_language_model(f"reward model {spec}", raw.get("architectures"))
     labels = raw.get("num_labels", len(raw["id2label"]) if "id2label" in raw else 1)
     if labels != 1:
         raise ConfigError(f"reward model {spec} has {labels} labels (num_labels in its config.json); a reward model "
                           "gives one score per completion (TRL loads it with num_labels=1): use one trained with a "
                           "single output, as TRL's RewardTrainer does")
+
+
+# Heads that generate tokens: a folder saved with only these has no score head to load.
+_GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM")
+
+
+def check_not_language_model(what: str, architectures: Sequence[str] | None) -> None:
+    """Refuse a language model given as a reward model: loaded as a classifier, its score head would be
+    freshly initialised, so every reward would be noise (TRL loads it without a word)."""
+    if architectures and all(a.endswith(_GENERATIVE) for a in architectures):
+        raise ConfigError(f"{what} is a language model ({', '.join(architectures)}) without a trained "
+                          "score head: as a reward model it would score with a randomly initialised head, so the "
+                          "rewards would be noise; give a model trained as a reward model (posttrain reward or "
+                          "TRL's RewardTrainer saves one), or name a reward function")
 
 
 def check_reward_weights(weights: Sequence[float] | None, n: int, what: str = "reward functions") -> list[float]:
@@ -187,6 +202,7 @@ def scorer_input(source: Any, policy_tokenizer: Any, policy_vocab: int, what: st
     """As :func:`reward_model_input`, for a path or a model (read with ``tokenizer``, else its folder)."""
     if not isinstance(source, torch.nn.Module):
         return reward_model_input(source, policy_tokenizer, policy_vocab, reencode)
+    check_not_language_model(f"the {what} object", [type(source).__name__])
     labels = getattr(source.config, "num_labels", None)
     if labels != 1:
         raise ConfigError(f"the {what} object has num_labels={labels}; it must give one score: build it with "

@@ -26,7 +26,7 @@ BACKENDS = ("posttrain", "hf")
 
 @dataclass
 class RolloutFields:
-    """The rollout's settings, a mixin for trainer configs; read by :meth:`Rollout.from_config`."""
+    """posttrain's own rollout settings, a mixin for trainer configs; read by :meth:`Rollout.from_config`."""
 
     # "posttrain" (the rollout engine) | "hf" (transformers' generate).
     generation_backend: str = "posttrain"
@@ -42,8 +42,9 @@ class RolloutFields:
     # How LoRA adapters decode: "merged" (merged copies), "live" (low-rank terms, no copy) or
     # "grouped" ("live" with q|k|v and gate|up one product each); see rollout/adapters.py.
     generation_lora_mode: str = "merged"
-    # TRL's: gather a ZeRO-3 model whole; False: per-layer hooks (less memory, slow, always generate).
-    ds3_gather_for_generation: bool = True
+    # TRL's sampling settings (temperature, top_p, top_k, max_completion_length) and
+    # ds3_gather_for_generation (gather a ZeRO-3 model whole; False: per-layer hooks, less memory,
+    # slow, always transformers' generate) are the TRL config's own fields.
 
 
 def check_rollout_fields(cfg: RolloutFields) -> None:
@@ -56,7 +57,7 @@ def check_rollout_fields(cfg: RolloutFields) -> None:
         raise ConfigError(f"generation_kv_slots must be a whole number >= 1 or null (one slot per sequence of a "
                           f"generation batch), got {slots!r}: set --generation_kv_slots")
     for name in ("generation_fused_projections", "generation_shared_prompt_kv", "ds3_gather_for_generation"):
-        if not isinstance(getattr(cfg, name), bool):
+        if not isinstance(getattr(cfg, name, True), bool):
             raise ConfigError(f"{name} must be true or false, got {getattr(cfg, name)!r}: set --{name} true|false")
     if cfg.generation_lora_mode not in LORA_MODES:
         raise ConfigError(f"generation_lora_mode must be one of {LORA_MODES}, got {cfg.generation_lora_mode!r}: set "
@@ -133,7 +134,8 @@ class Rollout:
                               "posttrain.rollout.RolloutFields into it (and check_rollout_fields in __post_init__)")
         check_rollout_fields(cfg)
         return cls(session, role, sampling, max_batch=max_batch, max_prompt_len=max_prompt_len,
-                   backend=cfg.generation_backend, ds3_gather_for_generation=cfg.ds3_gather_for_generation,
+                   backend=cfg.generation_backend,
+                   ds3_gather_for_generation=getattr(cfg, "ds3_gather_for_generation", True),
                    model=model, kv_slots=cfg.generation_kv_slots,
                    engine_options=engine_options(cfg, group_size))
 

@@ -1,27 +1,42 @@
-"""``posttrain grpo``: GRPO; with no model named, the built-in tiny default and its bundled reward."""
+"""``posttrain grpo``: GRPO as TRL's grpo.py script (TRL's script arguments, ``ModelConfig``); with no model
+named, the built-in tiny default and its bundled reward."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from trl import ScriptArguments
+from trl import ModelConfig
+from trl.scripts.grpo import GRPOScriptArguments
 
+from posttrain.data.preference import load_dataset_source
+from posttrain.data.prompts import check_prompt_rows
 from posttrain.demo import synthetic, tiny
-from posttrain.run.hub import push_to_hub
-from posttrain.run.modelcard import write_model_card
+from posttrain.errors import ConfigError
 from posttrain.scripts.args import (
     demo_config,
+    model_arguments,
+    note,
     parse_config,
     record_script_arguments,
     require_dataset,
     run_script,
 )
-from posttrain.scripts.data import PromptArguments, load_prompts
+from posttrain.scripts.data import BUNDLED_PROMPTS, PromptArguments, bundled_prompts, load_prompts
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
+
+
+@dataclass
+class OnlinePromptArguments(PromptArguments):
+    """The bundled prompts (no dataset_name): how many to train on and, with --eval_strategy, to evaluate on."""
+
+    num_eval_prompts: int = 64  # bundled held-out prompts (another seed than the training ones)
 
 
 def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
@@ -31,53 +46,88 @@ def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
     first = sum(scored[:tenth]) / tenth if scored else math.nan
     last = sum(scored[-tenth:]) / tenth if scored else math.nan
     phases = {k: round(sum(h.get(k, 0.0) for h in history), 1) for k in PHASES}
-    return {"steps": history[-1]["step"] if history else 0, "reward_first_tenth": round(first, 3), "reward_last_tenth": round(last, 3),
+    steps = max((h["step"] for h in history if "step" in h), default=0)
+    return {"steps": steps, "reward_first_tenth": round(first, 3), "reward_last_tenth": round(last, 3),
             "reward_rise": round(last - first, 3), "seconds_per_phase": phases, "seconds": round(seconds, 1),
             "resumed_from": cfg.resume_from_checkpoint, "mix": cfg.mix, "output_dir": cfg.output_dir}
 
 
-def demo_models(cfg: GRPOConfig) -> dict:
-    """The tiny default's policy and, unless a reward is named, its reward, when no model is named."""
-    if cfg.model_name_or_path is not None:
-        return {}
-    named = cfg.reward_funcs or cfg.reward_model_name_or_path
-    return {"model": str(tiny.sft_model_path()), **({} if named else {"reward_funcs": [synthetic.sentiment_reward]})}
+def reward_funcs(script: Any, model_args: ModelConfig) -> list:
+    """TRL's script's rewards: the reward model first, then ``--reward_funcs`` (TRL's names, ``module.function``);
+    with no model named and no reward, the tiny default's bundled reward function."""
+    named = ([script.reward_model_name_or_path] if script.reward_model_name_or_path else []) + list(
+        script.reward_funcs or [])
+    if not named and model_args.model_name_or_path is None:
+        return [synthetic.sentiment_reward]
+    if not named:
+        raise ConfigError("no reward is named: set --reward_funcs (one of TRL's reward names, \"module.function\") "
+                          "and/or --reward_model_name_or_path (a reward model's folder or hub id)")
+    return named
 
 
-def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None = None) -> None:
+def eval_prompts(script: Any, data: OnlinePromptArguments, cfg: GRPOConfig) -> list[dict] | None:
+    """The held-out prompts under --eval_strategy: the dataset's test split, or bundled ones."""
+    if cfg.eval_strategy == "no":
+        return None
+    if script.dataset_name is None:
+        return bundled_prompts(data.num_eval_prompts, cfg.seed + 1)
+    name, split = script.dataset_name, script.dataset_test_split
+    try:
+        dataset = load_dataset_source(name, split, script.dataset_config)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError):  # a single file, or a hub dataset without that split
+        raise ConfigError(f"--eval_strategy {cfg.eval_strategy}: {name} has no {split!r} split to evaluate on; set "
+                          "--dataset_test_split to one of its splits, or --eval_strategy no") from None
+    return check_prompt_rows(dataset, f"{name} (split {split!r})", cfg._algorithm)
+
+
+def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None = None,
+        script_cls: type = GRPOScriptArguments) -> None:
     """Parse, train, save the policy and print the summary (shared with ``posttrain rloo``)."""
-    import time
-
-    script, data, cfg = parse_config((ScriptArguments, PromptArguments, config_cls), demo_config(name), argv,
-                                     prog=f"posttrain {name}")
-    require_dataset([script, cfg])
+    script, data, cfg, model_args = parse_config((script_cls, OnlinePromptArguments, config_cls, ModelConfig),
+                                                 demo_config(name), argv, prog=f"posttrain {name}")
+    require_dataset([script, model_args])
+    model, peft_config = model_arguments(model_args, cfg, tiny.sft_model_path)
+    rewards = reward_funcs(script, model_args)
     start = time.perf_counter()
     prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
-    trainer = trainer_cls(cfg, train_dataset=prompts, **demo_models(cfg))
-    history = trainer.train()
+    held_out = eval_prompts(script, data, cfg)
+    trainer = trainer_cls(model=model, reward_funcs=rewards, args=cfg, train_dataset=prompts,
+                          eval_dataset=held_out, peft_config=peft_config)
+    trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+    history = trainer.state.log_history
     final = trainer.save_model()
-    if not trainer.session.is_main_process:
-        return
-    # Name the data in the card, after the save (a peft save rewrites the card's tags).
-    write_model_card(cfg.output_dir, cfg, name, trainer.session, dataset_name=dataset_name)
-    record_script_arguments(cfg.output_dir, script, data)
-    if history:
-        summary = summarize(history, cfg, time.perf_counter() - start)
-        summary["generation_backend"] = trainer.rollout.stats.get("backend")
-        Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"\n{name.upper()} summary")
-        print(f"  reward  first tenth {summary['reward_first_tenth']:+.3f}  ->  last tenth "
-              f"{summary['reward_last_tenth']:+.3f}  (rise {summary['reward_rise']:+.3f}, {summary['steps']} steps, "
-              f"{summary['seconds']} s)")
-        print("  time per phase (s): " + ", ".join(f"{k.split('/')[1]} {v}"
-                                                  for k, v in summary["seconds_per_phase"].items()))
-        if trainer.peft_config is not None and not cfg.merge_adapters:
+    if trainer.is_world_process_zero():
+        record_script_arguments(cfg.output_dir, script, data, model_args)
+        if history:
+            summary = summarize(history, cfg, time.perf_counter() - start)
+            summary["generation_backend"] = trainer.rollout.stats.get("backend")
+            evals = [h for h in history if "eval/reward" in h]
+            if evals:
+                summary["eval_reward_first"], summary["eval_reward_last"] = (evals[0]["eval/reward"],
+                                                                             evals[-1]["eval/reward"])
+            Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+            print(f"\n{name.upper()} summary")
+            print(f"  reward  first tenth {summary['reward_first_tenth']:+.3f}  ->  last tenth "
+                  f"{summary['reward_last_tenth']:+.3f}  (rise {summary['reward_rise']:+.3f}, {summary['steps']} "
+                  f"steps, {summary['seconds']} s)")
+            if evals:
+                print(f"  held-out reward {summary['eval_reward_first']:+.3f} -> {summary['eval_reward_last']:+.3f}")
+            print("  time per phase (s): " + ", ".join(f"{k.split('/')[1]} {v}"
+                                                      for k, v in summary["seconds_per_phase"].items()))
+        if peft_config is not None and not cfg.merge_adapters:
             saved = f"the policy's adapter saved to {final} (PeftModel.from_pretrained(base, folder) loads it)"
         else:
             saved = f"policy saved to {final} (from_pretrained loads it)"
         print(f"  {saved}; metrics in {cfg.output_dir}/metrics.jsonl")
+    # Name the data in the card, after the save (a peft save rewrites the card's tags).
+    trainer.create_model_card(dataset_name=dataset_name or BUNDLED_PROMPTS)
     if cfg.push_to_hub:
-        print(f"pushed to {push_to_hub(cfg, final)}")
+        url = trainer.push_to_hub(dataset_name=dataset_name)
+        if url:
+            note(f"pushed to {url}")
+    trainer.end()
 
 
 def main(argv: list[str] | None = None) -> None:

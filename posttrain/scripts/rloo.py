@@ -1,6 +1,8 @@
-"""``posttrain rloo``: RLOO with GRPO's roles, placement and script."""
+"""``posttrain rloo``: RLOO as TRL's rloo.py script, with GRPO's roles, placement and script."""
 
 from __future__ import annotations
+
+from trl.scripts.rloo import RLOOScriptArguments
 
 from posttrain.scripts.args import run_script
 from posttrain.scripts.grpo import run
@@ -8,7 +10,7 @@ from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(RLOOConfig, RLOOTrainer, "rloo", argv)
+    run(RLOOConfig, RLOOTrainer, "rloo", argv, script_cls=RLOOScriptArguments)
 
 
 if __name__ == "__main__":

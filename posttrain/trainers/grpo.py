@@ -10,15 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import trl
 
 from posttrain.data.order import epoch_order, mix_seed, seed_everything
 from posttrain.data.preference import check_conversation
-from posttrain.data.prompts import left_pad, prompt_rows, tokenize_prompt
+from posttrain.data.prompts import check_prompt_rows, left_pad, prompt_rows, tokenize_prompt
 from posttrain.errors import ConfigError
 from posttrain.models import compiled_layers
-from posttrain.models.lora import LoraFields, adapters_disabled, check_no_head_adapter, lora_config
+from posttrain.models.lora import adapters_disabled, check_no_head_adapter
 from posttrain.models.setup import prepare_trained
-from posttrain.models.sources import given_once, model_config, policy_source, reference_source
+from posttrain.models.sources import init_kwargs, model_config, policy_source, reference_source
 from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
@@ -33,124 +34,42 @@ from posttrain.trainers.grpo_loss import (
     high_entropy_mask,
     reduce_loss_stats,
 )
-from posttrain.trainers.loop import Trainer, window_mean
+from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
 from posttrain.trainers.online import completion_logps, truncated_rows, write_samples
 from posttrain.trainers.run_log import Phases
 
+_SAMPLING = "posttrain's engine samples with temperature, top_p and top_k"
+# TRL config fields GRPO and RLOO share (TRL's RLOOConfig has them too): those that take effect...
+ONLINE_WORKS = (
+    "model_init_kwargs", "trust_remote_code", "disable_dropout", "num_generations", "num_generations_eval",
+    "max_completion_length", "ds3_gather_for_generation", "shuffle_dataset", "generation_batch_size",
+    "steps_per_generation", "temperature", "top_p", "top_k", "chat_template_kwargs", "beta", "num_iterations",
+    "epsilon", "epsilon_high", "reward_weights", "mask_truncated_completions", "sync_ref_model",
+    "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions", "num_completions_to_print",
+    "log_multimodal",  # text models only: nothing multimodal is ever logged
+)
+# ... and those refused at another value than TRL's default, with the reason.
+ONLINE_REFUSED = {
+    "pad_to_multiple_of": "posttrain pads each batch to its longest prompt and completion (padding changes no "
+                          "number)",
+    "min_p": _SAMPLING, "repetition_penalty": _SAMPLING, "generation_kwargs": _SAMPLING,
+    "cache_implementation": "posttrain's engine keeps its own KV cache (generation_kv_slots)",
+    "log_unique_prompts": "samples.jsonl keeps every logged completion (log_completions)",
+}
+_VLLM_IS = "posttrain generates with its own engine (generation_backend), not vLLM: nothing to correct"
+_ENTROPY = "the entropy bonus is not implemented: use top_entropy_quantile"
+
 
 @dataclass
-class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
-    """GRPO settings; names and defaults follow TRL 1.16's ``GRPOConfig`` where the concept is the same."""
+class OnlineFields(RolloutFields):
+    """posttrain's own fields of the GRPO and RLOO configs, beside TRL's."""
 
-    model_name_or_path: str | None = None  # hub name or local path (or the trainer's model=)
-    ref_model_name_or_path: str | None = None  # default: the policy's; only with beta > 0
-    # TRL's reward names (accuracy_reward, ...), "module.function", or a reward model's path; one is required.
-    reward_funcs: list[str] | None = None
-    reward_model_name_or_path: str | None = None  # TRL's scripts' flag: a reward model put before reward_funcs
-    reward_weights: list[float] | None = None
-    multi_objective_aggregation: str = "sum_then_normalize"  # | "normalize_then_sum"
-    max_prompt_length: int | None = 512  # prompts are truncated from the left
-    chat_template_kwargs: dict | None = None
-    learning_rate: float = 1e-6
-    disable_dropout: bool = False
-    gradient_checkpointing: bool = True  # TRL's GRPO/RLOO default
+    # Prompts kept to their last max_prompt_length tokens (TRL before 1.0 had it); None: TRL 1.16's whole prompt.
+    max_prompt_length: int | None = None
     compile_layers: bool | None = None  # compile the policy's decoder layers (None: where it applies)
-    # Generation
-    num_generations: int = 8
-    max_completion_length: int = 512
-    generation_batch_size: int | None = None
-    steps_per_generation: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    # The objective
-    beta: float = 0.0
-    num_iterations: int = 1
-    epsilon: float = 0.2
-    delta: float | None = None
-    epsilon_high: float | None = None
-    sapo_temperature_neg: float = 1.05
-    sapo_temperature_pos: float = 1.0
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    importance_sampling_level: str = "token"  # | "sequence" (GSPO)
-    scale_rewards: str = "group"  # | "batch" | "none"
-    loss_type: str = "dapo"
-    mask_truncated_completions: bool = False
-    top_entropy_quantile: float = 1.0
-    use_bias_correction_kl: bool = True
-    # TR-DPO's reference sync (TRL's names and defaults)
-    sync_ref_model: bool = False
-    ref_model_mixup_alpha: float = 0.6
-    ref_model_sync_steps: int = 512
-    log_completions: bool = False  # write samples.jsonl every logging step
-    num_completions_to_print: int | None = 4
     reference_model: str = field(default="", init=False)  # what the KL is measured against (not a flag)
 
     _loss_types = LOSS_TYPES
-    _algorithm = "GRPO"
-    _evaluates = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_rollout_fields(self)
-        world = world_size()
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        checks = [
-            (self.loss_type in self._loss_types,
-             f"loss_type must be one of {', '.join(self._loss_types)}; got {self.loss_type!r}"),
-            (self.importance_sampling_level in ("token", "sequence"),
-             f"importance_sampling_level must be 'token' or 'sequence'; got {self.importance_sampling_level!r}"),
-            (self.scale_rewards in ("group", "batch", "none"),
-             f"scale_rewards must be 'group', 'batch' or 'none'; got {self.scale_rewards!r}"),
-            (self.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
-             "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum'"),
-            (self.compile_layers in (None, True, False),
-             f"compile_layers must be true, false or null (on a GPU where it applies); got {self.compile_layers!r}"),
-            (self.num_generations >= 2,
-             f"{self._algorithm} needs num_generations >= 2 to compare completions of one prompt; got "
-             f"{self.num_generations}"),
-            (self.max_completion_length >= 1,
-             f"max_completion_length must be >= 1 (new tokens per completion); got {self.max_completion_length}"),
-            (self.max_prompt_length is None or self.max_prompt_length >= 1,
-             f"max_prompt_length must be >= 1, or null for no truncation; got {self.max_prompt_length}"),
-            (self.beta >= 0.0, f"beta (the KL coefficient) must be >= 0; got {self.beta}"),
-            (self.temperature > 0.0,
-             f"temperature must be > 0 (sampling; the loss divides logits by it); got {self.temperature}"),
-            (self.ref_model_name_or_path is None or self.beta != 0.0,
-             f"ref_model_name_or_path is set but beta is 0, which uses no reference model: set beta > 0 to use "
-             f"{self.ref_model_name_or_path}, or drop ref_model_name_or_path"),
-            (0.0 < self.top_entropy_quantile <= 1.0, "top_entropy_quantile must be in (0, 1]"),
-            (self.num_iterations >= 1, "num_iterations must be >= 1"),
-            (not self.sync_ref_model or self.beta != 0.0,
-             "sync_ref_model needs a reference model, and beta: 0 loads none: set beta > 0 or drop sync_ref_model"),
-            (not self.sync_ref_model or (self.ref_model_sync_steps >= 1 and 0.0 < self.ref_model_mixup_alpha <= 1.0),
-             "sync_ref_model needs ref_model_sync_steps >= 1 and 0 < ref_model_mixup_alpha <= 1"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        check_reference(self, adapters=self.use_peft)
-        # TRL's batch arithmetic: a generation batch is steps_per_generation micro-batches per process.
-        per_step = self.per_device_train_batch_size * world
-        if self.generation_batch_size is not None and self.steps_per_generation is not None:
-            if self.generation_batch_size != per_step * self.steps_per_generation:
-                raise ConfigError("set generation_batch_size or steps_per_generation, not both (they disagree: "
-                                  f"{self.generation_batch_size} != {per_step} x {self.steps_per_generation})")
-        elif self.generation_batch_size is None:
-            self.steps_per_generation = self.steps_per_generation or self.gradient_accumulation_steps
-            self.generation_batch_size = per_step * self.steps_per_generation
-        elif self.generation_batch_size % per_step:
-            raise ConfigError(f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
-                              f"per_device_train_batch_size x processes ({per_step})")
-        else:
-            self.steps_per_generation = self.generation_batch_size // per_step
-        if self.generation_batch_size % self.num_generations:
-            raise ConfigError(f"the generation batch ({self.generation_batch_size} completions = "
-                              f"per_device_train_batch_size x processes x steps_per_generation) must be a multiple of "
-                              f"num_generations ({self.num_generations}): every prompt's group has to be complete")
 
     @property
     def epsilon_low(self) -> float:
@@ -161,62 +80,180 @@ class GRPOConfig(TrainConfig, LoraFields, RolloutFields):
         return self.epsilon_high if self.epsilon_high is not None else self.epsilon
 
 
-def check_reference(cfg: GRPOConfig, adapters: bool) -> None:
-    """Refuse a reference of its own under LoRA (TRL's rule); record ``cfg.reference_model``."""
-    if adapters and cfg.ref_model_name_or_path:
-        raise ConfigError("use_peft takes the reference from the policy's base model (adapters disabled), so "
-                          "ref_model_name_or_path is not used: drop ref_model_name_or_path, or train without --use_peft")
+@dataclass
+class GRPOConfig(TrainConfig, OnlineFields, trl.GRPOConfig):
+    """``trl.GRPOConfig`` (its fields, names and defaults) plus posttrain's placement and rollout fields."""
+
+    _algorithm = "GRPO"
+    _trl_works = (*ONLINE_WORKS, "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
+                  "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level",
+                  "multi_objective_aggregation", "scale_rewards", "loss_type", "top_entropy_quantile",
+                  "use_bias_correction_kl")
+    _trl_refused = {
+        **ONLINE_REFUSED,
+        "cast_lm_head_to_fp32": "posttrain's fused LM head computes the log-probs in float32 from the model's dtype",
+        "entropy_coef": _ENTROPY, "use_adaptive_entropy": _ENTROPY, "entropy_coef_min": _ENTROPY,
+        "entropy_coef_max": _ENTROPY, "entropy_coef_delta": _ENTROPY, "entropy_target": _ENTROPY,
+        "max_tool_calling_iterations": "multi-turn tool use is not supported yet",
+        "off_policy_mask_threshold": "off-policy masking is not implemented (posttrain's samples are the policy's)",
+        "log_completions_hub_repo": "completions are logged to samples.jsonl in the output dir (log_completions)",
+        **{name: _VLLM_IS for name in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                                       "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+                                       "vllm_importance_sampling_cap")},
+    }
+
+    def __post_init__(self) -> None:
+        check_online_config(self)
+
+
+def check_online_config(cfg: Any) -> None:
+    """TrainConfig's checks, then TRL's checks of the GRPO/RLOO config as sentences, before anything loads."""
+    if cfg.pad_to_multiple_of is None:  # TRL's "auto" is None off Neuron devices
+        cfg.pad_to_multiple_of = "auto"
+    TrainConfig.__post_init__(cfg)
+    cfg.pad_to_multiple_of = None
+    check_rollout_fields(cfg)
+    world = world_size()
+    grpo = hasattr(cfg, "loss_type")  # TRL's RLOOConfig has none of GRPO's loss options
+    if grpo:
+        cfg.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none"}.get(
+            cfg.scale_rewards, cfg.scale_rewards)
+    checks = [
+        (cfg.compile_layers in (None, True, False),
+         f"compile_layers must be true, false or null (on a GPU where it applies); got {cfg.compile_layers!r}"),
+        (cfg.num_generations >= 2,
+         f"{cfg._algorithm} needs num_generations >= 2 to compare completions of one prompt; got "
+         f"{cfg.num_generations}"),
+        (cfg.num_generations_eval is None or cfg.num_generations_eval >= 1,
+         f"num_generations_eval must be >= 1, or null for num_generations; got {cfg.num_generations_eval}"),
+        (cfg.max_completion_length >= 1,
+         f"max_completion_length must be >= 1 (new tokens per completion); got {cfg.max_completion_length}"),
+        (cfg.max_prompt_length is None or cfg.max_prompt_length >= 1,
+         f"max_prompt_length must be >= 1, or null for no truncation; got {cfg.max_prompt_length}"),
+        (cfg.beta >= 0.0, f"beta (the KL coefficient) must be >= 0; got {cfg.beta}"),
+        (cfg.temperature > 0.0,
+         f"temperature must be > 0 (sampling; the loss divides logits by it); got {cfg.temperature}"),
+        (cfg.num_iterations >= 1, "num_iterations must be >= 1"),
+        (not cfg.sync_ref_model or cfg.beta != 0.0,
+         "sync_ref_model needs a reference model, and beta: 0 loads none: set beta > 0 or drop sync_ref_model"),
+        (not cfg.sync_ref_model or (cfg.ref_model_sync_steps >= 1 and 0.0 < cfg.ref_model_mixup_alpha <= 1.0),
+         "sync_ref_model needs ref_model_sync_steps >= 1 and 0 < ref_model_mixup_alpha <= 1"),
+    ]
+    if grpo:
+        checks += [
+            (cfg.loss_type in cfg._loss_types,
+             f"loss_type must be one of {', '.join(cfg._loss_types)}; got {cfg.loss_type!r}"),
+            (cfg.importance_sampling_level in ("token", "sequence"),
+             f"importance_sampling_level must be 'token' or 'sequence'; got {cfg.importance_sampling_level!r}"),
+            (cfg.scale_rewards in ("group", "batch", "none"),
+             f"scale_rewards must be 'group', 'batch' or 'none'; got {cfg.scale_rewards!r}"),
+            (cfg.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+             "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum'"),
+            (0.0 < cfg.top_entropy_quantile <= 1.0, "top_entropy_quantile must be in (0, 1]"),
+        ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    # TRL's batch arithmetic: a generation batch is steps_per_generation micro-batches per process.
+    per_step = cfg.per_device_train_batch_size * world
+    if cfg.generation_batch_size is not None and cfg.steps_per_generation is not None:
+        if cfg.generation_batch_size != per_step * cfg.steps_per_generation:
+            raise ConfigError("set generation_batch_size or steps_per_generation, not both (they disagree: "
+                              f"{cfg.generation_batch_size} != {per_step} x {cfg.steps_per_generation})")
+    elif cfg.generation_batch_size is None:
+        cfg.steps_per_generation = cfg.steps_per_generation or cfg.gradient_accumulation_steps
+        cfg.generation_batch_size = per_step * cfg.steps_per_generation
+    elif cfg.generation_batch_size % per_step:
+        raise ConfigError(f"generation_batch_size ({cfg.generation_batch_size}) must be a multiple of "
+                          f"per_device_train_batch_size x processes ({per_step})")
+    else:
+        cfg.steps_per_generation = cfg.generation_batch_size // per_step
+    if cfg.generation_batch_size % cfg.num_generations:
+        raise ConfigError(f"the generation batch ({cfg.generation_batch_size} completions = "
+                          f"per_device_train_batch_size x processes x steps_per_generation) must be a multiple of "
+                          f"num_generations ({cfg.num_generations}): every prompt's group has to be complete")
+    eval_generations = cfg.num_generations_eval or cfg.num_generations
+    if cfg.eval_strategy != "no" and (cfg.per_device_eval_batch_size * world) % eval_generations:
+        raise ConfigError(f"the eval batch (per_device_eval_batch_size {cfg.per_device_eval_batch_size} x {world} "
+                          f"processes) must be a multiple of num_generations_eval ({eval_generations}), TRL's rule: "
+                          "set --per_device_eval_batch_size or --num_generations_eval")
+
+
+def check_reference(cfg: Any, adapters: bool) -> None:
+    """Refuse what a LoRA run's reference (the base, adapters disabled) cannot do; record ``cfg.reference_model``."""
     if adapters and "reference" in cfg.role_configs:
-        raise ConfigError("use_peft has no reference role (the reference is the policy's base with adapters disabled), "
-                          "so role_configs' 'reference' entry places nothing: drop it from role_configs")
+        raise ConfigError("a LoRA run (peft_config) has no reference role (the reference is the policy's base with "
+                          "adapters disabled), so role_configs' 'reference' entry places nothing: drop it from "
+                          "role_configs")
     if adapters and cfg.sync_ref_model:
-        raise ConfigError("sync_ref_model needs a reference model of its own, and use_peft has none (the reference "
-                          "is the base with adapters disabled): drop sync_ref_model, or train without --use_peft")
+        raise ConfigError("sync_ref_model needs a reference model of its own, and a LoRA run (peft_config) has none "
+                          "(the reference is the base with adapters disabled): drop sync_ref_model, or train "
+                          "without LoRA")
     cfg.reference_model = ("none (beta 0)" if cfg.beta == 0.0 else
                            "the policy's base model with its LoRA adapters disabled" if adapters else
-                           cfg.ref_model_name_or_path or "the policy's initial weights")
+                           "the policy's initial weights")
 
 
 class GRPOTrainer(Trainer):
-    """GRPO with per-role placement; ``train()`` returns the logged rows under TRL's metric names."""
+    """GRPO with per-role placement and TRL 1.16's constructor; the logged rows (TRL's metric names) are
+    ``state.log_history``."""
 
     name = "grpo"
     shown = ("reward", "kl", "loss")
     roles = TRAINER_ROLES["grpo"]
+    evaluates = True
+    config_class: type = GRPOConfig
     peft_config: Any = None  # LoRA's settings (peft), None for full fine-tuning
+    eval_rows: list[dict] | None = None
 
     @property
     def separate_reference(self) -> bool:
         """A reference role of its own: beta > 0 without LoRA."""
         return self.cfg.beta != 0.0 and self.peft_config is None
 
-    def __init__(self, cfg: GRPOConfig, reward_funcs: list | None = None, train_rows: list[dict] | None = None,
-                 peft_config: Any = None, *, model: Any = None, processing_class: Any = None,
-                 train_dataset: Any = None, reward_processing_classes: Any = None) -> None:
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
+                 environment_factory: Any = None) -> None:
+        refuse_arguments(type(self).__name__, optimizers=optimizers, quantization_config=quantization_config,
+                         tools=tools or None, rollout_func=rollout_func, environment_factory=environment_factory)
+        self._build(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                    reward_processing_classes, peft_config)
+        self._init_callbacks(callbacks)
+
+    def _build(self, model: Any, reward_funcs: Any, args: Any, train_dataset: Any, eval_dataset: Any,
+               processing_class: Any, reward_processing_classes: Any, peft_config: Any) -> None:
         from posttrain.rollout import Rollout, SamplingParams
 
-        self.cfg = cfg
-        self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
+        algorithm = self.config_class._algorithm
+        self.cfg = cfg = args if args is not None else default_args(self.config_class, model, algorithm)
+        self.peft_config = peft_config
+        check_reference(cfg, adapters=peft_config is not None)
         if peft_config is not None:
-            check_reference(cfg, adapters=True)
-        if self.peft_config is not None:
-            check_no_head_adapter(self.peft_config)
+            check_no_head_adapter(peft_config)
         seed_everything(cfg.seed)
         policy_given, self.tokenizer, policy_path = policy_source(cfg, model, processing_class)
         tok = self.tokenizer
-        if tok.pad_token_id is None:
-            raise ConfigError(f"{policy_path}: the tokenizer has no pad token; set one (e.g. tokenizer.pad_token = "
-                              "tokenizer.eos_token) and save it with the model")
+        if tok.pad_token_id is None:  # TRL's default: the EOS token pads
+            if tok.eos_token is None:
+                raise ConfigError(f"{policy_path}: the tokenizer has neither a pad nor an EOS token; set one "
+                                  "(tokenizer.pad_token = ...) and save it with the model")
+            tok.pad_token = tok.eos_token
         self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
 
         self.rewards = self._rewards(reward_funcs, reward_processing_classes)
 
-        given_once(train_rows, train_dataset, "prompt dataset", "train_rows", "train_dataset=")
-        self.rows = train_rows if train_rows is not None else prompt_rows(train_dataset, cfg._algorithm)
-        check_conversation(self.rows, ("prompt",), tok, "train_rows" if train_rows is not None else "train_dataset")
+        self.rows = prompt_rows(train_dataset, cfg._algorithm)
+        check_conversation(self.rows, ("prompt",), tok, "train_dataset")
         self.rewards.check_columns(self.rows)
         self.prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows]
-        max_prompt_len = max(len(p) for p in self.prompt_ids)
+        if eval_dataset is not None:
+            self.eval_rows = check_prompt_rows(eval_dataset, "eval_dataset", cfg._algorithm)
+            check_conversation(self.eval_rows, ("prompt",), tok, "eval_dataset")
+            self.rewards.check_columns(self.eval_rows)
+            self.eval_prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.eval_rows]
+        max_prompt_len = max(len(p) for p in self.prompt_ids + getattr(self, "eval_prompt_ids", []))
 
         world = world_size()
         self.local_gen_size = cfg.per_device_train_batch_size * cfg.steps_per_generation
@@ -226,12 +263,13 @@ class GRPOTrainer(Trainer):
                               f"{len(self.rows)}: lower per_device_train_batch_size or steps_per_generation")
         self.micro_per_generation = cfg.steps_per_generation * cfg.num_iterations
         self.micro_batches_per_epoch = micro_batches_per_epoch(len(self.rows), cfg)  # the logged epoch's unit
-        if cfg.max_steps > 0:
-            self.total_steps = cfg.max_steps
-        else:  # TRL's epoch: every prompt num_generations times, each generation batch num_iterations times
-            completions = cfg.num_train_epochs * len(self.rows) * cfg.num_generations * cfg.num_iterations
-            self.total_steps = max(1, math.ceil(completions / (cfg.per_device_train_batch_size * world
-                                                               * cfg.gradient_accumulation_steps)))
+        # TRL's epoch: every prompt num_generations times, each generation batch num_iterations times
+        steps_per_epoch = max(1, math.ceil(len(self.rows) * cfg.num_generations * cfg.num_iterations
+                                           / (cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps)))
+        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs
+                                                                                    * steps_per_epoch))
+        if cfg.eval_strategy == "epoch":
+            cfg.eval_steps = steps_per_epoch
         if cfg.save_steps and (cfg.save_steps * cfg.gradient_accumulation_steps) % self.micro_per_generation:
             raise ConfigError(
                 f"save_steps ({cfg.save_steps}) must end on a generation boundary: a generation batch lasts "
@@ -246,16 +284,20 @@ class GRPOTrainer(Trainer):
         self.compiled_layers = 0  # how many of the policy's layers train compiled (a metric)
         self._compile = compiled_layers.wanted(cfg.compile_layers, s, "policy", self.peft_config is not None,
                                                cfg.generation_backend)
+        kwargs = init_kwargs(cfg, dtype="float32")  # TRL loads float32 unless told
         if self.separate_reference:  # taken before the policy trains or takes adapters
-            reference = reference_source(cfg.ref_model_name_or_path, policy_given)
-        torch.manual_seed(cfg.seed)
-        policy = s.load("policy", policy_given)
+            reference = reference_source(None, policy_given)
+        torch.manual_seed(cfg.seed)  # TRL's set_seed(seed) before it loads the policy
+        policy = s.load("policy", policy_given, **kwargs)
+        policy.config.get_text_config().pad_token_id = tok.pad_token_id
         policy.generation_config.pad_token_id = tok.pad_token_id
-        # Seeded adapters: every placement starts from the same ones.
+        # TRL's adapters start from the state set_seed(seed) left (a causal LM's from_pretrained draws nothing);
+        # seeded here so that every placement starts from those same adapters.
         prepare_trained(s, "policy", policy, cfg, self.peft_config, total_steps=self.total_steps,
-                        adapter_seed=mix_seed(cfg.seed, "adapters"), before_optimizer=self._prepare_base)
+                        adapter_seed=cfg.seed, before_optimizer=self._prepare_base)
+        self.model = s.engines["policy"]
         if self.separate_reference:
-            s.prepare("reference", s.load("reference", reference))
+            s.prepare("reference", s.load("reference", reference, **kwargs))
         self.rewards.load(s)
 
         self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
@@ -275,21 +317,25 @@ class GRPOTrainer(Trainer):
                                           train_batch_size=cfg.per_device_train_batch_size)
         self.trainer_state.is_world_process_zero = s.is_main_process
 
-    def _rewards(self, reward_funcs: list | None, processing_classes: Any) -> Rewards:
-        """The rewards in TRL's order (code's, the reward model flag, the config's), all checked."""
+    def _rewards(self, reward_funcs: Any, processing_classes: Any) -> Rewards:
+        """The rewards in TRL's order, all checked: functions, reward models (paths or objects), TRL's
+        built-in names and ``module.function`` names."""
         cfg = self.cfg
-        given = list(reward_funcs or [])
+        if reward_funcs is None:
+            given = []
+        elif isinstance(reward_funcs, (list, tuple)):
+            given = list(reward_funcs)
+        else:  # TRL takes one reward as it is
+            given = [reward_funcs]
         if processing_classes is not None and not isinstance(processing_classes, list):
             processing_classes = [processing_classes]
         if processing_classes is not None and len(processing_classes) != len(given):
             raise ConfigError(f"reward_processing_classes has {len(processing_classes)} entries for {len(given)} "
                               "reward_funcs: give one per entry (None for a function)")
-        specs = ([cfg.reward_model_name_or_path] if cfg.reward_model_name_or_path else []) + list(cfg.reward_funcs or [])
-        if not given and not specs:
-            raise ConfigError(f"{cfg._algorithm} needs a reward: set reward_funcs (one of TRL's reward names, "
-                              "\"module.function\", or a reward model's path) or pass reward_funcs=")
-        tokenizers = list(processing_classes or [None] * len(given)) + [None] * len(specs)
-        return Rewards(given + specs, cfg.reward_weights, tokenizers=tokenizers,
+        if not given:
+            raise ConfigError(f"{cfg._algorithm} needs a reward: pass reward_funcs= (functions, one of TRL's reward "
+                              "names, \"module.function\", or a reward model's path or object)")
+        return Rewards(given, cfg.reward_weights, tokenizers=processing_classes,
                        batch_size=cfg.per_device_train_batch_size, chat_template_kwargs=cfg.chat_template_kwargs)
 
     def _prepare_base(self, base: torch.nn.Module) -> None:
@@ -308,7 +354,7 @@ class GRPOTrainer(Trainer):
         cfg, s = self.cfg, self.session
         per_epoch = max(1, len(self.rows) // self.prompts_per_generation)
         epoch, k = divmod(cycle, per_epoch)
-        order = epoch_order(len(self.rows), cfg.seed, epoch)
+        order = epoch_order(len(self.rows), cfg.seed, epoch) if cfg.shuffle_dataset else list(range(len(self.rows)))
         prompts = order[k * self.prompts_per_generation : (k + 1) * self.prompts_per_generation]
         expanded = [i for i in prompts for _ in range(cfg.num_generations)]
         return expanded[s.process_index * self.local_gen_size : (s.process_index + 1) * self.local_gen_size]
@@ -324,13 +370,35 @@ class GRPOTrainer(Trainer):
         cfg = self.cfg
         return cfg.gradient_accumulation_steps % (cfg.steps_per_generation * cfg.num_iterations) != 0
 
+    def logps_in_rewards(self) -> bool:
+        """Whether the advantages read the policy's and reference's log-probs (RLOO's KL in the reward)."""
+        return False
+
     @torch.no_grad()
     def generate_and_score(self, cycle: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Sample and score generation batch ``cycle``; returns its shuffled micro-batches and metrics."""
+        cfg, s = self.cfg, self.session
+        idx = self._generation_rows(cycle)
+        self.trainer_state.global_step = self.step
+        self.trainer_state.epoch = cycle * self.prompts_per_generation / len(self.rows)
+        self.trainer_state.num_input_tokens_seen = int(self.num_tokens)
+        batch, metrics = self._sample_and_score([self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
+                                                cfg.num_generations, train=True)
+        # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
+        bs = cfg.per_device_train_batch_size
+        g = torch.Generator().manual_seed(mix_seed(cfg.seed, "shuffle", cycle, s.process_index))
+        perm = torch.randperm(len(idx), generator=g).to(s.device)
+        sels = [perm[j * bs : (j + 1) * bs] for j in range(cfg.steps_per_generation)]
+        return [{k: (v[sel] if v.dim() and v.shape[0] == len(idx) else v) for k, v in batch.items()}
+                for sel in sels], metrics
+
+    def _sample_and_score(self, rows: list[dict], ids: list[list[int]], num_generations: int, train: bool
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Complete and score this process's share of a batch (every process's rows in groups of
+        ``num_generations``); ``train``: keep what the loss needs and count the tokens."""
         cfg, s, tok = self.cfg, self.session, self.tokenizer
         dev = s.device
-        idx = self._generation_rows(cycle)
-        prompt_ids, prompt_mask = left_pad([self.prompt_ids[i] for i in idx], tok.pad_token_id, dev)
+        prompt_ids, prompt_mask = left_pad(ids, tok.pad_token_id, dev)
         with self.phases("generate"):
             out = self.rollout.generate(prompt_ids, prompt_mask)
         completion_ids, completion_mask = out.completion_ids.to(dev), out.completion_mask.to(dev).long()
@@ -345,16 +413,19 @@ class GRPOTrainer(Trainer):
         n = completion_ids.shape[1]
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": completion_mask}
-        bs = cfg.per_device_train_batch_size
+        bs = cfg.per_device_train_batch_size if train else cfg.per_device_eval_batch_size
+        logps = self.needs_old_logps() if train else self.logps_in_rewards()
         with self.phases("policy_forward"):
             old = None
-            if self.needs_old_logps():
+            if logps:
                 with compiled_layers.no_eager_fallback(bool(self.compiled_layers)):
                     old, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
                                               batch_size=bs, fused=True)
         with self.phases("score"):
             ref = None
-            if self.separate_reference:
+            if not train and not logps:
+                pass
+            elif self.separate_reference:
                 with s.activate("reference"):
                     ref, _ = completion_logps(s.engines["reference"], input_ids, attention_mask, n,
                                               cfg.temperature, batch_size=bs)
@@ -362,17 +433,13 @@ class GRPOTrainer(Trainer):
                 with adapters_disabled(s.engines["policy"]):
                     ref, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
                                               batch_size=bs, fused=True)
-            rows = [self.rows[i] for i in idx]
             prompts = [r["prompt"] for r in rows]
             texts = tok.batch_decode(generated, skip_special_tokens=True)
-            self.trainer_state.global_step = self.step
-            self.trainer_state.epoch = cycle * self.prompts_per_generation / len(self.rows)
-            self.trainer_state.num_input_tokens_seen = int(self.num_tokens)
             per_func = self.rewards.score(prompts, texts, generated, rows=rows, trainer_state=self.trainer_state)
         all_per_func = self._gather(per_func)
         self.rewards.warn(all_per_func)
-        adv = self.advantages(all_per_func, old, ref, completion_mask)
-        local = slice(s.process_index * len(idx), (s.process_index + 1) * len(idx))
+        adv = self.advantages(all_per_func, old, ref, completion_mask, num_generations)
+        local = slice(s.process_index * len(rows), (s.process_index + 1) * len(rows))
         batch["advantages"] = adv["advantages"][local]
         batch["num_items_in_batch"] = self._sum(completion_mask.sum().float())
         if old is not None:
@@ -380,32 +447,71 @@ class GRPOTrainer(Trainer):
         if ref is not None:
             batch["ref_per_token_logps"] = ref
 
-        metrics = self.generation_metrics(all_per_func, adv, prompt_mask, lengths, truncated)
+        metrics = self.generation_metrics(all_per_func, adv, prompt_mask, lengths, truncated, count_tokens=train)
         metrics.update(adv.get("metrics", {}))
         metrics.update(self.rewards.logged_metrics())
-        self.samples = (prompts, texts, self.rewards.total(per_func), self.rewards.extra_columns())
-        # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
-        g = torch.Generator().manual_seed(mix_seed(cfg.seed, "shuffle", cycle, s.process_index))
-        perm = torch.randperm(len(idx), generator=g).to(dev)
-        sels = [perm[j * bs : (j + 1) * bs] for j in range(cfg.steps_per_generation)]
-        return [{k: (v[sel] if v.dim() and v.shape[0] == len(idx) else v) for k, v in batch.items()}
-                for sel in sels], metrics
+        if train:
+            self.samples = (prompts, texts, self.rewards.total(per_func), self.rewards.extra_columns())
+        else:
+            self.rewards.extra_columns()  # an eval batch's logged columns are not the training samples'
+        return batch, metrics
 
     def advantages(self, rewards_per_func: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
-                   completion_mask: torch.Tensor) -> dict[str, Any]:
+                   completion_mask: torch.Tensor, num_generations: int | None = None) -> dict[str, Any]:
         cfg = self.cfg
         return group_advantages(rewards_per_func, self.rewards.weights.to(rewards_per_func.device),
-                                cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation)
+                                num_generations or cfg.num_generations, cfg.scale_rewards,
+                                cfg.multi_objective_aggregation)
 
     def generation_metrics(self, all_per_func: torch.Tensor, adv: dict[str, Any], prompt_mask: torch.Tensor,
-                           lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
-        """TRL's per-generation metrics, over every process's completions."""
+                           lengths: torch.Tensor, truncated: torch.Tensor, count_tokens: bool = True
+                           ) -> dict[str, float]:
+        """TRL's per-generation metrics, over every process's completions; ``count_tokens``: add them to
+        ``num_tokens`` (training batches, as TRL's ``num_input_tokens_seen``)."""
         m = self.rewards.metrics(all_per_func)
         m["frac_reward_zero_std"] = adv["is_std_zero"].float().mean().item()
         all_lengths = self._gather(lengths).float()
-        self.num_tokens += self._sum(prompt_mask.sum().float()).item() + all_lengths.sum().item()
+        prompt_tokens = self._sum(prompt_mask.sum().float()).item()
+        if count_tokens:
+            self.num_tokens += prompt_tokens + all_lengths.sum().item()
         m["num_tokens"] = self.num_tokens
         return {**m, **completion_metrics(all_lengths, self._gather(truncated))}
+
+    def has_eval_data(self) -> bool:
+        """Evaluation as TRL's: an eval_dataset, and eval_strategy other than "no"."""
+        return self.eval_rows is not None and self.cfg.eval_strategy != "no"
+
+    def evaluate(self) -> dict[str, float]:
+        """TRL's GRPO evaluation without its loss: ``num_generations_eval`` completions of every eval prompt
+        (global batches of ``per_device_eval_batch_size`` x processes), scored; the rewards and completion
+        metrics averaged over the batches as TRL logs them (``eval/reward``, ``eval/rewards/<name>/mean``, ...)."""
+        cfg, s = self.cfg, self.session
+        if self.eval_rows is None:
+            raise ConfigError(f"{cfg._algorithm}: evaluate() needs eval_dataset= (rows with a 'prompt')")
+        generations = cfg.num_generations_eval or cfg.num_generations
+        global_batch = cfg.per_device_eval_batch_size * s.num_processes
+        if global_batch % generations:
+            raise ConfigError(f"the eval batch (per_device_eval_batch_size {cfg.per_device_eval_batch_size} x "
+                              f"{s.num_processes} processes) must be a multiple of num_generations_eval "
+                              f"({generations}), TRL's rule: set --per_device_eval_batch_size or --num_generations_eval")
+        per_batch, n = global_batch // generations, len(self.eval_rows)
+        policy = s.engines["policy"]
+        policy.eval()
+        gens = []
+        try:
+            for start in range(0, n, per_batch):
+                # The last batch filled from the first prompts (accelerate's even_batches; TRL scores them too).
+                prompts = [(start + k) % n for k in range(per_batch)]
+                expanded = [i for i in prompts for _ in range(generations)]
+                mine = expanded[s.process_index * cfg.per_device_eval_batch_size:
+                                (s.process_index + 1) * cfg.per_device_eval_batch_size]
+                _, metrics = self._sample_and_score([self.eval_rows[i] for i in mine],
+                                                    [self.eval_prompt_ids[i] for i in mine], generations, train=False)
+                gens.append(metrics)
+        finally:
+            policy.train()
+            self.phases.pop()
+        return {f"eval/{k}": v for k, v in average_generation_metrics(gens).items()}
 
     def policy_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's per-token log-probs and entropies of the batch's completions (with grad)."""

@@ -6,33 +6,36 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import trl
 
 from posttrain.errors import ConfigError
 from posttrain.rewards.functions import weighted_sum
-from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.grpo import (
+    ONLINE_REFUSED,
+    ONLINE_WORKS,
+    GRPOTrainer,
+    OnlineFields,
+    check_online_config,
+)
 
 
 @dataclass
-class RLOOConfig(GRPOConfig):
-    """RLOO settings; names and defaults follow TRL 1.16's ``RLOOConfig``; GRPO-only options are refused."""
-
-    beta: float = 0.05
-    normalize_advantages: bool = False
-    reward_clip_range: list[float] | None = None  # [min, max]
-    loss_type: str = "rloo"  # RLOO's one loss (TRL's RLOOConfig has no loss_type)
+class RLOOConfig(TrainConfig, OnlineFields, trl.RLOOConfig):
+    """``trl.RLOOConfig`` (its fields, names and defaults) plus posttrain's placement and rollout fields; RLOO
+    has GRPO's roles, loop and generation, and none of GRPO's loss options (TRL's RLOOConfig has none)."""
 
     _loss_types = ("rloo",)
     _algorithm = "RLOO"
+    _trl_works = (*ONLINE_WORKS, "normalize_advantages", "reward_clip_range")
+    _trl_refused = ONLINE_REFUSED
 
     def __post_init__(self) -> None:
-        if self.importance_sampling_level != "token" or self.top_entropy_quantile != 1.0 or self.delta is not None:
-            raise ConfigError("importance_sampling_level, top_entropy_quantile and delta are GRPO options; "
-                              "TRL's RLOO does not have them: drop them or use GRPO")
         if self.reward_clip_range is not None:
             if len(self.reward_clip_range) != 2 or self.reward_clip_range[0] > self.reward_clip_range[1]:
-                raise ConfigError(f"reward_clip_range must be [min, max]; got {self.reward_clip_range}")
+                raise ConfigError(f"reward_clip_range must be [min, max]; got {list(self.reward_clip_range)}")
             self.reward_clip_range = tuple(float(x) for x in self.reward_clip_range)
-        super().__post_init__()
+        check_online_config(self)
 
 
 def rloo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
@@ -76,15 +79,27 @@ def rloo_loss(cfg: RLOOConfig, per_token_logps: torch.Tensor, old_logps: torch.T
 
 
 class RLOOTrainer(GRPOTrainer):
-    """RLOO with per-role placement; ``train()`` returns the logged metrics (TRL's names)."""
+    """RLOO with per-role placement and TRL 1.16's constructor; the logged rows (TRL's metric names) are
+    ``state.log_history``."""
 
     name = "rloo"
+    config_class = RLOOConfig
+
+    def __init__(self, model: Any, reward_funcs: Any, args: RLOOConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None) -> None:
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
 
     def needs_old_logps(self) -> bool:
         return True  # the KL in the reward and the sequence ratio both use them (TRL always computes them)
 
+    def logps_in_rewards(self) -> bool:
+        return self.cfg.beta != 0.0  # the KL is in the reward, also in evaluation
+
     def advantages(self, rewards_per_func: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
-                   completion_mask: torch.Tensor) -> dict[str, Any]:
+                   completion_mask: torch.Tensor, num_generations: int | None = None) -> dict[str, Any]:
         cfg, mask = self.cfg, completion_mask.float()
         kl, metrics = None, {}
         if cfg.beta != 0.0:
@@ -93,8 +108,9 @@ class RLOOTrainer(GRPOTrainer):
             kl = self._gather(per_token_kl.sum(-1))
             totals = self._sum(torch.stack([per_token_kl.sum(), mask.sum()]))
             metrics["kl"] = (totals[0] / totals[1].clamp(min=1.0)).item()
-        out = rloo_advantages(rewards_per_func, self.rewards.weights.to(rewards_per_func.device), cfg.num_generations,
-                              kl, cfg.beta, cfg.normalize_advantages, cfg.reward_clip_range)
+        out = rloo_advantages(rewards_per_func, self.rewards.weights.to(rewards_per_func.device),
+                              num_generations or cfg.num_generations, kl, cfg.beta, cfg.normalize_advantages,
+                              cfg.reward_clip_range)
         out["metrics"] = metrics
         return out
 

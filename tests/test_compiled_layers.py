@@ -5,21 +5,19 @@ before anything loads, and a recompile past dynamo's limit raises instead of run
 
 import pytest
 import torch
-from test_rollout_shared_prompt import small_grpo_config as cfg
+from test_rollout_shared_prompt import small_grpo, trained_rows
 
 from posttrain.errors import ConfigError
 from posttrain.models import compiled_layers
-from posttrain.scripts.data import bundled_prompts
-from posttrain.trainers.grpo import GRPOTrainer
 
 
 def test_grpo_trains_the_same_with_compiled_layers(tmp_path, monkeypatch):
     monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
     runs, layers = {}, {}
     for on in (None, True):  # None: off on a CPU
-        trainer = GRPOTrainer(cfg(tmp_path / str(on), compile_layers=on), train_dataset=bundled_prompts(16))
-        runs[on] = trainer.train()
+        trainer = small_grpo(tmp_path / str(on), compile_layers=on)
         layers[on] = compiled_layers.decoder_layers(trainer.session.engines["policy"].module)
+        runs[on] = trained_rows(trainer)
     assert all(row["train/compiled_layers"] == 0.0 for row in runs[None])
     assert all(row["train/compiled_layers"] == len(layers[True]) == 2 for row in runs[True])
     assert all(layer._compiled_call_impl is None for layer in layers[None])
@@ -34,7 +32,7 @@ def test_grpo_trains_the_same_with_compiled_layers(tmp_path, monkeypatch):
     ({"compile_layers": True, "generation_backend": "hf"},
      "compile_layers=True does not go with generation_backend 'hf' (transformers' generate calls the layers at "
      "every length): set compile_layers to false (or leave it unset: it is on where it applies)"),
-    ({"compile_layers": True, "use_peft": True},
+    ({"compile_layers": True, "peft_config": "lora"},
      "compile_layers=True does not go with LoRA adapters: set compile_layers to false (or leave it unset: it is on "
      "where it applies)"),
     ({"compile_layers": True, "mix": "zero3"},
@@ -42,10 +40,14 @@ def test_grpo_trains_the_same_with_compiled_layers(tmp_path, monkeypatch):
      "calls): set compile_layers to false (or leave it unset: it is on where it applies)"),
 ])
 def test_where_compiled_layers_cannot_run(tmp_path, monkeypatch, fields, sentence):
+    from peft import LoraConfig
+
     loaded = []
     monkeypatch.setattr("posttrain.placement.session.Session.load", lambda *a, **k: loaded.append(a) or 1 / 0)
+    if fields.get("peft_config"):
+        fields = {**fields, "peft_config": LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear")}
     with pytest.raises(ConfigError) as err:
-        GRPOTrainer(cfg(tmp_path, **fields), train_dataset=bundled_prompts(16))
+        small_grpo(tmp_path, **fields)
     assert str(err.value) == sentence
     assert not loaded
 

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_defaults
 from test_grpo_parity import TEMPERATURE, G, N, fixed_rollout, sparse_reward, token_reward
 
 from posttrain.demo import tiny
@@ -29,6 +28,7 @@ from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
 TOL = 1e-5
 BETA = {"grpo": 0.04, "rloo": 0.05}
+SENTIMENT = "posttrain.demo.synthetic.sentiment_reward"  # the bundled reward, as TRL's scripts name a function
 
 
 def peft_config():
@@ -66,6 +66,7 @@ def trl_trainer(kind: str, tmp: Path):
     trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=trainer.args.activation_checkpointing_kwargs)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
+    trainer.initial_adapters = {n: p.detach().clone() for n, p in adapters(trainer.model).items()}
     g = torch.Generator().manual_seed(17)
     with torch.no_grad():
         for name, p in adapters(trainer.model).items():
@@ -80,23 +81,27 @@ def trl_trainer(kind: str, tmp: Path):
     return trainer, rows, completion_ids
 
 
-def our_trainer(kind: str, tmp: Path, trl_adapters: dict, completion_ids, **fields):
+def our_trainer(kind: str, tmp: Path, trl_adapters: dict, completion_ids, trl_initial: dict | None = None,
+                **fields):
     """posttrain's trainer with the same peft_config on the one-process torch path, TRL's adapter
-    values copied in, its rollout replaced by the fixed completions (prompt 0 for the first group,
-    prompt 1 for the second)."""
+    values copied in (``trl_initial``: TRL's adapters as it initialised them, which ours equal at the
+    same seed), its rollout replaced by the fixed completions (prompt 0 for the first group, prompt 1
+    for the second)."""
     config_cls, trainer_cls = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[kind]
     tok = tiny.load_tokenizer()
     prompts = ["the cat is", "my old friend felt"]
-    cfg = config_cls(output_dir=str(tmp / f"ours-{kind}"), model_name_or_path=str(tiny.sft_model_path()),
-                     per_device_train_batch_size=2 * G, num_generations=G,
+    cfg = config_cls(output_dir=str(tmp / f"ours-{kind}"), per_device_train_batch_size=2 * G, num_generations=G,
                      max_completion_length=N, temperature=TEMPERATURE, beta=BETA[kind], reward_weights=[1.0, 0.5],
                      generation_backend="hf", max_steps=1, disable_tqdm=True, **fields)
-    trainer = trainer_cls(cfg, reward_funcs=[token_reward, sparse_reward], train_rows=[{"prompt": p} for p in prompts],
-                          peft_config=peft_config())
+    trainer = trainer_cls(str(tiny.sft_model_path()), reward_funcs=[token_reward, sparse_reward], args=cfg,
+                          train_dataset=[{"prompt": p} for p in prompts], peft_config=peft_config())
     assert sorted(trainer.session.roles) == ["policy"]  # no reference role
     policy = trainer.session.unwrap("policy")
     ours = adapters(policy)
     assert set(ours) == set(trl_adapters)
+    if trl_initial is not None:  # TRL's set_seed(seed) before its adapters: the same initialisation
+        for name, p in ours.items():
+            assert torch.equal(p, trl_initial[name]), name
     with torch.no_grad():
         for name, p in ours.items():
             p.copy_(trl_adapters[name])
@@ -120,7 +125,7 @@ def trl_results(kind: str, tmp: Path) -> dict:
     loss.backward()
     params = adapters(theirs.model)
     return {"loss": loss.item(), "metrics": {k: v[-1] for k, v in theirs._metrics["train"].items()},
-            "adapters": {n: p.detach().clone() for n, p in params.items()},
+            "adapters": {n: p.detach().clone() for n, p in params.items()}, "initial": theirs.initial_adapters,
             "grads": {n: p.grad.clone() for n, p in params.items()}, "completion_ids": completion_ids}
 
 
@@ -134,7 +139,8 @@ def pair(request, tmp_path_factory):
     # TRL's trainer made accelerate's process-wide state without a process group; the session's
     # one-process DeepSpeed state needs one, so it starts from scratch.
     AcceleratorState._reset_state(reset_partial_state=True)
-    ours = our_trainer(kind, tmp, theirs["adapters"], theirs["completion_ids"], single_process_engine="torch")
+    ours = our_trainer(kind, tmp, theirs["adapters"], theirs["completion_ids"], theirs["initial"],
+                       single_process_engine="torch")
     return kind, theirs, ours, tmp
 
 
@@ -201,15 +207,21 @@ def test_saved_adapter_and_merged_model_give_the_trained_logits(pair):
 def test_the_torch_path_trains_as_the_deepspeed_engine(tmp_path):
     """One process: the same two LoRA steps (loss, KL, gradient norm) on the torch path
     (posttrain.placement.plain) and through a DeepSpeed ZeRO-2 engine."""
+    from peft import LoraConfig
+
     rows = {}
     for engine in ("torch", "deepspeed"):
-        cfg = GRPOConfig(output_dir=str(tmp_path / engine), **tiny_defaults(), use_peft=True, lora_r=4, lora_alpha=8,
-                         lora_dropout=0.0, beta=0.04, learning_rate=1e-2, per_device_train_batch_size=8, num_generations=4,
-                         max_completion_length=6, steps_per_generation=2, max_steps=2, generation_backend="hf",
-                         disable_tqdm=True, single_process_engine=engine)
-        trainer = GRPOTrainer(cfg, train_dataset=bundled_prompts(16))
+        cfg = GRPOConfig(output_dir=str(tmp_path / engine), beta=0.04, learning_rate=1e-2, per_device_train_batch_size=8,
+                         num_generations=4, max_completion_length=6, steps_per_generation=2, max_steps=2,
+                         logging_steps=1, save_strategy="no", generation_backend="hf", disable_tqdm=True,
+                         single_process_engine=engine)
+        trainer = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=SENTIMENT, args=cfg,
+                              train_dataset=bundled_prompts(16),
+                              peft_config=LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0))
         assert trainer.session.engine_kind("policy") == engine
-        rows[engine] = trainer.train()
+        trainer.train()
+        trainer.end()
+        rows[engine] = trainer.state.log_history
     for a, b in zip(rows["torch"], rows["deepspeed"]):
         for k in ("loss", "kl", "grad_norm", "entropy"):
             assert b[k] == pytest.approx(a[k], abs=TOL, rel=TOL), k
@@ -219,14 +231,15 @@ def test_the_torch_path_trains_as_the_deepspeed_engine(tmp_path):
 def test_an_adapter_on_the_lm_head_is_refused_before_anything_loads(tmp_path):
     from peft import LoraConfig
 
-    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), **tiny_defaults(), per_device_train_batch_size=8,
-                     num_generations=4)
+    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4)
     with pytest.raises(ConfigError, match="drop lm_head from --lora_target_modules"):
-        GRPOTrainer(cfg, peft_config=LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "lm_head"]))
+        GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=SENTIMENT, args=cfg, train_dataset=bundled_prompts(16),
+                    peft_config=LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "lm_head"]))
     assert not (tmp_path / "out").exists()
-    with pytest.raises(ConfigError, match="ref_model_name_or_path is not used"):
-        GRPOTrainer(GRPOConfig(output_dir=str(tmp_path / "out"), **tiny_defaults(), per_device_train_batch_size=8,
-                               num_generations=4, beta=0.1, ref_model_name_or_path=str(tiny.sft_model_path())), peft_config=peft_config())
+    with pytest.raises(ConfigError, match="sync_ref_model needs a reference model of its own"):
+        GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=SENTIMENT, train_dataset=bundled_prompts(16),
+                    args=GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                                    beta=0.1, sync_ref_model=True), peft_config=peft_config())
 
 
 def test_the_rollout_engine_samples_the_adapted_policy(tmp_path):
@@ -236,11 +249,15 @@ def test_the_rollout_engine_samples_the_adapted_policy(tmp_path):
     train fast enough here that the base's samples would differ by step 2."""
     rows = {}
     for backend, slots in (("posttrain", 3), ("hf", None)):
-        cfg = GRPOConfig(output_dir=str(tmp_path / backend), **tiny_defaults(), use_peft=True, lora_r=4, lora_alpha=8,
-                         lora_dropout=0.0, lora_target_modules=["all-linear"], beta=0.04, learning_rate=5e-2,
-                         per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
-                         max_steps=2, generation_backend=backend, generation_kv_slots=slots, disable_tqdm=True)
-        rows[backend] = GRPOTrainer(cfg, train_dataset=bundled_prompts(16)).train()
+        cfg = GRPOConfig(output_dir=str(tmp_path / backend), beta=0.04, learning_rate=5e-2,
+                         per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
+                         logging_steps=1, save_strategy="no", generation_backend=backend, generation_kv_slots=slots,
+                         disable_tqdm=True)
+        trainer = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=SENTIMENT, args=cfg,
+                              train_dataset=bundled_prompts(16), peft_config=peft_config())
+        trainer.train()
+        trainer.end()
+        rows[backend] = trainer.state.log_history
     for a, b in zip(rows["posttrain"], rows["hf"]):
         for k in ("reward", "kl", "loss", "completions/mean_length"):
             assert a[k] == pytest.approx(b[k], abs=TOL, rel=TOL), k

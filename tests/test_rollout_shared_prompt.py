@@ -182,10 +182,25 @@ def small_grpo_config(out, **kw):
     """Two GRPO steps of the tiny SFT model, groups of 4, 6 new tokens: a rollout setting's run."""
     from posttrain.trainers.grpo import GRPOConfig
 
-    return GRPOConfig(output_dir=str(out), model_name_or_path=str(tiny.sft_model_path()), beta=0.04,
-                      reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], learning_rate=5e-2,
-                      per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
+    return GRPOConfig(output_dir=str(out), beta=0.04, learning_rate=5e-2, per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no",
                       disable_tqdm=True, **kw)
+
+
+def small_grpo(out, peft_config=None, **kw):
+    """:func:`small_grpo_config`'s trainer on the tiny SFT model, the bundled reward and 16 bundled prompts."""
+    from posttrain.scripts.data import bundled_prompts
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    return GRPOTrainer(str(tiny.sft_model_path()), reward_funcs="posttrain.demo.synthetic.sentiment_reward",
+                       args=small_grpo_config(out, **kw), train_dataset=bundled_prompts(16), peft_config=peft_config)
+
+
+def trained_rows(trainer) -> list[dict]:
+    """Train; the logged rows (one a step), TRL's ``state.log_history``."""
+    trainer.train()
+    trainer.end()
+    return trainer.state.log_history
 
 
 def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
@@ -194,20 +209,17 @@ def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
     counts the smaller cache."""
     from posttrain.planner import memory
     from posttrain.rollout.api import engine_options
-    from posttrain.scripts.data import bundled_prompts
-    from posttrain.trainers.grpo import GRPOTrainer
 
     cfg = small_grpo_config
 
     with pytest.raises(ConfigError, match="--generation_shared_prompt_kv"):
-        GRPOTrainer(cfg(tmp_path / "bad", generation_shared_prompt_kv="yes"), train_dataset=bundled_prompts(16))
+        cfg(tmp_path / "bad", generation_shared_prompt_kv="yes")
     assert engine_options(cfg(tmp_path / "o", generation_shared_prompt_kv=True)) == {
         "lora_mode": "merged", "shared_prompt_kv": True, "group_size": 4}
     runs = {}
     for on in (False, True):
-        trainer = GRPOTrainer(cfg(tmp_path / str(on), generation_shared_prompt_kv=on),
-                              train_dataset=bundled_prompts(16))
-        runs[on] = trainer.train()
+        trainer = small_grpo(tmp_path / str(on), generation_shared_prompt_kv=on)
+        runs[on] = trained_rows(trainer)
         assert trainer.rollout.stats["shared_prompt_kv"] is on
     for a, b in zip(runs[False], runs[True]):
         for k in ("reward", "kl", "loss", "grad_norm"):

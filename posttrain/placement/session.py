@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ from posttrain.placement.world import (
     _skip_shm_comm_op,
     check_environment,
     forget_destroyed_group,
+    leave_process,
+    note_env_changes,
     on_cpu,
 )
 from posttrain.placement.zero_fixes import (
@@ -29,6 +32,9 @@ from posttrain.placement.zero_fixes import (
     recompute_rotary_buffers,
     share_bf16_master,
 )
+
+# The newest session: it alone owns the process-wide state (accelerate's, transformers', the group).
+_current: weakref.ref | None = None
 
 
 class Session(SavingMixin, FrozenWeightsMixin):
@@ -44,6 +50,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
         from accelerate.state import AcceleratorState, GradientState
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
+        env_before = dict(os.environ)
+        self.closed = False
         check_environment()
         # accelerate treats every exported accelerate-yaml key as a clash with config-built plugins.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
@@ -110,6 +118,11 @@ class Session(SavingMixin, FrozenWeightsMixin):
         # One Accelerator per role (sharing the process-wide state), each holding exactly one engine.
         self._accelerators: dict[str, Any] = {name: self.accelerator if name == self.primary
                                               else Accelerator() for name in self.roles}
+        note_env_changes(env_before)  # the world of one, ACCELERATE_USE_DEEPSPEED...: undone by close()
+        global _current
+        _current = weakref.ref(self)
+        # role -> torch's CPU generator state (before, after) its load, when loading drew from it (a new head).
+        self.load_rng: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.engines: dict[str, Any] = {}
         self.fast_frozen: dict[str, Any] = {}  # role -> posttrain.placement.frozen.FastFrozen
         self.optimizers: dict[str, Any] = {}
@@ -149,6 +162,9 @@ class Session(SavingMixin, FrozenWeightsMixin):
         return self.accelerator.process_index
 
     def role(self, name: str) -> Role:
+        if self.closed:
+            raise ConfigError("this session is closed (Session.close(), or the trainer's end()): its engines "
+                              "have no process group or plugin left; build a new Session (or trainer) to go on")
         if name not in self.roles:
             raise ConfigError(f"unknown role {name!r}: this session's roles are {list(self.roles)}; declare "
                               "it with Role(name, config) or roles_for(...) so that it gets a DeepSpeed "
@@ -178,6 +194,21 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
     def _select(self, name: str) -> None:
         self.accelerator.state.select_deepspeed_plugin(name)
+
+    # -- end ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the session: finish its trackers, take down the process group and leave the process as it
+        was (transformers out of ZeRO-3 mode, accelerate's state and the environment reset). Collective
+        (as ``Trainer.end``); call it after saving; a second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+        self.accelerator.trackers = []
+        # A newer session owns the process-wide state now; tearing it down would break that one.
+        if _current is not None and _current() is self:
+            leave_process()
 
     @property
     def active_role(self) -> str:
@@ -214,11 +245,15 @@ class Session(SavingMixin, FrozenWeightsMixin):
             config, rest = AutoConfig.from_pretrained(name_or_path, return_unused_kwargs=True, **hub, **rest)
             kwargs = {**hub, **rest}
         self._fill_hidden_size(name, config)
+        rng_before = torch.get_rng_state()
         with self.activate(name):
             if name_or_path is not None:
                 model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
             else:
                 model = model_cls.from_config(config, **kwargs)
+        rng_after = torch.get_rng_state()
+        if not torch.equal(rng_before, rng_after):  # TRL's adapters start from the state loading left
+            self.load_rng[name] = (rng_before, rng_after)
         if self.zero_stage(name) == 3:
             recompute_rotary_buffers(model)
         if not role.trains:
@@ -351,9 +386,13 @@ class Session(SavingMixin, FrozenWeightsMixin):
         gc.collect()
 
     # -- training ----------------------------------------------------------------------------
-    def backward(self, name: str, loss: torch.Tensor) -> None:
-        """Backward through the role's engine (which scales by 1/accumulation steps)."""
-        self._trained_engine(name).backward(loss)
+    def backward(self, name: str, loss: torch.Tensor, boundary: bool | None = None) -> None:
+        """Backward through the role's engine (which scales by 1/accumulation steps). ``boundary``: whether this
+        micro-batch ends the optimizer step (an epoch's last step may be short, as in TRL); None: every N-th."""
+        engine = self._trained_engine(name)
+        if boundary is not None:  # before backward: ZeRO reduces the gradients at the boundary
+            engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(loss)
 
     def step(self, name: str) -> bool:
         """Engine step, then scheduler at an accumulation boundary; returns whether the optimizer stepped."""

@@ -63,3 +63,44 @@ def test_close_leaves_no_zero3_mode_and_a_later_session_runs():
     s2.close()
     assert not is_deepspeed_zero3_enabled() and dict(os.environ) == env
 
+
+def safetensors_keys(directory) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_a_tied_model_saves_as_save_pretrained(tmp_path):
+    """A tied model (tie_word_embeddings) saved from a ZeRO-2 policy, a ZeRO-3 trained role and a ZeRO-3 frozen
+    role writes the keys transformers' save_pretrained writes (no lm_head.weight) and loads back the same."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tiny.model_path()
+    tied_path = tmp_path / "tied"
+    torch.manual_seed(1)
+    tied = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, tie_word_embeddings=True))
+    tied.save_pretrained(tied_path)
+    expected = safetensors_keys(tied_path)
+    assert "lm_head.weight" not in expected and "model.embed_tokens.weight" in expected
+
+    s = Session([Role("zero2", "zero2_train", trains=True), Role("zero3", "zero3_train", trains=True),
+                 Role("frozen", "zero3_inference")], micro_batch_size=1)
+    ids = torch.tensor([[5, 17, 33, 2, 90, 41, 7, 12]])
+    for name in ("zero2", "zero3"):
+        model = s.load(name, tied_path)
+        s.prepare(name, model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        s.backward(name, s.engines[name](input_ids=ids, labels=ids).loss)
+        s.step(name)  # the saved weights are trained ones, not the file's
+    s.prepare("frozen", s.load("frozen", tied_path))
+    assert s.zero_stage("zero2") == 2 and s.zero_stage("zero3") == s.zero_stage("frozen") == 3
+    for name in ("zero2", "zero3", "frozen"):
+        state = {k: v.clone() for k, v in s.state_dict(name).items()}
+        s.save_pretrained(name, tmp_path / name)
+        assert safetensors_keys(tmp_path / name) == expected, name
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        for key, value in loaded.state_dict().items():
+            assert torch.equal(value, state[key].to(value.dtype)), (name, key)
+    assert not torch.equal(s.state_dict("zero2")["lm_head.weight"], tied.lm_head.weight.detach())
+    s.close()

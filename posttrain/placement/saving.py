@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from posttrain.errors import ConfigError
 
 
@@ -60,8 +62,12 @@ class SavingMixin:
                     self._accelerators[name].load_state(str(directory / name))
         return json.loads((directory / "trainer_state.json").read_text())
 
-    def state_dict(self, name: str) -> dict:
+    def state_dict(self, name: str) -> dict | None:
         """The role's full weights. Collective; a trained ZeRO-3 role gives None off the main rank."""
+        state_dict = self._gathered_state_dict(name)
+        return None if state_dict is None else share_tied(state_dict, self.unwrap(name))
+
+    def _gathered_state_dict(self, name: str) -> dict | None:
         with self.activate(name):
             accelerator = self._accelerators[name]
             if name in self.plain_roles:
@@ -87,3 +93,16 @@ class SavingMixin:
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(directory))
         self.accelerator.wait_for_everyone()
+
+
+def share_tied(state_dict: dict, module: nn.Module) -> dict:
+    """Names of one shared parameter (tied embeddings) given one tensor again, as ``module.state_dict()`` has
+    them: gathered copies are separate, and ``save_pretrained`` drops a tied name only for a shared tensor."""
+    names: dict[int, list[str]] = {}
+    for key, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(key)
+    for tied in names.values():
+        present = [key for key in tied if key in state_dict]
+        for key in present[1:]:
+            state_dict[key] = state_dict[present[0]]
+    return state_dict

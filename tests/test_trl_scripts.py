@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import ROOT, launch_env
+from conftest import launch_env
 
 import posttrain
 
@@ -77,7 +76,7 @@ def tiny_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from posttrain.demo import tiny
 
     lines = tiny.corpus()
-    return write_split(tmp_path_factory.mktemp("text"), [{"text": t} for t in lines[:24]],
+    return write_split(tmp_path_factory.mktemp("text"), [{"text": t} for t in lines[:14]],
                        [{"text": t} for t in lines[-8:]])
 
 
@@ -96,8 +95,10 @@ def test_trl_sft_script_runs_on_posttrain_with_trl_losses(tmp_path: Path, tiny_t
     """TRL's sft.py on posttrain, one process, with LoRA off: saved model loads, losses equal TRL's."""
     from posttrain.demo import tiny
 
-    args = ("--model_name_or_path", tiny.model_path(), "--dataset_name", tiny_text, "--max_steps", "3",
-            "--learning_rate", "1e-3", "--gradient_checkpointing", "false", "--save_steps", "3", *COMMON)
+    # 14 rows in batches of 8: each epoch ends on a short step of 6 rows, which TRL trains (no row dropped).
+    args = ("--model_name_or_path", tiny.model_path(), "--dataset_name", tiny_text, "--num_train_epochs", "2",
+            "--learning_rate", "1e-3", "--gradient_checkpointing", "false", "--save_steps", "4", *COMMON,
+            "--per_device_train_batch_size", "8")
     ours, theirs = tmp_path / "ours", tmp_path / "trl"
     out = run(trl_script("sft", tmp_path, ours=True), *args, "--output_dir", ours)
     assert "Training completed" in out
@@ -105,4 +106,60 @@ def test_trl_sft_script_runs_on_posttrain_with_trl_losses(tmp_path: Path, tiny_t
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(ours).num_parameters() > 0
+    assert len(posttrain_losses(ours)) == 4
     assert posttrain_losses(ours) == pytest.approx(trl_losses(theirs), abs=1e-5)
+    assert posttrain_losses(ours, "epoch") == pytest.approx(trl_losses(theirs, "epoch"), abs=1e-9)
+
+
+@pytest.fixture(scope="module")
+def tiny_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from posttrain.demo import synthetic
+
+    return write_split(tmp_path_factory.mktemp("pairs"), synthetic.preference_pairs(16, seed=0),
+                       synthetic.preference_pairs(8, seed=1))
+
+
+PAIR_ARGS = ("--max_steps", "3", "--learning_rate", "1e-3", "--gradient_checkpointing", "false", "--save_steps", "3",
+             "--max_length", "64", *COMMON)
+
+
+@pytest.mark.parametrize("name", ["dpo", "reward"])
+def test_trl_preference_scripts_run_on_posttrain_with_trl_losses(tmp_path: Path, tiny_pairs: Path, name: str) -> None:
+    """TRL's dpo.py and reward.py on posttrain, one process, the tiny SFT policy (reward.py loads it, as TRL's,
+    with a new one-logit score head) on a local folder of preference pairs: the saved model loads and the
+    losses equal those of the same script on TRL's classes."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from posttrain.demo import tiny
+
+    args = ("--model_name_or_path", tiny.sft_model_path(), "--dataset_name", tiny_pairs, *PAIR_ARGS)
+    ours, theirs = tmp_path / "ours", tmp_path / "trl"
+    out = run(trl_script(name, tmp_path, ours=True), *args, "--output_dir", ours)
+    assert "Training completed" in out
+    run(trl_script(name, tmp_path, ours=False), *args, "--output_dir", theirs, "--use_cpu", "true")
+    if name == "dpo":
+        assert AutoModelForCausalLM.from_pretrained(ours).num_parameters() > 0
+    else:
+        assert AutoModelForSequenceClassification.from_pretrained(ours).config.num_labels == 1
+    assert len(posttrain_losses(ours)) == 3
+    assert len(posttrain_losses(ours)) == 4
+    assert posttrain_losses(ours) == pytest.approx(trl_losses(theirs), abs=1e-5)
+    assert posttrain_losses(ours, "epoch") == pytest.approx(trl_losses(theirs, "epoch"), abs=1e-9)
+
+
+def test_trl_distillation_script_runs_on_posttrain(tmp_path: Path) -> None:
+    """TRL's distillation.py on posttrain, one process: the tiny student learns another tiny model on a local
+    folder of prompts, on its own completions (TRL's on-policy distillation), to the end; the saved student loads."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.demo import tiny
+
+    prompts = [{"prompt": " ".join(line.split()[:2])} for line in tiny.corpus()]
+    data = write_split(tmp_path / "prompts", prompts[:16], prompts[-4:])
+    out = tmp_path / "ours"
+    log = run(trl_script("distillation", tmp_path, ours=True), "--model_name_or_path", tiny.model_path(),
+              "--teacher_model_name_or_path", tiny.model_path(seed=1), "--dataset_name", data, "--max_steps", "2",
+              "--max_completion_length", "8", "--save_steps", "2", "--output_dir", out, *COMMON)
+    assert "Training completed" in log
+    assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
+    assert len(posttrain_losses(out)) == 2

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from posttrain import checks
+from posttrain.data.order import Schedule, TrainLoader
 from posttrain.errors import ConfigError
 from posttrain.models.lora import LoraFields, check_lora_fields
 from posttrain.placement.plain import check_setting as check_engine_setting
@@ -159,6 +160,15 @@ def validate_train_config(cfg: TrainConfig) -> None:
     schedulers = [t.value for t in SchedulerType]
     if cfg.lr_scheduler_type not in schedulers:
         raise ConfigError(f"unknown lr_scheduler_type {cfg.lr_scheduler_type!r}: choose from {', '.join(schedulers)}")
+
+
+def row_schedule(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> tuple[TrainLoader, Schedule]:
+    """TRL's Trainer order over ``n_rows`` rows and its optimizer steps (an epoch's leftover rows trained as a
+    short last step, as TRL does); an empty dataset is refused."""
+    if n_rows < 1:
+        raise ConfigError(f"train_dataset has no usable {noun}: give at least one")
+    loader = TrainLoader.rows(n_rows, cfg.per_device_train_batch_size, world_size(), cfg.seed)
+    return loader, loader.schedule(cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_steps)
 
 
 def steps_for_rows(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> int:

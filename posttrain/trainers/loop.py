@@ -269,23 +269,25 @@ def eval_shards(session: Any, n: int, batch_size: int) -> Iterator[list[int]]:
 
 
 class RowsTrainer(Trainer):
-    """A trainer stepping over prepared rows (SFT, reward). A subclass sets ``train_rows``,
-    ``eval_rows``, ``collate``, ``phases`` and ``num_tokens`` and supplies ``optimizer_step``."""
+    """A trainer stepping over prepared rows in TRL's Trainer order (SFT, reward). A subclass sets
+    ``train_rows``, ``eval_rows``, ``loader`` and ``schedule`` (``config.row_schedule``), ``collate``,
+    ``phases`` and ``num_tokens`` and supplies ``optimizer_step`` (its micro-batches may be fewer than
+    gradient_accumulation_steps at an epoch's end, as in TRL)."""
 
-    _batches: Any = None
+    _steps: Any = None
 
     def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
         raise NotImplementedError
 
     def training_step(self, step: int) -> dict[str, Any]:
-        cfg, s, ga = self.cfg, self.session, self.cfg.gradient_accumulation_steps
+        s = self.session
         role = self.roles["trained"][0]
-        if self._batches is None:
-            self._batches = collated_batches(self, (step - 1) * ga)
-        row = self.optimizer_step([next(self._batches) for _ in range(ga)])
+        if self._steps is None:
+            self._steps = self.loader.steps(self.schedule, s.process_index, start_step=step - 1)
+        planned = next(self._steps)
+        row = self.optimizer_step([self.collate([self.train_rows[i] for i in b.rows]) for b in planned.batches])
         row.update({"grad_norm": s.grad_norm(role) or 0.0, "learning_rate": s.learning_rate(role),
-                    "epoch": step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
-                    **self.phases.pop()})
+                    "epoch": planned.epoch, **self.phases.pop()})
         return row
 
     def has_eval_data(self) -> bool:

@@ -17,7 +17,7 @@ from posttrain.models.sources import init_kwargs, model_and_tokenizer
 from posttrain.models.tokenizer import check_tokenizer_fields, set_tokens
 from posttrain.placement.ranks import sum_over_ranks
 from posttrain.placement.roles import TRAINER_ROLES
-from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
+from posttrain.trainers.config import TrainConfig, make_session, row_schedule
 from posttrain.trainers.loop import RowsTrainer, default_args, eval_shards, refuse_arguments
 from posttrain.trainers.run_log import Phases
 
@@ -135,7 +135,8 @@ class SFTTrainer(RowsTrainer):
         self.eval_rows = (self._prepare(eval_dataset, "eval_dataset", eval_packing, prep)
                           if eval_dataset is not None else None)
 
-        self.total_steps = steps_for_rows(cfg, len(self.train_rows))
+        self.loader, self.schedule = row_schedule(cfg, len(self.train_rows))
+        self.total_steps = self.schedule.max_steps
         self.session = make_session(cfg, ["policy"], [], total_steps=self.total_steps)
         self.phases = Phases()
         kwargs = init_kwargs(cfg, dtype="float32")  # TRL loads float32 unless told
@@ -170,23 +171,24 @@ class SFTTrainer(RowsTrainer):
         """One optimizer step; loss (global token mean), token accuracy, entropy, input tokens so far."""
         s, ga = self.session, self.cfg.gradient_accumulation_steps
         batches = [self._to_device(b) for b in micro_batches]
+        window = len(batches)  # ga, or fewer at an epoch's end
         # TRL's num_items_in_batch: the trained tokens of the whole step, all processes.
         local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
         items = max(self._sum_over_ranks([local])[0], 1.0)
         loss_sum, acc, ent, n_input = 0.0, 0.0, 0.0, 0
-        for batch in batches:
+        for k, batch in enumerate(batches):
             with self.phases("forward"):
                 terms = token_terms(self.policy, batch, self.cfg.loss_type)
             # Undo the engine's division by accumulation steps and processes: the gradient is TRL's.
             loss = terms["loss_sum"] * (s.num_processes * ga / items)
             with self.phases("backward"):
-                s.backward("policy", loss)
+                s.backward("policy", loss, boundary=k == window - 1)
                 s.step("policy")
             correct, tokens, entropy, lsum = self._sum_over_ranks(
                 [terms["correct"].item(), terms["tokens"].item(), terms["entropy_sum"].item(), terms["loss_sum"].item()])
             loss_sum += lsum
-            acc += correct / tokens / ga if tokens else 0.0
-            ent += entropy / tokens / ga if tokens else 0.0
+            acc += correct / tokens / window if tokens else 0.0
+            ent += entropy / tokens / window if tokens else 0.0
             n_input += input_tokens(batch)
         self.num_tokens += int(self._sum_over_ranks([n_input])[0])
         return {"loss": loss_sum / items, "mean_token_accuracy": acc, "entropy": ent,

@@ -41,6 +41,7 @@ def test_close_leaves_no_zero3_mode_and_a_later_session_runs():
     assert s.zero_stage("policy") == 3 and s.zero_stage("reference") == 3
     loss, _ = one_step(s, path)
     assert torch.isfinite(torch.tensor(loss))
+    assert not s.load_rng  # a causal LM loads without drawing, under zero.Init too: adapters start alike everywhere
     assert is_deepspeed_zero3_enabled()  # the ZeRO-3 policy's plugin is active while the session runs
     s.close()
     s.close()  # a second call does nothing
@@ -103,4 +104,85 @@ def test_a_tied_model_saves_as_save_pretrained(tmp_path):
         for key, value in loaded.state_dict().items():
             assert torch.equal(value, state[key].to(value.dtype)), (name, key)
     assert not torch.equal(s.state_dict("zero2")["lm_head.weight"], tied.lm_head.weight.detach())
+    s.close()
+
+
+def lora(task: str = "CAUSAL_LM"):
+    from peft import LoraConfig
+
+    return LoraConfig(task_type=task, r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+
+
+def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters (and a classifier's trained copy of its head) by name, off the model or its engine."""
+    model = getattr(model, "module", model)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n or "modules_to_save" in n}
+
+
+def assert_same_adapters(ours: dict, theirs: dict) -> None:
+    assert set(ours) == set(theirs)
+    assert any("lora_A" in n for n in theirs) and any("lora_B" in n for n in theirs)
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+
+
+def reward_fn(completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_lora_adapters_start_as_trl_at_the_same_seed(kind, tmp_path):
+    """TRL's trainer and posttrain's, both given the model's path and the same peft_config at TRL's default seed:
+    every lora_A, lora_B equal. TRL's trainer runs first, so posttrain's session also starts after TRL's state."""
+    import trl
+    from datasets import Dataset
+
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    path, tok = str(tiny.model_path()), tiny.load_tokenizer()
+    if kind == "sft":
+        rows = Dataset.from_dict({"text": ["the cat is on the mat", "my old friend felt fine"] * 4})
+        theirs = trl.SFTTrainer(model=path, args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False,
+                                                               report_to=[], max_steps=1),
+                                train_dataset=rows, processing_class=tok, peft_config=lora())
+        ours = SFTTrainer(path, args=SFTConfig(output_dir=str(tmp_path / "ours"), max_steps=1, disable_tqdm=True),
+                          train_dataset=rows, processing_class=tok, peft_config=lora())
+    else:
+        rows = Dataset.from_dict({"prompt": ["the cat is", "my old friend felt"] * 4})
+        shape = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=4, max_steps=1)
+        theirs = trl.GRPOTrainer(model=path, reward_funcs=reward_fn, train_dataset=rows, processing_class=tok,
+                                 args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False,
+                                                     report_to=[], **shape), peft_config=lora())
+        ours = GRPOTrainer(path, reward_funcs=reward_fn, train_dataset=rows, processing_class=tok, peft_config=lora(),
+                           args=GRPOConfig(output_dir=str(tmp_path / "ours"), disable_tqdm=True, **shape))
+    assert theirs.args.seed == ours.cfg.seed == 42
+    assert_same_adapters(adapters(ours.session.unwrap("policy")), adapters(theirs.model))
+    ours.session.close()
+
+
+def test_lora_adapters_follow_what_loading_drew(tmp_path):
+    """TRL's RewardTrainer: set_seed, the classifier loads (its new head drawn from the generator), the adapters
+    after it. prepare_trained continues after the head's draws, whatever was drawn since; and leaves torch's
+    generator as it found it."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.models.setup import prepare_trained
+
+    path, tok = str(tiny.model_path()), tiny.load_tokenizer()
+    rows = Dataset.from_dict({"chosen": ["a good day"] * 8, "rejected": ["a bad day"] * 8})
+    cfg = trl.RewardConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to=[], max_steps=1)
+    theirs = trl.RewardTrainer(model=path, args=cfg, train_dataset=rows, processing_class=tok, peft_config=lora("SEQ_CLS"))
+
+    s = Session([Role("reward", "zero2_train", trains=True)], micro_batch_size=1)
+    torch.manual_seed(cfg.seed)  # a trainer's seed before it loads, as TRL's
+    model = s.load("reward", path, model_cls=AutoModelForSequenceClassification, num_labels=1, dtype=torch.float32)
+    assert "reward" in s.load_rng  # the new head drew from the generator
+    torch.rand(7)  # the run's own draws between loading and the adapters change nothing
+    state = torch.get_rng_state()
+    prepare_trained(s, "reward", model, cfg, lora("SEQ_CLS"), total_steps=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert_same_adapters(adapters(s.unwrap("reward")), adapters(theirs.model))
     s.close()

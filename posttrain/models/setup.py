@@ -19,11 +19,10 @@ def prepare_trained(session: Session, role: str, model: torch.nn.Module, cfg: An
                     disable_dropout: bool | None = None, adapter_seed: int | None = None,
                     learning_rate: float | None = None,
                     before_optimizer: Callable[[torch.nn.Module], None] | None = None) -> Any:
-    """``role``'s engine: adapters, checkpointing, no dropout, ``before_optimizer``, AdamW+LR; None: cfg's."""
+    """``role``'s engine: adapters, checkpointing, no dropout, ``before_optimizer``, AdamW+LR; None: cfg's.
+    The adapters start as TRL's trainers start them at ``adapter_seed`` (None: ``cfg.seed``)."""
     if peft_config is not None:
-        if adapter_seed is not None:
-            torch.manual_seed(adapter_seed)
-        model = add_adapters(model, peft_config, session, role)
+        model = adapters_as_trl(session, role, model, peft_config, cfg.seed if adapter_seed is None else adapter_seed)
     base = model.get_base_model() if peft_config is not None else model
     if cfg.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing:
         enable_gradient_checkpointing(base, use_reentrant=zero3_adapters(session, role, peft_config))
@@ -35,6 +34,18 @@ def prepare_trained(session: Session, role: str, model: torch.nn.Module, cfg: An
         before_optimizer(base)
     opt, sched = optimizer_and_scheduler(model, cfg, total_steps, lr=learning_rate)
     return session.prepare(role, model, opt, sched)
+
+
+def adapters_as_trl(session: Session, role: str, model: torch.nn.Module, peft_config: Any, seed: int) -> torch.nn.Module:
+    """``model`` with peft's adapters drawn as in TRL's trainers: ``set_seed(seed)``, the model's loading, then
+    ``get_peft_model``; torch's generator is left as it was (the run's own draws do not depend on adapters)."""
+    with torch.random.fork_rng(devices=[]):  # peft draws its adapters on the CPU, then moves them
+        torch.default_generator.manual_seed(seed)
+        drawn = session.load_rng.get(role)
+        # Loading drew from the seeded generator (a new head's init) in TRL's order too: continue after it.
+        if drawn is not None and torch.equal(drawn[0], torch.get_rng_state()):
+            torch.set_rng_state(drawn[1])
+        return add_adapters(model, peft_config, session, role)
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool = False) -> None:

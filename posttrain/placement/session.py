@@ -101,7 +101,9 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
         # A new session starts from a clean accelerate state (the process group is kept or rebuilt).
         forget_destroyed_group()
-        AcceleratorState._reset_state()
+        # Without a live group, accelerate's process state (a TRL trainer's, a destroyed group's) is stale.
+        group_alive = torch.distributed.is_available() and torch.distributed.is_initialized()
+        AcceleratorState._reset_state(reset_partial_state=not group_alive)
         GradientState._reset_state()
         plugins = {name: DeepSpeedPlugin(hf_ds_config=cfg) for name, cfg in self.configs.items()}
         # Without gloo on CPU every rank believes it is rank 0 of 1 and runs silently alone.

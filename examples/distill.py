@@ -8,7 +8,9 @@ With no teacher given it first trains a tiny teacher (a wider, deeper tiny Llama
 and caches it; then the tiny student, from random weights, learns from it under the demo settings
 (configs/distill.yaml). It reports the student-teacher divergence on held-out lines before and
 after, and the factor it fell by. A real run names both models (`--model_name_or_path`,
-`--teacher_model_name_or_path`; one vocabulary) and prompt-completion data (`--dataset_name`).
+`--teacher_model_name_or_path`; one vocabulary) and its prompts (`--dataset_name`; a "completion" column
+too where the dataset's completions train, lmbda < 1). TRL's own trl/scripts/distillation.py runs with
+`from posttrain import DistillationTrainer` in place of TRL's.
 """
 
 from posttrain.scripts.args import run_script

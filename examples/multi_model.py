@@ -80,11 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         "classifier": Task(args.classifier_model_name_or_path or tiny.model_path("reward"), train_sent, collate, bce,
                            model_cls=AutoModelForSequenceClassification, tokenizer=tok),
     }
-    trainer = MultiTrainer(cfg, tasks)
+    trainer = MultiTrainer(tasks, args=cfg)
     heldout = {"lm": heldout_lines, "classifier": heldout_sent}
     before = {name: trainer.evaluate(name, items) for name, items in heldout.items()}
     acc_before = accuracy(trainer, heldout_sent)
-    history = trainer.train()
+    trainer.train()
+    history = trainer.state.log_history
     after = {name: trainer.evaluate(name, items) for name, items in heldout.items()}
     acc_after = accuracy(trainer, heldout_sent)
     saved = trainer.save_model()  # each model in its own folder: <output_dir>/lm, <output_dir>/classifier
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['heldout_loss_after']:.3f}")
         print(f"  classifier held-out accuracy {acc_before:.3f} -> {acc_after:.3f}")
         print(f"  models saved to {', '.join(str(p) for p in saved.values())}; metrics in {cfg.output_dir}/metrics.jsonl")
+    trainer.end()
 
 
 if __name__ == "__main__":

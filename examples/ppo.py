@@ -8,8 +8,8 @@ posttrain/scripts/ppo.py, also installed as `posttrain ppo`).
 
 With no model it runs on the built-in tiny default under the demo settings (configs/ppo.yaml): a
 tiny policy fine-tuned on bundled text and a tiny reward model trained on bundled preferences for
-positive adjectives. With your models, PPOConfig's defaults (TRL's up to 1.12) apply unless you
-give `--config FILE`.
+positive adjectives. With your models, PPOConfig's defaults (TRL's last PPOConfig's, trl 0.x) apply
+unless you give `--config FILE`; LoRA is TRL's ModelConfig flags (`--use_peft --lora_r 16 ...`).
 """
 
 from posttrain.scripts.args import run_script

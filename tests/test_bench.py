@@ -28,7 +28,7 @@ RUNS = {
 }
 TRAINERS = {("dpo", "zero2-zero3"): "posttrain.DPOTrainer", ("dpo", "trl-zero2"): "trl.DPOTrainer",
             ("ppo", "zero2-zero3"): "posttrain.PPOTrainer", ("ppo", "trl-zero3"): "posttrain.PPOTrainer (TRL's placement)",
-            ("distill", "zero2-zero3"): "posttrain.DistillTrainer", ("distill", "trl-zero3"): "trl.GKDTrainer",
+            ("distill", "zero2-zero3"): "posttrain.DistillationTrainer", ("distill", "trl-zero3"): "trl.GKDTrainer",
             ("sft", "zero2-zero3"): "posttrain.SFTTrainer", ("sft", "trl-zero3"): "trl.SFTTrainer",
             ("reward", "zero3"): "posttrain.RewardTrainer", ("reward", "trl-zero2"): "trl.RewardTrainer"}
 PHASES = {"dpo": {"reference", "policy_forward", "backward"}, "ppo": {"generate", "policy_forward", "score", "train"},

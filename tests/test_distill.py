@@ -6,11 +6,16 @@ import os
 
 import pytest
 import torch
-from conftest import run_json, tiny_defaults
+from conftest import run_json
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
-from posttrain.trainers.distill import DistillConfig, DistillTrainer, check_vocabularies, generalized_jsd_loss
+from posttrain.trainers.distill import (
+    DistillationConfig,
+    DistillationTrainer,
+    check_vocabularies,
+    generalized_jsd_loss,
+)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -71,24 +76,64 @@ def test_different_vocabularies_are_refused(tmp_path):
         check_vocabularies(student, teacher)
     # The trainer checks before it builds anything distributed.
     teacher.save_pretrained(tmp_path / "teacher")
-    cfg = DistillConfig(output_dir=str(tmp_path / "run"), **tiny_defaults("distill"),
-                        teacher_model_name_or_path=str(tmp_path / "teacher"))
+    cfg = DistillationConfig(output_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=f"{student.vocab_size} tokens but the teacher's has {teacher.vocab_size}"):
-        DistillTrainer(cfg, [{"prompt": "the cat", "completion": " is calm ."}])
+        DistillationTrainer(str(tiny.model_path()), str(tmp_path / "teacher"), args=cfg,
+                            train_dataset=[{"prompt": "the cat", "completion": " is calm ."}])
 
 
 def test_config_errors():
     with pytest.raises(ConfigError, match="beta must be in"):
-        DistillConfig(beta=1.5)
+        DistillationConfig(beta=1.5)
     with pytest.raises(ConfigError, match="lmbda must be in"):
-        DistillConfig(lmbda=-0.1)
+        DistillationConfig(lmbda=-0.1)
+    with pytest.raises(ConfigError, match="shuffle_dataset is False, which posttrain does not support"):
+        DistillationConfig(shuffle_dataset=False)
     with pytest.raises(ConfigError, match="needs a teacher"):
-        DistillTrainer(DistillConfig(), [])
-    with pytest.raises(ConfigError, match="apply the chat template"):
-        DistillTrainer(DistillConfig(teacher_model_name_or_path="x"),
-                       [{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}])
-    with pytest.raises(ConfigError, match="'prompt' and 'completion'"):
-        DistillTrainer(DistillConfig(teacher_model_name_or_path="x"), [{"text": "the cat is calm ."}])
+        DistillationTrainer("x", args=DistillationConfig(), train_dataset=[])
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ConfigError, match="row 0 mixes forms: prompt and completion must both be text or both"):
+        DistillationTrainer("x", "t", args=DistillationConfig(), train_dataset=[{"prompt": messages, "completion": "yo"}])
+    with pytest.raises(ConfigError, match="distillation needs a 'prompt' column"):
+        DistillationTrainer("x", "t", args=DistillationConfig(), train_dataset=[{"text": "the cat is calm ."}])
+    # The dataset's completions train only where lmbda < 1 without seq_kd; TRL's default needs prompts alone.
+    with pytest.raises(ConfigError, match="row 0 has no 'completion', which lmbda < 1 without seq_kd trains on"):
+        DistillationTrainer("x", "t", args=DistillationConfig(lmbda=0.0), train_dataset=[{"prompt": "the cat"}])
+    with pytest.raises(ConfigError, match=r"DistillationTrainer\(tools=...\) is not supported"):
+        DistillationTrainer("x", "t", train_dataset=[{"prompt": "the cat"}], tools=[len])
+
+
+def test_every_trl_field_is_accounted_for():
+    from posttrain.trainers.multi import MultiConfig
+    from posttrain.trainers.ppo import PPOConfig
+    from posttrain.trainers.trl_fields import field_status
+
+    for cls in (DistillationConfig, PPOConfig, MultiConfig):
+        assert "?" not in field_status(cls).values(), cls
+    import inspect
+
+    import trl
+
+    ours, theirs = (inspect.signature(c.__init__).parameters for c in (DistillationTrainer, trl.DistillationTrainer))
+    assert list(ours) == list(theirs)  # TRL's constructor, argument for argument
+
+
+def test_rows_tokenize_as_trl_does():
+    """A text prompt with the tokenizer's special tokens and a bare completion + EOS; messages through the chat
+    template (the generation prompt; the template ends the assistant's turn); max_length cuts the prompt's start."""
+    trainer = DistillationTrainer.__new__(DistillationTrainer)
+    trainer.tokenizer, trainer.cfg = tiny.load_tokenizer(), DistillationConfig()
+    tok = trainer.tokenizer
+    messages = [{"role": "user", "content": "the cat"}]
+    prompts, completions = trainer._encode([{"prompt": "the cat", "completion": " is calm ."}, {"prompt": messages},
+                                            {"prompt": messages, "completion": [{"role": "assistant", "content": "yo"}]}])
+    assert prompts[0] == tok("the cat")["input_ids"] and completions[0] == tok(" is calm .")["input_ids"] + [tok.eos_token_id]
+    as_trl = tok.apply_chat_template(conversation=[messages], add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert prompts[1] == prompts[2] == as_trl["input_ids"][0] and completions[1] is None
+    assert tok.decode(completions[2]) == "yo" + tok.eos_token
+    trainer.cfg = DistillationConfig(max_length=3)
+    prompts, completions = trainer._encode([{"prompt": "the cat is very", "completion": " calm ."}])
+    assert prompts[0] == tok("the cat is very")["input_ids"][-2:] and len(completions[0]) == 1
 
 
 @pytest.fixture(scope="module")

@@ -247,7 +247,7 @@ def test_the_online_trainers_require_their_models_and_rewards(tmp_path, monkeypa
     sentence naming the fix, before anything loads or the output dir is touched."""
     from posttrain.demo import tiny
     from posttrain.placement import session
-    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+    from posttrain.trainers.distill import DistillationConfig, DistillationTrainer
     from posttrain.trainers.grpo import GRPOTrainer
     from posttrain.trainers.ppo import PPOConfig, PPOTrainer
     from posttrain.trainers.rloo import RLOOTrainer
@@ -262,20 +262,20 @@ def test_the_online_trainers_require_their_models_and_rewards(tmp_path, monkeypa
     cases = [
         (lambda: GRPOTrainer(GRPOConfig(output_dir=out, **BASE), train_dataset=prompts), no_policy),
         (lambda: RLOOTrainer(RLOOConfig(output_dir=out, **BASE), train_dataset=prompts), no_policy),
-        (lambda: PPOTrainer(PPOConfig(output_dir=out), train_dataset=prompts), no_policy),
+        (lambda: PPOTrainer(PPOConfig(output_dir=out), train_dataset=prompts),
+         "no policy is given: pass model= (a hub name, a local path or a model object)"),
         (lambda: GRPOTrainer(GRPOConfig(output_dir=out, model_name_or_path=policy, **BASE), train_dataset=prompts),
          "GRPO needs a reward: set reward_funcs (one of TRL's reward names, \"module.function\", or a reward model's "
          "path) or pass reward_funcs="),
         (lambda: RLOOTrainer(RLOOConfig(output_dir=out, model_name_or_path=policy, **BASE), train_dataset=prompts),
          "RLOO needs a reward: set reward_funcs (one of TRL's reward names, \"module.function\", or a reward model's "
          "path) or pass reward_funcs="),
-        (lambda: PPOTrainer(PPOConfig(output_dir=out, model_name_or_path=policy), train_dataset=prompts),
-         "PPO needs a reward: set reward_model_path (a sequence-classification model) and/or reward_funcs "
-         "(\"module.function\"), or pass reward_model= or reward_funcs="),
-        (lambda: DistillTrainer(DistillConfig(output_dir=out, teacher_model_name_or_path=policy),
-                                [{"prompt": "the cat", "completion": " is calm ."}]),
-         "no student is given: set model_name_or_path (a hub name or local path) or pass model= (a model object "
-         "with its processing_class)"),
+        (lambda: PPOTrainer(PPOConfig(output_dir=out), model=policy, train_dataset=prompts),
+         "PPO needs a reward: pass reward_model= (a sequence-classification model: a hub name, a local path or an "
+         "object) and/or reward_funcs= (functions or \"module.function\" names)"),
+        (lambda: DistillationTrainer(None, policy, args=DistillationConfig(output_dir=out),
+                                     train_dataset=[{"prompt": "the cat", "completion": " is calm ."}]),
+         "no student is given: pass model= (a hub name, a local path or a model object)"),
     ]
     for make, sentence in cases:
         with pytest.raises(ConfigError) as err:

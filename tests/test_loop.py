@@ -114,14 +114,14 @@ def test_trainers_without_evaluation_refuse_eval_strategy(make):
 
 def test_no_trainer_carries_its_own_loop():
     from posttrain.planner import memory
-    from posttrain.trainers.distill import DistillTrainer
+    from posttrain.trainers.distill import DistillationTrainer
     from posttrain.trainers.dpo import DPOTrainer
     from posttrain.trainers.grpo import GRPOTrainer
     from posttrain.trainers.multi import MultiTrainer
     from posttrain.trainers.ppo import PPOTrainer
     from posttrain.trainers.rloo import RLOOTrainer
 
-    for cls in (DPOTrainer, PPOTrainer, GRPOTrainer, RLOOTrainer, DistillTrainer, MultiTrainer):
+    for cls in (DPOTrainer, PPOTrainer, GRPOTrainer, RLOOTrainer, DistillationTrainer, MultiTrainer):
         assert cls.train is Trainer.train, cls  # PPO's logging_steps is the loop's
         assert cls.save_model is Trainer.save_model or cls is MultiTrainer, cls  # disjoint models: a folder each
     # The planner's workloads are the roles the trainers declare.

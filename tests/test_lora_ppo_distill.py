@@ -6,17 +6,17 @@ import os
 
 import pytest
 import torch
-from conftest import run_json, tiny_defaults
+from conftest import run_json
+from trl import ModelConfig, get_peft_config
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
-from posttrain.models.lora import lora_config
 from posttrain.scripts.data import bundled_prompts
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 # TRL's default LoRA dropout (0.05) stays on: both sides must switch it off (GKD's and PPO's disable_dropout).
-LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["all-linear"])
+PEFT = get_peft_config(ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["all-linear"]))
 FP32_ONE_PROCESS = dict(single_process_engine="torch", mixed_precision="no", disable_tqdm=True)
 TEACHER = tiny.model_path("causal", seed=1, hidden_size=96, intermediate_size=256, initializer_range=0.2)
 
@@ -58,12 +58,12 @@ def test_distill_lora_loss_and_adapter_gradients_equal_trl_gkd(tmp_path, beta):
     from transformers import AutoModelForCausalLM
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from posttrain.trainers.distill import DistillConfig, DistillTrainer, completion_batch
+    from posttrain.trainers.distill import DistillationConfig, DistillationTrainer, completion_batch
 
-    cfg = DistillConfig(output_dir=str(tmp_path / "ours"), **tiny_defaults("distill"),
-                        teacher_model_name_or_path=str(TEACHER), beta=beta,
-                        per_device_train_batch_size=4, **LORA, **FP32_ONE_PROCESS)
-    ours = DistillTrainer(cfg, distill_rows())
+    cfg = DistillationConfig(output_dir=str(tmp_path / "ours"), beta=beta, per_device_train_batch_size=4, lmbda=0.0,
+                             disable_dropout=True, gradient_checkpointing=False, **FP32_ONE_PROCESS)
+    ours = DistillationTrainer(str(tiny.model_path()), str(TEACHER), args=cfg, train_dataset=distill_rows(),
+                               peft_config=PEFT)
     student = ours.session.unwrap("student")
     assert student.training and hasattr(student, "peft_config")
     perturb_adapters(student, seed=3)
@@ -82,7 +82,7 @@ def test_distill_lora_loss_and_adapter_gradients_equal_trl_gkd(tmp_path, beta):
     trl = GKDTrainer(model=AutoModelForCausalLM.from_pretrained(ours.student_path, dtype=torch.float32),
                      teacher_model=AutoModelForCausalLM.from_pretrained(str(TEACHER), dtype=torch.float32),
                      args=args, train_dataset=Dataset.from_list([{"messages": []}] * 4),
-                     processing_class=ours.tokenizer, peft_config=lora_config(cfg))
+                     processing_class=ours.tokenizer, peft_config=PEFT)
     trl.model.load_state_dict({n: p.detach() for n, p in adapters(student).items()}, strict=False)
     trl.model.train()
     trl_loss = trl.compute_loss(trl.model, dict(batch))
@@ -93,11 +93,10 @@ def test_distill_lora_loss_and_adapter_gradients_equal_trl_gkd(tmp_path, beta):
 
 
 def test_distill_teacher_keeps_its_role(tmp_path):
-    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+    from posttrain.trainers.distill import DistillationConfig, DistillationTrainer
 
-    t = DistillTrainer(DistillConfig(output_dir=str(tmp_path / "run"), **tiny_defaults("distill"),
-                                     teacher_model_name_or_path=str(TEACHER),
-                                     **LORA, **FP32_ONE_PROCESS), distill_rows())
+    t = DistillationTrainer(str(tiny.model_path()), str(TEACHER), train_dataset=distill_rows(), peft_config=PEFT,
+                            args=DistillationConfig(output_dir=str(tmp_path / "run"), lmbda=0.0, **FP32_ONE_PROCESS))
     assert sorted(t.session.engines) == ["student", "teacher"]
     trainable = [n for n, p in t.session.unwrap("student").named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -128,9 +127,9 @@ def test_ppo_lora_loss_and_adapter_gradients_equal_a_separate_base_reference(tmp
         truncate_response,
     )
 
-    cfg = PPOConfig(output_dir=str(tmp_path / "run"), **tiny_defaults("ppo"), **PPO_ONE_UPDATE, **LORA,
-                    **FP32_ONE_PROCESS)
-    t = PPOTrainer(cfg, train_dataset=bundled_prompts(2048))  # `posttrain ppo`'s prompts
+    cfg = PPOConfig(output_dir=str(tmp_path / "run"), **PPO_ONE_UPDATE, **FP32_ONE_PROCESS)
+    t = PPOTrainer(args=cfg, model=str(tiny.sft_model_path()), reward_model=str(tiny.reward_model_path()),
+                   train_dataset=bundled_prompts(2048), peft_config=PEFT)  # `posttrain ppo`'s prompts
     s, pad = t.session, t.tokenizer.pad_token_id
     assert sorted(s.engines) == ["policy", "reward", "value"]  # no reference role
     policy = s.unwrap("policy")
@@ -157,7 +156,7 @@ def test_ppo_lora_loss_and_adapter_gradients_equal_a_separate_base_reference(tmp
     # The update: the loss it logs and the adapter gradients its optimizer is given.
     stepped = {}
     s.optimizers["policy"].register_step_pre_hook(lambda *_: stepped.update(grad_of(policy)))
-    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora_config(cfg))
+    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), PEFT)
     theirs.load_state_dict({n: p.detach().clone() for n, p in adapters(policy).items()}, strict=False)
     logged = t.train_on(batch, update=1)["loss/policy_avg"]
     for m in theirs.modules():
@@ -173,11 +172,11 @@ def test_ppo_lora_loss_and_adapter_gradients_equal_a_separate_base_reference(tmp
 
 
 def test_ppo_lora_refuses_a_reference_model():
-    from posttrain.trainers.ppo import PPOConfig
+    from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
-    with pytest.raises(ConfigError, match="use_peft takes its reference from the policy's base model .* drop "
-                                          "ref_model_name_or_path"):
-        PPOConfig(use_peft=True, ref_model_name_or_path="some/model")
+    with pytest.raises(ConfigError, match="with peft_config the reference is the policy's base model .* drop "
+                                          "ref_model="):
+        PPOTrainer(PPOConfig(), model="some/model", ref_model="some/model", peft_config=PEFT)
 
 
 # -- two processes, one launch: placement invariance and resume --------------------------------------
@@ -216,17 +215,18 @@ def test_lora_resume_equals_the_uninterrupted_run(runs):
 
 def test_scripts_take_the_lora_flags(capsys):
     from posttrain import cli
-    from posttrain.scripts.args import demo_config, parse_config
+    from posttrain.scripts.args import demo_config, model_arguments, parse_config
     from posttrain.scripts.distill import TeacherArguments
-    from posttrain.scripts.ppo import saved_as
-    from posttrain.trainers.distill import DistillConfig
+    from posttrain.scripts.ppo import PPOScriptArguments, saved_as
+    from posttrain.trainers.distill import DistillationConfig
     from posttrain.trainers.ppo import PPOConfig
 
     flags = ["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear"]
-    for name, classes in (("ppo", (PPOConfig,)), ("distill", (DistillConfig, TeacherArguments))):
-        cfg = parse_config(classes, demo_config(name), flags, prog=f"posttrain {name}")[0]
-        peft = lora_config(cfg)
+    for name, classes in (("ppo", (PPOConfig, ModelConfig, PPOScriptArguments)),
+                          ("distill", (DistillationConfig, ModelConfig, TeacherArguments))):
+        cfg, model_args = parse_config(classes, demo_config(name), flags, prog=f"posttrain {name}")[:2]
+        _, peft = model_arguments(model_args, cfg, tiny.model_path)
         assert (peft.r, peft.lora_alpha, peft.target_modules) == (8, 16, "all-linear")
-        assert "PeftModel.from_pretrained" in saved_as(cfg)
+        assert "PeftModel.from_pretrained" in saved_as(peft, cfg.merge_adapters)
     assert cli.main(["ppo", *flags, "--ref_model_name_or_path", "some/model"]) == 2
-    assert "drop ref_model_name_or_path" in capsys.readouterr().err
+    assert "drop --ref_model_name_or_path" in capsys.readouterr().err

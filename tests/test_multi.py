@@ -52,14 +52,14 @@ def test_save_then_resume_restores_both(run):
     for key, values in run["resumed"].items():
         assert values == pytest.approx(run["full"][key][2:], abs=1e-6), key
     assert {"lm/model.safetensors", "classifier/model.safetensors"} <= set(run["checkpoint"])
-    assert run["state"] == ["classifier", "lm", "trainer_state.json"]
+    assert run["state"] == ["classifier", "lm", "saved_by.json", "trainer_state.json"]
 
 
 def test_config_errors():
     with pytest.raises(ConfigError, match="at least one task"):
-        MultiTrainer(MultiConfig(), {})
+        MultiTrainer({}, args=MultiConfig())
     with pytest.raises(ConfigError, match=r"learning_rates names unknown model\(s\) \['critic'\]"):
-        MultiTrainer(MultiConfig(learning_rates={"critic": 1e-3}), {"lm": Task("x", [], lambda items: {})})
+        MultiTrainer({"lm": Task("x", [], lambda items: {})}, args=MultiConfig(learning_rates={"critic": 1e-3}))
 
 
 def test_example_both_losses_fall(tmp_path):

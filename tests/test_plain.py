@@ -65,7 +65,7 @@ def test_auto_follows_each_trainers_declared_roles_and_the_planner_agrees(master
     and PPO with fp32 master weights (their rollouts decode the policy), torch with bf16 ones."""
     from posttrain.placement.roles import roles_for
     from posttrain.planner import memory
-    from posttrain.trainers.distill import DistillTrainer
+    from posttrain.trainers.distill import DistillationTrainer
     from posttrain.trainers.grpo import GRPOTrainer
     from posttrain.trainers.ppo import PPOTrainer
     from posttrain.trainers.reward import RewardTrainer
@@ -73,7 +73,7 @@ def test_auto_follows_each_trainers_declared_roles_and_the_planner_agrees(master
     from posttrain.trainers.sft import SFTTrainer
 
     decodes = {GRPOTrainer, RLOOTrainer, PPOTrainer}
-    for trainer in (DPOTrainer, SFTTrainer, RewardTrainer, DistillTrainer, GRPOTrainer, RLOOTrainer, PPOTrainer):
+    for trainer in (DPOTrainer, SFTTrainer, RewardTrainer, DistillationTrainer, GRPOTrainer, RLOOTrainer, PPOTrainer):
         spec = trainer.roles
         roles = roles_for(spec["trained"], spec["frozen"], master_weights=master_weights,
                           decoded=spec.get("decoded", ()))
@@ -140,14 +140,14 @@ def test_parameters_outside_the_optimizer_keep_no_master_weights(mixed_precision
 
 
 def test_distillation_keeps_deepspeed_for_fp32_only_when_it_decodes_its_student(tmp_path):
-    """DistillTrainer passes its student as decoded when it generates on-policy (lmbda > 0)."""
-    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+    """DistillationTrainer passes its student as decoded when it generates on-policy (lmbda > 0)."""
+    from posttrain.trainers.distill import DistillationConfig, DistillationTrainer
 
     kinds = {}
     for lmbda in (0.0, 0.5):
-        trainer = DistillTrainer(DistillConfig(output_dir=str(tmp_path / str(lmbda)), lmbda=lmbda, disable_tqdm=True,
-                                               model_name_or_path=str(tiny.model_path()),
-                                               teacher_model_name_or_path=str(tiny.model_path(seed=1))),
-                                 [{"prompt": "the cat", "completion": " is calm ."}] * 4)
+        trainer = DistillationTrainer(str(tiny.model_path()), str(tiny.model_path(seed=1)),
+                                      args=DistillationConfig(output_dir=str(tmp_path / str(lmbda)), lmbda=lmbda,
+                                                              disable_tqdm=True),
+                                      train_dataset=[{"prompt": "the cat", "completion": " is calm ."}] * 4)
         kinds[lmbda] = trainer.session.engine_kind("student")
     assert kinds == {0.0: "torch", 0.5: "deepspeed"}

@@ -85,10 +85,9 @@ def test_reward_and_value_vocabulary_mismatches_are_refused_before_loading(tmp_p
     smaller, larger = (str(other_reward_model_path(tmp_path, n, with_tokenizer=False)) for n in (400, 700))
     for path in (smaller, larger):  # today's IndexError in F.embedding, and silently wrong scores
         with pytest.raises(ConfigError, match="has no tokenizer saved and a vocabulary of .*tokenizer.save_pretrained"):
-            PPOTrainer(PPOConfig(output_dir=str(tmp_path / "run"), model_name_or_path=policy, reward_model_path=path))
+            PPOTrainer(PPOConfig(output_dir=str(tmp_path / "run")), model=policy, reward_model=path)
     with pytest.raises(ConfigError, match="value model .* has another vocabulary than the policy's"):
-        PPOTrainer(PPOConfig(output_dir=str(tmp_path / "run"), model_name_or_path=policy,
-                             reward_model_path=str(tiny.reward_model_path()),
-                             value_model_path=str(other_reward_model_path(tmp_path, 700))))
+        PPOTrainer(PPOConfig(output_dir=str(tmp_path / "run")), model=policy, reward_model=str(tiny.reward_model_path()),
+                   value_model=str(other_reward_model_path(tmp_path, 700)))
     with pytest.raises(ConfigError, match="reward function 'no_such_module:fn': importing 'no_such_module' failed"):
-        PPOTrainer(PPOConfig(output_dir=str(tmp_path / "run"), model_name_or_path=policy, reward_funcs=["no_such_module:fn"]))
+        PPOTrainer(PPOConfig(output_dir=str(tmp_path / "run")), model=policy, reward_funcs=["no_such_module:fn"])

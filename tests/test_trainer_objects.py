@@ -132,7 +132,7 @@ def ppo_config(out, **kw):
     settings = dict(learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=4,
                     num_mini_batches=2, num_ppo_epochs=1, response_length=6, temperature=1.0, stop_token="eos",
                     local_rollout_forward_batch_size=8, disable_tqdm=True, num_sample_generations=1,
-                    total_episodes=16)
+                    total_episodes=16, logging_steps=1, save_steps=None)
     return PPOConfig(output_dir=str(out), **{**settings, **kw})
 
 
@@ -150,21 +150,25 @@ def test_ppo_takes_its_models_and_prompts_as_objects(tmp_path):
     policy, reward = tiny.sft_model_path(), tiny.reward_model_path()
     prompts = Dataset.from_list([{"prompt": p} for p in synthetic.prompts(16, seed=3)])
     zero3 = dict(role_configs={"reference": "zero3_inference"})
-    by_path = PPOTrainer(ppo_config(tmp_path / "path", model_name_or_path=str(policy), reward_model_path=str(reward),
-                                    value_model_path=str(reward), **zero3), train_dataset=prompts).train()
+    by_path = PPOTrainer(ppo_config(tmp_path / "path", **zero3), model=str(policy), reward_model=str(reward),
+                         value_model=str(reward), train_dataset=prompts)
+    by_path.train()
+    by_path = by_path.state.log_history
     model = AutoModelForCausalLM.from_pretrained(policy)
     trainer = PPOTrainer(ppo_config(tmp_path / "object", **zero3), train_dataset=prompts, model=model,
                          processing_class=tiny.load_tokenizer(policy),
                          reward_model=AutoModelForSequenceClassification.from_pretrained(reward),
                          value_model=AutoModelForSequenceClassification.from_pretrained(reward, num_labels=1))
-    by_object = trainer.train()
+    trainer.train()
+    by_object = trainer.state.log_history
     # No value model given: a copy of the reward object (which stays frozen as given).
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward)
     before = {k: v.clone() for k, v in reward_model.state_dict().items()}
     default_value = PPOTrainer(ppo_config(tmp_path / "copy"), train_dataset=prompts,
                                model=AutoModelForCausalLM.from_pretrained(policy),
                                processing_class=tiny.load_tokenizer(policy), reward_model=reward_model)
-    by_copy = default_value.train()
+    default_value.train()
+    by_copy = default_value.state.log_history
     assert len(by_path) == len(by_object) == len(by_copy) == 2
     for a, b, c in zip(by_path, by_object, by_copy):
         for k in PPO_KEYS:
@@ -180,20 +184,24 @@ def test_distill_takes_student_and_teacher_objects(tmp_path):
     """Distillation given the student (model=, with its processing_class) and the teacher
     (teacher_model=) as objects, on a ZeRO-3 teacher role, and the rows as a datasets.Dataset:
     the losses of the same weights by path."""
-    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+    from posttrain.trainers.distill import DistillationConfig, DistillationTrainer
 
     student, teacher = tiny.model_path("causal"), tiny.model_path("causal", seed=1)
     rows = Dataset.from_list([{"prompt": " ".join(w[:2]), "completion": " " + " ".join(w[2:])}
                               for w in (line.split() for line in tiny.corpus()[:8])])
     settings = dict(per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, disable_tqdm=True,
-                    role_configs={"teacher": "zero3_inference"})
-    by_path = DistillTrainer(DistillConfig(output_dir=str(tmp_path / "path"), model_name_or_path=str(student),
-                                           teacher_model_name_or_path=str(teacher), **settings), rows).train()
+                    role_configs={"teacher": "zero3_inference"}, lmbda=0.0, logging_steps=1, save_steps=None)
+    by_path = DistillationTrainer(str(student), args=DistillationConfig(output_dir=str(tmp_path / "path"),
+                                                                        teacher_model_name_or_path=str(teacher),
+                                                                        **settings), train_dataset=rows)
+    by_path.train()
+    by_path = by_path.state.log_history
     teacher_model = AutoModelForCausalLM.from_pretrained(teacher)
-    trainer = DistillTrainer(DistillConfig(output_dir=str(tmp_path / "object"), **settings), rows,
-                             model=AutoModelForCausalLM.from_pretrained(student), teacher_model=teacher_model,
-                             processing_class=tiny.load_tokenizer(student))
-    by_object = trainer.train()
+    trainer = DistillationTrainer(AutoModelForCausalLM.from_pretrained(student), teacher_model=teacher_model,
+                                  args=DistillationConfig(output_dir=str(tmp_path / "object"), **settings),
+                                  train_dataset=rows, processing_class=tiny.load_tokenizer(student))
+    trainer.train()
+    by_object = trainer.state.log_history
     assert losses(by_object) == pytest.approx(losses(by_path), abs=1e-6) and len(losses(by_path)) == 3
     assert losses(by_path)[-1] < losses(by_path)[0]
     assert trainer.session.unwrap("teacher") is teacher_model and trainer.session.zero_stage("teacher") == 3
@@ -203,7 +211,7 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
     """A model given twice, an object for two roles, a reward object without one score, a value
     object (built from a config, no folder) of another vocabulary, and no model at all:
     one sentence each, before the output dir is touched."""
-    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+    from posttrain.trainers.distill import DistillationConfig, DistillationTrainer
     from posttrain.trainers.ppo import PPOTrainer
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
@@ -216,9 +224,6 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
         SFTTrainer(None, args=SFTConfig(output_dir=str(tmp_path / "a")), train_dataset=rows, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^the reward model object has num_labels=2; a reward model needs 1"):
         RewardTrainer(RewardConfig(output_dir=str(tmp_path / "a")), rows, model=model, processing_class=tok)
-    with pytest.raises(ConfigError, match=r"^the reference is given twice \(ref_model= and ref_model_name_or_path\)"):
-        PPOTrainer(ppo_config(tmp_path / "a", ref_model_name_or_path=str(path)), model=model, processing_class=tok,
-                   ref_model=AutoModelForCausalLM.from_pretrained(path))
     with pytest.raises(ConfigError, match=r"^model= and ref_model= are the same object: each role needs a model"):
         PPOTrainer(ppo_config(tmp_path / "a"), model=model, ref_model=model, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^the reward model object has num_labels=2; it must give one score"):
@@ -229,22 +234,22 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
     built = AutoModelForSequenceClassification.from_config(other_vocab)
     with pytest.raises(ConfigError, match=rf"^the value model object has a vocabulary of {len(tok) + 8} tokens and "
                                           rf"the policy {model.config.vocab_size}: it reads the policy's token ids"):
-        PPOTrainer(ppo_config(tmp_path / "a", reward_funcs=["posttrain.demo.synthetic:sentiment_reward"]),
+        PPOTrainer(ppo_config(tmp_path / "a"), reward_funcs=["posttrain.demo.synthetic:sentiment_reward"],
                    model=model, processing_class=tok, value_model=built)
     with pytest.raises(ConfigError, match=r"^a policy object needs its value model: pass value_model="):
-        PPOTrainer(ppo_config(tmp_path / "a", reward_funcs=["posttrain.demo.synthetic:sentiment_reward"]),
+        PPOTrainer(ppo_config(tmp_path / "a"), reward_funcs=["posttrain.demo.synthetic:sentiment_reward"],
                    model=model, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^the teacher is given twice \(teacher_model= and teacher_model_name_or_path\)"):
-        DistillTrainer(DistillConfig(output_dir=str(tmp_path / "a"), teacher_model_name_or_path=str(path)),
-                       [{"prompt": "a", "completion": "b"}], teacher_model=model)
+        DistillationTrainer(str(path), teacher_model=model, train_dataset=[{"prompt": "a", "completion": "b"}],
+                            args=DistillationConfig(output_dir=str(tmp_path / "a"), teacher_model_name_or_path=str(path)))
     with pytest.raises(ConfigError, match=r"^reward_processing_classes has 2 entries for 1 reward_funcs: give one per"):
         GRPOTrainer(config(tmp_path / "a", model_name_or_path=str(path)),
                     reward_funcs=[AutoModelForSequenceClassification.from_pretrained(tiny.reward_model_path())],
                     reward_processing_classes=[tok, tok])
     # The prompts are required, as in TRL's trainers (the scripts load --dataset_name or the bundled ones).
     for trainer in (lambda: GRPOTrainer(config(tmp_path / "a", model_name_or_path=str(path))),
-                    lambda: PPOTrainer(ppo_config(tmp_path / "a", model_name_or_path=str(path),
-                                                  reward_model_path=str(tiny.reward_model_path())))):
+                    lambda: PPOTrainer(ppo_config(tmp_path / "a"), model=str(path),
+                                       reward_model=str(tiny.reward_model_path()))):
         with pytest.raises(ConfigError, match=r"^(GRPO|PPO) needs prompts: pass train_dataset= \(a datasets.Dataset "
                                               r"or a list of dicts with a 'prompt'\)"):
             trainer()

@@ -5,7 +5,7 @@ each rank writes ``OUTDIR/rank<R>.json``. Every workload runs a trainer end to e
 spec's shapes with random weights and rows of the tiny corpus cut to exact lengths
 (benchmarks/harness/bench_models.py):
 
-- posttrain's mixes: posttrain's own trainer (``DPOTrainer``, ``PPOTrainer``, ``DistillTrainer``,
+- posttrain's mixes: posttrain's own trainer (``DPOTrainer``, ``PPOTrainer``, ``DistillationTrainer``,
   ``GRPOTrainer``, ``RLOOTrainer``, ``SFTTrainer``, ``RewardTrainer``) with ``mix`` set;
 - ``trl-zero2`` / ``trl-zero3``: TRL's own trainer (``trl.DPOTrainer``,
   ``trl.experimental.gkd.GKDTrainer``, ``trl.GRPOTrainer``, ``trl.RLOOTrainer``, ``trl.SFTTrainer``,
@@ -338,29 +338,31 @@ def posttrain_ppo(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tu
     from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
     prompt_len = spec["seq_len"] - spec["response_len"]
-    cfg = PPOConfig(model_name_or_path=str(role_path(spec, "policy")),
-                    ref_model_name_or_path=other_path(spec, "reference", "policy"),
-                    reward_model_path=str(role_path(spec, "reward", "sequence", seed=2)),
-                    value_model_path=str(role_path(spec, "value", "sequence", seed=3)),
-                    max_prompt_length=prompt_len, response_length=spec["response_len"],
+    cfg = PPOConfig(max_prompt_length=prompt_len, response_length=spec["response_len"],
                     total_episodes=rows_needed(spec), local_rollout_forward_batch_size=spec["micro_batch"],
                     generation_backend=spec.get("generation_backend") or "posttrain", **common)
     # Prompts longer than prompt_len, cut to it by max_prompt_length: every query is that long.
-    return PPOTrainer, dict(cfg=cfg, train_dataset=prompt_rows(rows_needed(spec), prompt_len + 8))
+    return PPOTrainer, dict(args=cfg, model=str(role_path(spec, "policy")),
+                            ref_model=other_path(spec, "reference", "policy"),
+                            reward_model=str(role_path(spec, "reward", "sequence", seed=2)),
+                            value_model=str(role_path(spec, "value", "sequence", seed=3)),
+                            train_dataset=prompt_rows(rows_needed(spec), prompt_len + 8))
 
 
 def posttrain_distill(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
-    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+    from posttrain.trainers.distill import DistillationConfig, DistillationTrainer
 
-    cfg = DistillConfig(model_name_or_path=str(role_path(spec, "student")),
-                        teacher_model_name_or_path=str(role_path(spec, "teacher", seed=1)), max_length=spec["seq_len"],
-                        **common)
-    return DistillTrainer, dict(cfg=cfg, train_dataset=completion_rows(rows_needed(spec), spec["seq_len"]))
+    # GKD's settings, as trl_distill's: the data's completions (lmbda 0), beta 0.5, dropout off, no checkpointing.
+    cfg = DistillationConfig(max_length=spec["seq_len"], lmbda=0.0, beta=0.5, disable_dropout=True,
+                             gradient_checkpointing=False, **common)
+    return DistillationTrainer, dict(model=str(role_path(spec, "student")),
+                                     teacher_model=str(role_path(spec, "teacher", seed=1)), args=cfg,
+                                     train_dataset=completion_rows(rows_needed(spec), spec["seq_len"]))
 
 
 def trl_distill(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
-    """TRL's GKDTrainer with posttrain's defaults (lmbda 0: the data's completions, beta 0.5, no
-    gradient checkpointing, which posttrain's DistillTrainer does not do)."""
+    """TRL's GKDTrainer with the settings posttrain_distill gives posttrain's (lmbda 0: the data's completions,
+    beta 0.5, no gradient checkpointing)."""
     from datasets import Dataset
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 

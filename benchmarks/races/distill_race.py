@@ -15,8 +15,9 @@ comparison for this step).
   same run as auto's here: not a default row). Each row records the ``engine`` that ran.
 
 Both: random-weight Llama-shape models (student seed 0, teacher seed 1), ``--pairs`` rows of
-``--seq-len`` tokens (half prompt, half completion) per step, bf16, no gradient checkpointing (the
-posttrain trainer has none), learning rate 1e-6, a log line every step.
+``--seq-len`` tokens (half prompt, half completion) per step, bf16, no gradient checkpointing, dropout
+off (GKD's default; set on posttrain's, whose defaults are TRL's DistillationTrainer's), learning rate 1e-6,
+a log line every step.
 
     python benchmarks/races/distill_race.py --out DIR      # one GPU
     DS_ACCELERATOR=cpu python benchmarks/races/distill_race.py --shape tiny --steps 1 --warmup 1 --rounds 1
@@ -98,18 +99,19 @@ def run_trl(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Pat
 def run_posttrain(spec: dict, student: Path, teacher: Path, rows: list[dict], out: Path, stamps: Stamps,
                   engine: str, master_weights: str) -> dict[str, Any]:
     from posttrain.placement.session import Session
-    from posttrain.trainers.distill import DistillConfig, DistillTrainer
+    from posttrain.trainers.distill import DistillationConfig, DistillationTrainer
 
     stamps.wrap_session(Session)  # patched on the class: the trainer makes its session in __init__
-    cfg = DistillConfig(output_dir=str(out / f"posttrain-{engine}-{master_weights}"), overwrite_output_dir=True,
-                        model_name_or_path=str(student), teacher_model_name_or_path=str(teacher),
-                        per_device_train_batch_size=spec["pairs"], max_length=spec["seq_len"], learning_rate=1e-6,
-                        max_steps=spec["warmup"] + spec["steps"], bf16=True, master_weights=master_weights,
-                        single_process_engine=dpo_race.ENGINES[engine], lmbda=0.0, beta=0.5, logging_steps=1,
-                        disable_tqdm=True, seed=0)
-    trainer = DistillTrainer(cfg, train_dataset=rows)
+    cfg = DistillationConfig(output_dir=str(out / f"posttrain-{engine}-{master_weights}"), overwrite_output_dir=True,
+                             per_device_train_batch_size=spec["pairs"], max_length=spec["seq_len"],
+                             learning_rate=1e-6, max_steps=spec["warmup"] + spec["steps"], bf16=True,
+                             master_weights=master_weights, single_process_engine=dpo_race.ENGINES[engine],
+                             lmbda=0.0, beta=0.5, disable_dropout=True, gradient_checkpointing=False,
+                             logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = DistillationTrainer(str(student), str(teacher), args=cfg, train_dataset=rows)
     stamps.mark()
-    history = [h for h in trainer.train() if "loss" in h][spec["warmup"]:]
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h][spec["warmup"]:]
     s = trainer.session
     return {"placements": {n: s.zero_stage(n) for n in s.roles}, "master_weights": s.master_weights("student"),
             "engine": s.engine_kind("student"), "one_rank_changes": s.one_rank_changes,

@@ -1,5 +1,6 @@
-"""Knowledge distillation as TRL's GKDTrainer: a trained student learns a frozen teacher's next-token
-distributions, each model under its own DeepSpeed plugin."""
+"""Knowledge distillation as TRL 1.16's ``DistillationTrainer`` (on-policy: the student generates, and learns the
+frozen teacher's next-token distributions over its completions), with GKD's ``lmbda`` and ``seq_kd`` to train
+also on the dataset's or the teacher's completions; each model under its own DeepSpeed plugin."""
 
 from __future__ import annotations
 
@@ -10,39 +11,55 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import trl
 
 from posttrain.data.order import mix_seed, rank_batches, seed_everything
-from posttrain.data.prompts import left_pad
+from posttrain.data.prompts import check_prompt_rows, left_pad
 from posttrain.errors import ConfigError
-from posttrain.models.lora import LoraFields, lora_config
+from posttrain.models.lora import check_no_head_adapter
 from posttrain.models.setup import prepare_trained
-from posttrain.models.sources import distinct_objects, given_once, model_config, policy_source
+from posttrain.models.sources import distinct_objects, init_kwargs, model_config, policy_source
 from posttrain.placement.ranks import sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers.config import TrainConfig, make_session
-from posttrain.trainers.loop import Trainer
+from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
+from posttrain.trainers.online import write_samples
 from posttrain.trainers.run_log import Phases
+
+_SAMPLING = "posttrain's rollout engine samples with temperature, top_p and top_k only"
 
 
 @dataclass
-class DistillConfig(TrainConfig, LoraFields, RolloutFields):
-    """Distillation settings; names follow TRL's GKDConfig / DistillationConfig."""
+class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
+    """``trl.DistillationConfig`` (its fields, names and defaults) plus posttrain's placement and rollout fields
+    and GKD's sequence sources (``lmbda``, ``seq_kd``), whose defaults are TRL's on-policy distillation."""
 
-    output_dir: str = "runs/distill"
-    learning_rate: float = 1e-6  # TRL's DistillationConfig
-    model_name_or_path: str | None = None  # the student (or model=)
-    teacher_model_name_or_path: str | None = None
-    beta: float = 0.5  # 0: forward KL, 0.5: JSD, 1: reverse KL (GKDConfig's default)
-    temperature: float = 1.0  # softens both distributions in the loss, and samples (DistillationTrainer)
-    # Fraction of steps on the student's own generations; 0 since generation dominates a step's time.
-    lmbda: float = 0.0
-    seq_kd: bool = False  # on the other steps, train on the teacher's generations instead of the data
-    max_new_tokens: int = 128  # TRL's GKDConfig
-    max_length: int = 128  # prompt + completion tokens of a dataset row (generation adds max_new_tokens)
-    disable_dropout: bool = True  # GKDConfig's default: a deterministic loss
+    # Fraction of micro-batches on the student's own generations; 1: always, as TRL's DistillationTrainer.
+    lmbda: float = 1.0
+    seq_kd: bool = False  # the other micro-batches: the teacher's generations instead of the dataset's completions
+    # Prompt + completion tokens of a dataset row (the prompt cut from the left); None: no limit, as TRL.
+    max_length: int | None = None
+
+    _algorithm = "distillation"
+    _trl_works = ("model_init_kwargs", "trust_remote_code", "teacher_model_name_or_path", "teacher_model_revision",
+                  "teacher_model_init_kwargs", "disable_dropout", "max_completion_length",
+                  "ds3_gather_for_generation", "pad_to_multiple_of", "temperature", "top_p", "top_k",
+                  "chat_template_kwargs", "beta", "log_completions", "num_completions_to_print",
+                  "log_unique_prompts")
+    _trl_refused = {
+        "shuffle_dataset": "posttrain's distillation always shuffles the rows (TRL's default)",
+        "min_p": _SAMPLING,
+        "repetition_penalty": _SAMPLING,
+        "generation_kwargs": _SAMPLING,
+        "cache_implementation": "posttrain generates with its own engine (generation_backend), not transformers' cache",
+        "max_tool_calling_iterations": "tool calling is not supported yet",
+    }
 
     def __post_init__(self) -> None:
+        if isinstance(self.pad_to_multiple_of, str):  # TRL's "auto": 128 on Neuron devices only
+            text = self.pad_to_multiple_of.lower()
+            self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
         super().__post_init__()
         for name in ("beta", "lmbda"):
             value = getattr(self, name)
@@ -50,6 +67,14 @@ class DistillConfig(TrainConfig, LoraFields, RolloutFields):
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ConfigError(f"max_completion_length must be >= 1 (new tokens per generated completion), got "
+                              f"{self.max_completion_length!r}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ConfigError(f"max_length must be >= 2 (a prompt token and a completion token) or null, got "
+                              f"{self.max_length}")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ConfigError(f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
         check_rollout_fields(self)
 
 
@@ -94,11 +119,14 @@ def check_vocabularies(student_config: Any, teacher_config: Any) -> None:
                           "same model family.")
 
 
-def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
-                     device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded ``prompt + completion`` rows; labels keep only the completion tokens."""
+def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device,
+                     pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded ``prompt + completion`` rows (to a multiple of ``pad_to_multiple_of``); labels keep only the
+    completion tokens."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
+    if pad_to_multiple_of:
+        width = math.ceil(width / pad_to_multiple_of) * pad_to_multiple_of
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
@@ -109,64 +137,128 @@ def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
-class DistillTrainer(Trainer):
-    """Distil teacher into student on prompt/completion rows; each model a config path or an object."""
+def check_rows(dataset: Any, name: str, needs_completion: bool) -> list[dict]:
+    """``dataset``'s rows (a Dataset or a list of dicts): a "prompt" each (text or messages), and a "completion"
+    of the same kind where ``needs_completion``; one sentence for what is missing, before anything loads."""
+    rows = check_prompt_rows(dataset, name, "distillation")
+    has = [r.get("completion") is not None for r in rows]
+    if needs_completion and not all(has):
+        raise ConfigError(f"{name}: row {has.index(False)} has no 'completion', which lmbda < 1 without seq_kd trains "
+                          "on (TRL's prompt-completion format): add the completions, or set lmbda 1 (TRL's on-policy "
+                          "distillation: the student's own completions) or seq_kd true (the teacher's)")
+    for i, r in enumerate(rows):
+        kinds = {type(r["prompt"]) is str} | ({type(r["completion"]) is str} if r.get("completion") is not None else set())
+        if len(kinds) > 1 or not isinstance(r["prompt"], (str, list)):
+            raise ConfigError(f"{name}: row {i} mixes forms: prompt and completion must both be text or both lists of "
+                              "messages ({'role', 'content'})")
+    return rows
+
+
+class DistillationTrainer(Trainer):
+    """TRL 1.16's ``DistillationTrainer``: the student (``model``: a hub name, a local path or an object) learns the
+    teacher's (``teacher_model``, else ``args.teacher_model_name_or_path``) next-token distributions by the
+    generalized JSD (``beta``) over completions from the student itself (``lmbda``), the teacher (``seq_kd``) or
+    the dataset's "completion" column."""
 
     name = "distill"
     shown = ("loss", "eval/loss")
     roles = TRAINER_ROLES["distill"]
     evaluates = True
 
-    def __init__(self, cfg: DistillConfig, train_dataset: Any, eval_dataset: Any = None, *, model: Any = None,
-                 teacher_model: Any = None, processing_class: Any = None) -> None:
+    def __init__(self, model: Any, teacher_model: Any = None, args: DistillationConfig | None = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: list | None = None) -> None:
+        refuse_arguments("DistillationTrainer", optimizers=optimizers, quantization_config=quantization_config,
+                         tools=tools or None)
+        self.cfg = cfg = args if args is not None else default_args(DistillationConfig, model, "Distillation")
         distinct_objects(model=model, teacher_model=teacher_model)
-        self.teacher_source = given_once(teacher_model, cfg.teacher_model_name_or_path or None, "teacher", "teacher_model",
-                                         "teacher_model_name_or_path")
-        if self.teacher_source is None:
-            raise ConfigError("distillation needs a teacher: set teacher_model_name_or_path (or pass teacher_model=)")
-        for rows, what in ((train_dataset, "train_dataset"), (eval_dataset or [], "eval_dataset")):
-            if rows and not {"prompt", "completion"} <= set(rows[0]):
-                raise ConfigError(f"{what} rows need 'prompt' and 'completion' (TRL's prompt-completion format)")
-            if rows and not (isinstance(rows[0]["prompt"], str) and isinstance(rows[0]["completion"], str)):
-                raise ConfigError(f"{what}: prompt and completion must be text; apply the chat template to "
-                                  "conversational rows first (tokenizer.apply_chat_template(..., tokenize=False))")
-        self.cfg = cfg
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.teacher_source = teacher_source(teacher_model, cfg.teacher_model_name_or_path)
+        if train_dataset is None:
+            raise ConfigError("DistillationTrainer needs train_dataset= (a datasets.Dataset or a list of dicts with a "
+                              "'prompt')")
+        needs_completion = cfg.lmbda < 1 and not cfg.seq_kd
+        train_rows = check_rows(train_dataset, "train_dataset", needs_completion)
+        eval_rows = check_rows(eval_dataset, "eval_dataset", False) if eval_dataset is not None else None
+        if peft_config is not None:
+            check_no_head_adapter(peft_config)  # TRL: the loss reads lm_head.weight, an adapter there never trains
         self.student_source, self.tokenizer, self.student_path = policy_source(cfg, model, processing_class,
                                                                                 what="student")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         check_vocabularies(model_config(self.student_source), model_config(self.teacher_source))
+        self.train_rows = self._prepare(train_rows)
+        self.eval_rows = self._prepare(eval_rows) if eval_rows else None
+        # Evaluation without completions generates the student's, as TRL's.
+        eval_generates = bool(self.eval_rows) and any(r["completion_ids"] is None for r in self.eval_rows)
+        self.max_prompt_len = max(len(r["prompt_ids"]) for r in self.train_rows + (self.eval_rows or []))
         seed_everything(cfg.seed)
         self.total_steps = self.count_steps()
+        decoded = self.roles["trained"] if cfg.lmbda > 0 or eval_generates else []
         self.session = s = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps,
-                                        decoded=self.roles["trained"] if cfg.lmbda > 0 else [])
-        # GKDTrainer's order (adapters, then dropout off); trained without activation checkpointing.
-        self.student = prepare_trained(s, "student", s.load("student", self.student_source), cfg, lora_config(cfg),
-                                       total_steps=self.total_steps, gradient_checkpointing=False)
-        self.teacher = s.prepare("teacher", s.load("teacher", self.teacher_source))
+                                        decoded=decoded)
+        student = s.load("student", self.student_source, **init_kwargs(cfg, dtype="float32"))  # TRL's default
+        teacher_kwargs = {**(cfg.teacher_model_init_kwargs or {})}
+        if cfg.teacher_model_revision is not None:
+            teacher_kwargs.setdefault("revision", cfg.teacher_model_revision)
+        if cfg.trust_remote_code:
+            teacher_kwargs.setdefault("trust_remote_code", True)
+        teacher = s.load("teacher", self.teacher_source, **teacher_kwargs)
+        # Every end-of-sequence id the student declares ends a completion, as TRL's.
+        declared = getattr(getattr(student, "generation_config", None), "eos_token_id", None)
+        declared = [declared] if isinstance(declared, int) else list(declared or [])
+        self.eos_token_ids = list(dict.fromkeys([self.tokenizer.eos_token_id, *declared]))
+        self.peft_config = peft_config
+        self.student = self.model = prepare_trained(s, "student", student, cfg, peft_config,
+                                                    total_steps=self.total_steps)
+        self.teacher = self.teacher_model = s.prepare("teacher", teacher)
         self.phases = Phases()
         self._batches = None
+        self._samples: list[dict] = []  # the last step's (prompt, completion) texts, for log_completions
         self.rollouts: dict[str, Any] = {}  # role -> posttrain.rollout.Rollout
-        self.history: list[dict] = []
+        self.num_tokens = 0
+        self._init_callbacks(callbacks)
 
     def count_steps(self) -> int:
         cfg = self.cfg
         if cfg.max_steps > 0:
             return cfg.max_steps
-        world = world_size()
-        per_step = cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps
-        return max(1, math.ceil(cfg.num_train_epochs * len(self.train_dataset) / per_step))
+        per_step = cfg.per_device_train_batch_size * world_size() * cfg.gradient_accumulation_steps
+        return max(1, math.ceil(cfg.num_train_epochs * len(self.train_rows) / per_step))
 
-    def _encode(self, rows: list[dict[str, str]]) -> tuple[list[list[int]], list[list[int]]]:
-        tok, keep = self.tokenizer, self.cfg.max_length - 1
-        # The prompt as the tokenizer encodes text (with its BOS, if any), the completion bare + EOS.
-        prompts = [tok(r["prompt"])["input_ids"][-keep:] for r in rows]
-        completions = []
-        for p, r in zip(prompts, rows):
-            ids = tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            completions.append(ids[: max(1, self.cfg.max_length - len(p))])
+    def _encode(self, rows: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[int] | None]]:
+        """Prompt and completion ids of raw rows (a missing completion: None), as TRL tokenizes them: a text
+        prompt with the tokenizer's special tokens, its completion bare + EOS; messages through the chat template
+        (``chat_template_kwargs``). With ``max_length``, the prompt keeps its last tokens and the completion what
+        fits."""
+        from trl.data_utils import apply_chat_template
+
+        tok, cfg = self.tokenizer, self.cfg
+        prompts, completions = [], []
+        for r in rows:
+            completion = r.get("completion")
+            if isinstance(r["prompt"], list):
+                example = {"prompt": r["prompt"], **({"completion": completion} if completion is not None else {})}
+                text = apply_chat_template(example, tok, **(cfg.chat_template_kwargs or {}))
+                prompt = tok(text["prompt"], add_special_tokens=False)["input_ids"]
+                # The template ends the assistant's turn itself.
+                done = tok(text["completion"], add_special_tokens=False)["input_ids"] if completion is not None else None
+            else:
+                prompt = tok(r["prompt"])["input_ids"]
+                done = (tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                        if completion is not None else None)
+            if cfg.max_length is not None:
+                prompt = prompt[-(cfg.max_length - 1):]
+                done = done[: max(1, cfg.max_length - len(prompt))] if done is not None else None
+            if not prompt:
+                raise ConfigError(f"prompt {r['prompt']!r} tokenizes to nothing")
+            prompts.append(prompt)
+            completions.append(done)
         return prompts, completions
+
+    def _prepare(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        prompts, completions = self._encode(rows)
+        return [{"prompt_ids": p, "completion_ids": c} for p, c in zip(prompts, completions)]
 
     @torch.no_grad()
     def generate(self, role: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -174,18 +266,23 @@ class DistillTrainer(Trainer):
         from posttrain.rollout import Rollout, SamplingParams
 
         s, tok, cfg = self.session, self.tokenizer, self.cfg
+        batch = cfg.per_device_train_batch_size
         if role not in self.rollouts:
-            sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id,
-                                      temperature=cfg.temperature, stop_token_ids=[tok.eos_token_id])
-            self.rollouts[role] = Rollout.from_config(cfg, s, role, sampling, max_batch=cfg.per_device_train_batch_size,
-                                                      max_prompt_len=max(1, cfg.max_length - 1))
-        ids, mask = left_pad(prompts, tok.pad_token_id, s.device)
-        out = self.rollouts[role].generate(ids, mask)
-        return [row[:n] for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1).tolist())]
+            sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
+                                      temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                      stop_token_ids=self.eos_token_ids)
+            self.rollouts[role] = Rollout.from_config(cfg, s, role, sampling, max_batch=batch,
+                                                      max_prompt_len=self.max_prompt_len)
+        out_rows = []
+        for i in range(0, len(prompts), batch):
+            ids, mask = left_pad(prompts[i : i + batch], tok.pad_token_id, s.device)
+            out = self.rollouts[role].generate(ids, mask)
+            out_rows += [row[:n] for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1).tolist())]
+        return out_rows
 
     def _source(self, micro_step: int) -> str:
         # GKD's draw, seeded by micro-step: the same on every rank (ZeRO-3 is collective) and on resume.
-        if random.Random(mix_seed(self.cfg.seed, "source", micro_step)).random() < self.cfg.lmbda:
+        if self.cfg.lmbda >= 1.0 or random.Random(mix_seed(self.cfg.seed, "source", micro_step)).random() < self.cfg.lmbda:
             return "student"
         return "teacher" if self.cfg.seq_kd else "data"
 
@@ -197,68 +294,125 @@ class DistillTrainer(Trainer):
         student_logits = self.student(**inputs).logits
         return student_logits[:, :-1].float(), teacher_logits[:, :-1].float()
 
+    def _batch(self, prompts: list[list[int]], completions: list[list[int]]) -> dict[str, torch.Tensor]:
+        return completion_batch(prompts, completions, self.tokenizer.pad_token_id, self.session.device,
+                                self.cfg.pad_to_multiple_of)
+
     def training_step(self, step: int) -> dict[str, float]:
         s, cfg, phases = self.session, self.cfg, self.phases
+        ga = cfg.gradient_accumulation_steps
         if self._batches is None:
-            self._batches = rank_batches(len(self.train_dataset), cfg.per_device_train_batch_size, cfg.seed,
-                                         s.process_index, s.num_processes, start=(step - 1) * cfg.gradient_accumulation_steps)
-        batches = self._batches
-        losses, lengths, sources = [], [], []
-        for k in range(cfg.gradient_accumulation_steps):
-            micro_step = (step - 1) * cfg.gradient_accumulation_steps + k
+            self._batches = rank_batches(len(self.train_rows), cfg.per_device_train_batch_size, cfg.seed,
+                                         s.process_index, s.num_processes, start=(step - 1) * ga)
+        # The step's completions first (TRL generates a step's batch at once), then its micro-batches.
+        batches, sources, lengths = [], [], []
+        for k in range(ga):
+            micro_step = (step - 1) * ga + k
             source = self._source(micro_step)
-            sources.append(source)
-            rows = [self.train_dataset[i] for i in next(batches)]
-            prompts, completions = self._encode(rows)
+            rows = [self.train_rows[i] for i in next(self._batches)]
+            prompts = [r["prompt_ids"] for r in rows]
+            completions = [r["completion_ids"] for r in rows]
             if source != "data":
                 # Seeded per micro-step and rank so that a resumed run samples the same sequences.
                 torch.manual_seed(mix_seed(cfg.seed, "generate", micro_step, s.process_index))
                 with phases("generate"):
                     completions = self.generate(source, prompts)
-            batch = completion_batch(prompts, completions, self.tokenizer.pad_token_id, s.device)
+            batches.append(self._batch(prompts, completions))
+            sources.append(source)
+            lengths.append(sum(len(c) for c in completions) / len(completions))
+            self._samples = [{"step": step, "source": source, "prompt": self.tokenizer.decode(p, skip_special_tokens=True),
+                              "completion": self.tokenizer.decode(c, skip_special_tokens=True)}
+                             for p, c in zip(prompts, completions)] if cfg.log_completions else []
+        # TRL's reduction: the divergence summed over every completion token of the step (all micro-batches and
+        # processes) over their count; the engine's division by accumulation steps and processes is undone.
+        local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        items = max(self._sum([float(local)])[0], 1.0)
+        loss_sum, n_input = 0.0, 0
+        for batch in batches:
             with phases("forward"):
                 student_logits, teacher_logits = self.logits(batch)
-                loss = generalized_jsd_loss(student_logits, teacher_logits, batch["labels"][:, 1:],
-                                            beta=cfg.beta, temperature=cfg.temperature)
+                div = generalized_jsd_loss(student_logits, teacher_logits, batch["labels"][:, 1:], beta=cfg.beta,
+                                           temperature=cfg.temperature, reduction="sum")
             with phases("backward"):
-                s.backward("student", loss)
+                s.backward("student", div * (s.num_processes * ga / items))
                 s.step("student")
-            losses.append(loss.item())
-            lengths.append(sum(len(c) for c in completions) / len(completions))
-        metrics = {"loss": sum(losses) / len(losses), "completion_length": sum(lengths) / len(lengths)}
-        seen = step * cfg.gradient_accumulation_steps * cfg.per_device_train_batch_size * s.num_processes
-        return {**metrics, "grad_norm": s.grad_norm("student") or 0.0, "learning_rate": s.learning_rate("student"),
-                "epoch": seen / len(self.train_dataset),  # TRL's fractional epoch (rows seen over the dataset's)
+            loss_sum += div.item()
+            n_input += int(batch["attention_mask"].sum())
+        loss_sum, n_input = self._sum([loss_sum, float(n_input)])
+        self.num_tokens += int(n_input)
+        seen = step * ga * cfg.per_device_train_batch_size * s.num_processes
+        return {"loss": loss_sum / items, "completion_length": sum(lengths) / len(lengths),
+                "grad_norm": s.grad_norm("student") or 0.0, "learning_rate": s.learning_rate("student"),
+                "epoch": seen / len(self.train_rows),  # TRL's fractional epoch (rows seen over the dataset's)
+                "num_tokens": float(self.num_tokens),
                 "on_policy": sources.count("student") / len(sources), "seq_kd": sources.count("teacher") / len(sources),
                 **{f"{k}/{role}": v for role, r in self.rollouts.items() for k, v in r.metrics().items()},
                 **phases.pop()}
 
+    def _sum(self, values: list[float]) -> list[float]:
+        s = self.session
+        return sum_over_ranks(s, torch.tensor(values, dtype=torch.float64, device=s.device)).tolist()
+
+    def on_log(self, step: int) -> None:
+        """``log_completions``: the step's last micro-batch (this process's) in ``samples.jsonl``."""
+        if self.cfg.log_completions and self._samples:
+            n = self.cfg.num_completions_to_print
+            write_samples(self.session, self.cfg.output_dir, self._samples[:n] if n is not None else self._samples)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"num_tokens": self.num_tokens}
+
+    def restore(self, state: dict[str, Any], checkpoint: Any) -> None:
+        self.num_tokens = int(state.get("num_tokens", 0))
+
     @torch.no_grad()
-    def evaluate(self, rows: list[dict[str, str]] | None = None) -> dict[str, float]:
-        """Token-weighted forward KL, reverse KL, JSD and training loss on ``rows`` (default: eval set)."""
+    def evaluate(self, rows: list[dict[str, Any]] | None = None) -> dict[str, float]:
+        """Token-weighted forward KL, reverse KL, JSD and training loss on ``rows`` (default: the eval set), over
+        their completions, or the student's own (sampled at a fixed seed) where a row has none, as TRL's."""
         s, cfg = self.session, self.cfg
-        rows = rows if rows is not None else self.eval_dataset or []
-        per_rank = len(rows) // s.num_processes
+        prepared = self._prepare(check_rows(rows, "rows", False)) if rows is not None else self.eval_rows or []
+        per_rank = len(prepared) // s.num_processes
         if per_rank == 0:
             raise ConfigError(f"evaluation needs at least {s.num_processes} rows, one per process")
-        mine = [rows[i] for i in range(s.process_index * per_rank, (s.process_index + 1) * per_rank)]
+        mine = prepared[s.process_index * per_rank : (s.process_index + 1) * per_rank]
         measures = {"forward_kl": (0.0, 1.0), "jsd": (0.5, 1.0), "reverse_kl": (1.0, 1.0),
                     "loss": (cfg.beta, cfg.temperature)}
         sums = dict.fromkeys(measures, 0.0)
         tokens = 0
+        generates = any(r["completion_ids"] is None for r in prepared)  # the same on every rank: collective
+        rng = torch.get_rng_state()
         self.student.eval()
         for i in range(0, per_rank, cfg.per_device_eval_batch_size):
-            prompts, completions = self._encode(mine[i : i + cfg.per_device_eval_batch_size])
-            batch = completion_batch(prompts, completions, self.tokenizer.pad_token_id, s.device)
+            chunk = mine[i : i + cfg.per_device_eval_batch_size]
+            prompts = [r["prompt_ids"] for r in chunk]
+            completions = [r["completion_ids"] for r in chunk]
+            if generates:
+                torch.manual_seed(mix_seed(cfg.seed, "evaluate", i, s.process_index))
+                generated = self.generate("student", prompts)
+                completions = [c if c is not None else g for c, g in zip(completions, generated)]
+            batch = self._batch(prompts, completions)
             student_logits, teacher_logits = self.logits(batch)
             for name, (beta, temperature) in measures.items():
                 sums[name] += generalized_jsd_loss(student_logits, teacher_logits, batch["labels"][:, 1:], beta=beta,
                                                    temperature=temperature, reduction="sum").item()
             tokens += int((batch["labels"][:, 1:] != -100).sum())
         self.student.train()
-        totals = torch.tensor([*sums.values(), tokens], dtype=torch.float64, device=s.device)
-        totals = sum_over_ranks(s, totals)
-        return {f"eval/{k}": v / max(totals[-1].item(), 1) for k, v in zip(sums, totals.tolist())}
+        torch.set_rng_state(rng)  # evaluating does not move the training run's sampling
+        totals = self._sum([*sums.values(), tokens])
+        return {f"eval/{k}": v / max(totals[-1], 1) for k, v in zip(sums, totals)}
 
     def has_eval_data(self) -> bool:
-        return bool(self.eval_dataset)
+        return bool(self.eval_rows)
+
+
+def teacher_source(teacher_model: Any, teacher_model_name_or_path: str | None) -> Any:
+    """The teacher: ``teacher_model`` (TRL's script passes the config's name there too), else the config's name."""
+    if teacher_model is None:
+        if not teacher_model_name_or_path:
+            raise ConfigError("distillation needs a teacher: pass teacher_model= (a hub name, a local path or a model "
+                              "object) or set teacher_model_name_or_path")
+        return teacher_model_name_or_path
+    if teacher_model_name_or_path and str(teacher_model) != str(teacher_model_name_or_path):
+        raise ConfigError("the teacher is given twice (teacher_model= and teacher_model_name_or_path), differently: "
+                          "give one of them, or the same name in both (as TRL's script does)")
+    return teacher_model

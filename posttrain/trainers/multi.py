@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainingArguments
 
 from posttrain.data.order import rank_batches, seed_everything
 from posttrain.errors import ConfigError
@@ -53,11 +54,13 @@ class Task:
 
 
 @dataclass
-class MultiConfig(TrainConfig):
-    """Shared loop settings; ``role_configs`` places each model (default: ``mix``'s training config)."""
+class MultiConfig(TrainConfig, TrainingArguments):
+    """``transformers.TrainingArguments`` (TRL has no multi-model trainer) plus posttrain's placement fields and
+    per-model learning rates; ``role_configs`` places each model (default: ``mix``'s training config)."""
 
-    output_dir: str = "runs/multi"
-    learning_rate: float = 1e-3
+    # TRL's configs' defaults over TrainingArguments', as posttrain's other trainers have them.
+    logging_steps: float = 10
+    bf16: bool | None = None
     learning_rates: dict[str, float] = field(default_factory=dict)  # per model; default learning_rate
 
     _algorithm = "multi-model training"
@@ -65,29 +68,32 @@ class MultiConfig(TrainConfig):
 
 
 class MultiTrainer(Trainer):
-    """Train every task's model in one loop; each model is a trained role named like its task."""
+    """Train every task's model in one loop; each model is a trained role named like its task. ``args``: a
+    ``MultiConfig`` (its defaults when None), ``callbacks``: transformers ``TrainerCallback``s."""
 
     name = "multi"
     roles = {"trained": [], "frozen": []}  # one trained role per task, named like it
 
-    def __init__(self, cfg: MultiConfig, tasks: dict[str, Task]) -> None:
+    def __init__(self, tasks: dict[str, Task], args: MultiConfig | None = None, callbacks: list | None = None) -> None:
         if not tasks:
             raise ConfigError("multi-model training needs at least one task")
+        self.cfg = cfg = args if args is not None else MultiConfig()
         unknown = set(cfg.learning_rates) - set(tasks)
         if unknown:
             raise ConfigError(f"learning_rates names unknown model(s) {sorted(unknown)}: the models are {list(tasks)}")
-        self.cfg, self.tasks = cfg, tasks
-        self.history: list[dict] = []
+        self.tasks = tasks
+        self.roles = {"trained": list(tasks), "frozen": []}
         seed_everything(cfg.seed)
         self.total_steps = self.count_steps()
         s = self.session = make_session(cfg, list(tasks), [], total_steps=self.total_steps)
         for name, task in tasks.items():
             model = task.model if isinstance(task.model, torch.nn.Module) else s.load(name, task.model,
                                                                                       model_cls=task.model_cls)
-            prepare_trained(s, name, model, cfg, None, total_steps=self.total_steps, gradient_checkpointing=False,
+            prepare_trained(s, name, model, cfg, None, total_steps=self.total_steps,
                             learning_rate=cfg.learning_rates.get(name))
         self.phases = Phases()
         self.batches: dict[str, Iterator[list[int]]] | None = None  # each model's data order
+        self._init_callbacks(callbacks)
 
     def count_steps(self) -> int:
         cfg = self.cfg

@@ -1,5 +1,5 @@
-"""PPO as TRL's PPOTrainer up to 1.12, each role under its own plugin. Policy and value have separate
-optimizers, so each model's gradient norm is clipped on its own."""
+"""PPO as TRL's last PPOTrainer (trl 0.x; TRL 1.13 removed it), each role under its own plugin. Policy and
+value have separate optimizers, so each model's gradient norm is clipped on its own."""
 
 from __future__ import annotations
 
@@ -7,20 +7,21 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import TrainingArguments
 
 from posttrain.data.order import mix_seed, rank_batches, seed_everything
 from posttrain.data.preference import check_conversation
-from posttrain.data.prompts import padded_inputs, policy_text, prompt_rows
+from posttrain.data.prompts import check_prompt_rows, padded_inputs, policy_text, prompt_rows
 from posttrain.errors import ConfigError
-from posttrain.models.lora import LoraFields, adapters_disabled, lora_config
+from posttrain.models.lora import adapters_disabled
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import (
     distinct_objects,
-    given_once,
+    init_kwargs,
     model_config,
     policy_source,
     reference_source,
@@ -38,7 +39,7 @@ from posttrain.rewards.models import (
 from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers.config import TrainConfig, make_session
-from posttrain.trainers.loop import Trainer
+from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
 from posttrain.trainers.online import completion_logps, write_samples
 from posttrain.trainers.run_log import Phases
 
@@ -46,36 +47,40 @@ INVALID_LOGPROB = 1.0  # TRL's fill value for log-probs past the end of a respon
 
 
 @dataclass
-class PPOConfig(TrainConfig, LoraFields, RolloutFields):
-    """PPO settings; names follow TRL's PPOConfig (up to 1.12) where the concept is the same."""
+class PPOConfig(TrainConfig, RolloutFields, TrainingArguments):
+    """TRL's last ``PPOConfig`` (trl 0.x; TRL 1.13 removed PPO): ``TrainingArguments`` plus PPO's fields, names and
+    defaults, without its script settings (``sft_model_path``, ``reward_model_path``: the trainer's ``model=`` and
+    ``reward_model=``); posttrain's placement, rollout and reward-function fields beside them."""
 
-    model_name_or_path: str | None = None  # the policy (TRL: sft_model_path); required
-    ref_model_name_or_path: str | None = None  # default: the policy's; with use_peft, the policy's base
-    reward_model_path: str | None = None  # a sequence-classification model; "none" to use only reward_funcs
-    value_model_path: str | None = None  # default: the reward model; any causal LM backbone also works
-    reward_funcs: list[str] = field(default_factory=list)  # "module:function" on decoded text
-    reward_weights: list[float] | None = None  # one per function; the reward model's weight is 1
-    max_prompt_length: int = 64
-    # PPO (TRL's names and defaults)
-    num_ppo_epochs: int = 4
+    # TRL's OnPolicyConfig's defaults over TrainingArguments'.
+    logging_steps: float = 10
+    bf16: bool | None = None
+    # Loading a model given by name (TRL 1.16's names; TRL's PPOTrainer took built models only).
+    model_init_kwargs: dict[str, Any] | str | None = None
+    trust_remote_code: bool = False
+    reward_weights: list[float] | None = None  # one per reward function; the reward model's weight is 1
+    max_prompt_length: int = 64  # prompts are truncated from the left (TRL's PPO took pre-tokenized prompts)
+    # TRL's OnPolicyConfig
     num_mini_batches: int = 1
     total_episodes: int | None = None
     local_rollout_forward_batch_size: int = 64
+    num_sample_generations: int = 10  # times over the run that sample completions are logged
     response_length: int = 53
-    temperature: float = 0.7
     stop_token: str | None = None  # "eos"
     stop_token_id: int | None = None
+    temperature: float = 0.7
     missing_eos_penalty: float | None = None
+    # TRL's PPOConfig
+    num_ppo_epochs: int = 4
+    whiten_rewards: bool = False
     kl_coef: float = 0.05
     kl_estimator: str = "k1"  # "k1" | "k3"
     cliprange: float = 0.2
-    cliprange_value: float = 0.2
     vf_coef: float = 0.1
+    cliprange_value: float = 0.2
     gamma: float = 1.0
     lam: float = 0.95
-    whiten_rewards: bool = False
-    num_sample_generations: int = 10  # times over the run that sample completions are logged
-    learning_rate: float = 3e-6
+    ds3_gather_for_generation: bool = True  # gather a ZeRO-3 policy whole to generate; False: per-layer hooks
 
     _algorithm = "PPO"
     _evaluates = False
@@ -87,9 +92,12 @@ class PPOConfig(TrainConfig, LoraFields, RolloutFields):
             raise ConfigError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
         if self.stop_token not in (None, "eos"):
             raise ConfigError(f"stop_token must be None or 'eos', got {self.stop_token!r}; use stop_token_id")
-        if self.use_peft and self.ref_model_name_or_path:
-            raise ConfigError("use_peft takes its reference from the policy's base model (adapters disabled): drop "
-                              "ref_model_name_or_path, or drop use_peft to use a reference model of its own")
+        if self.stop_token is not None and self.stop_token_id is not None:
+            raise ConfigError("stop_token and stop_token_id are both set: keep one of them (TRL's rule)")
+        for name in ("num_ppo_epochs", "num_mini_batches", "response_length", "local_rollout_forward_batch_size",
+                     "max_prompt_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}: set --{name} 1 or more")
 
 
 def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -205,41 +213,44 @@ def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class PPOTrainer(Trainer):
-    """PPO; each model is the config's path or an object, as TRL took them. The value model defaults to
-    the reward model if it reads the policy's ids, else the policy; it is saved in ``value/``."""
+    """PPO with TRL's last ``PPOTrainer`` constructor (trl 0.x), every argument by name. Each model is a hub
+    name, a local path or an object (TRL took objects); ``ref_model`` defaults to a copy of the policy (with
+    ``peft_config``, the policy's base with adapters disabled), ``value_model`` to the reward model if it reads
+    the policy's ids, else the policy (saved in ``value/``). ``reward_funcs`` (posttrain's): functions or
+    "module.function" names scored beside or instead of ``reward_model``. ``eval_dataset`` is checked and kept
+    (TRL only printed sample completions of it); PPO does not evaluate."""
 
     name = "ppo"
     shown = ("objective/scores", "objective/kl", "loss/policy_avg")
     roles = TRAINER_ROLES["ppo"]
 
-    def __init__(self, cfg: PPOConfig, reward_funcs: list[Callable] | None = None, *, model: Any = None,
-                 ref_model: Any = None, reward_model: Any = None, value_model: Any = None,
-                 processing_class: Any = None, train_dataset: Any = None) -> None:
+    def __init__(self, args: PPOConfig | None = None, processing_class: Any = None, model: Any = None,
+                 ref_model: Any = None, reward_model: Any = None, train_dataset: Any = None, value_model: Any = None,
+                 data_collator: Any = None, eval_dataset: Any = None, optimizers: tuple = (None, None),
+                 callbacks: list | None = None, peft_config: Any = None,
+                 reward_funcs: list[Callable | str] | None = None) -> None:
         from transformers import AutoModelForSequenceClassification
 
         from posttrain.rollout import Rollout, SamplingParams
 
-        self.cfg = cfg
+        refuse_arguments("PPOTrainer", data_collator=data_collator, optimizers=optimizers)
+        self.cfg = cfg = args if args is not None else default_args(PPOConfig, model, "PPO")
         seed_everything(cfg.seed)
         distinct_objects(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
+        if ref_model is not None and peft_config is not None:
+            raise ConfigError("with peft_config the reference is the policy's base model (adapters disabled): drop "
+                              "ref_model=, or drop peft_config to use a reference model of its own")
         policy_given, self.tokenizer, policy_name = policy_source(cfg, model, processing_class)
-        reference_given = given_once(ref_model, cfg.ref_model_name_or_path, "reference", "ref_model",
-                                     "ref_model_name_or_path")
-        if ref_model is not None and cfg.use_peft:
-            raise ConfigError("use_peft takes its reference from the policy's base model (adapters disabled): drop "
-                              "ref_model, or drop use_peft to use a reference model of its own")
-        reward_given = given_once(reward_model, cfg.reward_model_path, "reward model", "reward_model",
-                                  "reward_model_path")
-        if reward_given == "none":
-            reward_given = None
-        funcs = list(reward_funcs or []) + load_reward_funcs(cfg.reward_funcs)
+        reward_given = reward_model
+        funcs = [f for f in reward_funcs or [] if not isinstance(f, str)]
+        funcs += load_reward_funcs([f for f in reward_funcs or [] if isinstance(f, str)])
         if reward_given is None and not funcs:
-            raise ConfigError("PPO needs a reward: set reward_model_path (a sequence-classification model) and/or "
-                              "reward_funcs (\"module.function\"), or pass reward_model= or reward_funcs=")
+            raise ConfigError("PPO needs a reward: pass reward_model= (a sequence-classification model: a hub name, a "
+                              "local path or an object) and/or reward_funcs= (functions or \"module.function\" names)")
         # The reward model first, with weight 1; reward_weights are the functions'.
         weights = check_reward_weights(cfg.reward_weights, len(funcs))
         reward_models = [] if reward_given is None else [
-            reward_given if isinstance(reward_given, torch.nn.Module) else reward_model_spec(reward_given)]
+            reward_given if isinstance(reward_given, torch.nn.Module) else reward_model_spec(str(reward_given))]
         self.rewards = Rewards(reward_models + funcs, [1.0] * len(reward_models) + weights, reencode=False,
                                batch_size=cfg.local_rollout_forward_batch_size)
 
@@ -250,25 +261,27 @@ class PPOTrainer(Trainer):
         self.rewards.plan(policy_config, self.tokenizer)
         reads = self.rewards.models[0].reads if self.rewards.models else None
         # The value model scores the policy's token ids, so it needs the policy's vocabulary.
-        value_given = given_once(value_model, cfg.value_model_path, "value model", "value_model", "value_model_path")
+        value_given = value_model
         if value_given is None:
             value_given = reward_given if reads is not None and reads.shares_policy_ids else policy_given
             if isinstance(value_given, torch.nn.Module):
                 if value_given is policy_given:
                     raise ConfigError("a policy object needs its value model: pass value_model= (a sequence-"
-                                      "classification model with num_labels=1, as TRL's PPOTrainer takes it) or "
-                                      "value_model_path")
+                                      "classification model with num_labels=1, as TRL's PPOTrainer takes it), a hub "
+                                      "name or a local path")
                 # A copy: the reward object stays frozen.
                 value_given = copy.deepcopy(value_given).requires_grad_(True)
         elif not scorer_input(value_given, self.tokenizer, policy_config.get_text_config().vocab_size,
                               "value model").shares_policy_ids:
             raise ConfigError(f"value model {model_name(value_given)} has another vocabulary than the policy's, but it "
-                              "reads the policy's token ids: give value_model_path a model with the policy's "
-                              "tokenizer (or leave it unset to start from the policy)")
+                              "reads the policy's token ids: give value_model= a model with the policy's tokenizer "
+                              "(or leave it unset to start from the policy)")
         self.raw_prompts = [row["prompt"] for row in prompt_rows(train_dataset, cfg._algorithm)]
         check_conversation([{"prompt": p} for p in self.raw_prompts], ("prompt",), self.tokenizer,
                            "train_dataset")  # before any model loads
         self.prompts = [policy_text(p, self.tokenizer) for p in self.raw_prompts]
+        self.eval_dataset = (check_prompt_rows(eval_dataset, "eval_dataset", cfg._algorithm)
+                             if eval_dataset is not None else None)
 
         world = world_size()
         # TRL's batch arithmetic: one update uses local_batch_size rollouts per process.
@@ -281,24 +294,25 @@ class PPOTrainer(Trainer):
             self.num_updates = min(self.num_updates, cfg.max_steps)
         optimizer_steps = self.num_updates * cfg.num_ppo_epochs * cfg.num_mini_batches
 
-        self.peft_config = lora_config(cfg)
+        self.peft_config = peft_config
         frozen = ([] if self.peft_config is not None else ["reference"]) + self.rewards.roles
         self.session = s = make_session(cfg, self.roles["trained"], frozen, total_steps=optimizer_steps,
                                         decoded=self.roles["decoded"])
         if self.peft_config is None:  # taken before the policy trains or takes adapters
-            reference = reference_source(reference_given, policy_given)
+            reference = reference_source(ref_model, policy_given)
+        kwargs = init_kwargs(cfg)
         torch.manual_seed(cfg.seed)
-        policy = s.load("policy", policy_given)
+        policy = s.load("policy", policy_given, **kwargs)
         policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
-        # TRL's PPOTrainer: dropout off so that rollout and update agree; no activation checkpointing.
-        prepare_trained(s, "policy", policy, cfg, self.peft_config, total_steps=optimizer_steps,
-                        gradient_checkpointing=False, disable_dropout=True)
-        value = s.load("value", value_given, model_cls=AutoModelForSequenceClassification, num_labels=1)
+        # TRL's PPOTrainer: dropout off so that rollout and update agree.
+        self.policy = self.model = prepare_trained(s, "policy", policy, cfg, self.peft_config,
+                                                   total_steps=optimizer_steps, disable_dropout=True)
+        value = s.load("value", value_given, model_cls=AutoModelForSequenceClassification, num_labels=1, **kwargs)
         value.config.pad_token_id = self.tokenizer.pad_token_id
-        prepare_trained(s, "value", value, cfg, None, total_steps=optimizer_steps, gradient_checkpointing=False,
-                        disable_dropout=True)
+        self.value_model = prepare_trained(s, "value", value, cfg, None, total_steps=optimizer_steps,
+                                           disable_dropout=True)
         if self.peft_config is None:
-            s.prepare("reference", _no_dropout(s.load("reference", reference)))
+            s.prepare("reference", _no_dropout(s.load("reference", reference, **kwargs)))
         self.rewards.load(s)
         self.phases = Phases()
         # Responses are not cut while sampling: truncate_response applies the stop token afterwards.
@@ -310,6 +324,7 @@ class PPOTrainer(Trainer):
         self.total_steps = self.num_updates
         self._batches = None  # the prompt order, from the update the run starts at
         self.sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
+        self._init_callbacks(callbacks)
 
     def _queries(self, indices: list[int]) -> torch.Tensor:
         enc = self.tokenizer([self.prompts[i] for i in indices], return_tensors="pt", padding=True,

@@ -16,24 +16,25 @@ from pathlib import Path
 
 import torch
 from ppo_run import prompts as ppo_prompts
+from ppo_run import trainer_models
 
 from posttrain.data.preference import write_jsonl
-from posttrain.demo import tiny
 from posttrain.errors import ConfigError
 from posttrain.rewards import models as rewards
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer, gather_ranks
 
-BASE = dict(model_name_or_path=str(tiny.sft_model_path()), reward_model_path=str(tiny.reward_model_path()),
-            learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=8, num_mini_batches=2,
+BASE = dict(learning_rate=3e-4, lr_scheduler_type="constant", per_device_train_batch_size=8, num_mini_batches=2,
             num_ppo_epochs=2, response_length=8, temperature=1.0, stop_token="eos", kl_coef=0.05,
             local_rollout_forward_batch_size=16, disable_tqdm=True, num_sample_generations=1,
-            total_episodes=128, save_steps=2)  # 4 updates of 2 x 16 rollouts
+            total_episodes=128, save_steps=2, logging_steps=1)  # 4 updates of 2 x 16 rollouts
 
 
 def run(dataset_name: str | None = None, **kw) -> PPOTrainer:
+    models = trainer_models(kw)  # the tiny default's policy and reward model unless kw names others
     cfg = PPOConfig(**{**BASE, **kw})
-    trainer = PPOTrainer(cfg, train_dataset=ppo_prompts(cfg, dataset_name))
-    trainer.history = trainer.train()
+    trainer = PPOTrainer(args=cfg, train_dataset=ppo_prompts(cfg, dataset_name), **models)
+    trainer.train()
+    trainer.history = trainer.state.log_history
     return trainer
 
 
@@ -90,7 +91,7 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
         run(output_dir=str(tmp / "killed"))
     elif mode == "resume":
         cfg = PPOConfig(**{**BASE, "output_dir": str(tmp / "killed"), "resume_from_checkpoint": "latest"})
-        trainer = PPOTrainer(cfg, train_dataset=ppo_prompts(cfg))
+        trainer = PPOTrainer(args=cfg, train_dataset=ppo_prompts(cfg), **trainer_models({}))
         s = trainer.session
         # A state missing one rank's RNG file (what the old save order could leave) is refused on every rank.
         broken = tmp / "broken-state"
@@ -104,7 +105,8 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
         except ConfigError as e:
             res["refused"] = str(e)
         res["start"] = trainer.start
-        res["history"] = trainer.train()
+        trainer.train()
+        res["history"] = trainer.state.log_history
     if int(os.environ["RANK"]) == 0:
         Path(out).write_text(json.dumps(res))
 

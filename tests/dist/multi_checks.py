@@ -40,10 +40,16 @@ def tasks() -> dict[str, Task]:
 def trainer(tmp: Path, name: str, **kw) -> MultiTrainer:
     # The LM's own clipping threshold; the classifier's comes from max_grad_norm (1.0).
     lm_config = {**dsconfig.read_config("zero2_train"), "gradient_clipping": 0.5}
+    settings = {"logging_steps": 1, "save_steps": None, **kw}  # a row each step; checkpoints only where asked
     cfg = MultiConfig(output_dir=str(tmp / name), role_configs={"lm": lm_config, "classifier": "zero3_train"},
                       per_device_train_batch_size=4, learning_rate=3e-3, learning_rates={"classifier": 1e-3},
-                      max_steps=4, disable_tqdm=True, **kw)
-    return MultiTrainer(cfg, tasks())
+                      max_steps=4, disable_tqdm=True, **settings)
+    return MultiTrainer(tasks(), args=cfg)
+
+
+def train(t: MultiTrainer) -> list[dict]:
+    t.train()
+    return t.state.log_history
 
 
 def state(t: MultiTrainer) -> dict[str, dict[str, torch.Tensor]]:
@@ -77,8 +83,8 @@ def main(out: str, tmp: str) -> None:
                        "classifier": moved(after_lm["classifier"], after_clf["classifier"])}
     res["lrs"] = {name: s.learning_rate(name) for name in t.tasks}
 
-    full = trainer(tmp, "full", save_steps=2).train()
-    resumed = trainer(tmp, "resumed", resume_from_checkpoint=str(tmp / "full" / "checkpoint-2")).train()
+    full = train(trainer(tmp, "full", save_steps=2))
+    resumed = train(trainer(tmp, "resumed", resume_from_checkpoint=str(tmp / "full" / "checkpoint-2")))
     keys = ("lm/loss", "classifier/loss", "lm/grad_norm", "classifier/grad_norm", "lm/learning_rate",
             "classifier/learning_rate")
     res["full"] = {k: [h[k] for h in full] for k in keys}

@@ -160,11 +160,12 @@ def main(out: str, tmp: str) -> None:
     # PPO: the 2-rank test's settings (tests/dist/ppo_run.py), two updates of 16 rollouts per rank.
     res["ppo"] = {}
     for mix in MIXES:
-        cfg = PPOConfig(**{**PPO_BASE, "model_name_or_path": str(tiny.sft_model_path()),
-                           "reward_model_path": str(tiny.reward_model_path()), "mix": mix,
-                           "total_episodes": 2 * 16 * world, "output_dir": str(tmp / "ppo" / mix)})
-        history = PPOTrainer(cfg, train_dataset=ppo_prompts(cfg)).train()
-        res["ppo"][mix] = [{k: row[k] for k in PPO_COMPARED} for row in history]
+        cfg = PPOConfig(**{**PPO_BASE, "mix": mix, "total_episodes": 2 * 16 * world,
+                           "output_dir": str(tmp / "ppo" / mix)})
+        trainer = PPOTrainer(args=cfg, model=str(tiny.sft_model_path()), reward_model=str(tiny.reward_model_path()),
+                             train_dataset=ppo_prompts(cfg))
+        trainer.train()
+        res["ppo"][mix] = [{k: row[k] for k in PPO_COMPARED} for row in trainer.state.log_history]
     seconds["ppo"] = time.perf_counter() - start - sum(seconds.values())
     res["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
     if dist.get_rank() == 0:

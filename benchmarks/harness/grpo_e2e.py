@@ -54,11 +54,12 @@ def posttrain_trainer(spec: dict[str, Any], out: Path, common: dict[str, Any]) -
     from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
     config_cls, trainer_cls = (RLOOConfig, RLOOTrainer) if spec["workload"] == "rloo" else (GRPOConfig, GRPOTrainer)
-    cfg = config_cls(model_name_or_path=str(_policy(spec)), max_prompt_length=spec["seq_len"],
+    # No checkpoint (TRL's side saves none either), unless the harness's settings say otherwise.
+    cfg = config_cls(**{"save_strategy": "no", **common}, max_prompt_length=spec["seq_len"],
                      generation_backend=spec.get("generation_backend") or "posttrain",
-                     reward_funcs=["benchmarks.harness.grpo_e2e:length_reward"], compile_layers=spec.get("compile_layers"),
-                     **_settings(spec), **common)
-    return trainer_cls, dict(cfg=cfg, train_rows=_prompts(spec))
+                     compile_layers=spec.get("compile_layers"), **_settings(spec))
+    return trainer_cls, dict(model=str(_policy(spec)), reward_funcs=[length_reward], args=cfg,
+                             train_dataset=_prompts(spec))
 
 
 def trl_trainer(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:

@@ -5,8 +5,7 @@ Rows (each a fresh process, in order, ``--rounds`` times; benchmarks/races/race.
 - ``trl-lora``: ``trl.GRPOTrainer`` given ``peft_config``, no DeepSpeed, bf16, its default
   ``generate``, gradient checkpointing (TRL's GRPO default): what TRL runs on one GPU;
 - ``posttrain-lora``: posttrain's GRPOTrainer, default mix and engine, the same ``peft_config``
-  (passed as ``peft_config=`` and, where GRPOConfig has them, as ``use_peft``/``lora_*``), its
-  rollout engine; with adapters the reference is the base with them switched off on both sides;
+  (passed as ``peft_config=``, as to TRL's), its rollout engine; with adapters the reference is the base with them switched off on both sides;
 - ``posttrain-full``: the same case without LoRA (a full fine-tune: policy, fp32 master weights
   and Adam states, and a reference): expected to run out of memory on one H200, an ``oom`` row.
 
@@ -26,8 +25,6 @@ memory target: at most TRL's peak plus that cache).
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,28 +91,16 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
                   lora: bool) -> dict[str, Any]:
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
-    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    takes_peft = "peft_config" in inspect.signature(GRPOTrainer.__init__).parameters
-    kwargs, extra, row = {}, {}, {}
-    if lora:
-        if "use_peft" in fields:
-            kwargs.update(use_peft=True, lora_r=spec["lora_r"], lora_alpha=spec["lora_alpha"],
-                          lora_dropout=LORA_DROPOUT, lora_target_modules=["all-linear"])
-        if takes_peft:
-            extra["peft_config"] = lora_config(spec)
-        if not kwargs and not extra:
-            if spec["shape"] != "tiny":
-                raise RuntimeError("posttrain's GRPOTrainer here has neither peft_config nor use_peft: this race needs "
-                                   "the LoRA branch (issue 21) merged")
-            lora = False  # a CPU check of the race itself on a checkout without GRPO LoRA
-            row["note"] = "posttrain's GRPOTrainer has no LoRA in this checkout: ran a full fine-tune"
-    cfg = GRPOConfig(model_name_or_path=str(path), output_dir=str(out / ("posttrain-lora" if lora else "posttrain-full")),
-                     overwrite_output_dir=True, max_prompt_length=spec["prompt_len"], **_settings(spec), **kwargs)
-    trainer = GRPOTrainer(cfg, reward_funcs=[parity_reward], train_rows=rows, **extra)
+    row: dict[str, Any] = {}
+    cfg = GRPOConfig(output_dir=str(out / ("posttrain-lora" if lora else "posttrain-full")), overwrite_output_dir=True,
+                     save_strategy="no", max_prompt_length=spec["prompt_len"], **_settings(spec))
+    trainer = GRPOTrainer(str(path), reward_funcs=[parity_reward], args=cfg, train_dataset=rows,
+                          peft_config=lora_config(spec) if lora else None)
     s = trainer.session
     stamps.wrap_session(s)
     stamps.mark()
-    history = [h for h in trainer.train() if "loss" in h]
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
     st = trainer.rollout.stats
     row.update(lora=lora, placements={n: s.zero_stage(n) for n in s.roles}, engine=s.engine_kind("policy"),
                master_weights=s.master_weights("policy"), losses=[h["loss"] for h in history][spec["warmup"]:],

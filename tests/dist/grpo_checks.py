@@ -19,72 +19,80 @@ from posttrain.scripts.data import bundled_prompts
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
-SENTIMENT = "posttrain.demo.synthetic:sentiment_reward"  # the bundled reward
-SHORT = dict(model_name_or_path=str(tiny.sft_model_path()), learning_rate=3e-3, lr_scheduler_type="constant", per_device_train_batch_size=8, num_generations=4,
+SENTIMENT = "posttrain.demo.synthetic.sentiment_reward"  # the bundled reward
+POLICY = str(tiny.sft_model_path())
+SHORT = dict(learning_rate=3e-3, lr_scheduler_type="constant", per_device_train_batch_size=8, num_generations=4,
              max_completion_length=6, steps_per_generation=2, max_steps=4, beta=0.04, sync_ref_model=True,
-             ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, epsilon=0.05, save_steps=2, disable_tqdm=True,
-             seed=7, reward_weights=[1.0, 0.25], overwrite_output_dir=True)
-LEARN = dict(model_name_or_path=str(tiny.sft_model_path()), reward_funcs=[SENTIMENT], learning_rate=2e-4,
-             lr_scheduler_type="constant", per_device_train_batch_size=16, num_generations=8, max_completion_length=8,
-             max_steps=40, disable_tqdm=True, seed=42, overwrite_output_dir=True)
+             ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, epsilon=0.05, save_steps=2, logging_steps=1,
+             disable_tqdm=True, seed=7, reward_weights=[1.0, 0.25], overwrite_output_dir=True)
+LEARN = dict(learning_rate=2e-4, lr_scheduler_type="constant", per_device_train_batch_size=16, num_generations=8,
+             max_completion_length=8, max_steps=40, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=42,
+             overwrite_output_dir=True)
 
 
-def run(config_cls, trainer_cls, save=False, **fields) -> tuple[list[dict], list[str], dict]:
+def lora():
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0)
+
+
+def run(config_cls, trainer_cls, reward_funcs, save=False, peft_config=None, **fields
+        ) -> tuple[list[dict], list[str], dict]:
     cfg = config_cls(**fields)
-    trainer = trainer_cls(cfg, train_dataset=bundled_prompts(2048, cfg.seed))  # `posttrain grpo`'s prompts
-    history = trainer.train()
+    trainer = trainer_cls(POLICY, reward_funcs=reward_funcs, args=cfg, peft_config=peft_config,
+                          train_dataset=bundled_prompts(2048, cfg.seed))  # `posttrain grpo`'s prompts
+    trainer.train()
     if save:
         trainer.save_model()  # the output dir itself, as TRL
-    return history, sorted(trainer.session.roles), dict(trainer.rollout.stats)
+    return trainer.state.log_history, sorted(trainer.session.roles), dict(trainer.rollout.stats)
 
 
 def main(out: str, tmp: str) -> None:
     rewards = [SENTIMENT, str(tiny.reward_model_path())]
     res: dict = {"placements": {}, "roles": {}}
     for mix in ("zero2-zero3", "zero2-replicated", "zero3"):
-        hist, roles, stats = run(GRPOConfig, GRPOTrainer, mix=mix, output_dir=f"{tmp}/{mix}", reward_funcs=rewards,
-                                 **SHORT)
+        hist, roles, stats = run(GRPOConfig, GRPOTrainer, rewards, mix=mix, output_dir=f"{tmp}/{mix}", **SHORT)
         res["placements"][mix] = hist
         res["roles"][mix] = roles
         res.setdefault("rollout", {})[mix] = stats
     # transformers' generate instead of the engine: the same samples for the same seed.
-    res["placements"]["hf"], res["roles"]["hf"], res["rollout"]["hf"] = run(GRPOConfig, GRPOTrainer, output_dir=f"{tmp}/hf",
-                                                           reward_funcs=rewards, generation_backend="hf", **SHORT)
+    res["placements"]["hf"], res["roles"]["hf"], res["rollout"]["hf"] = run(GRPOConfig, GRPOTrainer, rewards,
+                                                                          output_dir=f"{tmp}/hf",
+                                                                          generation_backend="hf", **SHORT)
     resume = {**SHORT, "overwrite_output_dir": False}
-    res["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, mix="zero2-zero3", output_dir=f"{tmp}/zero2-zero3",
-                               reward_funcs=rewards, resume_from_checkpoint=f"{tmp}/zero2-zero3/checkpoint-2",
-                               **resume)
-    res["learn"], res["roles"]["beta0"], _ = run(GRPOConfig, GRPOTrainer, output_dir=f"{tmp}/learn", beta=0.0,
-                                                 save=True, **LEARN)
+    res["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, rewards, mix="zero2-zero3", output_dir=f"{tmp}/zero2-zero3",
+                               resume_from_checkpoint=f"{tmp}/zero2-zero3/checkpoint-2", **resume)
+    res["learn"], res["roles"]["beta0"], _ = run(GRPOConfig, GRPOTrainer, [SENTIMENT], output_dir=f"{tmp}/learn",
+                                                 beta=0.0, save=True, **LEARN)
     res["learn_dir"] = f"{tmp}/learn"
     # RLOO with num_iterations 2: each generation batch trained twice (steps 1-4 share one batch).
-    rloo = dict(SHORT, sync_ref_model=False, reward_funcs=[SENTIMENT], reward_weights=None, num_iterations=2,
-                save_steps=None)
+    rloo = dict(SHORT, sync_ref_model=False, reward_weights=None, num_iterations=2, save_strategy="no")
     for mix in ("zero2-zero3", "zero2-replicated"):
-        res.setdefault("rloo", {})[mix], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/rloo-{mix}",
-                                                    **rloo)
+        res.setdefault("rloo", {})[mix], _, _ = run(RLOOConfig, RLOOTrainer, [SENTIMENT], mix=mix,
+                                                    output_dir=f"{tmp}/rloo-{mix}", **rloo)
     # LoRA (tests/test_lora_online.py): the policy's adapters train, the reference is its base with
     # adapters disabled; policy ZeRO-2 or ZeRO-3 (the frozen base sharded), reward replicated or
     # ZeRO-3; resumed from step 2; the ZeRO-3 run saves the merged model, the others the adapter.
-    lora = dict(SHORT, sync_ref_model=False, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                learning_rate=2e-2, generation_backend="hf", reward_funcs=rewards)
+    lora_fields = dict(SHORT, sync_ref_model=False, learning_rate=2e-2, generation_backend="hf")
     for mix in ("zero2-zero3", "zero2-replicated", "zero3"):
         res.setdefault("lora", {})[mix], res["roles"][f"lora-{mix}"], _ = run(
-            GRPOConfig, GRPOTrainer, save=True, mix=mix, output_dir=f"{tmp}/lora-{mix}", merge_adapters=mix == "zero3",
-            **lora)
-    res["lora"]["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, mix="zero2-zero3", output_dir=f"{tmp}/lora-zero2-zero3",
-                                       **{**lora, "overwrite_output_dir": False},
+            GRPOConfig, GRPOTrainer, rewards, save=True, peft_config=lora(), mix=mix, output_dir=f"{tmp}/lora-{mix}",
+            merge_adapters=mix == "zero3", **lora_fields)
+    res["lora"]["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, rewards, peft_config=lora(), mix="zero2-zero3",
+                                       output_dir=f"{tmp}/lora-zero2-zero3",
+                                       **{**lora_fields, "overwrite_output_dir": False},
                                        resume_from_checkpoint=f"{tmp}/lora-zero2-zero3/checkpoint-2")
-    rloo_lora = dict(lora, reward_weights=None, reward_funcs=[SENTIMENT], num_iterations=2, save_steps=None)
+    rloo_lora = dict(lora_fields, reward_weights=None, num_iterations=2, save_strategy="no")
     for mix in ("zero2-zero3", "zero3"):
-        res["lora"][f"rloo-{mix}"], _, _ = run(RLOOConfig, RLOOTrainer, mix=mix, output_dir=f"{tmp}/lora-rloo-{mix}",
-                                               **rloo_lora)
+        res["lora"][f"rloo-{mix}"], _, _ = run(RLOOConfig, RLOOTrainer, [SENTIMENT], peft_config=lora(), mix=mix,
+                                               output_dir=f"{tmp}/lora-rloo-{mix}", **rloo_lora)
     res["lora_dir"] = tmp
     # Gradient accumulation with one generation per micro-step: num_tokens is the cumulative count.
-    trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 2, "gradient_accumulation_steps": 2,
-                                        "steps_per_generation": 1}, output_dir=f"{tmp}/ga2"),
-                          train_dataset=bundled_prompts(2048, LEARN["seed"]))
-    res["ga2"] = {"history": trainer.train(), "num_tokens": trainer.num_tokens}
+    trainer = GRPOTrainer(POLICY, reward_funcs=[SENTIMENT], train_dataset=bundled_prompts(2048, LEARN["seed"]),
+                          args=GRPOConfig(**{**LEARN, "max_steps": 2, "gradient_accumulation_steps": 2,
+                                             "steps_per_generation": 1}, output_dir=f"{tmp}/ga2"))
+    trainer.train()
+    res["ga2"] = {"history": trainer.state.log_history, "num_tokens": trainer.num_tokens}
 
     import torch.distributed as dist
     from accelerate.utils import gather_object
@@ -97,7 +105,7 @@ def main(out: str, tmp: str) -> None:
         return [0.0] * len(completions)
 
     # A reward function failing on one rank: every rank stops with its sentence (none hangs in a gather).
-    trainer = GRPOTrainer(GRPOConfig(**{**LEARN, "max_steps": 1, "reward_funcs": None}, output_dir=f"{tmp}/fail"),
+    trainer = GRPOTrainer(POLICY, args=GRPOConfig(**{**LEARN, "max_steps": 1}, output_dir=f"{tmp}/fail"),
                           reward_funcs=[judge_down_on_rank_1], train_dataset=bundled_prompts(2048, LEARN["seed"]))
     try:
         trainer.train()

@@ -33,26 +33,19 @@ CONFIG_CASES = [
      "GRPO needs num_generations >= 2 to compare completions of one prompt; got 1"),
     (RLOOConfig, {"num_generations": 1, "per_device_train_batch_size": 1},
      "RLOO needs num_generations >= 2 to compare completions of one prompt; got 1"),
-    (GRPOConfig, {"ref_model_name_or_path": "my/ref"},  # GRPO's default beta is 0, as TRL's
-     "ref_model_name_or_path is set but beta is 0, which uses no reference model: set beta > 0 to use my/ref, "
-     "or drop ref_model_name_or_path"),
-    (RLOOConfig, {"ref_model_name_or_path": "my/ref", "beta": 0.0},
-     "ref_model_name_or_path is set but beta is 0, which uses no reference model: set beta > 0 to use my/ref, "
-     "or drop ref_model_name_or_path"),
-    # LoRA: the reference is the policy's base with its adapters disabled.
-    (GRPOConfig, {"use_peft": True, "beta": 0.04, "ref_model_name_or_path": "my/ref"},
-     "use_peft takes the reference from the policy's base model (adapters disabled), so ref_model_name_or_path is "
-     "not used: drop ref_model_name_or_path, or train without --use_peft"),
-    (RLOOConfig, {"use_peft": True, "sync_ref_model": True},
-     "sync_ref_model needs a reference model of its own, and use_peft has none (the reference is the base with "
-     "adapters disabled): drop sync_ref_model, or train without --use_peft"),
-    (GRPOConfig, {"use_peft": True, "beta": 0.04, "role_configs": {"reference": "zero3_inference"}},
-     "use_peft has no reference role (the reference is the policy's base with adapters disabled), so role_configs' "
-     "'reference' entry places nothing: drop it from role_configs"),
-    (RLOOConfig, {"use_peft": True, "lora_r": 0}, "lora_r must be a whole number >= 1, got 0: set --lora_r (TRL's "
-     "default is 16)"),
-    (GRPOConfig, {"use_peft": True, "lora_dropout": 1.0}, "lora_dropout must be in [0, 1), got 1.0: set "
-     "--lora_dropout (TRL's default is 0.05)"),
+    (RLOOConfig, {"sync_ref_model": True, "beta": 0.0},
+     "sync_ref_model needs a reference model, and beta: 0 loads none: set beta > 0 or drop sync_ref_model"),
+    (GRPOConfig, {"eval_strategy": "steps", "per_device_eval_batch_size": 6},
+     "the eval batch (per_device_eval_batch_size 6 x 1 processes) must be a multiple of num_generations_eval (4), "
+     "TRL's rule: set --per_device_eval_batch_size or --num_generations_eval"),
+    # TRL's fields posttrain does not take: refused by name unless at TRL's default.
+    (GRPOConfig, {"use_vllm": True}, "use_vllm is True, which posttrain does not support (posttrain generates with "
+     "its own engine (generation_backend), not vLLM): drop --use_vllm or set it to TRL's default False"),
+    (RLOOConfig, {"repetition_penalty": 1.2}, "repetition_penalty is 1.2, which posttrain does not support "
+     "(posttrain's engine samples with temperature, top_p and top_k): drop --repetition_penalty or set it to TRL's "
+     "default 1.0"),
+    (GRPOConfig, {"entropy_coef": 0.01}, "entropy_coef is 0.01, which posttrain does not support (the entropy bonus "
+     "is not implemented: use top_entropy_quantile): drop --entropy_coef or set it to TRL's default 0.0"),
 ]
 
 
@@ -257,19 +250,18 @@ def test_the_online_trainers_require_their_models_and_rewards(tmp_path, monkeypa
 
     monkeypatch.setattr(session.Session, "__init__", no_session)
     out, policy, prompts = str(tmp_path / "run"), str(tiny.sft_model_path()), [{"prompt": "the cat is"}] * 8
-    no_policy = ("no policy is given: set model_name_or_path (a hub name or local path) or pass model= (a model "
-                 "object with its processing_class)")
+    no_policy = "no policy is given: pass model= (a hub name, a local path or a model object)"
     cases = [
-        (lambda: GRPOTrainer(GRPOConfig(output_dir=out, **BASE), train_dataset=prompts), no_policy),
-        (lambda: RLOOTrainer(RLOOConfig(output_dir=out, **BASE), train_dataset=prompts), no_policy),
+        (lambda: GRPOTrainer(None, "m.f", args=GRPOConfig(output_dir=out, **BASE), train_dataset=prompts), no_policy),
+        (lambda: RLOOTrainer(None, "m.f", args=RLOOConfig(output_dir=out, **BASE), train_dataset=prompts), no_policy),
         (lambda: PPOTrainer(PPOConfig(output_dir=out), train_dataset=prompts),
          "no policy is given: pass model= (a hub name, a local path or a model object)"),
-        (lambda: GRPOTrainer(GRPOConfig(output_dir=out, model_name_or_path=policy, **BASE), train_dataset=prompts),
-         "GRPO needs a reward: set reward_funcs (one of TRL's reward names, \"module.function\", or a reward model's "
-         "path) or pass reward_funcs="),
-        (lambda: RLOOTrainer(RLOOConfig(output_dir=out, model_name_or_path=policy, **BASE), train_dataset=prompts),
-         "RLOO needs a reward: set reward_funcs (one of TRL's reward names, \"module.function\", or a reward model's "
-         "path) or pass reward_funcs="),
+        (lambda: GRPOTrainer(policy, args=GRPOConfig(output_dir=out, **BASE), train_dataset=prompts),
+         "GRPO needs a reward: pass reward_funcs= (functions, one of TRL's reward names, \"module.function\", or a "
+         "reward model's path or object)"),
+        (lambda: RLOOTrainer(policy, None, args=RLOOConfig(output_dir=out, **BASE), train_dataset=prompts),
+         "RLOO needs a reward: pass reward_funcs= (functions, one of TRL's reward names, \"module.function\", or a "
+         "reward model's path or object)"),
         (lambda: PPOTrainer(PPOConfig(output_dir=out), model=policy, train_dataset=prompts),
          "PPO needs a reward: pass reward_model= (a sequence-classification model: a hub name, a local path or an "
          "object) and/or reward_funcs= (functions or \"module.function\" names)"),

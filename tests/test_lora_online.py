@@ -265,3 +265,23 @@ def test_the_rollout_engine_samples_the_adapted_policy(tmp_path):
         assert row["rollout/backend_fallback"] == 0 and row["rollout/adapter_fallbacks"] == 0, row
     with pytest.raises(ConfigError, match="--generation_kv_slots"):
         GRPOConfig(output_dir=str(tmp_path / "bad"), generation_kv_slots=0)
+
+
+@pytest.mark.parametrize("kind,fields,sentence", [
+    ("rloo", {"sync_ref_model": True},
+     "sync_ref_model needs a reference model of its own, and a LoRA run (peft_config) has none (the reference is the "
+     "base with adapters disabled): drop sync_ref_model, or train without LoRA"),
+    ("grpo", {"beta": 0.04, "role_configs": {"reference": "zero3_inference"}},
+     "a LoRA run (peft_config) has no reference role (the reference is the policy's base with adapters disabled), "
+     "so role_configs' 'reference' entry places nothing: drop it from role_configs"),
+])
+def test_what_a_lora_reference_cannot_do_is_one_sentence(tmp_path, monkeypatch, kind, fields, sentence):
+    from posttrain.placement import session
+
+    monkeypatch.setattr(session.Session, "__init__", lambda *a, **k: 1 / 0)  # refused before any session
+    config_cls, trainer_cls = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[kind]
+    cfg = config_cls(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, **fields)
+    with pytest.raises(ConfigError) as err:
+        trainer_cls(str(tiny.sft_model_path()), SENTIMENT, args=cfg, train_dataset=bundled_prompts(16),
+                    peft_config=peft_config())
+    assert str(err.value) == sentence

@@ -303,3 +303,43 @@ def test_every_trl_field_works_or_is_refused(config):
     from trl.scripts.grpo import GRPOScriptArguments
 
     TrlParser((GRPOScriptArguments, cls, ModelConfig))
+
+
+def test_evaluation_logs_trls_eval_rewards(tmp_path):
+    """eval_strategy steps: every eval prompt num_generations_eval times, in global batches of
+    per_device_eval_batch_size, scored; the eval row has the reward and completion metrics TRL's
+    evaluate() logs (TRL's also has a loss and its terms, which posttrain's evaluation does not compute)."""
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    from posttrain.demo import synthetic
+    from posttrain.scripts.data import bundled_prompts
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    prompts, held_out = bundled_prompts(16), bundled_prompts(6, seed=1)
+    fields = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=N,
+                  per_device_eval_batch_size=4, num_generations_eval=2, eval_strategy="steps", save_strategy="no")
+    args = TRLConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to=[], **fields)
+    theirs = TRLTrainer(model=str(tiny.sft_model_path()), reward_funcs=[synthetic.sentiment_reward], args=args,
+                        train_dataset=Dataset.from_list(prompts), eval_dataset=Dataset.from_list(held_out),
+                        processing_class=tiny.load_tokenizer())
+    their_keys = set(theirs.evaluate())
+    AcceleratorState._reset_state(reset_partial_state=True)  # TRL's process-wide state, not the session's
+
+    cfg = GRPOConfig(output_dir=str(tmp_path / "ours"), max_steps=2, logging_steps=1, eval_steps=2, **fields)
+    ours = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=synthetic.sentiment_reward, args=cfg,
+                       train_dataset=prompts, eval_dataset=held_out)
+    sizes, generate = [], ours.rollout.generate
+    ours.rollout.generate = lambda ids, mask: sizes.append(ids.shape[0]) or generate(ids, mask)
+    ours.train()
+    ours.end()
+    evals = [r for r in ours.state.log_history if "eval/reward" in r]
+    assert [r["step"] for r in evals] == [2]
+    assert sizes == [8, 8, 4, 4, 4]  # two training generation batches, then 6 prompts x 2 in batches of 4
+    ours_keys = {k.replace("eval/", "eval_") for k in evals[0] if k.startswith("eval/")}
+    loss_terms = {"eval_loss", "eval_kl", "eval_entropy"} | {k for k in their_keys if k.startswith("eval_clip_ratio")}
+    timing = {"epoch", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time"}
+    assert ours_keys == their_keys - loss_terms - timing, (ours_keys ^ their_keys)
+    assert -2.0 <= evals[0]["eval/reward"] <= 2.0 and evals[0]["eval/completions/mean_length"] > 0

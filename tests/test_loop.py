@@ -98,7 +98,7 @@ def test_resume_happens_once_in_train_and_continues_the_steps(tmp_path):
     assert [h["step"] for h in history if "loss" in h] == [1, 2, 3, 4]  # the kept rows of the first run, then the resumed ones
 
 
-@pytest.mark.parametrize("make", ["ppo", "grpo", "rloo", "multi"])
+@pytest.mark.parametrize("make", ["ppo", "multi"])  # GRPO and RLOO evaluate (tests/test_grpo_parity.py)
 def test_trainers_without_evaluation_refuse_eval_strategy(make):
     from posttrain.trainers.grpo import GRPOConfig
     from posttrain.trainers.multi import MultiConfig

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import ROOT
-from trl import ScriptArguments
+from trl import ModelConfig, ScriptArguments
 
 from posttrain import ConfigError, cli
 from posttrain.demo import tiny
@@ -20,11 +20,11 @@ from posttrain.scripts.dpo import DataArguments
 from posttrain.trainers.dpo import DPOConfig
 from posttrain.trainers.ppo import PPOConfig
 
-DPO = (ScriptArguments, DataArguments, DPOConfig)
+DPO = (ScriptArguments, DataArguments, DPOConfig, ModelConfig)
 
 
 def parse_dpo(*argv):
-    return parse_config(DPO, demo_config("dpo"), list(argv), prog="posttrain dpo")
+    return parse_config(DPO, demo_config("dpo"), list(argv), prog="posttrain dpo")[:3]
 
 
 def test_demo_settings_only_for_the_tiny_default(capsys):
@@ -43,16 +43,16 @@ def test_demo_settings_only_for_the_tiny_default(capsys):
 
 
 def test_trainer_flags_map_onto_posttrain(tmp_path):
-    _, _, cfg = parse_dpo("--bf16")
+    _, _, cfg = parse_dpo("--bf16", "true")  # TRL 1.16's bf16 is bool | None: the flag takes a value
     assert cfg.mixed_precision == "bf16"
     _, _, cfg = parse_dpo("--fp16", "true", "--save_total_limit", "2", "--push_to_hub", "--hub_model_id", "me/run")
     assert (cfg.mixed_precision, cfg.save_total_limit, cfg.push_to_hub, cfg.hub_model_id) == ("fp16", 2, True, "me/run")
     _, _, cfg = parse_dpo("--model_name_or_path", "m/x", "--eval_strategy", "steps", "--logging_steps", "4")
     assert cfg.eval_steps == 4  # TRL's rule: eval_steps defaults to logging_steps
     with pytest.raises(ConfigError, match="bf16 and fp16 are both set"):
-        parse_dpo("--bf16", "--fp16")
+        parse_dpo("--bf16", "true", "--fp16", "true")
     with pytest.raises(ConfigError, match="--bf16 contradicts mixed_precision 'fp16'"):
-        parse_dpo("--bf16", "--mixed_precision", "fp16")
+        parse_dpo("--bf16", "true", "--mixed_precision", "fp16")
     # YAML 1.1 reads 1e-3 as a string; it is converted like the same flag would be.
     (tmp_path / "c.yaml").write_text("learning_rate: 1e-3\nmax_steps: '5'\n")
     _, _, cfg = parse_dpo("--config", str(tmp_path / "c.yaml"))
@@ -188,13 +188,15 @@ def test_online_scripts_take_trls_script_arguments(tmp_path):
     path = str(write_jsonl(rows, tmp_path / "prompts.jsonl"))
     (tmp_path / "c.yaml").write_text(f"dataset_name: {path}\ndataset_train_split: train\nnum_prompts: 8\n"
                                      f"output_dir: {tmp_path / 'out'}\n")
-    for config_cls, name in ((GRPOConfig, "grpo"), (RLOOConfig, "rloo"), (PPOConfig, "ppo")):
-        script, data, cfg = parse_config((ScriptArguments, PromptArguments, config_cls), demo_config(name),
+    from trl.scripts.grpo import GRPOScriptArguments  # TRL's grpo.py/rloo.py's: reward_funcs, reward model
+    for config_cls, name, script_cls in ((GRPOConfig, "grpo", GRPOScriptArguments),
+                                         (RLOOConfig, "rloo", GRPOScriptArguments), (PPOConfig, "ppo", ScriptArguments)):
+        script, data, cfg = parse_config((script_cls, PromptArguments, config_cls), demo_config(name),
                                          ["--config", str(tmp_path / "c.yaml")])
         assert (script.dataset_name, script.dataset_train_split, data.num_prompts) == (path, "train", 8)
         assert not hasattr(cfg, "dataset_name") and not hasattr(cfg, "num_prompts")
         with pytest.raises(ConfigError, match=r"^unknown flag --dataset_split: did you mean --dataset_train_split\?$"):
-            parse_config((ScriptArguments, PromptArguments, config_cls), demo_config(name), ["--dataset_split", "train"])
+            parse_config((script_cls, PromptArguments, config_cls), demo_config(name), ["--dataset_split", "train"])
     assert load_prompts(script, 8, 42, "PPO") == (rows, path)
     assert load_prompts(ScriptArguments(), 8, 42, "PPO") == (bundled_prompts(8, seed=42), BUNDLED_PROMPTS)
     with pytest.raises(ConfigError) as err:

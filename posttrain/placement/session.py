@@ -165,8 +165,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
     def role(self, name: str) -> Role:
         if self.closed:
-            raise ConfigError("this session is closed (Session.close(), or the trainer's end()): its engines "
-                              "have no process group or plugin left; build a new Session (or trainer) to go on")
+            raise ConfigError("this session is closed (Session.close(), or the trainer's end()): its plugins and "
+                              "accelerate's state are gone; build a new Session (or trainer) to go on")
         if name not in self.roles:
             raise ConfigError(f"unknown role {name!r}: this session's roles are {list(self.roles)}; declare "
                               "it with Role(name, config) or roles_for(...) so that it gets a DeepSpeed "
@@ -199,9 +199,9 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
     # -- end ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """End the session: finish its trackers, take down the process group and leave the process as it
-        was (transformers out of ZeRO-3 mode, accelerate's state and the environment reset). Collective
-        (as ``Trainer.end``); call it after saving; a second call does nothing."""
+        """End the session: finish its trackers and leave the process as it was (transformers out of ZeRO-3
+        mode, accelerate's state and the environment reset, the world of one it made taken down; a launcher's
+        group stays up for later sessions). Collective (as ``Trainer.end``); after saving; twice is once."""
         if self.closed:
             return
         self.closed = True

@@ -93,6 +93,7 @@ class PlainEngine(nn.Module):
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.clipping = float(gradient_clipping or 0.0)
         self.micro_steps = 0
+        self._boundary: bool | None = None
         self._grad_norm: torch.Tensor | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -105,7 +106,13 @@ class PlainEngine(nn.Module):
         loss.backward()
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Whether the next step ends the accumulation, as DeepSpeed's engine takes it."""
+        self._boundary = is_boundary
 
     def step(self) -> None:
         boundary = self.is_gradient_accumulation_boundary()

@@ -68,8 +68,15 @@ def add_adapters(model: nn.Module, peft_config: Any, session: Any, role: str) ->
     """``model`` wrapped by peft with ``peft_config``'s adapters (only they train)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config,
-                          autocast_adapter_dtype=not zero3_adapters(session, role, peft_config))
+    try:
+        return get_peft_model(model, peft_config,
+                              autocast_adapter_dtype=not zero3_adapters(session, role, peft_config))
+    except ValueError as err:  # peft's NoMatchingPeftModuleError is a ValueError
+        if "not found in the base model" not in str(err):
+            raise
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(f"lora_target_modules {sorted(peft_config.target_modules or [])} match no module of the "
+                          f"{role}: name some of its linear layers ({', '.join(linear[:8])}) or all-linear") from None
 
 
 def has_adapters(model: nn.Module) -> bool:

@@ -3,6 +3,7 @@ checkpointing, dropout off, optimizer and LR schedule, then the role's engine.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,13 @@ def optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, total_steps: int,
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr or cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-    sched = get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
+    sched = get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=warmup_steps(cfg, total_steps),
                           num_training_steps=max(1, total_steps))
     return opt, sched
+
+
+def warmup_steps(cfg: Any, total_steps: int | None) -> int:
+    """TrainingArguments' rule: warmup_steps below 1 is a fraction of the run's steps."""
+    if 0 < cfg.warmup_steps < 1 and total_steps:
+        return math.ceil(cfg.warmup_steps * total_steps)
+    return int(cfg.warmup_steps)

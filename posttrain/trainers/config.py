@@ -14,6 +14,7 @@ from posttrain import checks
 from posttrain.data.order import Schedule, TrainLoader
 from posttrain.errors import ConfigError
 from posttrain.models.lora import LoraFields, check_lora_fields
+from posttrain.models.setup import warmup_steps
 from posttrain.placement.plain import check_setting as check_engine_setting
 from posttrain.placement.ranks import world_size
 from posttrain.placement.roles import DEFAULT_MIX, check_placement, roles_for
@@ -186,13 +187,6 @@ def steps_for_rows(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> int:
 def saves(cfg: TrainConfig) -> bool:
     """Whether the run writes checkpoints (TrainingArguments' save_strategy and save_steps)."""
     return getattr(cfg, "save_strategy", "steps") == "steps" and bool(cfg.save_steps)
-
-
-def warmup_steps(cfg: TrainConfig, total_steps: int | None) -> int:
-    """TrainingArguments' rule: warmup_steps below 1 is a fraction of the run's steps."""
-    if 0 < cfg.warmup_steps < 1 and total_steps:
-        return math.ceil(cfg.warmup_steps * total_steps)
-    return int(cfg.warmup_steps)
 
 
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None,

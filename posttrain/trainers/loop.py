@@ -185,8 +185,8 @@ class Trainer:
         return TrainOutput(self.step, train_loss, metrics)
 
     def end(self) -> None:
-        """Finish the trackers, leave the process as it was (no ZeRO-3 mode, no process group): call it
-        once, after everything that needs the other processes (saving, pushing)."""
+        """Finish the trackers and leave the process as it was (no ZeRO-3 mode, no group posttrain made):
+        call it once on every process, after everything that needs the others (saving, pushing)."""
         self.session.close()
 
     @property

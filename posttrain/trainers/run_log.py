@@ -130,9 +130,7 @@ class RunLog:
     def close(self) -> None:
         self.closed = True
         self.bar.close()
-        # Not accelerator.end_training(): it destroys the process group, which saving still needs.
-        for tracker in self.session.accelerator.trackers:
-            tracker.finish()
+        # Trackers are finished by Session.close() (the trainer's end()), after saving and pushing.
         if self.main:  # as TRL's trainers do: a model card (and the learning curves) in the output dir
             write_model_card(self.out, self.cfg, self.name, self.session)
 

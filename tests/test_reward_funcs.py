@@ -280,7 +280,7 @@ def test_a_language_model_is_refused_as_a_reward_model(tmp_path):
     with pytest.raises(ConfigError, match=rf"^reward model {path} {re.escape(said)}"):
         rewards.resolve_reward_specs([path])
     cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4)
-    lm = AutoModelForCausalLM.from_pretrained(path)
+    lm = AutoModelForCausalLM.from_pretrained(path, num_labels=1)  # one label, still no score head
     for reward, what in ((path, f"reward model {path}"), (lm, "the reward model object")):
         with pytest.raises(ConfigError, match=rf"^{re.escape(what)} {re.escape(said)}"):
             GRPOTrainer(path, reward_funcs=reward, args=cfg, train_dataset=bundled_prompts(16))

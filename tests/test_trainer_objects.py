@@ -18,11 +18,18 @@ from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 PROMPTS = bundled_prompts(16)  # what `posttrain grpo --num_prompts 16` trains on
 
 
+SENTIMENT = "posttrain.demo.synthetic.sentiment_reward"  # the bundled reward, as TRL's scripts name a function
+
+
 def config(out, **kw):
-    settings = dict(beta=0.04, reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], learning_rate=5e-2,
-                    per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
-                    disable_tqdm=True)
+    settings = dict(beta=0.04, learning_rate=5e-2, per_device_train_batch_size=8, num_generations=4,
+                    max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True)
     return GRPOConfig(output_dir=str(out), **{**settings, **kw})
+
+
+def grpo_rows(trainer) -> list[dict]:
+    trainer.train()
+    return trainer.state.log_history
 
 
 def losses(run, key="loss"):
@@ -33,17 +40,16 @@ def test_a_model_object_trains_as_its_path(tmp_path):
     """GRPO given the policy, and a reward model among reward_funcs (with its tokenizer in
     reward_processing_classes, TRL's way), as objects: the run by paths."""
     path, reward = tiny.sft_model_path(), tiny.reward_model_path()
-    by_path = GRPOTrainer(config(tmp_path / "path", model_name_or_path=str(path),
-                                 reward_funcs=[str(reward), "posttrain.demo.synthetic:sentiment_reward"]),
-                          train_dataset=PROMPTS).train()
+    by_path = grpo_rows(GRPOTrainer(str(path), reward_funcs=[str(reward), SENTIMENT], args=config(tmp_path / "path"),
+                                    train_dataset=PROMPTS))
     model = AutoModelForCausalLM.from_pretrained(path)
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward)
     # The same bundled prompts as a datasets.Dataset (TRL's train_dataset).
     prompts = Dataset.from_list(PROMPTS)
-    trainer = GRPOTrainer(config(tmp_path / "object"), model=model, processing_class=tiny.load_tokenizer(path),
-                          train_dataset=prompts, reward_funcs=[reward_model],
-                          reward_processing_classes=[tiny.load_tokenizer(reward)])
-    by_object = trainer.train()
+    trainer = GRPOTrainer(model, args=config(tmp_path / "object"), processing_class=tiny.load_tokenizer(path),
+                          train_dataset=prompts, reward_funcs=[reward_model, SENTIMENT],
+                          reward_processing_classes=[tiny.load_tokenizer(reward), None])
+    by_object = grpo_rows(trainer)
     name = f"rewards/{reward.name}/mean"
     for a, b in zip(by_path, by_object):
         for k in ("reward", "kl", "loss", "grad_norm", name):
@@ -55,12 +61,10 @@ def test_a_model_object_trains_as_its_path(tmp_path):
 def test_the_policy_given_twice_or_without_its_tokenizer_is_refused(tmp_path):
     path = tiny.sft_model_path()
     model = AutoModelForCausalLM.from_pretrained(path)
-    with pytest.raises(ConfigError, match=r"^the policy is given twice \(model= and model_name_or_path\)"):
-        GRPOTrainer(config(tmp_path / "a", model_name_or_path=str(path)), model=model)
     model.name_or_path = "not/a-local-folder"
     with pytest.raises(ConfigError, match=r"^a model object needs its tokenizer: pass processing_class=$"):
-        GRPOTrainer(config(tmp_path / "b"), model=model)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+        GRPOTrainer(model, SENTIMENT, args=config(tmp_path / "b"), train_dataset=PROMPTS)
+    assert not (tmp_path / "b").exists()
     assert torch.is_grad_enabled()
 
 
@@ -69,9 +73,10 @@ def test_a_run_after_one_that_destroyed_the_process_group(tmp_path):
     DeepSpeed keeps the destroyed group, and the next engine in the process failed with "Group ...
     is not registered". The session lets the next run build its own."""
     path = str(tiny.sft_model_path())
-    first = GRPOTrainer(config(tmp_path / "first", max_steps=1, model_name_or_path=path), train_dataset=PROMPTS).train()
+    first = grpo_rows(GRPOTrainer(path, SENTIMENT, args=config(tmp_path / "first", max_steps=1), train_dataset=PROMPTS))
     torch.distributed.destroy_process_group()
-    second = GRPOTrainer(config(tmp_path / "second", max_steps=1, model_name_or_path=path), train_dataset=PROMPTS).train()
+    second = grpo_rows(GRPOTrainer(path, SENTIMENT, args=config(tmp_path / "second", max_steps=1),
+                                   train_dataset=PROMPTS))
     assert second[0]["loss"] == pytest.approx(first[0]["loss"], abs=1e-6)
 
 
@@ -83,11 +88,14 @@ def test_dpo_takes_a_model_object(tmp_path):
     path, pairs = tiny.sft_model_path(), synthetic.preference_pairs(16, seed=3)
     settings = dict(per_device_train_batch_size=4, max_steps=3, logging_steps=1, learning_rate=1e-3,
                     disable_tqdm=True, max_length=64)
-    by_path = DPOTrainer(DPOConfig(output_dir=str(tmp_path / "path"), model_name_or_path=str(path), **settings),
-                         train_dataset=pairs).train()
-    by_object = DPOTrainer(DPOConfig(output_dir=str(tmp_path / "object"), **settings), train_dataset=pairs,
-                           model=AutoModelForCausalLM.from_pretrained(path),
-                           processing_class=tiny.load_tokenizer(path)).train()
+    by_path = DPOTrainer(str(path), args=DPOConfig(output_dir=str(tmp_path / "path"), **settings), train_dataset=pairs)
+    by_path.train()
+    by_path = by_path.state.log_history
+    by_object = DPOTrainer(AutoModelForCausalLM.from_pretrained(path),
+                           args=DPOConfig(output_dir=str(tmp_path / "object"), **settings), train_dataset=pairs,
+                           processing_class=tiny.load_tokenizer(path))
+    by_object.train()
+    by_object = by_object.state.log_history
     assert losses(by_object) == pytest.approx(losses(by_path), abs=1e-6) and losses(by_path)[-1] < losses(by_path)[0]
 
 
@@ -99,7 +107,8 @@ def test_sft_and_reward_take_model_objects(tmp_path):
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
-    settings = dict(per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, disable_tqdm=True, max_length=64)
+    settings = dict(per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, disable_tqdm=True, max_length=64,
+                    logging_steps=1)
     text = Dataset.from_list([{"text": line} for line in tiny.corpus()[:12]])
     path = tiny.model_path("causal")
     zero3 = dict(role_configs={"policy": "zero3_train"})
@@ -118,11 +127,15 @@ def test_sft_and_reward_take_model_objects(tmp_path):
 
     pairs = Dataset.from_list(synthetic.preference_pairs(12, seed=3))
     path = tiny.reward_model_path()
-    by_path = RewardTrainer(RewardConfig(output_dir=str(tmp_path / "rm_path"), model_name_or_path=str(path),
-                                         **settings), train_dataset=pairs).train()
+    by_path = RewardTrainer(str(path), args=RewardConfig(output_dir=str(tmp_path / "rm_path"), **settings),
+                            train_dataset=pairs)
+    by_path.train()
+    by_path = by_path.state.log_history
     model = AutoModelForSequenceClassification.from_pretrained(path)
-    by_object = RewardTrainer(RewardConfig(output_dir=str(tmp_path / "rm_object"), **settings), train_dataset=pairs,
-                              model=model, processing_class=tiny.load_tokenizer(path)).train()
+    by_object = RewardTrainer(model, args=RewardConfig(output_dir=str(tmp_path / "rm_object"), **settings),
+                              train_dataset=pairs, processing_class=tiny.load_tokenizer(path))
+    by_object.train()
+    by_object = by_object.state.log_history
     assert losses(by_object) == pytest.approx(losses(by_path), abs=1e-6) and len(losses(by_path)) == 3
 
 
@@ -223,7 +236,7 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
                                           r"object\)"):
         SFTTrainer(None, args=SFTConfig(output_dir=str(tmp_path / "a")), train_dataset=rows, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^the reward model object has num_labels=2; a reward model needs 1"):
-        RewardTrainer(RewardConfig(output_dir=str(tmp_path / "a")), rows, model=model, processing_class=tok)
+        RewardTrainer(model, args=RewardConfig(output_dir=str(tmp_path / "a")), train_dataset=rows, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^model= and ref_model= are the same object: each role needs a model"):
         PPOTrainer(ppo_config(tmp_path / "a"), model=model, ref_model=model, processing_class=tok)
     with pytest.raises(ConfigError, match=r"^the reward model object has num_labels=2; it must give one score"):
@@ -243,11 +256,11 @@ def test_contradictions_are_refused_in_one_sentence(tmp_path):
         DistillationTrainer(str(path), teacher_model=model, train_dataset=[{"prompt": "a", "completion": "b"}],
                             args=DistillationConfig(output_dir=str(tmp_path / "a"), teacher_model_name_or_path=str(path)))
     with pytest.raises(ConfigError, match=r"^reward_processing_classes has 2 entries for 1 reward_funcs: give one per"):
-        GRPOTrainer(config(tmp_path / "a", model_name_or_path=str(path)),
+        GRPOTrainer(str(path), args=config(tmp_path / "a"), train_dataset=PROMPTS,
                     reward_funcs=[AutoModelForSequenceClassification.from_pretrained(tiny.reward_model_path())],
                     reward_processing_classes=[tok, tok])
     # The prompts are required, as in TRL's trainers (the scripts load --dataset_name or the bundled ones).
-    for trainer in (lambda: GRPOTrainer(config(tmp_path / "a", model_name_or_path=str(path))),
+    for trainer in (lambda: GRPOTrainer(str(path), SENTIMENT, args=config(tmp_path / "a")),
                     lambda: PPOTrainer(ppo_config(tmp_path / "a"), model=str(path),
                                        reward_model=str(tiny.reward_model_path()))):
         with pytest.raises(ConfigError, match=r"^(GRPO|PPO) needs prompts: pass train_dataset= \(a datasets.Dataset "

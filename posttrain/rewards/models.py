@@ -202,11 +202,11 @@ def scorer_input(source: Any, policy_tokenizer: Any, policy_vocab: int, what: st
     """As :func:`reward_model_input`, for a path or a model (read with ``tokenizer``, else its folder)."""
     if not isinstance(source, torch.nn.Module):
         return reward_model_input(source, policy_tokenizer, policy_vocab, reencode)
-    check_not_language_model(f"the {what} object", [type(source).__name__])
     labels = getattr(source.config, "num_labels", None)
     if labels != 1:
         raise ConfigError(f"the {what} object has num_labels={labels}; it must give one score: build it with "
                           "AutoModelForSequenceClassification(..., num_labels=1)")
+    check_not_language_model(f"the {what} object", [type(source).__name__])  # one label, but no score head
     name = model_name(source)
     vocab = int(source.config.get_text_config().vocab_size)
     if tokenizer is not None:

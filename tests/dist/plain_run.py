@@ -30,13 +30,14 @@ def dpo(tmp: Path, name: str, engine: str, **kw) -> tuple[DPOTrainer, list[dict]
 
 
 def grpo(tmp: Path, engine: str) -> tuple[GRPOTrainer, list[dict]]:
-    cfg = GRPOConfig(output_dir=str(tmp / f"grpo-{engine}"), model_name_or_path=str(tiny.sft_model_path()),
-                     overwrite_output_dir=True, learning_rate=3e-3,
+    cfg = GRPOConfig(output_dir=str(tmp / f"grpo-{engine}"), overwrite_output_dir=True, learning_rate=3e-3,
                      per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
-                     gradient_accumulation_steps=2, max_steps=2, beta=0.04, max_grad_norm=0.05, disable_tqdm=True,
-                     seed=7, reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], single_process_engine=engine)
-    trainer = GRPOTrainer(cfg, train_dataset=bundled_prompts(2048, cfg.seed))  # `posttrain grpo`'s prompts
-    return trainer, trainer.train()
+                     gradient_accumulation_steps=2, max_steps=2, beta=0.04, max_grad_norm=0.05, logging_steps=1,
+                     save_strategy="no", disable_tqdm=True, seed=7, single_process_engine=engine)
+    trainer = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs="posttrain.demo.synthetic.sentiment_reward",
+                          args=cfg, train_dataset=bundled_prompts(2048, cfg.seed))  # `posttrain grpo`'s prompts
+    trainer.train()
+    return trainer, trainer.state.log_history
 
 
 def compare(runs: dict, role: str) -> dict:

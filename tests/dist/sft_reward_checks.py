@@ -39,11 +39,12 @@ def sft(tmp: Path, name: str, **fields) -> tuple[SFTTrainer, dict]:
     return trainer, record(trainer, trainer.state.log_history)
 
 
-def reward(tmp: Path, name: str, **fields) -> tuple[RewardTrainer, dict]:
-    cfg = RewardConfig(output_dir=str(tmp / name), model_name_or_path=str(tiny.model_path("reward", seed=0)),
-                       max_length=64, center_rewards_coefficient=0.01, **{**COMMON, **fields})
-    trainer = RewardTrainer(cfg, train_dataset=PAIRS, eval_dataset=PAIRS_EVAL)
-    return trainer, record(trainer, trainer.train())
+def reward(tmp: Path, name: str, peft_config=None, **fields) -> tuple[RewardTrainer, dict]:
+    cfg = RewardConfig(output_dir=str(tmp / name), max_length=64, center_rewards_coefficient=0.01, **{**COMMON, **fields})
+    trainer = RewardTrainer(str(tiny.model_path("reward", seed=0)), args=cfg, train_dataset=PAIRS,
+                            eval_dataset=PAIRS_EVAL, peft_config=peft_config)
+    trainer.train()
+    return trainer, record(trainer, trainer.state.log_history)
 
 
 def first_step_batches(trainer, world: int) -> list[list[dict]]:
@@ -78,7 +79,7 @@ def direct_reward_step(trainer, world: int) -> dict:
     so the gradient is that of the mean of the micro-batch losses, which is also the logged loss."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(trainer.cfg.model_name_or_path, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny.model_path("reward", seed=0), dtype=torch.float32)
     model.config.pad_token_id = trainer.tokenizer.pad_token_id
     losses = []
     for per_rank in first_step_batches(trainer, world):
@@ -118,8 +119,10 @@ def main(out: str, tmp: str) -> None:
     _, res["reward"]["offload"] = reward(tmp, "rw-offload", role_configs={"reward": OFFLOAD}, eval_steps=2)
     _, res["reward"]["resumed"] = reward(tmp, "rw-resumed", resume_from_checkpoint=str(tmp / "rw-zero2" / "checkpoint-2"),
                                          eval_steps=2)
-    trainer, res["reward"]["lora"] = reward(tmp, "rw-lora", use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                                            learning_rate=1e-2)
+    from peft import LoraConfig
+
+    trainer, res["reward"]["lora"] = reward(tmp, "rw-lora", learning_rate=1e-2,
+                                            peft_config=LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0))
     trainer.save_model(tmp / "rw-lora" / "final")
     if main_process:
         from transformers import AutoModelForSequenceClassification
@@ -134,11 +137,12 @@ def main(out: str, tmp: str) -> None:
     from posttrain.scripts.data import bundled_prompts
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
-    grpo = GRPOTrainer(GRPOConfig(output_dir=str(tmp / "grpo"), model_name_or_path=str(tmp / "sft-zero2" / "final"),
-                                  reward_funcs=[str(final)], per_device_train_batch_size=4, num_generations=4,
-                                  max_completion_length=4, max_prompt_length=8, max_steps=1, disable_tqdm=True,
-                                  gradient_checkpointing=False), train_dataset=bundled_prompts(2048))
-    rows = grpo.train()
+    grpo = GRPOTrainer(str(tmp / "sft-zero2" / "final"), reward_funcs=[str(final)], train_dataset=bundled_prompts(2048),
+                       args=GRPOConfig(output_dir=str(tmp / "grpo"), per_device_train_batch_size=4, num_generations=4,
+                                       max_completion_length=4, max_prompt_length=8, max_steps=1, logging_steps=1,
+                                       save_strategy="no", disable_tqdm=True, gradient_checkpointing=False))
+    grpo.train()
+    rows = grpo.state.log_history
     res["grpo"] = {"roles": sorted(grpo.session.roles), "rewards": [r.get("reward") for r in rows],
                    "reward_std": [r.get("reward_std") for r in rows]}
     if main_process:

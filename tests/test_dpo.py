@@ -230,7 +230,6 @@ def test_empty_message_and_missing_column():
     ({"loss_type": ["exo_pair"]}, "needs label_smoothing > 0"),
     ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "loss_weights has 1 values for 2"),
     ({"loss_type": ["nca_pair"], "f_divergence_type": "js_divergence"}, "supports only"),
-    ({"sync_ref_model": True, "use_peft": True}, "sync_ref_model needs a reference model of its own"),
     ({"sync_ref_model": True, "precompute_ref_log_probs": True}, "precomputed reference log-probs would go stale"),
     ({"sync_ref_model": True, "ref_model_sync_steps": 0}, "ref_model_sync_steps >= 1"),
 ])
@@ -239,6 +238,16 @@ def test_config_errors(fields, message):
 
     with pytest.raises(ValueError, match=message):
         DPOConfig(**fields)
+
+
+def test_sync_ref_model_with_adapters_is_refused_before_loading(tmp_path):
+    from peft import LoraConfig
+
+    from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+
+    with pytest.raises(ValueError, match="sync_ref_model needs a reference model of its own"):
+        DPOTrainer("not/loaded", args=DPOConfig(output_dir=str(tmp_path), sync_ref_model=True),
+                   train_dataset=parity_rows(), peft_config=LoraConfig(task_type="CAUSAL_LM"))
 
 
 # -- the example -----------------------------------------------------------------------------------

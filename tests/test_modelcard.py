@@ -53,8 +53,9 @@ def test_methods_are_trls():
 
 def test_card_and_curves_from_metrics(tmp_path):
     rows = _metrics(tmp_path / "metrics.jsonl")
-    cfg = DPOConfig(output_dir=str(tmp_path), model_name_or_path="Qwen/Qwen2.5-0.5B", learning_rate=3e-7, beta=0.2)
-    path = modelcard.write_model_card(tmp_path, cfg, "dpo", dataset_name="trl-lib/ultrafeedback_binarized")
+    cfg = DPOConfig(output_dir=str(tmp_path), learning_rate=3e-7, beta=0.2)
+    path = modelcard.write_model_card(tmp_path, cfg, "dpo", base_model="Qwen/Qwen2.5-0.5B",
+                                      dataset_name="trl-lib/ultrafeedback_binarized")
 
     card = ModelCard.load(path)
     assert card.data.base_model == "Qwen/Qwen2.5-0.5B"

@@ -111,10 +111,9 @@ def test_setting_refusals(kwargs, match):
 
 
 def test_trainer_refuses_before_loading(tmp_path):
-    cfg = DPOConfig(output_dir=str(tmp_path / "out"), model_name_or_path=str(tiny.sft_model_path()), single_process_engine="torch",
-                    role_configs={"policy": "zero2_train"})
+    cfg = DPOConfig(output_dir=str(tmp_path / "out"), single_process_engine="torch", role_configs={"policy": "zero2_train"})
     with pytest.raises(ConfigError, match="has a config of its own"):
-        DPOTrainer(cfg, train_dataset=[{"prompt": "a", "chosen": " b", "rejected": " c"}] * 8)
+        DPOTrainer(str(tiny.sft_model_path()), args=cfg, train_dataset=[{"prompt": "a", "chosen": " b", "rejected": " c"}] * 8)
     assert not (tmp_path / "out").exists()  # refused before the output dir was made
 
 

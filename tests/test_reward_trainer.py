@@ -109,3 +109,24 @@ def test_bad_data_names_the_fix():
     with pytest.raises(ConfigError, match="every pair has a side longer than max_length=2"):
         prepare_reward_dataset(standard(), tok, max_length=2)
 
+
+
+def test_adapters_train_the_score_head(tmp_path):
+    """peft_config with TRL ModelConfig's default task type (CAUSAL_LM) is trained as SEQ_CLS, so the new score
+    head trains beside the adapters: TRL 1.16 takes the task type as given and leaves that head at its random
+    initialisation (its docs ask for --lora_task_type SEQ_CLS). Other task types are kept."""
+    from peft import LoraConfig
+
+    from posttrain import RewardConfig, RewardTrainer
+    from posttrain.trainers.reward import sequence_classification_adapters
+
+    given = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8)
+    changed, retyped = sequence_classification_adapters(given)
+    assert retyped and changed.task_type == "SEQ_CLS" and given.task_type == "CAUSAL_LM"  # the caller's is kept
+    assert sequence_classification_adapters(LoraConfig(task_type="SEQ_CLS"))[1] is False
+    assert sequence_classification_adapters(None) == (None, False)
+    trainer = RewardTrainer(str(tiny.sft_model_path()), args=RewardConfig(output_dir=str(tmp_path), max_steps=1),
+                            train_dataset=standard(), peft_config=given)
+    trained = [n for n, p in trainer.session.unwrap("reward").named_parameters() if p.requires_grad]
+    assert any("score" in n for n in trained) and any("lora_A" in n for n in trained)
+    trainer.end()

@@ -315,10 +315,9 @@ def rows_needed(spec: dict[str, Any]) -> int:
 def posttrain_dpo(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
-    cfg = DPOConfig(model_name_or_path=str(role_path(spec, "policy")),
-                    ref_model_name_or_path=other_path(spec, "reference", "policy"), max_length=spec["seq_len"],
-                    **common)
-    return DPOTrainer, dict(args=cfg, train_dataset=preference_rows(rows_needed(spec), spec["seq_len"]))
+    cfg = DPOConfig(max_length=spec["seq_len"], **common)
+    return DPOTrainer, dict(model=str(role_path(spec, "policy")), ref_model=other_path(spec, "reference", "policy"),
+                            args=cfg, train_dataset=preference_rows(rows_needed(spec), spec["seq_len"]))
 
 
 def trl_dpo(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
@@ -416,9 +415,9 @@ def reward_rows(spec: dict[str, Any]) -> list[dict[str, str]]:
 def posttrain_reward(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
 
-    cfg = RewardConfig(model_name_or_path=str(role_path(spec, "reward", "sequence")), max_length=spec["seq_len"],
-                       **common)
-    return RewardTrainer, dict(args=cfg, train_dataset=reward_rows(spec))
+    cfg = RewardConfig(max_length=spec["seq_len"], **common)
+    return RewardTrainer, dict(model=str(role_path(spec, "reward", "sequence")), args=cfg,
+                               train_dataset=reward_rows(spec))
 
 
 def trl_reward(spec: dict[str, Any], out: Path, common: dict[str, Any]) -> tuple[type, dict]:

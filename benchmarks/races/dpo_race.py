@@ -76,15 +76,16 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
     cfg = DPOConfig(output_dir=str(out / f"posttrain-{engine}-{master_weights}"), overwrite_output_dir=True,
-                    model_name_or_path=str(path), per_device_train_batch_size=spec["pairs"],
-                    max_length=spec["seq_len"], learning_rate=1e-6, max_steps=spec["warmup"] + spec["steps"],
-                    bf16=True, master_weights=master_weights, gradient_checkpointing=True, logging_steps=1,
-                    disable_tqdm=True, seed=0, single_process_engine=ENGINES[engine])
-    trainer = DPOTrainer(cfg, train_dataset=rows)
+                    per_device_train_batch_size=spec["pairs"], max_length=spec["seq_len"], learning_rate=1e-6,
+                    max_steps=spec["warmup"] + spec["steps"], bf16=True, master_weights=master_weights,
+                    gradient_checkpointing=True, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+                    single_process_engine=ENGINES[engine])
+    trainer = DPOTrainer(str(path), args=cfg, train_dataset=rows)
     s = trainer.session
     stamps.wrap_session(s)
     stamps.mark()
-    history = [h for h in trainer.train() if "loss" in h][spec["warmup"]:]
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h][spec["warmup"]:]
     return {"placements": {n: s.zero_stage(n) for n in s.roles}, "master_weights": s.master_weights("policy"),
             "engine": s.engine_kind("policy"),
             "one_rank_changes": s.one_rank_changes, "losses": [h["loss"] for h in history],

@@ -73,13 +73,14 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
                 "tokens_per_step": race.per_step_tokens([float(r["num_tokens"]) for r in logs])}
     from posttrain.trainers.reward import RewardConfig, RewardTrainer
 
-    cfg = RewardConfig(output_dir=str(out / side), overwrite_output_dir=True, model_name_or_path=str(path),
+    cfg = RewardConfig(output_dir=str(out / side), overwrite_output_dir=True, save_strategy="no",
                        master_weights=spec["states"], **common)
-    trainer = RewardTrainer(cfg, train_dataset=rows)
+    trainer = RewardTrainer(str(path), args=cfg, train_dataset=rows)
     s = trainer.session
     stamps.wrap_session(s)
     stamps.mark()
-    history = [h for h in trainer.train() if "loss" in h]
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
     return {"states": spec["states"], "pairs_kept": len(trainer.train_rows), "engine": s.engine_kind("reward"),
             "master_weights": s.master_weights("reward"), "losses": [h["loss"] for h in history][spec["warmup"]:],
             "tokens_per_step": race.per_step_tokens([float(h["num_tokens"]) for h in history]),

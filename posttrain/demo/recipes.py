@@ -27,7 +27,7 @@ from posttrain.demo.tiny import (
 
 RECIPE = dict(learning_rate=3e-3, weight_decay=0.01, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0,
               per_device_train_batch_size=32, gradient_checkpointing=False, mixed_precision="no",
-              single_process_engine="torch", logging_steps=1, disable_tqdm=True, report_to=[])
+              single_process_engine="torch", logging_steps=1, disable_tqdm=True, report_to=[], save_strategy="no")
 
 
 def sft_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = SFT_STEPS, **overrides):
@@ -49,10 +49,10 @@ def reward_recipe(tok_dir: Path, workdir: Path, seed: int = 0, steps: int = REWA
 
     init = workdir / "init"
     _save(_init_model("reward", seed, tok_dir), init, tok_dir)
-    cfg = RewardConfig(output_dir=str(workdir / "run"), model_name_or_path=str(init), seed=seed, max_steps=steps,
+    cfg = RewardConfig(output_dir=str(workdir / "run"), seed=seed, max_steps=steps,
                        max_length=TINY_SHAPE["max_position_embeddings"], **RECIPE)
     pairs = synthetic.preference_pairs(RECIPE["per_device_train_batch_size"] * steps, seed=10_000 + seed)
-    return RewardTrainer(cfg, train_dataset=pairs, processing_class=load_tokenizer(tok_dir))
+    return RewardTrainer(str(init), args=cfg, train_dataset=pairs, processing_class=load_tokenizer(tok_dir))
 
 
 RECIPES = {"sft": sft_recipe, "reward": reward_recipe}
@@ -107,7 +107,8 @@ def _fit_and_save(recipe: Callable[[Path], Any], path: Path, tok_dir: Path) -> N
     with tempfile.TemporaryDirectory(prefix=f"posttrain-{path.name}-") as work:
         trainer = recipe(Path(work))
         with _all_threads():
-            history = trainer.train()
+            trainer.train()
+        history = trainer.state.log_history
         model = trainer.session.unwrap(trainer.roles["trained"][0])
         losses = [row["loss"] for row in history if "loss" in row]
         _save(model, path, tok_dir, losses={"losses": losses, "final_first_batch": final_loss(model, trainer)})

@@ -4,23 +4,24 @@ metrics are ``trl.DPOTrainer``'s (TRL 1.16), formula by formula."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import trl
 
 from posttrain.data import preference
 from posttrain.data.order import seed_everything
 from posttrain.errors import ConfigError
-from posttrain.models.lora import LoraFields, adapters_disabled, lora_config
+from posttrain.models.lora import adapters_disabled
 from posttrain.models.setup import prepare_trained
-from posttrain.models.sources import ModelFields, model_and_tokenizer, reference_source
+from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer, reference_source
 from posttrain.placement.ranks import sum_over_ranks
 from posttrain.placement.roles import TRAINER_ROLES
-from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
-from posttrain.trainers.loop import Trainer, collated_batches
+from posttrain.trainers.config import TrainConfig, make_session, row_schedule
+from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
 from posttrain.trainers.run_log import Phases
 
 # Every loss_type trl.DPOTrainer 1.16 accepts; none needs a model besides policy and reference.
@@ -31,38 +32,38 @@ F_DIVERGENCE_LOSS_TYPES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair"
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 
 
-@dataclass
-class DPOConfig(TrainConfig, LoraFields, ModelFields):
-    """DPO settings; names and defaults follow ``trl.DPOConfig`` where the concept is the same."""
+def pad_multiple(value: Any) -> int | None:
+    """TRL's ``pad_to_multiple_of``: "auto" (128 on Neuron devices only) -> None; the command line's string -> int."""
+    if isinstance(value, str):
+        if value == "auto" or value.lower() in ("none", "null"):
+            return None
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"pad_to_multiple_of must be a whole number or none, got {value!r}") from None
+    if value is not None and value < 1:
+        raise ConfigError(f"pad_to_multiple_of must be >= 1 or none, got {value}")
+    return value
 
-    output_dir: str = "runs/dpo"
-    learning_rate: float = 1e-6
-    logging_steps: int = 10
-    ref_model_name_or_path: str | None = None  # default: the policy's weights
-    disable_dropout: bool = True
-    dataset_num_proc: int | None = None
-    max_length: int | None = 1024
-    truncation_mode: str = "keep_start"
-    precompute_ref_log_probs: bool = False
-    precompute_ref_batch_size: int | None = None
-    # TR-DPO: every ref_model_sync_steps steps, reference = alpha * policy + (1 - alpha) * reference.
-    sync_ref_model: bool = False
-    ref_model_mixup_alpha: float = 0.6
-    ref_model_sync_steps: int = 512
-    loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
-    loss_weights: list[float] | None = None
-    ld_alpha: float | None = None
-    f_divergence_type: str = "reverse_kl"
-    f_alpha_divergence_coef: float = 0.5
-    label_smoothing: float = 0.0
-    beta: float = 0.1
-    use_weighting: bool = False
-    discopop_tau: float = 0.05
+
+@dataclass
+class DPOConfig(TrainConfig, trl.DPOConfig):
+    """``trl.DPOConfig`` (its fields, names and defaults) plus posttrain's placement fields."""
+
+    _algorithm = "DPO"
+    _trl_works = ("model_init_kwargs", "trust_remote_code", "disable_dropout", "dataset_num_proc", "max_length",
+                  "truncation_mode", "pad_to_multiple_of", "pad_token", "precompute_ref_log_probs",
+                  "precompute_ref_batch_size", "loss_type", "loss_weights", "ld_alpha", "f_divergence_type",
+                  "f_alpha_divergence_coef", "label_smoothing", "beta", "use_weighting", "discopop_tau",
+                  "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
+    _trl_refused = {"padding_free": "TRL 1.16's DPOTrainer turns padding_free off itself and pads the batch; "
+                                    "posttrain pads it too"}
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
+        super().__post_init__()
         validate(self)
 
 
@@ -84,12 +85,7 @@ def validate(cfg: DPOConfig) -> None:
         raise ConfigError("use_weighting does not apply to 'aot'/'aot_unpaired': they sort the pairs")
     if cfg.truncation_mode not in ("keep_start", "keep_end"):
         raise ConfigError(f"truncation_mode must be 'keep_start' or 'keep_end', got {cfg.truncation_mode!r}")
-    if cfg.use_peft and cfg.ref_model_name_or_path:
-        raise ConfigError("use_peft takes its reference from the base model; drop ref_model_name_or_path")
     if cfg.sync_ref_model:
-        if cfg.use_peft:
-            raise ConfigError("sync_ref_model needs a reference model of its own, and use_peft has none (the "
-                              "reference is the base with adapters disabled): drop one of them")
         if cfg.precompute_ref_log_probs:
             raise ConfigError("sync_ref_model changes the reference during training, so precomputed reference "
                               "log-probs would go stale: drop precompute_ref_log_probs or sync_ref_model")
@@ -225,23 +221,43 @@ def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tupl
 
 
 class DPOTrainer(Trainer):
-    """DPO; the reference is a frozen ``reference`` role (freed after one pass with
-    ``precompute_ref_log_probs``), or with ``use_peft`` the policy's base with adapters disabled."""
+    """DPO; the reference is a frozen ``reference`` role (``ref_model=``, else the policy's weights; freed
+    after one pass with ``precompute_ref_log_probs``), or with ``peft_config`` and no ``ref_model`` the
+    policy's base with adapters disabled."""
 
     name = "dpo"
     shown = ("loss", "rewards/accuracies", "rewards/margins", "eval/loss", "eval/rewards/accuracies")
-    roles = TRAINER_ROLES["dpo"]  # with use_peft, no reference role
+    roles = TRAINER_ROLES["dpo"]  # with peft_config and no ref_model, no reference role
     evaluates = True
 
-    def __init__(self, args: DPOConfig, train_dataset: Any, eval_dataset: Any = None, peft_config: Any = None, *,
-                 model: Any = None, processing_class: Any = None) -> None:
-        self.cfg = cfg = args
+    def __init__(self, model: Any, ref_model: Any = None, args: DPOConfig | None = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 compute_metrics: Any = None, callbacks: list | None = None, optimizers: tuple = (None, None),
+                 quantization_config: Any = None, peft_config: Any = None) -> None:
+        refuse_arguments("DPOTrainer", data_collator=data_collator, compute_metrics=compute_metrics,
+                         optimizers=optimizers, quantization_config=quantization_config)
+        self.cfg = cfg = args if args is not None else default_args(DPOConfig, model, "DPO")
+        if train_dataset is None:
+            raise ConfigError("DPOTrainer needs train_dataset= (a datasets.Dataset or a list of rows)")
         validate(cfg)
+        if cfg.sync_ref_model and peft_config is not None:  # TRL's rule
+            raise ConfigError("sync_ref_model needs a reference model of its own to update, and with peft_config the "
+                              "reference is the policy's base (adapters disabled): drop sync_ref_model or peft_config")
+        distinct_objects(model=model, ref_model=ref_model)
         seed_everything(cfg.seed)
         policy, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class, what="policy")
-        self.collate = preference.collator(self.tokenizer, cfg.max_length, cfg.truncation_mode)
-        self.peft_config = peft_config if peft_config is not None else lora_config(cfg)
-        frozen = [] if self.peft_config is not None else list(self.roles["frozen"])
+        pad = cfg.pad_token or self.tokenizer.pad_token or self.tokenizer.eos_token  # TRL's pad token
+        if pad not in self.tokenizer.get_vocab():
+            raise ConfigError(f"pad_token {pad!r} is not in the tokenizer's vocabulary: give one of its tokens")
+        self.tokenizer.pad_token = pad
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        self.collate = DataCollatorForPreference(pad_token_id=self.tokenizer.pad_token_id, max_length=cfg.max_length,
+                                                 truncation_mode=cfg.truncation_mode,
+                                                 pad_to_multiple_of=cfg.pad_to_multiple_of)
+        self.peft_config = peft_config
+        # TRL's rule: with adapters and no ref_model, the reference is the base model (adapters disabled).
+        frozen = [] if peft_config is not None and ref_model is None else list(self.roles["frozen"])
 
         prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, truncation_mode=cfg.truncation_mode,
                     num_proc=cfg.dataset_num_proc)
@@ -249,14 +265,16 @@ class DPOTrainer(Trainer):
         self.eval_rows = (preference.prepare_preference_dataset(eval_dataset, name="eval_dataset", **prep)
                           if eval_dataset is not None else None)
 
-        self.total_steps = steps_for_rows(cfg, len(self.train_rows))
+        self.loader, self.schedule = row_schedule(cfg, len(self.train_rows))  # TRL's Trainer order and steps
+        self.total_steps = self.schedule.max_steps
         self.session = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
         self.phases = Phases()
         # TRL loads models in float32 unless told otherwise; mixed precision then casts inside DeepSpeed.
-        kwargs = {"dtype": "float32", **(cfg.model_init_kwargs or {})}
+        kwargs = init_kwargs(cfg, dtype="float32")
 
+        self.reference = None
         if frozen:
-            ref = self.session.load("reference", reference_source(cfg.ref_model_name_or_path, policy), **kwargs)
+            ref = self.session.load("reference", reference_source(ref_model, policy), **kwargs)
             self._no_dropout(ref)
             self.reference = self.session.prepare("reference", ref)
             if cfg.precompute_ref_log_probs:  # the reference's memory is given back before the policy loads
@@ -265,12 +283,15 @@ class DPOTrainer(Trainer):
                 self.reference = None
 
         model = self.session.load("policy", policy, **kwargs)
-        self.policy = prepare_trained(self.session, "policy", model, cfg, self.peft_config, total_steps=self.total_steps)
-        if self.peft_config is not None and cfg.precompute_ref_log_probs:
+        model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id  # as TRL: model and tokenizer agree
+        self.policy = self.model = prepare_trained(self.session, "policy", model, cfg, self.peft_config,
+                                                   total_steps=self.total_steps)
+        if not frozen and cfg.precompute_ref_log_probs:
             self._precompute_all()  # the base model, adapters disabled: saves a forward per step
         self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
-        self._batches = None
+        self._steps = None
         self.history: list[dict] = []
+        self._init_callbacks(callbacks)
 
     def _no_dropout(self, model: torch.nn.Module) -> None:
         if self.cfg.disable_dropout:
@@ -318,7 +339,7 @@ class DPOTrainer(Trainer):
 
     @torch.no_grad()
     def _reference_forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.peft_config is not None:
+        if self.reference is None:  # adapters and no reference model of its own
             with adapters_disabled(self.policy):
                 out = sequence_logps(self.policy, batch, self.cfg.ld_alpha)
         else:
@@ -338,31 +359,33 @@ class DPOTrainer(Trainer):
         return loss.mean(), pairs, token_metrics(policy, batch["completion_mask"])
 
     def training_step(self, step: int) -> dict[str, float]:
-        """One optimizer step: mean loss and pair metrics, token metrics over the step's tokens."""
+        """One optimizer step: mean loss and pair metrics, token metrics over the step's tokens. An epoch's
+        last step may have fewer micro-batches than gradient_accumulation_steps: as TRL, it averages those."""
         cfg, s = self.cfg, self.session
-        ga = cfg.gradient_accumulation_steps
-        if self._batches is None:
-            self._batches = collated_batches(self, (step - 1) * ga)
+        if self._steps is None:
+            self._steps = self.loader.steps(self.schedule, s.process_index, start_step=step - 1)
+        planned = next(self._steps)
+        window = len(planned.batches)
         sums: dict[str, float] = {}
         tokens: dict[str, list[float]] = {}
-        for _ in range(ga):
-            loss, pairs, tok = self.compute_loss(next(self._batches))
+        for k, micro in enumerate(planned.batches):
+            loss, pairs, tok = self.compute_loss(self.collate([self.train_rows[i] for i in micro.rows]))
             with self.phases("backward"):
-                s.backward("policy", loss)
+                # The engine divides by gradient_accumulation_steps; TRL by the step's micro-batches.
+                s.backward("policy", loss * (cfg.gradient_accumulation_steps / window), boundary=k == window - 1)
                 s.step("policy")
-            for k, v in pairs.items():
-                sums[k] = sums.get(k, 0.0) + (loss.item() if k == "loss" else v.mean().item()) / ga
-            for k, (a, b) in tok.items():
-                tokens.setdefault(k, [0.0, 0.0])
-                tokens[k][0] += a
-                tokens[k][1] += b
+            for key, v in pairs.items():
+                sums[key] = sums.get(key, 0.0) + (loss.item() if key == "loss" else v.mean().item()) / window
+            for key, (a, b) in tok.items():
+                tokens.setdefault(key, [0.0, 0.0])
+                tokens[key][0] += a
+                tokens[key][1] += b
         if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
             with self.phases("ref_sync"):
                 s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
         return {**sums, **{k: a / max(b, 1) for k, (a, b) in tokens.items()},
                 "grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
-                "epoch": step * ga * cfg.per_device_train_batch_size * s.num_processes / len(self.train_rows),
-                **self.phases.pop()}
+                "epoch": planned.epoch, **self.phases.pop()}
 
     def has_eval_data(self) -> bool:
         return self.eval_rows is not None

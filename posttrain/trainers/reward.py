@@ -2,44 +2,56 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import trl
 
 from posttrain.data import preference
 from posttrain.data.order import seed_everything
 from posttrain.errors import ConfigError
-from posttrain.models.lora import LoraFields, lora_config
 from posttrain.models.setup import prepare_trained
-from posttrain.models.sources import ModelFields, model_and_tokenizer
-from posttrain.models.tokenizer import TokenizerFields, set_tokens
+from posttrain.models.sources import init_kwargs, model_and_tokenizer
+from posttrain.models.tokenizer import check_tokenizer_fields, set_tokens
 from posttrain.placement.ranks import gather_ranks
 from posttrain.placement.roles import TRAINER_ROLES
-from posttrain.trainers.config import TrainConfig, make_session, steps_for_rows
-from posttrain.trainers.loop import RowsTrainer, eval_shards
+from posttrain.trainers.config import TrainConfig, make_session, row_schedule
+from posttrain.trainers.dpo import pad_multiple
+from posttrain.trainers.loop import RowsTrainer, default_args, eval_shards, refuse_arguments
 from posttrain.trainers.run_log import Phases
 
 ROLE = "reward"
 
 
 @dataclass
-class RewardConfig(TrainConfig, LoraFields, ModelFields, TokenizerFields):
-    """Reward-model settings; names and defaults follow ``trl.RewardConfig`` where the concept is the same."""
+class RewardConfig(TrainConfig, trl.RewardConfig):
+    """``trl.RewardConfig`` (its fields, names and defaults) plus posttrain's placement fields. As TRL,
+    ``max_length`` drops the pairs with a side longer than it."""
 
-    output_dir: str = "runs/reward"
-    learning_rate: float = 1e-4
-    disable_dropout: bool = True
-    dataset_num_proc: int | None = None
-    max_length: int | None = 1024  # pairs with a side longer than this are dropped (TRL's rule)
-    pad_to_multiple_of: int | None = None
-    center_rewards_coefficient: float | None = None
+    _algorithm = "reward modelling"
+    _trl_works = ("model_init_kwargs", "trust_remote_code", "chat_template_path", "disable_dropout",
+                  "dataset_num_proc", "eos_token", "pad_token", "max_length", "pad_to_multiple_of",
+                  "center_rewards_coefficient")
 
     def __post_init__(self) -> None:
+        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)
         super().__post_init__()
-        self.check_tokenizer_fields()
+        check_tokenizer_fields(self)
+
+
+def sequence_classification_adapters(peft_config: Any) -> tuple[Any, bool]:
+    """``peft_config`` for a reward model: a causal-LM (or untyped) task type becomes ``SEQ_CLS``, so that peft
+    trains the new score head beside the adapters (TRL 1.16 takes the task type as given: with ModelConfig's
+    default ``CAUSAL_LM`` its score head stays at its random initialisation). Returns (config, changed)."""
+    if peft_config is None or str(getattr(peft_config, "task_type", None) or "CAUSAL_LM") != "CAUSAL_LM":
+        return peft_config, False
+    changed = copy.copy(peft_config)
+    changed.task_type = "SEQ_CLS"
+    return changed, True
 
 
 def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int | None, name: str = "dataset",
@@ -102,9 +114,18 @@ class RewardTrainer(RowsTrainer):
     roles = TRAINER_ROLES["reward"]
     evaluates = True
 
-    def __init__(self, args: RewardConfig, train_dataset: Any, eval_dataset: Any = None, peft_config: Any = None,
-                 *, model: Any = None, processing_class: Any = None) -> None:
-        self.cfg = cfg = args
+    def __init__(self, model: Any, args: RewardConfig | None = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 compute_metrics: Any = None, callbacks: list | None = None, optimizers: tuple = (None, None),
+                 optimizer_cls_and_kwargs: Any = None, preprocess_logits_for_metrics: Any = None,
+                 quantization_config: Any = None, peft_config: Any = None) -> None:
+        refuse_arguments("RewardTrainer", data_collator=data_collator, compute_metrics=compute_metrics,
+                         optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                         quantization_config=quantization_config)
+        self.cfg = cfg = args if args is not None else default_args(RewardConfig, model, "Reward")
+        if train_dataset is None:
+            raise ConfigError("RewardTrainer needs train_dataset= (a datasets.Dataset or a list of rows)")
         seed_everything(cfg.seed)
         source, self.tokenizer, path = model_and_tokenizer(cfg, model, processing_class, what="reward model")
         if isinstance(source, torch.nn.Module) and getattr(source.config, "num_labels", None) != 1:
@@ -112,19 +133,23 @@ class RewardTrainer(RowsTrainer):
                               "needs 1: build it with AutoModelForSequenceClassification(..., num_labels=1), or pass "
                               "its path to get a one-logit head")
         set_tokens(self.tokenizer, cfg)
-        self.peft_config = peft_config if peft_config is not None else lora_config(cfg, "SEQ_CLS")
+        self.peft_config, retyped = sequence_classification_adapters(peft_config)
         self.collate = collator(self.tokenizer, cfg.pad_to_multiple_of)
         prep = dict(tokenizer=self.tokenizer, max_length=cfg.max_length, num_proc=cfg.dataset_num_proc)
         self.train_rows = prepare_reward_dataset(train_dataset, name="train_dataset", **prep)
         self.eval_rows = (prepare_reward_dataset(eval_dataset, name="eval_dataset", **prep)
                           if eval_dataset is not None else None)
 
-        self.total_steps = steps_for_rows(cfg, len(self.train_rows), "pairs")
+        self.loader, self.schedule = row_schedule(cfg, len(self.train_rows), "pairs")  # TRL's Trainer order
+        self.total_steps = self.schedule.max_steps
         self.session = make_session(cfg, [ROLE], [], total_steps=self.total_steps)
+        if retyped and self.session.is_main_process:
+            print("peft_config's task_type is CAUSAL_LM: trained as SEQ_CLS, so that the score head trains beside "
+                  "the adapters (set --lora_task_type SEQ_CLS to say so)", flush=True)
         self.phases = Phases()
         from transformers import AutoModelForSequenceClassification
 
-        kwargs = {"dtype": "float32", "num_labels": 1, **(cfg.model_init_kwargs or {})}
+        kwargs = init_kwargs(cfg, dtype="float32", num_labels=1)
         model = self.session.load(ROLE, source, model_cls=AutoModelForSequenceClassification, **kwargs)
         if model.config.num_labels != 1:
             raise ConfigError(f"{path} has num_labels={model.config.num_labels}; a reward model needs 1: drop "
@@ -132,9 +157,12 @@ class RewardTrainer(RowsTrainer):
         # The classifier scores the last non-pad token: it must know the pad id.
         model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         model.config.pad_token_id = self.tokenizer.pad_token_id
+        if cfg.eos_token is not None:  # as TRL: model and tokenizer agree on EOS
+            model.config.get_text_config().eos_token_id = self.tokenizer.eos_token_id
         self.model = prepare_trained(self.session, ROLE, model, cfg, self.peft_config, total_steps=self.total_steps)
         self.setup_times = self.phases.pop()
         self.num_tokens = 0
+        self._init_callbacks(callbacks)
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = self._to_device(batch)
@@ -147,21 +175,24 @@ class RewardTrainer(RowsTrainer):
         return gather_ranks(self.session, t)
 
     def optimizer_step(self, micro_batches: list[dict]) -> dict[str, float]:
-        """One optimizer step; loss, accuracy, margin, reward min/mean/max over ranks, as TRL logs them."""
+        """One optimizer step; loss, accuracy, margin, reward min/mean/max over ranks, as TRL logs them. An epoch's
+        last step may have fewer micro-batches than gradient_accumulation_steps: as TRL, it averages those."""
         s, ga = self.session, self.cfg.gradient_accumulation_steps
+        window = len(micro_batches)
         sums: dict[str, float] = {}
         tokens = 0
-        for batch in micro_batches:
+        for k, batch in enumerate(micro_batches):
             loss, values = self.compute_loss(batch)
             with self.phases("backward"):
-                s.backward(ROLE, loss)
+                # The engine divides by gradient_accumulation_steps; TRL by the step's micro-batches.
+                s.backward(ROLE, loss * (ga / window), boundary=k == window - 1)
                 s.step(ROLE)
             means = torch.stack([loss.detach(), values["accuracy"].mean(), values["margin"].mean()])
             means = self._gather(means.unsqueeze(0)).mean(0)
             rewards = self._gather(values["rewards"])
-            for k, v in zip(("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward"),
+            for key, v in zip(("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward"),
                             (*means.tolist(), rewards.min().item(), rewards.mean().item(), rewards.max().item())):
-                sums[k] = sums.get(k, 0.0) + v / ga
+                sums[key] = sums.get(key, 0.0) + v / window
             tokens += int(batch["attention_mask"].sum())
         n = torch.tensor([tokens], device=s.device)
         self.num_tokens += int(self._gather(n).sum())

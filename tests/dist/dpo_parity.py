@@ -25,10 +25,9 @@ def run_case(trainer: DPOTrainer, batch: dict) -> dict:
 
 def main(out: str, tmp: str) -> None:
     rows = parity_rows()
-    cfg = DPOConfig(output_dir=tmp, model_name_or_path=str(tiny.model_path(seed=0)),
-                    ref_model_name_or_path=str(tiny.model_path(seed=1)), per_device_train_batch_size=4,
-                    mix="zero2-zero3", disable_tqdm=True)
-    trainer = DPOTrainer(cfg, train_dataset=rows)
+    cfg = DPOConfig(output_dir=tmp, per_device_train_batch_size=4, mix="zero2-zero3", disable_tqdm=True)
+    trainer = DPOTrainer(str(tiny.model_path(seed=0)), ref_model=str(tiny.model_path(seed=1)), args=cfg,
+                         train_dataset=rows)
     res = {"world": trainer.session.num_processes, "ref_stage": trainer.session.zero_stage("reference"),
            "policy_stage": trainer.session.zero_stage("policy")}
     standard = trainer.collate(trainer.train_rows[:4])

@@ -51,11 +51,12 @@ def blend_checks() -> dict:
 
 
 def run(tmp: Path, name: str, **fields) -> dict:
-    base = dict(output_dir=str(tmp / name), model_name_or_path=str(tiny.sft_model_path()), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+    base = dict(output_dir=str(tmp / name), per_device_train_batch_size=4, gradient_accumulation_steps=1,
                 learning_rate=1e-3, max_steps=6, logging_steps=1, max_length=64, disable_tqdm=True,
                 sync_ref_model=True, ref_model_mixup_alpha=ALPHA, ref_model_sync_steps=2)
-    trainer = DPOTrainer(DPOConfig(**{**base, **fields}), train_dataset=TRAIN)
-    history = trainer.train()
+    trainer = DPOTrainer(str(tiny.sft_model_path()), args=DPOConfig(**{**base, **fields}), train_dataset=TRAIN)
+    trainer.train()
+    history = trainer.state.log_history
     return {"losses": [r["loss"] for r in history if "loss" in r],
             "sync_times": [r.get("time/ref_sync", 0.0) for r in history if "loss" in r]}
 

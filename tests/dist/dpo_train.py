@@ -12,11 +12,13 @@ TRAIN = synthetic.preference_pairs(64, seed=0)
 EVAL = synthetic.preference_pairs(24, seed=1)
 
 
-def run(tmp: Path, name: str, eval_dataset=None, **fields) -> tuple[DPOTrainer, dict]:
-    base = dict(output_dir=str(tmp / name), model_name_or_path=str(tiny.sft_model_path()), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+def run(tmp: Path, name: str, eval_dataset=None, peft_config=None, **fields) -> tuple[DPOTrainer, dict]:
+    base = dict(output_dir=str(tmp / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                 learning_rate=1e-3, max_steps=6, logging_steps=1, max_length=64, disable_tqdm=True)
-    trainer = DPOTrainer(DPOConfig(**{**base, **fields}), train_dataset=TRAIN, eval_dataset=eval_dataset)
-    history = trainer.train()
+    trainer = DPOTrainer(str(tiny.sft_model_path()), args=DPOConfig(**{**base, **fields}), train_dataset=TRAIN,
+                         eval_dataset=eval_dataset, peft_config=peft_config)
+    trainer.train()
+    history = trainer.state.log_history
     res = {"losses": [r["loss"] for r in history if "loss" in r],
            "evals": [r for r in history if "eval/loss" in r],
            "rows": [r for r in history if "loss" in r],
@@ -41,7 +43,10 @@ def main(out: str, tmp: str) -> None:
         _, res[mix] = run(tmp, mix, mix=mix)
     _, res["precomputed"] = run(tmp, "precomputed", precompute_ref_log_probs=True)
     _, res["resumed"] = run(tmp, "resumed", resume_from_checkpoint=str(ckpt))
-    lora = dict(use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, learning_rate=1e-2, max_steps=12)
+    from peft import LoraConfig
+
+    lora = dict(peft_config=LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0), learning_rate=1e-2,
+                max_steps=12)
     _, res["lora_precomputed"] = run(tmp, "lora_precomputed", precompute_ref_log_probs=True, **lora)
     trainer, res["lora"] = run(tmp, "lora", eval_dataset=EVAL, eval_steps=12, **lora)
     trainer.save_model(tmp / "lora" / "final")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from posttrain.placement import session as session_module
 from posttrain.demo import synthetic, tiny
+from posttrain.placement import session as session_module
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 
@@ -19,14 +19,15 @@ def run(tmp: Path, cast: bool, policy: str) -> dict:
     if not cast:
         session_module.cast_grads_while_flattening = lambda optimizer: False
     try:
-        cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
-                        output_dir=str(tmp / f"cast-{cast}-{policy}"), overwrite_output_dir=True, max_steps=4, learning_rate=1e-3,
+        cfg = DPOConfig(output_dir=str(tmp / f"cast-{cast}-{policy}"), overwrite_output_dir=True, max_steps=4, learning_rate=1e-3,
                         per_device_train_batch_size=2, logging_steps=1, gradient_checkpointing=False,
                         disable_tqdm=True, bf16=True, seed=0, master_weights="fp32",
                         role_configs={"policy": policy})
-        trainer = DPOTrainer(cfg, train_dataset=synthetic.preference_pairs(8, seed=3))
+        trainer = DPOTrainer(str(tiny.model_path(seed=0)), ref_model=str(tiny.model_path(seed=1)), args=cfg,
+                             train_dataset=synthetic.preference_pairs(8, seed=3))
         zero = trainer.session.engines["policy"].optimizer
-        history = trainer.train()
+        trainer.train()
+        history = trainer.state.log_history
         casts = [0] * dist.get_world_size()
         dist.all_gather_object(casts, getattr(zero, "posttrain_flat_casts", 0))
         return {"losses": [h["loss"] for h in history if "loss" in h],

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain.placement import session as session_module
 from posttrain.demo import synthetic, tiny
+from posttrain.placement import session as session_module
 from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 STEPS, LR = 6, 1e-3  # a learning rate whose updates bf16 weights can hold
@@ -31,17 +31,18 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
     if not cast:
         session_module.cast_grads_while_flattening = lambda optimizer: False
     try:
-        cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
-                        master_weights=master_weights, single_process_engine="deepspeed",
+        cfg = DPOConfig(master_weights=master_weights, single_process_engine="deepspeed",
                         **settings(tmp, f"{master_weights}-{share}-{cast}"))
-        trainer = DPOTrainer(cfg, train_dataset=rows)
+        trainer = DPOTrainer(str(tiny.model_path(seed=0)), ref_model=str(tiny.model_path(seed=1)), args=cfg,
+                             train_dataset=rows)
         s = trainer.session
         engine = s.engines["policy"]
         zero = engine.optimizer
         master = zero.single_partition_of_fp32_groups[0]
         param = next(engine.module.parameters())
         flat = zero.bit16_groups_flat[0]
-        history = trainer.train()
+        trainer.train()
+        history = trainer.state.log_history
         states = [t for st in zero.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
         return {"losses": [h["loss"] for h in history if "loss" in h],
                 "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
@@ -60,12 +61,12 @@ def posttrain_run(tmp: Path, rows: list, master_weights: str, share: bool = True
 def torch_run(tmp: Path, rows: list, master_weights: str) -> dict:
     """The torch path (posttrain.placement.plain): the model itself and torch's fused AdamW, no engine; DPO
     takes it under single_process_engine auto at either precision."""
-    cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
-                    master_weights=master_weights, single_process_engine="auto",
-                    **settings(tmp, f"torch-{master_weights}"))
-    trainer = DPOTrainer(cfg, train_dataset=rows)
+    cfg = DPOConfig(master_weights=master_weights, single_process_engine="auto", **settings(tmp, f"torch-{master_weights}"))
+    trainer = DPOTrainer(str(tiny.model_path(seed=0)), ref_model=str(tiny.model_path(seed=1)), args=cfg,
+                         train_dataset=rows)
     s = trainer.session
-    history = trainer.train()
+    trainer.train()
+    history = trainer.state.log_history
     opt = s.optimizers["policy"]
     states = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
     return {"losses": [h["loss"] for h in history if "loss" in h],
@@ -80,11 +81,11 @@ def placement_run(tmp: Path, rows: list, name: str, **fields) -> list[float]:
     """fp32 (no mixed precision) losses under the default mix, simplified or as named (DeepSpeed's
     engine: the simplification is of its configs)."""
     base = {**settings(tmp, name), "bf16": False, "single_process_engine": "deepspeed"}
-    cfg = DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
-                    **{**base, **fields})
-    trainer = DPOTrainer(cfg, train_dataset=rows)
+    trainer = DPOTrainer(str(tiny.model_path(seed=0)), ref_model=str(tiny.model_path(seed=1)),
+                         args=DPOConfig(**{**base, **fields}), train_dataset=rows)
     stages = {n: trainer.session.zero_stage(n) for n in trainer.session.roles}
-    return {"losses": [h["loss"] for h in trainer.train() if "loss" in h], "stages": stages}
+    trainer.train()
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "stages": stages}
 
 
 def resume_run(tmp: Path, engine: str) -> dict:
@@ -95,14 +96,18 @@ def resume_run(tmp: Path, engine: str) -> dict:
     rows = synthetic.preference_pairs(16, seed=3)
 
     def cfg(name: str, **kw) -> DPOConfig:
-        return DPOConfig(model_name_or_path=str(tiny.model_path(seed=0)), master_weights="bf16", save_steps=3,
-                         single_process_engine=engine, **{**settings(tmp, f"{name}-{engine}"), **kw})
+        return DPOConfig(master_weights="bf16", save_steps=3, single_process_engine=engine,
+                         **{**settings(tmp, f"{name}-{engine}"), **kw})
 
-    full = [h["loss"] for h in DPOTrainer(cfg("resume-full"), train_dataset=rows).train() if "loss" in h]
+    def losses(args: DPOConfig) -> list[float]:
+        trainer = DPOTrainer(str(tiny.model_path(seed=0)), args=args, train_dataset=rows)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    full = losses(cfg("resume-full"))
     (tmp / f"resume-part-{engine}").mkdir()
     shutil.copytree(tmp / f"resume-full-{engine}" / "checkpoint-3", tmp / f"resume-part-{engine}" / "checkpoint-3")
-    resumed = DPOTrainer(cfg("resume-part", resume_from_checkpoint="latest"), train_dataset=rows).train()
-    return {"full": full[3:], "resumed": [h["loss"] for h in resumed if "loss" in h]}
+    return {"full": full[3:], "resumed": losses(cfg("resume-part", resume_from_checkpoint="latest"))}
 
 
 def trl_run(tmp: Path, rows: list, dtype: torch.dtype = torch.bfloat16) -> dict:

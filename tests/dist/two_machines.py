@@ -12,11 +12,11 @@ from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
 
 def main(out: str, tmp: str) -> None:
-    cfg = DPOConfig(output_dir=str(Path(tmp) / "run"), model_name_or_path=str(tiny.sft_model_path()),
-                    per_device_train_batch_size=4, gradient_accumulation_steps=1,
+    cfg = DPOConfig(output_dir=str(Path(tmp) / "run"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
                     learning_rate=1e-3, max_steps=3, logging_steps=1, max_length=64, disable_tqdm=True)
-    trainer = DPOTrainer(cfg, train_dataset=TRAIN)
-    history = trainer.train()
+    trainer = DPOTrainer(str(tiny.sft_model_path()), args=cfg, train_dataset=TRAIN)
+    trainer.train()
+    history = trainer.state.log_history
     s = trainer.session
     if s.is_main_process:
         json.dump({"world": s.num_processes, "losses": [r["loss"] for r in history if "loss" in r]}, open(out, "w"))

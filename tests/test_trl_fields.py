@@ -51,3 +51,15 @@ def test_readme_table_is_generated_from_the_code():
     readme = (ROOT / "README.md").read_text()
     table = readme.split(trl_fields.README_START, 1)[1].split(trl_fields.README_END, 1)[0].strip()
     assert table == trl_fields.readme_table(), "run: python -m posttrain.trainers.trl_fields README.md"
+
+
+def test_a_yaml_with_a_tab_is_one_sentence(tmp_path):
+    from trl import ModelConfig
+
+    from posttrain.scripts.args import parse_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_rate: 1.0e-3\n\tmax_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"run.yaml is not valid YAML \(line 2, column 1\): found character '\\t' "
+                                          r"that cannot start any token; indent with spaces, not tabs$"):
+        parse_config((posttrain.SFTConfig, ModelConfig), None, ["--config", str(config)])

@@ -69,7 +69,13 @@ def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -
         path = Path(config)
         if not path.is_file():
             raise ConfigError(f"--config {config}: no such file; give the path of a YAML file of settings")
-        values = yaml.safe_load(path.read_text()) or {}
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:  # a tab in the indentation, an unclosed quote, ...
+            mark = getattr(err, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise ConfigError(f"{config} is not valid YAML{where}: {getattr(err, 'problem', None) or err}; indent "
+                              "with spaces, not tabs") from None
         if not isinstance(values, dict):
             raise ConfigError(f"{config} must be a YAML mapping of setting: value, got a {type(values).__name__}")
         for key, value in (values.pop("env", None) or {}).items():  # TrlParser's `env:` block

@@ -11,6 +11,8 @@ from trl import ModelConfig, ScriptArguments
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
+from posttrain.run.hub import push_to_hub
+from posttrain.run.modelcard import write_model_card
 from posttrain.scripts.args import (
     demo_config,
     model_arguments,
@@ -94,12 +96,11 @@ def main(argv: list[str] | None = None) -> None:
                                                       for k, v in summary["seconds_per_phase"].items()))
             print(f"  policy {saved_as(peft_config, cfg.merge_adapters)} to {final}, value model to "
                   f"{final / 'value'}; metrics in {cfg.output_dir}/metrics.jsonl")
-    # Name the data in the card, after the save (a peft save rewrites the card's tags).
-    trainer.create_model_card(dataset_name=dataset_name)
-    if cfg.push_to_hub:
-        url = trainer.push_to_hub(dataset_name=dataset_name)
-        if url:
-            print(f"pushed to {url}")
+        # The card names the policy and the data, after the save (a peft save rewrites the card's tags).
+        write_model_card(cfg.output_dir, cfg, "ppo", trainer.session, base_model=model_args.model_name_or_path,
+                         dataset_name=dataset_name)
+        if cfg.push_to_hub:
+            print(f"pushed to {push_to_hub(cfg, final)}")
     trainer.end()
 
 

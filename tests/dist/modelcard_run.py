@@ -20,7 +20,7 @@ def main(output_dir: str) -> None:
     settings = dict(output_dir=out, model_name_or_path=tiny.sft_model_path(), reward_model_path=tiny.reward_model_path(),
                     dataset_name=prompts, learning_rate=3e-4, per_device_train_batch_size=8, total_episodes=24,
                     num_ppo_epochs=1, response_length=8, local_rollout_forward_batch_size=8, disable_tqdm="true",
-                    num_sample_generations=1)
+                    num_sample_generations=1, logging_steps=1)
     raise SystemExit(run_script(ppo.main, [a for k, v in settings.items() for a in (f"--{k}", str(v))]))
 
 

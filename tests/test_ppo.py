@@ -91,3 +91,26 @@ def test_reward_and_value_vocabulary_mismatches_are_refused_before_loading(tmp_p
                    value_model=str(other_reward_model_path(tmp_path, 700)))
     with pytest.raises(ConfigError, match="reward function 'no_such_module:fn': importing 'no_such_module' failed"):
         PPOTrainer(PPOConfig(output_dir=str(tmp_path / "run")), model=policy, reward_funcs=["no_such_module:fn"])
+
+
+def test_trl_ppo_trainer_arguments_by_name(tmp_path):
+    """TRL's last PPOTrainer's arguments (trl 0.x), each by name: those posttrain does not take are refused in
+    one sentence, eval_dataset is checked (PPO does not evaluate), before anything loads."""
+    import inspect
+
+    from posttrain.demo import tiny
+    from posttrain.errors import ConfigError
+    from posttrain.trainers.ppo import PPOConfig, PPOTrainer
+
+    trl_0x = ["args", "processing_class", "model", "ref_model", "reward_model", "train_dataset", "value_model",
+              "data_collator", "eval_dataset", "optimizers", "callbacks", "peft_config"]
+    assert list(inspect.signature(PPOTrainer.__init__).parameters)[1:13] == trl_0x
+    args = PPOConfig(output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^PPOTrainer\(data_collator=...\) is not supported"):
+        PPOTrainer(args=args, data_collator=lambda rows: rows)
+    with pytest.raises(ConfigError, match=r"^PPOTrainer\(optimizers=...\) is not supported"):
+        PPOTrainer(args=args, optimizers=(object(), None))
+    with pytest.raises(ConfigError, match=r"^eval_dataset: PPO needs a 'prompt' column"):
+        PPOTrainer(args=args, model=str(tiny.sft_model_path()), reward_model=str(tiny.reward_model_path()),
+                   train_dataset=[{"prompt": "the cat is"}], eval_dataset=[{"text": "the cat is"}])
+    assert not (tmp_path / "run").exists()

@@ -106,9 +106,9 @@ CASES = [
     ("missing column", "dpo --output_dir {out} --model_name_or_path {sft} --dataset_name {no_column}",
      "{no_column} (split 'train'): no column 'chosen'; a preference dataset needs prompt, chosen, rejected (or an "
      "implicit prompt in chosen/rejected), got columns ['question', 'answer']: rename its columns"),
-    ("fewer rows than a batch", "dpo --output_dir {out} --model_name_or_path {sft} --dataset_name {conv}",
-     "train_dataset has 1 usable rows, fewer than one global batch (8 per device x 1 processes): lower "
-     "--per_device_train_batch_size or give more rows"),
+    # Fewer rows than a batch train as TRL trains them (a short batch); no row left is refused.
+    ("every prompt over max_length", "dpo --output_dir {out} --model_name_or_path {sft} --dataset_name {conv} "
+     "--max_length 2", "train_dataset: no usable rows, every prompt fills max_length=2: raise --max_length"),
     ("sft tokenized ids outside the vocabulary", "sft --output_dir {out} --model_name_or_path {sft} --dataset_name "
      "{tokens_oov}", "train_dataset: row 1 has the token id 600 in 'input_ids', outside the tokenizer's vocabulary (0 "
      "to 546): tokenize the data with this model's tokenizer, or give it as text"),

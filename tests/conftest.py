@@ -77,16 +77,3 @@ def run_json(script: str, *args: str, tmp_path: Path, name: str = "out.json", **
     out = tmp_path / name
     torchrun(ROOT / "tests" / "dist" / script, out, *args, **kw)
     return json.loads(out.read_text())
-
-
-def tiny_defaults(trainer: str = "grpo") -> dict:
-    """The tiny default's models and reward under the config fields that name them, for a run of
-    ``trainer``: its SFT policy with the bundled reward function (``"grpo"``, ``"rloo"``) or the tiny
-    reward model (``"ppo"``), or its randomly initialised student (``"distill"``)."""
-    from posttrain.demo import tiny
-
-    if trainer == "distill":
-        return {"model_name_or_path": str(tiny.model_path())}
-    if trainer == "ppo":
-        return {"model_name_or_path": str(tiny.sft_model_path()), "reward_model_path": str(tiny.reward_model_path())}
-    return {"model_name_or_path": str(tiny.sft_model_path()), "reward_funcs": ["posttrain.demo.synthetic:sentiment_reward"]}

@@ -84,13 +84,14 @@ def test_local_model_and_bundled_data(tmp_path):
     from posttrain.scripts.data import BUNDLED_PROMPTS
 
     _metrics(tmp_path / "metrics.jsonl")
-    # The trainers take data objects, so a card names the data only when its caller (a script) does.
+    # The trainers take data objects, so a card names the data only when its caller (a script) does; a model
+    # built from a config has no name or path to give.
     card = ModelCard.load(modelcard.write_model_card(tmp_path, PPOConfig(output_dir=str(tmp_path)), "ppo"))
-    assert "fine-tuned version of posttrain's built-in tiny default.\n" in card.text
+    assert "fine-tuned version of a model given as an object.\n" in card.text
     card = ModelCard.load(modelcard.write_model_card(tmp_path, PPOConfig(output_dir=str(tmp_path)), "ppo",
                                                      dataset_name=BUNDLED_PROMPTS))
     assert card.data.base_model is None and card.data.datasets is None  # the hub validates both: hub names only
-    assert "fine-tuned version of posttrain's built-in tiny default on `posttrain's bundled synthetic prompts`" in card.text
+    assert "fine-tuned version of a model given as an object on `posttrain's bundled synthetic prompts`" in card.text
     assert "huggingface.co/None" not in card.text
     assert "trained with PPO, a method introduced in [Fine-Tuning Language Models from Human Preferences]" in card.text
 

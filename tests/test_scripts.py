@@ -13,7 +13,7 @@ from trl import ModelConfig, ScriptArguments
 
 from posttrain import ConfigError, cli
 from posttrain.demo import tiny
-from posttrain.scripts import hub
+from posttrain.run import hub
 from posttrain.scripts.args import demo_config, parse_config
 from posttrain.scripts.data import load_train_eval
 from posttrain.scripts.dpo import DataArguments

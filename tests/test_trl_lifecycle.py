@@ -86,3 +86,18 @@ def test_a_failed_overwrite_keeps_the_previous_run(tmp_path):
         SFTTrainer(str(tiny.model_path()), args=SFTConfig(**common, overwrite_output_dir=True), train_dataset=rows,
                    peft_config=LoraConfig(target_modules=["q_projj"], task_type="CAUSAL_LM"))
     assert (out / "metrics.jsonl").read_text() == kept and (out / "checkpoint-1").is_dir()
+
+
+def test_the_model_card_names_the_model_a_trainer_was_given(tmp_path):
+    """The config names no model (TRL's configs do not): the card's base model is the path the trained model
+    was loaded from; the settings it shows hide the hub token, as TrainingArguments.to_dict does."""
+    rows = [{"text": line} for line in tiny.corpus()[:8]]
+    path = tiny.model_path()
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, disable_tqdm=True,
+                     max_length=32, hub_token="hf_secret")
+    trainer = SFTTrainer(str(path), args=args, train_dataset=rows)
+    trainer.train()
+    trainer.end()
+    card = (tmp_path / "README.md").read_text()
+    assert f"fine-tuned version of `{path}`" in card and "hf_secret" not in card
+    assert "hf_secret" not in (tmp_path / "posttrain_config.json").read_text()

@@ -258,7 +258,7 @@ def posttrain_settings(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     return dict(output_dir=str(out / "run"), overwrite_output_dir=True, disable_tqdm=True, logging_steps=1,
                 max_steps=total_steps(spec), mix=mix, role_configs=role_configs, seed=0, learning_rate=1e-6,
                 per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=1,
-                bf16=spec["precision"] == "bf16")
+                bf16=spec["precision"] == "bf16", save_strategy="no")
 
 
 def trl_placement(workload: str, mix: str) -> tuple[str, dict[str, Any]]:

@@ -248,7 +248,7 @@ def write_model_card(output_dir: str | Path, cfg: Any, method: str, session: Any
     trained = [r.name for r in session.roles.values() if r.trains] if session is not None else []
     card = ModelCard.from_template(
         card_data, template_str=_TEMPLATE, model_name=model_name,
-        base_model_text=_source_text(base_model, "https://huggingface.co", "posttrain's built-in tiny default"),
+        base_model_text=_source_text(base_model, "https://huggingface.co", "a model given as an object"),
         dataset_text=_source_text(dataset_name, "https://huggingface.co/datasets", None),
         trainer_name=info["name"], paper_title=info["paper"].get("title"), paper_id=info["paper"].get("id"),
         trainer_citation=info["paper"].get("citation"), quick_start_model=_quick_start_model(cfg, out),
@@ -317,5 +317,6 @@ def _source_text(name: str | None, hub_url: str, default: str | None) -> str | N
 
 
 def _config_yaml(cfg: Any) -> str:
-    values = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+    # TrainingArguments.to_dict masks tokens (hub_token) and turns enums into their values.
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else asdict(cfg) if is_dataclass(cfg) else dict(cfg)
     return yaml.safe_dump(json.loads(json.dumps(values, default=str)), sort_keys=False)

@@ -143,7 +143,8 @@ class Trainer:
             state = s.load_state(ckpt / "state")
             self.step = int(state["step"])
             self.restore(state, ckpt)
-        log = self.run_log = RunLog(s, cfg, self.total_steps, self.name, start=self.step, shown=self.shown)
+        log = self.run_log = RunLog(s, cfg, self.total_steps, self.name, start=self.step, shown=self.shown,
+                                    base_model=self.base_model_name())
         self.history = self.state.log_history = log.history
         started, first, losses = time.perf_counter(), self.step, []
         window: list[dict[str, Any]] = []
@@ -189,6 +190,13 @@ class Trainer:
         call it once on every process, after everything that needs the others (saving, pushing)."""
         self.session.close()
 
+    def base_model_name(self) -> str | None:
+        """The trained model's hub name or path, as ``from_pretrained`` recorded it (None for an object built
+        from a config): the model card's base model."""
+        model = self.session.unwrap(self.roles["trained"][0])
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return getattr(getattr(base, "config", None), "_name_or_path", None) or None
+
     @property
     def hub_model_id(self) -> str:
         from posttrain.run.hub import hub_repo_id
@@ -201,7 +209,8 @@ class Trainer:
         from posttrain.run.modelcard import write_model_card
 
         if self.session.is_main_process:
-            write_model_card(self.cfg.output_dir, self.cfg, self.name, self.session, dataset_name=dataset_name)
+            write_model_card(self.cfg.output_dir, self.cfg, self.name, self.session, dataset_name=dataset_name,
+                             base_model=model_name or self.base_model_name())
 
     def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, **card: Any) -> str | None:
         """Upload the saved model in the output dir, with its card, as ``transformers.Trainer.push_to_hub``."""

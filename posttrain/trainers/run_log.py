@@ -53,8 +53,8 @@ class RunLog:
     """Progress bar (``shown`` metrics), ``metrics.jsonl`` and trackers; ``history`` is the whole run's."""
 
     def __init__(self, session: Session, cfg: TrainConfig, total: int, name: str, start: int = 0,
-                 shown: tuple[str, ...] = ("loss",)) -> None:
-        self.session, self.cfg, self.name = session, cfg, name
+                 shown: tuple[str, ...] = ("loss",), base_model: str | None = None) -> None:
+        self.session, self.cfg, self.name, self.base_model = session, cfg, name, base_model
         self.out = Path(cfg.output_dir)
         self.main = session.is_main_process
         self.total, self.done, self.shown = total, start, shown
@@ -132,7 +132,7 @@ class RunLog:
         self.bar.close()
         # Trackers are finished by Session.close() (the trainer's end()), after saving and pushing.
         if self.main:  # as TRL's trainers do: a model card (and the learning curves) in the output dir
-            write_model_card(self.out, self.cfg, self.name, self.session)
+            write_model_card(self.out, self.cfg, self.name, self.session, base_model=self.base_model)
 
 
 def settings(cfg: Any) -> dict[str, Any]:

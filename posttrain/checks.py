@@ -47,8 +47,10 @@ def check_model_path(name_or_path: str | os.PathLike, what: str = "model", weigh
 
 
 def check_model_folder(path: Path, what: str = "model", weights: bool = True) -> None:
-    """``save_pretrained``'s output: config.json (or adapter_config.json) and whole weight files."""
-    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+    """``save_pretrained``'s output: config.json and whole weight files (a LoRA adapter alone is refused)."""
+    if not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():
+            raise ConfigError(adapter_folder_problem(path, what))
         raise ConfigError(f"{what} {str(path)!r} has no config.json: give the folder that save_pretrained wrote "
                           "(config.json beside the weights)")
     if not weights:
@@ -69,6 +71,20 @@ def check_model_folder(path: Path, what: str = "model", weights: bool = True) ->
     for file in weights:
         if file.suffix == ".safetensors":
             check_safetensors(file)
+
+
+def adapter_folder_problem(path: Path, what: str = "model") -> str:
+    """The sentence for a LoRA adapter folder (adapter_config.json, no config.json) given as a model."""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    of = f"a LoRA adapter of {base!r}" if base else "a LoRA adapter (its adapter_config.json names no base model)"
+    model = repr(base) if base else "its base model"
+    return (f"{what} {str(path)!r} is {of}, not a whole model (adapter_config.json, no config.json): give {model} as "
+            "the model (with --use_peft, or peft_config=, to train new adapters on it), or merge the adapter into it "
+            f"first with PeftModel.from_pretrained(base, {str(path)!r}).merge_and_unload().save_pretrained(folder) "
+            "and give that folder")
 
 
 def check_reward_model(name_or_path: str | os.PathLike, what: str = "reward model") -> None:

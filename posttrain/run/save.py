@@ -1,5 +1,5 @@
 """A trained role's final model, saved where TRL's ``save_model`` puts it: its weights (or its
-adapter, or the base with the adapter merged in) and its tokenizer."""
+adapter, or the base with the adapter merged in) in the dtype it was loaded in, and its tokenizer."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def save_trained_model(session: Session, role: str, directory: str | os.PathLike
     if not (adapted and merge_adapters):
         session.save_pretrained(role, path, tokenizer=tokenizer)
         return path
-    state_dict = session.state_dict(role)  # collective; under ZeRO-3 only rank 0 gets the weights
+    # In the dtype the model was loaded in; collective, under ZeRO-3 only rank 0 gets the weights.
+    state_dict = session.saved_state_dict(role)
     if session.is_main_process:
         save_merged(session.unwrap(role), state_dict, path)
         if tokenizer is not None:

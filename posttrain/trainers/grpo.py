@@ -24,7 +24,7 @@ from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ra
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
-from posttrain.trainers.config import TrainConfig, make_session
+from posttrain.trainers.config import TrainConfig, make_session, saves
 from posttrain.trainers.grpo_loss import (
     LOSS_TYPES,
     average_generation_metrics,
@@ -270,7 +270,10 @@ class GRPOTrainer(Trainer):
                                                                                     * steps_per_epoch))
         if cfg.eval_strategy == "epoch":
             cfg.eval_steps = steps_per_epoch
-        if cfg.save_steps and (cfg.save_steps * cfg.gradient_accumulation_steps) % self.micro_per_generation:
+        # A checkpoint holds no generation batch: refused where one would fall inside (a save_steps past the
+        # run's end saves only at the end, where the last generation batch ends unless max_steps cuts it).
+        if (saves(cfg) and cfg.save_steps <= self.total_steps
+                and (cfg.save_steps * cfg.gradient_accumulation_steps) % self.micro_per_generation):
             raise ConfigError(
                 f"save_steps ({cfg.save_steps}) must end on a generation boundary: a generation batch lasts "
                 f"{self.micro_per_generation} micro-batches (steps_per_generation x num_iterations) and a step "

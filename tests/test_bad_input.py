@@ -231,13 +231,13 @@ def test_read_only_output_dir(tmp_path, capsys, monkeypatch):
 
 def test_make_session_checks_before_clearing(tmp_path):
     """The Python API: make_session resolves the placement before prepare_output_dir clears a run."""
-    from posttrain.trainers.config import TrainConfig, make_session
+    from posttrain.trainers.config import LoopConfig, make_session
 
     out = run_dir(tmp_path)
     with pytest.raises(ConfigError, match=r"^unknown mix 'zero2-zero4' \(did you mean zero2-zero3\?\)"):
-        make_session(TrainConfig(output_dir=str(out), overwrite_output_dir=True, mix="zero2-zero4"), ["policy"], [])
+        make_session(LoopConfig(output_dir=str(out), overwrite_output_dir=True, mix="zero2-zero4"), ["policy"], [])
     with pytest.raises(ConfigError, match=r"config given for unknown role\(s\) \['critic'\]"):
-        make_session(TrainConfig(output_dir=str(out), overwrite_output_dir=True,
+        make_session(LoopConfig(output_dir=str(out), overwrite_output_dir=True,
                                  role_configs={"critic": "zero3_inference"}), ["policy"], ["reference"])
     assert (out / "metrics.jsonl").exists()
 

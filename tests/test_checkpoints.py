@@ -14,7 +14,7 @@ from test_rewards import other_reward_model_path
 
 from posttrain.errors import ConfigError
 from posttrain.run.output_dir import latest_checkpoint, prepare_output_dir, resume_dir
-from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.config import LoopConfig
 from posttrain.trainers.run_log import truncate_jsonl
 
 COMPARED = ["objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "loss/value_avg",
@@ -37,15 +37,15 @@ def write_rows(path, steps, key="step"):
 def test_reused_output_dir_is_refused_unless_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
-    prepare_output_dir(TrainConfig(output_dir=str(out)))  # empty: fine
+    prepare_output_dir(LoopConfig(output_dir=str(out)))  # empty: fine
     (out / "posttrain_config.json").write_text("{}")
-    prepare_output_dir(TrainConfig(output_dir=str(out)))  # settings alone are not a run
+    prepare_output_dir(LoopConfig(output_dir=str(out)))  # settings alone are not a run
     write_rows(out / "metrics.jsonl", [5, 8])
     fake_checkpoint(out, 8)
     with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl, checkpoint-8\): pass "
                                           r"--resume_from_checkpoint latest .* --overwrite_output_dir true"):
-        prepare_output_dir(TrainConfig(output_dir=str(out)))
-    prepare_output_dir(TrainConfig(output_dir=str(out), overwrite_output_dir=True))
+        prepare_output_dir(LoopConfig(output_dir=str(out)))
+    prepare_output_dir(LoopConfig(output_dir=str(out), overwrite_output_dir=True))
     assert sorted(p.name for p in out.iterdir()) == [".posttrain.lock", "posttrain_config.json"]
     assert "clearing metrics.jsonl, checkpoint-8" in capsys.readouterr().err
 
@@ -54,27 +54,27 @@ def test_resume_latest_takes_the_newest_complete_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     with pytest.raises(ConfigError, match="'latest' but .* holds no complete checkpoint: unset resume_from_checkpoint"):
-        prepare_output_dir(TrainConfig(output_dir=str(out), resume_from_checkpoint="latest"))
+        prepare_output_dir(LoopConfig(output_dir=str(out), resume_from_checkpoint="latest"))
     for step in (2, 10):
         fake_checkpoint(out, step)
     partial = fake_checkpoint(out, 12, complete=False)
     assert latest_checkpoint(out) == out / "checkpoint-10"  # by step, not by name (10 > 2), never the .tmp
-    cfg = TrainConfig(output_dir=str(out), resume_from_checkpoint="latest")
+    cfg = LoopConfig(output_dir=str(out), resume_from_checkpoint="latest")
     prepare_output_dir(cfg)
     err = capsys.readouterr().err
     assert "removing" in err and "checkpoint-12.tmp: a half-written checkpoint" in err
     assert f"resuming from {out / 'checkpoint-10'} (step 10)" in err
     assert not partial.exists() and resume_dir(cfg) == out / "checkpoint-10"
-    true = TrainConfig(output_dir=str(out), resume_from_checkpoint="true")  # as Trainer.train(resume_from_checkpoint=True)
+    true = LoopConfig(output_dir=str(out), resume_from_checkpoint="true")  # as Trainer.train(resume_from_checkpoint=True)
     prepare_output_dir(true)
     assert true.resume_from_checkpoint == str(out / "checkpoint-10")
     # An explicit half-written or foreign path is refused with the way out.
     with pytest.raises(ConfigError, match="half-written checkpoint .* resume from .*checkpoint-10"):
-        resume_dir(TrainConfig(output_dir=str(out), resume_from_checkpoint=str(fake_checkpoint(out, 14, False))))
+        resume_dir(LoopConfig(output_dir=str(out), resume_from_checkpoint=str(fake_checkpoint(out, 14, False))))
     with pytest.raises(ConfigError, match="not a posttrain checkpoint"):
-        resume_dir(TrainConfig(output_dir=str(out), resume_from_checkpoint=str(tmp_path / "nowhere")))
+        resume_dir(LoopConfig(output_dir=str(out), resume_from_checkpoint=str(tmp_path / "nowhere")))
     with pytest.raises(ConfigError, match="save_total_limit must be >= 1"):
-        prepare_output_dir(TrainConfig(output_dir=str(out), save_total_limit=0))
+        prepare_output_dir(LoopConfig(output_dir=str(out), save_total_limit=0))
 
 
 def test_truncate_jsonl(tmp_path):

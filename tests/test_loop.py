@@ -13,7 +13,7 @@ from posttrain.errors import ConfigError
 from posttrain.run import output_dir
 from posttrain.run.jsonrows import read_rows
 from posttrain.trainers import run_log
-from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.config import LoopConfig
 from posttrain.trainers.loop import Trainer
 
 
@@ -23,8 +23,11 @@ class StubSession:
     is_main_process, num_processes, process_index, device = True, 1, 0, torch.device("cpu")
 
     def __init__(self) -> None:
-        self.accelerator = SimpleNamespace(wait_for_everyone=lambda: None, trackers=[])
+        self.accelerator = SimpleNamespace(wait_for_everyone=lambda: None, trackers=[], is_local_main_process=True)
         self.loaded: list[Path] = []
+
+    def unwrap(self, role):
+        return torch.nn.Linear(1, 1)  # no config: nothing for the resume checks or the card to read
 
     def save_pretrained(self, role, path, tokenizer=None):
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -44,7 +47,7 @@ class Counting(Trainer):
     name = "stub"
     evaluates = True
 
-    def __init__(self, cfg: TrainConfig, total: int) -> None:
+    def __init__(self, cfg: LoopConfig, total: int) -> None:
         self.cfg, self.total_steps, self.session = cfg, total, StubSession()
         self.steps_run: list[int] = []
         self.restored = None
@@ -72,9 +75,12 @@ def no_model_card(monkeypatch):
 
 
 def test_logging_windows_evaluation_and_checkpoints(tmp_path):
-    cfg = TrainConfig(output_dir=str(tmp_path), logging_steps=2, eval_strategy="steps", eval_steps=2, save_steps=2,
+    cfg = LoopConfig(output_dir=str(tmp_path), logging_steps=2, eval_strategy="steps", eval_steps=2, save_steps=2,
                       disable_tqdm=True)
-    history = Counting(cfg, 5).train()
+    trainer = Counting(cfg, 5)
+    out = trainer.train()
+    history = trainer.state.log_history
+    assert out.global_step == 5 and out.training_loss == 3.0  # TrainOutput: the mean of every step's loss
     train = [h for h in history if "loss" in h]
     # Each row averages its window's losses and keeps the latest learning rate; the last step logs too.
     assert [(h["step"], h["loss"], h["learning_rate"]) for h in train] == [(2, 1.5, 0.5), (4, 3.5, 0.25), (5, 5.0, 0.2)]
@@ -86,13 +92,15 @@ def test_logging_windows_evaluation_and_checkpoints(tmp_path):
 
 
 def test_resume_happens_once_in_train_and_continues_the_steps(tmp_path):
-    Counting(TrainConfig(output_dir=str(tmp_path), save_steps=2, disable_tqdm=True), 3).train()
+    Counting(LoopConfig(output_dir=str(tmp_path), save_steps=2, logging_steps=1, disable_tqdm=True), 3).train()
     (tmp_path / "checkpoint-3").rename(tmp_path / "gone")  # resume from checkpoint-2
-    cfg = TrainConfig(output_dir=str(tmp_path), save_steps=2, resume_from_checkpoint="latest", disable_tqdm=True)
+    cfg = LoopConfig(output_dir=str(tmp_path), save_steps=2, logging_steps=1, resume_from_checkpoint="latest",
+                     disable_tqdm=True)
     output_dir.prepare_output_dir(cfg)
     trainer = Counting(cfg, 4)
     assert trainer.start == 2 and trainer.session.loaded == []  # known before train(), loaded by it
-    history = trainer.train()
+    trainer.train()
+    history = trainer.state.log_history
     assert trainer.session.loaded == [tmp_path / "checkpoint-2" / "state"] and trainer.restored == (20, "checkpoint-2")
     assert trainer.steps_run == [3, 4]
     assert [h["step"] for h in history if "loss" in h] == [1, 2, 3, 4]  # the kept rows of the first run, then the resumed ones

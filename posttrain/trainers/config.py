@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from transformers import TrainingArguments
 
 from posttrain import checks
 from posttrain.data.order import Schedule, TrainLoader
@@ -63,6 +64,11 @@ class TrainConfig:
 
 _DICT_FIELDS = ("model_init_kwargs", "ref_model_init_kwargs", "teacher_model_init_kwargs", "generation_kwargs",
                 "chat_template_kwargs", "role_configs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
+
+
+@dataclass
+class LoopConfig(TrainConfig, TrainingArguments):
+    """TrainingArguments plus posttrain's fields: the config of a loop that has no TRL counterpart."""
 
 
 def resolve_training_arguments(cfg: Any) -> None:

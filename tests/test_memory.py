@@ -241,17 +241,18 @@ def test_gradient_checkpointing_keeps_one_layer():
 @pytest.mark.parametrize("shape,kind", [("tiny-default", "causal"), ("tiny-default", "sequence"), ("8b", "causal")])
 def test_lora_adapter_count_equals_peft(shape, kind, targets):
     """The planner's adapter count (from the config and peft's rule) against peft's own trainable
-    count on the model built on the meta device, through the trainers' lora_config."""
+    count on the model built on the meta device, through TRL's get_peft_config, as the scripts build it."""
     from peft import get_peft_model
+    from trl import ModelConfig, get_peft_config
 
     from posttrain.demo import tiny
-    from posttrain.models.lora import LoraFields, lora_config
 
     spec = str(tiny.model_path()) if shape == "tiny-default" else shape
     r = 4 if shape == "tiny-default" else 16
     lora = memory.Lora(r, targets)
-    fields = LoraFields(use_peft=True, lora_r=r, lora_target_modules=list(targets) if targets else None)
-    model = get_peft_model(shapes.meta_model(spec, kind), lora_config(fields, "CAUSAL_LM" if kind == "causal" else "SEQ_CLS"))
+    fields = ModelConfig(use_peft=True, lora_r=r, lora_target_modules=list(targets) if targets else None,
+                         lora_task_type="CAUSAL_LM" if kind == "causal" else "SEQ_CLS")
+    model = get_peft_model(shapes.meta_model(spec, kind), get_peft_config(fields))
     trainable, _ = model.get_nb_trainable_parameters()
     assert memory.adapter_params(spec, kind, lora) == trainable > 0
 

@@ -101,3 +101,21 @@ def test_the_model_card_names_the_model_a_trainer_was_given(tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert f"fine-tuned version of `{path}`" in card and "hf_secret" not in card
     assert "hf_secret" not in (tmp_path / "posttrain_config.json").read_text()
+
+
+def test_a_lora_runs_card_survives_the_adapter_save(tmp_path):
+    """peft's save rewrites the README's tags from the model's tags: posttrain tags the model as TRL does, so
+    the card written after the save is still recognised as its own and says what LoRA trained."""
+    from peft import LoraConfig
+
+    rows = [{"text": line} for line in tiny.corpus()[:8]]
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, disable_tqdm=True,
+                     max_length=32)
+    trainer = SFTTrainer(str(tiny.model_path()), args=args, train_dataset=rows,
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    trainer.train()
+    trainer.save_model()
+    trainer.create_model_card(dataset_name="my-data")
+    trainer.end()
+    card = (tmp_path / "README.md").read_text()
+    assert "LoRA (r 4, alpha 8, dropout 0.0, target modules ['q_proj'])" in card and "my-data" in card

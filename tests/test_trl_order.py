@@ -257,3 +257,20 @@ def test_trainer_loop_grpo(run: tuple, tmp_path: object, monkeypatch: pytest.Mon
         for step in loader.steps(loader.schedule(ga, epochs), rank):
             assert [b.rows for b in step.batches] == [loader.generation_rows(g // loader.repeat_count, rank)
                                                       for g in step.micro]
+
+
+def test_grpo_trainer_draws_prompts_as_trls_sampler(tmp_path: object) -> None:
+    """posttrain's GRPOTrainer takes each generation batch's prompts in RepeatSampler's order, the second
+    epoch included (one generator seeded once, as TRL; not reseeded per epoch)."""
+    from posttrain import GRPOConfig
+    from posttrain import GRPOTrainer as PosttrainGRPO
+    from posttrain.demo import synthetic, tiny
+
+    rows = [{"prompt": p} for p in synthetic.prompts(6, seed=0)]
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, max_steps=1, disable_tqdm=True)
+    trainer = PosttrainGRPO(str(tiny.sft_model_path()), reward_funcs=synthetic.sentiment_reward, args=args,
+                            train_dataset=rows)
+    loader = TrainLoader.grpo(6, 4, 1, args.seed, 2, args.steps_per_generation)
+    assert [trainer._generation_rows(c) for c in range(6)] == [loader.generation_rows(c, 0) for c in range(6)]
+    trainer.end()

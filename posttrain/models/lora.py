@@ -7,7 +7,6 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -15,24 +14,8 @@ from torch import nn
 from posttrain.errors import ConfigError
 
 
-@dataclass
-class LoraFields:
-    """TRL ``ModelConfig``'s LoRA flags (same names and defaults), for a trainer's config."""
-
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    # None: peft's default for the architecture; "all-linear": every linear layer but the LM head.
-    lora_target_modules: list[str] | None = None
-    lora_modules_to_save: list[str] | None = None
-    use_rslora: bool = False
-    # Final save: False keeps the PEFT adapter (as TRL); True saves a plain model with adapters merged in.
-    merge_adapters: bool = False
-
-
-def check_lora_fields(cfg: LoraFields) -> None:
-    """Refuse impossible LoRA settings by flag before anything loads."""
+def check_lora_fields(cfg: Any) -> None:
+    """Refuse impossible LoRA settings of TRL's ``ModelConfig`` by flag before anything loads."""
     if not cfg.use_peft:
         return
     if not isinstance(cfg.lora_r, int) or cfg.lora_r < 1:
@@ -42,20 +25,6 @@ def check_lora_fields(cfg: LoraFields) -> None:
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise ConfigError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}: set --lora_dropout (TRL's "
                           "default is 0.05)")
-
-
-def lora_config(cfg: LoraFields, task_type: str = "CAUSAL_LM") -> Any:
-    """peft's ``LoraConfig`` for ``cfg`` (None without ``use_peft``), built by TRL's ``get_peft_config``."""
-    if not cfg.use_peft:
-        return None
-    from trl import ModelConfig
-    from trl.trainer.utils import get_peft_config
-
-    # ModelConfig turns a one-name list into the string peft wants for "all-linear".
-    return get_peft_config(ModelConfig(
-        use_peft=True, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-        lora_target_modules=cfg.lora_target_modules, lora_modules_to_save=cfg.lora_modules_to_save, lora_task_type=task_type,
-        use_rslora=cfg.use_rslora))
 
 
 def zero3_adapters(session: Any, role: str, peft_config: Any) -> bool:

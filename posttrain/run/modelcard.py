@@ -193,7 +193,8 @@ def plot_learning_curves(rows: list[dict], path: str | Path) -> Path | None:
 
 
 def write_model_card(output_dir: str | Path, cfg: Any, method: str, session: Any = None,
-                     base_model: str | None = None, dataset_name: str | None = None) -> Path | None:
+                     base_model: str | None = None, dataset_name: str | None = None,
+                     peft_config: Any = None, model_name: str | None = None, tags: Any = None) -> Path | None:
     """Write ``README.md`` and curves to ``output_dir`` from ``cfg``; returns its path. Main only.
     A README.md posttrain did not write is kept (said once) and None returned."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -240,11 +241,13 @@ def write_model_card(output_dir: str | Path, cfg: Any, method: str, session: Any
             roles.append({"name": name, "trains": "yes" if role.trains else "no", "config": label, "stage": stage,
                           "master": master})
 
-    model_name = Path(cfg.hub_model_id).name if getattr(cfg, "hub_model_id", None) else out.resolve().name
+    if model_name is None:  # TRL's: the hub repo's name, else the output dir's
+        model_name = Path(cfg.hub_model_id).name if getattr(cfg, "hub_model_id", None) else out.resolve().name
+    extra = [tags] if isinstance(tags, str) else list(tags or [])
     hub_base = base_model if _is_hub_id(base_model) else None
     hub_dataset = dataset_name if _is_hub_id(dataset_name) else None
     card_data = ModelCardData(base_model=hub_base, datasets=hub_dataset, library_name="transformers",
-                              model_name=model_name, tags=["generated_from_trainer", *info["tags"], "posttrain"])
+                              model_name=model_name, tags=["generated_from_trainer", *info["tags"], *extra, "posttrain"])
     trained = [r.name for r in session.roles.values() if r.trains] if session is not None else []
     card = ModelCard.from_template(
         card_data, template_str=_TEMPLATE, model_name=model_name,
@@ -256,21 +259,24 @@ def write_model_card(output_dir: str | Path, cfg: Any, method: str, session: Any
         # Folders of their own: every model of a multi-model run, else those beside the top one.
         model_folders=trained if method == "multi" else trained[1:],
         top_model=trained[0] if trained else "model", roles=roles, metrics=metrics,
-        curves=CURVES_FILE if curves is not None else None, lora_text=_lora_text(cfg),
+        curves=CURVES_FILE if curves is not None else None, lora_text=_lora_text(cfg, peft_config),
         config_yaml=_config_yaml(cfg), versions=[(name, _version(dist)) for name, dist in _FRAMEWORKS])
     path = out / CARD_FILE
     card.save(path)
     return path
 
 
-def _lora_text(cfg: Any) -> str | None:
+def _lora_text(cfg: Any, peft_config: Any) -> str | None:
     """What a LoRA run trained and saved, and what its reference was (``reference_model``)."""
-    if not getattr(cfg, "use_peft", False):
+    if peft_config is None:
         return None
-    targets = cfg.lora_target_modules or "peft's default for the architecture"
+    targets = peft_config.target_modules
+    targets = (sorted(targets) if isinstance(targets, (set, list, tuple)) else targets) or \
+        "peft's default for the architecture"
     saved = ("the base with the adapters merged in, a plain transformers model" if cfg.merge_adapters else
              "the adapter in PEFT format (`PeftModel.from_pretrained(base, folder)` loads it)")
-    text = (f"LoRA (r {cfg.lora_r}, alpha {cfg.lora_alpha}, dropout {cfg.lora_dropout}, target modules {targets}): "
+    text = (f"LoRA (r {peft_config.r}, alpha {peft_config.lora_alpha}, dropout {peft_config.lora_dropout}, target "
+            f"modules {targets}): "
             f"only the adapters were trained, and the model is saved as {saved}.")
     reference = getattr(cfg, "reference_model", "")
     if reference and not reference.startswith("none"):

@@ -219,6 +219,9 @@ def model_arguments(model_args: Any, cfg: Any, demo_model: Callable[[], Any]) ->
     (``model_init_kwargs`` from ``--dtype``, ``--model_revision``, ``--attn_implementation``)."""
     from trl import ModelConfig, get_peft_config
 
+    from posttrain.models.lora import check_lora_fields
+
+    check_lora_fields(model_args)
     defaults = ModelConfig()
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise ConfigError("--load_in_4bit / --load_in_8bit: quantized (bitsandbytes) training is not supported; "

@@ -14,7 +14,6 @@ from trl import ModelConfig, ScriptArguments
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
 from posttrain.run.hub import push_to_hub
-from posttrain.run.modelcard import write_model_card
 from posttrain.scripts.args import (
     demo_config,
     model_arguments,
@@ -148,8 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  student {saved_as(peft_config, cfg.merge_adapters)} to {final}; metrics in "
               f"{cfg.output_dir}/metrics.jsonl")
         # The card written at the end of training cannot know the student and the data: name them.
-        write_model_card(cfg.output_dir, cfg, "distill", trainer.session, base_model=model_args.model_name_or_path,
-                         dataset_name=dataset_name)
+        trainer.create_model_card(dataset_name=dataset_name)
         if cfg.push_to_hub:
             print(f"pushed to {push_to_hub(cfg, final)}")
     trainer.end()

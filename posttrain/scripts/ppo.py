@@ -12,7 +12,6 @@ from trl import ModelConfig, ScriptArguments
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
 from posttrain.run.hub import push_to_hub
-from posttrain.run.modelcard import write_model_card
 from posttrain.scripts.args import (
     demo_config,
     model_arguments,
@@ -97,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  policy {saved_as(peft_config, cfg.merge_adapters)} to {final}, value model to "
                   f"{final / 'value'}; metrics in {cfg.output_dir}/metrics.jsonl")
         # The card names the policy and the data, after the save (a peft save rewrites the card's tags).
-        write_model_card(cfg.output_dir, cfg, "ppo", trainer.session, base_model=model_args.model_name_or_path,
-                         dataset_name=dataset_name)
+        trainer.create_model_card(dataset_name=dataset_name)
         if cfg.push_to_hub:
             print(f"pushed to {push_to_hub(cfg, final)}")
     trainer.end()

@@ -14,7 +14,6 @@ from transformers import TrainingArguments
 from posttrain import checks
 from posttrain.data.order import Schedule, TrainLoader
 from posttrain.errors import ConfigError
-from posttrain.models.lora import LoraFields, check_lora_fields
 from posttrain.models.setup import warmup_steps
 from posttrain.placement.plain import check_setting as check_engine_setting
 from posttrain.placement.ranks import world_size
@@ -104,11 +103,25 @@ def resolve_training_arguments(cfg: Any) -> None:
         hf_logging.set_verbosity(hf_logging.get_log_levels_dict()[cfg.log_level])
 
 
+def pad_multiple(value: Any) -> int | None:
+    """TRL's ``pad_to_multiple_of``: "auto" (128 on Neuron devices only) -> None; the command line's string -> int."""
+    if isinstance(value, str):
+        if value == "auto" or value.lower() in ("none", "null"):
+            return None
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"pad_to_multiple_of must be a whole number or none, got {value!r}") from None
+    if value is not None and value < 1:
+        raise ConfigError(f"pad_to_multiple_of must be >= 1 or none, got {value}")
+    return value
+
+
 def validate_train_config(cfg: TrainConfig) -> None:
     """Refuse bad values before any process group or model, each with the flag to fix; fold bf16/fp16
     into mixed_precision and default eval_steps to logging_steps (TRL's rule)."""
-    if isinstance(cfg, LoraFields):
-        check_lora_fields(cfg)
+    if hasattr(cfg, "pad_to_multiple_of"):
+        cfg.pad_to_multiple_of = pad_multiple(cfg.pad_to_multiple_of)
     at_least_one = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                     "logging_steps")
     for name in at_least_one:

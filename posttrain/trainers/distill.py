@@ -57,9 +57,6 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
     }
 
     def __post_init__(self) -> None:
-        if isinstance(self.pad_to_multiple_of, str):  # TRL's "auto": 128 on Neuron devices only
-            text = self.pad_to_multiple_of.lower()
-            self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
         super().__post_init__()
         for name in ("beta", "lmbda"):
             value = getattr(self, name)
@@ -217,7 +214,7 @@ class DistillationTrainer(Trainer):
         self._samples: list[dict] = []  # the last step's (prompt, completion) texts, for log_completions
         self.rollouts: dict[str, Any] = {}  # role -> posttrain.rollout.Rollout
         self.num_tokens = 0
-        self._init_callbacks(callbacks)
+        self._finish_init(callbacks)
 
     def count_steps(self) -> int:
         cfg = self.cfg

@@ -32,20 +32,6 @@ F_DIVERGENCE_LOSS_TYPES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair"
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 
 
-def pad_multiple(value: Any) -> int | None:
-    """TRL's ``pad_to_multiple_of``: "auto" (128 on Neuron devices only) -> None; the command line's string -> int."""
-    if isinstance(value, str):
-        if value == "auto" or value.lower() in ("none", "null"):
-            return None
-        try:
-            value = int(value)
-        except ValueError:
-            raise ConfigError(f"pad_to_multiple_of must be a whole number or none, got {value!r}") from None
-    if value is not None and value < 1:
-        raise ConfigError(f"pad_to_multiple_of must be >= 1 or none, got {value}")
-    return value
-
-
 @dataclass
 class DPOConfig(TrainConfig, trl.DPOConfig):
     """``trl.DPOConfig`` (its fields, names and defaults) plus posttrain's placement fields."""
@@ -60,7 +46,6 @@ class DPOConfig(TrainConfig, trl.DPOConfig):
                                     "posttrain pads it too"}
 
     def __post_init__(self) -> None:
-        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
         super().__post_init__()
@@ -291,7 +276,7 @@ class DPOTrainer(Trainer):
         self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
         self._steps = None
         self.history: list[dict] = []
-        self._init_callbacks(callbacks)
+        self._finish_init(callbacks)
 
     def _no_dropout(self, model: torch.nn.Module) -> None:
         if self.cfg.disable_dropout:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import trl
 
-from posttrain.data.order import epoch_order, mix_seed, seed_everything
+from posttrain.data.order import mix_seed, repeat_order, seed_everything
 from posttrain.data.preference import check_conversation
 from posttrain.data.prompts import check_prompt_rows, left_pad, prompt_rows, tokenize_prompt
 from posttrain.errors import ConfigError
@@ -220,7 +220,7 @@ class GRPOTrainer(Trainer):
                          tools=tools or None, rollout_func=rollout_func, environment_factory=environment_factory)
         self._build(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                     reward_processing_classes, peft_config)
-        self._init_callbacks(callbacks)
+        self._finish_init(callbacks)
 
     def _build(self, model: Any, reward_funcs: Any, args: Any, train_dataset: Any, eval_dataset: Any,
                processing_class: Any, reward_processing_classes: Any, peft_config: Any) -> None:
@@ -357,7 +357,7 @@ class GRPOTrainer(Trainer):
         cfg, s = self.cfg, self.session
         per_epoch = max(1, len(self.rows) // self.prompts_per_generation)
         epoch, k = divmod(cycle, per_epoch)
-        order = epoch_order(len(self.rows), cfg.seed, epoch) if cfg.shuffle_dataset else list(range(len(self.rows)))
+        order = repeat_order(len(self.rows), cfg.seed, epoch, cfg.shuffle_dataset)  # TRL's RepeatSampler
         prompts = order[k * self.prompts_per_generation : (k + 1) * self.prompts_per_generation]
         expanded = [i for i in prompts for _ in range(cfg.num_generations)]
         return expanded[s.process_index * self.local_gen_size : (s.process_index + 1) * self.local_gen_size]

@@ -78,8 +78,13 @@ class Trainer:
             return 0
         return int(json.loads((ckpt / "state" / "trainer_state.json").read_text()).get("step", 0))
 
-    def _init_callbacks(self, callbacks: list[Any] | None) -> None:
-        """transformers' callback handler and state, as TRL's trainers keep them."""
+    def _finish_init(self, callbacks: list[Any] | None) -> None:
+        """The end of a trainer's ``__init__``: the trained model's tags (as TRL adds its own: a peft save keeps
+        them in the card), transformers' callback handler and state, as TRL's trainers keep them."""
+        model = self.session.unwrap(self.roles["trained"][0])
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if hasattr(base, "add_model_tags"):
+            base.add_model_tags(["posttrain", self.name])
         from transformers.trainer_callback import (
             CallbackHandler,
             DefaultFlowCallback,
@@ -126,7 +131,7 @@ class Trainer:
 
         cfg, s = self.cfg, self.session
         if not hasattr(self, "state"):
-            self._init_callbacks(None)
+            self._finish_init(None)
         if resume_from_checkpoint not in (None, False):
             wanted = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             if wanted != cfg.resume_from_checkpoint and self.start == 0:
@@ -144,7 +149,7 @@ class Trainer:
             self.step = int(state["step"])
             self.restore(state, ckpt)
         log = self.run_log = RunLog(s, cfg, self.total_steps, self.name, start=self.step, shown=self.shown,
-                                    base_model=self.base_model_name())
+                                    card=self.card_info())
         self.history = self.state.log_history = log.history
         started, first, losses = time.perf_counter(), self.step, []
         window: list[dict[str, Any]] = []
@@ -190,12 +195,13 @@ class Trainer:
         call it once on every process, after everything that needs the others (saving, pushing)."""
         self.session.close()
 
-    def base_model_name(self) -> str | None:
-        """The trained model's hub name or path, as ``from_pretrained`` recorded it (None for an object built
-        from a config): the model card's base model."""
+    def card_info(self) -> dict[str, Any]:
+        """What the model card reads off the trainer: the trained model's hub name or path, as
+        ``from_pretrained`` recorded it (None for an object built from a config), and its peft config."""
         model = self.session.unwrap(self.roles["trained"][0])
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        return getattr(getattr(base, "config", None), "_name_or_path", None) or None
+        return {"base_model": getattr(getattr(base, "config", None), "_name_or_path", None) or None,
+                "peft_config": getattr(self, "peft_config", None)}
 
     @property
     def hub_model_id(self) -> str:
@@ -209,8 +215,9 @@ class Trainer:
         from posttrain.run.modelcard import write_model_card
 
         if self.session.is_main_process:
+            info = self.card_info()
             write_model_card(self.cfg.output_dir, self.cfg, self.name, self.session, dataset_name=dataset_name,
-                             base_model=model_name or self.base_model_name())
+                             model_name=model_name, tags=tags, **info)
 
     def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, **card: Any) -> str | None:
         """Upload the saved model in the output dir, with its card, as ``transformers.Trainer.push_to_hub``."""

@@ -93,7 +93,7 @@ class MultiTrainer(Trainer):
                             learning_rate=cfg.learning_rates.get(name))
         self.phases = Phases()
         self.batches: dict[str, Iterator[list[int]]] | None = None  # each model's data order
-        self._init_callbacks(callbacks)
+        self._finish_init(callbacks)
 
     def count_steps(self) -> int:
         cfg = self.cfg

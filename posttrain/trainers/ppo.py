@@ -324,7 +324,7 @@ class PPOTrainer(Trainer):
         self.total_steps = self.num_updates
         self._batches = None  # the prompt order, from the update the run starts at
         self.sample_every = max(1, self.num_updates // max(1, cfg.num_sample_generations))
-        self._init_callbacks(callbacks)
+        self._finish_init(callbacks)
 
     def _queries(self, indices: list[int]) -> torch.Tensor:
         enc = self.tokenizer([self.prompts[i] for i in indices], return_tensors="pt", padding=True,

@@ -20,7 +20,6 @@ from posttrain.models.tokenizer import check_tokenizer_fields, set_tokens
 from posttrain.placement.ranks import gather_ranks
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.trainers.config import TrainConfig, make_session, row_schedule
-from posttrain.trainers.dpo import pad_multiple
 from posttrain.trainers.loop import RowsTrainer, default_args, eval_shards, refuse_arguments
 from posttrain.trainers.run_log import Phases
 
@@ -38,7 +37,6 @@ class RewardConfig(TrainConfig, trl.RewardConfig):
                   "center_rewards_coefficient")
 
     def __post_init__(self) -> None:
-        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)
         super().__post_init__()
         check_tokenizer_fields(self)
 
@@ -162,7 +160,7 @@ class RewardTrainer(RowsTrainer):
         self.model = prepare_trained(self.session, ROLE, model, cfg, self.peft_config, total_steps=self.total_steps)
         self.setup_times = self.phases.pop()
         self.num_tokens = 0
-        self._init_callbacks(callbacks)
+        self._finish_init(callbacks)
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = self._to_device(batch)

@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,8 @@ class RunLog:
     """Progress bar (``shown`` metrics), ``metrics.jsonl`` and trackers; ``history`` is the whole run's."""
 
     def __init__(self, session: Session, cfg: TrainConfig, total: int, name: str, start: int = 0,
-                 shown: tuple[str, ...] = ("loss",), base_model: str | None = None) -> None:
-        self.session, self.cfg, self.name, self.base_model = session, cfg, name, base_model
+                 shown: tuple[str, ...] = ("loss",), card: dict[str, Any] | None = None) -> None:
+        self.session, self.cfg, self.name, self.card = session, cfg, name, card or {}
         self.out = Path(cfg.output_dir)
         self.main = session.is_main_process
         self.total, self.done, self.shown = total, start, shown
@@ -132,12 +132,16 @@ class RunLog:
         self.bar.close()
         # Trackers are finished by Session.close() (the trainer's end()), after saving and pushing.
         if self.main:  # as TRL's trainers do: a model card (and the learning curves) in the output dir
-            write_model_card(self.out, self.cfg, self.name, self.session, base_model=self.base_model)
+            write_model_card(self.out, self.cfg, self.name, self.session, **self.card)
 
 
 def settings(cfg: Any) -> dict[str, Any]:
-    """The config's fields, tokens masked (TrainingArguments.to_dict) where the config can."""
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else asdict(cfg)
+    """The config's fields, tokens masked (TrainingArguments.to_dict) where the config can, and the values
+    the run resolved itself (fields without a flag, such as GRPO's ``reference_model``)."""
+    if not hasattr(cfg, "to_dict"):
+        return asdict(cfg)
+    resolved = {f.name: getattr(cfg, f.name) for f in fields(cfg) if not f.init and not f.name.startswith("_")}
+    return {**cfg.to_dict(), **resolved}
 
 
 def _label(key: str) -> str:

@@ -39,8 +39,6 @@ class SFTConfig(TrainConfig, trl.SFTConfig):
                   "completion_only_loss", "assistant_only_loss", "loss_type")
 
     def __post_init__(self) -> None:
-        if self.pad_to_multiple_of == "auto":  # TRL's "auto": 128 on Neuron devices only
-            self.pad_to_multiple_of = None
         super().__post_init__()
         validate(self)
 
@@ -154,7 +152,7 @@ class SFTTrainer(RowsTrainer):
                                                    total_steps=self.total_steps)
         self.setup_times = self.phases.pop()
         self.num_tokens = 0
-        self._init_callbacks(callbacks)
+        self._finish_init(callbacks)
 
     def _prepare(self, dataset: Any, name: str, packing: bool, prep: dict) -> list[dict]:
         # TRL shuffles with seed before packing and again after.

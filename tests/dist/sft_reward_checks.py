@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import torch
+from peft import LoraConfig
 
 from posttrain.demo import synthetic, tiny
-from posttrain.data.order import rank_batches
 from posttrain.trainers.reward import RewardConfig, RewardTrainer, reward_loss
 from posttrain.trainers.sft import SFTConfig, SFTTrainer, add_fused_head, token_terms
 
@@ -32,9 +32,10 @@ def record(trainer, history) -> dict:
             "stages": {role: trainer.session.zero_stage(role) for role in trainer.session.roles}}
 
 
-def sft(tmp: Path, name: str, **fields) -> tuple[SFTTrainer, dict]:
+def sft(tmp: Path, name: str, peft_config=None, **fields) -> tuple[SFTTrainer, dict]:
     cfg = SFTConfig(output_dir=str(tmp / name), packing=True, max_length=32, **{**COMMON, **fields})
-    trainer = SFTTrainer(str(tiny.model_path(seed=0)), args=cfg, train_dataset=SFT_TRAIN, eval_dataset=SFT_EVAL)
+    trainer = SFTTrainer(str(tiny.model_path(seed=0)), args=cfg, train_dataset=SFT_TRAIN, eval_dataset=SFT_EVAL,
+                         peft_config=peft_config)
     trainer.train()
     return trainer, record(trainer, trainer.state.log_history)
 
@@ -48,14 +49,9 @@ def reward(tmp: Path, name: str, peft_config=None, **fields) -> tuple[RewardTrai
 
 
 def first_step_batches(trainer, world: int) -> list[list[dict]]:
-    """The first optimizer step's micro-batches of every rank (what rank_batches hands each)."""
-    cfg = trainer.cfg
-    out = []
-    for rank in range(world):
-        it = rank_batches(len(trainer.train_rows), cfg.per_device_train_batch_size, cfg.seed, rank, world)
-        out.append([trainer.collate([trainer.train_rows[i] for i in next(it)])
-                    for _ in range(cfg.gradient_accumulation_steps)])
-    return out
+    """The first optimizer step's micro-batches of every rank (what TRL's loader hands each)."""
+    first = [next(trainer.loader.steps(trainer.schedule, rank)) for rank in range(world)]
+    return [[trainer.collate([trainer.train_rows[i] for i in b.rows]) for b in step.batches] for step in first]
 
 
 def grad_norm(model) -> float:
@@ -67,7 +63,7 @@ def direct_sft_step(trainer, world: int) -> dict:
     trained tokens (num_items_in_batch), its value and its gradient's norm (before clipping)."""
     from transformers import AutoModelForCausalLM
 
-    model = add_fused_head(AutoModelForCausalLM.from_pretrained(trainer.cfg.model_name_or_path, dtype=torch.float32))
+    model = add_fused_head(AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32))
     terms = [token_terms(model, b) for per_rank in first_step_batches(trainer, world) for b in per_rank]
     loss = sum(t["loss_sum"] for t in terms) / sum(t["tokens"] for t in terms)
     loss.backward()
@@ -104,8 +100,8 @@ def main(out: str, tmp: str) -> None:
     _, res["sft"]["offload"] = sft(tmp, "sft-offload", role_configs={"policy": OFFLOAD}, eval_steps=2)
     _, res["sft"]["resumed"] = sft(tmp, "sft-resumed", resume_from_checkpoint=str(tmp / "sft-zero2" / "checkpoint-2"),
                                    eval_steps=2)
-    trainer, res["sft"]["lora"] = sft(tmp, "sft-lora", use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                                      learning_rate=1e-2)
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0)
+    trainer, res["sft"]["lora"] = sft(tmp, "sft-lora", peft_config=lora, learning_rate=1e-2)
     trainer.save_model(tmp / "sft-lora" / "final")
     if main_process:
         res["sft"]["lora_files"] = sorted(p.name for p in (tmp / "sft-lora" / "final").iterdir())
@@ -119,7 +115,6 @@ def main(out: str, tmp: str) -> None:
     _, res["reward"]["offload"] = reward(tmp, "rw-offload", role_configs={"reward": OFFLOAD}, eval_steps=2)
     _, res["reward"]["resumed"] = reward(tmp, "rw-resumed", resume_from_checkpoint=str(tmp / "rw-zero2" / "checkpoint-2"),
                                          eval_steps=2)
-    from peft import LoraConfig
 
     trainer, res["reward"]["lora"] = reward(tmp, "rw-lora", learning_rate=1e-2,
                                             peft_config=LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0))

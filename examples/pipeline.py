@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t = time.perf_counter()
     grpo_args = ["--config", str(ROOT / "configs/grpo.yaml"), "--output_dir", str(out / "grpo"),
-                 "--model_name_or_path", sft["final_model"], "--reward_funcs", reward["final_model"],
+                 "--model_name_or_path", sft["final_model"], "--reward_model_name_or_path", reward["final_model"],
                  "--dataset_name", str(prompts), *quiet]
     if opts.grpo_steps:
         grpo_args += ["--max_steps", str(opts.grpo_steps)]

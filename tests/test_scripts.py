@@ -116,6 +116,9 @@ def test_push_to_hub_uploads_the_final_model(tmp_path, monkeypatch):
     calls = []
 
     class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("token", token))
+
         def create_repo(self, repo_id, private=None, exist_ok=False):
             from huggingface_hub import RepoUrl
 
@@ -130,15 +133,15 @@ def test_push_to_hub_uploads_the_final_model(tmp_path, monkeypatch):
     out = tmp_path / "my-run"
     out.mkdir()
     (out / "README.md").write_text("card")
-    cfg = DPOConfig(output_dir=str(out), push_to_hub=True, hub_private_repo=True)
+    cfg = DPOConfig(output_dir=str(out), push_to_hub=True, hub_private_repo=True, hub_token="hf_x")
     url = hub.push_to_hub(cfg, out)  # the model is at the top of the output dir: one upload, card included
     assert url == "https://huggingface.co/alice/my-run"
-    assert calls == [("create_repo", "my-run", True, True),
+    assert calls == [("token", "hf_x"), ("create_repo", "my-run", True, True),
                      ("upload_folder", "alice/my-run", str(out), None, ["_*", "checkpoint-*", ".posttrain.lock"])]
     calls.clear()
     (out / "elsewhere").mkdir()
     hub.push_to_hub(DPOConfig(output_dir=str(out), hub_model_id="me/dpo"), out / "elsewhere")
-    assert calls[1:] == [("upload_folder", "me/dpo", str(out / "elsewhere"), None, hub.IGNORED),
+    assert calls[2:] == [("upload_folder", "me/dpo", str(out / "elsewhere"), None, hub.IGNORED),
                          ("upload_folder", "me/dpo", str(out), hub.RUN_FILES, None)]
 
 

@@ -206,3 +206,33 @@ def test_trl_online_scripts_run_on_posttrain(tmp_path: Path, tiny_prompts: Path,
         assert (out / "adapter_config.json").is_file()
         base = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path())
         assert PeftModel.from_pretrained(base, out).num_parameters() > 0
+
+
+def test_trl_scripts_on_two_processes(tmp_path: Path, tiny_text: Path, tiny_prompts: Path) -> None:
+    """TRL's sft.py under torchrun with --use_peft and --eval_strategy steps, and TRL's grpo.py under accelerate
+    launch, each on two CPU processes, imports swapped: both run to the end and save a model that loads."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.demo import tiny
+
+    sft_out = tmp_path / "sft"
+    log = run(trl_script("sft", tmp_path, ours=True), "--model_name_or_path", tiny.model_path(), "--dataset_name",
+              tiny_text, "--max_steps", "2", "--use_peft", "--lora_r", "4", "--eval_strategy", "steps",
+              "--eval_steps", "1", "--output_dir", sft_out, *COMMON, nproc=2)
+    assert "Training completed" in log
+    rows = [json.loads(line) for line in (sft_out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [1, 2]
+    assert PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny.model_path()), sft_out)
+
+    grpo_out = tmp_path / "grpo"
+    config = Path(__file__).resolve().parent.parent / "configs" / "accelerate" / "cpu_2proc.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           str(trl_script("grpo", tmp_path, ours=True)), "--model_name_or_path", str(tiny.sft_model_path()),
+           "--dataset_name", str(tiny_prompts), "--reward_funcs", "posttrain.demo.synthetic.sentiment_reward",
+           "--num_generations", "4", "--max_completion_length", "8", "--max_steps", "2", "--output_dir",
+           str(grpo_out), *map(str, COMMON)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "Training completed" in proc.stdout + proc.stderr
+    assert AutoModelForCausalLM.from_pretrained(grpo_out).num_parameters() > 0

@@ -61,6 +61,10 @@ def policy_source(cfg: Any, model: Any, processing_class: Any, *, what: str = "p
             processing_class = load_tokenizer(name)
         return model, processing_class, name or type(model).__name__
     path = str(model)
+    if processing_class is None:  # a path's problem (an adapter folder, no config.json) said before its tokenizer
+        from posttrain.checks import check_model_path
+
+        check_model_path(path, "model=")
     return path, processing_class or load_tokenizer(path), path
 
 

@@ -63,6 +63,9 @@ def _parse(types: list, config: str | None, argv: list[str], prog: str | None) -
         "--config FILE: a YAML of settings, which the flags below override. Without it, a run with no model "
         "takes the built-in tiny default's demo settings, a run with your model the defaults shown."))
     known = {s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")}
+    for action in parser._actions:  # TrainingArguments' enums, TRL's Literals: the config's check says it in a sentence
+        if action.choices is not None and action.dest != "help" and not isinstance(action.choices, dict):
+            action.choices = None
     # argparse takes "-1e-3" for a flag before Python 3.14 (gh-124693); this is 3.14's pattern.
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
     if config is not None:

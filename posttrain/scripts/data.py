@@ -57,7 +57,7 @@ def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
 def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, script: ScriptArguments,
                     test_split_size: float, bundled: Callable[[], tuple[list[dict], list[dict]]],
                     check: Callable[[Any, str], None] | None = None, model: Any = None,
-                    peft_config: Any = None) -> tuple[Trainer, dict]:
+                    peft_config: Any = None, **trainer_kwargs: Any) -> tuple[Trainer, dict]:
     """A rows trainer on the script's data (or ``bundled()``) and its held-out metrics before training."""
     if script.dataset_name is None:
         from datasets import Dataset
@@ -67,7 +67,8 @@ def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, scrip
         test = test if cfg.eval_strategy != "no" else None  # TRL's scripts pass none then
     else:
         train, test = load_train_eval(script, test_split_size, cfg, check=check)
-    trainer = trainer_cls(model=model, args=cfg, train_dataset=train, eval_dataset=test, peft_config=peft_config)
+    trainer = trainer_cls(model=model, args=cfg, train_dataset=train, eval_dataset=test, peft_config=peft_config,
+                          **trainer_kwargs)
     if test is not None and cfg.eval_strategy == "epoch":
         cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
     return trainer, (trainer.evaluate() if test is not None else {})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from posttrain.data import preference
 from posttrain.demo import tiny
@@ -21,21 +20,9 @@ class DataArguments(PairArguments):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parsed: list[DataArguments] = []
-
-    @dataclass
-    class Arguments(DataArguments):
-        __doc__ = DataArguments.__doc__
-
-        def __post_init__(self) -> None:  # the parsed settings, for the trainer's ref_model
-            parsed.append(self)
-
-    def trainer(**kwargs: Any) -> DPOTrainer:
-        return DPOTrainer(ref_model=parsed[-1].ref_model_name_or_path, **kwargs)
-
-    trainer.name = DPOTrainer.name  # type: ignore[attr-defined]
-    run(trainer, DPOConfig, Arguments, argv, demo_model=tiny.sft_model_path,
-        metrics=("rewards/accuracies", "loss", "rewards/margins"), saved="policy", check=preference.check_rows)
+    run(DPOTrainer, DPOConfig, DataArguments, argv, demo_model=tiny.sft_model_path,
+        metrics=("rewards/accuracies", "loss", "rewards/margins"), saved="policy", check=preference.check_rows,
+        trainer_kwargs=lambda data: {"ref_model": data.ref_model_name_or_path})
 
 
 if __name__ == "__main__":

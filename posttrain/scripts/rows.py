@@ -37,7 +37,8 @@ class PairArguments:
 def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | None, *,
         demo_model: Callable[[], Any], metrics: tuple[str, ...], saved: str,
         check: Callable[[Any, str], None] | None = None,
-        train_summary: Callable[[list[dict]], dict] | None = None) -> None:
+        train_summary: Callable[[list[dict]], dict] | None = None,
+        trainer_kwargs: Callable[[Any], dict] | None = None) -> None:
     """Parse, train, save, report. ``demo_model()``: model if none named; ``data_cls``: ``test_split_size``,
     ``bundled()``, ``bundled_name``; ``metrics``: for ``summary.json``, first two printed before -> after."""
     name = trainer_cls.name
@@ -46,7 +47,8 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
     require_dataset([script, model_args])
     model, peft_config = model_arguments(model_args, cfg, demo_model)
     trainer, before = trainer_on_data(trainer_cls, cfg, script, data.test_split_size, data.bundled, check=check,
-                                      model=model, peft_config=peft_config)
+                                      model=model, peft_config=peft_config,
+                                      **(trainer_kwargs(data) if trainer_kwargs else {}))
     trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     history = trainer.state.log_history
     final = trainer.save_model()

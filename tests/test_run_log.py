@@ -17,7 +17,7 @@ from posttrain.run import modelcard
 from posttrain.run.jsonrows import dumps_row, loads_row, read_rows
 from posttrain.scripts import grpo as grpo_script
 from posttrain.scripts import ppo as ppo_script
-from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.config import LoopConfig
 from posttrain.trainers.run_log import RunLog
 
 
@@ -47,7 +47,7 @@ def test_rows_are_strict_json_at_full_precision():
 
 
 def log_rows(tmp_path, rows, start=0, **cfg):
-    log = RunLog(stub_session(), TrainConfig(output_dir=str(tmp_path), **cfg), 10, "grpo", start=start,
+    log = RunLog(stub_session(), LoopConfig(output_dir=str(tmp_path), **cfg), 10, "grpo", start=start,
                  shown=("reward", "kl", "loss"))
     for step, row in rows:
         log.log(step, row)
@@ -107,7 +107,8 @@ def test_the_interrupt_line_names_the_checkpoint(tmp_path):
     (tmp_path / "checkpoint-2" / "state" / "trainer_state.json").write_text("{}")
     assert log.interrupted() == ("interrupted at step 2 of 10; resume with --resume_from_checkpoint latest "
                                  "(checkpoint-2)")
-    assert log_rows(tmp_path / "none", []).interrupted().endswith("no checkpoint yet (--save_steps N writes them)")
+    no_saves = log_rows(tmp_path / "none", [], save_strategy="no")
+    assert no_saves.interrupted().endswith("no checkpoint yet (--save_strategy steps --save_steps N writes them)")
     log.closed = True  # RunLog.close: an interrupt while the model is saved
     assert log.interrupted().startswith("interrupted after grpo's training ended (step 2 of 10); resume with")
 

@@ -73,9 +73,8 @@ def _all_threads() -> Iterator[None]:
 
 def first_batch(trainer) -> dict:
     """The first micro-batch a recipe's trainer trains on (its data order, one process)."""
-    from posttrain.trainers.loop import collated_batches
-
-    return next(collated_batches(trainer, 0))
+    first = next(trainer.loader.steps(trainer.schedule, 0)).batches[0]
+    return trainer.collate([trainer.train_rows[i] for i in first.rows])
 
 
 def final_loss(model, trainer) -> float:

@@ -69,7 +69,7 @@ def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, scrip
         train, test = load_train_eval(script, test_split_size, cfg, check=check)
     trainer = trainer_cls(model=model, args=cfg, train_dataset=train, eval_dataset=test, peft_config=peft_config,
                           **trainer_kwargs)
-    if test is not None and cfg.eval_strategy == "epoch":
+    if test is not None and cfg.eval_strategy == "epoch" and getattr(trainer, "schedule", None) is None:
         cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
     return trainer, (trainer.evaluate() if test is not None else {})
 

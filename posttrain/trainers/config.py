@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -189,18 +188,6 @@ def row_schedule(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> tuple[Tra
         raise ConfigError(f"train_dataset has no usable {noun}: give at least one")
     loader = TrainLoader.rows(n_rows, cfg.per_device_train_batch_size, world_size(), cfg.seed)
     return loader, loader.schedule(cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_steps)
-
-
-def steps_for_rows(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> int:
-    """Optimizer steps of a run over ``n_rows`` rows; fewer rows than one global batch is refused."""
-    world = world_size()
-    global_batch = cfg.per_device_train_batch_size * world
-    if n_rows < global_batch:
-        raise ConfigError(f"train_dataset has {n_rows} usable {noun}, fewer than one global batch "
-                          f"({cfg.per_device_train_batch_size} per device x {world} processes): lower "
-                          f"--per_device_train_batch_size or give more {noun}")
-    per_epoch = max(1, n_rows // global_batch // cfg.gradient_accumulation_steps)
-    return cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * per_epoch)
 
 
 def saves(cfg: TrainConfig) -> bool:

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from posttrain.data.order import rank_batches
 from posttrain.errors import ConfigError
 from posttrain.placement.ranks import mean_over_ranks
 from posttrain.run.output_dir import check_resume, claim_output_dir, resume_dir, save_checkpoint
@@ -152,6 +151,10 @@ class Trainer:
                                     card=self.card_info())
         self.history = self.state.log_history = log.history
         started, first, losses = time.perf_counter(), self.step, []
+        # TRL evaluates only under an eval_strategy; posttrain also at the last step. "epoch": the epoch's steps.
+        evaluating = self.evaluates and self.has_eval_data() and cfg.eval_strategy != "no"
+        schedule = getattr(self, "schedule", None)
+        every = schedule.steps_per_epoch if cfg.eval_strategy == "epoch" and schedule is not None else cfg.eval_steps
         window: list[dict[str, Any]] = []
         self._event("on_train_begin")
         while self.step < self.total_steps:
@@ -170,8 +173,7 @@ class Trainer:
                 self.on_log(self.step)
                 self._event("on_log", logs=row)
             log.advance()
-            if self.evaluates and self.has_eval_data() and (
-                    (cfg.eval_steps and self.step % cfg.eval_steps == 0) or last):
+            if evaluating and ((every and self.step % every == 0) or last):
                 metrics = self.evaluate()
                 log.log(self.step, metrics, advance=False)
                 self._event("on_evaluate", metrics=metrics)
@@ -267,14 +269,6 @@ def default_args(config_cls: type, model: Any, suffix: str) -> Any:
     """TRL's config when ``args`` is None: the defaults, in ``<model name>-<suffix>``."""
     name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
     return config_cls(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
-
-
-def collated_batches(trainer: Any, start_micro: int) -> Iterator[dict]:
-    """This process's collated micro-batches of ``trainer.train_rows``, from ``start_micro`` on."""
-    cfg, s = trainer.cfg, trainer.session
-    for idx in rank_batches(len(trainer.train_rows), cfg.per_device_train_batch_size, cfg.seed,
-                            s.process_index, s.num_processes, start=start_micro):
-        yield trainer.collate([trainer.train_rows[i] for i in idx])
 
 
 def eval_shards(session: Any, n: int, batch_size: int) -> Iterator[list[int]]:

@@ -117,7 +117,7 @@ class RunLog:
         if latest is not None:
             how = f"resume with --resume_from_checkpoint latest ({latest.name})"
         else:
-            how = "no checkpoint yet" + ("" if saves(self.cfg) else " (--save_steps N writes them)")
+            how = "no checkpoint yet" + ("" if saves(self.cfg) else " (--save_strategy steps --save_steps N writes them)")
         step = max([self.done, *(int(h.get("step", 0)) for h in self.history[-1:])])  # logged, not yet advanced
         if self.closed:  # saving the model, or a later part of the script
             return f"interrupted after {self.name}'s training ended (step {step} of {self.total}); {how}"

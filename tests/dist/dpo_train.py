@@ -31,7 +31,8 @@ def run(tmp: Path, name: str, eval_dataset=None, peft_config=None, **fields) -> 
 def main(out: str, tmp: str) -> None:
     tmp = Path(tmp)
     res = {}
-    trainer, res["zero2-zero3"] = run(tmp, "zero2-zero3", eval_dataset=EVAL, eval_steps=3, save_steps=3)
+    trainer, res["zero2-zero3"] = run(tmp, "zero2-zero3", eval_dataset=EVAL, eval_strategy="steps", eval_steps=3,
+                                      save_steps=3)
     main_process = trainer.session.is_main_process
     ckpt = tmp / "zero2-zero3" / "checkpoint-3"
     if main_process:
@@ -48,7 +49,7 @@ def main(out: str, tmp: str) -> None:
     lora = dict(peft_config=LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0), learning_rate=1e-2,
                 max_steps=12)
     _, res["lora_precomputed"] = run(tmp, "lora_precomputed", precompute_ref_log_probs=True, **lora)
-    trainer, res["lora"] = run(tmp, "lora", eval_dataset=EVAL, eval_steps=12, **lora)
+    trainer, res["lora"] = run(tmp, "lora", eval_dataset=EVAL, eval_strategy="steps", eval_steps=12, **lora)
     trainer.save_model(tmp / "lora" / "final")
     if main_process:
         res["lora_files"] = sorted(p.name for p in (tmp / "lora" / "final").iterdir())

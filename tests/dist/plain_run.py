@@ -21,12 +21,14 @@ def weights(session, role: str) -> dict:
 
 
 def dpo(tmp: Path, name: str, engine: str, **kw) -> tuple[DPOTrainer, list[dict]]:
-    fields = dict(model_name_or_path=str(tiny.model_path(seed=0)), ref_model_name_or_path=str(tiny.model_path(seed=1)),
-                  output_dir=str(tmp / name), overwrite_output_dir=True, max_steps=3, learning_rate=1e-3,
+    fields = dict(output_dir=str(tmp / name), overwrite_output_dir=True, max_steps=3, learning_rate=1e-3,
                   per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.05, logging_steps=1,
-                  disable_tqdm=True, seed=0, single_process_engine=engine)
-    trainer = DPOTrainer(DPOConfig(**{**fields, **kw}), train_dataset=synthetic.preference_pairs(16, seed=3))
-    return trainer, trainer.train()
+                  save_strategy="no", disable_tqdm=True, seed=0, single_process_engine=engine)
+    trainer = DPOTrainer(str(tiny.model_path(seed=0)), ref_model=str(tiny.model_path(seed=1)),
+                         args=DPOConfig(**{**fields, "save_strategy": "steps" if "save_steps" in kw else "no", **kw}),
+                         train_dataset=synthetic.preference_pairs(16, seed=3))
+    trainer.train()
+    return trainer, trainer.state.log_history
 
 
 def grpo(tmp: Path, engine: str) -> tuple[GRPOTrainer, list[dict]]:

@@ -24,7 +24,7 @@ OFFLOAD = {**json.loads((Path(__file__).resolve().parents[2] / "posttrain/preset
            "zero_force_ds_cpu_optimizer": False}
 OFFLOAD["zero_optimization"] = {**OFFLOAD["zero_optimization"], "offload_optimizer": {"device": "cpu"}}
 COMMON = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4, logging_steps=1,
-              disable_tqdm=True, learning_rate=3e-3, gradient_checkpointing=False)
+              eval_strategy="steps", disable_tqdm=True, learning_rate=3e-3, gradient_checkpointing=False)
 
 
 def record(trainer, history) -> dict:

@@ -174,15 +174,12 @@ def tiny_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        [{"prompt": p} for p in synthetic.prompts(4, seed=1)])
 
 
-@pytest.mark.parametrize("name,extra", [
-    ("grpo", ("--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "4")),
-    ("rloo", ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")),
-])
+# grpo.py runs under accelerate launch on two processes, with evaluation (test_trl_scripts_on_two_processes).
+@pytest.mark.parametrize("name,extra", [("rloo", ("--use_peft", "--lora_r", "4", "--lora_alpha", "8"))])
 def test_trl_online_scripts_run_on_posttrain(tmp_path: Path, tiny_prompts: Path, name: str, extra: tuple) -> None:
-    """TRL's grpo.py and rloo.py on posttrain, one process, the tiny SFT policy on a local folder of prompts,
-    rewarded by the bundled function named as TRL's script imports one (``module.function``): to the end, every
-    step logged with its loss and reward, the saved policy loads; GRPO evaluates on the test split (TRL's
-    eval rewards), RLOO trains LoRA adapters (saved as an adapter). The losses are not compared with TRL's
+    """TRL's rloo.py on posttrain, one process, with --use_peft: the tiny SFT policy on a local folder of prompts,
+    rewarded by the bundled function named as TRL's script imports one (``module.function``), to the end, every
+    step logged with its loss and reward, the adapter saved and loadable. The losses are not compared with TRL's
     script: the two engines sample other completions (tests/test_grpo_parity.py, test_rloo_parity.py and
     test_lora_online.py compare the numbers on the same completions)."""
     from peft import PeftModel
@@ -199,18 +196,15 @@ def test_trl_online_scripts_run_on_posttrain(tmp_path: Path, tiny_prompts: Path,
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert all(-2.0 <= r["reward"] <= 2.0 for r in rows if "loss" in r)  # the bundled reward's range
-    if name == "grpo":
-        assert [r["step"] for r in rows if "eval/reward" in r] == [2]
-        assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
-    else:
-        assert (out / "adapter_config.json").is_file()
-        base = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path())
-        assert PeftModel.from_pretrained(base, out).num_parameters() > 0
+    assert (out / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path())
+    assert PeftModel.from_pretrained(base, out).num_parameters() > 0
 
 
 def test_trl_scripts_on_two_processes(tmp_path: Path, tiny_text: Path, tiny_prompts: Path) -> None:
     """TRL's sft.py under torchrun with --use_peft and --eval_strategy steps, and TRL's grpo.py under accelerate
-    launch, each on two CPU processes, imports swapped: both run to the end and save a model that loads."""
+    launch with --eval_strategy steps, each on two CPU processes, imports swapped: both run to the end, log
+    their losses and evaluations, and save a model that loads."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -231,8 +225,13 @@ def test_trl_scripts_on_two_processes(tmp_path: Path, tiny_text: Path, tiny_prom
            str(trl_script("grpo", tmp_path, ours=True)), "--model_name_or_path", str(tiny.sft_model_path()),
            "--dataset_name", str(tiny_prompts), "--reward_funcs", "posttrain.demo.synthetic.sentiment_reward",
            "--num_generations", "4", "--max_completion_length", "8", "--max_steps", "2", "--output_dir",
-           str(grpo_out), *map(str, COMMON)]
+           str(grpo_out), *map(str, COMMON), "--eval_strategy", "steps", "--eval_steps", "2",
+           "--per_device_eval_batch_size", "4"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "Training completed" in proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (grpo_out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert all(-2.0 <= r["reward"] <= 2.0 for r in rows if "loss" in r)  # the bundled reward's range
+    assert [r["step"] for r in rows if "eval/reward" in r] == [2]  # TRL's eval rewards on the test split
     assert AutoModelForCausalLM.from_pretrained(grpo_out).num_parameters() > 0

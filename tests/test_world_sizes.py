@@ -58,6 +58,8 @@ def test_dpo_placement_invariance(res):
 
 
 def test_ppo_placement_invariance(res):
+    if res["world"] != 3:
+        pytest.skip("PPO runs at 3 ranks (tests/dist/world_checks.py)")
     first = res["ppo"]["zero2-zero3"]
     assert len(first) == 2 and abs(first[1]["objective/kl"]) > 1e-4  # the policy moved from the reference (k1 can be < 0)
     for mix in MIXES[1:]:

@@ -243,6 +243,17 @@ def model_arguments(model_args: Any, cfg: Any, demo_model: Callable[[], Any]) ->
     return model, get_peft_config(model_args)
 
 
+def finish(trainer: Any, dataset_name: str | None) -> None:
+    """A script's last steps after the save, as TRL's: the card naming the data (after the save: a peft save
+    rewrites the card's tags), the upload when asked, then ``end()``."""
+    trainer.create_model_card(dataset_name=dataset_name)
+    if trainer.args.push_to_hub:
+        url = trainer.push_to_hub(dataset_name=dataset_name)
+        if url:
+            note(f"pushed to {url}")
+    trainer.end()
+
+
 def run_script(main: Callable[[list[str] | None], Any], argv: Sequence[str] | None = None) -> int:
     """Run a script's ``main``: a ConfigError ends it with one sentence (status 2), Ctrl-C with 130."""
     from posttrain.run import interrupt

@@ -13,9 +13,9 @@ from trl import ModelConfig, ScriptArguments
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
-from posttrain.run.hub import push_to_hub
 from posttrain.scripts.args import (
     demo_config,
+    finish,
     model_arguments,
     parse_config,
     record_script_arguments,
@@ -146,11 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"  student {saved_as(peft_config, cfg.merge_adapters)} to {final}; metrics in "
               f"{cfg.output_dir}/metrics.jsonl")
-        # The card written at the end of training cannot know the student and the data: name them.
-        trainer.create_model_card(dataset_name=dataset_name)
-        if cfg.push_to_hub:
-            print(f"pushed to {push_to_hub(cfg, final)}")
-    trainer.end()
+    finish(trainer, dataset_name)
 
 
 if __name__ == "__main__":

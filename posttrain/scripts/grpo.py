@@ -19,8 +19,8 @@ from posttrain.demo import synthetic, tiny
 from posttrain.errors import ConfigError
 from posttrain.scripts.args import (
     demo_config,
+    finish,
     model_arguments,
-    note,
     parse_config,
     record_script_arguments,
     require_dataset,
@@ -121,13 +121,7 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
         else:
             saved = f"policy saved to {final} (from_pretrained loads it)"
         print(f"  {saved}; metrics in {cfg.output_dir}/metrics.jsonl")
-    # Name the data in the card, after the save (a peft save rewrites the card's tags).
-    trainer.create_model_card(dataset_name=dataset_name or BUNDLED_PROMPTS)
-    if cfg.push_to_hub:
-        url = trainer.push_to_hub(dataset_name=dataset_name)
-        if url:
-            note(f"pushed to {url}")
-    trainer.end()
+    finish(trainer, dataset_name or BUNDLED_PROMPTS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,9 +11,9 @@ from trl import ModelConfig, ScriptArguments
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
-from posttrain.run.hub import push_to_hub
 from posttrain.scripts.args import (
     demo_config,
+    finish,
     model_arguments,
     parse_config,
     record_script_arguments,
@@ -95,11 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                                                       for k, v in summary["seconds_per_phase"].items()))
             print(f"  policy {saved_as(peft_config, cfg.merge_adapters)} to {final}, value model to "
                   f"{final / 'value'}; metrics in {cfg.output_dir}/metrics.jsonl")
-        # The card names the policy and the data, after the save (a peft save rewrites the card's tags).
-        trainer.create_model_card(dataset_name=dataset_name)
-        if cfg.push_to_hub:
-            print(f"pushed to {push_to_hub(cfg, final)}")
-    trainer.end()
+    finish(trainer, dataset_name)
 
 
 if __name__ == "__main__":

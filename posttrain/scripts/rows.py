@@ -13,6 +13,7 @@ from trl import ModelConfig, ScriptArguments
 
 from posttrain.scripts.args import (
     demo_config,
+    finish,
     model_arguments,
     parse_config,
     record_script_arguments,
@@ -65,13 +66,7 @@ def run(trainer_cls: Any, config_cls: type, data_cls: type, argv: list[str] | No
         Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
         record_script_arguments(cfg.output_dir, script, data, model_args)
         print(f"{saved} saved to {final}; metrics in {cfg.output_dir}/metrics.jsonl")
-    # The card written at the end of training cannot know the data: name it.
-    trainer.create_model_card(dataset_name=script.dataset_name or data.bundled_name)
-    if cfg.push_to_hub:
-        url = trainer.push_to_hub(dataset_name=script.dataset_name or data.bundled_name)
-        if url:
-            print(f"pushed to {url}")
-    trainer.end()
+    finish(trainer, script.dataset_name or data.bundled_name)
 
 
 def _shown(key: str, row: dict) -> str:

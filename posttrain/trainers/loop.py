@@ -80,16 +80,17 @@ class Trainer:
     def _finish_init(self, callbacks: list[Any] | None) -> None:
         """The end of a trainer's ``__init__``: the trained model's tags (as TRL adds its own: a peft save keeps
         them in the card), transformers' callback handler and state, as TRL's trainers keep them."""
-        model = self.session.unwrap(self.roles["trained"][0])
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if hasattr(base, "add_model_tags"):
-            base.add_model_tags(["posttrain", self.name])
         from transformers.trainer_callback import (
             CallbackHandler,
             DefaultFlowCallback,
             TrainerControl,
             TrainerState,
         )
+
+        model = self.session.unwrap(self.roles["trained"][0])
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if hasattr(base, "add_model_tags"):
+            base.add_model_tags(["posttrain", self.name])
 
         handlers = [DefaultFlowCallback, *(callbacks or [])]
         self.callback_handler = CallbackHandler(handlers, getattr(self, "model", None), self.tokenizer, None, None)

@@ -61,6 +61,24 @@ def run(script: Path, *args: str, nproc: int = 1, timeout: int = 600) -> str:
     return proc.stdout + proc.stderr
 
 
+def run_side_by_side(name: str, folder: Path, args: tuple, ours: Path, theirs: Path) -> str:
+    """The script on posttrain's classes and on TRL's (``--use_cpu``: TRL refuses bf16 on a CPU otherwise), one
+    process each, at the same time (two cores); posttrain's output."""
+    procs = []
+    for mine, out, extra in ((True, ours, ()), (False, theirs, ("--use_cpu", "true"))):
+        cmd = [sys.executable, str(trl_script(name, folder, ours=mine)), *map(str, args), "--output_dir", str(out),
+               *extra]
+        procs.append((cmd, subprocess.Popen(cmd, cwd=folder, env=launch_env(), stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)))
+    outputs = []
+    for cmd, proc in procs:
+        output = proc.communicate(timeout=600)[0]
+        if proc.returncode != 0:
+            pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}")
+        outputs.append(output)
+    return outputs[0]
+
+
 def posttrain_losses(output_dir: Path, key: str = "loss") -> list[float]:
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r[key] for r in rows if key in r]
@@ -100,9 +118,8 @@ def test_trl_sft_script_runs_on_posttrain_with_trl_losses(tmp_path: Path, tiny_t
             "--learning_rate", "1e-3", "--gradient_checkpointing", "false", "--save_steps", "4", *COMMON,
             "--per_device_train_batch_size", "8")
     ours, theirs = tmp_path / "ours", tmp_path / "trl"
-    out = run(trl_script("sft", tmp_path, ours=True), *args, "--output_dir", ours)
+    out = run_side_by_side("sft", tmp_path, args, ours, theirs)
     assert "Training completed" in out
-    run(trl_script("sft", tmp_path, ours=False), *args, "--output_dir", theirs, "--use_cpu", "true")
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(ours).num_parameters() > 0
@@ -136,9 +153,8 @@ def test_trl_preference_scripts_run_on_posttrain_with_trl_losses(tmp_path: Path,
 
     args = ("--model_name_or_path", tiny.sft_model_path(), "--dataset_name", tiny_pairs, *PAIR_ARGS)
     ours, theirs = tmp_path / "ours", tmp_path / "trl"
-    out = run(trl_script(name, tmp_path, ours=True), *args, "--output_dir", ours)
+    out = run_side_by_side(name, tmp_path, args, ours, theirs)
     assert "Training completed" in out
-    run(trl_script(name, tmp_path, ours=False), *args, "--output_dir", theirs, "--use_cpu", "true")
     if name == "dpo":
         assert AutoModelForCausalLM.from_pretrained(ours).num_parameters() > 0
     else:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,22 +13,6 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.models.tokenizer import load_tokenizer
-
-
-@dataclass
-class ModelFields:
-    """The trained model's fields of ``trl.SFTConfig``, ``RewardConfig`` and ``DPOConfig``."""
-
-    model_name_or_path: str | None = None
-    model_init_kwargs: dict[str, Any] | None = None
-    gradient_checkpointing: bool = True  # TRL's default: activations recomputed in backward
-
-
-def given_once(obj: Any, path: Any, what: str, arg: str, field: str) -> Any:
-    """The one of ``obj`` (``arg=``) and ``path`` (config ``field``) given, or None; both raises."""
-    if obj is not None and path is not None:
-        raise ConfigError(f"the {what} is given twice ({arg}= and {field}): give one of them")
-    return obj if obj is not None else path
 
 
 def distinct_objects(**models: Any) -> None:
@@ -45,9 +28,8 @@ def distinct_objects(**models: Any) -> None:
 
 def policy_source(cfg: Any, model: Any, processing_class: Any, *, what: str = "policy",
                   load_tokenizer: Callable[[str], Any] | None = None) -> tuple[Any, Any, str]:
-    """``(source, tokenizer, name)`` of ``model`` or ``cfg.model_name_or_path`` (one); ``what``: errors."""
+    """``(source, tokenizer, name)`` of ``model`` (a name, path or object); ``what``: errors."""
     load_tokenizer = load_tokenizer or _auto_tokenizer
-    model = given_once(model, getattr(cfg, "model_name_or_path", None), what, "model", "model_name_or_path")
     if model is None:
         raise ConfigError(f"no {what} is given: pass model= (a hub name, a local path or a model object)")
     if isinstance(model, torch.nn.Module):

@@ -7,7 +7,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -322,7 +322,14 @@ def _source_text(name: str | None, hub_url: str, default: str | None) -> str | N
     return f"[{name}]({hub_url}/{name})" if _is_hub_id(name) else f"`{name}`"
 
 
+def config_values(cfg: Any) -> dict[str, Any]:
+    """The config's fields, tokens masked and enums as values (TrainingArguments.to_dict) where the config can,
+    and the values the run resolved itself (fields without a flag, such as GRPO's ``reference_model``)."""
+    if not hasattr(cfg, "to_dict"):
+        return asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+    resolved = {f.name: getattr(cfg, f.name) for f in fields(cfg) if not f.init and not f.name.startswith("_")}
+    return {**cfg.to_dict(), **resolved}
+
+
 def _config_yaml(cfg: Any) -> str:
-    # TrainingArguments.to_dict masks tokens (hub_token) and turns enums into their values.
-    values = cfg.to_dict() if hasattr(cfg, "to_dict") else asdict(cfg) if is_dataclass(cfg) else dict(cfg)
-    return yaml.safe_dump(json.loads(json.dumps(values, default=str)), sort_keys=False)
+    return yaml.safe_dump(json.loads(json.dumps(config_values(cfg), default=str)), sort_keys=False)

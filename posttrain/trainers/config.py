@@ -50,8 +50,6 @@ class TrainConfig:
     @classmethod
     def trl_config(cls) -> type:
         """The TRL (or transformers) config this one extends."""
-        from transformers import TrainingArguments
-
         return next(b for b in cls.__mro__ if issubclass(b, TrainingArguments) and not issubclass(b, TrainConfig))
 
     def __post_init__(self) -> None:
@@ -192,7 +190,7 @@ def row_schedule(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> tuple[Tra
 
 def saves(cfg: TrainConfig) -> bool:
     """Whether the run writes checkpoints (TrainingArguments' save_strategy and save_steps)."""
-    return getattr(cfg, "save_strategy", "steps") == "steps" and bool(cfg.save_steps)
+    return cfg.save_strategy == "steps" and bool(cfg.save_steps)
 
 
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None,

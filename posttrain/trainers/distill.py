@@ -70,8 +70,6 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
         if self.max_length is not None and self.max_length < 2:
             raise ConfigError(f"max_length must be >= 2 (a prompt token and a completion token) or null, got "
                               f"{self.max_length}")
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            raise ConfigError(f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
         check_rollout_fields(self)
 
 

@@ -275,7 +275,6 @@ class DPOTrainer(Trainer):
             self._precompute_all()  # the base model, adapters disabled: saves a forward per step
         self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
         self._steps = None
-        self.history: list[dict] = []
         self._finish_init(callbacks)
 
     def _no_dropout(self, model: torch.nn.Module) -> None:

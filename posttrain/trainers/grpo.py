@@ -108,10 +108,7 @@ class GRPOConfig(TrainConfig, OnlineFields, trl.GRPOConfig):
 
 def check_online_config(cfg: Any) -> None:
     """TrainConfig's checks, then TRL's checks of the GRPO/RLOO config as sentences, before anything loads."""
-    if cfg.pad_to_multiple_of is None:  # TRL's "auto" is None off Neuron devices
-        cfg.pad_to_multiple_of = "auto"
     TrainConfig.__post_init__(cfg)
-    cfg.pad_to_multiple_of = None
     check_rollout_fields(cfg)
     world = world_size()
     grpo = hasattr(cfg, "loss_type")  # TRL's RLOOConfig has none of GRPO's loss options
@@ -311,7 +308,6 @@ class GRPOTrainer(Trainer):
         self.phases = Phases()
         self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches
         self.num_tokens = 0.0
-        self.history: list[dict] = []
         # TRL hands reward functions the trainer's state.
         from transformers import TrainerState
 

@@ -36,7 +36,6 @@ class Trainer:
     total_steps: int
     tokenizer: Any = None
     step: int = 0
-    history: list[dict]
     run_log: RunLog | None = None
 
     def training_step(self, step: int) -> dict[str, Any]:
@@ -110,6 +109,11 @@ class Trainer:
         self.control = getattr(self.callback_handler, event)(self.cfg, self.state, self.control, **kwargs)
 
     @property
+    def history(self) -> list[dict]:
+        """The logged rows: ``state.log_history``."""
+        return self.state.log_history
+
+    @property
     def accelerator(self) -> Any:
         return self.session.accelerator
 
@@ -150,7 +154,7 @@ class Trainer:
             self.restore(state, ckpt)
         log = self.run_log = RunLog(s, cfg, self.total_steps, self.name, start=self.step, shown=self.shown,
                                     card=self.card_info())
-        self.history = self.state.log_history = log.history
+        self.state.log_history = log.history
         started, first, losses = time.perf_counter(), self.step, []
         # TRL evaluates only under an eval_strategy; posttrain also at the last step. "epoch": the epoch's steps.
         evaluating = self.evaluates and self.has_eval_data() and cfg.eval_strategy != "no"

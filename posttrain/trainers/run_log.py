@@ -8,7 +8,6 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 from posttrain.placement.session import Session
 from posttrain.run import interrupt
 from posttrain.run.jsonrows import dumps_row, read_rows
-from posttrain.run.modelcard import write_model_card
+from posttrain.run.modelcard import config_values, write_model_card
 from posttrain.run.output_dir import SETTINGS_FILE, latest_checkpoint
 from posttrain.trainers.config import TrainConfig, saves
 
@@ -63,7 +62,7 @@ class RunLog:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             # Not config.json: the trained model is saved in output_dir itself.
-            (self.out / SETTINGS_FILE).write_text(json.dumps(_jsonable(settings(cfg)), indent=1))
+            (self.out / SETTINGS_FILE).write_text(json.dumps(_jsonable(config_values(cfg)), indent=1))
             # A resumed run drops the rows logged after its checkpoint (they are written again).
             truncate_jsonl(self.out / "metrics.jsonl", start)
             truncate_jsonl(self.out / "samples.jsonl", start)
@@ -73,7 +72,7 @@ class RunLog:
             self.history = read_rows(self.out / "metrics.jsonl")
         if cfg.report_to:
             # Trackers (TensorBoard's hparams) take scalars only.
-            scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in settings(cfg).items()}
+            scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config_values(cfg).items()}
             run = {"wandb": {"name": cfg.run_name}} if getattr(cfg, "run_name", None) else None
             session.accelerator.init_trackers(name, config=scalars, init_kwargs=run)
         from tqdm.auto import tqdm
@@ -133,15 +132,6 @@ class RunLog:
         # Trackers are finished by Session.close() (the trainer's end()), after saving and pushing.
         if self.main:  # as TRL's trainers do: a model card (and the learning curves) in the output dir
             write_model_card(self.out, self.cfg, self.name, self.session, **self.card)
-
-
-def settings(cfg: Any) -> dict[str, Any]:
-    """The config's fields, tokens masked (TrainingArguments.to_dict) where the config can, and the values
-    the run resolved itself (fields without a flag, such as GRPO's ``reference_model``)."""
-    if not hasattr(cfg, "to_dict"):
-        return asdict(cfg)
-    resolved = {f.name: getattr(cfg, f.name) for f in fields(cfg) if not f.init and not f.name.startswith("_")}
-    return {**cfg.to_dict(), **resolved}
 
 
 def _label(key: str) -> str:

@@ -96,7 +96,7 @@ def input_tokens(batch: dict) -> int:
 
 
 class SFTTrainer(RowsTrainer):
-    """Supervised fine-tuning of ``args.model_name_or_path`` or ``model=`` (an object, or a path)."""
+    """Supervised fine-tuning of ``model`` (a hub name, a local path or a model object), as ``trl.SFTTrainer``."""
 
     name = "sft"
     shown = ("loss", "mean_token_accuracy", "eval/loss")

@@ -150,7 +150,8 @@ def check_trl_fields(cfg: Any) -> None:
                                   f"--{name} or set it to TRL's default {_default(fields[name])!r}")
 
 
-_UNSET = (None, False, "no", "none", "", (), [], {})
+# "auto" is TRL's only such default (pad_to_multiple_of), which means none off Neuron devices.
+_UNSET = (None, False, "no", "none", "", "auto", (), [], {})
 
 
 def _same(value: Any, default: Any) -> bool:

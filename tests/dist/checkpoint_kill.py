@@ -34,7 +34,6 @@ def run(dataset_name: str | None = None, **kw) -> PPOTrainer:
     cfg = PPOConfig(**{**BASE, **kw})
     trainer = PPOTrainer(args=cfg, train_dataset=ppo_prompts(cfg, dataset_name), **models)
     trainer.train()
-    trainer.history = trainer.state.log_history
     return trainer
 
 

@@ -35,6 +35,7 @@ _TRAINERS = {
     "DPOTrainer": "dpo", "DPOConfig": "dpo", "GRPOTrainer": "grpo", "GRPOConfig": "grpo", "RLOOTrainer": "rloo",
     "RLOOConfig": "rloo", "PPOTrainer": "ppo", "PPOConfig": "ppo", "DistillationTrainer": "distill",
     "DistillationConfig": "distill", "MultiTrainer": "multi", "MultiConfig": "multi",
+    "KTOTrainer": "kto", "KTOConfig": "kto",
 }
 
 

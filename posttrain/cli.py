@@ -1,4 +1,4 @@
-"""``posttrain`` command line: the trainers (``posttrain sft|reward|dpo|ppo|distill|grpo|rloo``, each
+"""``posttrain`` command line: the trainers (``posttrain sft|reward|dpo|ppo|distill|grpo|rloo|kto``, each
 ``posttrain.scripts.<name>``), ``posttrain plan`` (the memory planner) and ``posttrain
 accelerate-config NAME`` (a shipped accelerate config's path)."""
 
@@ -114,7 +114,7 @@ def _plan_checked(argv: list[str]) -> int:
 
 
 # Trainer commands: each runs posttrain.scripts.<name>.main(argv), as examples/<name>.py does.
-TRAINERS = ("sft", "reward", "dpo", "ppo", "distill", "grpo", "rloo")
+TRAINERS = ("sft", "reward", "dpo", "ppo", "distill", "grpo", "rloo", "kto")
 
 
 def _trainer(name: str, argv: list[str]) -> int:

@@ -186,11 +186,11 @@ class TrainLoader:
         """The sampler's permutation of the rows in ``epoch``."""
         if self.repeat:
             return repeat_order(self.n, self.seed, epoch, self.shuffle)
-        return epoch_order(self.n, self.seed, epoch)
+        return epoch_order(self.n, self.seed, epoch) if self.shuffle else list(range(self.n))
 
     def _order(self, epoch: int) -> tuple[int, ...] | range:
-        if not self.repeat:
-            return _seeded_perm(self.n, self.seed + epoch)
+        if not self.repeat:  # shuffle False: transformers' SequentialSampler (KTO's default)
+            return _seeded_perm(self.n, self.seed + epoch) if self.shuffle else range(self.n)
         return _repeat_perm(self.n, self.seed, epoch) if self.shuffle else range(self.n)
 
     def _row(self, order: tuple[int, ...] | range, p: int) -> int:

@@ -50,6 +50,7 @@ DEFAULT_MIX = "zero2-zero3"
 # Each trainer's trained, possible frozen, and always-decoded roles (the planner imports no trainer).
 TRAINER_ROLES: dict[str, dict[str, list[str]]] = {
     "dpo": {"trained": ["policy"], "frozen": ["reference"]},  # with use_peft, no reference role
+    "kto": {"trained": ["policy"], "frozen": ["reference"]},  # with use_peft, no reference role
     # With use_peft, no reference role; the reward role only with a reward model.
     "ppo": {"trained": ["policy", "value"], "frozen": ["reference", "reward"], "decoded": ["policy"]},
     "distill": {"trained": ["student"], "frozen": ["teacher"]},  # decodes its student only on-policy (lmbda > 0)

@@ -66,3 +66,13 @@ def test_ppo_placement_invariance(res):
         for a, b in zip(first, res["ppo"][mix], strict=True):
             for key, value in a.items():
                 assert b[key] == pytest.approx(value, rel=0, abs=TOL), (mix, key)
+
+
+def test_kto_placement_invariance(res):
+    if res["world"] != 3:
+        pytest.skip("KTO runs at 3 ranks (tests/dist/world_checks.py)")
+    first = res["kto"]["zero2-zero3"]
+    assert len(first["loss"]) == 3 and first["loss"][2] < first["loss"][0] and first["kl"][2] > 0.01  # not trivial
+    for mix in MIXES[1:]:
+        for key, values in first.items():
+            assert res["kto"][mix][key] == pytest.approx(values, rel=0, abs=TOL), (mix, key)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 # tests/dist is this script's directory: the 2-rank scripts' runs are reused, not copied.
 from dpo_train import run as dpo_run
+from kto_train import run as kto_run
 from ppo_run import BASE as PPO_BASE
 from ppo_run import prompts as ppo_prompts
 
@@ -168,6 +169,9 @@ def main(out: str, tmp: str) -> None:
         trainer.train()
         res["ppo"][mix] = [{k: row[k] for k in PPO_COMPARED} for row in trainer.state.log_history]
     seconds["ppo"] = time.perf_counter() - start - sum(seconds.values())
+    # KTO at 3 ranks: its KL estimate is averaged over the ranks' micro-batches each step.
+    res["kto"] = {mix: kto_run(tmp / "kto", mix, mix=mix) for mix in (MIXES if world == 3 else ())}
+    seconds["kto"] = time.perf_counter() - start - sum(seconds.values())
     res["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(res, indent=1))

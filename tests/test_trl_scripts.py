@@ -251,3 +251,25 @@ def test_trl_scripts_on_two_processes(tmp_path: Path, tiny_text: Path, tiny_prom
     assert all(-2.0 <= r["reward"] <= 2.0 for r in rows if "loss" in r)  # the bundled reward's range
     assert [r["step"] for r in rows if "eval/reward" in r] == [2]  # TRL's eval rewards on the test split
     assert AutoModelForCausalLM.from_pretrained(grpo_out).num_parameters() > 0
+
+
+def test_trl_kto_script_runs_on_posttrain_with_trl_losses(tmp_path: Path) -> None:
+    """TRL's kto.py on posttrain, one process, on a local folder of unpaired feedback (prompt, completion,
+    boolean label): the saved model loads and the losses and KL estimates equal those of the script on TRL's
+    classes (14 rows in batches of 4, 3 micro-batches a step, 2 epochs: short last batches and steps)."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.demo import synthetic, tiny
+    from posttrain.scripts.kto import unpaired_feedback
+
+    rows = unpaired_feedback(synthetic.preference_pairs(7, seed=0), seed=0)
+    data = write_split(tmp_path / "feedback", rows, rows[:4])
+    args = ("--model_name_or_path", tiny.sft_model_path(), "--dataset_name", data, *PAIR_ARGS)
+    ours, theirs = tmp_path / "ours", tmp_path / "trl"
+    out = run_side_by_side("kto", tmp_path, args, ours, theirs)
+    assert "Training completed" in out
+    assert AutoModelForCausalLM.from_pretrained(ours).num_parameters() > 0
+    assert len(posttrain_losses(ours)) == 4
+    for key in ("loss", "kl", "rewards/chosen"):
+        assert posttrain_losses(ours, key) == pytest.approx(trl_losses(theirs, key), abs=1e-5), key
+    assert posttrain_losses(ours, "epoch") == pytest.approx(trl_losses(theirs, "epoch"), abs=1e-9)

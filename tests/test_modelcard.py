@@ -43,11 +43,11 @@ def _assert_png(path: Path) -> None:
 
 def test_methods_are_trls():
     """The copied name, tags and paper of each method equal TRL's trainer class attributes."""
-    from trl import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer
+    from trl import DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, SFTTrainer
     from trl.experimental.gkd import GKDTrainer
 
     for method, trainer in {"dpo": DPOTrainer, "grpo": GRPOTrainer, "distill": GKDTrainer, "sft": SFTTrainer,
-                            "reward": RewardTrainer}.items():
+                            "reward": RewardTrainer, "kto": KTOTrainer}.items():
         assert modelcard.METHODS[method] == {"name": trainer._name, "tags": trainer._tag_names, "paper": trainer._paper}
 
 

@@ -161,3 +161,13 @@ def test_grpo_lora_race_tiny(tmp_path):
     assert all(math.isfinite(x) for x in ours["losses"]) and "generate" in ours["phase_s"]
     assert ours["lora"] and ours["lora_b_norm"] > 0
     assert "LoRA: posttrain" in md and summary["summary"]["posttrain-lora"]["baseline"] == "trl-lora"
+
+
+def test_kto_race_tiny(tmp_path):
+    """TRL's KTOTrainer and posttrain's default (auto: the torch path, fp32 states), rows of both labels."""
+    head, rows, summary, _ = run_race("kto_race.py", "trl,posttrain-auto-fp32", tmp_path)
+    assert head["spec"] == {"shape": "tiny", "rows": 4, "seq_len": 64, "steps": 1, "warmup": 1}
+    row = rows["posttrain-auto-fp32"]
+    assert row["engine"] == "torch" and row["placements"] == {"policy": 0, "reference": 0}
+    assert {"reference", "policy_forward", "backward"} <= set(row["phase_s"])
+    assert summary["summary"]["posttrain-auto-fp32"]["baseline"] == "trl"

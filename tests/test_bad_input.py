@@ -49,6 +49,14 @@ def a(tmp_path_factory):
     for name, rows in {"conv": [pair("hi")], "bad_role": [pair("hi"), pair("yo", role="usr")],
                        "no_role": [{"prompt": [{"content": "hi"}], "chosen": "a", "rejected": "b"}]}.items():
         paths[name] = preference.write_jsonl(rows, root / f"{name}.jsonl")
+    feedback = [{"prompt": "the cat", "completion": " is nice", "label": True},
+                {"prompt": "the dog", "completion": " is bad", "label": False}]
+    for name, rows in {"kto_no_label": [{k: v for k, v in r.items() if k != "label"} for r in feedback],
+                       "kto_int_label": [{**r, "label": int(r["label"])} for r in feedback],
+                       "kto_one_label": [{**r, "label": True} for r in feedback],
+                       "kto_no_assistant": [{"prompt": [{"role": "user", "content": "hi"}],
+                                             "completion": [{"role": "user", "content": "yo"}], "label": True}]}.items():
+        paths[name] = preference.write_jsonl(rows, root / f"{name}.jsonl")
     paths["prompts"] = preference.write_jsonl([{"prompt": [{"role": "user", "content": "hi"}]}] * 8,
                                               root / "prompts.jsonl")
     paths["no_column"] = preference.write_jsonl([{"question": "a", "answer": "b"}],
@@ -162,6 +170,19 @@ CASES = [
      "--dataset_streaming: posttrain's trainers take a whole datasets.Dataset (or rows), not a stream; drop the flag"),
     ("a streamed prompt dataset", "grpo --output_dir {out} --dataset_streaming true",
      "--dataset_streaming: posttrain's trainers take a whole datasets.Dataset (or rows), not a stream; drop the flag"),
+    ("kto data without labels", "kto --output_dir {out} --model_name_or_path {sft} --dataset_name {kto_no_label}",
+     "{kto_no_label} (split 'train'): no column 'label'; KTO's unpaired data needs prompt, completion, label (label true "
+     "for a desirable completion, false for an undesirable one), or paired data with chosen and rejected, got columns "
+     "['prompt', 'completion']: add or rename the columns"),
+    ("kto labels that are not booleans", "kto --output_dir {out} --model_name_or_path {sft} --dataset_name "
+     "{kto_int_label}", "{kto_int_label} (split 'train'): its 'label' column holds int64 values, not booleans: give "
+     "each row's label as true (desirable completion) or false (undesirable completion)"),
+    ("kto data of one label", "kto --output_dir {out} --model_name_or_path {sft} --dataset_name {kto_one_label}",
+     "train_dataset: every row's label is true (desirable); KTO learns from both kinds of completion: add rows "
+     "labelled false"),
+    ("kto conversation without an assistant turn", "kto --output_dir {out} --model_name_or_path {sft} --dataset_name "
+     "{kto_no_assistant}", "{kto_no_assistant} (split 'train'): row 0's 'completion' has no assistant message, so "
+     "there is no completion to train on: end it with a {{\"role\": \"assistant\", \"content\": ...}} message"),
 ]
 GRPO_CASES = [
     pytest.param("grpo model without data", "grpo --output_dir {out} --model_name_or_path {sft}", NO_DATA),

@@ -36,10 +36,16 @@ def unpaired_feedback(pairs: list[dict], seed: int) -> list[dict]:
     return rows
 
 
+def check_split(dataset: object, name: str) -> None:
+    """A split's columns and values; a training set of one label only is the trainer's to refuse (a held-out
+    split may have one)."""
+    unpaired.check_rows(dataset, name, both_labels=False)
+
+
 def main(argv: list[str] | None = None) -> None:
     run(KTOTrainer, KTOConfig, DataArguments, argv, demo_model=tiny.sft_model_path,
         metrics=("rewards/margins", "loss", "rewards/chosen", "rewards/rejected", "kl"), saved="policy",
-        check=unpaired.check_rows, trainer_kwargs=lambda data: {"ref_model": data.ref_model_name_or_path})
+        check=check_split, trainer_kwargs=lambda data: {"ref_model": data.ref_model_name_or_path})
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ CASES = {
     "conversational_apo": (conversational(unpaired_rows()), {"beta": 0.3, "loss_type": "apo_zero_unpaired"}, False),
     "paired": (synthetic.preference_pairs(8, seed=3), {"desirable_weight": 1.5}, False),
     "lora": (unpaired_rows(), {"learning_rate": 1e-2}, True),
+    # TR-DPO's reference update after every step: step 2 scores against the blended reference.
+    "sync_ref": (unpaired_rows(), {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5},
+                 False),
 }
 
 
@@ -139,10 +142,13 @@ def test_cases_are_not_trivial(runs):
     assert lora_rows[0]["rewards/chosen"] == 0.0 and lora_rows[1]["rewards/chosen"] != 0.0  # B starts at zero
     assert runs["lora"][1]["engines"] == ["policy"]  # the reference is the base, adapters disabled
     assert runs["precomputed"][1]["engines"] == ["policy"]  # the reference was freed after its pass
+    synced, fixed = runs["sync_ref"][1]["rows"][1], runs["standard"][1]["rows"][1]
+    assert abs(synced["rewards/chosen"] - fixed["rewards/chosen"]) > 1e-3  # step 2 saw another reference
 
 
-def test_evaluation_matches_trl(runs):
-    theirs, ours = runs["standard"]
+@pytest.mark.parametrize("name", ["standard", "precomputed"])
+def test_evaluation_matches_trl(runs, name):
+    theirs, ours = runs[name]
     for key in EVALUATED:
         assert ours["eval"][f"eval/{key}"] == pytest.approx(theirs["eval"][f"eval_{key}"], rel=TOL, abs=TOL), key
 

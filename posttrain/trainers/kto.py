@@ -16,7 +16,7 @@ import trl
 from posttrain.data import unpaired
 from posttrain.data.order import TrainLoader, seed_everything
 from posttrain.errors import ConfigError
-from posttrain.models.lora import adapters_disabled
+from posttrain.models.lora import adapters_disabled, check_no_head_adapter
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer, reference_source
 from posttrain.placement.ranks import mean_over_ranks, sum_over_ranks, world_size
@@ -78,11 +78,26 @@ def uses_kl(cfg: KTOConfig) -> bool:
     return cfg.loss_type != "apo_zero_unpaired"
 
 
+# The per-token fields TRL's KTOTrainer asks of the policy's fused head (mean_logits feeds logits/*).
+FUSED_OUTPUTS = ("log_probs", "entropy", "mean_logits")
+
+
 def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     completion_mask: torch.Tensor, stats: bool = False) -> dict[str, torch.Tensor]:
-    """Each sequence's summed completion log-prob; with ``stats`` also per-token entropy and mean logit."""
+                     completion_mask: torch.Tensor, stats: bool = False, fused: bool = False) -> dict[str, torch.Tensor]:
+    """Each sequence's summed completion log-prob; with ``stats`` also per-token entropy and mean logit.
+    ``fused``: the model has TRL's fused LM head (no full logits), else the logits are computed."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
+    if fused:
+        labels = input_ids.masked_fill(completion_mask == 0, -100)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False,
+                    fused_lm_head=True)
+        width = input_ids.size(1) - 1  # prompt-learning adapters prepend positions: keep the real ones (TRL)
+        result = {"logps": out.log_probs[:, -width:].sum(-1)}
+        if stats:
+            result["entropy"] = out.entropy[:, -width:].detach()
+            result["mean_logits"] = out.mean_logits[:, -width:].detach()
+        return result
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
     mask = completion_mask[:, 1:]
     out = {"logps": (selective_log_softmax(logits, input_ids[:, 1:]) * mask).sum(1)}
@@ -133,6 +148,8 @@ class KTOTrainer(Trainer):
         if train_dataset is None:
             raise ConfigError("KTOTrainer needs train_dataset= (a datasets.Dataset or a list of rows)")
         validate(cfg)
+        if peft_config is not None:
+            check_no_head_adapter(peft_config)  # TRL: the fused head reads lm_head.weight, an adapter there never trains
         if cfg.sync_ref_model and peft_config is not None:  # TRL's rule
             raise ConfigError("sync_ref_model needs a reference model of its own to update, and with peft_config the "
                               "reference is the policy's base (adapters disabled): drop sync_ref_model or peft_config")
@@ -184,6 +201,9 @@ class KTOTrainer(Trainer):
 
         model = self.session.load("policy", policy, **kwargs)
         model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id  # as TRL: model and tokenizer agree
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=FUSED_OUTPUTS)  # TRL's: per-token fields without the full logits
         self.policy = self.model = prepare_trained(self.session, "policy", model, cfg, self.peft_config,
                                                    total_steps=self.total_steps)
         if not frozen and cfg.precompute_ref_log_probs:
@@ -233,15 +253,17 @@ class KTOTrainer(Trainer):
     def _reference_forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.reference is None:  # adapters and no reference model of its own
             with adapters_disabled(self.policy):
-                return self._logps_pair(self.policy, batch)
-        return self._logps_pair(self.reference, batch)
+                return self._logps_pair(self.policy, batch, fused=True)
+        # A frozen role runs its own forward (ZeRO-3's gathered layers): the logits path.
+        return self._logps_pair(self.reference, batch, fused=False)
 
-    def _logps_pair(self, model: Any, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        main = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    def _logps_pair(self, model: Any, batch: dict, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        main = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"],
+                                fused=fused)
         kl = None
         if "KL_input_ids" in batch:
             kl = completion_logps(model, batch["KL_input_ids"], batch["KL_attention_mask"],
-                                  batch["KL_completion_mask"])["logps"]
+                                  batch["KL_completion_mask"], fused=fused)["logps"]
         return main["logps"], kl
 
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -261,9 +283,9 @@ class KTOTrainer(Trainer):
             if "KL_input_ids" in batch:
                 with torch.no_grad():
                     kl_logps = completion_logps(self.policy, batch["KL_input_ids"], batch["KL_attention_mask"],
-                                                batch["KL_completion_mask"])["logps"]
+                                                batch["KL_completion_mask"], fused=True)["logps"]
             policy = completion_logps(self.policy, batch["input_ids"], batch["attention_mask"],
-                                      batch["completion_mask"], stats=True)
+                                      batch["completion_mask"], stats=True, fused=True)
         with self.phases("reference"):
             ref_logps, ref_kl_logps = self._reference_logps(batch)
         logps = policy["logps"]

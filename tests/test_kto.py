@@ -18,7 +18,7 @@ SETTINGS = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, ma
                 gradient_checkpointing=False, save_strategy="no", per_device_eval_batch_size=3)
 LOGGED = ["loss", "grad_norm", "learning_rate", "epoch", "kl", "entropy", "num_tokens", "logits/chosen",
           "logits/rejected", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins"]
-EVALUATED = ["loss", "kl", "entropy", "logits/chosen", "logits/rejected", "rewards/chosen", "logps/chosen",
+EVALUATED = ["loss", "num_tokens", "kl", "entropy", "logits/chosen", "logits/rejected", "rewards/chosen", "logps/chosen",
              "rewards/rejected", "logps/rejected", "rewards/margins"]
 
 

@@ -404,7 +404,7 @@ class KTOTrainer(Trainer):
                 metric_sums[key] = (total + v, count + 1)
         self.phases.pop()
         self.policy.train()
-        out = {f"{prefix}/loss": loss_sum / n}
+        out = {f"{prefix}/loss": loss_sum / n, f"{prefix}/num_tokens": float(self.num_tokens)}  # TRL: the train count
         out.update({f"{prefix}/{k}": metric_sums[k][0] / metric_sums[k][1] for k in METRICS if k in metric_sums})
         return out
 

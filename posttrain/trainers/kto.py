@@ -15,6 +15,7 @@ import trl
 
 from posttrain.data import unpaired
 from posttrain.data.order import TrainLoader, seed_everything
+from posttrain.data.preference import as_dataset
 from posttrain.errors import ConfigError
 from posttrain.models.lora import adapters_disabled, check_no_head_adapter
 from posttrain.models.setup import prepare_trained
@@ -155,8 +156,10 @@ class KTOTrainer(Trainer):
                               "reference is the policy's base (adapters disabled): drop sync_ref_model or peft_config")
         distinct_objects(model=model, ref_model=ref_model)
         # Every row is checked before the tokenizer or any model loads.
+        train_dataset = as_dataset(train_dataset, "train_dataset")
         unpaired.check_rows(train_dataset, "train_dataset")
         if eval_dataset is not None:
+            eval_dataset = as_dataset(eval_dataset, "eval_dataset")
             unpaired.check_rows(eval_dataset, "eval_dataset", both_labels=False)
         seed_everything(cfg.seed)
         policy, self.tokenizer, _ = model_and_tokenizer(cfg, model, processing_class, what="policy")

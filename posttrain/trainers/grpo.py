@@ -25,6 +25,7 @@ from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers.config import TrainConfig, make_session, saves
+from posttrain.trainers.grpo_eval import GenerationEval
 from posttrain.trainers.grpo_loss import (
     LOSS_TYPES,
     average_generation_metrics,
@@ -191,7 +192,7 @@ def check_reference(cfg: Any, adapters: bool) -> None:
                            "the policy's initial weights")
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(GenerationEval, Trainer):
     """GRPO with per-role placement and TRL 1.16's constructor; the logged rows (TRL's metric names) are
     ``state.log_history``."""
 
@@ -475,42 +476,6 @@ class GRPOTrainer(Trainer):
             self.num_tokens += prompt_tokens + all_lengths.sum().item()
         m["num_tokens"] = self.num_tokens
         return {**m, **completion_metrics(all_lengths, self._gather(truncated))}
-
-    def has_eval_data(self) -> bool:
-        """Evaluation as TRL's: an eval_dataset, and eval_strategy other than "no"."""
-        return self.eval_rows is not None and self.cfg.eval_strategy != "no"
-
-    def evaluate(self) -> dict[str, float]:
-        """TRL's GRPO evaluation without its loss: ``num_generations_eval`` completions of every eval prompt
-        (global batches of ``per_device_eval_batch_size`` x processes), scored; the rewards and completion
-        metrics averaged over the batches as TRL logs them (``eval/reward``, ``eval/rewards/<name>/mean``, ...)."""
-        cfg, s = self.cfg, self.session
-        if self.eval_rows is None:
-            raise ConfigError(f"{cfg._algorithm}: evaluate() needs eval_dataset= (rows with a 'prompt')")
-        generations = cfg.num_generations_eval or cfg.num_generations
-        global_batch = cfg.per_device_eval_batch_size * s.num_processes
-        if global_batch % generations:
-            raise ConfigError(f"the eval batch (per_device_eval_batch_size {cfg.per_device_eval_batch_size} x "
-                              f"{s.num_processes} processes) must be a multiple of num_generations_eval "
-                              f"({generations}), TRL's rule: set --per_device_eval_batch_size or --num_generations_eval")
-        per_batch, n = global_batch // generations, len(self.eval_rows)
-        policy = s.engines["policy"]
-        policy.eval()
-        gens = []
-        try:
-            for start in range(0, n, per_batch):
-                # The last batch filled from the first prompts (accelerate's even_batches; TRL scores them too).
-                prompts = [(start + k) % n for k in range(per_batch)]
-                expanded = [i for i in prompts for _ in range(generations)]
-                mine = expanded[s.process_index * cfg.per_device_eval_batch_size:
-                                (s.process_index + 1) * cfg.per_device_eval_batch_size]
-                _, metrics = self._sample_and_score([self.eval_rows[i] for i in mine],
-                                                    [self.eval_prompt_ids[i] for i in mine], generations, train=False)
-                gens.append(metrics)
-        finally:
-            policy.train()
-            self.phases.pop()
-        return {f"eval/{k}": v for k, v in average_generation_metrics(gens).items()}
 
     def policy_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's per-token log-probs and entropies of the batch's completions (with grad)."""

@@ -36,6 +36,7 @@ from posttrain.trainers.grpo_loss import (
     reduce_loss_stats,
 )
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
+from posttrain.trainers.off_policy import CORRECTION_FIELDS, check_correction_config, correct_sampling
 from posttrain.trainers.online import completion_logps, truncated_rows, write_samples
 from posttrain.trainers.run_log import Phases
 
@@ -57,7 +58,6 @@ ONLINE_REFUSED = {
     "cache_implementation": "posttrain's engine keeps its own KV cache (generation_kv_slots)",
     "log_unique_prompts": "samples.jsonl keeps every logged completion (log_completions)",
 }
-_VLLM_IS = "posttrain generates with its own engine (generation_backend), not vLLM: nothing to correct"
 _ENTROPY = "the entropy bonus is not implemented: use top_entropy_quantile"
 
 
@@ -89,22 +89,19 @@ class GRPOConfig(TrainConfig, OnlineFields, trl.GRPOConfig):
     _trl_works = (*ONLINE_WORKS, "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
                   "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level",
                   "multi_objective_aggregation", "scale_rewards", "loss_type", "top_entropy_quantile",
-                  "use_bias_correction_kl")
+                  "use_bias_correction_kl", "off_policy_mask_threshold", *CORRECTION_FIELDS)
     _trl_refused = {
         **ONLINE_REFUSED,
         "cast_lm_head_to_fp32": "posttrain's fused LM head computes the log-probs in float32 from the model's dtype",
         "entropy_coef": _ENTROPY, "use_adaptive_entropy": _ENTROPY, "entropy_coef_min": _ENTROPY,
         "entropy_coef_max": _ENTROPY, "entropy_coef_delta": _ENTROPY, "entropy_target": _ENTROPY,
         "max_tool_calling_iterations": "multi-turn tool use is not supported yet",
-        "off_policy_mask_threshold": "off-policy masking is not implemented (posttrain's samples are the policy's)",
         "log_completions_hub_repo": "completions are logged to samples.jsonl in the output dir (log_completions)",
-        **{name: _VLLM_IS for name in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                                       "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
-                                       "vllm_importance_sampling_cap")},
     }
 
     def __post_init__(self) -> None:
         check_online_config(self)
+        check_correction_config(self)
 
 
 def check_online_config(cfg: Any) -> None:
@@ -370,6 +367,10 @@ class GRPOTrainer(GenerationEval, Trainer):
         cfg = self.cfg
         return cfg.gradient_accumulation_steps % (cfg.steps_per_generation * cfg.num_iterations) != 0
 
+    def corrects_sampling(self) -> bool:
+        """TRL's vLLM correction, applied to posttrain's sampler (it costs the old log-probs' forward)."""
+        return bool(getattr(self.cfg, "vllm_importance_sampling_correction", False))  # RLOO: TRL has none
+
     def logps_in_rewards(self) -> bool:
         """Whether the advantages read the policy's and reference's log-probs (RLOO's KL in the reward)."""
         return False
@@ -414,7 +415,7 @@ class GRPOTrainer(GenerationEval, Trainer):
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": completion_mask}
         bs = cfg.per_device_train_batch_size if train else cfg.per_device_eval_batch_size
-        logps = self.needs_old_logps() if train else self.logps_in_rewards()
+        logps = (self.needs_old_logps() or self.corrects_sampling()) if train else self.logps_in_rewards()
         with self.phases("policy_forward"):
             old = None
             if logps:
@@ -446,9 +447,16 @@ class GRPOTrainer(GenerationEval, Trainer):
             batch["old_per_token_logps"] = old
         if ref is not None:
             batch["ref_per_token_logps"] = ref
+        sampled = {}
+        if train:  # the sampler's log-probs: full vocabulary, temperature-scaled, as the training forward's
+            batch["sampling_per_token_logps"] = out.logprobs.to(dev)
+            if self.corrects_sampling():
+                batch["importance_sampling_ratio"], sampled = correct_sampling(
+                    cfg, old, batch["sampling_per_token_logps"], completion_mask, self._gather)
 
         metrics = self.generation_metrics(all_per_func, adv, prompt_mask, lengths, truncated, count_tokens=train)
         metrics.update(adv.get("metrics", {}))
+        metrics.update(sampled)
         metrics.update(self.rewards.logged_metrics())
         if train:
             self.samples = (prompts, texts, self.rewards.total(per_func), self.rewards.extra_columns())
@@ -501,7 +509,8 @@ class GRPOTrainer(GenerationEval, Trainer):
             entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile, pool)
         loss, stats = grpo_loss(cfg, logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
                                 batch["advantages"], mask, entropy_mask, batch["num_items_in_batch"],
-                                s.num_processes)
+                                s.num_processes, batch.get("sampling_per_token_logps"),
+                                batch.get("importance_sampling_ratio"))
         stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
         return loss, stats
 

@@ -25,6 +25,7 @@ from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers.config import TrainConfig, make_session, saves
+from posttrain.trainers.dynamic_sampling import fill_generation_batch
 from posttrain.trainers.grpo_eval import GenerationEval
 from posttrain.trainers.grpo_loss import (
     LOSS_TYPES,
@@ -68,6 +69,10 @@ class OnlineFields(RolloutFields):
     # Prompts kept to their last max_prompt_length tokens (TRL before 1.0 had it); None: TRL 1.16's whole prompt.
     max_prompt_length: int | None = None
     compile_layers: bool | None = None  # compile the policy's decoder layers (None: where it applies)
+    # DAPO's dynamic sampling: groups whose rewards are all equal are replaced by groups sampled in at most
+    # dynamic_sampling_max_rounds further generation batches (verl's filter_groups, max_num_gen_batches)
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 4
     reference_model: str = field(default="", init=False)  # what the KL is measured against (not a flag)
 
     _loss_types = LOSS_TYPES
@@ -129,6 +134,8 @@ def check_online_config(cfg: Any) -> None:
         (cfg.temperature > 0.0,
          f"temperature must be > 0 (sampling; the loss divides logits by it); got {cfg.temperature}"),
         (cfg.num_iterations >= 1, "num_iterations must be >= 1"),
+        (cfg.dynamic_sampling_max_rounds >= 0,
+         f"dynamic_sampling_max_rounds must be >= 0 (extra generation batches); got {cfg.dynamic_sampling_max_rounds}"),
         (not cfg.sync_ref_model or cfg.beta != 0.0,
          "sync_ref_model needs a reference model, and beta: 0 loads none: set beta > 0 or drop sync_ref_model"),
         (not cfg.sync_ref_model or (cfg.ref_model_sync_steps >= 1 and 0.0 < cfg.ref_model_mixup_alpha <= 1.0),
@@ -306,6 +313,7 @@ class GRPOTrainer(GenerationEval, Trainer):
         self.phases = Phases()
         self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches
         self.num_tokens = 0.0
+        self.dynamic_rounds = 0  # extra generation batches dynamic sampling drew (they advance the prompt order)
         # TRL hands reward functions the trainer's state.
         from transformers import TrainerState
 
@@ -379,12 +387,14 @@ class GRPOTrainer(GenerationEval, Trainer):
     def generate_and_score(self, cycle: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Sample and score generation batch ``cycle``; returns its shuffled micro-batches and metrics."""
         cfg, s = self.cfg, self.session
-        idx = self._generation_rows(cycle)
+        idx = self._generation_rows(cycle + self.dynamic_rounds)
         self.trainer_state.global_step = self.step
         self.trainer_state.epoch = cycle * self.prompts_per_generation / len(self.rows)
         self.trainer_state.num_input_tokens_seen = int(self.num_tokens)
         batch, metrics = self._sample_and_score([self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
                                                 cfg.num_generations, train=True)
+        if cfg.dynamic_sampling:
+            batch, metrics = fill_generation_batch(self, cycle, batch, metrics)
         # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
         bs = cfg.per_device_train_batch_size
         g = torch.Generator().manual_seed(mix_seed(cfg.seed, "shuffle", cycle, s.process_index))
@@ -415,7 +425,9 @@ class GRPOTrainer(GenerationEval, Trainer):
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": completion_mask}
         bs = cfg.per_device_train_batch_size if train else cfg.per_device_eval_batch_size
-        logps = (self.needs_old_logps() or self.corrects_sampling()) if train else self.logps_in_rewards()
+        sampler = getattr(out, "logprobs", None)  # a rollout that reports none is not corrected
+        corrects = train and sampler is not None and self.corrects_sampling()
+        logps = (self.needs_old_logps() or corrects) if train else self.logps_in_rewards()
         with self.phases("policy_forward"):
             old = None
             if logps:
@@ -443,14 +455,16 @@ class GRPOTrainer(GenerationEval, Trainer):
         local = slice(s.process_index * len(rows), (s.process_index + 1) * len(rows))
         batch["advantages"] = adv["advantages"][local]
         batch["num_items_in_batch"] = self._sum(completion_mask.sum().float())
+        if train and cfg.dynamic_sampling:
+            batch["rewards_per_func"] = per_func.to(dev)
         if old is not None:
             batch["old_per_token_logps"] = old
         if ref is not None:
             batch["ref_per_token_logps"] = ref
         sampled = {}
-        if train:  # the sampler's log-probs: full vocabulary, temperature-scaled, as the training forward's
-            batch["sampling_per_token_logps"] = out.logprobs.to(dev)
-            if self.corrects_sampling():
+        if train and sampler is not None:  # full vocabulary, temperature-scaled, as the training forward's
+            batch["sampling_per_token_logps"] = sampler.to(dev)
+            if corrects:
                 batch["importance_sampling_ratio"], sampled = correct_sampling(
                     cfg, old, batch["sampling_per_token_logps"], completion_mask, self._gather)
 
@@ -563,10 +577,11 @@ class GRPOTrainer(GenerationEval, Trainer):
         return {"policy": self.tokenizer, **({"reference": None} if self.cfg.sync_ref_model else {})}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"num_tokens": self.num_tokens}
+        return {"num_tokens": self.num_tokens, "dynamic_rounds": self.dynamic_rounds}
 
     def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
         self.num_tokens = float(state.get("num_tokens", 0.0))
+        self.dynamic_rounds = int(state.get("dynamic_rounds", 0))
         if self.cfg.sync_ref_model:
             self.session.load_weights("reference", checkpoint / "reference")
 

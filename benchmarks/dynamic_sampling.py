@@ -3,7 +3,7 @@ completion holds a positive adjective and no negative one, else 0), with and wit
 same seed and settings otherwise. Writes each run's per-step rows (the reward of the step's first generation
 batch, as sampled; the step's wall time; the dynamic-sampling counters), a figure and a table.
 
-    python benchmarks/dynamic_sampling.py [--steps 40] [--out benchmarks/results/<folder>]
+    python benchmarks/dynamic_sampling.py [--steps 120] [--seeds 3] [--out benchmarks/results/<folder>]
 
 Each run is one ``torchrun --nproc_per_node 2`` launch of this file (``--worker``)."""
 
@@ -33,32 +33,36 @@ def saturating_reward(completions: list[str], **_: object) -> list[float]:
 
 
 def worker(args: argparse.Namespace) -> None:
+    """One run per seed, one after the other in this process group; rank 0 writes their rows."""
     from posttrain.demo import tiny
     from posttrain.scripts.data import bundled_prompts
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
-    cfg = GRPOConfig(output_dir=args.run_dir, overwrite_output_dir=True, seed=42, learning_rate=1e-4,
-                     lr_scheduler_type="constant", per_device_train_batch_size=16, num_generations=8,
-                     max_completion_length=8, max_prompt_length=16, temperature=1.0, beta=0.0, loss_type="dapo",
-                     max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[],
-                     dynamic_sampling=args.dynamic, dynamic_sampling_max_rounds=4)
-    trainer = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=saturating_reward, args=cfg,
-                          train_dataset=bundled_prompts(256))
-    start = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - start
-    trainer.end()
-    if trainer.is_world_process_zero():
-        keys = ("step", "reward", "frac_reward_zero_std", "time/step", "dynamic_sampling/extra_rounds",
-                "dynamic_sampling/dropped_groups", "dynamic_sampling/underfilled")
+    keys = ("step", "reward", "frac_reward_zero_std", "time/step", "dynamic_sampling/extra_rounds",
+            "dynamic_sampling/dropped_groups", "dynamic_sampling/underfilled")
+    runs = []
+    for seed in range(args.seeds):
+        cfg = GRPOConfig(output_dir=f"{args.run_dir}-{seed}", overwrite_output_dir=True, seed=seed,
+                         learning_rate=1e-4, lr_scheduler_type="constant", per_device_train_batch_size=32,
+                         num_generations=8, max_completion_length=8, max_prompt_length=16, temperature=1.0,
+                         beta=0.0, loss_type="dapo", max_steps=args.steps, logging_steps=1, save_strategy="no",
+                         report_to=[], dynamic_sampling=args.dynamic, dynamic_sampling_max_rounds=4)
+        trainer = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=saturating_reward, args=cfg,
+                              train_dataset=bundled_prompts(512))
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start
+        trainer.end()
         rows = [{k: r[k] for k in keys if k in r} for r in trainer.state.log_history if "reward" in r]
-        Path(args.result).write_text(json.dumps({"dynamic_sampling": args.dynamic, "wall_s": wall, "rows": rows}))
+        runs.append({"seed": seed, "wall_s": wall, "rows": rows})
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.result).write_text(json.dumps({"dynamic_sampling": args.dynamic, "runs": runs}))
 
 
-def launch(dynamic: bool, steps: int, out: Path) -> dict:
+def launch(dynamic: bool, steps: int, seeds: int, out: Path) -> dict:
     result = out / f"{'dynamic' if dynamic else 'plain'}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           "--worker", "--steps", str(steps), "--result", str(result), "--run_dir", str(Path(tempfile.gettempdir()) / f"posttrain-ds-{result.stem}")]
+           "--worker", "--steps", str(steps), "--seeds", str(seeds), "--result", str(result), "--run_dir", str(Path(tempfile.gettempdir()) / f"posttrain-ds-{result.stem}")]
     if dynamic:
         cmd.append("--dynamic")
     root = str(Path(__file__).resolve().parents[1])  # this checkout's posttrain, not an installed one
@@ -72,31 +76,40 @@ def smooth(values: list[float], k: int = 5) -> list[float]:
     return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
 
 
-def report(runs: dict[str, dict], out: Path, target: float) -> str:
+def report(modes: dict[str, dict], out: Path, targets: list[float]) -> str:
+    """Per seed: the step and training time at which the 5-step mean reward first reaches each target; the
+    figure: the seeds' mean reward against step and against training time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    lines = ["| run | wall time | steps to a 5-step mean reward >= "
-             f"{target} | time to it | reward, last 5 steps | extra rounds | dropped groups |", "|---|---|---|---|---|---|---|"]
-    for name, run in runs.items():
-        rows = run["rows"]
-        reward = smooth([r["reward"] for r in rows])
-        clock = [sum(r["time/step"] for r in rows[: i + 1]) for i in range(len(rows))]
-        axes[0].plot([r["step"] for r in rows], reward, label=name)
-        axes[1].plot(clock, reward, label=name)
-        hit = next((i for i, v in enumerate(reward) if v >= target), None)
-        extra = sum(r.get("dynamic_sampling/extra_rounds", 0.0) for r in rows)
-        dropped = sum(r.get("dynamic_sampling/dropped_groups", 0.0) for r in rows)
-        lines.append(f"| {name} | {run['wall_s']:.0f} s | {rows[hit]['step'] if hit is not None else 'not reached'} | "
-                     f"{f'{clock[hit]:.0f} s' if hit is not None else '-'} | {reward[-1]:.3f} | {extra:.0f} | "
-                     f"{dropped:.0f} |")
+    reach = "".join(f" step (training time) to reward >= {t} |" for t in targets)
+    lines = [f"| run | seed |{reach} whole run | mean reward, last 10 steps | extra rounds | dropped groups "
+             "| underfilled batches |", "|---|---|" + "---|" * len(targets) + "---|---|---|---|---|"]
+    for (name, mode), color in zip(modes.items(), ("tab:blue", "tab:orange")):
+        for run in mode["runs"]:
+            rows = run["rows"]
+            reward = smooth([r["reward"] for r in rows])
+            clock = [sum(r["time/step"] for r in rows[: i + 1]) for i in range(len(rows))]
+            label = name if run["seed"] == 0 else None
+            axes[0].plot([r["step"] for r in rows], reward, color=color, alpha=0.8, lw=1, label=label)
+            axes[1].plot(clock, reward, color=color, alpha=0.8, lw=1, label=label)
+            hits = [next((i for i, v in enumerate(reward) if v >= t), None) for t in targets]
+            cells = "".join(f" {rows[h]['step']} ({clock[h]:.1f} s) |" if h is not None else " not reached |"
+                            for h in hits)
+            total = {k: sum(r.get(f"dynamic_sampling/{k}", 0.0) for r in rows)
+                     for k in ("extra_rounds", "dropped_groups", "underfilled")}
+            last = [r["reward"] for r in rows[-10:]]
+            lines.append(f"| {name} | {run['seed']} |{cells} {clock[-1]:.1f} s | "
+                         f"{sum(last) / len(last):.3f} | {total['extra_rounds']:.0f} | {total['dropped_groups']:.0f} | "
+                         f"{total['underfilled']:.0f} |")
     for ax, xlabel in zip(axes, ("optimizer step", "training time (s, sum of step times)")):
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("reward (5-step mean)")
-        ax.axhline(target, color="grey", lw=0.5)
+        ax.set_ylabel("reward (5-step mean), one line a seed")
+        for t in targets:
+            ax.axhline(t, color="grey", lw=0.5)
         ax.legend()
     fig.tight_layout()
     fig.savefig(out / "dynamic_sampling.png", dpi=110)
@@ -107,9 +120,10 @@ def report(runs: dict[str, dict], out: Path, target: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/2026-12-04-cpu-dynamic-sampling")
-    p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--targets", type=float, nargs="+", default=[0.9, 0.95])
     p.add_argument("--worker", action="store_true")
     p.add_argument("--dynamic", action="store_true")
     p.add_argument("--result", default="")
@@ -120,9 +134,9 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = {"without dynamic sampling": launch(False, args.steps, out),
-            "dynamic_sampling: true": launch(True, args.steps, out)}
-    print(report(runs, out, args.target))
+    runs = {"without dynamic sampling": launch(False, args.steps, args.seeds, out),
+            "dynamic_sampling: true": launch(True, args.steps, args.seeds, out)}
+    print(report(runs, out, args.targets))
 
 
 if __name__ == "__main__":

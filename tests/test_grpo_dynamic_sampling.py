@@ -105,3 +105,29 @@ def test_zero_spread_groups_are_replaced_and_the_loss_is_trls(tmp_path):
     assert capped == {"dynamic_sampling/dropped_groups": 0.0, "dynamic_sampling/extra_rounds": 0.0,
                       "dynamic_sampling/underfilled": 1.0}
     assert all(torch.equal(again[k], round0[k]) for k in again)
+
+
+def test_rloo_trains_only_groups_with_spread(tmp_path):
+    """RLOO's path: the kept batch's advantages are RLOO's over it (its KL in the reward recomputed from the
+    kept rows' log-probs), and no trained group is without spread."""
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
+
+    cfg = RLOOConfig(**fields(tmp_path, dynamic_sampling=True))
+    ours = RLOOTrainer(str(tiny.sft_model_path()), reward_funcs=saturating, args=cfg, train_dataset=PROMPTS)
+    micro, metrics = ours.generate_and_score(0)
+    batch = micro[0]
+    assert metrics["dynamic_sampling/extra_rounds"] >= 1 and metrics["dynamic_sampling/underfilled"] == 0.0
+    by_ids = {tuple(p): r["prompt"] for p, r in zip(ours.prompt_ids, ours.rows)}
+    prompts = [by_ids[tuple(p[m.bool()].tolist())] for p, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    completions = [c[m.bool()].tolist() for c, m in zip(batch["completion_ids"], batch["completion_mask"])]
+    from posttrain.data.order import mix_seed
+
+    # The micro-batch is the generation batch shuffled as TRL shuffles it: undo that to see the groups.
+    perm = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(mix_seed(cfg.seed, "shuffle", 0, 0)))
+    order = torch.argsort(perm).tolist()
+    rewards = torch.tensor([saturating([prompts[i]], [completions[i]])[0] for i in order]).unsqueeze(1)
+    assert not SATURATED & set(prompts) and group_spread(rewards, torch.ones(1), G).all()
+    mask = batch["completion_mask"].float()
+    kl = ((batch["old_per_token_logps"] - batch["ref_per_token_logps"]) * mask).sum(-1)[order]
+    want = rloo_advantages(rewards, torch.ones(1), G, kl, cfg.beta)["advantages"]
+    assert torch.allclose(batch["advantages"][order], want, atol=TOL)

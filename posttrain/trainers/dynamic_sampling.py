@@ -10,14 +10,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from posttrain.rewards.functions import weighted_sum
+
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 
 
 def group_spread(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
     """[groups] bool: the group's weighted rewards differ (a group with fewer than two scored rows has none)."""
     from trl.trainer.utils import nanstd
-
-    from posttrain.rewards.functions import weighted_sum
 
     rewards = weighted_sum(rewards_per_func, weights.to(rewards_per_func.device)).view(-1, num_generations)
     std = nanstd(rewards, dim=1)

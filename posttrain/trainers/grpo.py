@@ -69,10 +69,8 @@ class OnlineFields(RolloutFields):
     # Prompts kept to their last max_prompt_length tokens (TRL before 1.0 had it); None: TRL 1.16's whole prompt.
     max_prompt_length: int | None = None
     compile_layers: bool | None = None  # compile the policy's decoder layers (None: where it applies)
-    # DAPO's dynamic sampling: groups whose rewards are all equal are replaced by groups sampled in at most
-    # dynamic_sampling_max_rounds further generation batches (verl's filter_groups, max_num_gen_batches)
-    dynamic_sampling: bool = False
-    dynamic_sampling_max_rounds: int = 4
+    dynamic_sampling: bool = False  # DAPO's (verl's filter_groups): posttrain.trainers.dynamic_sampling
+    dynamic_sampling_max_rounds: int = 4  # extra generation batches one may draw (verl's max_num_gen_batches)
     reference_model: str = field(default="", init=False)  # what the KL is measured against (not a flag)
 
     _loss_types = LOSS_TYPES

@@ -66,8 +66,8 @@ def fill_generation_batch(trainer: Any, cycle: int, batch: dict[str, torch.Tenso
     g, pad, local = cfg.num_generations, trainer.tokenizer.pad_token_id, trainer.local_gen_size
     target = trainer.prompts_per_generation
     weights = trainer.rewards.weights
-    rounds = [gather_rows(s, batch, local, pad)]
-    spread = [group_spread(rounds[0]["rewards_per_func"], weights, g)]
+    batches = [batch]
+    spread = [group_spread(trainer._gather(batch["rewards_per_func"]), weights, g)]
     extra = 0
     while int(sum(x.sum() for x in spread)) < target and extra < cfg.dynamic_sampling_max_rounds:
         extra += 1
@@ -75,8 +75,8 @@ def fill_generation_batch(trainer: Any, cycle: int, batch: dict[str, torch.Tenso
         idx = trainer._generation_rows(cycle + trainer.dynamic_rounds)
         more, _ = trainer._sample_and_score([trainer.rows[i] for i in idx], [trainer.prompt_ids[i] for i in idx],
                                             g, train=True)
-        rounds.append(gather_rows(s, more, local, pad))
-        spread.append(group_spread(rounds[-1]["rewards_per_func"], weights, g))
+        batches.append(more)
+        spread.append(group_spread(trainer._gather(more["rewards_per_func"]), weights, g))
     chosen, topped_up = choose_groups(spread, target)
     flat = torch.cat(spread)
     dropped = int((~flat).sum()) - sum(1 for i in chosen if not flat[i])
@@ -86,6 +86,7 @@ def fill_generation_batch(trainer: Any, cycle: int, batch: dict[str, torch.Tenso
         batch.pop("rewards_per_func")
         return batch, {**metrics, **stats}
 
+    rounds = [gather_rows(s, b, local, pad) for b in batches]
     rows = torch.tensor([i * g + j for i in chosen for j in range(g)], device=s.device)
     merged = {k: _concat([r[k] for r in rounds], k, pad).index_select(0, rows) for k in rounds[0]}
     mine = slice(s.process_index * local, (s.process_index + 1) * local)

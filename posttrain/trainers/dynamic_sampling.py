@@ -72,6 +72,9 @@ def fill_generation_batch(trainer: Any, cycle: int, batch: dict[str, torch.Tenso
     while int(sum(x.sum() for x in spread)) < target and extra < cfg.dynamic_sampling_max_rounds:
         extra += 1
         trainer.dynamic_rounds += 1
+        # A ZeRO-3 policy's forward leaves parameters prefetched (a step's backward would release them); the
+        # rollout's gather needs them partitioned.
+        getattr(s.engines["policy"], "empty_partition_cache", lambda: None)()
         idx = trainer._generation_rows(cycle + trainer.dynamic_rounds)
         more, _ = trainer._sample_and_score([trainer.rows[i] for i in idx], [trainer.prompt_ids[i] for i in idx],
                                             g, train=True)

@@ -151,3 +151,51 @@ def test_correction_off_computes_no_old_logps_forward(both):
     assert "old_per_token_logps" not in batch and "importance_sampling_ratio" not in batch
     assert not any(k.startswith("sampling/") for k in metrics)
 
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode must be one of"),
+    ({"vllm_importance_sampling_clip_min": 3.0}, "clip_min .* must be less than"),
+    ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
+     "needs vllm_importance_sampling_clip_min or"),
+    ({"loss_type": "vespo"}, "set vllm_importance_sampling_mode to token_truncate"),
+    ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold must be >= 0"),
+    ({"dynamic_sampling_max_rounds": -1}, "dynamic_sampling_max_rounds must be >= 0"),
+])
+def test_bad_correction_and_dynamic_settings_name_the_fix(fields, message):
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(per_device_train_batch_size=8, num_generations=4, **fields)
+
+
+def test_trls_deprecated_cap_sets_clip_max():
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap"):
+        assert GRPOConfig(per_device_train_batch_size=8, num_generations=4,
+                          vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0
+
+
+def test_sampler_logprobs_are_over_the_full_vocabulary_not_the_top_k_support():
+    """What differs from TRL 1.16 with vLLM (processed_logprobs, renormalized over the top-k/top-p support):
+    posttrain's sampler reports log softmax(logits / temperature) over the whole vocabulary, the training
+    forward's definition, so the kept-mass term is not in the ratio."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.rollout import Rollout, SamplingParams, filter_logits
+    from posttrain.trainers.online import completion_logps
+
+    tok = tiny.load_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32).eval()
+    ids = torch.tensor([tok("the cat is")["input_ids"]] * 2)
+    mask = torch.ones_like(ids)
+    sampling = SamplingParams(max_new_tokens=4, pad_token_id=tok.pad_token_id, temperature=0.7, top_k=3)
+    out = Rollout(None, "policy", sampling, max_batch=2, max_prompt_len=ids.shape[1], model=model).generate(ids, mask)
+    full_mask = torch.cat([mask, out.completion_mask], 1)
+    full, _ = completion_logps(model, out.sequences, full_mask, 4, 0.7)
+    with torch.no_grad():
+        logits = model(input_ids=out.sequences, attention_mask=full_mask).logits[:, ids.shape[1] - 1 : -1].float()
+    kept = torch.log_softmax(filter_logits(logits / 0.7, 3, 1.0), -1).gather(-1, out.completion_ids.unsqueeze(-1))[..., 0]
+    valid = out.completion_mask.bool()
+    assert (out.logprobs - full)[valid].abs().max() < TOL
+    gap = (kept - out.logprobs)[valid]  # minus the log of the top-3 mass: never below 0, here up to ~2
+    assert (gap > -TOL).all() and gap.max() > 0.5

@@ -24,6 +24,7 @@ from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ra
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
+from posttrain.trainers import off_policy
 from posttrain.trainers.config import TrainConfig, make_session, saves
 from posttrain.trainers.dynamic_sampling import fill_generation_batch
 from posttrain.trainers.grpo_eval import GenerationEval
@@ -37,7 +38,6 @@ from posttrain.trainers.grpo_loss import (
     reduce_loss_stats,
 )
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
-from posttrain.trainers.off_policy import CORRECTION_FIELDS, check_correction_config, correct_sampling
 from posttrain.trainers.online import completion_logps, truncated_rows, write_samples
 from posttrain.trainers.run_log import Phases
 
@@ -92,7 +92,7 @@ class GRPOConfig(TrainConfig, OnlineFields, trl.GRPOConfig):
     _trl_works = (*ONLINE_WORKS, "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
                   "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level",
                   "multi_objective_aggregation", "scale_rewards", "loss_type", "top_entropy_quantile",
-                  "use_bias_correction_kl", "off_policy_mask_threshold", *CORRECTION_FIELDS)
+                  "use_bias_correction_kl", "off_policy_mask_threshold", *off_policy.CORRECTION_FIELDS)
     _trl_refused = {
         **ONLINE_REFUSED,
         "cast_lm_head_to_fp32": "posttrain's fused LM head computes the log-probs in float32 from the model's dtype",
@@ -104,7 +104,7 @@ class GRPOConfig(TrainConfig, OnlineFields, trl.GRPOConfig):
 
     def __post_init__(self) -> None:
         check_online_config(self)
-        check_correction_config(self)
+        off_policy.check_correction_config(self)
 
 
 def check_online_config(cfg: Any) -> None:
@@ -373,10 +373,6 @@ class GRPOTrainer(GenerationEval, Trainer):
         cfg = self.cfg
         return cfg.gradient_accumulation_steps % (cfg.steps_per_generation * cfg.num_iterations) != 0
 
-    def corrects_sampling(self) -> bool:
-        """TRL's vLLM correction, applied to posttrain's sampler (it costs the old log-probs' forward)."""
-        return bool(getattr(self.cfg, "vllm_importance_sampling_correction", False))  # RLOO: TRL has none
-
     def logps_in_rewards(self) -> bool:
         """Whether the advantages read the policy's and reference's log-probs (RLOO's KL in the reward)."""
         return False
@@ -424,7 +420,7 @@ class GRPOTrainer(GenerationEval, Trainer):
                  "completion_mask": completion_mask}
         bs = cfg.per_device_train_batch_size if train else cfg.per_device_eval_batch_size
         sampler = getattr(out, "logprobs", None)  # a rollout that reports none is not corrected
-        corrects = train and sampler is not None and self.corrects_sampling()
+        corrects = train and sampler is not None and off_policy.corrects_sampling(cfg)  # needs the old log-probs
         logps = (self.needs_old_logps() or corrects) if train else self.logps_in_rewards()
         with self.phases("policy_forward"):
             old = None
@@ -463,7 +459,7 @@ class GRPOTrainer(GenerationEval, Trainer):
         if train and sampler is not None:  # full vocabulary, temperature-scaled, as the training forward's
             batch["sampling_per_token_logps"] = sampler.to(dev)
             if corrects:
-                batch["importance_sampling_ratio"], sampled = correct_sampling(
+                batch["importance_sampling_ratio"], sampled = off_policy.correct_sampling(
                     cfg, old, batch["sampling_per_token_logps"], completion_mask, self._gather)
 
         metrics = self.generation_metrics(all_per_func, adv, prompt_mask, lengths, truncated, count_tokens=train)

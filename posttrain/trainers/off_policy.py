@@ -19,6 +19,11 @@ CORRECTION_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sam
                      "vllm_importance_sampling_cap")
 
 
+def corrects_sampling(cfg: Any) -> bool:
+    """Whether ``cfg`` asks for the correction (RLOO's config has no such field: TRL's RLOO has none)."""
+    return bool(getattr(cfg, "vllm_importance_sampling_correction", False))
+
+
 def check_correction_config(cfg: Any) -> None:
     """TRL's checks of the correction fields (its ``__post_init__`` and trainer), as sentences."""
     if cfg.vllm_importance_sampling_cap is not None:  # TRL's deprecated name for clip_max

@@ -159,7 +159,6 @@ def test_correction_off_computes_no_old_logps_forward(both):
     ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
      "needs vllm_importance_sampling_clip_min or"),
     ({"loss_type": "vespo"}, "set vllm_importance_sampling_mode to token_truncate"),
-    ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold must be >= 0"),
     ({"dynamic_sampling_max_rounds": -1}, "dynamic_sampling_max_rounds must be >= 0"),
 ])
 def test_bad_correction_and_dynamic_settings_name_the_fix(fields, message):

@@ -46,8 +46,6 @@ def check_correction_config(cfg: Any) -> None:
         raise ConfigError("loss_type vespo takes the correction per token (TRL's rule): set "
                           "vllm_importance_sampling_mode to token_truncate or token_mask, or "
                           "vllm_importance_sampling_correction: false")
-    if cfg.off_policy_mask_threshold is not None and cfg.off_policy_mask_threshold < 0:
-        raise ConfigError(f"off_policy_mask_threshold must be >= 0 (a KL bound); got {cfg.off_policy_mask_threshold}")
 
 
 def importance_sampling_ratio(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,

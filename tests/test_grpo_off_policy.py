@@ -174,10 +174,11 @@ def test_trls_deprecated_cap_sets_clip_max():
                           vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0
 
 
-def test_sampler_logprobs_are_over_the_full_vocabulary_not_the_top_k_support():
+@pytest.mark.parametrize("backend", ["posttrain", "hf"])
+def test_sampler_logprobs_are_over_the_full_vocabulary_not_the_top_k_support(backend):
     """What differs from TRL 1.16 with vLLM (processed_logprobs, renormalized over the top-k/top-p support):
     posttrain's sampler reports log softmax(logits / temperature) over the whole vocabulary, the training
-    forward's definition, so the kept-mass term is not in the ratio."""
+    forward's definition, so the kept-mass term is not in the ratio; both backends (hf: generate's logits)."""
     from transformers import AutoModelForCausalLM
 
     from posttrain.rollout import Rollout, SamplingParams, filter_logits
@@ -188,7 +189,8 @@ def test_sampler_logprobs_are_over_the_full_vocabulary_not_the_top_k_support():
     ids = torch.tensor([tok("the cat is")["input_ids"]] * 2)
     mask = torch.ones_like(ids)
     sampling = SamplingParams(max_new_tokens=4, pad_token_id=tok.pad_token_id, temperature=0.7, top_k=3)
-    out = Rollout(None, "policy", sampling, max_batch=2, max_prompt_len=ids.shape[1], model=model).generate(ids, mask)
+    out = Rollout(None, "policy", sampling, max_batch=2, max_prompt_len=ids.shape[1], model=model,
+                  backend=backend).generate(ids, mask)
     full_mask = torch.cat([mask, out.completion_mask], 1)
     full, _ = completion_logps(model, out.sequences, full_mask, 4, 0.7)
     with torch.no_grad():

@@ -234,3 +234,18 @@ def test_lora_saves_the_adapter_or_the_merged_model(checks):
     for out in (adapter_dir, merged_dir):
         assert json.loads((out / "posttrain_config.json").read_text())["reference_model"] == said
         assert said in (out / "README.md").read_text()
+
+
+def test_dynamic_sampling_is_placement_invariant_and_resumes(checks):
+    """Two processes: every rank keeps the same groups (the runs agree across placements and after a resume
+    from step 2, the extra generation batches drawn before it included); zero-spread groups were dropped."""
+    runs = checks["dynamic"]
+    base = runs["zero2-zero3"]
+    counters = ["dynamic_sampling/extra_rounds", "dynamic_sampling/dropped_groups", "dynamic_sampling/underfilled"]
+    sampled = [r for r in base if "dynamic_sampling/extra_rounds" in r]
+    assert len(sampled) == 2 and all(r["dynamic_sampling/extra_rounds"] >= 1 for r in sampled)
+    assert all(r["frac_reward_zero_std"] > 0 for r in sampled)
+    for other in (runs["zero3"], runs["resumed"]):
+        assert [r["step"] for r in other] == [1, 2, 3, 4]
+        for a, b in zip(base, other):
+            close(a, b, [*COMPARED, *counters], 1e-4)

@@ -116,8 +116,9 @@ def set_trl(trainer, **fields):
 
 
 def our_cfg(**fields) -> GRPOConfig:
+    # TRL without vLLM applies no sampler correction (tests/test_grpo_off_policy.py compares it)
     return GRPOConfig(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=N,
-                      temperature=TEMPERATURE, **fields)
+                      temperature=TEMPERATURE, vllm_importance_sampling_correction=False, **fields)
 
 
 @pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])

@@ -24,7 +24,10 @@ from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ra
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
+from posttrain.trainers import off_policy
 from posttrain.trainers.config import TrainConfig, make_session, saves
+from posttrain.trainers.dynamic_sampling import fill_generation_batch
+from posttrain.trainers.grpo_eval import GenerationEval
 from posttrain.trainers.grpo_loss import (
     LOSS_TYPES,
     average_generation_metrics,
@@ -56,7 +59,6 @@ ONLINE_REFUSED = {
     "cache_implementation": "posttrain's engine keeps its own KV cache (generation_kv_slots)",
     "log_unique_prompts": "samples.jsonl keeps every logged completion (log_completions)",
 }
-_VLLM_IS = "posttrain generates with its own engine (generation_backend), not vLLM: nothing to correct"
 _ENTROPY = "the entropy bonus is not implemented: use top_entropy_quantile"
 
 
@@ -67,6 +69,8 @@ class OnlineFields(RolloutFields):
     # Prompts kept to their last max_prompt_length tokens (TRL before 1.0 had it); None: TRL 1.16's whole prompt.
     max_prompt_length: int | None = None
     compile_layers: bool | None = None  # compile the policy's decoder layers (None: where it applies)
+    dynamic_sampling: bool = False  # DAPO's (verl's filter_groups): posttrain.trainers.dynamic_sampling
+    dynamic_sampling_max_rounds: int = 4  # extra generation batches one may draw (verl's max_num_gen_batches)
     reference_model: str = field(default="", init=False)  # what the KL is measured against (not a flag)
 
     _loss_types = LOSS_TYPES
@@ -88,22 +92,19 @@ class GRPOConfig(TrainConfig, OnlineFields, trl.GRPOConfig):
     _trl_works = (*ONLINE_WORKS, "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
                   "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level",
                   "multi_objective_aggregation", "scale_rewards", "loss_type", "top_entropy_quantile",
-                  "use_bias_correction_kl")
+                  "use_bias_correction_kl", "off_policy_mask_threshold", *off_policy.CORRECTION_FIELDS)
     _trl_refused = {
         **ONLINE_REFUSED,
         "cast_lm_head_to_fp32": "posttrain's fused LM head computes the log-probs in float32 from the model's dtype",
         "entropy_coef": _ENTROPY, "use_adaptive_entropy": _ENTROPY, "entropy_coef_min": _ENTROPY,
         "entropy_coef_max": _ENTROPY, "entropy_coef_delta": _ENTROPY, "entropy_target": _ENTROPY,
         "max_tool_calling_iterations": "multi-turn tool use is not supported yet",
-        "off_policy_mask_threshold": "off-policy masking is not implemented (posttrain's samples are the policy's)",
         "log_completions_hub_repo": "completions are logged to samples.jsonl in the output dir (log_completions)",
-        **{name: _VLLM_IS for name in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                                       "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
-                                       "vllm_importance_sampling_cap")},
     }
 
     def __post_init__(self) -> None:
         check_online_config(self)
+        off_policy.check_correction_config(self)
 
 
 def check_online_config(cfg: Any) -> None:
@@ -131,6 +132,8 @@ def check_online_config(cfg: Any) -> None:
         (cfg.temperature > 0.0,
          f"temperature must be > 0 (sampling; the loss divides logits by it); got {cfg.temperature}"),
         (cfg.num_iterations >= 1, "num_iterations must be >= 1"),
+        (cfg.dynamic_sampling_max_rounds >= 0,
+         f"dynamic_sampling_max_rounds must be >= 0 (extra generation batches); got {cfg.dynamic_sampling_max_rounds}"),
         (not cfg.sync_ref_model or cfg.beta != 0.0,
          "sync_ref_model needs a reference model, and beta: 0 loads none: set beta > 0 or drop sync_ref_model"),
         (not cfg.sync_ref_model or (cfg.ref_model_sync_steps >= 1 and 0.0 < cfg.ref_model_mixup_alpha <= 1.0),
@@ -191,7 +194,7 @@ def check_reference(cfg: Any, adapters: bool) -> None:
                            "the policy's initial weights")
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(GenerationEval, Trainer):
     """GRPO with per-role placement and TRL 1.16's constructor; the logged rows (TRL's metric names) are
     ``state.log_history``."""
 
@@ -308,6 +311,7 @@ class GRPOTrainer(Trainer):
         self.phases = Phases()
         self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches
         self.num_tokens = 0.0
+        self.dynamic_rounds = 0  # extra generation batches dynamic sampling drew (they advance the prompt order)
         # TRL hands reward functions the trainer's state.
         from transformers import TrainerState
 
@@ -377,12 +381,14 @@ class GRPOTrainer(Trainer):
     def generate_and_score(self, cycle: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Sample and score generation batch ``cycle``; returns its shuffled micro-batches and metrics."""
         cfg, s = self.cfg, self.session
-        idx = self._generation_rows(cycle)
+        idx = self._generation_rows(cycle + self.dynamic_rounds)
         self.trainer_state.global_step = self.step
         self.trainer_state.epoch = cycle * self.prompts_per_generation / len(self.rows)
         self.trainer_state.num_input_tokens_seen = int(self.num_tokens)
         batch, metrics = self._sample_and_score([self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
                                                 cfg.num_generations, train=True)
+        if cfg.dynamic_sampling:
+            batch, metrics = fill_generation_batch(self, cycle, batch, metrics)
         # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
         bs = cfg.per_device_train_batch_size
         g = torch.Generator().manual_seed(mix_seed(cfg.seed, "shuffle", cycle, s.process_index))
@@ -413,7 +419,9 @@ class GRPOTrainer(Trainer):
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": completion_mask}
         bs = cfg.per_device_train_batch_size if train else cfg.per_device_eval_batch_size
-        logps = self.needs_old_logps() if train else self.logps_in_rewards()
+        sampler = getattr(out, "logprobs", None)  # a rollout that reports none is not corrected
+        corrects = train and sampler is not None and off_policy.corrects_sampling(cfg)  # needs the old log-probs
+        logps = (self.needs_old_logps() or corrects) if train else self.logps_in_rewards()
         with self.phases("policy_forward"):
             old = None
             if logps:
@@ -441,13 +449,22 @@ class GRPOTrainer(Trainer):
         local = slice(s.process_index * len(rows), (s.process_index + 1) * len(rows))
         batch["advantages"] = adv["advantages"][local]
         batch["num_items_in_batch"] = self._sum(completion_mask.sum().float())
+        if train and cfg.dynamic_sampling:
+            batch["rewards_per_func"] = per_func.to(dev)
         if old is not None:
             batch["old_per_token_logps"] = old
         if ref is not None:
             batch["ref_per_token_logps"] = ref
+        sampled = {}
+        if train and sampler is not None:  # full vocabulary, temperature-scaled, as the training forward's
+            batch["sampling_per_token_logps"] = sampler.to(dev)
+            if corrects:
+                batch["importance_sampling_ratio"], sampled = off_policy.correct_sampling(
+                    cfg, old, batch["sampling_per_token_logps"], completion_mask, self._gather)
 
         metrics = self.generation_metrics(all_per_func, adv, prompt_mask, lengths, truncated, count_tokens=train)
         metrics.update(adv.get("metrics", {}))
+        metrics.update(sampled)
         metrics.update(self.rewards.logged_metrics())
         if train:
             self.samples = (prompts, texts, self.rewards.total(per_func), self.rewards.extra_columns())
@@ -476,42 +493,6 @@ class GRPOTrainer(Trainer):
         m["num_tokens"] = self.num_tokens
         return {**m, **completion_metrics(all_lengths, self._gather(truncated))}
 
-    def has_eval_data(self) -> bool:
-        """Evaluation as TRL's: an eval_dataset, and eval_strategy other than "no"."""
-        return self.eval_rows is not None and self.cfg.eval_strategy != "no"
-
-    def evaluate(self) -> dict[str, float]:
-        """TRL's GRPO evaluation without its loss: ``num_generations_eval`` completions of every eval prompt
-        (global batches of ``per_device_eval_batch_size`` x processes), scored; the rewards and completion
-        metrics averaged over the batches as TRL logs them (``eval/reward``, ``eval/rewards/<name>/mean``, ...)."""
-        cfg, s = self.cfg, self.session
-        if self.eval_rows is None:
-            raise ConfigError(f"{cfg._algorithm}: evaluate() needs eval_dataset= (rows with a 'prompt')")
-        generations = cfg.num_generations_eval or cfg.num_generations
-        global_batch = cfg.per_device_eval_batch_size * s.num_processes
-        if global_batch % generations:
-            raise ConfigError(f"the eval batch (per_device_eval_batch_size {cfg.per_device_eval_batch_size} x "
-                              f"{s.num_processes} processes) must be a multiple of num_generations_eval "
-                              f"({generations}), TRL's rule: set --per_device_eval_batch_size or --num_generations_eval")
-        per_batch, n = global_batch // generations, len(self.eval_rows)
-        policy = s.engines["policy"]
-        policy.eval()
-        gens = []
-        try:
-            for start in range(0, n, per_batch):
-                # The last batch filled from the first prompts (accelerate's even_batches; TRL scores them too).
-                prompts = [(start + k) % n for k in range(per_batch)]
-                expanded = [i for i in prompts for _ in range(generations)]
-                mine = expanded[s.process_index * cfg.per_device_eval_batch_size:
-                                (s.process_index + 1) * cfg.per_device_eval_batch_size]
-                _, metrics = self._sample_and_score([self.eval_rows[i] for i in mine],
-                                                    [self.eval_prompt_ids[i] for i in mine], generations, train=False)
-                gens.append(metrics)
-        finally:
-            policy.train()
-            self.phases.pop()
-        return {f"eval/{k}": v for k, v in average_generation_metrics(gens).items()}
-
     def policy_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's per-token log-probs and entropies of the batch's completions (with grad)."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -536,7 +517,8 @@ class GRPOTrainer(Trainer):
             entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile, pool)
         loss, stats = grpo_loss(cfg, logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
                                 batch["advantages"], mask, entropy_mask, batch["num_items_in_batch"],
-                                s.num_processes)
+                                s.num_processes, batch.get("sampling_per_token_logps"),
+                                batch.get("importance_sampling_ratio"))
         stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
         return loss, stats
 
@@ -589,10 +571,11 @@ class GRPOTrainer(Trainer):
         return {"policy": self.tokenizer, **({"reference": None} if self.cfg.sync_ref_model else {})}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"num_tokens": self.num_tokens}
+        return {"num_tokens": self.num_tokens, "dynamic_rounds": self.dynamic_rounds}
 
     def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
         self.num_tokens = float(state.get("num_tokens", 0.0))
+        self.dynamic_rounds = int(state.get("dynamic_rounds", 0))
         if self.cfg.sync_ref_model:
             self.session.load_weights("reference", checkpoint / "reference")
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from posttrain.rewards.functions import weighted_sum
+from posttrain.trainers.off_policy import off_policy_mask
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 _CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-style min(r A, clip(r) A)
@@ -56,15 +57,21 @@ def grpo_loss(cfg: Any, per_token_logps: torch.Tensor, old_per_token_logps: torc
               ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
               entropy_mask: torch.Tensor | None = None,
               num_items_in_batch: torch.Tensor | float | None = None,
-              num_processes: int = 1) -> tuple[torch.Tensor, dict[str, Any]]:
+              num_processes: int = 1, sampling_per_token_logps: torch.Tensor | None = None,
+              importance_sampling_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """One micro-batch's loss (divided for accumulation) and (sum, count) ``means``/``per_seq`` to reduce.
-    ``num_items_in_batch``: valid tokens of the whole generation batch, all processes."""
+    ``num_items_in_batch``: valid tokens of the whole generation batch, all processes;
+    ``sampling_per_token_logps``: the sampler's (off_policy_mask_threshold reads them);
+    ``importance_sampling_ratio``: the sampler correction (``off_policy.importance_sampling_ratio``)."""
     from trl import GRPOTrainer
 
     ga, mask = cfg.gradient_accumulation_steps, mask.to(per_token_logps.dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    if cfg.off_policy_mask_threshold is not None:
+        sampled = old if sampling_per_token_logps is None else sampling_per_token_logps
+        keep = off_policy_mask(advantages, per_token_logps, sampled, mask, cfg.off_policy_mask_threshold)
     log_ratio = per_token_logps - old
     if cfg.importance_sampling_level == "token":
         log_weights = log_ratio
@@ -91,12 +98,17 @@ def grpo_loss(cfg: Any, per_token_logps: torch.Tensor, old_per_token_logps: torc
         per_token_loss = -(torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * advantages
     else:  # vespo: TRL's gamma weights of the sequence ratio scale the policy gradient
         phi_seq = GRPOTrainer.get_gamma_weights(
-            advantages=advantages, log_ratio_per_token=log_ratio, mask=mask, importance_sampling_ratio=None,
+            advantages=advantages, log_ratio_per_token=log_ratio, mask=mask,
+            importance_sampling_ratio=importance_sampling_ratio,
             k_pos=cfg.vespo_k_pos, lambda_pos=cfg.vespo_lambda_pos, k_neg=cfg.vespo_k_neg,
             lambda_neg=cfg.vespo_lambda_neg)
         per_token_loss = -phi_seq * advantages * per_token_logps
+    if cfg.off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * keep
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
+    if importance_sampling_ratio is not None and cfg.loss_type != "vespo":
+        per_token_loss = per_token_loss * importance_sampling_ratio
     if cfg.beta != 0.0:
         per_token_loss = per_token_loss + cfg.beta * per_token_kl
 

@@ -8,7 +8,8 @@
 - a learning run on the bundled reward (GRPO), its policy saved, and short RLOO runs (num_iterations 2) under two placements;
 - two generations per step (gradient accumulation 2, steps_per_generation 1);
 - a reward function that raises on rank 1 only;
-- LoRA GRPO under three placements (one resumed, one saved merged) and LoRA RLOO under two.
+- LoRA GRPO under three placements (one resumed, one saved merged) and LoRA RLOO under two;
+- dynamic sampling with a reward that saturates on half the prompts, under two placements and resumed.
 """
 
 import json
@@ -28,6 +29,11 @@ SHORT = dict(learning_rate=3e-3, lr_scheduler_type="constant", per_device_train_
 LEARN = dict(learning_rate=2e-4, lr_scheduler_type="constant", per_device_train_batch_size=16, num_generations=8,
              max_completion_length=8, max_steps=40, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=42,
              overwrite_output_dir=True)
+
+
+def saturating(prompts, completion_ids, **_):
+    """Every completion of a "<subject> felt" prompt scores 1 (a group without spread)."""
+    return [1.0 if p.endswith("felt") else float(sum(c) % 3) for p, c in zip(prompts, completion_ids)]
 
 
 def lora():
@@ -93,6 +99,17 @@ def main(out: str, tmp: str) -> None:
                                              "steps_per_generation": 1}, output_dir=f"{tmp}/ga2"))
     trainer.train()
     res["ga2"] = {"history": trainer.state.log_history, "num_tokens": trainer.num_tokens}
+
+    # Dynamic sampling: the same kept groups, losses and counters whatever the placement, and after a resume
+    # (the extra generation batches drawn before the checkpoint move the prompt order on).
+    dynamic = dict(SHORT, dynamic_sampling=True, sync_ref_model=False, reward_weights=None)
+    for mix in ("zero2-zero3", "zero3"):
+        res.setdefault("dynamic", {})[mix], _, _ = run(GRPOConfig, GRPOTrainer, [saturating], mix=mix,
+                                                       output_dir=f"{tmp}/dynamic-{mix}", **dynamic)
+    res["dynamic"]["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, [saturating], mix="zero2-zero3",
+                                          output_dir=f"{tmp}/dynamic-zero2-zero3",
+                                          resume_from_checkpoint=f"{tmp}/dynamic-zero2-zero3/checkpoint-2",
+                                          **{**dynamic, "overwrite_output_dir": False})
 
     import torch.distributed as dist
     from accelerate.utils import gather_object

@@ -77,6 +77,15 @@ def choose(model_kwargs: dict[str, Any], config: Any, packed_rows: bool, device:
     return message
 
 
+def choose_for(session: Any, model_kwargs: dict[str, Any], source: Any, packed_rows: bool) -> None:
+    """:func:`choose` for a role's load keywords (a model object keeps its attention); the main process says so."""
+    if isinstance(source, torch.nn.Module):
+        return
+    message = choose(model_kwargs, source, packed_rows, session.device)
+    if message and session.is_main_process:
+        print(message, flush=True)
+
+
 def _config(config: Any, model_kwargs: dict[str, Any]) -> Any:
     if isinstance(config, (str, os.PathLike)):
         from transformers import AutoConfig

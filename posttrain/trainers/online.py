@@ -85,7 +85,7 @@ def packed_completion_logps(model: Any, ids: torch.Tensor, am: torch.Tensor, log
     else:
         logits = model(**inputs, use_cache=False, logits_to_keep=where).logits[0]
         logits = (logits.float() if float32 else logits) / temperature
-        lp, ent = selective_log_softmax(logits, targets), None
+        lp, ent = selective_log_softmax(logits[None], targets[None])[0], None  # a row: no scored token is fine
         if compute_entropy:
             with torch.no_grad():
                 ent = torch.logsumexp(logits, dim=-1) - torch.sum(torch.softmax(logits, dim=-1) * logits, dim=-1)

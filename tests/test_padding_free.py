@@ -209,10 +209,10 @@ def test_grpo_and_rloo_step(tmp_path):
 
     for cls, cfg_cls, extra in ((GRPOTrainer, GRPOConfig, {"beta": 0.04}), (RLOOTrainer, RLOOConfig, {})):
         def make(padding_free, cls=cls, cfg_cls=cfg_cls, extra=extra):
-            cfg = cfg_cls(output_dir=str(tmp_path / f"{cls.__name__}{padding_free}"), per_device_train_batch_size=8,
-                          num_generations=4, max_completion_length=8, padding_free=padding_free, **extra,
+            cfg = cfg_cls(output_dir=str(tmp_path / f"{cls.__name__}{padding_free}"), per_device_train_batch_size=4,
+                          num_generations=2, max_completion_length=6, padding_free=padding_free, **extra,
                           **ONE_PROCESS)
-            return cls(str(tiny.sft_model_path()), reward_funcs=token_reward, args=cfg, train_dataset=bundled_prompts(8))
+            return cls(str(tiny.sft_model_path()), reward_funcs=token_reward, args=cfg, train_dataset=bundled_prompts(2))
 
         assert_rows_equal(logged(make), "loss")
 
@@ -255,20 +255,35 @@ def test_distillation_step(tmp_path):
     assert_rows_equal(logged(make), "loss")
 
 
-def test_ppo_step_and_its_entropy_metric(tmp_path):
-    """Equal but for ``policy/entropy_avg``, which (as TRL's) averages every position, padding included: the
-    reason PPO's ``padding_free`` is off by default."""
+def test_ppo_step(tmp_path):
+    """The tiny tokenizer's pad is not its EOS: the responses hold no padding and every metric is equal."""
     from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
     def make(padding_free):
-        cfg = PPOConfig(output_dir=str(tmp_path / f"ppo{padding_free}"), per_device_train_batch_size=4,
-                        num_ppo_epochs=1, response_length=8, stop_token="eos", padding_free=padding_free,
+        cfg = PPOConfig(output_dir=str(tmp_path / f"ppo{padding_free}"), per_device_train_batch_size=2,
+                        num_ppo_epochs=1, response_length=6, num_sample_generations=0, stop_token="eos", padding_free=padding_free,
                         **ONE_PROCESS)
         return PPOTrainer(args=cfg, model=str(tiny.sft_model_path()), reward_model=str(tiny.reward_model_path()),
-                          train_dataset=bundled_prompts(8))
+                          train_dataset=bundled_prompts(2))
 
     rows = logged(make)
-    a, b = rows[False].pop("policy/entropy_avg"), rows[True].pop("policy/entropy_avg")
     rows[False]["grad_norm"] = rows[True]["grad_norm"] = 1.0  # PPO logs no grad_norm of its two models
-    assert_rows_equal(rows, "loss/policy_avg")
-    assert abs(a - b) > TOL  # the padded mean reads the padding's entropies
+    assert_rows_equal(rows, "policy/entropy_avg")
+
+
+def test_ppo_entropy_metric_reads_padding():
+    """Where a response holds the pad id (a tokenizer whose pad is its EOS), TRL's ``policy/entropy_avg``
+    averages the entropies at those masked positions too, which a packed row does not compute: the reason
+    PPO's ``padding_free`` is off by default. The log-probs PPO trains on are equal."""
+    from posttrain.trainers.ppo import lm_logprobs
+
+    model = causal_lm()
+    queries, _ = ragged(10, left=True)
+    responses, _ = ragged(11, width=6)  # pad id 0 after each response's end
+    qr = torch.cat([queries, responses], 1)
+    valid = responses != 0
+    out = {pf: lm_logprobs(model, qr, queries.shape[1], 0, 0.7, compute_entropy=True, padding_free=pf)
+           for pf in (False, True)}
+    torch.testing.assert_close(out[True][0][valid], out[False][0][valid], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(out[True][1][valid], out[False][1][valid], atol=TOL, rtol=TOL)
+    assert abs(out[True][1].mean() - out[False][1].mean()) > 0.1

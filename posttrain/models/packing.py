@@ -61,7 +61,8 @@ class Packing:
 
     def model_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
         """A causal LM's keyword inputs for the packed row: no attention mask, position ids restarting per
-        sequence (transformers' block mask for sdpa/eager) and the boundaries varlen/flash attention read."""
+        sequence (transformers' block mask for sdpa/eager) and the boundaries varlen/flash attention read.
+        Call the model with ``use_cache=False`` too: with a cache, transformers does not look for packed rows."""
         cu = self.cu_seq_lens
         longest = int(self.lengths.max()) if self.lengths.numel() else 0
         return {"input_ids": self.pack(input_ids), "position_ids": self.position_ids(), "cu_seq_lens_q": cu,

@@ -292,7 +292,7 @@ class DistillationTrainer(Trainer):
         ``padding_free``: computed on the packed row, 0 at padding (the loss reads completion tokens only)."""
         if self.cfg.padding_free:
             packing = Packing.of(batch["attention_mask"])
-            inputs = packing.model_inputs(batch["input_ids"])
+            inputs = {**packing.model_inputs(batch["input_ids"]), "use_cache": False}
 
             def padded(logits: torch.Tensor) -> torch.Tensor:
                 return packing.unpack(logits[0].float())[:, :-1]

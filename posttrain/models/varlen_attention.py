@@ -184,7 +184,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tenso
 
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                       max_q: int, max_k: int, scaling: float, causal: bool) -> torch.Tensor:
-    fn, params = _RESOLVED.get("kernel") or _kernel()
+    fn, params = _RESOLVED["kernel"] if torch.compiler.is_compiling() and "kernel" in _RESOLVED else _kernel()
     kwargs: dict[str, Any] = {}
     if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0)
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)

@@ -21,6 +21,7 @@ from posttrain.models.sources import init_kwargs, model_and_tokenizer
 from posttrain.models.tokenizer import check_tokenizer_fields, set_tokens
 from posttrain.placement.ranks import gather_ranks
 from posttrain.placement.roles import TRAINER_ROLES
+from posttrain.rewards.models import head_outputs
 from posttrain.trainers.config import TrainConfig, make_session, row_schedule
 from posttrain.trainers.loop import RowsTrainer, default_args, eval_shards, refuse_arguments
 from posttrain.trainers.run_log import Phases
@@ -98,13 +99,12 @@ def collator(tokenizer: Any, pad_to_multiple_of: int | None = None) -> Any:
 def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      padding_free: bool = False) -> torch.Tensor:
     """(B,) the classifier's score of each row at its last non-pad token (transformers' rule);
-    ``padding_free``: the rows packed into one, the score head read at those tokens."""
-    if not padding_free:
-        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
-    from posttrain.rewards.models import head_outputs
-
-    packing = Packing.of(attention_mask)
+    ``padding_free``: the rows packed into one, the ``score`` head read at those tokens (a head of another
+    name: padded)."""
     module = getattr(model, "module", model)
+    if not padding_free or getattr(module, "score", None) is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
+    packing = Packing.of(attention_mask)
     pad = module.config.get_text_config().pad_token_id
     per_token = packing.unpack(head_outputs(model, **packing.model_inputs(input_ids))[0])
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)

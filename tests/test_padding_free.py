@@ -200,21 +200,23 @@ def assert_rows_equal(rows: dict[bool, dict[str, float]], nontrivial: str) -> No
     assert a["grad_norm"] > 1e-4 and math.isfinite(a[nontrivial])
 
 
-def test_grpo_and_rloo_step(tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_grpo_and_rloo_step(tmp_path, algorithm):
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
     from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
     def token_reward(completion_ids, **_):
         return [float(sum(ids) % 7) - 3.0 for ids in completion_ids]
 
-    for cls, cfg_cls, extra in ((GRPOTrainer, GRPOConfig, {"beta": 0.04}), (RLOOTrainer, RLOOConfig, {})):
-        def make(padding_free, cls=cls, cfg_cls=cfg_cls, extra=extra):
-            cfg = cfg_cls(output_dir=str(tmp_path / f"{cls.__name__}{padding_free}"), per_device_train_batch_size=4,
-                          num_generations=2, max_completion_length=6, padding_free=padding_free, **extra,
-                          **ONE_PROCESS)
-            return cls(str(tiny.sft_model_path()), reward_funcs=token_reward, args=cfg, train_dataset=bundled_prompts(2))
+    cls, cfg_cls, extra = {"grpo": (GRPOTrainer, GRPOConfig, {"beta": 0.04}), "rloo": (RLOOTrainer, RLOOConfig, {})}[
+        algorithm]
 
-        assert_rows_equal(logged(make), "loss")
+    def make(padding_free):
+        cfg = cfg_cls(output_dir=str(tmp_path / str(padding_free)), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=6, padding_free=padding_free, **extra, **ONE_PROCESS)
+        return cls(str(tiny.sft_model_path()), reward_funcs=token_reward, args=cfg, train_dataset=bundled_prompts(2))
+
+    assert_rows_equal(logged(make), "loss")
 
 
 def test_dpo_step(tmp_path):

@@ -13,7 +13,7 @@ from posttrain.scripts.data import bundled_prompts
 
 TOL = 1e-5
 ONE_PROCESS = dict(single_process_engine="torch", mixed_precision="no", disable_tqdm=True, report_to=[],
-                   save_strategy="no", gradient_checkpointing=False, max_steps=1, logging_steps=1, seed=3)
+                   save_strategy="no", gradient_checkpointing=True, max_steps=1, logging_steps=1, seed=3)
 
 
 def ragged(seed: int = 0, rows: int = 4, width: int = 12, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

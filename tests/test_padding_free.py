@@ -113,6 +113,23 @@ def test_completion_logps_absolute_positions_gpt2():
     torch.testing.assert_close(packed, padded, atol=TOL, rtol=TOL)
 
 
+def test_a_model_without_position_ids_runs_padded(caplog):
+    """BLOOM (ALiBi from the attention mask, no position ids) would attend across a packed row's sequences:
+    its padding-free forward runs padded, and says so."""
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    from posttrain.trainers.online import completion_logps
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=400, hidden_size=32, n_layer=2, n_head=2))
+    ids, mask = ragged(12, left=True)
+    padded, _ = completion_logps(model, ids, mask, 5, 1.0)
+    with caplog.at_level("WARNING"):
+        packed, _ = completion_logps(model, ids, mask, 5, 1.0, padding_free=True)
+    assert torch.equal(packed, padded)
+    assert "BloomForCausalLM takes no position ids" in caplog.text
+
+
 def test_dpo_sequence_logps_stats_and_gradients():
     from posttrain.trainers.dpo import sequence_logps
 

@@ -3,10 +3,15 @@ restarting per sequence (the varlen kernels' ``cu_seq_lens``), and per-token out
 
 from __future__ import annotations
 
+import inspect
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -76,3 +81,25 @@ def last_non_pad(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Ten
         return torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     return (positions * (input_ids != pad_token_id)).argmax(-1)
+
+
+def packs(model: Any) -> bool:
+    """Whether ``model`` reads a packed row as separate sequences: its forward takes position ids (transformers
+    then attends each sequence apart) and it has no ALiBi bias (built from the attention mask). Else padding-free
+    forwards run padded, said once per model class."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine's model
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module  # a peft model's
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        takes_positions = "position_ids" in inspect.signature(type(base).forward).parameters
+    except (TypeError, ValueError):
+        takes_positions = False
+    if takes_positions and not getattr(text, "alibi", False):
+        return True
+    name = type(base).__name__
+    if name not in _WARNED:
+        _WARNED.add(name)
+        logging.getLogger(__name__).warning("%s takes no position ids (or has an ALiBi bias), so a packed row would "
+                                            "attend across its sequences: its padding_free forwards run padded", name)
+    return False

@@ -14,7 +14,7 @@ import torch
 
 from posttrain.data.prompts import padded_inputs
 from posttrain.errors import ConfigError
-from posttrain.models.packing import Packing
+from posttrain.models.packing import Packing, packs
 from posttrain.rewards.functions import load_reward_func, spec_kind
 
 logger = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ def head_scores(model: Any, sequences: torch.Tensor, pad_token_id: int, padding_
     """A classifier's head at every position of the policy's sequences (TRL's ``get_reward``);
     ``padding_free``: on the packed row of the attended tokens, 0 at padding."""
     inputs = padded_inputs(sequences, pad_token_id)
-    if not padding_free:
+    if not (padding_free and packs(model)):
         return head_outputs(model, **inputs, return_dict=True)
     packing = Packing.of(inputs["attention_mask"])
     return packing.unpack(head_outputs(model, **packing.model_inputs(inputs["input_ids"]), return_dict=True)[0])

@@ -18,7 +18,7 @@ from posttrain.data.prompts import check_prompt_rows, left_pad
 from posttrain.errors import ConfigError
 from posttrain.models import varlen_attention
 from posttrain.models.lora import check_no_head_adapter
-from posttrain.models.packing import Packing
+from posttrain.models.packing import Packing, packs
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import distinct_objects, init_kwargs, model_config, policy_source
 from posttrain.placement.ranks import sum_over_ranks, world_size
@@ -290,7 +290,7 @@ class DistillationTrainer(Trainer):
     def logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Student and teacher logits at the positions that predict a next token (all but the last);
         ``padding_free``: computed on the packed row, 0 at padding (the loss reads completion tokens only)."""
-        if self.cfg.padding_free:
+        if self.cfg.padding_free and packs(self.student) and packs(self.teacher):
             packing = Packing.of(batch["attention_mask"])
             inputs = {**packing.model_inputs(batch["input_ids"]), "use_cache": False}
 

@@ -17,7 +17,7 @@ from posttrain.data.order import seed_everything
 from posttrain.errors import ConfigError
 from posttrain.models import varlen_attention
 from posttrain.models.lora import adapters_disabled
-from posttrain.models.packing import Packing
+from posttrain.models.packing import Packing, packs
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer, reference_source
 from posttrain.placement.ranks import sum_over_ranks
@@ -88,7 +88,7 @@ def sequence_logps(model: Any, batch: dict, ld_alpha: float | None, stats: bool 
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     ids = batch["input_ids"]
-    if padding_free:
+    if padding_free and packs(model):
         packing = Packing.of(batch["attention_mask"])
         inputs = packing.model_inputs(ids)
         logits = model(**inputs, use_cache=False).logits[0].float()

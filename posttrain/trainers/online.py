@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from posttrain.data.prompts import position_ids
-from posttrain.models.packing import Packing
+from posttrain.models.packing import Packing, packs
 from posttrain.run.jsonrows import dumps_row
 
 
@@ -23,6 +23,7 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     from trl.trainer.utils import selective_log_softmax
 
     batch_size = batch_size or input_ids.size(0)
+    padding_free = padding_free and packs(model)
     logps, entropies = [], []
     for i in range(0, input_ids.size(0), batch_size):
         ids, am = input_ids[i : i + batch_size], attention_mask[i : i + batch_size]

@@ -15,7 +15,7 @@ from posttrain.data import preference
 from posttrain.data.order import seed_everything
 from posttrain.errors import ConfigError
 from posttrain.models import varlen_attention
-from posttrain.models.packing import Packing, last_non_pad
+from posttrain.models.packing import Packing, last_non_pad, packs
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import init_kwargs, model_and_tokenizer
 from posttrain.models.tokenizer import check_tokenizer_fields, set_tokens
@@ -102,7 +102,7 @@ def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     ``padding_free``: the rows packed into one, the ``score`` head read at those tokens (a head of another
     name: padded)."""
     module = getattr(model, "module", model)
-    if not padding_free or getattr(module, "score", None) is None:
+    if not (padding_free and packs(model)) or getattr(module, "score", None) is None:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
     packing = Packing.of(attention_mask)
     pad = module.config.get_text_config().pad_token_id

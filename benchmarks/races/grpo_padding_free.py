@@ -131,7 +131,7 @@ def targets(summary: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> l
         if r.get("mean_completion_len") is not None and r["side"] not in seen:
             seen.add(r["side"])
             lines.append(f"{r['side']}: attention {r.get('attn_implementation')}, mean completion "
-                         f"{r['mean_completion_len']:.0f} of {r.get('padded_tokens_per_step')} padded tokens per step, "
+                         f"{r['mean_completion_len']:.0f} tokens, {r.get('padded_tokens_per_step')} tokens per padded step, "
                          f"compiled layers {r.get('compiled_layers')}")
     return lines
 

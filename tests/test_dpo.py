@@ -93,8 +93,9 @@ def test_tokenization_matches_trl(parity):
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_loss_and_metrics_match_trl(parity, name):
     ours, theirs = parity
-    for key in ["loss", *METRICS]:
+    for key in ["loss", *METRICS]:  # posttrain on packed rows (its default) and padded, as TRL pads
         assert ours[name][key] == pytest.approx(theirs[name][key], rel=1e-5, abs=1e-5), (name, key)
+        assert ours["padded"][name][key] == pytest.approx(theirs[name][key], rel=1e-5, abs=1e-5), (name, key)
     # A non-trivial case: policy and reference differ, so rewards are not all zero.
     assert abs(ours[name]["rewards/margins"]) > 1e-3
 

@@ -182,28 +182,30 @@ def test_loss_metrics_and_gradient_equal_trl(trl, ours_model, loss_type, level, 
     their_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
     cfg = our_cfg(**fields)
-    logps, entropies = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE, compute_entropy=True,
-                                        fused=True)
-    plain, _ = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE)
-    assert torch.allclose(plain, logps, atol=TOL)  # the two paths agree
-    entropy_mask = None
-    if cfg.top_entropy_quantile < 1.0:
-        entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile)
-    loss, stats = grpo_loss(cfg, logps, old, ref if cfg.beta else None, advantages, mask, entropy_mask,
-                            batch["num_items_in_batch"], 1)
-    stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
-    loss.backward()
-    ours = reduce_loss_stats([stats])
-
-    assert loss.item() == pytest.approx(theirs.item(), abs=TOL, rel=TOL)
     logged = {k for k in their_metrics if k not in ("num_tokens",) and not k.startswith(("rewards/", "completions/"))
               and k not in ("reward", "reward_std", "frac_reward_zero_std")}
-    assert logged == set(ours), (logged, set(ours))
-    for k in logged:
-        assert ours[k] == pytest.approx(their_metrics[k], abs=TOL), k
-    if cfg.loss_type in ("grpo", "dapo") and level == "token" and not extra:
-        assert any(ours[k] > 0 for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")), "no clipping exercised"
-    assert_gradients_close(ours_model, trainer.model)
+    for padding_free in (False, True):  # TRL's run once, ours padded and on packed rows
+        ours_model.zero_grad()
+        logps, entropies = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE,
+                                            compute_entropy=True, fused=True, padding_free=padding_free)
+        plain, _ = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE, padding_free=padding_free)
+        assert torch.allclose(plain, logps, atol=TOL)  # the two paths agree
+        entropy_mask = None
+        if cfg.top_entropy_quantile < 1.0:
+            entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile)
+        loss, stats = grpo_loss(cfg, logps, old, ref if cfg.beta else None, advantages, mask, entropy_mask,
+                                batch["num_items_in_batch"], 1)
+        stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
+        loss.backward()
+        ours = reduce_loss_stats([stats])
+
+        assert loss.item() == pytest.approx(theirs.item(), abs=TOL, rel=TOL), padding_free
+        assert logged == set(ours), (logged, set(ours))
+        for k in logged:
+            assert ours[k] == pytest.approx(their_metrics[k], abs=TOL), (k, padding_free)
+        if cfg.loss_type in ("grpo", "dapo") and level == "token" and not extra:
+            assert any(ours[k] > 0 for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")), "no clipping exercised"
+        assert_gradients_close(ours_model, trainer.model)
 
 
 def test_prompt_ids_equal_trl_standard_and_conversational(trl):

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 NAME = "varlen"
+# torch's kernel and its parameter names, resolved eagerly by register(): compiled code reads them, never resolves.
+_RESOLVED: dict[str, tuple[Any, frozenset[str]]] = {}
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -44,6 +46,7 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+    _RESOLVED["kernel"] = _kernel()
     AttentionInterface.register(NAME, varlen_attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
 
@@ -75,6 +78,15 @@ def choose(model_kwargs: dict[str, Any], config: Any, packed_rows: bool, device:
     if asked == NAME:
         register()
     return message
+
+
+def choose_for(session: Any, model_kwargs: dict[str, Any], source: Any, packed_rows: bool) -> None:
+    """:func:`choose` for a role's load keywords (a model object keeps its attention); the main process says so."""
+    if isinstance(source, torch.nn.Module):
+        return
+    message = choose(model_kwargs, source, packed_rows, session.device)
+    if message and session.is_main_process:
+        print(message, flush=True)
 
 
 def _config(config: Any, model_kwargs: dict[str, Any]) -> Any:
@@ -123,7 +135,8 @@ def varlen_attention_forward(
 
         (cu_seq_lens_q, cu_seq_lens_k), (max_length_q, max_length_k) = prepare_fa_kwargs_from_position_ids(
             position_ids.expand(batch, -1))
-    cu_q, cu_k = (c.to(device=query.device, dtype=torch.int32) for c in (cu_seq_lens_q, cu_seq_lens_k))
+    cu_q = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
+    cu_k = cu_seq_lens_k.to(device=query.device, dtype=torch.int32)
     out = _attend(_tokens(query), _tokens(key), _tokens(value), cu_q, cu_k, int(max_length_q), int(max_length_k),
                   scaling, causal, dropout)
     return out.view(batch, q_len, *out.shape[1:]), None
@@ -149,6 +162,14 @@ def _dense_mask(mask: torch.Tensor, q_len: int, kv_len: int, causal: bool) -> to
     return dense | ~dense.any(-1, keepdim=True)
 
 
+def _kernel_usable(device: torch.device) -> bool:
+    """:func:`kernel_available`, without its cached look-ups while torch.compile traces a compiled decoder layer
+    (``compile_layers``): there the model was loaded with "varlen" only where the kernel runs."""
+    if torch.compiler.is_compiling():
+        return device.type == "cuda"
+    return kernel_available(device)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
             max_k: int, scaling: float, causal: bool, dropout: float) -> torch.Tensor:
     """Per-document attention over (total, heads, dim) tokens: torch's kernel, else SDPA per document."""
@@ -156,14 +177,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tenso
     if dtype == torch.float32 and q.is_cuda and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # under autocast the kernel takes the autocast dtype
     if (dropout == 0.0 and q.is_cuda and dtype in _HALF and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-            and kernel_available(q.device)):
+            and _kernel_usable(q.device)):
         return _kernel_attention(*(x.to(dtype) for x in (q, k, v)), cu_q, cu_k, max_q, max_k, scaling, causal)
     return _per_document(q, k, v, cu_q, cu_k, scaling, causal, dropout)
 
 
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                       max_q: int, max_k: int, scaling: float, causal: bool) -> torch.Tensor:
-    fn, params = _kernel()
+    fn, params = _RESOLVED["kernel"] if torch.compiler.is_compiling() and "kernel" in _RESOLVED else _kernel()
     kwargs: dict[str, Any] = {}
     if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0)
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)

@@ -14,6 +14,7 @@ import torch
 
 from posttrain.data.prompts import padded_inputs
 from posttrain.errors import ConfigError
+from posttrain.models.packing import Packing, packs
 from posttrain.rewards.functions import load_reward_func, spec_kind
 
 logger = logging.getLogger(__name__)
@@ -271,9 +272,14 @@ def head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
     return captured[0]
 
 
-def head_scores(model: Any, sequences: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """A classifier's head at every position of the policy's sequences (TRL's ``get_reward``)."""
-    return head_outputs(model, **padded_inputs(sequences, pad_token_id), return_dict=True)
+def head_scores(model: Any, sequences: torch.Tensor, pad_token_id: int, padding_free: bool = False) -> torch.Tensor:
+    """A classifier's head at every position of the policy's sequences (TRL's ``get_reward``);
+    ``padding_free``: on the packed row of the attended tokens, 0 at padding."""
+    inputs = padded_inputs(sequences, pad_token_id)
+    if not (padding_free and packs(model)):
+        return head_outputs(model, **inputs, return_dict=True)
+    packing = Packing.of(inputs["attention_mask"])
+    return packing.unpack(head_outputs(model, **packing.model_inputs(inputs["input_ids"]), return_dict=True)[0])
 
 
 def scores_at(model: Any, sequences: torch.Tensor, pad_token_id: int, last: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,9 @@ import trl
 from posttrain.data.order import mix_seed, rank_batches, seed_everything
 from posttrain.data.prompts import check_prompt_rows, left_pad
 from posttrain.errors import ConfigError
+from posttrain.models import varlen_attention
 from posttrain.models.lora import check_no_head_adapter
+from posttrain.models.packing import Packing, packs
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import distinct_objects, init_kwargs, model_config, policy_source
 from posttrain.placement.ranks import sum_over_ranks, world_size
@@ -40,6 +42,7 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
     seq_kd: bool = False  # the other micro-batches: the teacher's generations instead of the dataset's completions
     # Prompt + completion tokens of a dataset row (the prompt cut from the left); None: no limit, as TRL.
     max_length: int | None = None
+    padding_free: bool = True  # student and teacher forwards on packed rows (exact, no compute on padding)
 
     _algorithm = "distillation"
     _trl_works = ("model_init_kwargs", "trust_remote_code", "teacher_model_name_or_path", "teacher_model_revision",
@@ -192,12 +195,15 @@ class DistillationTrainer(Trainer):
         decoded = self.roles["trained"] if cfg.lmbda > 0 or eval_generates else []
         self.session = s = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps,
                                         decoded=decoded)
-        student = s.load("student", self.student_source, **init_kwargs(cfg, dtype="float32"))  # TRL's default
+        student_kwargs = init_kwargs(cfg, dtype="float32")  # TRL's default
+        varlen_attention.choose_for(s, student_kwargs, self.student_source, cfg.padding_free)
+        student = s.load("student", self.student_source, **student_kwargs)
         teacher_kwargs = {**(cfg.teacher_model_init_kwargs or {})}
         if cfg.teacher_model_revision is not None:
             teacher_kwargs.setdefault("revision", cfg.teacher_model_revision)
         if cfg.trust_remote_code:
             teacher_kwargs.setdefault("trust_remote_code", True)
+        varlen_attention.choose_for(s, teacher_kwargs, self.teacher_source, cfg.padding_free)
         teacher = s.load("teacher", self.teacher_source, **teacher_kwargs)
         # Every end-of-sequence id the student declares ends a completion, as TRL's.
         declared = getattr(getattr(student, "generation_config", None), "eos_token_id", None)
@@ -282,12 +288,23 @@ class DistillationTrainer(Trainer):
         return "teacher" if self.cfg.seq_kd else "data"
 
     def logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Student and teacher logits at the positions that predict a next token (all but the last)."""
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        """Student and teacher logits at the positions that predict a next token (all but the last);
+        ``padding_free``: computed on the packed row, 0 at padding (the loss reads completion tokens only)."""
+        if self.cfg.padding_free and packs(self.student) and packs(self.teacher):
+            packing = Packing.of(batch["attention_mask"])
+            inputs = {**packing.model_inputs(batch["input_ids"]), "use_cache": False}
+
+            def padded(logits: torch.Tensor) -> torch.Tensor:
+                return packing.unpack(logits[0].float())[:, :-1]
+        else:
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+            def padded(logits: torch.Tensor) -> torch.Tensor:
+                return logits[:, :-1].float()
         with self.session.activate("teacher"), torch.no_grad():
             teacher_logits = self.teacher(**inputs).logits
         student_logits = self.student(**inputs).logits
-        return student_logits[:, :-1].float(), teacher_logits[:, :-1].float()
+        return padded(student_logits), padded(teacher_logits)
 
     def _batch(self, prompts: list[list[int]], completions: list[list[int]]) -> dict[str, torch.Tensor]:
         return completion_batch(prompts, completions, self.tokenizer.pad_token_id, self.session.device,

@@ -15,7 +15,9 @@ import trl
 from posttrain.data import preference
 from posttrain.data.order import seed_everything
 from posttrain.errors import ConfigError
+from posttrain.models import varlen_attention
 from posttrain.models.lora import adapters_disabled
+from posttrain.models.packing import Packing, packs
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer, reference_source
 from posttrain.placement.ranks import sum_over_ranks
@@ -41,9 +43,9 @@ class DPOConfig(TrainConfig, trl.DPOConfig):
                   "truncation_mode", "pad_to_multiple_of", "pad_token", "precompute_ref_log_probs",
                   "precompute_ref_batch_size", "loss_type", "loss_weights", "ld_alpha", "f_divergence_type",
                   "f_alpha_divergence_coef", "label_smoothing", "beta", "use_weighting", "discopop_tau",
-                  "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
-    _trl_refused = {"padding_free": "TRL 1.16's DPOTrainer turns padding_free off itself and pads the batch; "
-                                    "posttrain pads it too"}
+                  "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "padding_free")
+    # On: packed forwards are exact and skip the padding (TRL 1.16's DPOTrainer turns padding_free off and pads).
+    padding_free: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.loss_type, str):
@@ -78,23 +80,39 @@ def validate(cfg: DPOConfig) -> None:
             raise ConfigError("sync_ref_model needs ref_model_sync_steps >= 1 and 0 < ref_model_mixup_alpha <= 1")
 
 
-def sequence_logps(model: Any, batch: dict, ld_alpha: float | None, stats: bool = False) -> dict[str, torch.Tensor]:
+def sequence_logps(model: Any, batch: dict, ld_alpha: float | None, stats: bool = False,
+                   padding_free: bool = False) -> dict[str, torch.Tensor]:
     """Per-token completion log-probs and their (LD-weighted) sum per sequence; with ``stats``, also
-    the per-token entropy, mean logit, top-1 hit and log sum p²."""
+    the per-token entropy, mean logit, top-1 hit and log sum p². ``padding_free``: the forward on the
+    batch's packed row, every per-token value put back in the padded layout (0 at padding)."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    logits = logits[:, :-1].float()
-    labels = batch["input_ids"][:, 1:]
+    ids = batch["input_ids"]
+    if padding_free and packs(model):
+        packing = Packing.of(batch["attention_mask"])
+        inputs = packing.model_inputs(ids)
+        logits = model(**inputs, use_cache=False).logits[0].float()
+        # Each packed token predicts the next one; across a sequence boundary the value lands on padding.
+        labels = torch.roll(inputs["input_ids"][0], -1)
+
+        def per_position(values: torch.Tensor) -> torch.Tensor:
+            return packing.unpack(values)[:, :-1]
+    else:
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = logits[:, :-1].float()
+        labels = ids[:, 1:]
+
+        def per_position(values: torch.Tensor) -> torch.Tensor:
+            return values
     mask = batch["completion_mask"][:, 1:]
-    per_token = selective_log_softmax(logits, labels) * mask
+    per_token = per_position(selective_log_softmax(logits, labels)) * mask
     out = {"per_token_logps": per_token, "logps": _reduce(per_token, mask, ld_alpha)}
     if stats:
         with torch.no_grad():
-            out["entropy"] = entropy_from_logits(logits)
-            out["mean_logits"] = logits.mean(-1)
-            out["is_top1"] = logits.argmax(-1) == labels
-            out["log_sum_sq_probs"] = torch.logsumexp(2 * logits.log_softmax(-1), dim=-1)
+            out["entropy"] = per_position(entropy_from_logits(logits))
+            out["mean_logits"] = per_position(logits.mean(-1))
+            out["is_top1"] = per_position(logits.argmax(-1) == labels)
+            out["log_sum_sq_probs"] = per_position(torch.logsumexp(2 * logits.log_softmax(-1), dim=-1))
     return out
 
 
@@ -256,6 +274,7 @@ class DPOTrainer(Trainer):
         self.phases = Phases()
         # TRL loads models in float32 unless told otherwise; mixed precision then casts inside DeepSpeed.
         kwargs = init_kwargs(cfg, dtype="float32")
+        varlen_attention.choose_for(self.session, kwargs, policy, cfg.padding_free)
 
         self.reference = None
         if frozen:
@@ -325,9 +344,9 @@ class DPOTrainer(Trainer):
     def _reference_forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if self.reference is None:  # adapters and no reference model of its own
             with adapters_disabled(self.policy):
-                out = sequence_logps(self.policy, batch, self.cfg.ld_alpha)
+                out = sequence_logps(self.policy, batch, self.cfg.ld_alpha, padding_free=self.cfg.padding_free)
         else:
-            out = sequence_logps(self.reference, batch, self.cfg.ld_alpha)
+            out = sequence_logps(self.reference, batch, self.cfg.ld_alpha, padding_free=self.cfg.padding_free)
         return out["logps"].chunk(2)
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
@@ -336,7 +355,8 @@ class DPOTrainer(Trainer):
         with self.phases("reference"):
             ref_chosen, ref_rejected = self._reference_logps(batch)
         with self.phases("policy_forward"):
-            policy = sequence_logps(self.policy, batch, self.cfg.ld_alpha, stats=True)
+            policy = sequence_logps(self.policy, batch, self.cfg.ld_alpha, stats=True,
+                                    padding_free=self.cfg.padding_free)
             loss = dpo_losses(self.cfg, policy, ref_chosen, ref_rejected, batch["completion_mask"])
         pairs = pair_metrics(self.cfg, policy, ref_chosen, ref_rejected, batch["completion_mask"])
         pairs["loss"] = loss.detach()

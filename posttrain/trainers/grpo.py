@@ -16,7 +16,7 @@ from posttrain.data.order import mix_seed, repeat_order, seed_everything
 from posttrain.data.preference import check_conversation
 from posttrain.data.prompts import check_prompt_rows, left_pad, prompt_rows, tokenize_prompt
 from posttrain.errors import ConfigError
-from posttrain.models import compiled_layers
+from posttrain.models import compiled_layers, varlen_attention
 from posttrain.models.lora import adapters_disabled, check_no_head_adapter
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import init_kwargs, model_config, policy_source, reference_source
@@ -71,6 +71,7 @@ class OnlineFields(RolloutFields):
     compile_layers: bool | None = None  # compile the policy's decoder layers (None: where it applies)
     dynamic_sampling: bool = False  # DAPO's (verl's filter_groups): posttrain.trainers.dynamic_sampling
     dynamic_sampling_max_rounds: int = 4  # extra generation batches one may draw (verl's max_num_gen_batches)
+    padding_free: bool = True  # training forwards on packed rows (exact, no compute on padding); TRL's has none
     reference_model: str = field(default="", init=False)  # what the KL is measured against (not a flag)
 
     _loss_types = LOSS_TYPES
@@ -288,6 +289,7 @@ class GRPOTrainer(GenerationEval, Trainer):
         self._compile = compiled_layers.wanted(cfg.compile_layers, s, "policy", self.peft_config is not None,
                                                cfg.generation_backend)
         kwargs = init_kwargs(cfg, dtype="float32")  # TRL loads float32 unless told
+        varlen_attention.choose_for(s, kwargs, policy_given, cfg.padding_free)
         if self.separate_reference:  # taken before the policy trains or takes adapters
             reference = reference_source(None, policy_given)
         torch.manual_seed(cfg.seed)  # TRL's set_seed(seed) before it loads the policy
@@ -427,7 +429,7 @@ class GRPOTrainer(GenerationEval, Trainer):
             if logps:
                 with compiled_layers.no_eager_fallback(bool(self.compiled_layers)):
                     old, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
-                                              batch_size=bs, fused=True)
+                                              batch_size=bs, fused=True, padding_free=cfg.padding_free)
         with self.phases("score"):
             ref = None
             if not train and not logps:
@@ -435,11 +437,11 @@ class GRPOTrainer(GenerationEval, Trainer):
             elif self.separate_reference:
                 with s.activate("reference"):
                     ref, _ = completion_logps(s.engines["reference"], input_ids, attention_mask, n,
-                                              cfg.temperature, batch_size=bs)
+                                              cfg.temperature, batch_size=bs, padding_free=cfg.padding_free)
             elif cfg.beta != 0.0:  # LoRA: the base model is the reference (TRL's use_adapter(model, None))
                 with adapters_disabled(s.engines["policy"]):
                     ref, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
-                                              batch_size=bs, fused=True)
+                                              batch_size=bs, fused=True, padding_free=cfg.padding_free)
             prompts = [r["prompt"] for r in rows]
             texts = tok.batch_decode(generated, skip_special_tokens=True)
             per_func = self.rewards.score(prompts, texts, generated, rows=rows, trainer_state=self.trainer_state)
@@ -500,7 +502,7 @@ class GRPOTrainer(GenerationEval, Trainer):
         with compiled_layers.no_eager_fallback(bool(self.compiled_layers)):
             return completion_logps(self.session.engines["policy"], input_ids, attention_mask,
                                     batch["completion_mask"].shape[1], self.cfg.temperature, compute_entropy=True,
-                                    fused=True)
+                                    fused=True, padding_free=self.cfg.padding_free)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg, s = self.cfg, self.session

@@ -8,21 +8,31 @@ from typing import Any
 import torch
 
 from posttrain.data.prompts import position_ids
+from posttrain.models.packing import Packing, packs
 from posttrain.run.jsonrows import dumps_row
 
 
 def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                      temperature: float, *, compute_entropy: bool = False, batch_size: int | None = None,
                      fused: bool = False, float32: bool = True,
-                     fill_padding: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     fill_padding: bool = True,
+                     padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and detached entropies of the last ``logits_to_keep`` tokens, 0 at padding unless
-    ``fill_padding=False``. ``fused``: model has TRL's fused LM head. Positions follow the mask."""
+    ``fill_padding=False``. ``fused``: model has TRL's fused LM head. Positions follow the mask.
+    ``padding_free``: each chunk's attended tokens packed into one row (0 at padding whatever ``fill_padding``)."""
     from trl.trainer.utils import selective_log_softmax
 
     batch_size = batch_size or input_ids.size(0)
+    padding_free = padding_free and packs(model)
     logps, entropies = [], []
     for i in range(0, input_ids.size(0), batch_size):
         ids, am = input_ids[i : i + batch_size], attention_mask[i : i + batch_size]
+        if padding_free:
+            lp, ent = packed_completion_logps(model, ids, am, logits_to_keep, temperature, compute_entropy,
+                                              fused, float32)
+            logps.append(lp)
+            entropies.append(ent)
+            continue
         positions = position_ids(am)
         if fused:
             labels = ids.masked_fill(am == 0, -100)
@@ -47,6 +57,44 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
         if compute_entropy:
             entropies.append(ent)
     return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
+
+
+def packed_completion_logps(model: Any, ids: torch.Tensor, am: torch.Tensor, logits_to_keep: int,
+                            temperature: float, compute_entropy: bool, fused: bool,
+                            float32: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``completion_logps`` of one chunk on its packed row: each attended token predicts the next attended
+    token of its sequence; the values land at that token's column of the last ``logits_to_keep``."""
+    from trl.trainer.utils import selective_log_softmax
+
+    packing = Packing.of(am)
+    batch, length = ids.shape
+    inputs = packing.model_inputs(ids)
+    packed_ids = inputs["input_ids"][0]
+    columns = packing.columns
+    # Scored: the packed tokens whose next token is of the same sequence and in the completion columns.
+    scored = packing.same_sequence_next()
+    scored[:-1] &= columns[1:] >= length - logits_to_keep
+    where = scored.nonzero().squeeze(1)
+    targets = packed_ids[where + 1]
+    # Each scored value's place in the (batch, logits_to_keep) output: its target token's row and column.
+    dest = packing.rows[where + 1] * logits_to_keep + columns[where + 1] - (length - logits_to_keep)
+    if fused:
+        shift_labels = torch.full_like(packed_ids, -100).index_copy(0, where, targets)
+        out = model(**inputs, shift_labels=shift_labels.unsqueeze(0), fused_lm_head=True)
+        lp = out.log_probs[0, where]
+        ent = out.entropy[0, where].detach() if compute_entropy else None
+    else:
+        logits = model(**inputs, use_cache=False, logits_to_keep=where).logits[0]
+        logits = (logits.float() if float32 else logits) / temperature
+        lp, ent = selective_log_softmax(logits[None], targets[None])[0], None  # a row: no scored token is fine
+        if compute_entropy:
+            with torch.no_grad():
+                ent = torch.logsumexp(logits, dim=-1) - torch.sum(torch.softmax(logits, dim=-1) * logits, dim=-1)
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(batch * logits_to_keep).index_copy(0, dest, values).view(batch, logits_to_keep)
+
+    return place(lp), (place(ent) if ent is not None else None)
 
 
 def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, terminal_ids: list[int]) -> torch.Tensor:

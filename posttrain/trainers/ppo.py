@@ -17,6 +17,7 @@ from posttrain.data.order import mix_seed, rank_batches, seed_everything
 from posttrain.data.preference import check_conversation
 from posttrain.data.prompts import check_prompt_rows, padded_inputs, policy_text, prompt_rows
 from posttrain.errors import ConfigError
+from posttrain.models import varlen_attention
 from posttrain.models.lora import adapters_disabled
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import (
@@ -81,6 +82,8 @@ class PPOConfig(TrainConfig, RolloutFields, TrainingArguments):
     gamma: float = 1.0
     lam: float = 0.95
     ds3_gather_for_generation: bool = True  # gather a ZeRO-3 policy whole to generate; False: per-layer hooks
+    # Policy and value forwards on packed rows; off: TRL's policy/entropy_avg also averages the padding's entropies.
+    padding_free: bool = False
 
     _algorithm = "PPO"
     _evaluates = False
@@ -185,13 +188,16 @@ def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Ten
 
 
 def lm_logprobs(model: Any, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                temperature: float, compute_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                temperature: float, compute_entropy: bool = False,
+                padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The response tokens' log-probs (and entropies) as TRL's PPOTrainer took them: logits in the
-    model's dtype over ``temperature + 1e-7``, values at padding kept (PPO masks what it reads)."""
+    model's dtype over ``temperature + 1e-7``, values at padding kept (PPO masks what it reads; 0 with
+    ``padding_free``)."""
     inputs = padded_inputs(query_responses, pad_token_id)
     return completion_logps(model, inputs["input_ids"], inputs["attention_mask"],
                             query_responses.shape[1] - context_length, temperature + 1e-7,
-                            compute_entropy=compute_entropy, float32=False, fill_padding=False)
+                            compute_entropy=compute_entropy, float32=False, fill_padding=False,
+                            padding_free=padding_free)
 
 
 def rollout_metrics(batch: dict[str, torch.Tensor], eos_token_id: int | None) -> dict[str, float]:
@@ -301,6 +307,7 @@ class PPOTrainer(Trainer):
         if self.peft_config is None:  # taken before the policy trains or takes adapters
             reference = reference_source(ref_model, policy_given)
         kwargs = init_kwargs(cfg)
+        varlen_attention.choose_for(s, kwargs, policy_given, cfg.padding_free)
         torch.manual_seed(cfg.seed)
         policy = s.load("policy", policy_given, **kwargs)
         policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
@@ -356,8 +363,9 @@ class PPOTrainer(Trainer):
             return torch.cat([fn(query_responses[i : i + bs]) for i in chunks])
 
         with self.phases("policy_forward"):
-            logprobs = by_chunk(lambda qr: lm_logprobs(s.engines["policy"], qr, ctx, pad, cfg.temperature)[0])
-            full_values = by_chunk(lambda qr: head_scores(s.engines["value"], qr, pad))
+            logprobs = by_chunk(lambda qr: lm_logprobs(s.engines["policy"], qr, ctx, pad, cfg.temperature,
+                                                      padding_free=cfg.padding_free)[0])
+            full_values = by_chunk(lambda qr: head_scores(s.engines["value"], qr, pad, cfg.padding_free))
             values = full_values[:, ctx - 1 : -1].squeeze(-1)
         post = responses
         if self.stop_token_id is not None:
@@ -383,9 +391,11 @@ class PPOTrainer(Trainer):
         cfg, s, pad = self.cfg, self.session, self.tokenizer.pad_token_id
         if self.peft_config is not None:
             with adapters_disabled(s.engines["policy"]):
-                return lm_logprobs(s.engines["policy"], query_responses, context_length, pad, cfg.temperature)[0]
+                return lm_logprobs(s.engines["policy"], query_responses, context_length, pad, cfg.temperature,
+                                   padding_free=cfg.padding_free)[0]
         with s.activate("reference"):
-            return lm_logprobs(s.engines["reference"], query_responses, context_length, pad, cfg.temperature)[0]
+            return lm_logprobs(s.engines["reference"], query_responses, context_length, pad, cfg.temperature,
+                               padding_free=cfg.padding_free)[0]
 
     def advantages(self, responses: torch.Tensor, post: torch.Tensor, logprobs: torch.Tensor,
                    ref_logprobs: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
@@ -439,13 +449,13 @@ class PPOTrainer(Trainer):
                     idx = mini[m : m + mb]
                     mask, mask_p1 = ~batch["padding_mask"][idx], ~batch["padding_mask_p1"][idx]
                     new_logprobs, entropy = lm_logprobs(s.engines["policy"], qr[idx], ctx, pad, cfg.temperature,
-                                                        compute_entropy=True)
+                                                        compute_entropy=True, padding_free=cfg.padding_free)
                     new_logprobs = torch.masked_fill(new_logprobs, ~mask, INVALID_LOGPROB)
                     pg_loss, pg = policy_loss(new_logprobs, batch["logprobs"][idx], batch["advantages"][idx],
                                               mask, cfg.cliprange)
                     s.backward("policy", pg_loss)
                     s.step("policy")
-                    vpred = head_scores(s.engines["value"], qr[idx], pad)[:, ctx - 1 : -1].squeeze(-1)
+                    vpred = head_scores(s.engines["value"], qr[idx], pad, cfg.padding_free)[:, ctx - 1 : -1].squeeze(-1)
                     vpred = torch.masked_fill(vpred, ~mask_p1, 0)
                     vf_loss, vf_clipfrac = value_loss(vpred, batch["values"][idx], batch["returns"][idx], mask_p1,
                                                       cfg.cliprange_value)

@@ -14,11 +14,14 @@ import trl
 from posttrain.data import preference
 from posttrain.data.order import seed_everything
 from posttrain.errors import ConfigError
+from posttrain.models import varlen_attention
+from posttrain.models.packing import Packing, last_non_pad, packs
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import init_kwargs, model_and_tokenizer
 from posttrain.models.tokenizer import check_tokenizer_fields, set_tokens
 from posttrain.placement.ranks import gather_ranks
 from posttrain.placement.roles import TRAINER_ROLES
+from posttrain.rewards.models import head_outputs
 from posttrain.trainers.config import TrainConfig, make_session, row_schedule
 from posttrain.trainers.loop import RowsTrainer, default_args, eval_shards, refuse_arguments
 from posttrain.trainers.run_log import Phases
@@ -35,6 +38,7 @@ class RewardConfig(TrainConfig, trl.RewardConfig):
     _trl_works = ("model_init_kwargs", "trust_remote_code", "chat_template_path", "disable_dropout",
                   "dataset_num_proc", "eos_token", "pad_token", "max_length", "pad_to_multiple_of",
                   "center_rewards_coefficient")
+    padding_free: bool = True  # the forward on packed rows (exact, no compute on padding); TRL's has no such field
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,6 +94,21 @@ def collator(tokenizer: Any, pad_to_multiple_of: int | None = None) -> Any:
     from trl.trainer.reward_trainer import DataCollatorForPreference
 
     return DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     padding_free: bool = False) -> torch.Tensor:
+    """(B,) the classifier's score of each row at its last non-pad token (transformers' rule);
+    ``padding_free``: the rows packed into one, the ``score`` head read at those tokens (a head of another
+    name: padded)."""
+    module = getattr(model, "module", model)
+    if not (padding_free and packs(model)) or getattr(module, "score", None) is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
+    packing = Packing.of(attention_mask)
+    pad = module.config.get_text_config().pad_token_id
+    per_token = packing.unpack(head_outputs(model, **packing.model_inputs(input_ids))[0])
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return per_token[rows, last_non_pad(input_ids, pad)].squeeze(-1)
 
 
 def reward_loss(rewards: torch.Tensor, margin: torch.Tensor | None,
@@ -148,6 +167,7 @@ class RewardTrainer(RowsTrainer):
         from transformers import AutoModelForSequenceClassification
 
         kwargs = init_kwargs(cfg, dtype="float32", num_labels=1)
+        varlen_attention.choose_for(self.session, kwargs, source, cfg.padding_free)
         model = self.session.load(ROLE, source, model_cls=AutoModelForSequenceClassification, **kwargs)
         if model.config.num_labels != 1:
             raise ConfigError(f"{path} has num_labels={model.config.num_labels}; a reward model needs 1: drop "
@@ -165,8 +185,7 @@ class RewardTrainer(RowsTrainer):
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = self._to_device(batch)
         with self.phases("forward"):
-            rewards = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 use_cache=False).logits.squeeze(-1)
+            rewards = sequence_rewards(self.model, batch["input_ids"], batch["attention_mask"], self.cfg.padding_free)
         return reward_loss(rewards.float(), batch.get("margin"), self.cfg.center_rewards_coefficient)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -211,8 +230,8 @@ class RewardTrainer(RowsTrainer):
         for idx in eval_shards(s, len(rows), bs):
             loss_rows = idx or [0]  # a rank out of pairs still joins the collective forward
             batch = self._to_device(self.collate([rows[i] for i in loss_rows]))
-            rewards = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 use_cache=False).logits.squeeze(-1).double()
+            rewards = sequence_rewards(self.model, batch["input_ids"], batch["attention_mask"],
+                                       cfg.padding_free).double()
             if not idx:
                 continue
             chosen, rejected = rewards.chunk(2)

@@ -1,5 +1,6 @@
 """posttrain's DPO loss and metrics on a Session (ZeRO-2 policy, ZeRO-3 reference, two processes),
-for each case of tests/test_dpo.py::CASES, on one fixed batch; rank 0 writes them as JSON."""
+for each case of tests/test_dpo.py::CASES, on one fixed batch, padding-free and padded; rank 0 writes them as
+JSON."""
 
 import json
 import sys
@@ -35,9 +36,14 @@ def main(out: str, tmp: str) -> None:
     conv = trainer.collate(conv_rows[:4])
     res["input_ids"] = {"standard": standard["input_ids"].tolist(), "conversational": conv["input_ids"].tolist()}
     base = trainer.cfg
+    assert base.padding_free  # posttrain's default: the cases run on packed rows, and again padded
+    res["padded"] = {}
     for name, fields, fmt in CASES:
+        batch = conv if fmt == "conversational" else standard
         trainer.cfg = replace(base, **fields)
-        res[name] = run_case(trainer, conv if fmt == "conversational" else standard)
+        res[name] = run_case(trainer, batch)
+        trainer.cfg = replace(base, **fields, padding_free=False)
+        res["padded"][name] = run_case(trainer, batch)
     if trainer.session.is_main_process:
         json.dump(res, open(out, "w"))
 

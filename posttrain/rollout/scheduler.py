@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from posttrain.rollout.engine import Clock, DecodeEngine
 
+if TYPE_CHECKING:
+    from posttrain.rollout.turns import Turns
+
 
 def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key: int,
-             max_new_tokens: int, profile: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Completions and log-probs [n, max_new_tokens] of left-padded prompts; timings if ``profile``."""
+             max_new_tokens: int, profile: bool = False, turns: Turns | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Completions and log-probs [n, max_new_tokens] of left-padded prompts; timings if ``profile``;
+    ``turns``: a multi-turn rollout (a row whose turn ends may be extended and decode on)."""
     n, width = prompt_ids.shape
     engine.begin(key, max_new_tokens, width)
     dev, pad = engine.device, engine.sampling.pad_token_id
@@ -29,6 +36,8 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
         if slot_seq:  # retire finished rows
             flags = engine.done_flags(max(slot_seq) + 1) if engine.stop_ids is not None else None
             finished = [s for s in slot_seq if age[s] >= last_step or (flags is not None and flags[s])]
+            if finished and turns is not None:
+                finished = turns.retire(engine, finished, slot_seq, age)
             if finished:
                 engine.harvest(finished, [slot_seq[s] for s in finished], tokens, logprobs)
                 for s in finished:

@@ -1,0 +1,90 @@
+"""A tiny tool task for the tiny default: "add A and B" for digits A and B, answered right only through the
+``add`` tool (the tiny model cannot add). ``warm_start`` fine-tunes the tiny default briefly on
+demonstrations where one answer in ``call_rate`` calls the tool and the rest guess, so a tool call is within
+the policy's reach; GRPO with ``tools=[add]`` then has to learn to call it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from posttrain.demo import tiny
+from posttrain.demo.tool_chat import with_tools
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` rows: a conversational prompt and its digits (columns the reward reads)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(10), rng.randrange(10)
+        rows.append({"prompt": [{"role": "user", "content": f"add {a} and {b}"}], "a": a, "b": b})
+    return rows
+
+
+def final_answer(completion: list[dict]) -> str:
+    """The conversation's last assistant text."""
+    said = [m for m in completion if m["role"] == "assistant"]
+    return str(said[-1]["content"]).strip() if said else ""
+
+
+def answer_reward(completions: list[list[dict]], a: list[int], b: list[int], **kwargs: Any) -> list[float]:
+    """1 where the last assistant message is the sum, else 0."""
+    return [float(final_answer(c) == str(x + y)) for c, x, y in zip(completions, a, b, strict=True)]
+
+
+def demonstrations(n: int, call_rate: float, seed: int = 0) -> list[dict[str, str]]:
+    """Rendered conversations (``text`` rows): with probability ``call_rate`` the assistant calls ``add``
+    and repeats its result, else it guesses a number."""
+    tok = with_tools(tiny.load_tokenizer())
+    rng = random.Random(seed)
+    rows = []
+    for row in prompts(n, seed):
+        a, b = row["a"], row["b"]
+        if rng.random() < call_rate:
+            call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+            turns = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "name": "add", "content": str(a + b)},
+                     {"role": "assistant", "content": str(a + b)}]
+        else:
+            turns = [{"role": "assistant", "content": str(rng.randrange(19))}]
+        rows.append({"text": tok.apply_chat_template(row["prompt"] + turns, tools=[add], tokenize=False)})
+    return rows
+
+
+CALL_RATE, WARM_STEPS = 0.2, 120  # the warm start's share of tool-calling demonstrations and its steps
+
+
+def policy_path(seed: int = 0) -> Path:
+    """The warm-started policy GRPO starts from (built once into posttrain's cache, as the tiny default)."""
+    return tiny._resolve(f"tools-sft-s{seed}-n{WARM_STEPS}", lambda path: warm_start(path, seed=seed),
+                         "the tiny default warm-started on tool demonstrations")
+
+
+def warm_start(output_dir: str | Path, call_rate: float = CALL_RATE, steps: int = WARM_STEPS, seed: int = 0
+               ) -> Path:
+    """The tiny default fine-tuned (posttrain's SFTTrainer) on :func:`demonstrations`; its folder."""
+    from posttrain.demo.recipes import RECIPE
+    from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+    recipe = {**RECIPE, "learning_rate": 1e-3}
+    cfg = SFTConfig(output_dir=str(output_dir), seed=seed, max_steps=steps, max_length=128,
+                    overwrite_output_dir=True, **recipe)
+    trainer = SFTTrainer(str(tiny.sft_model_path()), args=cfg,
+                         train_dataset=demonstrations(recipe["per_device_train_batch_size"] * steps, call_rate, seed),
+                         processing_class=with_tools(tiny.load_tokenizer()))
+    trainer.train()
+    trainer.save_model()
+    trainer.end()
+    return Path(output_dir)

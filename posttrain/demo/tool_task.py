@@ -63,7 +63,7 @@ def demonstrations(n: int, call_rate: float, seed: int = 0) -> list[dict[str, st
     return rows
 
 
-CALL_RATE, WARM_STEPS = 0.2, 120  # the warm start's share of tool-calling demonstrations and its steps
+CALL_RATE, WARM_STEPS = 0.3, 150  # the warm start's share of tool-calling demonstrations and its steps
 
 
 def policy_path(seed: int = 0) -> Path:
@@ -78,7 +78,7 @@ def warm_start(output_dir: str | Path, call_rate: float = CALL_RATE, steps: int 
     from posttrain.demo.recipes import RECIPE
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
-    recipe = {**RECIPE, "learning_rate": 1e-3}
+    recipe = dict(RECIPE)
     cfg = SFTConfig(output_dir=str(output_dir), seed=seed, max_steps=steps, max_length=128,
                     overwrite_output_dir=True, **recipe)
     trainer = SFTTrainer(str(tiny.sft_model_path()), args=cfg,

@@ -297,3 +297,23 @@ def test_bad_tools_refused(tmp_path, policy_path):
             GRPOTrainer(policy_path, reward_funcs=[Seen()], args=cfg, train_dataset=rows, **kwargs)
     with pytest.raises(ConfigError, match="max_tool_calling_iterations"):
         GRPOConfig(output_dir=str(tmp_path / "bad2"), max_tool_calling_iterations=-1)
+
+
+def test_rloo_takes_tools_and_masks_their_output(tmp_path, policy_path):
+    """TRL 1.16's RLOOTrainer has no tools; posttrain's runs GRPO's tool loop: the tool output is out of the
+    loss (its policy log-probs change nothing) and the tool metrics are logged."""
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    tok = with_tools(tiny.load_tokenizer())
+    rows = [{"prompt": [{"role": "user", "content": p}]} for p in TOOL_SCRIPTS for _ in range(G)]
+    cfg = RLOOConfig(output_dir=str(tmp_path / "rloo"), per_device_train_batch_size=2 * G, num_generations=G,
+                     max_completion_length=N, save_strategy="no", report_to=[], max_tool_calling_iterations=2)
+    ours = RLOOTrainer(policy_path, reward_funcs=[Seen()], args=cfg, train_dataset=rows,
+                       processing_class=with_tools(tiny.load_tokenizer()), tools=[add, mul, big])
+    ours.rollout.generate_turns = scripted_turns(Scripts(tok, TOOL_SCRIPTS, [add, mul, big]), tok.pad_token_id)
+    batch, metrics = ours._sample_and_score(rows, ours.prompt_ids, G, train=True)
+    assert metrics["tools/call_frequency"] == pytest.approx(1.0) and (batch["tool_mask"] == 0).any()
+    loss, _ = ours.compute_loss(batch)
+    moved = dict(batch, old_per_token_logps=batch["old_per_token_logps"] + 5.0 * (1 - batch["tool_mask"]))
+    assert ours.compute_loss(moved)[0].item() == pytest.approx(loss.item(), abs=TOL)
+    ours.end()

@@ -317,3 +317,27 @@ def test_rloo_takes_tools_and_masks_their_output(tmp_path, policy_path):
     moved = dict(batch, old_per_token_logps=batch["old_per_token_logps"] + 5.0 * (1 - batch["tool_mask"]))
     assert ours.compute_loss(moved)[0].item() == pytest.approx(loss.item(), abs=TOL)
     ours.end()
+
+
+def test_cli_tool_arguments(tmp_path):
+    """`posttrain grpo --tools module:fn --environment_factory module:Class`: parsed beside TRL's script
+    arguments (the tool task's demo settings when no model is named), imported, or one sentence."""
+    from trl import ModelConfig
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    from posttrain.demo import tool_task
+    from posttrain.scripts.args import demo_config, parse_config
+    from posttrain.scripts.grpo import OnlinePromptArguments, ToolArguments, _wants_tools, tool_objects
+    from posttrain.trainers.grpo import GRPOConfig
+
+    argv = ["--tools", "posttrain.demo.tool_task:add", "--environment_factory", "test_grpo_tools:Counter",
+            "--output_dir", str(tmp_path / "out")]
+    assert _wants_tools(argv) and not _wants_tools(["--max_steps", "1"])
+    *_, cfg, _, tools = parse_config((GRPOScriptArguments, OnlinePromptArguments, GRPOConfig, ModelConfig,
+                                      ToolArguments), demo_config("grpo_tools"), argv)
+    assert cfg.max_tool_calling_iterations == 1 and cfg.max_completion_length == 80
+    assert tool_objects(tools) == ([tool_task.add], Counter)
+    with pytest.raises(ConfigError, match="--tools 'posttrain.demo.tool_task:nope'"):
+        tool_objects(ToolArguments(tools=["posttrain.demo.tool_task:nope"]))
+    with pytest.raises(ConfigError, match="--environment_factory 'nowhere:Env'"):
+        tool_objects(ToolArguments(environment_factory="nowhere:Env"))

@@ -179,8 +179,11 @@ class ToolUse:
         from trl.chat_template_utils import parse_response
 
         start = self.turn_start[seq]
-        message = parse_response(self.tokenizer, ids[start:], prefix=self.prompts[seq] + ids[:start],
-                                 tools=self.row_tools(seq))
+        try:
+            message = parse_response(self.tokenizer, ids[start:], prefix=self.prompts[seq] + ids[:start],
+                                     tools=self.row_tools(seq))
+        except Exception:  # noqa: BLE001 - TRL falls back to the text only on ValueError/TypeError
+            message = {"role": "assistant", "content": self.tokenizer.decode(ids[start:], skip_special_tokens=True)}
         self.completions[seq].append(message)
         calls = message.get("tool_calls")
         if not calls or (self.max_iterations is not None and self.iterations[seq] >= self.max_iterations):

@@ -45,9 +45,11 @@ class Tool:
     length depends on the sequence; refuses (None) when it does not fit."""
 
     def __init__(self, calls: int = 3) -> None:
-        self.calls, self.seen = calls, {}
+        self.calls, self.seen, self.rollout, self.live_others = calls, {}, None, []
 
     def __call__(self, seq: int, ids: list[int], room: int) -> list[int] | None:
+        if self.rollout is not None:  # rows still decoding (not done) when this turn's tool runs
+            self.live_others.append(int((~self.rollout.engine.slots.done).sum()))
         turn = self.seen.get(seq, 0)
         self.seen[seq] = turn + 1
         result = [100 + seq, 200 + turn, *range(300, 300 + seq % 3 + turn)]
@@ -92,7 +94,10 @@ def run(model, tok, ids, mask, backend, seed, kv_slots=None, tool=None):
     torch.manual_seed(seed)
     key = int(torch.randint(0, 2**31 - 1, (1,)).item())  # the draw Rollout makes for a bare model
     torch.manual_seed(seed)
-    return r.generate_turns(ids, mask, tool or Tool()), key, r
+    r.tool = tool or Tool()
+    if isinstance(r.tool, Tool) and backend == "posttrain":
+        r.tool.rollout = r
+    return r.generate_turns(ids, mask, r.tool), key, r
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +129,8 @@ def test_turns_equal_the_sequence_with_tool_output_forced_in(model, tok, prompts
     if backend == "posttrain":
         # The appended output is a prefill of its own tokens, not of the conversation.
         assert r.engine.stats()["prefill_sequences"] == ids.shape[0]
+        # Tools run after the other rows' decode steps are queued, while those rows keep their slots going.
+        assert max(r.tool.live_others) > 0
 
 
 def test_budget_filled_by_tool_output_and_overlong_result_refused(model, tok, prompts):

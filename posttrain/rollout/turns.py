@@ -46,6 +46,8 @@ class Turns:
     max_new_tokens: int
     spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # seq -> [(start, end)] appended
     lengths: dict[int, int] = field(default_factory=dict)  # seq -> completion length at its end
+    pending: dict[int, list[int]] = field(default_factory=dict)  # seq -> completion so far, its turn ended
+    ended: set[int] = field(default_factory=set)  # sequences whose last turn is done (harvested next)
 
     def ask(self, seq: int, ids: list[int]) -> list[int] | None:
         """The tokens to append after ``ids`` (None: the sequence ends), checked against the room left."""
@@ -61,26 +63,40 @@ class Turns:
         self.spans.setdefault(seq, []).append((len(ids), len(ids) + len(new)))
         return new
 
-    def retire(self, engine: DecodeEngine, finished: list[int], slot_seq: dict[int, int], age: dict[int, int]
-               ) -> list[int]:
-        """Of the slots whose turn ended, the ones whose sequence ends; the others are extended and decode on."""
-        st, ended = engine.slots, []
+    def collect(self, engine: DecodeEngine, finished: list[int], slot_seq: dict[int, int]) -> list[int]:
+        """Of the slots whose turn ended, those to harvest (their sequence ended); the others' turns wait for
+        :meth:`resolve` in their slots, so their tools run while the other rows' decode steps run."""
+        st, harvest = engine.slots, []
         for s in finished:
+            seq = slot_seq[s]
+            if seq in self.ended:
+                harvest.append(s)
+            elif seq not in self.pending:
+                self.pending[seq] = st.out_tokens[s, : int(st.step[s])].tolist()
+        return harvest
+
+    def resolve(self, engine: DecodeEngine, slot_seq: dict[int, int], age: dict[int, int]) -> None:
+        """Ask for each waiting turn's appended tokens and extend its slot (or mark its sequence ended)."""
+        st = engine.slots
+        slot_of = {seq: s for s, seq in slot_seq.items()}
+        for seq, ids in self.pending.items():
+            s = slot_of[seq]
             while True:
-                n = int(st.step[s])
-                new = self.ask(slot_seq[s], st.out_tokens[s, :n].tolist())
+                new = self.ask(seq, ids)
                 if new is None:
-                    ended.append(s)
+                    self.ended.add(seq)
                     break
                 extend(engine, s, new)
-                age[s] = int(st.step[s]) - 1  # a done row's age ran on while it waited
+                step = int(st.step[s])
+                age[s] = step - 1  # a done row's age ran on while it waited
                 if not bool(st.done[s]):
                     break
-                if int(st.step[s]) >= self.max_new_tokens:  # the appended tokens filled the budget
-                    self.lengths[slot_seq[s]] = int(st.step[s])
-                    ended.append(s)
+                if step >= self.max_new_tokens:  # the appended tokens filled the budget
+                    self.lengths[seq] = step
+                    self.ended.add(seq)
                     break
-        return ended
+                ids = st.out_tokens[s, :step].tolist()  # the first token after them ended the turn
+        self.pending.clear()
 
     def output(self, tokens: torch.Tensor, logprobs: torch.Tensor, pad: int) -> TurnOutput:
         """The rollout's results with the completion and tool masks."""

@@ -16,7 +16,6 @@ from posttrain.rollout.turns import Turns
 
 G, N = 4, 160
 TOL = 1e-5
-CALL = '<call>{{"name": "{}", "arguments": {}}}</call>'
 
 
 def add(a: int, b: int) -> int:
@@ -45,10 +44,11 @@ def big() -> str:
     return "word " * 200
 
 
-def call(name, args):
-    import json
-
-    return CALL.format(name, json.dumps(args))
+def call(name, args, *more):
+    """The tiny template's tool calls: ``<call>[name(key=value, ...), ...]</call>``."""
+    pairs = [(name, args), *zip(more[::2], more[1::2])]
+    return "<call>[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+                                 for n, a in pairs) + "]</call>"
 
 
 END = "<|endoftext|>"
@@ -58,13 +58,13 @@ END = "<|endoftext|>"
 TOOL_SCRIPTS = {
     "what is two plus three?": [
         ["sum" + call("add", {"a": 2, "b": 3}) + END, "five" + END],
-        ["no tool here" + END],
+        ["no tool here, " * 60],  # no EOS: cut at the budget
         [call("nope", {}) + END, "hm" + END],
         [call("add", {"a": 1}) + END, "x" + END],
     ],
     "multiply two by four": [
-        [call("add", {"a": 1, "b": 1}) + call("mul", {"a": 2, "b": 4}) + END, "ok" + END],
-        ['<call>{"name": "add", "argu</call>' + END],
+        [call("add", {"a": 1, "b": 1}, "mul", {"a": 2, "b": 4}) + END, "ok" + END],
+        ["<call>[add(a=</call>" + END],
         [call("add", {"a": 1, "b": 2}) + END, call("add", {"a": 3, "b": 3}) + END, call("add", {"a": 0, "b": 0}) + END,
          "never" + END],
         [call("big", {}) + END],
@@ -169,7 +169,7 @@ ENV_SCRIPTS = {
         [call("add", {"a": 1, "b": 2}) + END, "three" + END],
     ],
     "count (start at 5)": [
-        [call("step", {"by": 1}) + call("step", {"by": 1}) + END, "seven" + END],
+        [call("step", {"by": 1}, "step", {"by": 1}) + END, "seven" + END],
         [call("step", {"by": 1}) + END],
         ["no" + END],
         [call("step", {"x": 1}) + END, "bad" + END],
@@ -253,6 +253,7 @@ def test_tools_equal_trl(tmp_path, policy_path):
     metrics = compare(run_both(tmp_path, policy_path, TOOL_SCRIPTS, rows, tools, tools=tools))
     # Calls run: add, nope, add(a=1), add+mul, add twice (the third is past max_tool_calling_iterations),
     # big (its result dropped: past the budget); failures: the unknown tool and the missing argument.
+    assert metrics["completions/clipped_ratio"] > 0  # the turn cut by the budget
     assert metrics["tools/call_frequency"] == pytest.approx(8 / 8)
     assert metrics["tools/failure_frequency"] == pytest.approx(2 / 8)
 

@@ -34,7 +34,7 @@ def figure(output_dir: str) -> Path | None:
     rows = [r for r in rows if "tools/call_frequency" in r]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(steps, [r["reward"] for r in rows], label="reward (answer is the sum)")
+    ax.plot(steps, [r["reward"] for r in rows], label="reward (1 per answered call, +1 for the sum)")
     ax.plot(steps, [r["tools/call_frequency"] for r in rows], label="tool calls per completion")
     ax.set_xlabel("GRPO step")
     ax.set_ylim(-0.05, 1.3)

@@ -1,7 +1,8 @@
-"""A tiny tool task for the tiny default: "add A and B" for digits A and B, answered right only through the
-``add`` tool (the tiny model cannot add). ``warm_start`` fine-tunes the tiny default briefly on
-demonstrations where one answer in ``call_rate`` calls the tool and the rest guess, so a tool call is within
-the policy's reach; GRPO with ``tools=[add]`` then has to learn to call it."""
+"""A tiny tool task for the tiny default: "add A and B" for digits A and B, with an ``add`` tool. The reward
+counts a call the tool answers, and the right sum as the last answer (the tiny model cannot add or copy
+well). ``warm_start`` fine-tunes the tiny default briefly on demonstrations where a share ``call_rate`` of
+the answers call the tool and the rest guess, so a tool call is within the policy's reach; GRPO with
+``tools=[add]`` then has to learn to call it."""
 
 from __future__ import annotations
 
@@ -40,8 +41,13 @@ def final_answer(completion: list[dict]) -> str:
 
 
 def answer_reward(completions: list[list[dict]], a: list[int], b: list[int], **kwargs: Any) -> list[float]:
-    """1 where the last assistant message is the sum, else 0."""
-    return [float(final_answer(c) == str(x + y)) for c, x, y in zip(completions, a, b, strict=True)]
+    """1 where the tool answered a call (a well-formed call to ``add`` with fitting arguments), and 1 more
+    where the last assistant message is the sum."""
+    out = []
+    for c, x, y in zip(completions, a, b, strict=True):
+        answered = any(m["role"] == "tool" and "error" not in str(m["content"]) for m in c)
+        out.append(float(answered) + float(final_answer(c) == str(x + y)))
+    return out
 
 
 def demonstrations(n: int, call_rate: float, seed: int = 0) -> list[dict[str, str]]:

@@ -342,3 +342,24 @@ def test_cli_tool_arguments(tmp_path):
         tool_objects(ToolArguments(tools=["posttrain.demo.tool_task:nope"]))
     with pytest.raises(ConfigError, match="--environment_factory 'nowhere:Env'"):
         tool_objects(ToolArguments(environment_factory="nowhere:Env"))
+
+
+def test_shipped_warm_start_is_what_its_recipe_trains(tmp_path):
+    """The tool task's shipped policy: the warm start's recipe replays its recorded first losses, and the
+    shipped weights have that run's final loss (as tests/test_tiny.py checks the tiny default's)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.demo import recipes, tool_task
+
+    shipped = tool_task.policy_path()
+    assert shipped == tiny.ASSETS / f"tools-sft-s0-n{tool_task.WARM_STEPS}"
+    recorded = json.loads((shipped / "train_losses.json").read_text())
+    trainer = tool_task.warm_start_trainer(tmp_path)
+    assert len(recorded["losses"]) == trainer.total_steps
+    assert recipes.replay(trainer, 3) == pytest.approx(recorded["losses"][:3], rel=1e-5)
+    final = recipes.final_loss(AutoModelForCausalLM.from_pretrained(shipped), trainer)
+    assert final == pytest.approx(recorded["final_first_batch"], rel=1e-5)
+    assert recorded["final_first_batch"] < 0.1 * recorded["losses"][0]
+    trainer.end()

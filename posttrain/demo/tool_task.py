@@ -78,19 +78,37 @@ def policy_path(seed: int = 0) -> Path:
                          "the tiny default warm-started on tool demonstrations")
 
 
-def warm_start(output_dir: str | Path, call_rate: float = CALL_RATE, steps: int = WARM_STEPS, seed: int = 0
-               ) -> Path:
-    """The tiny default fine-tuned (posttrain's SFTTrainer) on :func:`demonstrations`; its folder."""
+def warm_start_trainer(workdir: str | Path, call_rate: float = CALL_RATE, steps: int = WARM_STEPS, seed: int = 0
+                       ) -> Any:
+    """posttrain's SFTTrainer from the tiny default on :func:`demonstrations` (the demo recipe), not yet run."""
     from posttrain.demo.recipes import RECIPE
     from posttrain.trainers.sft import SFTConfig, SFTTrainer
 
-    recipe = dict(RECIPE)
-    cfg = SFTConfig(output_dir=str(output_dir), seed=seed, max_steps=steps, max_length=128,
-                    overwrite_output_dir=True, **recipe)
-    trainer = SFTTrainer(str(tiny.sft_model_path()), args=cfg,
-                         train_dataset=demonstrations(recipe["per_device_train_batch_size"] * steps, call_rate, seed),
-                         processing_class=with_tools(tiny.load_tokenizer()))
-    trainer.train()
-    trainer.save_model()
-    trainer.end()
-    return Path(output_dir)
+    cfg = SFTConfig(output_dir=str(Path(workdir) / "run"), seed=seed, max_steps=steps, max_length=128,
+                    overwrite_output_dir=True, **RECIPE)
+    rows = demonstrations(RECIPE["per_device_train_batch_size"] * steps, call_rate, seed)
+    return SFTTrainer(str(tiny.sft_model_path()), args=cfg, train_dataset=rows,
+                      processing_class=with_tools(tiny.load_tokenizer()))
+
+
+def warm_start(output_dir: str | Path, call_rate: float = CALL_RATE, steps: int = WARM_STEPS, seed: int = 0
+               ) -> Path:
+    """Train :func:`warm_start_trainer` and save the policy with its tokenizer and its losses (as the tiny
+    default's assets, checked by tests/test_grpo_tools.py); its folder."""
+    import json
+    import tempfile
+
+    from posttrain.demo.recipes import final_loss
+
+    output_dir = Path(output_dir)
+    with tempfile.TemporaryDirectory(prefix="posttrain-tools-sft-") as work:
+        trainer = warm_start_trainer(work, call_rate, steps, seed)
+        trainer.train()
+        losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+        model = trainer.session.unwrap("policy")
+        final = final_loss(model, trainer)
+        model.save_pretrained(output_dir)
+        with_tools(tiny.load_tokenizer()).save_pretrained(output_dir)
+        trainer.end()
+    (output_dir / "train_losses.json").write_text(json.dumps({"losses": losses, "final_first_batch": final}))
+    return output_dir

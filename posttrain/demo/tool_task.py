@@ -34,6 +34,27 @@ def prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+class Calculator:
+    """The task as an environment (``environment_factory=``): ``add`` is its tool and ``get_reward`` counts
+    calls with the prompt's digits, the environment's own reward (TRL's)."""
+
+    def reset(self, a: int = 0, b: int = 0, **row: Any) -> None:
+        self.digits, self.right = {a, b}, 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.right += {a, b} == self.digits
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.right > 0)
+
+
 def final_answer(completion: list[dict]) -> str:
     """The conversation's last assistant text."""
     said = [m for m in completion if m["role"] == "assistant"]

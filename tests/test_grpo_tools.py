@@ -203,7 +203,8 @@ def run_both(tmp_path, policy_path, scripts, rows, rendered, **kw):
     fields = dict(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=N, save_strategy="no",
                   report_to=[], max_tool_calling_iterations=2, temperature=1.0)
     tok = with_tools(tiny.load_tokenizer())
-    theirs_reward, ours_reward = Seen(), Seen()
+    reward = kw.pop("reward", Seen)
+    theirs_reward, ours_reward = reward(), reward()
     args = TRLConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, **fields)
     model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
     trl = TRLTrainer(model=model, reward_funcs=[theirs_reward], args=args, train_dataset=Dataset.from_list(rows),
@@ -228,7 +229,7 @@ def run_both(tmp_path, policy_path, scripts, rows, rendered, **kw):
     return result
 
 
-def compare(result):
+def compare(result, tools=True):
     out, trl_metrics, trl_loss, theirs = result["trl"]
     batch, metrics, loss, ours = result["ours"]
     assert ours.calls == theirs.calls  # prompts, every message of every conversation, the environments' state
@@ -240,8 +241,9 @@ def compare(result):
     assert (batch["tool_mask"] == 0).any()
     assert torch.allclose(batch["advantages"], out["advantages"], atol=TOL)
     assert batch["num_items_in_batch"].item() == out["num_items_in_batch"].item()
-    for key in ("tools/call_frequency", "tools/failure_frequency", "completions/mean_length",
-                "completions/max_length", "completions/clipped_ratio", "reward", "reward_std"):
+    keys = ("tools/call_frequency", "tools/failure_frequency") if tools else ()
+    for key in (*keys, "completions/mean_length", "completions/max_length", "completions/clipped_ratio", "reward",
+                "reward_std"):
         assert metrics[key] == pytest.approx(trl_metrics[key], abs=TOL), key
     assert abs(loss.item() - trl_loss.item()) < TOL
     return metrics
@@ -363,3 +365,31 @@ def test_shipped_warm_start_is_what_its_recipe_trains(tmp_path):
     assert final == pytest.approx(recorded["final_first_batch"], rel=1e-5)
     assert recorded["final_first_batch"] < 0.1 * recorded["losses"][0]
     trainer.end()
+
+
+class Tagged:
+    """A reward reading a rollout_func's extra field: the tag plus a tenth of the completion's length."""
+
+    def __init__(self):
+        self.calls, self.__name__ = [], "tagged"
+
+    def __call__(self, prompts, completions, completion_ids, tag, **kwargs):
+        self.calls.append((list(prompts), list(completions), list(tag)))
+        return [t + 0.1 * len(ids) for t, ids in zip(tag, completion_ids)]
+
+
+def test_rollout_func_equals_trl(tmp_path, policy_path):
+    """rollout_func: TRL's keys (env_mask as the tool mask, extra fields to the rewards), the same numbers."""
+    tok = tiny.load_tokenizer()
+    eos = tok.eos_token_id
+
+    def rollout(prompts, trainer):
+        ids = [tok(p)["input_ids"] for p in prompts]
+        completions = [[30 + i, 40, 50 + i, 60][: 2 + i % 3] + [eos] * (i % 2) for i in range(len(prompts))]
+        return {"prompt_ids": ids, "completion_ids": completions, "logprobs": [[0.0] * len(c) for c in completions],
+                "env_mask": [[1, 0] + [1] * (len(c) - 2) for c in completions],
+                "tag": [float(i % 3) for i in range(len(prompts))]}
+
+    rows = [{"prompt": p} for p in ("the cat is", "my old friend felt") for _ in range(G)]
+    result = run_both(tmp_path, policy_path, {}, rows, [], rollout_func=rollout, reward=Tagged)
+    compare(result, tools=False)

@@ -247,13 +247,15 @@ class GRPOTrainer(Trainer):
 
         self.rows = prompt_rows(train_dataset, cfg._algorithm)
         check_conversation(self.rows, ("prompt",), tok, "train_dataset")
-        self.rewards.check_columns(self.rows)
+        if self.rollout_func is None:  # a rollout_func's extra fields are reward arguments too (TRL)
+            self.rewards.check_columns(self.rows)
         self.prompt_ids = ([tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows] if self.tool_use is None
                            else agents.check_prompts(self.tool_use, self.rows))
         if eval_dataset is not None:
             self.eval_rows = check_prompt_rows(eval_dataset, "eval_dataset", cfg._algorithm)
             check_conversation(self.eval_rows, ("prompt",), tok, "eval_dataset")
-            self.rewards.check_columns(self.eval_rows)
+            if self.rollout_func is None:
+                self.rewards.check_columns(self.eval_rows)
             self.eval_prompt_ids = ([tokenize_prompt(r["prompt"], tok, cfg) for r in self.eval_rows]
                                     if self.tool_use is None else agents.check_prompts(self.tool_use, self.eval_rows))
         max_prompt_len = max(len(p) for p in self.prompt_ids + getattr(self, "eval_prompt_ids", []))

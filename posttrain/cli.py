@@ -62,6 +62,9 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--lora-r", "--lora_r", type=int, default=16, help="LoRA rank (TRL's default 16)")
     ap.add_argument("--lora-target-modules", "--lora_target_modules", nargs="+", default=None, metavar="NAME",
                     help="modules that get adapters: names, or all-linear (default: peft's for the architecture)")
+    ap.add_argument("--tool-tokens", "--tool_tokens", type=int, default=0,
+                    help="GRPO/RLOO with tools: tool output tokens per sequence, inside --response-len (the KV "
+                         "holds the prompt and every turn: --seq-len columns per sequence)")
     args = ap.parse_args(argv)
     for name in ("world_size", "micro_batch", "seq_len", "lora_r", "num_generations"):
         if getattr(args, name) < 1:
@@ -100,9 +103,13 @@ def _plan_checked(argv: list[str]) -> int:
                              generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory, lora=lora,
                              single_process_engine=args.single_process_engine,
                              fused_projections=args.generation_fused_projections,
-                             shared_prompt_group=shared_group)
+                             shared_prompt_group=shared_group, tool_tokens=args.tool_tokens)
                  for m in mixes]
         print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
+        if args.tool_tokens:
+            print(f"multi-turn: each sequence's KV holds its prompt and every turn ({args.seq_len} columns: "
+                  f"{args.seq_len - args.response_len} prompt, {args.response_len} completion of which "
+                  f"{args.tool_tokens} tool output)\n")
         for p in plans:
             print(memory.format_plan(p) + "\n")
         best_of[precision], why = memory.recommend(plans)

@@ -74,6 +74,23 @@ def inference_bytes(m: ModelSize, tokens: int) -> int:
     return tokens * (layer + head)
 
 
+def check_tool_tokens(workload: str, tool_tokens: int, response_len: int, shared_prompt_group: int | None) -> None:
+    """Multi-turn sequences: the tool output lies inside the completion budget (TRL's), as the KV counts it."""
+    from posttrain.errors import ConfigError
+
+    if not tool_tokens:
+        return
+    if workload not in ("grpo", "rloo"):
+        raise ConfigError(f"--tool-tokens: multi-turn tool use runs in GRPO and RLOO, not {workload}")
+    if tool_tokens < 0 or tool_tokens >= response_len:
+        raise ConfigError(f"--tool-tokens {tool_tokens} must be 0 or more and below --response-len {response_len}: "
+                          "the tool output is part of the completion budget (max_completion_length), with the "
+                          "model's own turns")
+    if shared_prompt_group:
+        raise ConfigError("--tool-tokens with --generation-shared-prompt-kv: multi-turn tool use keeps each "
+                          "sequence's prompt in its own slot; drop one")
+
+
 def kv_cache_bytes(m: ModelSize, sequences: int, length: int, prompt_slots: int | None = None,
                    prompt_len: int = 0) -> int:
     """bf16 KV cache, all layers; shared prompt slots: completions, plus ``prompt_slots`` x ``prompt_len``."""
@@ -233,11 +250,13 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          seq_len: int, response_len: int = 64, gpu_memory_gib: float = 139.0,
          generation_backend: str = "posttrain", master_weights: str = "fp32",
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
-         fused_projections: bool = False, shared_prompt_group: int | None = None) -> Plan:
-    """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response."""
+         fused_projections: bool = False, shared_prompt_group: int | None = None, tool_tokens: int = 0) -> Plan:
+    """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response;
+    ``tool_tokens``: multi-turn tool use (GRPO/RLOO), tool output per sequence inside the response budget."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
+    check_tool_tokens(workload, tool_tokens, response_len, shared_prompt_group)
     if lora is not None:
         names = {**names, "frozen": [n for n in names["frozen"] if n != "reference"]}
     if isinstance(shapes, str):
@@ -322,7 +341,9 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
 
             engine_kv = kv_cache_bytes(policy.size, micro_batch, seq_len,
                                        default_prompt_slots(micro_batch, shared_prompt_group), seq_len - response_len)
-        prompt = micro_batch * (seq_len - response_len)
+        # Multi-turn with generate: each turn re-prefills the conversation so far (the last one nearly all of it);
+        # the engine prefills only the appended tool output into the sequence's slot.
+        prompt = micro_batch * (seq_len if tool_tokens and generation_backend == "hf" else seq_len - response_len)
         gen = inference_bytes(policy.size, prompt) - HEAD_INFER_V * policy.size.vocab * prompt
         if generation_backend == "hf":
             gen += policy.kv_cache

@@ -132,8 +132,11 @@ class Rewards:
 
     def score(self, prompts: list, texts: list[str], completion_ids: list[list[int]], *,
               rows: list[dict] | None = None, trainer_state: Any = None, sequences: torch.Tensor | None = None,
-              last: torch.Tensor | None = None) -> torch.Tensor:
-        """(local batch, sources) float32, NaN for None; shared-ids RMs read ``sequences`` at ``last``."""
+              last: torch.Tensor | None = None, completions: list | None = None,
+              extra: dict[str, Any] | None = None) -> torch.Tensor:
+        """(local batch, sources) float32, NaN for None; shared-ids RMs read ``sequences`` at ``last``;
+        ``completions``: what functions get instead of ``texts`` (a multi-turn conversation's messages);
+        ``extra``: more keyword arguments for them (``environments``, a rollout_func's fields)."""
         s = self.session
         out = torch.zeros(len(texts), len(self.sources), dtype=torch.float32, device=s.device)
         funcs = [(j, src.func) for j, src in enumerate(self.sources) if not src.is_model]
@@ -143,9 +146,11 @@ class Rewards:
                 kwargs = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
             if trainer_state is not None:
                 kwargs.update(trainer_state=trainer_state, log_extra=self.log_extra, log_metric=self.log_metric)
+            kwargs.update(extra or {})
             failure = per_func = None
             try:
-                per_func = call_reward_funcs([f for _, f in funcs], prompts, as_completions(prompts, texts),
+                given = completions if completions is not None else as_completions(prompts, texts)
+                per_func = call_reward_funcs([f for _, f in funcs], prompts, given,
                                              completion_ids, s.device, **kwargs)
             except RewardFuncError as err:
                 failure = err

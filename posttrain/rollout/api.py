@@ -18,6 +18,7 @@ from posttrain.rollout.engine import RUN_COUNTERS, DecodeEngine
 from posttrain.rollout.hf import generation_model, hf_generate
 from posttrain.rollout.sampling import RolloutOutput, SamplingParams, finish
 from posttrain.rollout.shadow import ShadowModel
+from posttrain.rollout.turns import TurnEnd, TurnOutput, Turns, hf_turns
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +219,40 @@ class Rollout:
         return RolloutOutput(sequences=torch.cat([prompt_ids, completion.to(prompt_ids.device)], 1),
                              completion_ids=completion, completion_mask=mask, logprobs=logprobs)
 
+    def generate_turns(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, on_turn_end: TurnEnd,
+                       sampling: SamplingParams | None = None) -> TurnOutput:
+        """Multi-turn completions of left-padded prompts [B, P]: when a sequence's turn ends (a stop token, or
+        its budget), ``on_turn_end(seq, completion_ids, room)`` returns the tokens to append (a tool's rendered
+        output, at most ``room``) or None; the completion's budget is ``max_new_tokens`` in all."""
+        sampling = sampling or self.sampling
+        b, p = prompt_ids.shape
+        if p > self.max_prompt_len:
+            raise ConfigError(f"prompts of {p} tokens exceed this Rollout's max_prompt_len={self.max_prompt_len}; "
+                              "build it larger")
+        if sampling.max_new_tokens > self.sampling.max_new_tokens and self.backend == "posttrain":
+            raise ConfigError(f"max_new_tokens={sampling.max_new_tokens} exceeds the {self.sampling.max_new_tokens} "
+                              "this Rollout was built for (its cache is sized for it); build it with the largest")
+        if self.engine_options.get("shared_prompt_kv"):
+            raise ConfigError("multi-turn generation does not run with generation_shared_prompt_kv: set it false")
+        key = self._seed_key()
+        self.rollouts += 1
+        turns = Turns(on_turn_end, sampling.max_new_tokens)
+        backend = self.backend
+        if backend == "posttrain" and adapters.unsupported_reason(self._module()) is not None:
+            self.stats["adapter_fallbacks"] += 1
+            backend = "hf"
+        if backend == "hf":
+            with generation_model(self.session, self.role, self._bare, self._zero3(), self.gather) as (model, synced):
+                if synced:
+                    raise ConfigError("multi-turn generation with transformers' generate needs the whole model on "
+                                      "each rank: set ds3_gather_for_generation true")
+                tokens, logprobs = hf_turns(model, prompt_ids, prompt_mask, sampling, key, turns)
+        else:
+            tokens, logprobs = self._engine_generate(prompt_ids, prompt_mask, sampling, key, turns)
+        return turns.output(tokens.to(prompt_ids.device), logprobs.to(prompt_ids.device), sampling.pad_token_id)
+
     def _engine_generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams,
-                         key: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         key: int, turns: Turns | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         model, tensor = self._engine_model()
         knobs = replace(sampling, max_new_tokens=self.sampling.max_new_tokens)
         same = (self.engine is not None and self.engine.model is model
@@ -235,7 +268,8 @@ class Rollout:
             self.engine = DecodeEngine(model, knobs, self.kv_slots, self.max_prompt_len, tensor=tensor,
                                        **self.engine_options)
         tokens, logprobs, self.timings = scheduler.generate(self.engine, prompt_ids, prompt_mask, key,
-                                                            sampling.max_new_tokens, profile=self.profile)
+                                                            sampling.max_new_tokens, profile=self.profile,
+                                                            turns=turns)
         st = self.engine.stats()
         for k in RUN_COUNTERS:
             st[k] += self._retired[k]

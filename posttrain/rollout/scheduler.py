@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from posttrain.rollout.engine import Clock, DecodeEngine
 
+if TYPE_CHECKING:
+    from posttrain.rollout.turns import Turns
+
 
 def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key: int,
-             max_new_tokens: int, profile: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Completions and log-probs [n, max_new_tokens] of left-padded prompts; timings if ``profile``."""
+             max_new_tokens: int, profile: bool = False, turns: Turns | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Completions and log-probs [n, max_new_tokens] of left-padded prompts; timings if ``profile``;
+    ``turns``: a multi-turn rollout (a row whose turn ends may be extended and decode on)."""
     n, width = prompt_ids.shape
     engine.begin(key, max_new_tokens, width)
     dev, pad = engine.device, engine.sampling.pad_token_id
@@ -29,6 +36,8 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
         if slot_seq:  # retire finished rows
             flags = engine.done_flags(max(slot_seq) + 1) if engine.stop_ids is not None else None
             finished = [s for s in slot_seq if age[s] >= last_step or (flags is not None and flags[s])]
+            if finished and turns is not None:  # ended turns wait in their slots for their tools
+                finished = turns.collect(engine, finished, slot_seq)
             if finished:
                 engine.harvest(finished, [slot_seq[s] for s in finished], tokens, logprobs)
                 for s in finished:
@@ -65,6 +74,9 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
                 if clock is not None:
                     timings["prefill_ms"] += clock.lap()
         steps = min(engine.sync_every, max(last_step - a for a in age.values()))
+        if turns is not None and turns.pending and len(turns.pending) == len(slot_seq):
+            turns.resolve(engine, slot_seq, age)  # nothing else decodes: the tools now
+            continue
         if steps <= 0:
             continue  # every live row has its last token: retire them
         engine.compact_prompts()
@@ -75,6 +87,8 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
         timings["row_steps"] += steps * rows
         for s in age:
             age[s] += steps
+        if turns is not None and turns.pending:
+            turns.resolve(engine, slot_seq, age)  # on CUDA the steps just queued run meanwhile
     if clock is not None:
         timings["decode_ms"] += clock.lap()
     return tokens, logprobs, timings

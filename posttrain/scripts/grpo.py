@@ -15,7 +15,8 @@ from trl.scripts.grpo import GRPOScriptArguments
 
 from posttrain.data.preference import load_dataset_source
 from posttrain.data.prompts import check_prompt_rows
-from posttrain.demo import synthetic, tiny
+from posttrain.demo import synthetic, tiny, tool_task
+from posttrain.demo.tool_chat import with_tools
 from posttrain.errors import ConfigError
 from posttrain.scripts.args import (
     demo_config,
@@ -30,6 +31,59 @@ from posttrain.scripts.data import BUNDLED_PROMPTS, PromptArguments, bundled_pro
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 PHASES = ("time/generate", "time/policy_forward", "time/score", "time/train")
+
+
+@dataclass
+class ToolArguments:
+    """Multi-turn tool use (the trainer's tools= and environment_factory=): functions as "module:function" (or
+    "module.function"), an environment class as "module:Class". With no model named, the tiny default's tool
+    task (posttrain/demo/tool_task.py)."""
+
+    tools: list[str] | None = None
+    environment_factory: str | None = None
+
+
+def tool_objects(args: ToolArguments) -> tuple[list | None, Any]:
+    """The named tools and environment factory, imported (each named in one sentence if it cannot be)."""
+    from posttrain.rewards.functions import load_reward_func
+
+    def load(spec: str, what: str) -> Any:
+        try:
+            return load_reward_func(spec) if what == "tool" else _load_class(spec)
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("reward function", f"--{what}s" if what == "tool" else
+                                               "--environment_factory")) from None
+
+    tools = [load(t, "tool") for t in args.tools] if args.tools else None
+    return tools, load(args.environment_factory, "environment") if args.environment_factory else None
+
+
+def _load_class(spec: str) -> Any:
+    import importlib
+    import os
+    import sys
+
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"--environment_factory {spec!r}: write it as 'module:Class'")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"--environment_factory {spec!r}: {type(err).__name__}: {err}; check the spelling, or run "
+                          "from the folder holding it") from None
+    if not callable(factory):
+        raise ConfigError(f"--environment_factory {spec!r} is not callable: name a class (or a function returning "
+                          "an environment)")
+    return factory
+
+
+def _wants_tools(argv: list[str] | None) -> bool:
+    import sys
+
+    return any(a.split("=")[0] in ("--tools", "--environment_factory") for a in (sys.argv[1:] if argv is None
+                                                                                  else argv))
 
 
 @dataclass
@@ -85,21 +139,31 @@ def eval_prompts(script: Any, data: OnlinePromptArguments, cfg: GRPOConfig) -> l
 def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None = None,
         script_cls: type = GRPOScriptArguments) -> None:
     """Parse, train, save the policy and print the summary (shared with ``posttrain rloo``)."""
-    script, data, cfg, model_args = parse_config((script_cls, OnlinePromptArguments, config_cls, ModelConfig),
-                                                 demo_config(name), argv, prog=f"posttrain {name}")
+    demo = demo_config(f"{name}_tools" if _wants_tools(argv) else name)
+    script, data, cfg, model_args, tool_args = parse_config(
+        (script_cls, OnlinePromptArguments, config_cls, ModelConfig, ToolArguments), demo, argv,
+        prog=f"posttrain {name}")
     require_dataset([script, model_args])
-    model, peft_config = model_arguments(model_args, cfg, tiny.sft_model_path)
+    tools, environment_factory = tool_objects(tool_args)
+    agent_demo = model_args.model_name_or_path is None and (tools or environment_factory)
+    model, peft_config = model_arguments(model_args, cfg, tool_task.policy_path if agent_demo else tiny.sft_model_path)
     rewards = reward_funcs(script, model_args)
     start = time.perf_counter()
-    prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
+    if agent_demo and script.dataset_name is None:
+        prompts, dataset_name = tool_task.prompts(data.num_prompts, cfg.seed), "posttrain.demo.tool_task"
+    else:
+        prompts, dataset_name = load_prompts(script, data.num_prompts, cfg.seed, cfg._algorithm)
     held_out = eval_prompts(script, data, cfg)
+    agents = {"tools": tools, "environment_factory": environment_factory} if tools or environment_factory else {}
+    if agent_demo:  # the tiny default's template with tools (posttrain/demo/tool_chat.py)
+        agents["processing_class"] = with_tools(tiny.load_tokenizer(model))
     trainer = trainer_cls(model=model, reward_funcs=rewards, args=cfg, train_dataset=prompts,
-                          eval_dataset=held_out, peft_config=peft_config)
+                          eval_dataset=held_out, peft_config=peft_config, **agents)
     trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     history = trainer.state.log_history
     final = trainer.save_model()
     if trainer.is_world_process_zero():
-        record_script_arguments(cfg.output_dir, script, data, model_args)
+        record_script_arguments(cfg.output_dir, script, data, model_args, tool_args)
         if history:
             summary = summarize(history, cfg, time.perf_counter() - start)
             summary["generation_backend"] = trainer.rollout.stats.get("backend")
@@ -107,8 +171,16 @@ def run(config_cls: type, trainer_cls: type, name: str, argv: list[str] | None =
             if evals:
                 summary["eval_reward_first"], summary["eval_reward_last"] = (evals[0]["eval/reward"],
                                                                              evals[-1]["eval/reward"])
+            if "tools/call_frequency" in history[-1]:
+                calls = [h["tools/call_frequency"] for h in history if "tools/call_frequency" in h]
+                tenth = max(1, len(calls) // 10)
+                summary["tool_calls_first_tenth"] = round(sum(calls[:tenth]) / tenth, 3)
+                summary["tool_calls_last_tenth"] = round(sum(calls[-tenth:]) / tenth, 3)
             Path(cfg.output_dir, "summary.json").write_text(json.dumps(summary, indent=1))
             print(f"\n{name.upper()} summary")
+            if "tool_calls_first_tenth" in summary:
+                print(f"  tool calls per completion  first tenth {summary['tool_calls_first_tenth']:.3f}  ->  last "
+                      f"tenth {summary['tool_calls_last_tenth']:.3f}")
             print(f"  reward  first tenth {summary['reward_first_tenth']:+.3f}  ->  last tenth "
                   f"{summary['reward_last_tenth']:+.3f}  (rise {summary['reward_rise']:+.3f}, {summary['steps']} "
                   f"steps, {summary['seconds']} s)")

@@ -97,9 +97,10 @@ def fill_generation_batch(trainer: Any, cycle: int, batch: dict[str, torch.Tenso
     first = int(out["prompt_mask"].any(0).long().argmax())  # drop the columns that are padding on every row
     out["prompt_ids"], out["prompt_mask"] = out["prompt_ids"][:, first:], out["prompt_mask"][:, first:]
     # The trained batch's advantages, as TRL computes them over its generation batch.
+    loss_mask = merged["completion_mask"] * merged.get("tool_mask", 1)  # tool output is out of the loss
     adv = trainer.advantages(merged["rewards_per_func"], out.get("old_per_token_logps"),
-                             out.get("ref_per_token_logps"), out["completion_mask"], g)
+                             out.get("ref_per_token_logps"), loss_mask[mine], g)
     out["advantages"] = adv["advantages"][mine]
-    out["num_items_in_batch"] = merged["completion_mask"].sum().float()
+    out["num_items_in_batch"] = loss_mask.sum().float()
     out.pop("rewards_per_func")
     return out, {**metrics, **adv.get("metrics", {}), **stats}

@@ -25,6 +25,7 @@ from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers import off_policy
+from posttrain.trainers import tools as agents
 from posttrain.trainers.config import TrainConfig, make_session, saves
 from posttrain.trainers.dynamic_sampling import fill_generation_batch
 from posttrain.trainers.grpo_eval import GenerationEval
@@ -93,13 +94,13 @@ class GRPOConfig(TrainConfig, OnlineFields, trl.GRPOConfig):
     _trl_works = (*ONLINE_WORKS, "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
                   "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level",
                   "multi_objective_aggregation", "scale_rewards", "loss_type", "top_entropy_quantile",
-                  "use_bias_correction_kl", "off_policy_mask_threshold", *off_policy.CORRECTION_FIELDS)
+                  "use_bias_correction_kl", "off_policy_mask_threshold", *off_policy.CORRECTION_FIELDS,
+                  "max_tool_calling_iterations")
     _trl_refused = {
         **ONLINE_REFUSED,
         "cast_lm_head_to_fp32": "posttrain's fused LM head computes the log-probs in float32 from the model's dtype",
         "entropy_coef": _ENTROPY, "use_adaptive_entropy": _ENTROPY, "entropy_coef_min": _ENTROPY,
         "entropy_coef_max": _ENTROPY, "entropy_coef_delta": _ENTROPY, "entropy_target": _ENTROPY,
-        "max_tool_calling_iterations": "multi-turn tool use is not supported yet",
         "log_completions_hub_repo": "completions are logged to samples.jsonl in the output dir (log_completions)",
     }
 
@@ -112,6 +113,7 @@ def check_online_config(cfg: Any) -> None:
     """TrainConfig's checks, then TRL's checks of the GRPO/RLOO config as sentences, before anything loads."""
     TrainConfig.__post_init__(cfg)
     check_rollout_fields(cfg)
+    agents.check_config(cfg)
     world = world_size()
     grpo = hasattr(cfg, "loss_type")  # TRL's RLOOConfig has none of GRPO's loss options
     if grpo:
@@ -217,8 +219,8 @@ class GRPOTrainer(GenerationEval, Trainer):
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
                  environment_factory: Any = None) -> None:
-        refuse_arguments(type(self).__name__, optimizers=optimizers, quantization_config=quantization_config,
-                         tools=tools or None, rollout_func=rollout_func, environment_factory=environment_factory)
+        refuse_arguments(type(self).__name__, optimizers=optimizers, quantization_config=quantization_config)
+        self._agent_args = (tools, environment_factory, rollout_func)  # trainers/tools.py
         self._build(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                     reward_processing_classes, peft_config)
         self._finish_init(callbacks)
@@ -243,17 +245,24 @@ class GRPOTrainer(GenerationEval, Trainer):
             tok.pad_token = tok.eos_token
         self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
 
+        tools, environment_factory, self.rollout_func = getattr(self, "_agent_args", (None, None, None))
+        self.tool_use, reward_funcs = agents.setup(tools, environment_factory, self.rollout_func, reward_funcs, cfg,
+                                                   tok, model_config(policy_given).get_text_config().max_position_embeddings)
         self.rewards = self._rewards(reward_funcs, reward_processing_classes)
 
         self.rows = prompt_rows(train_dataset, cfg._algorithm)
         check_conversation(self.rows, ("prompt",), tok, "train_dataset")
-        self.rewards.check_columns(self.rows)
-        self.prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows]
+        if self.rollout_func is None:  # a rollout_func's extra fields are reward arguments too (TRL)
+            self.rewards.check_columns(self.rows)
+        self.prompt_ids = ([tokenize_prompt(r["prompt"], tok, cfg) for r in self.rows] if self.tool_use is None
+                           else agents.check_prompts(self.tool_use, self.rows))
         if eval_dataset is not None:
             self.eval_rows = check_prompt_rows(eval_dataset, "eval_dataset", cfg._algorithm)
             check_conversation(self.eval_rows, ("prompt",), tok, "eval_dataset")
-            self.rewards.check_columns(self.eval_rows)
-            self.eval_prompt_ids = [tokenize_prompt(r["prompt"], tok, cfg) for r in self.eval_rows]
+            if self.rollout_func is None:
+                self.rewards.check_columns(self.eval_rows)
+            self.eval_prompt_ids = ([tokenize_prompt(r["prompt"], tok, cfg) for r in self.eval_rows]
+                                    if self.tool_use is None else agents.check_prompts(self.tool_use, self.eval_rows))
         max_prompt_len = max(len(p) for p in self.prompt_ids + getattr(self, "eval_prompt_ids", []))
 
         world = world_size()
@@ -405,21 +414,29 @@ class GRPOTrainer(GenerationEval, Trainer):
         ``num_generations``); ``train``: keep what the loss needs and count the tokens."""
         cfg, s, tok = self.cfg, self.session, self.tokenizer
         dev = s.device
-        prompt_ids, prompt_mask = left_pad(ids, tok.pad_token_id, dev)
+        prompts, agent = [r["prompt"] for r in rows], None
         with self.phases("generate"):
-            out = self.rollout.generate(prompt_ids, prompt_mask)
+            if self.tool_use is None and self.rollout_func is None:
+                prompt_ids, prompt_mask = left_pad(ids, tok.pad_token_id, dev)
+                out = self.rollout.generate(prompt_ids, prompt_mask)
+            else:  # multi-turn with tools, or the user's rollout_func (trainers/tools.py)
+                out = agent = agents.sample(self, rows)
+                prompts, prompt_ids, prompt_mask = agent.prompts, agent.prompt_ids, agent.prompt_mask
         completion_ids, completion_mask = out.completion_ids.to(dev), out.completion_mask.to(dev).long()
-        lengths = completion_mask.sum(1)
+        tool_mask = agent.tool_mask if agent is not None else None  # 0 on tool output: out of the loss (TRL)
+        lengths = completion_mask.sum(1) if tool_mask is None else (completion_mask * tool_mask).sum(1)
         truncated = truncated_rows(completion_ids, completion_mask, self.eos_ids + [tok.pad_token_id])
         # What was generated, up to and with EOS: what rewards read, even where the loss masks it out (TRL).
         generated = [c[m.bool()].tolist() for c, m in zip(completion_ids, completion_mask)]
         if cfg.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+            tool_mask = tool_mask * (~truncated).unsqueeze(1).long() if tool_mask is not None else None
+        loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
         input_ids = torch.cat([prompt_ids, completion_ids], 1)
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
         n = completion_ids.shape[1]
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                 "completion_mask": completion_mask}
+                 "completion_mask": completion_mask, **({"tool_mask": tool_mask} if tool_mask is not None else {})}
         bs = cfg.per_device_train_batch_size if train else cfg.per_device_eval_batch_size
         sampler = getattr(out, "logprobs", None)  # a rollout that reports none is not corrected
         corrects = train and sampler is not None and off_policy.corrects_sampling(cfg)  # needs the old log-probs
@@ -442,15 +459,16 @@ class GRPOTrainer(GenerationEval, Trainer):
                 with adapters_disabled(s.engines["policy"]):
                     ref, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
                                               batch_size=bs, fused=True, padding_free=cfg.padding_free)
-            prompts = [r["prompt"] for r in rows]
             texts = tok.batch_decode(generated, skip_special_tokens=True)
-            per_func = self.rewards.score(prompts, texts, generated, rows=rows, trainer_state=self.trainer_state)
+            per_func = self.rewards.score(prompts, texts, generated, rows=rows, trainer_state=self.trainer_state,
+                                          **({"completions": agent.completions, "extra": agent.reward_kwargs}
+                                             if agent is not None else {}))
         all_per_func = self._gather(per_func)
         self.rewards.warn(all_per_func)
-        adv = self.advantages(all_per_func, old, ref, completion_mask, num_generations)
+        adv = self.advantages(all_per_func, old, ref, loss_mask, num_generations)
         local = slice(s.process_index * len(rows), (s.process_index + 1) * len(rows))
         batch["advantages"] = adv["advantages"][local]
-        batch["num_items_in_batch"] = self._sum(completion_mask.sum().float())
+        batch["num_items_in_batch"] = self._sum(loss_mask.sum().float())
         if train and cfg.dynamic_sampling:
             batch["rewards_per_func"] = per_func.to(dev)
         if old is not None:
@@ -462,12 +480,15 @@ class GRPOTrainer(GenerationEval, Trainer):
             batch["sampling_per_token_logps"] = sampler.to(dev)
             if corrects:
                 batch["importance_sampling_ratio"], sampled = off_policy.correct_sampling(
-                    cfg, old, batch["sampling_per_token_logps"], completion_mask, self._gather)
+                    cfg, old, batch["sampling_per_token_logps"], loss_mask, self._gather)
 
         metrics = self.generation_metrics(all_per_func, adv, prompt_mask, lengths, truncated, count_tokens=train)
         metrics.update(adv.get("metrics", {}))
         metrics.update(sampled)
         metrics.update(self.rewards.logged_metrics())
+        if self.tool_use is not None:
+            counts = self._sum(torch.tensor([agent.calls, agent.failures], dtype=torch.float32, device=dev))
+            metrics.update(self.tool_use.metrics(counts[0].item(), counts[1].item(), len(rows) * s.num_processes))
         if train:
             self.samples = (prompts, texts, self.rewards.total(per_func), self.rewards.extra_columns())
         else:
@@ -506,7 +527,7 @@ class GRPOTrainer(GenerationEval, Trainer):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg, s = self.cfg, self.session
-        mask = batch["completion_mask"]
+        mask = batch["completion_mask"] * batch.get("tool_mask", 1)  # tool output is out of the loss (TRL)
         logps, entropies = self.policy_logps(batch)
         entropy_mask = None
         if cfg.top_entropy_quantile < 1.0:

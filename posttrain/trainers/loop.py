@@ -257,9 +257,7 @@ _NOT_TAKEN = {
                                 "weight_decay and adam_* in args",
     "quantization_config": "quantized (bitsandbytes) models are not supported: load the model in bf16",
     "formatting_func": "format the rows into the text column first (dataset.map)",
-    "tools": "multi-turn tool use is not supported yet",
-    "rollout_func": "a custom rollout is not supported: posttrain generates with its own engine",
-    "environment_factory": "environments are not supported yet",
+    "tools": "multi-turn tool use runs in GRPOTrainer and RLOOTrainer",
 }
 
 

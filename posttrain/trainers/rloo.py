@@ -29,6 +29,8 @@ class RLOOConfig(TrainConfig, OnlineFields, trl.RLOOConfig):
     _algorithm = "RLOO"
     _trl_works = (*ONLINE_WORKS, "normalize_advantages", "reward_clip_range")
     _trl_refused = ONLINE_REFUSED
+    # GRPOConfig's field (TRL 1.16's RLOO has no tools): tool-calling turns per sequence, None for no limit.
+    max_tool_calling_iterations: int | None = None
 
     def __post_init__(self) -> None:
         if self.reward_clip_range is not None:
@@ -88,9 +90,11 @@ class RLOOTrainer(GRPOTrainer):
     def __init__(self, model: Any, reward_funcs: Any, args: RLOOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
-                 peft_config: Any = None) -> None:
+                 peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
+                 environment_factory: Any = None) -> None:
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
+                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config,
+                         tools, rollout_func, environment_factory)
 
     def needs_old_logps(self) -> bool:
         return True  # the KL in the reward and the sequence ratio both use them (TRL always computes them)
@@ -116,7 +120,7 @@ class RLOOTrainer(GRPOTrainer):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg = self.cfg
-        mask = batch["completion_mask"]
+        mask = batch["completion_mask"] * batch.get("tool_mask", 1)  # tool output is out of the loss
         logps, entropies = self.policy_logps(batch)
         old_logps = (batch["old_per_token_logps"] * mask).sum(1)
         loss, stats = rloo_loss(cfg, logps, old_logps, batch["advantages"], mask)

@@ -1,0 +1,235 @@
+"""Multi-turn rollouts: a sequence whose turn ends (a stop token) keeps its slot; the host's ``on_turn_end``
+returns the tokens to append (a tool's rendered result) or None, and the engine prefills only those tokens
+into the slot and decodes on. Sampled tokens are never re-tokenized; appended tokens get log-prob 0 and
+``tool_mask`` 0. Each token is drawn with the key of its index in the completion, so a multi-turn sample
+equals the single sequence decoded with the appended tokens forced in at the same places."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import LogitsProcessor
+
+from posttrain.errors import ConfigError
+from posttrain.rollout import decoder
+from posttrain.rollout.engine import DecodeEngine
+from posttrain.rollout.sampling import (
+    SamplingParams,
+    choose_tokens,
+    filter_logits,
+    gumbel_noise,
+    token_logprobs,
+)
+
+# (sequence index, its completion so far, tokens of room left) -> tokens to append, or None: the sequence ends.
+TurnEnd = Callable[[int, list[int], int], "list[int] | None"]
+
+
+@dataclass
+class TurnOutput:
+    """A multi-turn rollout: completions [B, N] with every turn and appended tool output."""
+
+    completion_ids: torch.Tensor  # pad after each sequence's end
+    completion_mask: torch.Tensor  # 1 up to each sequence's last token (model's and appended)
+    tool_mask: torch.Tensor  # 0 on appended (tool) tokens, 1 elsewhere (padding too, as TRL pads it)
+    logprobs: torch.Tensor  # float32 log-probs of the model's tokens; 0 on appended tokens and padding
+
+
+@dataclass
+class Turns:
+    """The host side of a multi-turn rollout: calls ``on_turn_end`` and records where tokens were appended."""
+
+    on_turn_end: TurnEnd
+    max_new_tokens: int
+    spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # seq -> [(start, end)] appended
+    lengths: dict[int, int] = field(default_factory=dict)  # seq -> completion length at its end
+    pending: dict[int, list[int]] = field(default_factory=dict)  # seq -> completion so far, its turn ended
+    ended: set[int] = field(default_factory=set)  # sequences whose last turn is done (harvested next)
+
+    def ask(self, seq: int, ids: list[int]) -> list[int] | None:
+        """The tokens to append after ``ids`` (None: the sequence ends), checked against the room left."""
+        room = self.max_new_tokens - len(ids)
+        new = self.on_turn_end(seq, ids, room)
+        if not new:
+            self.lengths[seq] = len(ids)
+            return None
+        new = [int(t) for t in new]
+        if len(new) > room:
+            raise ConfigError(f"on_turn_end appended {len(new)} tokens to sequence {seq} with {room} left: return "
+                              "None when the tool output does not fit")
+        self.spans.setdefault(seq, []).append((len(ids), len(ids) + len(new)))
+        return new
+
+    def collect(self, engine: DecodeEngine, finished: list[int], slot_seq: dict[int, int]) -> list[int]:
+        """Of the slots whose turn ended, those to harvest (their sequence ended); the others' turns wait for
+        :meth:`resolve` in their slots, so their tools run while the other rows' decode steps run."""
+        st, harvest = engine.slots, []
+        for s in finished:
+            seq = slot_seq[s]
+            if seq in self.ended:
+                harvest.append(s)
+            elif seq not in self.pending:
+                self.pending[seq] = st.out_tokens[s, : int(st.step[s])].tolist()
+        return harvest
+
+    def resolve(self, engine: DecodeEngine, slot_seq: dict[int, int], age: dict[int, int]) -> None:
+        """Ask for each waiting turn's appended tokens and extend its slot (or mark its sequence ended)."""
+        st = engine.slots
+        slot_of = {seq: s for s, seq in slot_seq.items()}
+        for seq, ids in self.pending.items():
+            s = slot_of[seq]
+            while True:
+                new = self.ask(seq, ids)
+                if new is None:
+                    self.ended.add(seq)
+                    break
+                extend(engine, s, new)
+                step = int(st.step[s])
+                age[s] = step - 1  # a done row's age ran on while it waited
+                if not bool(st.done[s]):
+                    break
+                if step >= self.max_new_tokens:  # the appended tokens filled the budget
+                    self.lengths[seq] = step
+                    self.ended.add(seq)
+                    break
+                ids = st.out_tokens[s, :step].tolist()  # the first token after them ended the turn
+        self.pending.clear()
+
+    def output(self, tokens: torch.Tensor, logprobs: torch.Tensor, pad: int) -> TurnOutput:
+        """The rollout's results with the completion and tool masks."""
+        n, width = tokens.shape
+        lengths = torch.tensor([self.lengths.get(i, width) for i in range(n)], device=tokens.device)
+        mask = torch.arange(width, device=tokens.device).unsqueeze(0) < lengths.unsqueeze(1)
+        tool = torch.ones(n, width, dtype=torch.long, device=tokens.device)
+        for seq, spans in self.spans.items():
+            for a, b in spans:
+                tool[seq, a:b] = 0
+        logprobs = logprobs.float().masked_fill(~mask | (tool == 0), 0.0)
+        return TurnOutput(tokens.masked_fill(~mask, pad), mask.long(), tool, logprobs)
+
+
+@torch.no_grad()
+def extend(engine: DecodeEngine, slot: int, new: list[int]) -> None:
+    """Append ``new`` to the sequence in ``slot``: prefill its pending token and ``new`` into the slot's cache
+    (attending to what the slot holds), then choose the next token unless the budget is full."""
+    if engine.prompts is not None:
+        raise ConfigError("multi-turn generation does not run with generation_shared_prompt_kv: set it false")
+    st, spec, w = engine.slots, engine.spec, engine.weights
+    dev = engine.device
+    col0, pos0, step0 = int(st.col[slot]), int(st.pos[slot]), int(st.step[slot])
+    # The turn's last token is not in the cache yet (a done row's ``last`` is pad: read it from the output).
+    pending = st.out_tokens[slot, step0 - 1 : step0]
+    ids = torch.cat([pending, torch.tensor(new, dtype=torch.long, device=dev)]).unsqueeze(0)
+    t = ids.shape[1]
+    length = col0 + t
+    if length > st.length:
+        raise ConfigError(f"sequence in slot {slot} outgrows its cache ({length} > {st.length} columns)")
+    here = torch.arange(t, device=dev)
+    cos, sin = decoder.rotary((pos0 + here).unsqueeze(0), w["inv_freq"], spec.rope_scaling, engine.dtype)
+    allowed = st.key_valid[slot, :length].unsqueeze(0) & (st.cols[:length].unsqueeze(0) <= (col0 + here).unsqueeze(1))
+    groups = spec.heads // spec.kv_heads
+    x = F.embedding(ids, w["embed"])
+    for i, lw in enumerate(w["layers"]):
+        q, k, v = decoder.qkv(spec, lw, x, cos, sin)
+        st.keys[i][slot, :, col0:length] = k[0]
+        st.values[i][slot, :, col0:length] = v[0]
+        keys, values = st.keys[i][slot : slot + 1, :, :length], st.values[i][slot : slot + 1, :, :length]
+        out = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
+                                             attn_mask=allowed.view(1, 1, t, length), scale=spec.scaling)
+        x = decoder.attention_out(spec, lw, x, out)
+    logits = decoder.head(spec, w, x[:, -1:])
+    j = step0 + len(new)  # the index of the next token in the completion
+    st.out_tokens[slot, step0:j] = ids[0, 1:]
+    st.out_logprobs[slot, step0:j] = 0.0
+    if j >= engine.max_new or j >= int(engine.limit):
+        st.step[slot] = j
+        st.done[slot] = True
+        return
+    token, logprob = choose_tokens(
+        logits, torch.tensor([j], device=dev), engine.key, seq=st.seq[slot : slot + 1], temperature=engine.temperature,
+        do_sample=engine.do_sample, top_k=engine.top_k, top_p=engine.top_p, use_top_p=engine.use_top_p,
+        min_new_tokens=engine.min_new, stop_ids=engine.stop_ids)
+    st.out_tokens[slot, j], st.out_logprobs[slot, j] = token[0], logprob[0]
+    done = j >= int(engine.limit) - 1
+    if engine.stop_mask is not None:
+        done = done or bool(engine.stop_mask[token[0]])
+    st.last[slot], st.pos[slot], st.col[slot], st.step[slot] = token[0], pos0 + t, length, j + 1
+    st.done[slot] = done
+
+
+class TurnSampling(LogitsProcessor):
+    """The engine's keyed sampler in ``generate`` over rows that resume at completion index ``offsets``."""
+
+    def __init__(self, sampling: SamplingParams, key: int, width: int, offsets: list[int], seqs: list[int]) -> None:
+        self.sampling, self.key, self.width = sampling, key, width
+        self.offsets, self.seqs = torch.tensor(offsets), torch.tensor(seqs)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        dev, s = scores.device, self.sampling
+        step = self.offsets.to(dev) + (input_ids.shape[1] - self.width)
+        pick = scores.float() / s.temperature
+        if s.stop_token_ids and s.min_new_tokens:
+            early = (step < s.min_new_tokens).unsqueeze(1)
+            barred = torch.zeros(scores.shape[1], dtype=torch.bool, device=dev)
+            barred[torch.tensor(s.stop_token_ids, device=dev)] = True
+            pick = pick.masked_fill(early & barred, float("-inf"))
+        if not s.do_sample:
+            return pick
+        pick = filter_logits(pick, s.top_k, s.top_p)
+        return pick + gumbel_noise(torch.tensor(self.key, device=dev), step, self.seqs.to(dev), scores.shape[1])
+
+
+def hf_turns(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams,
+             key: int, turns: Turns) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``"hf"`` backend's multi-turn loop: one ``generate`` per turn over the sequences still going (each
+    re-prefilled whole: slow, but any model works); tokens and log-probs [B, max_new_tokens]."""
+    from transformers import GenerationConfig
+
+    n, max_new, pad = prompt_ids.shape[0], turns.max_new_tokens, sampling.pad_token_id
+    stops = set(sampling.stop_token_ids)
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
+    done: list[list[int]] = [[] for _ in range(n)]
+    logps: list[list[float]] = [[] for _ in range(n)]
+    active = list(range(n))
+    dev = prompt_ids.device
+    while active:
+        rows = [prompts[i] + done[i] for i in active]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=dev)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=dev)
+        budget = max(max_new - len(done[i]) for i in active)
+        gen = GenerationConfig(max_new_tokens=budget, do_sample=False, pad_token_id=pad,
+                               eos_token_id=sampling.stop_token_ids or None, return_dict_in_generate=True,
+                               output_logits=True)
+        processor = TurnSampling(sampling, key, width, [len(done[i]) for i in active], active)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen,
+                                 logits_processor=[processor])
+        new = out.sequences[:, width:]
+        lp = token_logprobs(torch.stack(out.logits, 1), new, sampling.temperature)
+        still = []
+        for r, i in enumerate(active):
+            tokens, room = new[r].tolist(), max_new - len(done[i])
+            cut = next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))
+            cut = min(cut, room)
+            done[i] += tokens[:cut]
+            logps[i] += lp[r, :cut].tolist()
+            appended = turns.ask(i, done[i])
+            if appended is None:
+                continue
+            done[i] += appended
+            logps[i] += [0.0] * len(appended)
+            if len(done[i]) < max_new:
+                still.append(i)
+            else:
+                turns.lengths[i] = len(done[i])
+        active = still
+    tokens = torch.full((n, max_new), pad, dtype=torch.long, device=dev)
+    logprobs = torch.zeros(n, max_new, dtype=torch.float32, device=dev)
+    for i in range(n):
+        tokens[i, : len(done[i])] = torch.tensor(done[i], dtype=torch.long)
+        logprobs[i, : len(logps[i])] = torch.tensor(logps[i])
+    return tokens, logprobs

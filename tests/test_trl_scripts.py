@@ -192,7 +192,8 @@ def one_process_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
     dir, future of the finished process)."""
     from posttrain.demo import tiny
 
-    selected = {item.originalname for item in request.session.items}
+    selected = {item.originalname for item in request.session.items
+                if getattr(item, "module", None) is request.module}
     jobs: dict[str, tuple[list[str], Path]] = {}
     if "test_trl_distillation_script_runs_on_posttrain" in selected:
         tmp = tmp_path_factory.mktemp("distillation")

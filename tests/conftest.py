@@ -81,7 +81,8 @@ def run_json(script: str, *args: str, tmp_path: Path, name: str = "out.json", **
 
 # Trainer-run check scripts (each main(out, tmp), several trainers a launch already) that share one two-process
 # launch, by the test module reading each one's JSON: the start-up of each launch saved.
-TOGETHER = {"test_distill": "distill_checks", "test_lora_ppo_distill": "lora_ppo_distill",
+TOGETHER = {"test_frozen": "frozen_checks",  # first: it checks that it leaves nothing patched process-wide
+            "test_distill": "distill_checks", "test_lora_ppo_distill": "lora_ppo_distill",
             "test_sft": "sft_reward_checks",
             "test_grpo_dist": "grpo_checks"}  # last: its final trainer fails on purpose
 

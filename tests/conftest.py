@@ -77,3 +77,26 @@ def run_json(script: str, *args: str, tmp_path: Path, name: str = "out.json", **
     out = tmp_path / name
     torchrun(ROOT / "tests" / "dist" / script, out, *args, **kw)
     return json.loads(out.read_text())
+
+
+# Trainer-run check scripts (each main(out, tmp), several trainers a launch already) that share one two-process
+# launch, by the test module reading each one's JSON: the start-up of each launch saved.
+TOGETHER = {"test_frozen": "frozen_checks",  # first: it checks that it leaves nothing patched process-wide
+            "test_distill": "distill_checks", "test_lora_ppo_distill": "lora_ppo_distill",
+            "test_sft": "sft_reward_checks",
+            "test_grpo_dist": "grpo_checks"}  # last: its final trainer fails on purpose
+
+
+@pytest.fixture(scope="session")
+def launched_together(request, tmp_path_factory) -> Path:
+    """tests/dist/together.py over the TOGETHER scripts of the selected test modules; the folder of their JSON."""
+    modules = {getattr(getattr(item, "module", None), "__name__", None) for item in request.session.items}
+    scripts = [script for module, script in TOGETHER.items() if module in modules]
+    out = tmp_path_factory.mktemp("together")
+    torchrun(ROOT / "tests" / "dist" / "together.py", out, *scripts)
+    return out
+
+
+def together_json(folder: Path, module: str) -> dict:
+    """``module``'s script's JSON from launched_together (fails the test if that script did not run)."""
+    return json.loads((folder / f"{TOGETHER[module]}.json").read_text())

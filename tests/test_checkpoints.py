@@ -4,12 +4,11 @@ dirs. The two-process launches (tests/dist/checkpoint_kill.py) also carry PPO's 
 metric checks, to share their start-up cost."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, run_json, torchrun
+from conftest import ROOT, launch_env, torchrun
 from test_rewards import other_reward_model_path
 
 from posttrain.errors import ConfigError
@@ -92,17 +91,17 @@ def test_truncate_jsonl(tmp_path):
 def launch_expecting_failure(*args, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "checkpoint_kill.py"), *map(str, args)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
     other = other_reward_model_path(tmp_path_factory.mktemp("reward-assets"), 700)
-    full = run_json("checkpoint_kill.py", "full", tmp, other, tmp_path=tmp, name="full.json")
-    killed = launch_expecting_failure(tmp / "killed.json", "killed", tmp)
+    # One launch: the full run (its JSON written), then the killed one, which ends the launch.
+    killed = launch_expecting_failure(tmp / "full.json", "full-then-killed", tmp, other)
+    assert (tmp / "full.json").is_file(), killed.stdout[-4000:] + killed.stderr[-8000:]
+    full = json.loads((tmp / "full.json").read_text())
     killed_dir = {p.name: sorted(q.name for q in p.iterdir()) for p in (tmp / "killed").glob("checkpoint-*")}
     killed_rows = len((tmp / "killed" / "metrics.jsonl").read_text().splitlines())
     resumed_out = tmp / "resume.json"

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_json
+from conftest import together_json
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
@@ -137,9 +137,8 @@ def test_rows_tokenize_as_trl_does():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("distill")
-    return run_json("distill_checks.py", tmp, tmp_path=tmp)
+def run(launched_together):
+    return together_json(launched_together, "test_distill")  # tests/dist/distill_checks.py
 
 
 def test_teacher_partitioned_student_whole(run):

@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from conftest import ROOT, run_json
+from conftest import ROOT, torchrun
 
 from posttrain.demo import synthetic, tiny
 
@@ -73,9 +73,18 @@ def trl_numbers(tmp_path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
+def launched(tmp_path_factory):
+    """tests/dist/dpo_checks.py: the parity, training and reference-sync runs in one two-process launch; the
+    folder of their JSON (parity.json, train.json, sync.json)."""
+    tmp = tmp_path_factory.mktemp("dpo_launch")
+    torchrun(ROOT / "tests" / "dist" / "dpo_checks.py", tmp)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def parity(launched, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo_parity")
-    ours = run_json("dpo_parity.py", tmp / "run", tmp_path=tmp)
+    ours = json.loads((launched / "parity.json").read_text())
     return ours, trl_numbers(tmp)
 
 
@@ -102,9 +111,8 @@ def test_loss_and_metrics_match_trl(parity, name):
 
 # -- training on the role layer ------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dpo_train")
-    return run_json("dpo_train.py", tmp / "runs", tmp_path=tmp)
+def runs(launched):
+    return json.loads((launched / "train.json").read_text())
 
 
 def test_placements(runs):
@@ -276,9 +284,8 @@ def test_example_learns_held_out_preferences_under_accelerate_launch(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def synced(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dpo_sync")
-    return run_json("dpo_sync.py", tmp / "runs", tmp_path=tmp)
+def synced(launched):
+    return json.loads((launched / "sync.json").read_text())
 
 
 def test_blend_every_placement(synced):

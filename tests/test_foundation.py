@@ -1,16 +1,17 @@
 """The role layer on two CPU processes: placement, activation, numerics, accumulation, resume."""
 
+import json
+
 import pytest
-from conftest import run_json
+from conftest import ROOT, torchrun
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("foundation")
     ckpt = tmp / "ckpt"
-    full = run_json("foundation.py", "full", ckpt, tmp_path=tmp, name="full.json")
-    resumed = run_json("foundation.py", "resume", ckpt, tmp_path=tmp, name="resume.json")
-    return full, resumed
+    torchrun(ROOT / "tests" / "dist" / "foundation.py", tmp, "full-then-resume", ckpt)  # one launch
+    return json.loads((tmp / "full.json").read_text()), json.loads((tmp / "resume.json").read_text())
 
 
 def test_two_processes(runs):

@@ -1,15 +1,14 @@
 """The fast frozen ZeRO-3 path (posttrain.placement.frozen) on two CPU processes, fp32."""
 
 import pytest
-from conftest import run_json
+from conftest import run_json, together_json
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("frozen")
-    return run_json("frozen_checks.py", str(tmp), tmp_path=tmp)
+def res(launched_together):
+    return together_json(launched_together, "test_frozen")  # tests/dist/frozen_checks.py
 
 
 def test_two_processes(res):

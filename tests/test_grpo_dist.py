@@ -2,7 +2,7 @@
 invariance, resume, beta 0 without a reference, learning, TRL's metric names."""
 
 import pytest
-from conftest import run_json
+from conftest import together_json
 
 COMPARED = ["loss", "reward", "reward_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
             "clip_ratio/region_mean", "clip_ratio/high_max", "grad_norm", "rewards/sentiment_reward/mean",
@@ -10,9 +10,8 @@ COMPARED = ["loss", "reward", "reward_std", "kl", "entropy", "clip_ratio/low_mea
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("grpo")
-    return run_json("grpo_checks.py", str(tmp / "runs"), tmp_path=tmp)
+def checks(launched_together):
+    return together_json(launched_together, "test_grpo_dist")  # tests/dist/grpo_checks.py
 
 
 def close(a: dict, b: dict, keys: list[str], tol: float) -> None:

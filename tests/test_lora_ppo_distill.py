@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_json
+from conftest import together_json
 from trl import ModelConfig, get_peft_config
 
 from posttrain.demo import tiny
@@ -181,9 +181,8 @@ def test_ppo_lora_refuses_a_reference_model():
 
 # -- two processes, one launch: placement invariance and resume --------------------------------------
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lora")
-    return run_json("lora_ppo_distill.py", tmp, tmp_path=tmp)
+def runs(launched_together):
+    return together_json(launched_together, "test_lora_ppo_distill")  # tests/dist/lora_ppo_distill.py
 
 
 def test_placement_of_the_lora_roles(runs):

@@ -4,35 +4,59 @@ killed save, another reward vocabulary and ratio_var: test_checkpoints.py)."""
 import json
 
 import pytest
-from conftest import run_json
+from conftest import ROOT, torchrun
 
 SHORT = {"total_episodes": 64}  # 2 updates of 2 x 16 rollouts
 COMPARED = ["objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "loss/value_avg",
             "policy/approxkl_avg", "val/clipfrac_avg"]
-
-
-def ppo(tmp_path, name, **overrides):
-    overrides.setdefault("output_dir", str(tmp_path / name))
-    return run_json("ppo_run.py", json.dumps(overrides), tmp_path=tmp_path, name=f"{name}.json")
+INVARIANCE = [("zero2-replicated", True), ("zero3", True), ("zero3", False)]
 
 
 @pytest.fixture(scope="module")
-def default_mix(tmp_path_factory):
-    return ppo(tmp_path_factory.mktemp("ppo"), "zero2-zero3", mix="zero2-zero3", **SHORT)
+def launched(request, tmp_path_factory):
+    """The selected tests' PPO runs, one trainer after another in one two-process launch
+    (tests/dist/ppo_runs.py): (name -> metric history, the folder of their output dirs)."""
+    from posttrain.data.preference import write_jsonl
+    from posttrain.demo import synthetic
+
+    tmp = tmp_path_factory.mktemp("ppo")
+    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    runs = {}
+    if selected & {"test_placement_invariance", "test_metrics_and_phases"}:
+        runs["zero2-zero3"] = dict(mix="zero2-zero3", **SHORT)
+    if "test_placement_invariance" in selected:
+        for mix, gather in INVARIANCE:
+            runs[f"{mix}-{gather}"] = dict(mix=mix, ds3_gather_for_generation=gather, **SHORT)
+    if "test_reward_function_path" in selected:
+        # Prompts from a local jsonl file, through `datasets`.
+        prompts = write_jsonl([{"prompt": p} for p in synthetic.prompts(64, seed=3)], tmp / "prompts.jsonl")
+        runs["funcs"] = dict(reward_model_path="none", report_to=["tensorboard"], dataset_name=str(prompts),
+                             reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], reward_weights=[2.0], **SHORT)
+    if "test_learns_the_tiny_task" in selected:
+        runs["learn"] = dict(total_episodes=640)
+    for name, overrides in runs.items():
+        overrides["output_dir"] = str(tmp / name)
+    torchrun(ROOT / "tests" / "dist" / "ppo_runs.py", tmp, json.dumps(runs))
+    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in runs}, tmp
 
 
-@pytest.mark.parametrize("mix,gather", [("zero2-replicated", True), ("zero3", True), ("zero3", False)])
-def test_placement_invariance(tmp_path, default_mix, mix, gather):
+@pytest.fixture(scope="module")
+def default_mix(launched):
+    return launched[0]["zero2-zero3"]
+
+
+@pytest.mark.parametrize("mix,gather", INVARIANCE)
+def test_placement_invariance(launched, default_mix, mix, gather):
     """Same seed, same data: the same rollouts and losses whether frozen models are ZeRO-3 or
     replicated, or everything is ZeRO-3 (its policy gathered once for generation, or not)."""
-    other = ppo(tmp_path, mix, mix=mix, ds3_gather_for_generation=gather, **SHORT)
+    other = launched[0][f"{mix}-{gather}"]
     assert len(other) == len(default_mix) == 2
     for a, b in zip(default_mix, other):
         for key in COMPARED:
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), (mix, a["step"], key)
 
 
-def test_metrics_and_phases(default_mix, tmp_path_factory):
+def test_metrics_and_phases(default_mix):
     row = default_mix[0]
     for key in ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                 "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
@@ -43,17 +67,12 @@ def test_metrics_and_phases(default_mix, tmp_path_factory):
     assert row["objective/kl"] == pytest.approx(0.0, abs=1e-5)
 
 
-def test_reward_function_path(tmp_path):
-    # Prompts from a local jsonl file, through `datasets`.
-    from posttrain.data.preference import write_jsonl
-    from posttrain.demo import synthetic
-
-    prompts = write_jsonl([{"prompt": p} for p in synthetic.prompts(64, seed=3)], tmp_path / "prompts.jsonl")
-    hist = ppo(tmp_path, "funcs", reward_model_path="none", report_to=["tensorboard"], dataset_name=str(prompts),
-               reward_funcs=["posttrain.demo.synthetic:sentiment_reward"], reward_weights=[2.0], **SHORT)
+def test_reward_function_path(launched):
+    histories, tmp = launched
+    hist = histories["funcs"]
     # The accelerate tracker wrote TensorBoard events beside metrics.jsonl.
-    assert list((tmp_path / "funcs").rglob("events.out.tfevents*"))
-    assert len((tmp_path / "funcs" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert list((tmp / "funcs").rglob("events.out.tfevents*"))
+    assert len((tmp / "funcs" / "metrics.jsonl").read_text().splitlines()) == 2
     scores = [h["objective/scores"] for h in hist]
     # sentiment_score is in [-2, 2], weighted by 2.
     assert all(-4.0 <= s <= 4.0 for s in scores)
@@ -61,10 +80,10 @@ def test_reward_function_path(tmp_path):
     # With no reward model the value model starts from the policy's causal-LM backbone.
 
 
-def test_learns_the_tiny_task(tmp_path):
+def test_learns_the_tiny_task(launched):
     """The mean score of the last tenth of updates beats the first tenth by at least 2.0
     (the tiny reward model scores about -4.6 for negative and +4.6 for positive sentences)."""
-    hist = ppo(tmp_path, "learn", total_episodes=640)
+    hist = launched[0]["learn"]
     tenth = max(1, len(hist) // 10)
     first = sum(h["objective/scores"] for h in hist[:tenth]) / tenth
     last = sum(h["objective/scores"] for h in hist[-tenth:]) / tenth

@@ -1,6 +1,7 @@
 """master_weights fp32 | bf16 (issue 25): the setting and its refusals, the presets, the one-process
 path, parity of bf16 states with TRL's DPOTrainer on a bf16 model (benchmarks/races/dpo_race.py: tests/test_races.py)."""
 
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import run_json
@@ -92,12 +93,37 @@ def test_one_rank_placements():
     assert dsconfig.one_rank(z3, trains=True) == (z3, None)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def one_process_run(request, tmp_path_factory):
     """One process: TRL's DPOTrainer on a bf16 model, then posttrain with bf16 states (shared
-    master and DeepSpeed's copy) and with fp32 states (tests/dist/precision_run.py)."""
+    master and DeepSpeed's copy) and with fp32 states (tests/dist/precision_run.py); started as the
+    module starts (one thread), beside this module's in-process and two-rank tests: a future of its JSON."""
+    used = {name for item in request.session.items if getattr(item, "module", None) is request.module
+            for name in getattr(item, "fixturenames", ())}
+    if "runs" not in used:
+        yield None
+        return
     tmp = tmp_path_factory.mktemp("precision")
-    return run_json("precision_run.py", str(tmp), tmp_path=tmp, nproc=1)
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_json, "precision_run.py", str(tmp), tmp_path=tmp, nproc=1)
+
+
+def test_cast_while_flattening_at_two_ranks(tmp_path):
+    """Two ranks, the policy under ZeRO-2 and ZeRO-3: each rank flattens its own partition of the
+    gradients (parameters split across them) straight into fp32, to the bit DeepSpeed's
+    flatten-then-cast (tests/dist/flat_cast_run.py)."""
+    res = run_json("flat_cast_run.py", str(tmp_path), tmp_path=tmp_path, nproc=2)
+    for policy, stage in (("zero2_train", 2), ("zero3_train", 3)):
+        cast, plain = res[f"{policy}-True"], res[f"{policy}-False"]
+        assert cast["stage"] == plain["stage"] == stage
+        assert cast["flat_casts"] == [4, 4] and plain["flat_casts"] == [0, 0], (policy, cast["flat_casts"])
+        assert cast["losses"] == plain["losses"] and cast["grad_norms"] == plain["grad_norms"], policy
+        assert len(cast["losses"]) == 4
+
+
+@pytest.fixture(scope="module")
+def runs(one_process_run):
+    return one_process_run.result()
 
 
 def test_bf16_states_are_bf16_and_recorded(runs):
@@ -131,19 +157,6 @@ def test_fp32_master_gets_its_gradients_cast_while_flattened(runs):
     assert runs["bf16"]["flat_casts"] == 0 and runs["bf16_copy"]["flat_casts"] == 0
     assert fp32["losses"] == plain["losses"] and fp32["grad_norms"] == plain["grad_norms"]
     assert fp32["losses"][-1] < fp32["losses"][0]
-
-
-def test_cast_while_flattening_at_two_ranks(tmp_path):
-    """Two ranks, the policy under ZeRO-2 and ZeRO-3: each rank flattens its own partition of the
-    gradients (parameters split across them) straight into fp32, to the bit DeepSpeed's
-    flatten-then-cast (tests/dist/flat_cast_run.py)."""
-    res = run_json("flat_cast_run.py", str(tmp_path), tmp_path=tmp_path, nproc=2)
-    for policy, stage in (("zero2_train", 2), ("zero3_train", 3)):
-        cast, plain = res[f"{policy}-True"], res[f"{policy}-False"]
-        assert cast["stage"] == plain["stage"] == stage
-        assert cast["flat_casts"] == [4, 4] and plain["flat_casts"] == [0, 0], (policy, cast["flat_casts"])
-        assert cast["losses"] == plain["losses"] and cast["grad_norms"] == plain["grad_norms"], policy
-        assert len(cast["losses"]) == 4
 
 
 def test_shared_master_resumes_exactly(runs):

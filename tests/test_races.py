@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -77,13 +78,40 @@ def test_summary_ratios_and_results_md(tmp_path):
     assert "| ours | 0 | ok | 0.500 | 0.400 |  | trl | 6.00x | 10.00 |" in md and "- ours 6.0x" in md
 
 
-def run_race(script: str, sides: str, tmp_path: Path, *args: str) -> tuple[dict, dict[str, dict], dict, str]:
-    """``script --shape tiny`` on CPU: (its header, its rows by side, its summary line, results.md)."""
-    out = tmp_path / "out"
+DPO_SIDES = "trl,posttrain-auto-fp32,posttrain-ds-bf16"
+# Each race test's race: (script, sides, extra arguments), longest first.
+RACES = {"test_sft_race_tiny": ("sft_race.py", "trl-packed,posttrain-packed,posttrain-padded,posttrain-padding-free",
+                                ("--attn-posttrain", "varlen")),
+         "test_dpo_race_tiny": ("dpo_race.py", DPO_SIDES, ()),
+         "test_distill_race_tiny": ("distill_race.py", DPO_SIDES, ()),
+         "test_grpo_lora_race_tiny": ("grpo_lora_race.py", "posttrain-lora,trl-lora", ()),
+         "test_reward_race_tiny": ("reward_race.py", "trl,posttrain", ())}
+
+
+@pytest.fixture(scope="module")
+def races(request, tmp_path_factory):
+    """The selected race tests' races, ``--shape tiny`` on CPU, started two at a time: a race runs one
+    side at a time, each a one-thread process, so two races keep CI's two cores busy."""
+    selected = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, f"benchmarks/races/{script}", "--shape", "tiny", "--steps", "1", "--warmup", "1",
-                           "--rounds", "1", "--sides", sides, "--out", str(out), "--workdir", str(tmp_path / "work"),
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    jobs, outs = {}, {}
+    for test, (script, sides, args) in RACES.items():
+        if test not in selected:
+            continue
+        tmp = tmp_path_factory.mktemp(script.removesuffix(".py"))
+        outs[test] = tmp / "out"
+        jobs[test] = [sys.executable, f"benchmarks/races/{script}", "--shape", "tiny", "--steps", "1", "--warmup", "1",
+                      "--rounds", "1", "--sides", sides, "--out", str(outs[test]), "--workdir", str(tmp / "work"), *args]
+    with ThreadPoolExecutor(2) as pool:
+        yield {test: (outs[test], pool.submit(subprocess.run, cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                              timeout=900)) for test, cmd in jobs.items()}
+
+
+def run_race(races: dict, request: pytest.FixtureRequest) -> tuple[dict, dict[str, dict], dict, str]:
+    """The calling test's race (``RACES``): (its header, its rows by side, its summary line, results.md)."""
+    script, sides, _ = RACES[request.node.name]
+    out, future = races[request.node.name]
+    proc = future.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = script.removesuffix(".py")
     lines = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
@@ -98,14 +126,13 @@ def run_race(script: str, sides: str, tmp_path: Path, *args: str) -> tuple[dict,
     return lines[0], rows, lines[-1], md
 
 
-DPO_SIDES = "trl,posttrain-auto-fp32,posttrain-ds-bf16"
 RAN = {"auto": "torch", "ds": "deepspeed", "torch": "torch"}  # what auto runs for DPO and distillation (lmbda 0)
 
 
-def test_dpo_race_tiny(tmp_path):
+def test_dpo_race_tiny(races, request):
     """TRL, posttrain's default (auto: the torch path, here with fp32 states) and DeepSpeed's engine
     (bf16 states): both engines and both precisions (the other combinations run the same code)."""
-    head, rows, summary, _ = run_race("dpo_race.py", DPO_SIDES, tmp_path)
+    head, rows, summary, _ = run_race(races, request)
     assert head["spec"] == {"shape": "tiny", "pairs": 2, "seq_len": 64, "steps": 1, "warmup": 1}
     for side, row in rows.items():
         if side != "trl":
@@ -118,20 +145,19 @@ def test_dpo_race_tiny(tmp_path):
     assert summary["summary"]["posttrain-auto-fp32"]["baseline"] == "trl"
 
 
-def test_distill_race_tiny(tmp_path):
+def test_distill_race_tiny(races, request):
     """TRL's GKDTrainer, posttrain's default (auto) and DeepSpeed's engine."""
-    _, rows, _, _ = run_race("distill_race.py", DPO_SIDES, tmp_path)
+    _, rows, _, _ = run_race(races, request)
     assert rows["posttrain-auto-fp32"]["engine"] == "torch" and rows["posttrain-ds-bf16"]["engine"] == "deepspeed"
     assert rows["posttrain-auto-fp32"]["placements"] == {"student": 0, "teacher": 0}
     assert {"forward", "backward"} <= set(rows["posttrain-ds-bf16"]["phase_s"])
 
 
-def test_sft_race_tiny(tmp_path):
+def test_sft_race_tiny(races, request):
     """Packed on both sides; posttrain padded and padding-free on the same mixed-length rows in the
     same order: the same tokens each step and (bf16) nearly the same loss; --attn-posttrain varlen runs
     posttrain's padding-free and packed rows on posttrain's varlen attention, the others on sdpa."""
-    _, rows, summary, md = run_race("sft_race.py", "trl-packed,posttrain-packed,posttrain-padded,posttrain-padding-free",
-                                    tmp_path, "--attn-posttrain", "varlen")
+    _, rows, summary, md = run_race(races, request)
     for side, row in rows.items():
         assert row["tokens_per_s"] > 0 and all(t > 0 for t in row["tokens_per_step"])
         assert row["attn_implementation"] == ("varlen" if side in ("posttrain-packed", "posttrain-padding-free")
@@ -145,17 +171,17 @@ def test_sft_race_tiny(tmp_path):
     assert "attention: trl-packed sdpa, posttrain-packed varlen, posttrain-padded sdpa, posttrain-padding-free varlen" in md
 
 
-def test_reward_race_tiny(tmp_path):
+def test_reward_race_tiny(races, request):
     """Both sides keep every pair (none passes max_length) and see the same tokens over the run."""
-    _, rows, _, _ = run_race("reward_race.py", "trl,posttrain", tmp_path)
+    _, rows, _, _ = run_race(races, request)
     assert rows["trl"]["pairs_kept"] == rows["posttrain"]["pairs_kept"] == 4
     assert sum(rows["trl"]["tokens_per_step"]) == sum(rows["posttrain"]["tokens_per_step"]) > 0
     assert rows["posttrain"]["engine"] == "torch"
 
 
-def test_grpo_lora_race_tiny(tmp_path):
+def test_grpo_lora_race_tiny(races, request):
     """TRL and posttrain, each given the same peft_config (TRL's GRPOTrainer constructor), train their adapters."""
-    _, rows, summary, md = run_race("grpo_lora_race.py", "posttrain-lora,trl-lora", tmp_path)
+    _, rows, summary, md = run_race(races, request)
     trl, ours = rows["trl-lora"], rows["posttrain-lora"]
     assert trl["lora"] and trl["lora_b_norm"] > 0 and all(math.isfinite(x) for x in trl["losses"])
     assert all(math.isfinite(x) for x in ours["losses"]) and "generate" in ours["phase_s"]

@@ -3,6 +3,8 @@ by Triton's interpreter (TRITON_INTERPRET=1, set by conftest before Triton is im
 the attention it replaces, and inside the engine, eager and traced as CUDA compiles it.
 (The interpreter's bf16 matrix product is wrong, so float32 and float16 here.)"""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from test_rollout import build, rollout
@@ -138,6 +140,25 @@ def test_the_shared_prompt_kernels_compute_attention_over_both_parts(dtype, rows
     assert (out.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def subprocesses(request, tmp_path_factory):
+    """The selected tests' subprocesses (conftest.compile_ahead_of_time: Triton without its interpreter),
+    started as the module starts, one at a time, on the core this module's in-process tests leave: name ->
+    (future of its stdout, its Triton cache folder)."""
+    from conftest import compile_ahead_of_time
+
+    selected = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
+    jobs = {"cpu": ("test_the_kernel_on_a_cpu_without_the_interpreter_is_refused", CPU_WITHOUT_INTERPRETER),
+            "h200": ("test_the_kernels_compile_for_an_h200", AHEAD_OF_TIME)}
+    with ThreadPoolExecutor(1) as pool:
+        started = {}
+        for name, (test, source) in jobs.items():
+            if test in selected:
+                cache = tmp_path_factory.mktemp(f"triton-{name}")
+                started[name] = pool.submit(compile_ahead_of_time, source, cache), cache
+        yield started
+
+
 @pytest.fixture(scope="module")
 def tok():
     return tiny.load_tokenizer()
@@ -206,12 +227,10 @@ print("default:", Rollout(None, "policy", SamplingParams(max_new_tokens=2, pad_t
 """
 
 
-def test_the_kernel_on_a_cpu_without_the_interpreter_is_refused(tmp_path):
+def test_the_kernel_on_a_cpu_without_the_interpreter_is_refused(subprocesses):
     """Asked for on a CPU where Triton does not interpret: refused, saying why; the default there
     is SDPA (not a fallback)."""
-    from conftest import compile_ahead_of_time
-
-    out = compile_ahead_of_time(CPU_WITHOUT_INTERPRETER, tmp_path)
+    out = subprocesses["cpu"][0].result()
     assert "refused: triton_decode: the Triton decode kernels run on CUDA, not cpu" in out, out
     assert "default: True" in out, out
 
@@ -251,14 +270,13 @@ print("merge", k.metadata.shared)
 """
 
 
-def test_the_kernels_compile_for_an_h200(tmp_path):
+def test_the_kernels_compile_for_an_h200(subprocesses):
     """Triton compiles the kernels for sm_90 on this CPU (no GPU needed): what the interpreter
     does not check (a kernel reading a plain global, a shape no MMA tile takes)."""
     import os
 
-    from conftest import compile_ahead_of_time
-
-    lines = compile_ahead_of_time(AHEAD_OF_TIME, tmp_path).splitlines()
+    future, tmp_path = subprocesses["h200"]
+    lines = future.result().splitlines()
     # tensor-core products; no bf16 FMA (the rotation rounds each product, as eager torch does)
     assert lines[0].startswith("own False") and lines[0].endswith("True"), lines
     assert lines[1].startswith("own True") and lines[1].endswith("True") and lines[2] == "own float32 True", lines

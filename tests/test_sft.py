@@ -403,11 +403,10 @@ def test_tokenizer_fields(config, tmp_path):
 
 # -- two processes, one launch: SFT and reward trainers on the role layer -------------------------
 @pytest.fixture(scope="module")
-def dist(tmp_path_factory):
-    from conftest import run_json
+def dist(launched_together):
+    from conftest import together_json
 
-    tmp = tmp_path_factory.mktemp("sft_reward")
-    return run_json("sft_reward_checks.py", tmp / "runs", tmp_path=tmp)
+    return together_json(launched_together, "test_sft")  # tests/dist/sft_reward_checks.py
 
 
 def _close(a: list[dict], b: list[dict], keys: tuple[str, ...]) -> None:

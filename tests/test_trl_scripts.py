@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,14 +52,22 @@ def write_split(folder: Path, train: list[dict], test: list[dict]) -> Path:
     return folder
 
 
-def run(script: Path, *args: str, nproc: int = 1, timeout: int = 600) -> str:
+def launch(script: Path, *args: str, nproc: int = 1) -> list[str]:
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                   f"--nproc_per_node={nproc}"]
-    cmd = [*launch, str(script), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=script.parent, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    return [*launch, str(script), *map(str, args)]
+
+
+def finished(cmd: list[str], proc: subprocess.CompletedProcess) -> str:
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc.stdout + proc.stderr
+
+
+def run(script: Path, *args: str, nproc: int = 1, timeout: int = 600) -> str:
+    cmd = launch(script, *args, nproc=nproc)
+    return finished(cmd, subprocess.run(cmd, cwd=script.parent, env=launch_env(), capture_output=True, text=True,
+                                        timeout=timeout))
 
 
 def run_side_by_side(name: str, folder: Path, args: tuple, ours: Path, theirs: Path) -> str:
@@ -164,24 +173,6 @@ def test_trl_preference_scripts_run_on_posttrain_with_trl_losses(tmp_path: Path,
     assert posttrain_losses(ours, "epoch") == pytest.approx(trl_losses(theirs, "epoch"), abs=1e-9)
 
 
-def test_trl_distillation_script_runs_on_posttrain(tmp_path: Path) -> None:
-    """TRL's distillation.py on posttrain, one process: the tiny student learns another tiny model on a local
-    folder of prompts, on its own completions (TRL's on-policy distillation), to the end; the saved student loads."""
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.demo import tiny
-
-    prompts = [{"prompt": " ".join(line.split()[:2])} for line in tiny.corpus()]
-    data = write_split(tmp_path / "prompts", prompts[:16], prompts[-4:])
-    out = tmp_path / "ours"
-    log = run(trl_script("distillation", tmp_path, ours=True), "--model_name_or_path", tiny.model_path(),
-              "--teacher_model_name_or_path", tiny.model_path(seed=1), "--dataset_name", data, "--max_steps", "2",
-              "--max_completion_length", "8", "--save_steps", "2", "--output_dir", out, *COMMON)
-    assert "Training completed" in log
-    assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
-    assert len(posttrain_losses(out)) == 2
-
-
 @pytest.fixture(scope="module")
 def tiny_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from posttrain.demo import synthetic
@@ -191,8 +182,65 @@ def tiny_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # grpo.py runs under accelerate launch on two processes, with evaluation (test_trl_scripts_on_two_processes).
-@pytest.mark.parametrize("name,extra", [("rloo", ("--use_peft", "--lora_r", "4", "--lora_alpha", "8"))])
-def test_trl_online_scripts_run_on_posttrain(tmp_path: Path, tiny_prompts: Path, name: str, extra: tuple) -> None:
+ONLINE = [("rloo", ("--use_peft", "--lora_r", "4", "--lora_alpha", "8"))]
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_prompts: Path):
+    """The selected tests' one-process runs of TRL's scripts on posttrain (distillation.py, rloo.py), started two
+    at a time: one thread each (launch_env), so two keep CI's two cores busy. Script name -> (command, output
+    dir, future of the finished process)."""
+    from posttrain.demo import tiny
+
+    selected = {item.originalname for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    jobs: dict[str, tuple[list[str], Path]] = {}
+    if "test_trl_distillation_script_runs_on_posttrain" in selected:
+        tmp = tmp_path_factory.mktemp("distillation")
+        prompts = [{"prompt": " ".join(line.split()[:2])} for line in tiny.corpus()]
+        data = write_split(tmp / "prompts", prompts[:16], prompts[-4:])
+        out = tmp / "ours"
+        jobs["distillation"] = launch(
+            trl_script("distillation", tmp, ours=True), "--model_name_or_path", tiny.model_path(),
+            "--teacher_model_name_or_path", tiny.model_path(seed=1), "--dataset_name", data, "--max_steps", "2",
+            "--max_completion_length", "8", "--save_steps", "2", "--output_dir", out, *COMMON), out
+    if "test_trl_online_scripts_run_on_posttrain" in selected:
+        for name, extra in ONLINE:
+            tmp = tmp_path_factory.mktemp(name)
+            out = tmp / "ours"
+            jobs[name] = launch(
+                trl_script(name, tmp, ours=True), "--model_name_or_path", tiny.sft_model_path(), "--dataset_name",
+                tiny_prompts, "--reward_funcs", "posttrain.demo.synthetic.sentiment_reward", "--num_generations",
+                "4", "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--output_dir",
+                out, *COMMON, *extra), out
+    with ThreadPoolExecutor(2) as pool:
+        # Each script's own folder as its working directory, as run() does.
+        futures = {name: pool.submit(subprocess.run, cmd, cwd=Path(cmd[1]).parent, env=launch_env(),
+                                     capture_output=True, text=True, timeout=600)
+                   for name, (cmd, _) in jobs.items()}
+        yield {name: (cmd, out, futures[name]) for name, (cmd, out) in jobs.items()}
+
+
+def one_process_run(runs: dict, name: str) -> tuple[str, Path]:
+    """``name``'s run from ``one_process_runs``: (its output, its output dir); the test fails with the output if
+    the run failed."""
+    cmd, out, future = runs[name]
+    return finished(cmd, future.result()), out
+
+
+def test_trl_distillation_script_runs_on_posttrain(one_process_runs: dict) -> None:
+    """TRL's distillation.py on posttrain, one process: the tiny student learns another tiny model on a local
+    folder of prompts, on its own completions (TRL's on-policy distillation), to the end; the saved student loads."""
+    from transformers import AutoModelForCausalLM
+
+    log, out = one_process_run(one_process_runs, "distillation")
+    assert "Training completed" in log
+    assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
+    assert len(posttrain_losses(out)) == 2
+
+
+@pytest.mark.parametrize("name,extra", ONLINE)
+def test_trl_online_scripts_run_on_posttrain(one_process_runs: dict, name: str, extra: tuple) -> None:
     """TRL's rloo.py on posttrain, one process, with --use_peft: the tiny SFT policy on a local folder of prompts,
     rewarded by the bundled function named as TRL's script imports one (``module.function``), to the end, every
     step logged with its loss and reward, the adapter saved and loadable. The losses are not compared with TRL's
@@ -203,11 +251,7 @@ def test_trl_online_scripts_run_on_posttrain(tmp_path: Path, tiny_prompts: Path,
 
     from posttrain.demo import tiny
 
-    out = tmp_path / "ours"
-    log = run(trl_script(name, tmp_path, ours=True), "--model_name_or_path", tiny.sft_model_path(), "--dataset_name",
-              tiny_prompts, "--reward_funcs", "posttrain.demo.synthetic.sentiment_reward", "--num_generations", "4",
-              "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--output_dir", out,
-              *COMMON, *extra)
+    log, out = one_process_run(one_process_runs, name)
     assert "Training completed" in log and f"Model saved to {out}" in log
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]

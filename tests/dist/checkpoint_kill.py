@@ -4,6 +4,8 @@
                                 checkpoint every 2, save_total_limit 1); PPO with a reward model of
                                 another vocabulary on conversational prompts
     OUT killed TMP              the same run; rank 1 exits in the middle of saving checkpoint-4
+    OUT full-then-killed TMP OTHER_REWARD
+                                full's runs, OUT written, then killed's run in the same launch (one start-up)
     OUT resume TMP              resume_from_checkpoint latest in the killed run's dir, after
                                 load_state refuses a state lacking rank 1's RNG file
 """
@@ -76,7 +78,7 @@ def other_vocabulary(tmp: Path, reward_path: str) -> dict:
 
 def main(out: str, mode: str, tmp: str, *rest: str) -> None:
     tmp, res = Path(tmp), {}
-    if mode == "full":
+    if mode in ("full", "full-then-killed"):
         trainer = run(output_dir=str(tmp / "full"), save_total_limit=1)
         res["history"] = trainer.history
         res["saved"] = str(trainer.save_model())  # the policy at the top of the output dir, the value model in value/
@@ -85,7 +87,12 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
         values = torch.full((2,), float(s.process_index), dtype=torch.float64)
         res["gathered_var"] = gather_ranks(s, values).var().item()
         res["other_vocab"] = other_vocabulary(tmp, rest[0])
-    elif mode == "killed":
+        if mode == "full-then-killed":
+            if int(os.environ["RANK"]) == 0:
+                Path(out).write_text(json.dumps(res))
+            s.accelerator.wait_for_everyone()
+            mode = "killed"  # the killed run, its own output dir, after the full one
+    if mode == "killed":
         die_while_saving(4)
         run(output_dir=str(tmp / "killed"))
     elif mode == "resume":

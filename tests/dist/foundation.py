@@ -1,4 +1,7 @@
-"""Two-process checks of the role layer; writes its findings as JSON (rank 0) for test_foundation.py."""
+"""Two-process checks of the role layer; writes its findings as JSON (rank 0) for test_foundation.py.
+
+    OUT full CKPT | OUT resume CKPT | OUT_DIR full-then-resume CKPT (both, OUT_DIR/full.json and resume.json)
+"""
 
 import json
 import sys
@@ -98,4 +101,9 @@ def main(out: str, mode: str, ckpt: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[2] == "full-then-resume":  # both in one launch (one start-up): OUT is a folder
+        out, ckpt = sys.argv[1], sys.argv[3]
+        main(f"{out}/full.json", "full", ckpt)
+        main(f"{out}/resume.json", "resume", ckpt)  # a new Session, everything loaded from ckpt
+    else:
+        main(*sys.argv[1:])

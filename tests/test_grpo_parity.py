@@ -10,7 +10,6 @@ from posttrain.demo import tiny
 from posttrain.models.setup import enable_gradient_checkpointing
 from posttrain.rewards import functions as reward_funcs
 from posttrain.trainers.grpo import (
-    LOSS_TYPES,
     GRPOConfig,
     completion_logps,
     group_advantages,
@@ -20,6 +19,7 @@ from posttrain.trainers.grpo import (
     reduce_loss_stats,
     truncated_rows,
 )
+from posttrain.trainers.grpo_loss import LOSS_TYPES
 
 G, N, TEMPERATURE = 4, 6, 0.9
 TOL = 1e-5

@@ -11,13 +11,8 @@ import trl
 from posttrain.errors import ConfigError
 from posttrain.rewards.functions import weighted_sum
 from posttrain.trainers.config import TrainConfig
-from posttrain.trainers.grpo import (
-    ONLINE_REFUSED,
-    ONLINE_WORKS,
-    GRPOTrainer,
-    OnlineFields,
-    check_online_config,
-)
+from posttrain.trainers.grpo import GRPOTrainer
+from posttrain.trainers.grpo_config import ONLINE_REFUSED, ONLINE_WORKS, OnlineFields, check_online_config
 
 
 @dataclass

@@ -115,7 +115,7 @@ def test_completion_logps_absolute_positions_gpt2():
 
 def test_a_model_without_position_ids_runs_padded(caplog):
     """BLOOM (ALiBi from the attention mask, no position ids) would attend across a packed row's sequences:
-    its padding-free forward runs padded, and says so."""
+    its padding-free forward runs padded, says so and counts it."""
     from transformers import AutoModelForCausalLM, BloomConfig
 
     from posttrain.trainers.online import completion_logps
@@ -123,11 +123,15 @@ def test_a_model_without_position_ids_runs_padded(caplog):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=400, hidden_size=32, n_layer=2, n_head=2))
     ids, mask = ragged(12, left=True)
+    from posttrain.models import packing
+
     padded, _ = completion_logps(model, ids, mask, 5, 1.0)
+    before = packing.fallbacks()
     with caplog.at_level("WARNING"):
         packed, _ = completion_logps(model, ids, mask, 5, 1.0, padding_free=True)
     assert torch.equal(packed, padded)
     assert "BloomForCausalLM takes no position ids" in caplog.text
+    assert packing.fallbacks() == before + 1  # counted: trainers log train/padding_free_fallbacks
 
 
 def test_dpo_sequence_logps_stats_and_gradients():

@@ -83,6 +83,14 @@ def last_non_pad(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Ten
     return (positions * (input_ids != pad_token_id)).argmax(-1)
 
 
+_FALLBACKS = [0]  # padding-free forwards run padded in this process (a model that cannot read a packed row)
+
+
+def fallbacks() -> int:
+    """How many padding-free forwards this process ran padded: trainers log the run's count."""
+    return _FALLBACKS[0]
+
+
 def packs(model: Any) -> bool:
     """Whether ``model`` reads a packed row as separate sequences: its forward takes position ids (transformers
     then attends each sequence apart) and it has no ALiBi bias (built from the attention mask). Else padding-free
@@ -97,6 +105,7 @@ def packs(model: Any) -> bool:
         takes_positions = False
     if takes_positions and not getattr(text, "alibi", False):
         return True
+    _FALLBACKS[0] += 1
     name = type(base).__name__
     if name not in _WARNED:
         _WARNED.add(name)

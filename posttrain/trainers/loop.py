@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.models import packing
 from posttrain.placement.ranks import mean_over_ranks
 from posttrain.run.output_dir import check_resume, claim_output_dir, resume_dir, save_checkpoint
 from posttrain.run.save import save_trained_model
@@ -156,6 +157,7 @@ class Trainer:
                                     card=self.card_info())
         self.state.log_history = log.history
         started, first, losses = time.perf_counter(), self.step, []
+        fallbacks = packing.fallbacks()
         # TRL evaluates only under an eval_strategy; posttrain also at the last step. "epoch": the epoch's steps.
         evaluating = self.evaluates and self.has_eval_data() and cfg.eval_strategy != "no"
         schedule = getattr(self, "schedule", None)
@@ -173,6 +175,8 @@ class Trainer:
             last = self.step == self.total_steps or self.control.should_training_stop
             if self.step % cfg.logging_steps == 0 or last or (self.step == 1 and cfg.logging_first_step):
                 row = self.log_row(window)
+                if packing.fallbacks() > fallbacks:  # a padding_free forward ran padded: shown, never silent
+                    row["train/padding_free_fallbacks"] = float(packing.fallbacks() - fallbacks)
                 log.log(self.step, row, advance=False)
                 window = []
                 self.on_log(self.step)

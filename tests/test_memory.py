@@ -140,7 +140,7 @@ def test_unknown_inputs():
     with pytest.raises(ValueError, match="unknown mix"):
         memory.plan("dpo", "1b", "zero5", world_size=2, micro_batch=1, seq_len=8)
     with pytest.raises(ValueError, match="unknown workload"):
-        memory.plan("kto", "1b", "zero3", world_size=2, micro_batch=1, seq_len=8)
+        memory.plan("gkd", "1b", "zero3", world_size=2, micro_batch=1, seq_len=8)
 
 
 def test_master_weights_bf16_counts_8_bytes_per_parameter():

@@ -85,7 +85,9 @@ RACES = {"test_sft_race_tiny": ("sft_race.py", "trl-packed,posttrain-packed,post
          "test_dpo_race_tiny": ("dpo_race.py", DPO_SIDES, ()),
          "test_distill_race_tiny": ("distill_race.py", DPO_SIDES, ()),
          "test_grpo_lora_race_tiny": ("grpo_lora_race.py", "posttrain-lora,trl-lora", ()),
-         "test_reward_race_tiny": ("reward_race.py", "trl,posttrain", ())}
+         "test_reward_race_tiny": ("reward_race.py", "trl,posttrain", ()),
+         "test_kto_race_tiny": ("kto_race.py", "trl,posttrain-auto-fp32", ()),
+         "test_grpo_tools_race_tiny": ("grpo_tools_race.py", "posttrain,trl", ())}
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +191,20 @@ def test_grpo_lora_race_tiny(races, request):
     assert "LoRA: posttrain" in md and summary["summary"]["posttrain-lora"]["baseline"] == "trl-lora"
 
 
-def test_kto_race_tiny(tmp_path):
+def test_kto_race_tiny(races, request):
     """TRL's KTOTrainer and posttrain's default (auto: the torch path, fp32 states), rows of both labels."""
-    head, rows, summary, _ = run_race("kto_race.py", "trl,posttrain-auto-fp32", tmp_path)
+    head, rows, summary, _ = run_race(races, request)
     assert head["spec"] == {"shape": "tiny", "rows": 4, "seq_len": 64, "steps": 1, "warmup": 1}
     row = rows["posttrain-auto-fp32"]
     assert row["engine"] == "torch" and row["placements"] == {"policy": 0, "reference": 0}
     assert {"reference", "policy_forward", "backward"} <= set(row["phase_s"])
     assert summary["summary"]["posttrain-auto-fp32"]["baseline"] == "trl"
+
+
+def test_grpo_tools_race_tiny(races, request):
+    """Multi-turn GRPO, posttrain's engine against TRL's tool loop, the same scripted turns: each side's row is
+    ok only if it made the expected tool calls (3 a completion) on every step without a failure."""
+    head, rows, summary, md = run_race(races, request)
+    for side, row in rows.items():
+        assert row["call_frequency"] and all(f == 3.0 for f in row["call_frequency"]), side
+    assert summary["summary"]["posttrain"]["baseline"] == "trl" and "tools/call_frequency" in md

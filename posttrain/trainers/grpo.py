@@ -51,6 +51,9 @@ class GRPOTrainer(GenerationEval, Trainer):
     config_class: type = GRPOConfig
     peft_config: Any = None  # LoRA's settings (peft), None for full fine-tuning
     eval_rows: list[dict] | None = None
+    tool_use: Any = None  # trainers/tools.ToolUse with tools= or environment_factory=
+    rollout_func: Any = None  # the user's TRL rollout_func
+    dynamic_rounds: int = 0  # extra generation batches dynamic sampling drew (they advance the prompt order)
 
     @property
     def separate_reference(self) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,11 +18,12 @@ from posttrain.models import varlen_attention
 from posttrain.models.lora import adapters_disabled
 from posttrain.models.packing import Packing, packs
 from posttrain.models.setup import prepare_trained
-from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer, reference_source
+from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer
 from posttrain.placement.ranks import sum_over_ranks
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.trainers.config import TrainConfig, make_session, row_schedule
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
+from posttrain.trainers.reference import ReferenceRole
 from posttrain.trainers.run_log import Phases
 
 # Every loss_type trl.DPOTrainer 1.16 accepts; none needs a model besides policy and reference.
@@ -223,7 +223,7 @@ def token_metrics(policy: dict, completion_mask: torch.Tensor) -> dict[str, tupl
             "mean_token_accuracy": ((top1 & chosen_mask).sum().item(), chosen_mask.sum().item())}
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(ReferenceRole, Trainer):
     """DPO; the reference is a frozen ``reference`` role (``ref_model=``, else the policy's weights; freed
     after one pass with ``precompute_ref_log_probs``), or with ``peft_config`` and no ``ref_model`` the
     policy's base with adapters disabled."""
@@ -278,13 +278,7 @@ class DPOTrainer(Trainer):
 
         self.reference = None
         if frozen:
-            ref = self.session.load("reference", reference_source(ref_model, policy), **kwargs)
-            self._no_dropout(ref)
-            self.reference = self.session.prepare("reference", ref)
-            if cfg.precompute_ref_log_probs:  # the reference's memory is given back before the policy loads
-                self._precompute_all()
-                self.session.release("reference")
-                self.reference = None
+            self._load_reference(ref_model, policy, kwargs)
 
         model = self.session.load("policy", policy, **kwargs)
         model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id  # as TRL: model and tokenizer agree
@@ -295,12 +289,6 @@ class DPOTrainer(Trainer):
         self.setup_times = self.phases.pop()  # kept apart so every logged row has the same keys
         self._steps = None
         self._finish_init(callbacks)
-
-    def _no_dropout(self, model: torch.nn.Module) -> None:
-        if self.cfg.disable_dropout:
-            from trl.trainer.utils import disable_dropout_in_model
-
-            disable_dropout_in_model(model)
 
     def _shard(self, n: int, batch_size: int) -> list[tuple[list[int], int]]:
         """This rank's ``range(n)`` as (indices, valid count) batches, equal count per rank, 0-padded."""
@@ -313,13 +301,6 @@ class DPOTrainer(Trainer):
             valid = len(idx)
             out.append((idx + [0] * (min(batch_size, per_rank - start) - valid), valid))
         return out
-
-    def _precompute_all(self) -> None:
-        with self.phases("precompute"):
-            cfg = self.cfg
-            self._precompute(self.train_rows, cfg.precompute_ref_batch_size or cfg.per_device_train_batch_size)
-            if self.eval_rows is not None:
-                self._precompute(self.eval_rows, cfg.precompute_ref_batch_size or cfg.per_device_eval_batch_size)
 
     @torch.no_grad()
     def _precompute(self, rows: list[dict], bs: int) -> None:
@@ -390,17 +371,6 @@ class DPOTrainer(Trainer):
         return {**sums, **{k: a / max(b, 1) for k, (a, b) in tokens.items()},
                 "grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
                 "epoch": planned.epoch, **self.phases.pop()}
-
-    def has_eval_data(self) -> bool:
-        return self.eval_rows is not None
-
-    def checkpoint_models(self) -> dict[str, Any]:
-        # A synced reference is training state: it is saved beside the policy.
-        return {"policy": self.tokenizer, **({"reference": None} if self.cfg.sync_ref_model else {})}
-
-    def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
-        if self.cfg.sync_ref_model:
-            self.session.load_weights("reference", checkpoint / "reference")
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:

@@ -19,11 +19,12 @@ from posttrain.data.preference import as_dataset
 from posttrain.errors import ConfigError
 from posttrain.models.lora import adapters_disabled, check_no_head_adapter
 from posttrain.models.setup import prepare_trained
-from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer, reference_source
+from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer
 from posttrain.placement.ranks import mean_over_ranks, sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
+from posttrain.trainers.reference import ReferenceRole
 from posttrain.trainers.run_log import Phases
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ _SUMS = ("kl", "kl_ranks", "entropy", "tokens", "logits/chosen", "tokens/chosen"
          "logps/rejected", "num_tokens")
 
 
-class KTOTrainer(Trainer):
+class KTOTrainer(ReferenceRole, Trainer):
     """KTO; the reference is a frozen ``reference`` role (``ref_model=``, else the policy's weights; freed
     after one pass with ``precompute_ref_log_probs``), or with ``peft_config`` and no ``ref_model`` the
     policy's base with adapters disabled."""
@@ -194,13 +195,7 @@ class KTOTrainer(Trainer):
 
         self.reference = None
         if frozen:
-            ref = self.session.load("reference", reference_source(ref_model, policy), **kwargs)
-            self._no_dropout(ref)
-            self.reference = self.session.prepare("reference", ref)
-            if cfg.precompute_ref_log_probs:  # the reference's memory is given back before the policy loads
-                self._precompute_all()
-                self.session.release("reference")
-                self.reference = None
+            self._load_reference(ref_model, policy, kwargs)
 
         model = self.session.load("policy", policy, **kwargs)
         model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id  # as TRL: model and tokenizer agree
@@ -215,20 +210,7 @@ class KTOTrainer(Trainer):
         self._steps = None
         self._finish_init(callbacks)
 
-    def _no_dropout(self, model: torch.nn.Module) -> None:
-        if self.cfg.disable_dropout:
-            from trl.trainer.utils import disable_dropout_in_model
-
-            disable_dropout_in_model(model)
-
     # -- reference -------------------------------------------------------------------------------
-    def _precompute_all(self) -> None:
-        with self.phases("precompute"):
-            cfg = self.cfg
-            self._precompute(self.train_rows, cfg.precompute_ref_batch_size or cfg.per_device_train_batch_size)
-            if self.eval_rows is not None:
-                self._precompute(self.eval_rows, cfg.precompute_ref_batch_size or cfg.per_device_eval_batch_size)
-
     @torch.no_grad()
     def _precompute(self, rows: list[dict], bs: int) -> None:
         """Reference log-probs of every row and of its KL sequence, stored in the rows (TRL's ``ref_logps``,
@@ -365,22 +347,14 @@ class KTOTrainer(Trainer):
         return out
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def checkpoint_models(self) -> dict[str, Any]:
-        # A synced reference is training state: it is saved beside the policy.
-        return {"policy": self.tokenizer, **({"reference": None} if self.cfg.sync_ref_model else {})}
-
     def checkpoint_state(self) -> dict[str, Any]:
         return {"num_tokens": self.num_tokens}
 
     def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
         self.num_tokens = int(state.get("num_tokens", 0))
-        if self.cfg.sync_ref_model:
-            self.session.load_weights("reference", checkpoint / "reference")
+        super().restore(state, checkpoint)
 
     # -- evaluation ------------------------------------------------------------------------------
-    def has_eval_data(self) -> bool:
-        return self.eval_rows is not None
-
     @torch.no_grad()
     def evaluate(self, rows: list[dict] | None = None, prefix: str = "eval") -> dict[str, float]:
         """TRL's evaluation: batches of per_device_eval_batch_size in order, batch b on process b % world;

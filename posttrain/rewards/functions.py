@@ -159,8 +159,8 @@ def check_columns(fn: Callable, columns: Sequence[str]) -> None:
 _LOOP: asyncio.AbstractEventLoop | None = None
 
 
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop per process on a daemon thread for async reward functions, as TRL keeps."""
+def event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop per process on a daemon thread for async reward functions and tools, as TRL keeps."""
     global _LOOP
     if _LOOP is None:
         from trl.trainer.utils import start_event_loop_in_daemon
@@ -224,7 +224,7 @@ def call_reward_funcs(funcs: Sequence[RewardFunc], prompts: list, completions: l
         async def run_all() -> list:
             return await asyncio.gather(*(fn(**call) for _, fn in pending), return_exceptions=True)
 
-        results = asyncio.run_coroutine_threadsafe(run_all(), _event_loop()).result()
+        results = asyncio.run_coroutine_threadsafe(run_all(), event_loop()).result()
         for (i, fn), values in zip(pending, results, strict=True):
             if isinstance(values, Exception):
                 raise _raised(func_name(fn), values) from values

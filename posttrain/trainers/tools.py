@@ -226,12 +226,12 @@ class ToolUse:
                 self.failures += 1
                 results.append((name, {"error": str(e)}))
         if pending:
-            from posttrain.rewards.functions import _event_loop
+            from posttrain.rewards.functions import event_loop
 
             async def gather() -> list:
                 return await asyncio.gather(*(c for _, c in pending), return_exceptions=True)
 
-            for (name, _), result in zip(pending, asyncio.run_coroutine_threadsafe(gather(), _event_loop()).result()):
+            for (name, _), result in zip(pending, asyncio.run_coroutine_threadsafe(gather(), event_loop()).result()):
                 if isinstance(result, Exception):
                     self.failures += 1
                     result = {"error": str(result)}

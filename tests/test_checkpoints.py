@@ -104,10 +104,12 @@ def runs(tmp_path_factory):
     full = json.loads((tmp / "full.json").read_text())
     killed_dir = {p.name: sorted(q.name for q in p.iterdir()) for p in (tmp / "killed").glob("checkpoint-*")}
     killed_rows = len((tmp / "killed" / "metrics.jsonl").read_text().splitlines())
+    kto_killed = launch_expecting_failure(tmp / "kto-killed.json", "kto-killed", tmp)
+    kto_dir = sorted(p.name for p in (tmp / "kto-killed").glob("checkpoint-*"))
     resumed_out = tmp / "resume.json"
     log = torchrun(ROOT / "tests" / "dist" / "checkpoint_kill.py", resumed_out, "resume", tmp)
     return dict(tmp=tmp, full=full, killed=killed, killed_dir=killed_dir, killed_rows=killed_rows, log=log,
-                resumed=json.loads(resumed_out.read_text()))
+                resumed=json.loads(resumed_out.read_text()), kto_killed=kto_killed, kto_dir=kto_dir)
 
 
 def test_a_save_killed_midway_leaves_only_a_tmp_folder(runs):
@@ -171,3 +173,15 @@ def test_ppo_reward_model_with_another_vocabulary(runs):
     assert not other["shares_policy_ids"] and other["updates"] == 1
     assert other["got"] == pytest.approx(other["want"], abs=1e-4)
     assert len(set(other["texts"])) > 1
+
+
+def test_kto_killed_while_saving_resumes_to_the_uninterrupted_run(runs):
+    """KTO on two processes, rank 1 gone while checkpoint-4 is written: the resume skips the half-written folder,
+    starts at step 2 and logs what the uninterrupted run logged."""
+    assert runs["kto_killed"].returncode != 0 and runs["kto_dir"] == ["checkpoint-2", "checkpoint-4.tmp"]
+    full = [r for r in runs["resumed"]["kto_full"] if "loss" in r]
+    resumed = [r for r in runs["resumed"]["kto_resumed"] if "loss" in r]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and [r["step"] for r in full] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (b["step"], key)

@@ -7,7 +7,9 @@
     OUT full-then-killed TMP OTHER_REWARD
                                 full's runs, OUT written, then killed's run in the same launch (one start-up)
     OUT resume TMP              resume_from_checkpoint latest in the killed run's dir, after
-                                load_state refuses a state lacking rank 1's RNG file
+                                load_state refuses a state lacking rank 1's RNG file; then KTO's
+                                uninterrupted run and its killed run resumed (latest)
+    OUT kto-killed TMP          KTO (4 steps, a checkpoint every 2); rank 1 exits while saving checkpoint-4
 """
 
 import json
@@ -47,6 +49,35 @@ def die_while_saving(step: int) -> None:
 
     def save_state(self, output_dir=None, **kw):
         if int(os.environ["RANK"]) == 1 and f"checkpoint-{step}.tmp" in str(output_dir) and str(output_dir).endswith("value"):
+            os._exit(3)
+        return original(self, output_dir, **kw)
+
+    accelerate.Accelerator.save_state = save_state
+
+
+def kto_run(tmp: Path, name: str, **fields) -> list[dict]:
+    """KTO on the tiny SFT model, 4 steps of 2 x 4 unpaired rows, a checkpoint every 2; its logged rows."""
+    from kto_train import rows
+
+    from posttrain.demo import tiny
+    from posttrain.trainers.kto import KTOConfig, KTOTrainer
+
+    cfg = KTOConfig(**{**dict(output_dir=str(tmp / name), per_device_train_batch_size=4, learning_rate=1e-3,
+                              max_steps=4, save_steps=2, logging_steps=1, max_length=64, disable_tqdm=True,
+                              gradient_checkpointing=False), **fields})
+    trainer = KTOTrainer(str(tiny.sft_model_path()), args=cfg, train_dataset=rows())
+    trainer.train()
+    return trainer.state.log_history
+
+
+def die_while_saving_policy(step: int) -> None:
+    """Rank 1 exits as it starts writing its policy state of checkpoint-``step`` (KTO saves no other)."""
+    import accelerate
+
+    original = accelerate.Accelerator.save_state
+
+    def save_state(self, output_dir=None, **kw):
+        if int(os.environ["RANK"]) == 1 and f"checkpoint-{step}.tmp" in str(output_dir):
             os._exit(3)
         return original(self, output_dir, **kw)
 
@@ -95,6 +126,9 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
     if mode == "killed":
         die_while_saving(4)
         run(output_dir=str(tmp / "killed"))
+    elif mode == "kto-killed":
+        die_while_saving_policy(4)
+        kto_run(tmp, "kto-killed")
     elif mode == "resume":
         cfg = PPOConfig(**{**BASE, "output_dir": str(tmp / "killed"), "resume_from_checkpoint": "latest"})
         trainer = PPOTrainer(args=cfg, train_dataset=ppo_prompts(cfg), **trainer_models({}))
@@ -113,6 +147,9 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
         res["start"] = trainer.start
         trainer.train()
         res["history"] = trainer.state.log_history
+        # KTO after its kill: the uninterrupted run, then the killed one resumed from its latest checkpoint.
+        res["kto_full"] = kto_run(tmp, "kto-full")
+        res["kto_resumed"] = kto_run(tmp, "kto-killed", resume_from_checkpoint="latest")
     if int(os.environ["RANK"]) == 0:
         Path(out).write_text(json.dumps(res))
 

@@ -56,7 +56,7 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
         "repetition_penalty": _SAMPLING,
         "generation_kwargs": _SAMPLING,
         "cache_implementation": "posttrain generates with its own engine (generation_backend), not transformers' cache",
-        "max_tool_calling_iterations": "tool calling is not supported yet",
+        "max_tool_calling_iterations": "multi-turn tool use runs in GRPOTrainer and RLOOTrainer",
     }
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any, NoReturn
 
 from posttrain.checks import check_data_path
 from posttrain.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 COLUMNS = ("prompt", "chosen", "rejected")
 # Roles chat templates render ("ipython": Llama 3's tool output); another is a typo a template would drop.
@@ -258,33 +261,49 @@ def _check_messages(messages: Sequence[Any], where: str) -> None:
                               "\"content\": ...}")
 
 
-def tokenize_row(row: dict, tokenizer: Any) -> dict[str, list[int]]:
-    """``prompt_ids``/``chosen_ids``/``rejected_ids`` exactly as ``trl.DPOTrainer`` builds them."""
+def tokenize_completions(row: dict, tokenizer: Any, columns: Sequence[str]) -> dict[str, list[int]]:
+    """``prompt_ids`` and ``<column>_ids`` for each completion column, as TRL's DPO and KTO trainers tokenize them:
+    the prompt with the generation prompt, each prompt + completion whole, standard completions ending with EOS,
+    the completions starting where the tokenizations of the prompt and of every prompt + completion diverge."""
     from trl.data_utils import _tokenize, common_prefix_length, is_conversational
 
     if is_conversational(row):
         tools = row.get("tools")
         kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools, **(row.get("chat_template_kwargs") or {})}
         prompt = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
-        chosen = _tokenize(tokenizer, row["prompt"] + row["chosen"], **kwargs)["input_ids"]
-        rejected = _tokenize(tokenizer, row["prompt"] + row["rejected"], **kwargs)["input_ids"]
+        full = [_tokenize(tokenizer, row["prompt"] + row[c], **kwargs)["input_ids"] for c in columns]
     else:
-        # Standard rows end their completions with EOS, as TRL does.
         eos = tokenizer.eos_token
-        c, r = row["chosen"], row["rejected"]
-        c, r = (c if c.endswith(eos) else c + eos), (r if r.endswith(eos) else r + eos)
         prompt = _tokenize(tokenizer, row["prompt"])["input_ids"]
-        chosen = _tokenize(tokenizer, row["prompt"] + c)["input_ids"]
-        rejected = _tokenize(tokenizer, row["prompt"] + r)["input_ids"]
-    # The completion starts where prompt and prompt+completion tokenizations diverge (TRL's rule).
-    n = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
-    return {"prompt_ids": prompt[:n], "chosen_ids": chosen[n:], "rejected_ids": rejected[n:]}
+        full = [_tokenize(tokenizer, row["prompt"] + (row[c] if row[c].endswith(eos) else row[c] + eos))["input_ids"]
+                for c in columns]
+    n = min(common_prefix_length(prompt, ids) for ids in full)
+    return {"prompt_ids": prompt[:n], **{f"{c}_ids": ids[n:] for c, ids in zip(columns, full)}}
+
+
+def tokenize_row(row: dict, tokenizer: Any) -> dict[str, list[int]]:
+    """``prompt_ids``/``chosen_ids``/``rejected_ids`` exactly as ``trl.DPOTrainer`` builds them."""
+    return tokenize_completions(row, tokenizer, ("chosen", "rejected"))
+
+
+def prompts_within(rows: list[dict], max_length: int | None, name: str) -> list[dict]:
+    """The rows whose prompt is shorter than ``max_length`` (TRL drops the others; the count is logged)."""
+    if max_length is None:
+        return rows
+    kept = [r for r in rows if len(r["prompt_ids"]) < max_length]
+    if not kept:
+        raise ConfigError(f"{name}: no usable rows, every prompt fills max_length={max_length}: raise --max_length")
+    if len(kept) < len(rows):
+        logger.warning("%s: %d of %d rows left out, their prompt fills max_length=%d (as TRL); raise --max_length "
+                       "to keep them", name, len(rows) - len(kept), len(rows), max_length)
+    return kept
 
 
 def prepare_preference_dataset(dataset: Any, tokenizer: Any, max_length: int | None = None,
                                truncation_mode: str = "keep_start", name: str = "dataset",
                                num_proc: int | None = None) -> list[dict[str, list[int]]]:
-    """Check, split implicit prompts, tokenize; drop rows whose prompt fills ``max_length`` (keep_start)."""
+    """Check, split implicit prompts, tokenize; leave out rows whose prompt fills ``max_length`` (keep_start, as
+    TRL; logged)."""
     from trl.data_utils import extract_prompt
 
     dataset = as_dataset(dataset, name)
@@ -298,11 +317,7 @@ def prepare_preference_dataset(dataset: Any, tokenizer: Any, max_length: int | N
     tokenized = dataset.select_columns(keep).map(tokenize_row, fn_kwargs={"tokenizer": tokenizer},
                                                  remove_columns=keep, keep_in_memory=True, num_proc=num_proc)
     rows = tokenized.to_list()
-    if max_length is not None and truncation_mode == "keep_start":
-        rows = [r for r in rows if len(r["prompt_ids"]) < max_length]
-    if not rows:
-        raise ConfigError(f"{name}: no usable rows, every prompt fills max_length={max_length}: raise --max_length")
-    return rows
+    return prompts_within(rows, max_length, name) if truncation_mode == "keep_start" else rows
 
 
 def collator(tokenizer: Any, max_length: int | None, truncation_mode: str = "keep_start"):

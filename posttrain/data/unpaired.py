@@ -3,7 +3,6 @@ tokenized as ``trl.KTOTrainer`` 1.16 prepares it, with each row's mismatched KL 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from posttrain.data import preference
@@ -59,24 +58,6 @@ def _check_assistant_turns(dataset: Any, columns: tuple[str, ...], name: str) ->
         index += len(batch[columns[0]])
 
 
-def tokenize_row(row: dict, tokenizer: Any) -> dict[str, list[int]]:
-    """``prompt_ids``/``completion_ids`` as ``KTOTrainer._prepare_dataset``'s ``tokenize_fn`` (TRL defines it
-    inside the method, so it cannot be imported); standard completions already end with EOS."""
-    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
-
-    if is_conversational(row):
-        tools = row.get("tools")
-        kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools, **(row.get("chat_template_kwargs") or {})}
-        prompt = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
-        full = _tokenize(tokenizer, row["prompt"] + row["completion"], **kwargs)["input_ids"]
-    else:
-        prompt = _tokenize(tokenizer, row["prompt"])["input_ids"]
-        full = _tokenize(tokenizer, row["prompt"] + row["completion"])["input_ids"]
-    # The completion starts where the two tokenizations diverge (TRL's rule).
-    n = common_prefix_length(prompt, full)
-    return {"prompt_ids": prompt[:n], "completion_ids": full[n:]}
-
-
 def add_kl_completions(rows: list[dict], group: int) -> list[dict]:
     """TRL's mismatched pairs for the KL estimate: in each run of ``group`` rows (its batched map of
     ``per_device_train_batch_size``), row i takes row i-1's completion, the first the last's."""
@@ -91,9 +72,9 @@ def add_kl_completions(rows: list[dict], group: int) -> list[dict]:
 def prepare_unpaired_dataset(dataset: Any, tokenizer: Any, max_length: int | None, kl_group: int | None,
                              name: str = "dataset", num_proc: int | None = None,
                              both_labels: bool = True) -> list[dict[str, Any]]:
-    """Check, extract implicit prompts, unpair pairs, add EOS, tokenize, drop rows whose prompt fills
+    """Check, extract implicit prompts, unpair pairs, tokenize (EOS added), leave out rows whose prompt fills
     ``max_length`` and add KL completions (``kl_group`` rows a group; None: no KL), as TRL in that order."""
-    from trl.data_utils import extract_prompt, is_conversational, maybe_unpair_preference_dataset
+    from trl.data_utils import extract_prompt, maybe_unpair_preference_dataset
 
     dataset = preference.as_dataset(dataset, name)
     check_rows(dataset, name, both_labels=both_labels)
@@ -103,17 +84,11 @@ def prepare_unpaired_dataset(dataset: Any, tokenizer: Any, max_length: int | Non
     if "prompt" not in columns:
         dataset = dataset.map(extract_prompt, keep_in_memory=True, num_proc=num_proc)
     dataset = maybe_unpair_preference_dataset(dataset, num_proc=num_proc)
-    if not is_conversational(dataset[0]):
-        eos = tokenizer.eos_token
-        dataset = dataset.map(lambda r: {"completion": r["completion"] if r["completion"].endswith(eos)
-                                         else r["completion"] + eos}, keep_in_memory=True, num_proc=num_proc)
     keep = [c for c in dataset.column_names if c in (*COLUMNS, "tools", "chat_template_kwargs")]
-    tokenized = dataset.select_columns(keep).map(tokenize_row, fn_kwargs={"tokenizer": tokenizer},
+    # TRL's KTO tokenization is its DPO one with one completion (standard completions end with EOS).
+    tokenized = dataset.select_columns(keep).map(preference.tokenize_completions,
+                                                 fn_kwargs={"tokenizer": tokenizer, "columns": ("completion",)},
                                                  remove_columns=[c for c in keep if c != "label"],
                                                  keep_in_memory=True, num_proc=num_proc)
-    rows = tokenized.to_list()
-    if max_length is not None:
-        rows = [r for r in rows if len(r["prompt_ids"]) < max_length]
-    if not rows:
-        raise ConfigError(f"{name}: no usable rows, every prompt fills max_length={max_length}: raise --max_length")
+    rows = preference.prompts_within(tokenized.to_list(), max_length, name)
     return add_kl_completions(rows, kl_group) if kl_group else rows

@@ -3,6 +3,7 @@ restarting per sequence (the varlen kernels' ``cu_seq_lens``), and per-token out
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -91,6 +92,15 @@ def fallbacks() -> int:
     return _FALLBACKS[0]
 
 
+@functools.cache
+def _takes_position_ids(cls: type) -> bool:
+    """Whether ``cls.forward`` takes position ids (read once per class: every training forward asks)."""
+    try:
+        return "position_ids" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def packs(model: Any) -> bool:
     """Whether ``model`` reads a packed row as separate sequences: its forward takes position ids (transformers
     then attends each sequence apart) and it has no ALiBi bias (built from the attention mask). Else padding-free
@@ -99,11 +109,7 @@ def packs(model: Any) -> bool:
     base = module.get_base_model() if hasattr(module, "get_base_model") else module  # a peft model's
     config = getattr(base, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    try:
-        takes_positions = "position_ids" in inspect.signature(type(base).forward).parameters
-    except (TypeError, ValueError):
-        takes_positions = False
-    if takes_positions and not getattr(text, "alibi", False):
+    if _takes_position_ids(type(base)) and not getattr(text, "alibi", False):
         return True
     _FALLBACKS[0] += 1
     name = type(base).__name__

@@ -304,18 +304,12 @@ def rollout_func_output(output: Any, n: int) -> dict[str, Any]:
     return output
 
 
-def padded(lists: list[list[int]], value: int, device: Any, left: bool = False) -> torch.Tensor:
-    """Lists of ids as one tensor, padded on the right (or left)."""
+def padded(lists: list[list], value: float, device: Any, left: bool = False,
+           dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Lists of ids (or other values) as one tensor, padded on the right (or left)."""
     width = max(len(x) for x in lists)
     rows = [([value] * (width - len(x)) + list(x)) if left else (list(x) + [value] * (width - len(x))) for x in lists]
-    return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _padded_floats(lists: list[list[float]], device: Any) -> torch.Tensor:
-    """Per-token log-probs as one float32 tensor, 0 past each row's end."""
-    width = max(len(x) for x in lists)
-    return torch.tensor([list(map(float, x)) + [0.0] * (width - len(x)) for x in lists], dtype=torch.float32,
-                        device=device)
+    return torch.tensor(rows, dtype=dtype, device=device)
 
 
 class Sampled:
@@ -346,7 +340,7 @@ def sample(trainer: Any, rows: list[dict]) -> Sampled:
         prompt_mask = padded([[1] * len(p) for p in output["prompt_ids"]], 0, dev, left=True)
         completions = output["completion_ids"]
         env_mask = output.get("env_mask")
-        logprobs = _padded_floats(output["logprobs"], dev)
+        logprobs = padded(output["logprobs"], 0.0, dev, dtype=torch.float32)
         return Sampled(prompts, prompt_ids, prompt_mask, padded(completions, pad, dev),
                        padded([[1] * len(c) for c in completions], 0, dev),
                        padded(env_mask, 1, dev) if env_mask is not None else None, None, extra, logprobs)

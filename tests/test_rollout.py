@@ -560,9 +560,10 @@ def test_slots_hold_the_state_and_change_it_only_by_their_methods():
     slots.store(0, dst, torch.arange(8.0).view(2, 1, 2, 2), -torch.arange(8.0).view(2, 1, 2, 2))
     valid = torch.ones(2, 6, dtype=torch.bool)
     valid[0, 0] = False
-    slots.admit(dst, torch.tensor([7, 8]), torch.tensor([11, 12]), torch.tensor([-1.0, -2.0]), torch.tensor([1, 2]),
-                valid, 2, torch.tensor(False), pad=0)
+    slots.admit(dst, torch.tensor([7, 8]), torch.tensor([5, 6]), torch.tensor([11, 12]), torch.tensor([-1.0, -2.0]),
+                torch.tensor([1, 2]), valid, 2, torch.tensor(False), pad=0)
     assert slots.done.tolist() == [True, False, True, False] and slots.seq[dst].tolist() == [7, 8]
+    assert slots.sample_key[dst].tolist() == [5, 6]
     assert slots.out_tokens[dst].tolist() == [[11, 0, 0], [12, 0, 0]] and slots.col[dst].tolist() == [2, 2]
     assert slots.last[dst].tolist() == [11, 12] and slots.pos[dst].tolist() == [1, 2] and not slots.key_valid[1, 0]
     slots.record(torch.tensor([5, 6, 5, 9]), torch.tensor([-0.5, -0.6, -0.5, -0.9]), torch.tensor(3), None, pad=0)
@@ -570,11 +571,14 @@ def test_slots_hold_the_state_and_change_it_only_by_their_methods():
     assert slots.step[dst].tolist() == [2, 2] and slots.col[dst].tolist() == [3, 3] and slots.last[3].item() == 9
     slots.move([3], [0], length=3)
     assert slots.done.tolist() == [False, False, True, True] and slots.seq[0].item() == 8
+    assert slots.sample_key[0].item() == 6
     assert torch.equal(slots.keys[0][0, :, :2], torch.arange(4.0, 8.0).view(1, 2, 2))
     tokens, logprobs = torch.zeros(10, 3, dtype=torch.long), torch.zeros(10, 3)
     slots.harvest([0, 1], [8, 7], tokens, logprobs)
     assert tokens[8].tolist() == [12, 9, 0] and tokens[7].tolist() == [11, 6, 0]
     assert logprobs[8, :2].tolist() == pytest.approx([-2.0, -0.9]) and slots.done_flags(2) == [False, False]
+    slots.free([1])
+    assert slots.done[1]
     slots.reset()
     assert slots.done.all()
 

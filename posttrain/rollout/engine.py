@@ -217,14 +217,26 @@ class DecodeEngine:
         return flat({k: v for k, v in self.weights.items() if k != "inv_freq"})
 
     def begin(self, key: int, max_new_tokens: int, width: int) -> None:
-        """A new rollout: its key, length limit and prompt width; re-read the weights (live)."""
+        """A new rollout: its key, length limit and widest prompt; every slot free; re-read the weights."""
         if width > self.prompt_len:
             raise ConfigError(f"prompts of {width} tokens exceed the engine's max_prompt_len={self.prompt_len}; "
                               "build the Rollout larger")
         if max_new_tokens > self.max_new:
             raise ConfigError(f"max_new_tokens={max_new_tokens} exceeds the {self.max_new} the Rollout was built "
                               "for; build it with the largest max_new_tokens")
-        self.adapters.refresh()  # LoRA: merged buffers or scalings, in place
+        self.refresh()
+        self.key.fill_(key)
+        self.limit.fill_(max_new_tokens)
+        self.width = width
+        if self.prompts is not None:
+            self.prompts.reset()
+            self.prompt_width = min(self.prompt_len, math.ceil(max(1, width) / self.length_bucket) * self.length_bucket)
+        self.slots.reset()
+
+    def refresh(self) -> None:
+        """Re-read the weights after they changed (LoRA: merged buffers or scalings, in place); the slots and
+        their sequences stay (a stream's rows decode on under the new weights)."""
+        self.adapters.refresh()
         if self.fused:
             weights.refresh_fused(self.model, self.fused, self.adapters)
         fused = self.fused
@@ -243,19 +255,16 @@ class DecodeEngine:
                         "; recapturing" if self.graphs else "")
             self.graphs.clear()
         self.ptrs = ptrs
-        self.key.fill_(key)
-        self.limit.fill_(max_new_tokens)
-        self.width = width
-        if self.prompts is not None:
-            self.prompts.reset()
-            self.prompt_width = min(self.prompt_len, math.ceil(max(1, width) / self.length_bucket) * self.length_bucket)
-        self.slots.reset()
 
     @torch.no_grad()
     def admit(self, slots: list[int], seq_ids: list[int], ids: torch.Tensor, mask: torch.Tensor,
-              groups: list[int] | None = None) -> None:
-        """Prefill sequences into ``slots`` and choose their first token."""
-        dev, p = self.device, self.width
+              groups: list[int] | None = None, key: int | None = None) -> None:
+        """Prefill sequences (left-padded ``ids`` of at most ``max_prompt_len`` columns) into ``slots`` and choose
+        their first token; ``key``: their sampling key (default the rollout's)."""
+        dev, p = self.device, ids.shape[1]
+        if p > self.prompt_len or (self.prompts is not None and p != self.width):
+            raise ConfigError(f"prompts of {p} columns do not fit this rollout (max_prompt_len={self.prompt_len}"
+                              f"{'' if self.prompts is None else f', shared prompts of {self.width}'})")
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         seq_t = torch.tensor(seq_ids, dtype=torch.long, device=dev)
         ids, mask = ids.to(dev), mask.to(dev).long()
@@ -269,15 +278,17 @@ class DecodeEngine:
             logits, prefilled = prefill.into_rows(self.spec, self.weights, self.slots, slot_t, ids, mask,
                                                   self.prefill_tokens, self.dtype)
             valid[:, :p] = mask.bool()
+        keys = self.key.expand(len(slots)).clone() if key is None else torch.full_like(seq_t, key)
         tokens, logprobs = choose_tokens(
-            logits, torch.zeros(len(slots), dtype=torch.long, device=dev), self.key, seq=seq_t,
+            logits, torch.zeros(len(slots), dtype=torch.long, device=dev), keys, seq=seq_t,
             temperature=self.temperature, do_sample=self.do_sample, top_k=self.top_k, top_p=self.top_p,
             use_top_p=self.use_top_p, min_new_tokens=self.min_new, stop_ids=self.stop_ids)
         done = self.limit <= 1
         if self.stop_ids is not None:
             done = done | self.stop_mask[tokens]
         col = 0 if self.prompts is not None else p  # the first completion token's cache column
-        self.slots.admit(slot_t, seq_t, tokens, logprobs, mask.sum(1), valid, col, done, self.sampling.pad_token_id)
+        self.slots.admit(slot_t, seq_t, keys, tokens, logprobs, mask.sum(1), valid, col, done,
+                         self.sampling.pad_token_id)
         self._stats["prefill_rows"] += prefilled
         self._stats["prefill_sequences"] += len(slots)
         self._stats["admissions"] += 1
@@ -302,15 +313,22 @@ class DecodeEngine:
         if self.prompts is not None and self.prompts.compact(self.width):
             self._stats["prompt_compactions"] += 1
 
+    def free(self, slots: list[int]) -> None:
+        """Drop the sequences in ``slots`` unfinished; the slots free."""
+        self.slots.free(slots)
+        if self.prompts is not None:
+            self.prompts.leave(slots)
+
     def harvest(self, slots: list[int], seq_ids: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Finished slots' outputs into the rollout's results; the slots free."""
         self.slots.harvest(slots, seq_ids, tokens, logprobs)
         if self.prompts is not None:
             self.prompts.leave(slots)
 
-    def columns(self, new_tokens: int) -> int:
-        """The row cache's columns that hold a row with ``new_tokens`` completion tokens."""
-        return new_tokens if self.prompts is not None else self.width + new_tokens
+    def columns(self, new_tokens: int, width: int | None = None) -> int:
+        """The row cache's columns that hold a row of a ``width``-column prompt (default the rollout's) with
+        ``new_tokens`` completion tokens."""
+        return new_tokens if self.prompts is not None else (self.width if width is None else width) + new_tokens
 
     def done_flags(self, rows: int) -> list[bool]:
         return self.slots.done_flags(rows)
@@ -343,7 +361,7 @@ class DecodeEngine:
             st.values[i].view(-1, d).index_copy_(0, where, v.reshape(-1, d))
             x, h = parts.post(spec, lw, x, q, keys, values, bias, next_norm, prompt)
         tokens, logprobs = parts.sample(spec, h, w["head"], w["head_bias"], w["head_lora"], st.step[:rows],
-                                        st.seq[:rows], self.key, self.temperature, self.do_sample, self.top_p,
+                                        st.seq[:rows], st.sample_key[:rows], self.temperature, self.do_sample, self.top_p,
                                         self.min_new, self.top_k, self.use_top_p, self.stop_ids, self.stop_mask,
                                         self.sampler_kernel())
         st.record(tokens, logprobs, self.limit, self.stop_mask, self.sampling.pad_token_id, parts.record)

@@ -83,8 +83,9 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(key: torch.Tensor, step: torch.Tensor, seq: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [rows, vocab], a pure function of (key, step, seq, token)."""
+    """Gumbel(0, 1) noise [rows, vocab], a pure function of (key, step, seq, token); ``key`` 0-d or per row."""
     seq = seq.view(-1, 1).to(torch.int64)
+    key = key.view(-1, 1) if key.dim() else key
     step = step.view(-1, 1) if step.dim() else step
     tok = torch.arange(vocab, device=seq.device, dtype=torch.int64).unsqueeze(0)
     base = _hash32(_hash32(key ^ (step * 0x2545F491)) + seq * 0x5851F42D)

@@ -1,8 +1,11 @@
-"""Continuous batching: which sequence decodes in which engine slot, and when."""
+"""Continuous batching: which sequence decodes in which engine slot, and when. One :class:`Scheduler` runs a
+rollout (:func:`generate`) or, kept across optimizer steps, a stream of batches (``rollout/stream.py``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,76 +15,157 @@ if TYPE_CHECKING:
     from posttrain.rollout.turns import Turns
 
 
-def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key: int,
-             max_new_tokens: int, profile: bool = False, turns: Turns | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Completions and log-probs [n, max_new_tokens] of left-padded prompts; timings if ``profile``;
-    ``turns``: a multi-turn rollout (a row whose turn ends may be extended and decode on)."""
-    n, width = prompt_ids.shape
-    engine.begin(key, max_new_tokens, width)
-    dev, pad = engine.device, engine.sampling.pad_token_id
-    tokens = torch.full((n, max_new_tokens), pad, dtype=torch.long, device=dev)
-    logprobs = torch.zeros(n, max_new_tokens, dtype=torch.float32, device=dev)
-    slot_seq: dict[int, int] = {}  # occupied slot -> sequence index
-    age: dict[int, int] = {}  # decode steps run since the sequence entered
-    admitted = 0
-    groups = None
-    if engine.prompts is not None:  # shared prompt slots: each sequence's prompt as an id
-        content = prompt_ids.masked_fill(prompt_mask == 0, -1)
-        groups = torch.unique(content, dim=0, return_inverse=True)[1].tolist()
-    last_step = max_new_tokens - 1  # a row's last token has step index max_new_tokens - 1
-    timings = {"prefill_ms": 0.0, "decode_ms": 0.0, "decode_steps": 0, "row_steps": 0}
-    clock = Clock(dev) if profile else None
-    while True:
-        if slot_seq:  # retire finished rows
-            flags = engine.done_flags(max(slot_seq) + 1) if engine.stop_ids is not None else None
-            finished = [s for s in slot_seq if age[s] >= last_step or (flags is not None and flags[s])]
-            if finished and turns is not None:  # ended turns wait in their slots for their tools
-                finished = turns.collect(engine, finished, slot_seq)
-            if finished:
-                engine.harvest(finished, [slot_seq[s] for s in finished], tokens, logprobs)
-                for s in finished:
-                    del slot_seq[s], age[s]
-        free, waiting = len(engine.slots) - len(slot_seq), n - admitted
+@dataclass
+class Batch:
+    """Sequences submitted together (left-padded prompts, one sampling key): a rollout's, or one generation
+    batch of a stream; ``tokens``/``logprobs`` [n, max_new_tokens] fill in as its sequences finish."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    key: int
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    tag: Any = None  # the submitter's label (a stream's generation batch index)
+    groups: list[int] | None = None  # each row's prompt as an id (shared prompt slots)
+    admitted_at: list[int] = field(default_factory=list)  # the weight version each row started under (-1: not yet)
+    finished: list[bool] = field(default_factory=list)
+    dropped: bool = False
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+
+class Scheduler:
+    """The slots' occupancy over one or more :class:`Batch` es, admitted in submission order."""
+
+    def __init__(self, engine: DecodeEngine, max_new_tokens: int, profile: bool = False,
+                 turns: Turns | None = None) -> None:
+        self.engine, self.max_new, self.turns = engine, max_new_tokens, turns
+        self.last_step = max_new_tokens - 1  # a row's last token has step index max_new_tokens - 1
+        self.slot_seq: dict[int, int] = {}  # occupied slot -> sequence number (its submission order)
+        self.age: dict[int, int] = {}  # decode steps run since the sequence entered
+        self.rows: list[tuple[Batch, int]] = []  # sequence number -> (its batch, its row there)
+        self.waiting: deque[int] = deque()
+        self.version = 0  # the weights' version, recorded when a row is admitted
+        self.timings = {"prefill_ms": 0.0, "decode_ms": 0.0, "decode_steps": 0, "row_steps": 0}
+        self.clock = Clock(engine.device) if profile else None
+
+    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key: int, tag: Any = None) -> Batch:
+        """Queue sequences behind those already waiting; returns their :class:`Batch`."""
+        n, dev, pad = prompt_ids.shape[0], self.engine.device, self.engine.sampling.pad_token_id
+        groups = None
+        if self.engine.prompts is not None:  # shared prompt slots: each sequence's prompt as an id
+            content = prompt_ids.masked_fill(prompt_mask == 0, -1)
+            groups = torch.unique(content, dim=0, return_inverse=True)[1].tolist()
+        batch = Batch(prompt_ids, prompt_mask, key,
+                      torch.full((n, self.max_new), pad, dtype=torch.long, device=dev),
+                      torch.zeros(n, self.max_new, dtype=torch.float32, device=dev), tag, groups, [-1] * n,
+                      [False] * n)
+        first = len(self.rows)
+        self.rows.extend((batch, i) for i in range(n))
+        self.waiting.extend(range(first, first + n))
+        return batch
+
+    @property
+    def live(self) -> int:
+        """Sequences in slots."""
+        return len(self.slot_seq)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing decoding and nothing waiting."""
+        return not self.slot_seq and not self.waiting
+
+    def drop(self, batch: Batch) -> int:
+        """Drop ``batch``'s unfinished sequences (waiting or decoding; their slots free); returns how many."""
+        before = len(self.waiting)
+        self.waiting = deque(q for q in self.waiting if self.rows[q][0] is not batch)
+        slots = [s for s, q in self.slot_seq.items() if self.rows[q][0] is batch]
+        if slots:
+            self.engine.free(slots)
+            for s in slots:
+                del self.slot_seq[s], self.age[s]
+        batch.dropped = True
+        return before - len(self.waiting) + len(slots)
+
+    def _width(self, slot: int) -> int:
+        return self.rows[self.slot_seq[slot]][0].prompt_ids.shape[1]
+
+    def _retire(self) -> None:
+        engine, slot_seq, age = self.engine, self.slot_seq, self.age
+        flags = engine.done_flags(max(slot_seq) + 1) if engine.stop_ids is not None else None
+        finished = [s for s in slot_seq if age[s] >= self.last_step or (flags is not None and flags[s])]
+        if finished and self.turns is not None:  # ended turns wait in their slots for their tools
+            finished = self.turns.collect(engine, finished, slot_seq)
+        by_batch: dict[int, tuple[Batch, list[int], list[int]]] = {}
+        for s in finished:
+            batch, row = self.rows[slot_seq[s]]
+            entry = by_batch.setdefault(id(batch), (batch, [], []))
+            entry[1].append(s)
+            entry[2].append(row)
+        for batch, slots, rows in by_batch.values():
+            engine.harvest(slots, rows, batch.tokens, batch.logprobs)
+            for s, row in zip(slots, rows):
+                batch.finished[row] = True
+                del slot_seq[s], age[s]
+
+    def _admit(self, slots: list[int], k: int) -> None:
+        """The next ``k`` waiting sequences into ``slots``: one prefill per run of one batch."""
+        engine, taken = self.engine, [self.waiting.popleft() for _ in range(k)]
+        start = 0
+        while start < k:
+            batch = self.rows[taken[start]][0]
+            end = start
+            while end < k and self.rows[taken[end]][0] is batch:
+                end += 1
+            rows = [self.rows[q][1] for q in taken[start:end]]
+            sel = torch.tensor(rows, device=batch.prompt_ids.device)
+            engine.admit(slots[start:end], rows, batch.prompt_ids[sel], batch.prompt_mask[sel],
+                         [batch.groups[r] for r in rows] if batch.groups is not None else None, key=batch.key)
+            for s, q, r in zip(slots[start:end], taken[start:end], rows):
+                self.slot_seq[s], self.age[s] = q, 0
+                batch.admitted_at[r] = self.version
+            start = end
+
+    def round(self) -> bool:
+        """Retire finished rows, admit waiting ones, decode up to ``sync_every`` steps; False once idle."""
+        engine, slot_seq, age, timings, clock, turns = (self.engine, self.slot_seq, self.age, self.timings,
+                                                        self.clock, self.turns)
+        if slot_seq:
+            self._retire()
+        free, waiting = len(engine.slots) - len(slot_seq), len(self.waiting)
         k = min(free, waiting)
-        if groups is not None:  # and as many as the free prompt slots and member places take
-            k = engine.fits(groups[admitted : admitted + k])
+        if engine.prompts is not None and k:  # and as many as the free prompt slots and member places take
+            k = engine.fits([self.rows[self.waiting[i]][0].groups[self.rows[self.waiting[i]][1]] for i in range(k)])
         admit = k > 0 and (k == waiting or k >= engine.admit_min or not slot_seq)
         live = len(slot_seq) + (k if admit else 0)
         if live == 0:
-            break
+            return False
         highest = max(slot_seq, default=-1) + 1
         if admit or engine.rows_bucket(len(slot_seq)) < engine.rows_bucket(highest):
             # Compact: rows at or above `live` move into the holes below it; new rows fill the rest.
             holes = [s for s in range(live) if s not in slot_seq]
             movers = sorted(s for s in slot_seq if s >= live)
             if movers:
-                oldest = max(age[s] for s in movers)
-                length = engine.length_bucket_for(engine.columns(oldest + 1))
+                length = engine.length_bucket_for(max(engine.columns(age[s] + 1, self._width(s)) for s in movers))
                 engine.move(movers, holes[: len(movers)], length)
                 for s, d in zip(movers, holes):
                     slot_seq[d], age[d] = slot_seq.pop(s), age.pop(s)
             if admit:
                 if clock is not None:
                     timings["decode_ms"] += clock.lap()
-                new_slots = holes[len(movers):]
-                wave = slice(admitted, admitted + k)
-                engine.admit(new_slots, list(range(admitted, admitted + k)), prompt_ids[wave], prompt_mask[wave],
-                             groups[wave] if groups is not None else None)
-                for i, s in enumerate(new_slots):
-                    slot_seq[s], age[s] = admitted + i, 0
-                admitted += k
+                self._admit(holes[len(movers):], k)
                 if clock is not None:
                     timings["prefill_ms"] += clock.lap()
-        steps = min(engine.sync_every, max(last_step - a for a in age.values()))
+        steps = min(engine.sync_every, max(self.last_step - a for a in age.values()))
         if turns is not None and turns.pending and len(turns.pending) == len(slot_seq):
             turns.resolve(engine, slot_seq, age)  # nothing else decodes: the tools now
-            continue
+            return True
         if steps <= 0:
-            continue  # every live row has its last token: retire them
+            return True  # every live row has its last token: retire them
         engine.compact_prompts()
         rows = engine.rows_bucket(max(slot_seq) + 1)
-        length = engine.length_bucket_for(engine.columns(max(age.values()) + steps))
+        length = engine.length_bucket_for(max(engine.columns(age[s] + steps, self._width(s)) for s in slot_seq))
         engine.run(rows, length, steps)
         timings["decode_steps"] += steps
         timings["row_steps"] += steps * rows
@@ -89,6 +173,23 @@ def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.
             age[s] += steps
         if turns is not None and turns.pending:
             turns.resolve(engine, slot_seq, age)  # on CUDA the steps just queued run meanwhile
-    if clock is not None:
-        timings["decode_ms"] += clock.lap()
-    return tokens, logprobs, timings
+        return True
+
+    def lap(self) -> dict[str, float]:
+        """The timings so far (the last decode lap closed)."""
+        if self.clock is not None:
+            self.timings["decode_ms"] += self.clock.lap()
+        return self.timings
+
+
+def generate(engine: DecodeEngine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key: int,
+             max_new_tokens: int, profile: bool = False, turns: Turns | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Completions and log-probs [n, max_new_tokens] of left-padded prompts; timings if ``profile``;
+    ``turns``: a multi-turn rollout (a row whose turn ends may be extended and decode on)."""
+    engine.begin(key, max_new_tokens, prompt_ids.shape[1])
+    scheduler = Scheduler(engine, max_new_tokens, profile, turns)
+    batch = scheduler.submit(prompt_ids, prompt_mask, key)
+    while scheduler.round():
+        pass
+    return batch.tokens, batch.logprobs, scheduler.lap()

@@ -22,7 +22,8 @@ class Slots:
         self.pos = torch.zeros(count, **long)  # its position id
         self.col = torch.zeros(count, **long)  # the cache column it is written to
         self.step = torch.zeros(count, **long)  # index of the token chosen next
-        self.seq = torch.zeros(count, **long)  # the sequence's index in the rollout
+        self.seq = torch.zeros(count, **long)  # the sequence's index in its batch
+        self.sample_key = torch.zeros(count, **long)  # its batch's sampling key
         self.done = torch.ones(count, dtype=torch.bool, device=device)
         self.key_valid = torch.zeros(count, length, dtype=torch.bool, device=device)  # prompt mask, then ones
         self.out_tokens = torch.zeros(count, max_new, **long)
@@ -56,16 +57,18 @@ class Slots:
         self.values[layer][:, :, :width].index_copy_(0, dst, values)
 
     @torch.no_grad()
-    def admit(self, slots: torch.Tensor, seq: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
-              positions: torch.Tensor, valid: torch.Tensor, col: int, done: torch.Tensor, pad: int) -> None:
-        """Sequences ``seq`` into ``slots`` with their first tokens and state."""
+    def admit(self, slots: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, tokens: torch.Tensor,
+              logprobs: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, col: int, done: torch.Tensor,
+              pad: int) -> None:
+        """Sequences ``seq`` (sampled with ``key``, one per row) into ``slots`` with their first tokens and state."""
         k = len(slots)
         out_t = torch.full((k, self.out_tokens.shape[1]), pad, dtype=torch.long, device=self.device)
         out_l = torch.zeros(k, self.out_logprobs.shape[1], dtype=torch.float32, device=self.device)
         out_t[:, 0], out_l[:, 0] = tokens, logprobs
         for buf, value in ((self.out_tokens, out_t), (self.out_logprobs, out_l), (self.key_valid, valid),
                            (self.last, tokens), (self.pos, positions), (self.col, torch.full_like(tokens, col)),
-                           (self.step, torch.ones_like(tokens)), (self.seq, seq), (self.done, done.expand(k).clone())):
+                           (self.step, torch.ones_like(tokens)), (self.seq, seq), (self.sample_key, key),
+                           (self.done, done.expand(k).clone())):
             buf.index_copy_(0, slots, value)
 
     @torch.no_grad()
@@ -76,10 +79,14 @@ class Slots:
         for cache in self.keys + self.values:
             view = cache[:, :, :length]
             view.index_copy_(0, d, view.index_select(0, s))
-        for buf in (self.last, self.pos, self.col, self.step, self.seq, self.done, self.key_valid,
+        for buf in (self.last, self.pos, self.col, self.step, self.seq, self.sample_key, self.done, self.key_valid,
                     self.out_tokens, self.out_logprobs):
             buf.index_copy_(0, d, buf.index_select(0, s))
         self.done.index_fill_(0, s, True)
+
+    def free(self, slots: list[int]) -> None:
+        """Slots whose sequences are dropped unfinished: free for new ones."""
+        self.done.index_fill_(0, torch.tensor(slots, dtype=torch.long, device=self.device), True)
 
     def harvest(self, slots: list[int], seq_ids: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Copy finished slots' outputs into a rollout's results at their sequences' rows."""

@@ -149,7 +149,7 @@ def extend(engine: DecodeEngine, slot: int, new: list[int]) -> None:
         st.done[slot] = True
         return
     token, logprob = choose_tokens(
-        logits, torch.tensor([j], device=dev), engine.key, seq=st.seq[slot : slot + 1], temperature=engine.temperature,
+        logits, torch.tensor([j], device=dev), st.sample_key[slot : slot + 1], seq=st.seq[slot : slot + 1], temperature=engine.temperature,
         do_sample=engine.do_sample, top_k=engine.top_k, top_p=engine.top_p, use_top_p=engine.use_top_p,
         min_new_tokens=engine.min_new, stop_ids=engine.stop_ids)
     st.out_tokens[slot, j], st.out_logprobs[slot, j] = token[0], logprob[0]

@@ -31,7 +31,7 @@ def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_
     step = tl.load(step_ptr + row)
     early = step < tl.load(min_new_ptr)
     # gumbel_noise's row hash modulo 2**32: the int64 products' low bits are the uint32 products.
-    base = _mix(tl.load(key_ptr).to(tl.uint32) ^ (step.to(tl.uint32) * 0x2545F491))
+    base = _mix(tl.load(key_ptr + row).to(tl.uint32) ^ (step.to(tl.uint32) * 0x2545F491))
     base = _mix(base + tl.load(seq_ptr + row).to(tl.uint32) * 0x5851F42D)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, vocab)
@@ -89,6 +89,7 @@ def partials(logits: torch.Tensor, key: torch.Tensor, step: torch.Tensor, seq: t
     m, total, best = (torch.empty((rows, chunks), **f32) for _ in range(3))
     index = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
     stop = stop_mask if stop_mask is not None else m  # not read
+    key = key.expand(rows).contiguous() if key.dim() == 0 else key  # one key per row
     _partial[(rows, chunks)](logits, logits.stride(0), key, step, seq, stop, temperature, do_sample, min_new, m, total,
                              best, index, vocab, chunk, CHUNKS=chunks, BLOCK_V=BLOCK_V, HAS_STOP=stop_mask is not None,
                              num_warps=4)
@@ -113,7 +114,8 @@ def _(logits, key, step, seq, stop_mask, temperature, do_sample, min_new, chunks
 def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, seq: torch.Tensor,
                   temperature: torch.Tensor, do_sample: torch.Tensor, min_new: torch.Tensor,
                   stop_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sampling.choose_tokens`` sans top-k/top-p, logits [B, V]; scalars 0-d, ``stop_mask`` [V] or None."""
+    """``sampling.choose_tokens`` sans top-k/top-p, logits [B, V]; scalars 0-d, ``key`` 0-d or one per row,
+    ``stop_mask`` [V] or None."""
     m, total, best, index = torch.ops.posttrain.sample_partials(logits, key, step, seq, stop_mask, temperature,
                                                                 do_sample, min_new, chunks_for(logits.shape[1]))
     top = m.amax(1, keepdim=True)

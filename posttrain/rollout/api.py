@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from posttrain.rollout.hf import generation_model, hf_generate
 from posttrain.rollout.sampling import RolloutOutput, SamplingParams, finish
 from posttrain.rollout.shadow import ShadowModel
 from posttrain.rollout.turns import TurnEnd, TurnOutput, Turns, hf_turns
+
+if TYPE_CHECKING:
+    from posttrain.rollout.stream import Stream
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ class Rollout:
         self.engine: DecodeEngine | None = None
         self.shadow: ShadowModel | None = None
         self.rollouts = 0
+        self.stream: Stream | None = None  # rollout/stream.py, once opened
         self.timings: dict[str, float] = {}
         self.profile = False  # time prefill and decode separately (syncs; benchmarks only)
         if backend == "posttrain":
@@ -199,6 +203,7 @@ class Rollout:
         if sampling.max_new_tokens > self.sampling.max_new_tokens and self.backend == "posttrain":
             raise ConfigError(f"max_new_tokens={sampling.max_new_tokens} exceeds the {self.sampling.max_new_tokens} "
                               "this Rollout was built for (its cache is sized for it); build it with the largest")
+        self._check_not_streaming()
         key = self._seed_key()
         self.rollouts += 1
         backend = self.backend
@@ -234,6 +239,7 @@ class Rollout:
                               "this Rollout was built for (its cache is sized for it); build it with the largest")
         if self.engine_options.get("shared_prompt_kv"):
             raise ConfigError("multi-turn generation does not run with generation_shared_prompt_kv: set it false")
+        self._check_not_streaming()
         key = self._seed_key()
         self.rollouts += 1
         turns = Turns(on_turn_end, sampling.max_new_tokens)
@@ -251,8 +257,22 @@ class Rollout:
             tokens, logprobs = self._engine_generate(prompt_ids, prompt_mask, sampling, key, turns)
         return turns.output(tokens.to(prompt_ids.device), logprobs.to(prompt_ids.device), sampling.pad_token_id)
 
+    def _check_not_streaming(self) -> None:
+        if self.stream is not None and not self.stream.idle:
+            raise RuntimeError("the engine is streaming: drain the stream before a rollout of its own")
+
     def _engine_generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams,
                          key: int, turns: Turns | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        engine = self.engine_for(sampling)
+        tokens, logprobs, self.timings = scheduler.generate(engine, prompt_ids, prompt_mask, key,
+                                                            sampling.max_new_tokens, profile=self.profile,
+                                                            turns=turns)
+        self.update_stats()
+        return tokens, logprobs
+
+    def engine_for(self, sampling: SamplingParams) -> DecodeEngine:
+        """The engine for ``sampling`` over the role's current weights (a new one when its compiled knobs
+        change; a ZeRO-3 role's shadow refreshed)."""
         model, tensor = self._engine_model()
         knobs = replace(sampling, max_new_tokens=self.sampling.max_new_tokens)
         same = (self.engine is not None and self.engine.model is model
@@ -267,11 +287,26 @@ class Rollout:
                 self.engine = None
             self.engine = DecodeEngine(model, knobs, self.kv_slots, self.max_prompt_len, tensor=tensor,
                                        **self.engine_options)
-        tokens, logprobs, self.timings = scheduler.generate(self.engine, prompt_ids, prompt_mask, key,
-                                                            sampling.max_new_tokens, profile=self.profile,
-                                                            turns=turns)
+        return self.engine
+
+    def update_stats(self) -> None:
+        """The engine's counters into ``stats`` (with those of engines it replaced)."""
         st = self.engine.stats()
         for k in RUN_COUNTERS:
             st[k] += self._retired[k]
         self.stats.update(st, capture_s=round(st["capture_s"], 3))
-        return tokens, logprobs
+
+    def open_stream(self) -> Stream:
+        """A :class:`~posttrain.rollout.stream.Stream` of generation batches over this rollout's engine
+        (one per Rollout; refused where only transformers' generate runs)."""
+        from posttrain.rollout.stream import Stream
+
+        if self.backend != "posttrain":
+            raise ConfigError(f"streaming rollouts decode in posttrain's engine, and role {self.role!r} generates "
+                              f"with transformers' generate ({self.stats['fallback'] or 'generation_backend hf'}): "
+                              "set generation_backend posttrain and a model the engine runs, or async_generation false")
+        if self.engine_options.get("shared_prompt_kv"):
+            raise ConfigError("streaming rollouts do not run with generation_shared_prompt_kv: set it false")
+        if self.stream is None:
+            self.stream = Stream(self)
+        return self.stream

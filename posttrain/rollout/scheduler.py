@@ -29,7 +29,6 @@ class Batch:
     groups: list[int] | None = None  # each row's prompt as an id (shared prompt slots)
     admitted_at: list[int] = field(default_factory=list)  # the weight version each row started under (-1: not yet)
     finished: list[bool] = field(default_factory=list)
-    dropped: bool = False
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -76,16 +75,21 @@ class Scheduler:
         """Nothing decoding and nothing waiting."""
         return not self.slot_seq and not self.waiting
 
-    def drop(self, batch: Batch) -> int:
-        """Drop ``batch``'s unfinished sequences (waiting or decoding; their slots free); returns how many."""
+    def drop(self, batch: Batch, rows: list[int]) -> int:
+        """Drop ``batch``'s ``rows`` that have not finished (waiting or decoding; their slots free); returns
+        how many."""
+        gone = set(rows)
+
+        def dropped(q: int) -> bool:
+            return self.rows[q][0] is batch and self.rows[q][1] in gone
+
         before = len(self.waiting)
-        self.waiting = deque(q for q in self.waiting if self.rows[q][0] is not batch)
-        slots = [s for s, q in self.slot_seq.items() if self.rows[q][0] is batch]
+        self.waiting = deque(q for q in self.waiting if not dropped(q))
+        slots = [s for s, q in self.slot_seq.items() if dropped(q)]
         if slots:
             self.engine.free(slots)
             for s in slots:
                 del self.slot_seq[s], self.age[s]
-        batch.dropped = True
         return before - len(self.waiting) + len(slots)
 
     def _width(self, slot: int) -> int:

@@ -12,7 +12,7 @@ import socket
 import sys
 import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -474,10 +474,11 @@ def _saved_by(session: Session, cfg: OutputDirSettings, export: dict[str, Any], 
 
 
 def save_checkpoint(session: Session, cfg: OutputDirSettings, step: int, export: dict[str, Any], extra: dict,
-                    trainer: str | None = None) -> Path:
+                    trainer: str | None = None, rank_state: Callable[[Path, int], None] | None = None) -> Path:
     """Write ``checkpoint-N/`` (``<role>/`` exports, ``state/``) atomically; prune to ``save_total_limit``.
-    ``trainer``: the trainer's name, recorded for :func:`check_resume`. A full disk: one sentence, the
-    half-written folder removed and the previous checkpoints intact."""
+    ``trainer``: the trainer's name, recorded for :func:`check_resume`; ``rank_state(state_dir, rank)``: what
+    each rank writes of its own. A full disk: one sentence, the half-written folder removed and the previous
+    checkpoints intact."""
     final = checkpoint_dir(cfg, step)
     tmp = final.with_name(final.name + ".tmp")
     if session.is_main_process and tmp.exists():
@@ -486,6 +487,9 @@ def save_checkpoint(session: Session, cfg: OutputDirSettings, step: int, export:
     try:
         for role, tokenizer in export.items():
             session.save_pretrained(role, tmp / role, tokenizer=tokenizer)
+        if rank_state is not None:  # before save_state, whose trainer_state.json is written last
+            (tmp / "state").mkdir(parents=True, exist_ok=True)
+            rank_state(tmp / "state", session.process_index)
         session.save_state(tmp / "state", extra={"step": step, **extra})  # returns once every rank has written
         if session.is_main_process:
             (tmp / "state" / SAVED_BY_FILE).write_text(json.dumps(_saved_by(session, cfg, export, trainer), indent=1))

@@ -38,6 +38,7 @@ from posttrain.trainers.grpo_loss import (
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
 from posttrain.trainers.online import completion_logps, truncated_rows, write_samples
 from posttrain.trainers.run_log import Phases
+from posttrain.trainers.streaming import StreamingGeneration
 
 
 class GRPOTrainer(GenerationEval, Trainer):
@@ -54,6 +55,7 @@ class GRPOTrainer(GenerationEval, Trainer):
     tool_use: Any = None  # trainers/tools.ToolUse with tools= or environment_factory=
     rollout_func: Any = None  # the user's TRL rollout_func
     dynamic_rounds: int = 0  # extra generation batches dynamic sampling drew (they advance the prompt order)
+    streaming: StreamingGeneration | None = None  # async_generation (trainers/streaming.py)
 
     @property
     def separate_reference(self) -> bool:
@@ -165,6 +167,12 @@ class GRPOTrainer(GenerationEval, Trainer):
                                        stop_token_ids=self.eos_ids)
         self.rollout = Rollout.from_config(cfg, s, "policy", self.sampling, max_batch=self.local_gen_size,
                                           max_prompt_len=max_prompt_len)
+        if cfg.async_generation:
+            if self.tool_use is not None or self.rollout_func is not None:
+                raise ConfigError("async_generation streams single-turn completions: drop tools, environment_factory "
+                                  "and rollout_func, or set async_generation false")
+            self.streaming = StreamingGeneration(self.rollout, cfg, world, self._generation_rows, self.prompt_ids,
+                                                 tok.pad_token_id)
         self.phases = Phases()
         self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches
         self.num_tokens = 0.0
@@ -242,8 +250,17 @@ class GRPOTrainer(GenerationEval, Trainer):
         self.trainer_state.global_step = self.step
         self.trainer_state.epoch = cycle * self.prompts_per_generation / len(self.rows)
         self.trainer_state.num_input_tokens_seen = int(self.num_tokens)
-        batch, metrics = self._sample_and_score([self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
-                                                cfg.num_generations, train=True)
+        if self.streaming is not None:  # the first groups to finish, whatever generation batch they came from
+            with self.phases("generate"):
+                step = cycle + 1  # one generation batch per optimizer step
+                groups = self.streaming.next_groups(drain=self.evaluates_after(step) or self.saves_after(step))
+                idx, *generated, streamed = self.streaming.batch(groups, s.device)
+            batch, metrics = self._sample_and_score([self.rows[i] for i in idx], [], cfg.num_generations, train=True,
+                                                    generated=tuple(generated))
+            metrics.update(streamed)
+        else:
+            batch, metrics = self._sample_and_score([self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
+                                                    cfg.num_generations, train=True)
         if cfg.dynamic_sampling:
             batch, metrics = fill_generation_batch(self, cycle, batch, metrics)
         # TRL shuffles the generation batch, then splits it into steps_per_generation micro-batches.
@@ -254,15 +271,18 @@ class GRPOTrainer(GenerationEval, Trainer):
         return [{k: (v[sel] if v.dim() and v.shape[0] == len(idx) else v) for k, v in batch.items()}
                 for sel in sels], metrics
 
-    def _sample_and_score(self, rows: list[dict], ids: list[list[int]], num_generations: int, train: bool
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def _sample_and_score(self, rows: list[dict], ids: list[list[int]], num_generations: int, train: bool,
+                          generated: tuple | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Complete and score this process's share of a batch (every process's rows in groups of
-        ``num_generations``); ``train``: keep what the loss needs and count the tokens."""
+        ``num_generations``); ``train``: keep what the loss needs and count the tokens; ``generated``: the
+        (prompt_ids, prompt_mask, RolloutOutput) already sampled (streaming)."""
         cfg, s, tok = self.cfg, self.session, self.tokenizer
         dev = s.device
         prompts, agent = [r["prompt"] for r in rows], None
         with self.phases("generate"):
-            if self.tool_use is None and self.rollout_func is None:
+            if generated is not None:
+                prompt_ids, prompt_mask, out = generated
+            elif self.tool_use is None and self.rollout_func is None:
                 prompt_ids, prompt_mask = left_pad(ids, tok.pad_token_id, dev)
                 out = self.rollout.generate(prompt_ids, prompt_mask)
             else:  # multi-turn with tools, or the user's rollout_func (trainers/tools.py)
@@ -413,6 +433,9 @@ class GRPOTrainer(GenerationEval, Trainer):
                 s.step("policy")
             loss_sum += loss.item() * self.backward_scale() / ga
             stats.append(st)
+        if self.streaming is not None:
+            with self.phases("generate"):
+                self.streaming.weights_changed()
         if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
             with self.phases("ref_sync"):
                 s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
@@ -449,8 +472,18 @@ class GRPOTrainer(GenerationEval, Trainer):
             self.session.load_weights("reference", checkpoint / "reference")
 
     def can_checkpoint(self, step: int) -> bool:
-        # A checkpoint holds no generation batch, so it is taken only where one ends.
+        # A checkpoint holds no generation batch, so it is taken only where one ends (streaming: drained).
+        if self.streaming is not None:
+            return self.streaming.drained
         return (step * self.cfg.gradient_accumulation_steps) % self.micro_per_generation == 0
+
+    def checkpoint_rank_state(self, directory: Path, rank: int) -> None:
+        if self.streaming is not None:  # the finished groups not yet trained
+            self.streaming.save(directory, rank)
+
+    def restore_rank_state(self, directory: Path, rank: int) -> None:
+        if self.streaming is not None:
+            self.streaming.restore(directory, rank)
 
     def _log_samples(self) -> None:
         prompts, texts, scores, extra = self.samples

@@ -15,6 +15,7 @@ from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
 from posttrain.trainers.config import TrainConfig
 from posttrain.trainers.grpo_loss import LOSS_TYPES
+from posttrain.trainers.streaming import StreamingFields, check_streaming_config
 
 _SAMPLING = "posttrain's engine samples with temperature, top_p and top_k"
 # TRL config fields GRPO and RLOO share (TRL's RLOOConfig has them too): those that take effect...
@@ -38,7 +39,7 @@ _ENTROPY = "the entropy bonus is not implemented: use top_entropy_quantile"
 
 
 @dataclass
-class OnlineFields(RolloutFields):
+class OnlineFields(StreamingFields, RolloutFields):
     """posttrain's own fields of the GRPO and RLOO configs, beside TRL's."""
 
     # Prompts kept to their last max_prompt_length tokens (TRL before 1.0 had it); None: TRL 1.16's whole prompt.
@@ -149,6 +150,7 @@ def check_online_config(cfg: Any) -> None:
         raise ConfigError(f"the generation batch ({cfg.generation_batch_size} completions = "
                           f"per_device_train_batch_size x processes x steps_per_generation) must be a multiple of "
                           f"num_generations ({cfg.num_generations}): every prompt's group has to be complete")
+    check_streaming_config(cfg, world)
     eval_generations = cfg.num_generations_eval or cfg.num_generations
     if cfg.eval_strategy != "no" and (cfg.per_device_eval_batch_size * world) % eval_generations:
         raise ConfigError(f"the eval batch (per_device_eval_batch_size {cfg.per_device_eval_batch_size} x {world} "

@@ -129,6 +129,28 @@ class Trainer:
     def is_world_process_zero(self) -> bool:
         return self.session.is_main_process
 
+    def evaluates_after(self, step: int, last: bool | None = None) -> bool:
+        """Whether an evaluation follows optimizer step ``step``: TRL's eval_strategy, and posttrain's at the last
+        step ("epoch": every epoch's steps)."""
+        cfg = self.cfg
+        if not (self.evaluates and self.has_eval_data() and cfg.eval_strategy != "no"):
+            return False
+        schedule = getattr(self, "schedule", None)
+        every = schedule.steps_per_epoch if cfg.eval_strategy == "epoch" and schedule is not None else cfg.eval_steps
+        last = step == self.total_steps if last is None else last
+        return bool(every and step % every == 0) or last
+
+    def saves_after(self, step: int, last: bool | None = None) -> bool:
+        """Whether a checkpoint is due after optimizer step ``step`` (``save_steps`` and the last step)."""
+        last = step == self.total_steps if last is None else last
+        return saves(self.cfg) and (step % self.cfg.save_steps == 0 or last)
+
+    def checkpoint_rank_state(self, directory: Path, rank: int) -> None:
+        """Write what this rank alone holds into a checkpoint's ``state/`` (nothing by default)."""
+
+    def restore_rank_state(self, directory: Path, rank: int) -> None:
+        """Read what :meth:`checkpoint_rank_state` wrote (nothing by default)."""
+
     def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
         """Train to ``total_steps`` (or until a callback stops it); returns transformers' ``TrainOutput``.
         The logged rows are ``state.log_history`` (the whole run's after a resume)."""
@@ -153,15 +175,12 @@ class Trainer:
             state = s.load_state(ckpt / "state")
             self.step = int(state["step"])
             self.restore(state, ckpt)
+            self.restore_rank_state(ckpt / "state", s.process_index)
         log = self.run_log = RunLog(s, cfg, self.total_steps, self.name, start=self.step, shown=self.shown,
                                     card=self.card_info())
         self.state.log_history = log.history
         started, first, losses = time.perf_counter(), self.step, []
         fallbacks = packing.fallbacks()
-        # TRL evaluates only under an eval_strategy; posttrain also at the last step. "epoch": the epoch's steps.
-        evaluating = self.evaluates and self.has_eval_data() and cfg.eval_strategy != "no"
-        schedule = getattr(self, "schedule", None)
-        every = schedule.steps_per_epoch if cfg.eval_strategy == "epoch" and schedule is not None else cfg.eval_steps
         window: list[dict[str, Any]] = []
         self._event("on_train_begin")
         while self.step < self.total_steps:
@@ -182,13 +201,14 @@ class Trainer:
                 self.on_log(self.step)
                 self._event("on_log", logs=row)
             log.advance()
-            if evaluating and ((every and self.step % every == 0) or last):
+            if self.evaluates_after(self.step, last):
                 metrics = self.evaluate()
                 log.log(self.step, metrics, advance=False)
                 self._event("on_evaluate", metrics=metrics)
-            if saves(cfg) and (self.step % cfg.save_steps == 0 or last) and self.can_checkpoint(self.step):
+            if self.saves_after(self.step, last) and self.can_checkpoint(self.step):
                 save_checkpoint(s, cfg, self.step, self.checkpoint_models(),
-                                {"total_steps": self.total_steps, **self.checkpoint_state()}, trainer=self.name)
+                                {"total_steps": self.total_steps, **self.checkpoint_state()}, trainer=self.name,
+                                rank_state=self.checkpoint_rank_state)
                 self._event("on_save")
             if last:
                 break

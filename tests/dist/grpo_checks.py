@@ -9,7 +9,8 @@
 - two generations per step (gradient accumulation 2, steps_per_generation 1);
 - a reward function that raises on rank 1 only;
 - LoRA GRPO under three placements (one resumed, one saved merged) and LoRA RLOO under two;
-- dynamic sampling with a reward that saturates on half the prompts, under two placements and resumed.
+- dynamic sampling with a reward that saturates on half the prompts, under two placements and resumed;
+- streaming generation (max_staleness 2 through 4 slots per process) under two placements and resumed.
 """
 
 import json
@@ -110,6 +111,18 @@ def main(out: str, tmp: str) -> None:
                                           output_dir=f"{tmp}/dynamic-zero2-zero3",
                                           resume_from_checkpoint=f"{tmp}/dynamic-zero2-zero3/checkpoint-2",
                                           **{**dynamic, "overwrite_output_dir": False})
+
+    # Streaming: each process streams its own groups; the same rows whatever the placement, and after a resume
+    # from the step-2 checkpoint (each rank's finished, untrained groups saved with it).
+    streaming = dict(SHORT, async_generation=True, max_staleness=2, generation_kv_slots=4, steps_per_generation=None,
+                     sync_ref_model=False, reward_weights=None, max_completion_length=10)
+    for mix in ("zero2-zero3", "zero3"):
+        res.setdefault("streaming", {})[mix], _, _ = run(GRPOConfig, GRPOTrainer, [SENTIMENT], mix=mix,
+                                                         output_dir=f"{tmp}/streaming-{mix}", **streaming)
+    res["streaming"]["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, [SENTIMENT], mix="zero2-zero3",
+                                            output_dir=f"{tmp}/streaming-zero2-zero3",
+                                            resume_from_checkpoint=f"{tmp}/streaming-zero2-zero3/checkpoint-2",
+                                            **{**streaming, "overwrite_output_dir": False})
 
     import torch.distributed as dist
     from accelerate.utils import gather_object

@@ -30,8 +30,9 @@ def fields(tmp, **extra):
                    max_steps=4, logging_steps=1, save_strategy="no", seed=3), **extra}
 
 
-def train(config_cls=GRPOConfig, trainer_cls=GRPOTrainer, **kw):
-    t = trainer_cls(str(tiny.sft_model_path()), reward_funcs=reward, args=config_cls(**kw), train_dataset=PROMPTS)
+def train(config_cls=GRPOConfig, trainer_cls=GRPOTrainer, peft_config=None, **kw):
+    t = trainer_cls(str(tiny.sft_model_path()), reward_funcs=reward, args=config_cls(**kw), train_dataset=PROMPTS,
+                    peft_config=peft_config)
     t.train()
     t.end()
     return [r for r in t.state.log_history if "loss" in r], [p.detach().clone() for p in
@@ -98,13 +99,19 @@ def test_a_sequence_decoding_across_a_weight_update_samples_under_each_steps_wei
     assert any(a.tokens[i].tolist() != unchanged[i][0] for i in range(2))
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "grpo-lora"])
 def test_staleness_zero_is_the_synchronous_run(tmp_path, algorithm):
     """max_staleness 0 admits one generation batch at a time and trains it whole: the same samples, losses and
-    final weights as the synchronous trainer."""
-    classes = (GRPOConfig, GRPOTrainer) if algorithm == "grpo" else (RLOOConfig, RLOOTrainer)
-    sync = train(*classes, **fields(tmp_path / "sync"))
-    streamed = train(*classes, **fields(tmp_path / "s0", async_generation=True, max_staleness=0))
+    final weights as the synchronous trainer (LoRA: the engine's merged adapters refreshed after each step)."""
+    from peft import LoraConfig
+
+    classes = (RLOOConfig, RLOOTrainer) if algorithm == "rloo" else (GRPOConfig, GRPOTrainer)
+    extra = {}
+    if algorithm == "grpo-lora":
+        extra = dict(learning_rate=2e-2, peft_config=LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8,
+                                                                lora_dropout=0.0))
+    sync = train(*classes, **fields(tmp_path / "sync"), **extra)
+    streamed = train(*classes, **fields(tmp_path / "s0", async_generation=True, max_staleness=0), **extra)
     assert [r["loss"] for r in sync[0]] == [r["loss"] for r in streamed[0]] and len(sync[0]) == 4
     assert [r["reward"] for r in sync[0]] == [r["reward"] for r in streamed[0]]
     assert all(torch.equal(x, y) for x, y in zip(sync[1], streamed[1]))

@@ -30,13 +30,20 @@ def fields(tmp, **extra):
                    max_steps=4, logging_steps=1, save_strategy="no", seed=3), **extra}
 
 
-def train(config_cls=GRPOConfig, trainer_cls=GRPOTrainer, peft_config=None, **kw):
+def train(config_cls=GRPOConfig, trainer_cls=GRPOTrainer, peft_config=None, eval_dataset=None, **kw):
     t = trainer_cls(str(tiny.sft_model_path()), reward_funcs=reward, args=config_cls(**kw), train_dataset=PROMPTS,
-                    peft_config=peft_config)
+                    peft_config=peft_config, eval_dataset=eval_dataset)
     t.train()
     t.end()
-    return [r for r in t.state.log_history if "loss" in r], [p.detach().clone() for p in
-                                                            t.session.unwrap("policy").parameters()]
+    rows = Rows(r for r in t.state.log_history if "loss" in r)
+    rows.evals = [r for r in t.state.log_history if "eval/reward" in r]
+    return rows, [p.detach().clone() for p in t.session.unwrap("policy").parameters()]
+
+
+class Rows(list):
+    """The training rows of a run's log, with its evaluation rows as ``evals``."""
+
+    evals: list
 
 
 def hybrid_reference(models, switch, ids, mask, key, steps):
@@ -120,24 +127,29 @@ def test_staleness_zero_is_the_synchronous_run(tmp_path, algorithm):
 
 def test_streaming_is_deterministic_bounded_and_resumes_exactly(tmp_path):
     """max_staleness 2 through 4 slots (groups wait, start and finish across steps): two runs log the same rows
-    (the stream drains before each checkpoint, so runs compare at the same save_steps), trained groups are at
-    most 2 updates old and some are older than 0; resumed from its step-2 checkpoint (which holds finished,
+    (the stream drains before each checkpoint and evaluation, so runs compare at the same save_steps and
+    eval_steps), trained groups are at most 2 updates old and some are older than 0; an evaluation at step 3 runs
+    the engine's own rollout once the stream drained; resumed from its step-2 checkpoint (which holds finished,
     untrained groups, saved per rank), steps 3-4 are the uninterrupted run's."""
-    stream = dict(async_generation=True, max_staleness=2, generation_kv_slots=4, max_completion_length=12)
-    first, w1 = train(**fields(tmp_path / "a", save_strategy="steps", save_steps=2, **stream))
-    again, w2 = train(**fields(tmp_path / "b", save_strategy="steps", save_steps=2, **stream))
+    stream = dict(async_generation=True, max_staleness=2, generation_kv_slots=4, max_completion_length=12,
+                  save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=3,
+                  per_device_eval_batch_size=8)
+    evals = PROMPTS[:4]
+    first, w1 = train(eval_dataset=evals, **fields(tmp_path / "a", **stream))
+    again, w2 = train(eval_dataset=evals, **fields(tmp_path / "b", **stream))
     keys = ["loss", "reward", "sample/staleness_mean", "sample/staleness_max", "streaming/dropped_groups",
             "completions/mean_length"]
     assert [[r[k] for k in keys] for r in first] == [[r[k] for k in keys] for r in again]
     assert all(torch.equal(x, y) for x, y in zip(w1, w2))
     assert 0 < max(r["sample/staleness_max"] for r in first) <= 2
+    assert [r["step"] for r in first.evals] == [3, 4] and first.evals == again.evals
     saved = torch.load(tmp_path / "a" / "checkpoint-2" / "state" / "streaming_rank0.pt", weights_only=True)
     assert saved["version"] == 2 and len(saved["ready"]) == 2
-    resumed, w3 = train(**fields(tmp_path / "a", save_strategy="steps", save_steps=2,
-                                 resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"), **stream))
+    resumed, w3 = train(eval_dataset=evals, **fields(tmp_path / "a", resume_from_checkpoint=str(
+        tmp_path / "a" / "checkpoint-2"), **stream))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [[r[k] for k in keys] for r in resumed[2:]] == [[r[k] for k in keys] for r in first[2:]]
-    assert all(torch.equal(x, y) for x, y in zip(w1, w3))
+    assert all(torch.equal(x, y) for x, y in zip(w1, w3)) and resumed.evals == first.evals
 
 
 def test_stale_groups_are_dropped_and_their_slots_freed(tmp_path):

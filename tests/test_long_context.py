@@ -118,3 +118,103 @@ def test_checkpointing_on_a_long_packed_row():
     assert calls.count(False) == 2 and calls.count(True) == 4  # recomputed in backward
     torch.testing.assert_close(out[True][0], out[False][0], atol=TOL, rtol=TOL)
     assert_grads_close(out[True][1], out[False][1])
+
+
+# -- the planner: the longest completion that fits ------------------------------------------------------------
+LORA = dict(world_size=1, micro_batch=1, gradient_checkpointing=True, generation_batch=8)
+
+
+def long_plan(length: int, gib: float = 139.0, prompt: int = 128, **kw):
+    from posttrain.planner import memory
+
+    lora = memory.Lora(16, ("all-linear",), 0.05)
+    return memory.plan("grpo", "8b", "zero2-zero3", seq_len=prompt + length, response_len=length, lora=lora,
+                       gpu_memory_gib=gib, **{**LORA, **kw})
+
+
+def test_the_planner_counts_the_fused_head_not_the_logits():
+    """GRPO trains and scores through TRL's fused LM head: a tile at a time and a few bytes per hidden unit
+    per token, never the logits. Against the 8B LoRA race on one H200 (posttrain 33.69 GiB peak,
+    benchmarks/results/2026-12-01-1xH200-races/grpo_lora_race.jsonl) within 3%."""
+    import json
+    from pathlib import Path
+
+    from posttrain.planner import memory
+
+    m = memory.model_size("8b")
+    logits = memory.train_activation_bytes(m, 1000, checkpointing=True)
+    fused = memory.train_activation_bytes(m, 1000, checkpointing=True, chunked_head=True)
+    assert logits - fused == 1000 * (memory.HEAD_TRAIN_V * m.vocab - memory.FUSED_HEAD_TRAIN_H * m.hidden) \
+        - memory.HEAD_TILE_BYTES
+    race = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-01-1xH200-races/grpo_lora_race.jsonl"
+    row = next(r for r in map(json.loads, race.read_text().splitlines()) if r.get("side") == "posttrain-lora")
+    plan = memory.plan("grpo", "8b", "zero2-zero3", world_size=1, micro_batch=16, seq_len=384, response_len=256,
+                       gradient_checkpointing=True, lora=memory.Lora(16, ("all-linear",), 0.05))
+    assert abs(plan.peak / memory.GiB - row["peak_allocated_gib"]) / row["peak_allocated_gib"] < 0.03
+
+
+def test_longest_completion_fits_and_the_next_does_not():
+    from posttrain.planner.longest import longest_completion
+
+    found = {gib: longest_completion(lambda n, g=gib: long_plan(n, g), 1024) for gib in (80.0, 139.0, 200.0)}
+    best = found[139.0]
+    assert best.length % 1024 == 0 and best.length >= 16384 and best.next_length == best.length + 1024
+    assert long_plan(best.length).fits and not long_plan(best.next_length).fits
+    assert best.plan.peak == long_plan(best.length).peak
+    assert found[80.0].length < best.length < found[200.0].length  # monotonic in the GPU's memory
+    fewer = longest_completion(lambda n: long_plan(n, kv_slots=1), 1024)  # generation_kv_slots 1: KV for one
+    assert fewer.length > best.length
+    assert long_plan(4096, kv_slots=1).roles[0].kv_cache * 8 == long_plan(4096).roles[0].kv_cache
+    none = longest_completion(lambda n: long_plan(n, 20.0), 1024)
+    assert none.length is None and not none.next_plan.fits and "no max_completion_length fits" in none.line()
+
+
+def test_plan_longest_completion_command(capsys):
+    from posttrain import cli
+
+    base = ["plan", "--workload", "grpo", "--shape", "8b", "--world-size", "1", "--micro-batch", "1",
+            "--generation-batch-size", "8", "--seq-len", "16512", "--response-len", "16384", "--use-peft",
+            "--lora-target-modules", "all-linear", "--gradient-checkpointing", "--mix", "zero2-zero3",
+            "--master-weights", "fp32"]
+    assert cli.main([*base, "--longest-completion", "--length-step", "2048"]) == 0
+    out = capsys.readouterr().out
+    from posttrain.planner.longest import longest_completion
+
+    expected = longest_completion(lambda n: long_plan(n), 2048)
+    assert f"longest max_completion_length that fits: {expected.length:,} tokens" in out
+    assert f"{expected.next_length:,} does not" in out and "in steps of 2048 tokens" in out
+    refusals = {("--workload", "dpo", "--longest-completion"): "dpo generates nothing",
+                ("--workload", "grpo", "--micro-batch", "2", "--generation-batch-size", "7"):
+                    "--generation-batch-size must be a multiple of --micro-batch x --world-size (4)",
+                ("--workload", "grpo", "--generation-kv-slots", "0"): "--generation-kv-slots must be 1 or more",
+                ("--workload", "grpo", "--longest-completion", "--length-step", "0"): "--length-step must be 1",
+                ("--workload", "grpo", "--longest-completion", "--seq-len", "64", "--response-len", "64"):
+                    "keeps the prompt"}
+    for args, message in refusals.items():
+        assert cli.main(["plan", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
+def test_the_planner_counts_the_engines_kv_slots():
+    """``generation_kv_slots``: the engine's cache holds that many sequences, whatever the rows; the planner
+    (bf16) counts the same cache as the engine allocates for the tiny default (fp32 on the CPU: twice)."""
+    from test_rollout import build, rollout
+
+    from posttrain.planner import memory
+
+    tok = tiny.load_tokenizer()
+    model = build("llama", tok)
+    ids = tok(["the cat sat on the", "a", "hello world"], return_tensors="pt", padding=True,
+              padding_side="left")["input_ids"].repeat_interleave(2, 0)
+    mask = (ids != tok.pad_token_id).long()
+    spec = str(tiny.sft_model_path())
+    for slots in (None, 2):
+        r = rollout(model, tok, max_batch=6, kv_slots=slots, max_new_tokens=16, min_new_tokens=16)
+        out = r.generate(ids, mask)
+        assert out.completion_mask.sum() == 6 * 16  # every row streamed through
+        p, new = r.engine.prompt_len, r.engine.max_new
+        plan = memory.plan("grpo", spec, "zero2-zero3", world_size=1, micro_batch=6, seq_len=p + new,
+                           response_len=new, kv_slots=slots)
+        assert r.engine.cache_nbytes == r.stats["kv_cache_bytes"] == 2 * plan.roles[0].kv_cache
+        assert plan.roles[0].kv_cache == memory.kv_cache_bytes(memory.model_size(spec), slots or 6, p + new)

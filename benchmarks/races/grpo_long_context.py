@@ -202,7 +202,11 @@ def targets(rows: list[dict[str, Any]], planner: dict[str, Any] | None) -> list[
         lines.append(f"at {n:,} tokens: posttrain {a['step_s']:.1f} s/step, {a['peak_allocated_gib'] or 0:.1f} GiB; TRL "
                      f"{b['step_s']:.1f} s/step, {b['peak_allocated_gib'] or 0:.1f} GiB: {b['step_s'] / a['step_s']:.2f}x")
     if planner and planner.get("longest"):
-        got = {r["purpose"]: r["status"] for r in rows if r.get("purpose", "").startswith("planner-")}
+        checked = {r["purpose"]: r for r in rows if r.get("purpose", "").startswith("planner-")
+                   and r["length"] in (planner["longest"], planner["next"])}
+        got = {k: r["status"] + (" (rollout degraded: a fallback)" if r.get("degraded") else "")
+               + (" (not at its length)" if r["status"] == "ok" and not r.get("exact_length") else "")
+               for k, r in checked.items()}
         if got:
             ok = got.get("planner-longest") == "ok" and got.get("planner-next") == "oom"
             lines.append(f"planner on {planner['gib']} GiB: {planner['longest']:,} predicted to fit "

@@ -12,7 +12,7 @@ import sys
 from posttrain.errors import ConfigError
 from posttrain.placement.launch import accelerate_config_command
 from posttrain.placement.roles import MIXES
-from posttrain.planner import memory
+from posttrain.planner import longest, memory
 from posttrain.planner import shapes as model_shapes
 
 
@@ -60,18 +60,32 @@ def _plan_checked(argv: list[str]) -> int:
                     help="LoRA (TRL's flag): the trained model's base is frozen and only its adapters train; no "
                          "reference role (the base with adapters disabled is the reference)")
     ap.add_argument("--lora-r", "--lora_r", type=int, default=16, help="LoRA rank (TRL's default 16)")
+    ap.add_argument("--lora-dropout", "--lora_dropout", type=float, default=0.05,
+                    help="LoRA dropout (TRL's default 0.05): a copy of each adapted layer's input kept for backward")
     ap.add_argument("--lora-target-modules", "--lora_target_modules", nargs="+", default=None, metavar="NAME",
                     help="modules that get adapters: names, or all-linear (default: peft's for the architecture)")
     ap.add_argument("--tool-tokens", "--tool_tokens", type=int, default=0,
                     help="GRPO/RLOO with tools: tool output tokens per sequence, inside --response-len (the KV "
                          "holds the prompt and every turn: --seq-len columns per sequence)")
+    ap.add_argument("--generation-batch-size", "--generation_batch_size", type=int, default=None,
+                    help="GRPO/RLOO/PPO: sequences generated at once over all processes (TRL's generation_batch_size, "
+                         "a multiple of --micro-batch x --world-size; default one micro-batch per process)")
+    ap.add_argument("--generation-kv-slots", "--generation_kv_slots", type=int, default=None,
+                    help="the trainers' setting of that name: the rollout engine's KV cache holds this many sequences "
+                         "and streams the rest through them (default: every sequence generated at once)")
+    ap.add_argument("--longest-completion", action="store_true",
+                    help="GRPO/RLOO/PPO: search the longest max_completion_length (--response-len) whose plan fits, "
+                         "the prompt (--seq-len minus --response-len) and the rest fixed")
+    ap.add_argument("--length-step", type=int, default=longest.LENGTH_STEP,
+                    help=f"--longest-completion's granularity in tokens (default {longest.LENGTH_STEP})")
     args = ap.parse_args(argv)
-    for name in ("world_size", "micro_batch", "seq_len", "lora_r", "num_generations"):
+    for name in ("world_size", "micro_batch", "seq_len", "lora_r", "num_generations", "length_step"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
     if args.response_len < 0 or args.gpu_memory <= 0:
         raise ConfigError("--response-len must be 0 or more and --gpu-memory (GiB per GPU) more than 0")
     names = memory.WORKLOADS[args.workload]
+    generation_rows = rollout_rows(args, names)
     shape = model_shapes.resolve_shape(args.shape)
     shapes = {}.fromkeys(names["trained"] + names["frozen"], shape)
     for item in args.role_shape:
@@ -87,24 +101,33 @@ def _plan_checked(argv: list[str]) -> int:
         memory.mix_configs(mix)  # an unknown mix: its sentence, before any model is sized
     lora = None
     if args.use_peft:
-        lora = memory.Lora(args.lora_r, tuple(args.lora_target_modules) if args.lora_target_modules else None)
-    elif args.lora_target_modules or args.lora_r != 16:
-        raise ConfigError("--lora-r and --lora-target-modules plan adapters: add --use-peft")
+        lora = memory.Lora(args.lora_r, tuple(args.lora_target_modules) if args.lora_target_modules else None,
+                           args.lora_dropout)
+    elif args.lora_target_modules or args.lora_r != 16 or args.lora_dropout != 0.05:
+        raise ConfigError("--lora-r, --lora-dropout and --lora-target-modules plan adapters: add --use-peft")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     precisions = ["fp32", "bf16"] if args.master_weights == "both" else [args.master_weights]
     # GRPO/RLOO's groups share a prompt; PPO and distillation decode one completion per prompt.
     shared_group = None
     if args.generation_shared_prompt_kv:
         shared_group = args.num_generations if args.workload in ("grpo", "rloo") else 1
     best_of: dict[str, memory.Plan | None] = {}
+
+    def plan_for(mix: str, precision: str, seq_len: int, response_len: int) -> memory.Plan:
+        return memory.plan(args.workload, shapes, mix, world_size=args.world_size, micro_batch=args.micro_batch,
+                           seq_len=seq_len, response_len=response_len, master_weights=precision,
+                           gradient_checkpointing=args.gradient_checkpointing,
+                           generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory, lora=lora,
+                           single_process_engine=args.single_process_engine,
+                           fused_projections=args.generation_fused_projections,
+                           shared_prompt_group=shared_group, tool_tokens=args.tool_tokens,
+                           generation_batch=generation_rows, kv_slots=args.generation_kv_slots)
+
+    if args.longest_completion:
+        return _longest(args, mixes, precisions, plan_for)
     for precision in precisions:
-        plans = [memory.plan(args.workload, shapes, m, world_size=args.world_size, micro_batch=args.micro_batch,
-                             seq_len=args.seq_len, response_len=args.response_len, master_weights=precision,
-                             gradient_checkpointing=args.gradient_checkpointing,
-                             generation_backend=args.generation_backend, gpu_memory_gib=args.gpu_memory, lora=lora,
-                             single_process_engine=args.single_process_engine,
-                             fused_projections=args.generation_fused_projections,
-                             shared_prompt_group=shared_group, tool_tokens=args.tool_tokens)
-                 for m in mixes]
+        plans = [plan_for(m, precision, args.seq_len, args.response_len) for m in mixes]
         print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
         if args.tool_tokens:
             print(f"multi-turn: each sequence's KV holds its prompt and every turn ({args.seq_len} columns: "
@@ -118,6 +141,45 @@ def _plan_checked(argv: list[str]) -> int:
     if len(precisions) > 1:
         print(memory.precision_summary(best_of))
     return 0 if any(best_of.values()) else 1
+
+
+def rollout_rows(args: argparse.Namespace, names: dict[str, list[str]]) -> int | None:
+    """Sequences one process generates at once (None: one micro-batch); the rollout flags checked."""
+    rollout = [f for f in ("generation_batch_size", "generation_kv_slots") if getattr(args, f) is not None]
+    if (rollout or args.longest_completion) and not names.get("decoded"):
+        flags = ", ".join(f"--{f.replace('_', '-')}" for f in [*rollout, *(["longest_completion"]
+                                                                          if args.longest_completion else [])])
+        raise ConfigError(f"{flags}: {args.workload} generates nothing; these plan the rollout of grpo, rloo or ppo")
+    if args.generation_kv_slots is not None and args.generation_kv_slots < 1:
+        raise ConfigError(f"--generation-kv-slots must be 1 or more, got {args.generation_kv_slots}")
+    if args.longest_completion and (args.seq_len <= args.response_len or args.tool_tokens):
+        raise ConfigError("--longest-completion keeps the prompt (--seq-len minus --response-len, which must be 1 or "
+                          "more) and searches the completion; drop --tool-tokens")
+    if args.generation_batch_size is None:
+        return None
+    per_step = args.micro_batch * args.world_size
+    if args.generation_batch_size < 1 or args.generation_batch_size % per_step:
+        raise ConfigError(f"--generation-batch-size must be a multiple of --micro-batch x --world-size ({per_step}), "
+                          f"got {args.generation_batch_size}")
+    return args.generation_batch_size // args.world_size
+
+
+def _longest(args: argparse.Namespace, mixes: list[str], precisions: list[str], plan_for) -> int:
+    """``posttrain plan --longest-completion``: per precision and mix, the longest completion that fits."""
+    prompt = args.seq_len - args.response_len
+    found: list[longest.Longest] = []
+    for precision in precisions:
+        print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
+        for mix in mixes:
+            result = longest.longest_completion(lambda n, m=mix, p=precision: plan_for(m, p, prompt + n, n),
+                                                args.length_step)
+            print(f"{mix}, prompts of {prompt} tokens: {result.line()}")
+            found.append(result)
+        print()
+    best = max((r for r in found if r.length is not None), key=lambda r: r.length, default=None)
+    if best is not None and best.plan is not None:
+        print(f"the longest plan ({best.length:,} tokens):\n" + memory.format_plan(best.plan))
+    return 0 if best is not None else 1
 
 
 # Trainer commands: each runs posttrain.scripts.<name>.main(argv), as examples/<name>.py does.

@@ -12,6 +12,7 @@ from posttrain.planner.shapes import (
     SHAPES,
     Lora,
     ModelSize,
+    adapted_inputs,
     adapter_params,
     merged_adapter_params,
     model_config,
@@ -40,6 +41,19 @@ ACT_H, ACT_KV, ACT_F = 20, 4, 8
 HEAD_TRAIN_V = 6
 # A frozen forward's working set: the bf16 logits plus one layer's intermediates.
 HEAD_INFER_V = 2
+# Workloads whose causal LMs score through TRL's fused LM head or posttrain's chunked one (never the logits).
+CHUNKED_HEAD_WORKLOADS = ("grpo", "rloo")
+# TRL's fused head per token, bytes per hidden unit: the bf16 hidden state it keeps for backward 2, and in
+# backward that state's float32 gradient 4 and its bf16 copy 2; a frozen forward keeps only the state's copy.
+FUSED_HEAD_TRAIN_H = 8
+FUSED_HEAD_INFER_H = 2
+# Plus one bf16 tile of TOKEN_CHUNK_SIZE x vocabulary chunk (trl.kernels.chunked_logprob) at a time.
+HEAD_TILE_BYTES = 4096 * 32768 * 2
+# A trained head's backward under the fused head: the float32 weight gradient and its bf16 copy, per weight.
+FUSED_HEAD_WEIGHT_GRAD = 6
+# LoRA dropout, per token and input feature of an adapted layer: the dropped bf16 input and its mask, kept
+# for backward by each layer whose activations are kept (one at a time under checkpointing).
+LORA_DROPOUT_BYTES = 3
 # Optimizer step with fp32 master weights, bytes per parameter over N: bf16 gradient partition 2,
 # its flat bf16 copy 2, that copy in fp32 4; the Session casts while flattening (no flat copy): 6.
 # ZeRO-3 steps one sub-group of SUB_GROUP_SIZE parameters at a time.
@@ -59,19 +73,25 @@ def shared_vocab(shapes: dict[str, str], workload: str) -> int:
     return SHAPES[main]["vocab_size"] if main in SHAPES else int(model_config(main).vocab_size)
 
 
-def train_activation_bytes(m: ModelSize, tokens: int, checkpointing: bool = False) -> int:
-    """Bytes kept for backward over ``tokens`` tokens, head included; checkpointing: 2h/token/layer + 1."""
+def train_activation_bytes(m: ModelSize, tokens: int, checkpointing: bool = False, chunked_head: bool = False) -> int:
+    """Bytes kept for backward over ``tokens`` tokens, head included; checkpointing: 2h/token/layer + 1;
+    ``chunked_head``: a causal LM's head is TRL's fused one (a tile at a time, never the logits)."""
     per_layer = ACT_H * m.hidden + ACT_KV * m.kv_dim + ACT_F * m.intermediate
-    head = HEAD_TRAIN_V * m.vocab if m.kind == "causal" else 8 * m.hidden
+    chunked = chunked_head and m.kind == "causal"
+    head = (FUSED_HEAD_TRAIN_H * m.hidden if chunked else HEAD_TRAIN_V * m.vocab) if m.kind == "causal" else 8 * m.hidden
     layers = m.layers * 2 * m.hidden + per_layer if checkpointing else m.layers * per_layer
-    return tokens * (layers + 8 * m.hidden + head)
+    return tokens * (layers + 8 * m.hidden + head) + (HEAD_TILE_BYTES if chunked else 0)
 
 
-def inference_bytes(m: ModelSize, tokens: int) -> int:
-    """Peak working memory of a forward without gradients over ``tokens`` tokens."""
+def inference_bytes(m: ModelSize, tokens: int, chunked_head: bool = False) -> int:
+    """Peak working memory of a forward without gradients over ``tokens`` tokens (``chunked_head``: a causal
+    LM's log-probs a tile at a time)."""
     layer = 2 * (2 * m.hidden + 3 * m.intermediate)
-    head = HEAD_INFER_V * m.vocab if m.kind == "causal" else 0
-    return tokens * (layer + head)
+    if m.kind != "causal":
+        return tokens * layer
+    if chunked_head:
+        return tokens * (layer + FUSED_HEAD_INFER_H * m.hidden) + HEAD_TILE_BYTES
+    return tokens * (layer + HEAD_INFER_V * m.vocab)
 
 
 def check_tool_tokens(workload: str, tool_tokens: int, response_len: int, shared_prompt_group: int | None) -> None:
@@ -250,9 +270,12 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          seq_len: int, response_len: int = 64, gpu_memory_gib: float = 139.0,
          generation_backend: str = "posttrain", master_weights: str = "fp32",
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
-         fused_projections: bool = False, shared_prompt_group: int | None = None, tool_tokens: int = 0) -> Plan:
+         fused_projections: bool = False, shared_prompt_group: int | None = None, tool_tokens: int = 0,
+         generation_batch: int | None = None, kv_slots: int | None = None) -> Plan:
     """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response;
-    ``tool_tokens``: multi-turn tool use (GRPO/RLOO), tool output per sequence inside the response budget."""
+    ``tool_tokens``: multi-turn tool use (GRPO/RLOO), tool output per sequence inside the response budget;
+    ``generation_batch``: sequences one process generates at once (default ``micro_batch``); ``kv_slots``: the
+    engine's KV budget in sequences (``generation_kv_slots``, default ``generation_batch``)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -287,6 +310,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
     n = world_size
     seqs = 2 * micro_batch if workload in ("dpo", "reward") else micro_batch
     tokens = seqs * seq_len
+    chunked = workload in CHUNKED_HEAD_WORKLOADS
 
     def train(r: RolePlan) -> float:
         """The larger of forward+backward (activations saved, gradient buffers) and the step."""
@@ -295,7 +319,12 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
                       else STEP_BYTES_CAST if place.cast_flat_grads and place.stage > 0 else STEP_BYTES)
         # LoRA: backward still runs through the frozen layers; only the adapters step.
         trained = r.adapters or m.params
-        r.activations = train_activation_bytes(m, tokens, gradient_checkpointing)
+        r.activations = train_activation_bytes(m, tokens, gradient_checkpointing, chunked)
+        if chunked and m.kind == "causal" and not r.adapters:  # the fused head's backward of a trained head
+            r.activations += FUSED_HEAD_WEIGHT_GRAD * m.vocab * m.hidden
+        if r.adapters and lora.dropout and m.kind == "causal":
+            inputs = adapted_inputs(shapes[r.name], lora, vocab)
+            r.activations += tokens * LORA_DROPOUT_BYTES * (inputs // m.layers if gradient_checkpointing else inputs)
         if place.engine == "torch":
             # No buckets; activations are freed as backward fills the gradients (overlap: NOTES s. 12).
             return r.grads + r.activations / 2
@@ -316,7 +345,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
             gathered = 2 * min(MAX_LIVE_PARAMETERS, m.params) if place.offload_params else 4 * m.largest_layer
         else:
             gathered = 0
-        work = inference_bytes(m, tokens) + gathered
+        work = inference_bytes(m, tokens, chunked) + gathered
         if not place.trains:
             r.activations = max(r.activations, work)
         return work
@@ -334,16 +363,19 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
             phases["train"] += 8 * tokens * teacher.size.vocab
     else:
         policy = by["policy"]
-        policy.kv_cache = kv_cache_bytes(policy.size, micro_batch, seq_len)
-        engine_kv = policy.kv_cache
+        rows = generation_batch or micro_batch
+        slots = kv_slots or rows  # the engine streams the rows through its slots
+        policy.kv_cache = kv_cache_bytes(policy.size, rows, seq_len)
+        engine_kv = kv_cache_bytes(policy.size, slots, seq_len)
         if shared_prompt_group:
             from posttrain.rollout.prompt_cache import default_prompt_slots
 
-            engine_kv = kv_cache_bytes(policy.size, micro_batch, seq_len,
-                                       default_prompt_slots(micro_batch, shared_prompt_group), seq_len - response_len)
+            engine_kv = kv_cache_bytes(policy.size, slots, seq_len,
+                                       default_prompt_slots(slots, shared_prompt_group), seq_len - response_len)
         # Multi-turn with generate: each turn re-prefills the conversation so far (the last one nearly all of it);
         # the engine prefills only the appended tool output into the sequence's slot.
-        prompt = micro_batch * (seq_len if tool_tokens and generation_backend == "hf" else seq_len - response_len)
+        prefilled = rows if generation_backend == "hf" else min(rows, slots)
+        prompt = prefilled * (seq_len if tool_tokens and generation_backend == "hf" else seq_len - response_len)
         gen = inference_bytes(policy.size, prompt) - HEAD_INFER_V * policy.size.vocab * prompt
         if generation_backend == "hf":
             gen += policy.kv_cache
@@ -352,7 +384,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
         else:
             # Fused projections are views of DeepSpeed's flat buffers; copies otherwise.
             copies = fused_projections and (lora is not None or "policy" in torch_path)
-            policy.rollout = rollout_engine_bytes(policy.size, micro_batch, seq_len, policy.place.stage, copies,
+            policy.rollout = rollout_engine_bytes(policy.size, slots, seq_len, policy.place.stage, copies,
                                                   engine_kv)
             policy.kv_cache = engine_kv
             if lora is not None:  # the engine's merged adapted weights (its default lora_mode), bf16

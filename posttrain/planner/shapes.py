@@ -116,10 +116,12 @@ def model_size(spec: str, kind: str = "causal", vocab_size: int | None = None) -
 
 @dataclass(frozen=True)
 class Lora:
-    """Rank-``r`` adapters on ``target_modules``: None: peft's default; ("all-linear",): all but the head."""
+    """Rank-``r`` adapters on ``target_modules``: None: peft's default; ("all-linear",): all but the head;
+    ``dropout``: peft's ``lora_dropout`` (its default 0: no copy of the adapted layers' inputs)."""
 
     r: int = 16
     target_modules: tuple[str, ...] | None = None
+    dropout: float = 0.0
 
 
 @functools.lru_cache(maxsize=64)
@@ -169,6 +171,18 @@ def _adapted(model: Any, targets: Any, saved: list[str]) -> Any:
             chosen = any(name == t or name.endswith(f".{t}") for t in targets)
         if chosen and isinstance(module, (nn.Embedding, nn.Linear, Conv1D)):
             yield module
+
+
+@functools.lru_cache(maxsize=64)
+def adapted_inputs(spec: str, lora: Lora, vocab_size: int | None = None) -> int:
+    """Input features of every adapted linear layer of the causal LM (what LoRA's dropout copies per token)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    model = meta_model(spec, "causal", vocab_size)
+    targets = lora.target_modules or _default_targets(model)
+    return sum(m.weight.shape[1] if isinstance(m, nn.Linear) else m.weight.shape[0]
+               for m in _adapted(model, targets, []) if isinstance(m, (nn.Linear, Conv1D)))
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from posttrain.data.prompts import position_ids
+from posttrain.models.chunked_head import head_logps, output_layer
 from posttrain.models.packing import Packing, packs
 from posttrain.run.jsonrows import dumps_row
 
@@ -18,10 +19,10 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
                      fill_padding: bool = True,
                      padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and detached entropies of the last ``logits_to_keep`` tokens, 0 at padding unless
-    ``fill_padding=False``. ``fused``: model has TRL's fused LM head. Positions follow the mask.
-    ``padding_free``: each chunk's attended tokens packed into one row (0 at padding whatever ``fill_padding``)."""
-    from trl.trainer.utils import selective_log_softmax
-
+    ``fill_padding=False``. ``fused``: model has TRL's fused LM head; else ``float32`` computes them through the
+    output layer in chunks of tokens (:mod:`posttrain.models.chunked_head`), and ``float32=False`` from the
+    logits in the model's dtype (TRL's PPO). Positions follow the mask. ``padding_free``: each chunk's attended
+    tokens packed into one row (0 at padding whatever ``fill_padding``)."""
     batch_size = batch_size or input_ids.size(0)
     padding_free = padding_free and packs(model)
     logps, entropies = [], []
@@ -42,13 +43,9 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
             lp = out.log_probs[:, -logits_to_keep:]
             ent = out.entropy[:, -logits_to_keep:].detach() if compute_entropy else None
         else:
-            logits = model(input_ids=ids, attention_mask=am, position_ids=positions, use_cache=False,
-                           logits_to_keep=logits_to_keep + 1).logits[:, :-1]
-            logits = (logits.float() if float32 else logits) / temperature
-            lp, ent = selective_log_softmax(logits, ids[:, -logits_to_keep:]), None
-            if compute_entropy:
-                with torch.no_grad():
-                    ent = torch.logsumexp(logits, dim=-1) - torch.sum(torch.softmax(logits, dim=-1) * logits, dim=-1)
+            lp, ent = unfused_logps(model, ids[:, -logits_to_keep:], temperature, compute_entropy, float32, True,
+                                    input_ids=ids, attention_mask=am, position_ids=positions, use_cache=False,
+                                    logits_to_keep=logits_to_keep + 1)
             if fill_padding:
                 valid = am[:, -logits_to_keep:].bool()
                 lp = lp.masked_fill(~valid, 0.0)
@@ -64,8 +61,6 @@ def packed_completion_logps(model: Any, ids: torch.Tensor, am: torch.Tensor, log
                             float32: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``completion_logps`` of one chunk on its packed row: each attended token predicts the next attended
     token of its sequence; the values land at that token's column of the last ``logits_to_keep``."""
-    from trl.trainer.utils import selective_log_softmax
-
     packing = Packing.of(am)
     batch, length = ids.shape
     inputs = packing.model_inputs(ids)
@@ -83,18 +78,38 @@ def packed_completion_logps(model: Any, ids: torch.Tensor, am: torch.Tensor, log
         out = model(**inputs, shift_labels=shift_labels.unsqueeze(0), fused_lm_head=True)
         lp = out.log_probs[0, where]
         ent = out.entropy[0, where].detach() if compute_entropy else None
-    else:
-        logits = model(**inputs, use_cache=False, logits_to_keep=where).logits[0]
-        logits = (logits.float() if float32 else logits) / temperature
-        lp, ent = selective_log_softmax(logits[None], targets[None])[0], None  # a row: no scored token is fine
-        if compute_entropy:
-            with torch.no_grad():
-                ent = torch.logsumexp(logits, dim=-1) - torch.sum(torch.softmax(logits, dim=-1) * logits, dim=-1)
+    else:  # a row: no scored token is fine
+        lp, ent = unfused_logps(model, targets[None], temperature, compute_entropy, float32, False, **inputs,
+                                use_cache=False, logits_to_keep=where)
+        lp, ent = lp[0], (ent[0] if ent is not None else None)
 
     def place(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(batch * logits_to_keep).index_copy(0, dest, values).view(batch, logits_to_keep)
 
     return place(lp), (place(ent) if ent is not None else None)
+
+
+def unfused_logps(model: Any, targets: torch.Tensor, temperature: float, compute_entropy: bool, float32: bool,
+                  drop_last: bool, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` [B, S] (and detached entropies) from ``model(**inputs)``'s output layer given
+    [B, S (+1 with ``drop_last``)] hidden states: in float32 through the layer in chunks (never the whole
+    logits) where it is a plain linear layer, else from the logits (in float32 or the model's dtype)."""
+    from trl.trainer.utils import selective_log_softmax
+
+    head = output_layer(model) if float32 else None
+    if head is not None:
+        lp, ent, out = head_logps(model, head, targets, temperature, compute_entropy, drop_last, **inputs)
+        if lp is not None:
+            return lp, ent
+    else:
+        out = model(**inputs)
+    logits = out.logits[:, :-1] if drop_last else out.logits
+    logits = (logits.float() if float32 else logits) / temperature
+    lp, ent = selective_log_softmax(logits, targets), None
+    if compute_entropy:
+        with torch.no_grad():
+            ent = torch.logsumexp(logits, dim=-1) - torch.sum(torch.softmax(logits, dim=-1) * logits, dim=-1)
+    return lp, ent
 
 
 def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, terminal_ids: list[int]) -> torch.Tensor:

@@ -73,6 +73,12 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--generation-kv-slots", "--generation_kv_slots", type=int, default=None,
                     help="the trainers' setting of that name: the rollout engine's KV cache holds this many sequences "
                          "and streams the rest through them (default: every sequence generated at once)")
+    ap.add_argument("--async-generation", "--async_generation", action="store_true",
+                    help="GRPO/RLOO: the trainers' streaming generation; counts the outputs of the sequences started and "
+                         "not yet trained (the KV cache is the slots', as without it)")
+    ap.add_argument("--max-staleness", "--max_staleness", type=int, default=4,
+                    help="with --async-generation: TRL AsyncGRPO's bound, default 4 (max_staleness + 1 generation "
+                         "batches in flight, max_inflight_tasks' default)")
     ap.add_argument("--longest-completion", action="store_true",
                     help="GRPO/RLOO/PPO: search the longest max_completion_length (--response-len) whose plan fits, "
                          "the prompt (--seq-len minus --response-len) and the rest fixed")
@@ -86,6 +92,13 @@ def _plan_checked(argv: list[str]) -> int:
         raise ConfigError("--response-len must be 0 or more and --gpu-memory (GiB per GPU) more than 0")
     names = memory.WORKLOADS[args.workload]
     generation_rows = rollout_rows(args, names)
+    streamed = 0
+    if args.async_generation:
+        if args.workload not in ("grpo", "rloo") or args.generation_backend != "posttrain" or args.max_staleness < 0:
+            raise ConfigError("--async-generation plans grpo or rloo on --generation-backend posttrain, with "
+                              f"--max-staleness 0 or more (got {args.workload}, {args.generation_backend}, "
+                              f"{args.max_staleness})")
+        streamed = (args.max_staleness + 1) * (generation_rows or args.micro_batch)
     shape = model_shapes.resolve_shape(args.shape)
     shapes = {}.fromkeys(names["trained"] + names["frozen"], shape)
     for item in args.role_shape:
@@ -122,13 +135,20 @@ def _plan_checked(argv: list[str]) -> int:
                            single_process_engine=args.single_process_engine,
                            fused_projections=args.generation_fused_projections,
                            shared_prompt_group=shared_group, tool_tokens=args.tool_tokens,
-                           generation_batch=generation_rows, kv_slots=args.generation_kv_slots)
+                           generation_batch=generation_rows, kv_slots=args.generation_kv_slots,
+                           streamed_rows=streamed)
 
     if args.longest_completion:
         return _longest(args, mixes, precisions, plan_for)
     for precision in precisions:
         plans = [plan_for(m, precision, args.seq_len, args.response_len) for m in mixes]
         print(f"== master_weights {precision}: {memory.MASTER_WEIGHTS_TEXT[precision]} ==\n")
+        if streamed:
+            slots = args.generation_kv_slots or generation_rows or args.micro_batch
+            print(f"streaming: {slots} sequences decode in the engine's slots at once; up to {streamed} per process "
+                  f"started and not yet trained ({args.max_staleness + 1} generation batches), their outputs "
+                  f"{memory.streamed_bytes(streamed, args.seq_len - args.response_len, args.response_len) / 2**20:.1f} "
+                  "MiB, counted with the rollout\n")
         if args.tool_tokens:
             print(f"multi-turn: each sequence's KV holds its prompt and every turn ({args.seq_len} columns: "
                   f"{args.seq_len - args.response_len} prompt, {args.response_len} completion of which "

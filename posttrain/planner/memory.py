@@ -129,6 +129,12 @@ def fused_projection_bytes(m: ModelSize) -> int:
     return m.layers * m.hidden * (m.hidden + 2 * m.kv_dim + 2 * m.intermediate) * 2
 
 
+def streamed_bytes(rows: int, prompt_len: int, response_len: int) -> int:
+    """Streaming generation's held outputs: each started sequence's prompt ids and mask (int64) and its completion's
+    ids (int64) and sampling log-probs (float32); its KV is the engine's slots'."""
+    return rows * (16 * prompt_len + 12 * response_len)
+
+
 def rollout_engine_bytes(m: ModelSize, sequences: int, length: int, policy_stage: int,
                          fused_projections: bool = False, kv_cache: int | None = None) -> int:
     """posttrain.rollout's bytes: KV cache (default all rows'), graphs, ZeRO-3 copy, fused projections."""
@@ -271,11 +277,12 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          generation_backend: str = "posttrain", master_weights: str = "fp32",
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
          fused_projections: bool = False, shared_prompt_group: int | None = None, tool_tokens: int = 0,
-         generation_batch: int | None = None, kv_slots: int | None = None) -> Plan:
+         generation_batch: int | None = None, kv_slots: int | None = None, streamed_rows: int = 0) -> Plan:
     """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response;
     ``tool_tokens``: multi-turn tool use (GRPO/RLOO), tool output per sequence inside the response budget;
     ``generation_batch``: sequences one process generates at once (default ``micro_batch``); ``kv_slots``: the
-    engine's KV budget in sequences (``generation_kv_slots``, default ``generation_batch``)."""
+    engine's KV budget in sequences (``generation_kv_slots``, default ``generation_batch``); ``streamed_rows``:
+    streaming generation's sequences started and not yet trained per process (their outputs held on the GPU)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -389,6 +396,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
             policy.kv_cache = engine_kv
             if lora is not None:  # the engine's merged adapted weights (its default lora_mode), bf16
                 policy.rollout += 2 * merged_adapter_params(shapes["policy"], lora, vocab)
+            policy.rollout += streamed_bytes(streamed_rows, seq_len - response_len, response_len)
         phases["generate"] = gen
         # LoRA: the reference forward is the policy's own, adapters disabled.
         phases["score"] = max([forward(by[name]) for name in names["frozen"]]

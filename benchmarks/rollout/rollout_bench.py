@@ -22,6 +22,16 @@ random prompts (all real tokens), sampling at temperature 1, top-k off. Cases (`
 - ``prepared``: the model prepared as GRPO prepares its policy (gradient checkpointing, TRL's fused
   LM head, train mode): does the engine keep its compiled step (and the baseline?).
 
+- ``deepspeed`` (issue 39; ``deepspeed_rollout.py``): DeepSpeed's own rollout engine
+  (``deepspeed.runtime.rollout.HybridEngineRollout`` on a ``deepspeed.initialize`` engine) beside
+  posttrain's engine on one greedy workload: ``--chunk`` rows of unique random prompts x (prompt +
+  new), every row to the end (the ``full`` case's shape, greedy on both sides). Rows: posttrain's
+  engine (``do_sample=False``), then per ``--ds-paths`` DeepSpeed's ``generate`` path, its CUDA-graph
+  path, continuous batching (all rows' slots), continuous batching with its CUDA graph, and
+  generate under DeepSpeedHybridEngine's injected kernels: seconds (one untimed call, then
+  ``--repeats``), tokens per second, and the share of rows whose token ids equal posttrain's. A
+  path that cannot run records its error.
+
 - ``lora`` (issue 21; run alone, it builds its own models): decode time per token of a policy
   with peft LoRA adapters (r ``--lora-r``, alpha 2r, every linear layer but the LM head, random
   non-zero B) in the engine's two modes, side by side with the same model merged into a plain one
@@ -38,6 +48,12 @@ after every stage; stages stop being started after ``--budget-s`` seconds.
 
     git show 2c7536f:posttrain/rollout.py > /tmp/rollout_2c7536f.py
     python benchmarks/rollout/rollout_bench.py --shapes 1b --baseline /tmp/rollout_2c7536f.py --hf --out r.json
+
+DeepSpeed's rollout engine beside posttrain's on one H200 (1.1B, greedy, 128 rows x (256 + 512);
+the eager paths decode with transformers' eager forward, as ``--hf`` does; rows are saved to
+``--out``.partial as each finishes):
+
+    python benchmarks/rollout/rollout_bench.py --shapes 1b --cases deepspeed --repeats 2 --budget-s 420 --out ds_rollout_1b.json
 
 LoRA decode on one H200 (bf16; six variants per shape side by side, one invocation per shape,
 each a few minutes; no variant is started after --budget-s):
@@ -403,9 +419,22 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, base
             out["baseline"] = {"s": s, "compile": b.stats.get("compile")}
         res["prepared"] = out
 
+    def deepspeed_case() -> None:
+        import deepspeed_rollout
+
+        # The full case's rows and lengths, greedy; unique prompts (a group's copies decode alike).
+        x = torch.randint(3, vocab, (chunk, p), generator=torch.Generator(device="cpu").manual_seed(2)).to(device)
+        deepspeed_rollout.bench_deepspeed(
+            res.setdefault("deepspeed", {}), model, x, torch.ones_like(x), n,
+            paths=[q for q in args.ds_paths.split(",") if q], repeats=repeats,
+            build_copy=lambda: build(shape, device, torch.bfloat16), timed=timed,
+            profiled_rollouts=profiled_rollouts, engine_summary=engine_summary,
+            budget_left=lambda: args.budget_s - (time.perf_counter() - t_start),
+            save=lambda: Path(args.out + ".partial").write_text(json.dumps(res, indent=1, default=str)))
+
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     for name, fn in (("prepared", prepared), ("varlen", varlen), ("full", full), ("prefix", prefix),
-                     ("logprobs", logprobs)):
+                     ("logprobs", logprobs), ("deepspeed", deepspeed_case)):
         if name in cases or (name == "full" and "step" in cases):
             stage(name, fn)
     res["total_s"] = round(time.perf_counter() - t0, 1)
@@ -444,6 +473,22 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{k} {x[k]['mean']:.4f}/{x[k]['max']:.3f}" for k in ("engine", "engine_shared", "engine_shared_flex", "engine_triton",
                                                           "engine_shared_triton",
                                                           "baseline", "generate") if k in x) + " |")
+        if r.get("deepspeed"):
+            d = r["deepspeed"]
+            lines.append(f"### greedy, {d.get('rows')} rows x ({d.get('prompt_len')} + {d.get('new_tokens')}): "
+                         f"DeepSpeed {d.get('deepspeed')}'s HybridEngineRollout beside posttrain's engine")
+            if d.get("compat"):
+                lines.append(f"| deepspeed | added {d['compat']['added']} | because {d['compat']['because'][:200]} |")
+            for name, v in d.items():
+                if not isinstance(v, dict) or name == "compat":
+                    continue
+                if "s" not in v:
+                    lines.append(f"| deepspeed | {name} | {v.get('status')}: {v.get('error')} ({v.get('at', '')}) |")
+                    continue
+                agree = (f"{v['equal_sequences']:.0%} rows equal posttrain's, common prefix "
+                         f"{v['mean_common_prefix']:.1f}" if "equal_sequences" in v else "reference")
+                lines.append(f"| deepspeed | {name} | {v['s']:.3f} s | {v['tokens']} tokens | "
+                             f"{v['tokens_per_s']:.0f} tok/s | {agree} | {v.get('status')} |")
         if r.get("prepared"):
             lines.append(f"| GRPO-prepared policy | {json.dumps(r['prepared'], default=str)[:300]} |")
         if r["errors"]:
@@ -474,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no stage after this many seconds")
     ap.add_argument("--compile", default="layer", help="layer (the engine's compiled step), optionally +fuse (fused "
                     "q|k|v and gate|up copies: the engine's fused option)")
+    ap.add_argument("--ds-paths", default="ds-generate,ds-graph,ds-continuous,ds-continuous-graph,ds-hybrid-kernels",
+                    help="the deepspeed case's DeepSpeed rollout paths (rows), comma-separated")
     ap.add_argument("--lora-r", type=int, default=16, help="the lora case's adapter rank (alpha 2r)")
     ap.add_argument("--out", default="rollout_bench.json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no graphs, eager step)")

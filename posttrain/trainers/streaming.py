@@ -9,6 +9,7 @@ checkpoint holds only finished groups and a resumed run continues exactly as the
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from posttrain.rollout.sampling import RolloutOutput, finish
 from posttrain.rollout.scheduler import Batch
 
 STATE_FILE = "streaming_rank{}.pt"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -190,6 +192,10 @@ class StreamingGeneration:
                     consumed[j] = True
                     self.dropped += 1
         self.pending = [p for p in self.pending if not all(p[2])]
+        if self.dropped and not self.dropped_total:  # once: the counter shows the rest
+            logger.warning("streaming: %d group(s) started more than max_staleness (%d) weight updates ago were "
+                           "dropped untrained (counted in streaming/dropped_groups): raise max_staleness, or give "
+                           "the engine more slots (generation_kv_slots)", self.dropped, bound)
         self.dropped_total += self.dropped
 
     @property

@@ -175,6 +175,9 @@ class _TrainingWorld:
         unbound = next(iter(signature.parameters)) == "self"
 
         def on_training_ranks(*args: Any, **kwargs: Any) -> Any:
+            given = kwargs.get("group")
+            if given is not None and given is not dist.GroupMember.WORLD:  # the usual call: a group by keyword
+                return method(*args, **kwargs)
             bound = signature.bind(backend, *args, **kwargs) if unbound else signature.bind(*args, **kwargs)
             bound.apply_defaults()
             if bound.arguments["group"] is None or bound.arguments["group"] is dist.GroupMember.WORLD:

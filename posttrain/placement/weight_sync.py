@@ -26,6 +26,7 @@ from torch import nn
 from posttrain.placement.generation_ranks import LayoutGroups
 
 DEFAULT_BUCKET_BYTES = 128 << 20
+ENDED = -1  # the version ``receive`` returns once the training ranks ended the syncs (WeightSender.end)
 _ALIGN = 16  # every slice starts on a 16-byte boundary, so a byte view reinterprets as any dtype
 
 
@@ -156,6 +157,12 @@ class WeightSender:
         self.version, self.last = version, record
         return record
 
+    def end(self) -> None:
+        """Tell the generation ranks that no sync follows (their ``receive`` returns :data:`ENDED`). Training ranks."""
+        if self.sends:
+            header = torch.tensor([ENDED, 0], dtype=torch.int64, device=self.device)
+            dist.broadcast(header, src=0, group=self.groups.sync)
+
     def _gathered(self, params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
         if not self.sharded:
             return contextlib.nullcontext()
@@ -179,7 +186,9 @@ class WeightReceiver:
     with the same adapters under LoRA). Build it while the training ranks build their :class:`WeightSender`.
 
     ``receive()`` waits for the next sync and copies it into ``module`` in place; ``ready()`` tells without waiting
-    whether one has begun (the decode loop can poll it between steps). ``version`` is the last version received."""
+    whether one has begun (the decode loop can poll it between steps). ``version`` is the last version received;
+    ``ended`` whether the training ranks sent :meth:`WeightSender.end`. Whatever the engine derives from the weights
+    (fused q|k|v copies, merged LoRA buffers) it refreshes as after an optimizer step."""
 
     def __init__(self, groups: LayoutGroups, module: nn.Module) -> None:
         if not groups.generates:
@@ -203,6 +212,7 @@ class WeightReceiver:
         self._work: Any = None
         self.version: int | None = None
         self.last: SyncRecord | None = None
+        self.ended = False
 
     def _post(self) -> None:
         if self._work is None:
@@ -216,12 +226,16 @@ class WeightReceiver:
 
     @torch.no_grad()
     def receive(self) -> int:
-        """Wait for the next sync, copy every parameter it carries into place; its version."""
+        """Wait for the next sync, copy every parameter it carries into place; its version (:data:`ENDED`, moving
+        nothing, once the training ranks called ``end``). Between decode steps: the copies run on the current stream."""
         start = time.perf_counter()
         self._post()
         self._work.wait()
         version, frozen_too = (int(v) for v in self._header.tolist())
         self._work = None
+        if version == ENDED:
+            self.ended = True
+            return ENDED
         record = SyncRecord(version)
         if self._buffer is None:
             self._buffer = torch.empty(self.plans.buffer_bytes, dtype=torch.uint8, device=self.device)

@@ -121,6 +121,8 @@ def trainer_side(s: Session, tmp: Path) -> dict:
         stepped = s.step(name)
         second = sender.send(1)
         send_ref(s, name)
+        if name == "z2":
+            sender.end()
         out.update(stepped=stepped, messages=[first.messages, second.messages], sharded=sender.sharded,
                    largest_param=max(e.nbytes for e in sender.plans.entries),
                    params=len(sender.plans.entries), trained=sum(e.trained for e in sender.plans.entries))
@@ -177,10 +179,12 @@ def generator_side(s: Session) -> dict:
         diff0 = max_diff(copy, ref0)
         versions.append(receiver.receive())
         ref1 = recv_ref(s)
+        if name == "z2":
+            versions.append(receiver.receive())
         res[name] = {"versions": versions, "diff_v0": diff0, "diff_v1": max_diff(copy, ref1),
                      "moved": max((ref1[k] - ref0[k]).abs().max().item() for k in ref0),
                      "in_place": all(p.data_ptr() == ptrs[n] for n, p in copy.named_parameters()),
-                     "messages": [r.messages for r in (receiver.last,)], "polls": waited,
+                     "messages": [receiver.last.messages], "polls": waited, "ended": receiver.ended,
                      "dtype": str(next(copy.parameters()).dtype), "plain": not any(
                          hasattr(p, "ds_id") for p in copy.parameters())}
         if name == "lora":  # the base weights never moved: only adapters were sent

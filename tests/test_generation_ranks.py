@@ -118,6 +118,65 @@ def test_session_refuses_before_loading():
         Session([Role("policy", "zero2_train", trains=True)], generation_processes=1)
 
 
+def test_session_refuses_zero3_on_one_training_rank(monkeypatch):
+    """Two processes, one generating: a role's own ZeRO-3 config cannot shard over one rank (refused before the
+    process group or any model); a mix's frozen ZeRO-3 is simplified as on one process."""
+    from posttrain import Role, Session
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    roles = [Role("policy", "zero2_train", trains=True), Role("reward", "zero3_inference")]
+    with pytest.raises(ConfigError, match="'reward' have a ZeRO-3 config but only one rank trains"):
+        Session(roles, generation_processes=1)
+
+
+def test_deepspeed_world_redirects_groupless_calls():
+    """The training ranks as DeepSpeed's world: a call without a group (by keyword, by position, by default, or on
+    torch's default group) gets the training group, through a decorator that hides the signature as DeepSpeed's
+    stage_on_cpu does; a call naming a group keeps it."""
+    import torch.distributed as dist
+
+    from posttrain.placement.generation_ranks import _TrainingWorld
+
+    def hiding(func):
+        def wrapper(self, *args, **kwargs):  # no functools.wraps
+            return func(self, *args, **kwargs)
+        return wrapper
+
+    class Backend:
+        @hiding
+        def broadcast(self, tensor, src, group=None, async_op=False):
+            return group
+
+        @hiding
+        def all_reduce(self, tensor, op=0, group=None, async_op=False):
+            return group
+
+        @hiding
+        def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+            return group
+
+        @hiding
+        def reduce_scatter_tensor(self, output_tensor, input_tensor, op=0, group=None, async_op=False):
+            return group
+
+        def barrier(self, group=dist.GroupMember.WORLD, async_op=False, device_ids=None):
+            return group
+
+        def destroy_process_group(self, group=None):
+            return group
+
+        name = "fake"
+
+    train, other = object(), object()
+    world = _TrainingWorld(Backend(), train)
+    assert world.broadcast(None, 0) is train and world.broadcast(tensor=None, src=0, group=None) is train
+    assert world.broadcast(None, 0, other) is other and world.broadcast(None, 0, group=other) is other
+    assert world.all_reduce(None, 0, None) is train and world.all_reduce(None, 0, other) is other
+    assert world.barrier() is train and world.barrier(group=dist.GroupMember.WORLD) is train
+    assert world.destroy_process_group() is None  # tearing down keeps its meaning
+    assert world.get_world_group() is train and world.name == "fake"
+
+
 def test_bucket_plan():
     f32, bf16 = torch.float32, torch.bfloat16
     entries = [Entry("a", (3,), f32, True), Entry("b", (100,), f32, True), Entry("c", (5,), bf16, True),

@@ -5,7 +5,7 @@ only train. Building blocks of the layout (the trainer wires them):
 - :class:`LayoutGroups` creates, collectively on every rank and in one order, the process groups: the training
   ranks' (``train``), training rank 0 with the generation ranks for weight transfer (``sync``), and every rank for
   the rollout channel (``channel``).
-- :func:`deepspeed_world` makes the training ranks DeepSpeed's world on a training rank: every DeepSpeed engine
+- :func:`install_deepspeed_world` makes the training ranks DeepSpeed's world on a training rank: every DeepSpeed engine
   (trained or frozen, ZeRO-2 or ZeRO-3, each under its own plugin), ``zero.Init`` while a model loads, and the
   collectives DeepSpeed runs without a group (the barriers in ZeRO-3's optimizer set-up and in checkpointing) then
   span the training ranks only, while accelerate builds the engines as usual.
@@ -80,7 +80,7 @@ class LayoutGroups:
     - ``channel``: every rank, for the rollout channel's point-to-point messages (placement.group_channel), apart
       from the default group so that no other traffic shares its communicator.
 
-    On a rank outside a group, that attribute is torch's non-member marker (use only where ``in_*`` is true)."""
+    On a rank outside a group, that attribute is torch's non-member marker (``sync``: use it where ``in_sync``)."""
 
     def __init__(self, layout: RankLayout) -> None:
         if not dist.is_initialized():

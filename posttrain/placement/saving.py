@@ -31,12 +31,12 @@ class SavingMixin:
             elif role.trains and name in self.engines:
                 with self.activate(name):
                     self._accelerators[name].save_state(str(directory / name))
-        self.accelerator.wait_for_everyone()
+        self.wait_for_everyone()
         if self.is_main_process:
             tmp = directory / "trainer_state.json.tmp"
             tmp.write_text(json.dumps(extra or {}, indent=1))
             os.replace(tmp, directory / "trainer_state.json")
-        self.accelerator.wait_for_everyone()
+        self.wait_for_everyone()
 
     def load_state(self, directory: str | os.PathLike) -> dict:
         """Restore what :meth:`save_state` wrote and return its ``extra``; refuses an incomplete state."""
@@ -135,7 +135,7 @@ class SavingMixin:
             record_dtype(model, loaded, directory)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(directory))
-        self.accelerator.wait_for_everyone()
+        self.wait_for_everyone()
 
 
 def load_dtype(model: nn.Module) -> torch.dtype | None:

@@ -15,6 +15,12 @@ from posttrain.checks import check_model_path
 from posttrain.errors import ConfigError
 from posttrain.placement import dsconfig, plain
 from posttrain.placement.frozen_weights import FrozenWeightsMixin
+from posttrain.placement.generation_ranks import (
+    LayoutGroups,
+    check_layout,
+    install_deepspeed_world,
+    module_dtype,
+)
 from posttrain.placement.roles import Role
 from posttrain.placement.saving import SavingMixin
 from posttrain.placement.world import (
@@ -45,7 +51,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
                  mixed_precision: str | None = None, learning_rate: float | None = None,
                  weight_decay: float | None = None, warmup_steps: int | None = None,
                  total_steps: int | None = None, log_with: str | list[str] | None = None,
-                 project_dir: str | None = None, single_process_engine: str = "auto") -> None:
+                 project_dir: str | None = None, single_process_engine: str = "auto",
+                 generation_processes: int = 0) -> None:
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
@@ -67,8 +74,11 @@ class Session(SavingMixin, FrozenWeightsMixin):
         self.micro_batch_size = micro_batch_size
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.mixed_precision = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        # generation_processes: the last ranks only generate; every engine spans the others (generation_ranks).
+        self.layout = check_layout(generation_processes, launched)
         _single_process_env()
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = self.layout.training_processes if self.layout else launched
         plain.check_setting(single_process_engine, world_size=world_size, mixed_precision=self.mixed_precision,
                             own_configs=[r.name for r in trained if not r.from_mix])
 
@@ -95,6 +105,12 @@ class Session(SavingMixin, FrozenWeightsMixin):
             if torch_path:  # checked as DeepSpeed would take it; its plugin only ever sees loading (no zero.Init)
                 self.configs[role.name]["zero_optimization"] = {"stage": 0}
 
+        if self.layout and world_size == 1:
+            sharded = [n for n, cfg in self.configs.items() if dsconfig.zero_stage(cfg) == 3]
+            if sharded:
+                raise ConfigError(f"role(s) {', '.join(map(repr, sharded))} have a ZeRO-3 config but only one rank "
+                                  "trains (the others generate): give them a ZeRO-2 or replicated config, or train on "
+                                  "more ranks (a larger launch, or lower generation_processes)")
         if self.one_rank_changes:
             changes = "; ".join(f"{n}: {c}" for n, c in self.one_rank_changes.items())
             print(f"[posttrain] one process, so the mix's placements are simplified: {changes}", flush=True)
@@ -113,7 +129,14 @@ class Session(SavingMixin, FrozenWeightsMixin):
         self.accelerator = Accelerator(deepspeed_plugins=plugins, mixed_precision=self.mixed_precision,
                                        gradient_accumulation_steps=gradient_accumulation_steps,
                                        kwargs_handlers=handlers, log_with=log_with, project_dir=project_dir)
-        self._check_world(world_size)
+        self._check_world(launched)
+        self.groups: LayoutGroups | None = None
+        self._leave_deepspeed_world: Any = None
+        if self.layout:
+            self.groups = LayoutGroups(self.layout)
+            if not self.groups.generates:
+                self._leave_deepspeed_world = install_deepspeed_world(self.groups.train,
+                                                                      torch.distributed.get_backend())
         self._pin_accumulation()
         atexit.unregister(_destroy_process_group)  # once, however many sessions
         atexit.register(_destroy_process_group)
@@ -157,7 +180,20 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
     @property
     def num_processes(self) -> int:
-        return self.accelerator.num_processes
+        """The processes that train (with generation ranks, the launch's others only generate)."""
+        return self.layout.training_processes if self.layout else self.accelerator.num_processes
+
+    @property
+    def generates(self) -> bool:
+        """Whether this rank only generates (``generation_processes``): it holds no engine, only a decoded role's copy."""
+        return self.groups is not None and self.groups.generates
+
+    def wait_for_everyone(self) -> None:
+        """A barrier over the training processes (a generation rank passes straight through)."""
+        if self.groups is None:
+            self.accelerator.wait_for_everyone()
+        elif not self.groups.generates:
+            torch.distributed.barrier(group=self.groups.train)
 
     @property
     def process_index(self) -> int:
@@ -208,6 +244,10 @@ class Session(SavingMixin, FrozenWeightsMixin):
         for tracker in self.accelerator.trackers:
             tracker.finish()
         self.accelerator.trackers = []
+        if self._leave_deepspeed_world is not None:
+            self._leave_deepspeed_world()
+        if self.groups is not None:
+            self.groups.destroy()
         # A newer session owns the process-wide state now; tearing it down would break that one.
         if _current is not None and _current() is self:
             leave_process()
@@ -227,11 +267,17 @@ class Session(SavingMixin, FrozenWeightsMixin):
 
     def load(self, name: str, name_or_path: str | os.PathLike | torch.nn.Module | None = None, *,
              config: Any = None, model_cls: Any = None, **kwargs: Any) -> torch.nn.Module:
-        """Build a role's model (``from_pretrained``/``from_config``/as given); frozen: eval, no grad."""
+        """Build a role's model (``from_pretrained``/``from_config``/as given); frozen: eval, no grad. On a generation
+        rank, a trained role's whole copy on this device, in the dtype its engine holds (no DeepSpeed, no zero.Init)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         role = self.role(name)
+        if self.generates and not role.trains:
+            raise ConfigError(f"role {name!r} is frozen and frozen roles run on the training ranks: load it on those "
+                              "only (this rank only generates, generation_processes)")
         if isinstance(name_or_path, torch.nn.Module):
+            if self.generates:
+                return self._generation_copy(name_or_path)
             if not role.trains:
                 name_or_path.eval()
                 name_or_path.requires_grad_(False)
@@ -248,7 +294,7 @@ class Session(SavingMixin, FrozenWeightsMixin):
             kwargs = {**hub, **rest}
         self._fill_hidden_size(name, config)
         rng_before = torch.get_rng_state()
-        with self.activate(name):
+        with self._outside_plugins() if self.generates else self.activate(name):
             if name_or_path is not None:
                 model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
             else:
@@ -256,6 +302,8 @@ class Session(SavingMixin, FrozenWeightsMixin):
         rng_after = torch.get_rng_state()
         if not torch.equal(rng_before, rng_after):  # TRL's adapters start from the state loading left
             self.load_rng[name] = (rng_before, rng_after)
+        if self.generates:
+            return self._generation_copy(model)
         if self.zero_stage(name) == 3:
             recompute_rotary_buffers(model)
         if not role.trains:
@@ -263,12 +311,30 @@ class Session(SavingMixin, FrozenWeightsMixin):
             model.requires_grad_(False)
         return model
 
+    @contextlib.contextmanager
+    def _outside_plugins(self) -> Iterator[None]:
+        """No plugin's DeepSpeed config for transformers (a generation rank's copy is whole); re-selected after."""
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            self._select(self._active[-1])
+
+    def _generation_copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        dtype = module_dtype(self.mixed_precision)
+        return model.to(device=self.device, dtype=dtype) if dtype is not None else model.to(self.device)
+
     def prepare(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 scheduler: Any = None) -> Any:
         """Wrap ``model`` in its role's engine; trained roles need ``optimizer``; ``scheduler`` is saved."""
         from accelerate.utils import DummyOptim
 
         role = self.role(name)
+        if self.generates:
+            raise ConfigError(f"role {name!r}: this rank only generates (generation_processes) and holds no engine: "
+                              "prepare roles on the training ranks; here use the copy Session.load returns")
         if name in self.engines:
             raise ConfigError(f"role {name!r} is already prepared; a role holds one model")
         cfg = self.configs[name]

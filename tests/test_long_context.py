@@ -4,6 +4,7 @@ row of a few thousand tokens equals the forward without it."""
 
 import pytest
 import torch
+from test_padding_free import assert_grads_close, grads
 
 from posttrain.demo import tiny
 
@@ -36,17 +37,6 @@ def batch(rows: int, prompt: int, completion: int, seed: int = 0) -> tuple[torch
     return ids, mask, mask[:, prompt:]
 
 
-def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return out
-
-
-def assert_grads_close(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and a
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=TOL * max(1.0, b[name].abs().max().item()), rtol=1e-4,
-                                   msg=name)
 
 
 @pytest.mark.parametrize("padding_free", [False, True])

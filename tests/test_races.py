@@ -87,7 +87,8 @@ RACES = {"test_sft_race_tiny": ("sft_race.py", "trl-packed,posttrain-packed,post
          "test_grpo_lora_race_tiny": ("grpo_lora_race.py", "posttrain-lora,trl-lora", ()),
          "test_reward_race_tiny": ("reward_race.py", "trl,posttrain", ()),
          "test_kto_race_tiny": ("kto_race.py", "trl,posttrain-auto-fp32", ()),
-         "test_grpo_tools_race_tiny": ("grpo_tools_race.py", "posttrain,trl", ())}
+         "test_grpo_tools_race_tiny": ("grpo_tools_race.py", "posttrain,trl", ()),
+         "test_grpo_streaming_race_tiny": ("grpo_streaming_race.py", "posttrain-streaming,trl", ())}
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +209,16 @@ def test_grpo_tools_race_tiny(races, request):
     for side, row in rows.items():
         assert row["call_frequency"] and all(f == 3.0 for f in row["call_frequency"]), side
     assert summary["summary"]["posttrain"]["baseline"] == "trl" and "tools/call_frequency" in md
+
+
+def test_grpo_streaming_race_tiny(races, request):
+    """Long-tailed GRPO, posttrain streaming against TRL given the same stop set: useful tokens counted per step,
+    the streaming row's staleness within its bound."""
+    head, rows, summary, md = run_race(races, request)
+    for side, row in rows.items():
+        assert len(row["tokens_per_step"]) == 2 and all(t > 0 for t in row["tokens_per_step"]), side
+    assert all(s <= 1 for s in rows["posttrain-streaming"]["sample/staleness_max"])
+    assert "useful tokens/s" in md
 
 
 def test_grpo_long_context_tiny(tmp_path):

@@ -119,10 +119,7 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
                           peft_config=lora_config(spec))
     trainer.rollout.sampling.min_new_tokens = spec["response_len"]  # no completion ends before its length
     s = trainer.session
-    stamps.wrap_session(s)
-    stamps.mark()
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "loss" in h]
+    history = stamps.train(trainer)
     st = trainer.rollout.stats
     return {"mean_lengths": lengths_logged(history), "engine": s.engine_kind("policy"),
             "master_weights": s.master_weights("policy"), "phase_s": race.phase_medians(history[spec["warmup"]:]),

@@ -97,10 +97,7 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
     trainer = GRPOTrainer(str(path), reward_funcs=[parity_reward], args=cfg, train_dataset=rows,
                           peft_config=lora_config(spec) if lora else None)
     s = trainer.session
-    stamps.wrap_session(s)
-    stamps.mark()
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "loss" in h]
+    history = stamps.train(trainer)
     st = trainer.rollout.stats
     row.update(lora=lora, placements={n: s.zero_stage(n) for n in s.roles}, engine=s.engine_kind("policy"),
                master_weights=s.master_weights("policy"), losses=[h["loss"] for h in history][spec["warmup"]:],

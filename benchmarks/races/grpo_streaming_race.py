@@ -102,10 +102,7 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], stops: lis
     trainer.rollout.sampling = dataclasses.replace(trainer.rollout.sampling, stop_token_ids=stops)
     trainer.sampling, trainer.eos_ids = trainer.rollout.sampling, stops
     s = trainer.session
-    stamps.wrap_session(s)
-    stamps.mark()
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "loss" in h]
+    history = stamps.train(trainer)
     st = trainer.rollout.stats
     if trainer.rollout.degraded:
         raise RuntimeError(f"the rollout fell back to a slower path: {st.get('fallback_reasons')}")

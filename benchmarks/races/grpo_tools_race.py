@@ -88,10 +88,7 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
     trainer = GRPOTrainer(str(path), reward_funcs=[even_reward], args=cfg, train_dataset=rows,
                           processing_class=scripted_turns.tokenizer(), tools=[scripted_turns.probe])
     s = trainer.session
-    stamps.wrap_session(s)
-    stamps.mark()
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "loss" in h]
+    history = stamps.train(trainer)
     st = trainer.rollout.stats
     return {"call_frequency": [h.get("tools/call_frequency") for h in history],
             "failure_frequency": [h.get("tools/failure_frequency") for h in history],

@@ -79,10 +79,7 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
                     single_process_engine=ENGINES[engine])
     trainer = KTOTrainer(str(path), args=cfg, train_dataset=rows)
     s = trainer.session
-    stamps.wrap_session(s)
-    stamps.mark()
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "loss" in h][spec["warmup"]:]
+    history = stamps.train(trainer)[spec["warmup"]:]
     return {"placements": {n: s.zero_stage(n) for n in s.roles}, "master_weights": s.master_weights("policy"),
             "engine": s.engine_kind("policy"), "one_rank_changes": s.one_rank_changes,
             "losses": [h["loss"] for h in history], "phase_s": race.phase_medians(history)}

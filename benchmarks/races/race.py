@@ -83,6 +83,13 @@ class Stamps(list):
 
         return Stamp()
 
+    def train(self, trainer: Any) -> list[dict[str, Any]]:
+        """Train a posttrain trainer with its optimizer steps stamped; its logged rows that have a loss."""
+        self.wrap_session(trainer.session)
+        self.mark()
+        trainer.train()
+        return [h for h in trainer.state.log_history if "loss" in h]
+
     def wrap_session(self, target: Any) -> None:
         """Stamp after every ``step`` of posttrain's ``Session`` that stepped the optimizer; ``target``
         is a session, or the Session class itself when the trainer makes its session (in ``__init__``)."""

@@ -77,10 +77,7 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
                        master_weights=spec["states"], **common)
     trainer = RewardTrainer(str(path), args=cfg, train_dataset=rows)
     s = trainer.session
-    stamps.wrap_session(s)
-    stamps.mark()
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "loss" in h]
+    history = stamps.train(trainer)
     return {"states": spec["states"], "pairs_kept": len(trainer.train_rows), "engine": s.engine_kind("reward"),
             "master_weights": s.master_weights("reward"), "losses": [h["loss"] for h in history][spec["warmup"]:],
             "tokens_per_step": race.per_step_tokens([float(h["num_tokens"]) for h in history]),

@@ -138,10 +138,7 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
     cfg = SFTConfig(output_dir=str(out / side), overwrite_output_dir=True, master_weights=spec["states"], **common)
     trainer = SFTTrainer(str(path), args=cfg, train_dataset=rows)
     s = trainer.session
-    stamps.wrap_session(s)
-    stamps.mark()
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "loss" in h]
+    history = stamps.train(trainer)
     return {**info, "attn_implementation": s.unwrap("policy").config._attn_implementation,
             "engine": s.engine_kind("policy"), "master_weights": s.master_weights("policy"),
             "losses": [h["loss"] for h in history][spec["warmup"]:],

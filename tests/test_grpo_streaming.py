@@ -95,6 +95,7 @@ def test_a_sequence_decoding_across_a_weight_update_samples_under_each_steps_wei
     while stream.advance():
         pass
     assert a.finished == b.finished == [True, True] and b.admitted_at == [1, 1] and stream.idle
+    assert not stream.scheduler.rows  # finished sequences leave the scheduler (a long stream holds no old batch)
     switch = 1 + r.engine.sync_every  # the prefill's token and one round of steps ran under the old weights
     for batch, got_ids, got_mask, sw in ((a, ids[:2], mask[:2], switch), (b, ids[2:], mask[2:], 0)):
         want = hybrid_reference((old, model), sw, got_ids, got_mask, batch.key, steps)

@@ -43,7 +43,9 @@ class Scheduler:
         self.last_step = max_new_tokens - 1  # a row's last token has step index max_new_tokens - 1
         self.slot_seq: dict[int, int] = {}  # occupied slot -> sequence number (its submission order)
         self.age: dict[int, int] = {}  # decode steps run since the sequence entered
-        self.rows: list[tuple[Batch, int]] = []  # sequence number -> (its batch, its row there)
+        # Sequence number (submission order) -> (its batch, its row there), while it waits or decodes.
+        self.rows: dict[int, tuple[Batch, int]] = {}
+        self.submitted = 0
         self.waiting: deque[int] = deque()
         self.version = 0  # the weights' version, recorded when a row is admitted
         self.timings = {"prefill_ms": 0.0, "decode_ms": 0.0, "decode_steps": 0, "row_steps": 0}
@@ -60,8 +62,8 @@ class Scheduler:
                       torch.full((n, self.max_new), pad, dtype=torch.long, device=dev),
                       torch.zeros(n, self.max_new, dtype=torch.float32, device=dev), tag, groups, [-1] * n,
                       [False] * n)
-        first = len(self.rows)
-        self.rows.extend((batch, i) for i in range(n))
+        first, self.submitted = self.submitted, self.submitted + n
+        self.rows.update((first + i, (batch, i)) for i in range(n))
         self.waiting.extend(range(first, first + n))
         return batch
 
@@ -83,14 +85,16 @@ class Scheduler:
         def dropped(q: int) -> bool:
             return self.rows[q][0] is batch and self.rows[q][1] in gone
 
-        before = len(self.waiting)
+        gone_waiting = [q for q in self.waiting if dropped(q)]
         self.waiting = deque(q for q in self.waiting if not dropped(q))
         slots = [s for s, q in self.slot_seq.items() if dropped(q)]
         if slots:
             self.engine.free(slots)
-            for s in slots:
-                del self.slot_seq[s], self.age[s]
-        return before - len(self.waiting) + len(slots)
+        for s in slots:
+            del self.rows[self.slot_seq.pop(s)], self.age[s]
+        for q in gone_waiting:
+            del self.rows[q]
+        return len(gone_waiting) + len(slots)
 
     def _width(self, slot: int) -> int:
         return self.rows[self.slot_seq[slot]][0].prompt_ids.shape[1]
@@ -111,7 +115,7 @@ class Scheduler:
             engine.harvest(slots, rows, batch.tokens, batch.logprobs)
             for s, row in zip(slots, rows):
                 batch.finished[row] = True
-                del slot_seq[s], age[s]
+                del self.rows[slot_seq.pop(s)], age[s]
 
     def _admit(self, slots: list[int], k: int) -> None:
         """The next ``k`` waiting sequences into ``slots``: one prefill per run of one batch."""

@@ -119,3 +119,22 @@ def test_cublaslt_is_preferred_only_inside_the_engines_scope(monkeypatch):
     enc = tok(["the cat sat"], return_tensors="pt")
     r.generate(enc["input_ids"], enc["attention_mask"])
     assert r.engine.blas is None and r.stats["blas"] == "default" and len(calls) == 4
+
+
+def test_a_key_per_row_samples_each_row_as_its_own_key_would():
+    """The engine's step passes each slot's own key (a stream's rows come from batches with different keys):
+    row i's token is the one the kernel (and ``choose_tokens``) draws for row i with key i alone."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 3000) * 3
+    step, seq = torch.tensor([0, 4, 9]), torch.tensor([2, 0, 1])
+    keys = torch.tensor([11, 2**33 + 5, 77])
+    knobs = (torch.tensor(1.0), torch.tensor(1.0), torch.tensor(0), None)
+    tokens, logp = triton_sample.choose_tokens(logits, step, keys, seq, *knobs)
+    want, want_logp = choose_tokens(logits, step, keys, seq=seq, temperature=torch.tensor(1.0),
+                                    do_sample=torch.tensor(1.0), use_top_p=False)
+    assert torch.equal(tokens, want) and (logp - want_logp).abs().max().item() < 1e-5
+    for i in range(3):
+        alone, _ = triton_sample.choose_tokens(logits[i:i + 1], step[i:i + 1], keys[i], seq[i:i + 1], *knobs)
+        assert alone.item() == tokens[i].item()
+    assert len({triton_sample.choose_tokens(logits[:1], step[:1], k, seq[:1], *knobs)[0].item()
+                for k in (keys[0], keys[1], keys[2])}) > 1  # the key matters

@@ -284,3 +284,21 @@ def test_grpo_refuses_layouts_that_cannot_run(tmp_path, monkeypatch, world, extr
                   async_generation=True, generation_processes=1)
     with pytest.raises(ConfigError, match=needs):
         GRPOConfig(**{**fields, **extra})
+
+
+def test_plan_counts_generation_ranks(capsys):
+    """posttrain plan --generation-processes 1 of 4: the mixes are planned on the 3 training ranks; a generation rank
+    holds the policy's bf16 copy (2 bytes a parameter) and the engine over its share (3 x 8 sequences)."""
+    from posttrain.cli import main
+    from posttrain.planner.shapes import model_size
+
+    argv = ["plan", "--workload", "grpo", "--shape", "1b", "--world-size", "4", "--mix", "zero2-zero3",
+            "--master-weights", "bf16", "--micro-batch", "8", "--async-generation", "--max-staleness", "1"]
+    assert main([*argv, "--generation-processes", "1"]) == 0
+    out = capsys.readouterr().out
+    copy = 2 * model_size("1b").params / 2**30
+    assert "1 of 4 GPUs generate, 3 train" in out and f"bf16 copy {copy:.2f} GiB" in out
+    assert "for 24 sequences" in out and "outputs of 48 started sequences" in out
+    assert "mix zero2-zero3 · 3 GPUs" in out
+    assert main([*argv, "--generation-processes", "4"]) == 2
+    assert "1 to --world-size minus 1 (3); got 4" in capsys.readouterr().err

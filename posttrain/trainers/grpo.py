@@ -162,7 +162,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
                                        stop_token_ids=self.eos_ids)
         if s.generates:  # this rank only generates (trainers/generation_ranks.py): no engine, its own loop
             self.generation_rank = GenerationRank(self, policy, max_prompt_len)
-            self.model, self.rollout = policy, self.generation_rank.rollout
+            self.model, self.rollout = self.generation_rank.copy, self.generation_rank.rollout
             return
         # TRL's adapters start from the state set_seed(seed) left (a causal LM's from_pretrained draws nothing);
         # seeded here so that every placement starts from those same adapters.

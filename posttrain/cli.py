@@ -79,6 +79,9 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--max-staleness", "--max_staleness", type=int, default=4,
                     help="with --async-generation: TRL AsyncGRPO's bound, default 4 (max_staleness + 1 generation "
                          "batches in flight, max_inflight_tasks' default)")
+    ap.add_argument("--generation-processes", "--generation_processes", type=int, default=0,
+                    help="with --async-generation: the last N of --world-size GPUs only generate (the policy's bf16 copy "
+                         "and the engine), the others train")
     ap.add_argument("--longest-completion", action="store_true",
                     help="GRPO/RLOO/PPO: search the longest max_completion_length (--response-len) whose plan fits, "
                          "the prompt (--seq-len minus --response-len) and the rest fixed")
@@ -91,6 +94,12 @@ def _plan_checked(argv: list[str]) -> int:
     if args.response_len < 0 or args.gpu_memory <= 0:
         raise ConfigError("--response-len must be 0 or more and --gpu-memory (GiB per GPU) more than 0")
     names = memory.WORKLOADS[args.workload]
+    launched = args.world_size
+    if args.generation_processes:
+        if not args.async_generation or not 0 < args.generation_processes < launched:
+            raise ConfigError(f"--generation-processes plans generation ranks of --async-generation, 1 to "
+                              f"--world-size minus 1 ({launched - 1}); got {args.generation_processes}")
+        args.world_size = launched - args.generation_processes  # the training ranks: what the mixes plan
     generation_rows = rollout_rows(args, names)
     streamed = 0
     if args.async_generation:
@@ -138,6 +147,9 @@ def _plan_checked(argv: list[str]) -> int:
                            generation_batch=generation_rows, kv_slots=args.generation_kv_slots,
                            streamed_rows=streamed)
 
+    if args.generation_processes:
+        print(generation_rank_line(args, shapes, launched, generation_rows or args.micro_batch, lora) + "\n")
+        streamed = 0  # the generation ranks hold what streams; a training rank's engine is evaluation's
     if args.longest_completion:
         return _longest(args, mixes, precisions, plan_for)
     for precision in precisions:
@@ -161,6 +173,33 @@ def _plan_checked(argv: list[str]) -> int:
     if len(precisions) > 1:
         print(memory.precision_summary(best_of))
     return 0 if any(best_of.values()) else 1
+
+
+def generation_rank_line(args: argparse.Namespace, shapes: dict[str, str], launched: int, rows: int,
+                         lora: memory.Lora | None) -> str:
+    """What one generation rank holds: the policy's bf16 copy, the engine over its share of each generation batch
+    (each training rank's ``rows``), the started sequences' outputs, a prefill's working set."""
+    from posttrain.planner.shapes import merged_adapter_params, model_size
+
+    gib = 2**30
+    gen, trainers = args.generation_processes, args.world_size
+    vocab = memory.shared_vocab(shapes, args.workload)
+    size = model_size(shapes["policy"], "causal", vocab)
+    share = -(-rows * trainers // gen)  # sequences of one generation batch on this rank
+    slots = args.generation_kv_slots or share
+    prompt = args.seq_len - args.response_len
+    copy = 2 * size.params + (2 * merged_adapter_params(shapes["policy"], lora, vocab) if lora is not None else 0)
+    engine = memory.rollout_engine_bytes(size, slots, args.seq_len, 0, args.generation_fused_projections)
+    held = memory.streamed_bytes((args.max_staleness + 1) * share, prompt, args.response_len)
+    tokens = min(share, slots) * prompt
+    prefill = memory.inference_bytes(size, tokens) - memory.HEAD_INFER_V * size.vocab * tokens
+    total = copy + engine + held + prefill
+    return (f"generation ranks: {gen} of {launched} GPUs generate, {trainers} train (planned below); each generation "
+            f"rank holds the policy's bf16 copy {copy / gib:.2f} GiB + the engine's KV cache and graph pool for "
+            f"{slots} sequences {engine / gib:.2f} + the outputs of {(args.max_staleness + 1) * share} started "
+            f"sequences {held / gib:.2f} + a prefill's working set {prefill / gib:.2f} = {total / gib:.2f} GiB of "
+            f"{args.gpu_memory:.1f}: {'fits' if total <= args.gpu_memory * gib else 'DOES NOT FIT'} (a training "
+            "rank's posttrain.rollout line below is the engine evaluation builds: none without an eval_dataset)")
 
 
 def rollout_rows(args: argparse.Namespace, names: dict[str, list[str]]) -> int | None:

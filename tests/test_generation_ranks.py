@@ -1,6 +1,7 @@
-"""Separate generation ranks (posttrain.placement.generation_ranks, weight_sync, group_channel): one 3-process
-launch over gloo (ranks 0 and 1 train, rank 2 generates) runs tests/dist/generation_ranks_checks.py; the rest is
-in-process (layout refusals, bucket plans, the channel's routing and packing)."""
+"""Separate generation ranks (posttrain.placement.generation_ranks, weight_sync, group_channel, and GRPO over them:
+trainers/generation_ranks.py): one 3-process launch over gloo (ranks 0 and 1 train, rank 2 generates) runs
+tests/dist/generation_ranks_checks.py, then tests/dist/generation_ranks_grpo.py; the rest is in-process (layout and
+config refusals, the pipeline's schedule, bucket plans, the channel's routing and packing)."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from posttrain.errors import ConfigError
 from posttrain.placement.generation_ranks import RankLayout, check_layout
 from posttrain.placement.group_channel import RolloutGroup, consumer, pack, producer, unpack
 from posttrain.placement.weight_sync import Entry, bucket_nbytes, plan_buckets
+from posttrain.trainers.generation_ranks import Pipeline
 
 BUCKET = 32 << 10  # tests/dist/generation_ranks_checks.py's
 TRAINED = ("z2", "z3", "lora")
@@ -18,7 +20,7 @@ TRAINED = ("z2", "z3", "lora")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("genranks")
-    every = run_json("generation_ranks_checks.py", str(tmp), tmp_path=tmp, nproc=3, timeout=300)
+    every = run_json("generation_ranks_checks.py", str(tmp), tmp_path=tmp, nproc=3, timeout=400)
     assert [r["generates"] for r in every] == [False, False, True]
     return {r["rank"]: r for r in every}
 
@@ -96,6 +98,65 @@ def test_generation_rank_refuses_training_work(ranks):
     assert refused["prepare"].startswith("ConfigError: role 'z2': this rank only generates")
     assert refused["frozen"].startswith("ConfigError: role 'ref' is frozen")
     assert refused["reduce"].startswith("RuntimeError: a reduction over the training ranks")
+
+
+# -- GRPO over the layout (tests/dist/generation_ranks_grpo.py) ------------------------------------------------
+GRPO_COMPARED = ["loss", "reward", "reward_std", "kl", "entropy", "grad_norm", "completions/mean_length", "num_tokens",
+                 "sample/staleness_mean", "sample/staleness_max", "learning_rate", "epoch"]
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # each rank times its own
+
+
+def grpo_rows(ranks: dict, run: str) -> list[dict]:
+    rows = untimed(ranks[0]["grpo"][run]["rows"])
+    assert untimed(ranks[1]["grpo"][run]["rows"]) == rows and ranks[2]["grpo"][run]["rows"] == []  # none logged there
+    return rows
+
+
+def close(a: dict, b: dict, tol: float) -> None:
+    assert a["step"] == b["step"] and a.keys() == b.keys()
+    for k in GRPO_COMPARED + [k for k in a if k.startswith("eval/")]:
+        if k in a:
+            assert b[k] == pytest.approx(a[k], abs=tol, rel=tol), (a["step"], k, a[k], b[k])
+
+
+def test_grpo_is_placement_invariant(ranks):
+    """One generating rank, two training ranks: the same rows (samples, rewards, losses, staleness, evaluation on the
+    training ranks) with the policy ZeRO-2 or ZeRO-3."""
+    base, other = grpo_rows(ranks, "zero2-zero3"), grpo_rows(ranks, "zero3")
+    assert [r["step"] for r in base] == [1, 2, 3, 4, 4] and "eval/reward" in base[-1]
+    for a, b in zip(base, other):
+        close(a, b, 1e-4)
+
+
+def test_grpo_resumes_exactly(ranks):
+    """Resumed from checkpoint-2 (the generation rank drained before it; the training ranks saved the produced,
+    untrained groups): steps 3-4 and the evaluation are the uninterrupted run's, exactly."""
+    base, resumed = grpo_rows(ranks, "zero2-zero3"), grpo_rows(ranks, "resumed")
+    assert ranks[0]["grpo"]["saved"] == ["streaming_rank0.pt", "streaming_rank1.pt"]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 4]
+    assert resumed[2:] == base[2:]
+
+
+def test_grpo_staleness_is_bounded_and_rollouts_partial(ranks):
+    """max_staleness 1: the first batch starts under the initial weights, every later one one update behind the step
+    that trains it; none is dropped. With 6 slots for 16 sequences a batch, versions load while sequences decode."""
+    for run in ("zero2-zero3", "zero3"):
+        rows = [r for r in grpo_rows(ranks, run) if "loss" in r]
+        assert [r["sample/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+        gen = ranks[2]["grpo"][run]["metrics"]
+        assert gen["generation/groups"] == 16 and gen["generation/versions"] == 5  # versions 0-4
+        assert gen["generation/loads_while_decoding"] > 0
+
+
+def test_grpo_generation_copy_ends_as_the_trained_policy(ranks):
+    """After training, the generation rank's copy holds the final trained weights exactly (the last sync); with LoRA
+    its adapters and base too."""
+    assert all(ranks[0]["grpo"][run]["copy_equal"] for run in ("zero2-zero3", "zero3", "resumed", "lora"))
+    lora = [r for r in grpo_rows(ranks, "lora") if "loss" in r]
+    assert len(lora) == 4 and [r["sample/staleness_max"] for r in lora] == [0.0, 1.0, 1.0, 1.0]
 
 
 # -- in-process ------------------------------------------------------------------------------------------------
@@ -197,3 +258,50 @@ def test_channel_routing_and_packing():
     assert (back.index, back.version) == (7, 2)
     for key, value in g.tensors().items():
         assert back.tensors()[key].dtype == value.dtype and torch.equal(back.tensors()[key], value)
+
+
+def test_pipeline_schedule():
+    """Which versions move and which each generation batch starts under: max_staleness 1, weight_sync_steps 2, 7 steps,
+    a checkpoint after step 3 (and the last)."""
+    plan = Pipeline(max_staleness=1, weight_sync_steps=2, total_steps=7, saves=lambda step: step in (3, 7))
+    assert [s for s in range(8) if plan.sends(s)] == [0, 2, 3, 4, 6, 7]
+    required = [plan.required(c) for c in range(7)]
+    assert required == [0, 0, 2, 2, 3, 4, 6]
+    assert all(c - 1 <= v <= c for c, v in enumerate(required[1:], 1))  # at most one update stale, trained in time
+    assert [c for c in range(7) if plan.drains_before(c)] == [4]  # the first batch under checkpoint-3's weights
+    assert plan.first_cycle(0) == 0 and plan.first_cycle(3) == 4 and plan.first_cycle(7) == 7
+
+
+@pytest.mark.parametrize("world,extra,needs", [
+    (3, dict(async_generation=False), "generation_processes 1 needs async_generation true"),
+    (3, dict(generation_backend="hf"), "needs generation_backend posttrain"),
+    (1, {}, "leaves no training rank in a launch of 1"),
+    (3, dict(weight_sync_steps=3, max_staleness=1), "set weight_sync_steps at most 2"),
+    (3, dict(max_inflight_tasks=64), "set max_inflight_tasks -1"),
+])
+def test_grpo_refuses_layouts_that_cannot_run(tmp_path, monkeypatch, world, extra, needs):
+    from posttrain.trainers.grpo import GRPOConfig
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    fields = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_steps=2,
+                  async_generation=True, generation_processes=1)
+    with pytest.raises(ConfigError, match=needs):
+        GRPOConfig(**{**fields, **extra})
+
+
+def test_plan_counts_generation_ranks(capsys):
+    """posttrain plan --generation-processes 1 of 4: the mixes are planned on the 3 training ranks; a generation rank
+    holds the policy's bf16 copy (2 bytes a parameter) and the engine over its share (3 x 8 sequences)."""
+    from posttrain.cli import main
+    from posttrain.planner.shapes import model_size
+
+    argv = ["plan", "--workload", "grpo", "--shape", "1b", "--world-size", "4", "--mix", "zero2-zero3",
+            "--master-weights", "bf16", "--micro-batch", "8", "--async-generation", "--max-staleness", "1"]
+    assert main([*argv, "--generation-processes", "1"]) == 0
+    out = capsys.readouterr().out
+    copy = 2 * model_size("1b").params / 2**30
+    assert "1 of 4 GPUs generate, 3 train" in out and f"bf16 copy {copy:.2f} GiB" in out
+    assert "for 24 sequences" in out and "outputs of 48 started sequences" in out
+    assert "mix zero2-zero3 · 3 GPUs" in out
+    assert main([*argv, "--generation-processes", "4"]) == 2
+    assert "1 to --world-size minus 1 (3); got 4" in capsys.readouterr().err

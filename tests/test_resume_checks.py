@@ -46,6 +46,7 @@ class StubSession:
     def __init__(self, config, processes: int = 1, peft: bool = False) -> None:
         self.num_processes, self.peft, self.fail = processes, peft, None
         self.accelerator = SimpleNamespace(wait_for_everyone=lambda: None)
+        self.wait_for_everyone = self.accelerator.wait_for_everyone
         base = SimpleNamespace(config=config)
         self.model = SimpleNamespace(peft_config={}, get_base_model=lambda: base) if peft else base
 

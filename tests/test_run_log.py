@@ -30,7 +30,7 @@ def strict(line: str) -> dict:
 
 def stub_session():
     accelerator = SimpleNamespace(wait_for_everyone=lambda: None, trackers=[])
-    return SimpleNamespace(is_main_process=True, accelerator=accelerator)
+    return SimpleNamespace(is_main_process=True, accelerator=accelerator, wait_for_everyone=lambda: None)
 
 
 def test_rows_are_strict_json_at_full_precision():

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.placement.ranks import sum_over_ranks
+from posttrain.placement.ranks import gather_objects, sum_over_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -276,9 +276,7 @@ class RewardWarnings:
 def raise_on_every_rank(session: Any, failure: Exception | None) -> None:
     """Re-raise a rank's reward-function failure on every rank, so none waits in a collective."""
     if session.num_processes > 1:
-        from accelerate.utils import gather_object
-
-        said = [m for m in gather_object([str(failure) if failure else ""]) if m]
+        said = [m for m in gather_objects(session, [str(failure) if failure else ""]) if m]
         if said and failure is None:
             raise RewardFuncError(said[0])
     if failure is not None:
@@ -289,9 +287,7 @@ def mean_of_logged_metrics(session: Any, logged: dict[str, list[float]]) -> dict
     """Metrics reward functions logged (``log_metric``), each averaged over every process's calls."""
     names = list(logged)
     if session.num_processes > 1:
-        from accelerate.utils import gather_object
-
-        names = gather_object(names)
+        names = gather_objects(session, names)
     out = {}
     for name in sorted(set(names)):
         values = logged.get(name, [])

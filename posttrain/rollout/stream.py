@@ -51,14 +51,15 @@ class Stream:
             self._rollouts = rollout.rollouts
         return self.scheduler
 
-    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tag: Any = None) -> Batch:
-        """Queue a batch of left-padded prompts (at most ``max_prompt_len`` columns); its sampling key is drawn
-        as a rollout's (the run's seed and the rank)."""
+    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tag: Any = None,
+               key: int | None = None) -> Batch:
+        """Queue a batch of left-padded prompts (at most ``max_prompt_len`` columns); its sampling ``key`` (None:
+        drawn as a rollout's, from the run's seed and the rank)."""
         if prompt_ids.shape[1] > self.rollout.max_prompt_len:
             raise ValueError(f"prompts of {prompt_ids.shape[1]} tokens exceed the stream's max_prompt_len "
                              f"{self.rollout.max_prompt_len}")
         scheduler = self._scheduler()
-        return scheduler.submit(prompt_ids, prompt_mask, self.rollout._seed_key(), tag)
+        return scheduler.submit(prompt_ids, prompt_mask, self.rollout._seed_key() if key is None else key, tag)
 
     def advance(self) -> bool:
         """One scheduling round (retire, admit, up to ``sync_every`` decode steps); False when idle."""
@@ -73,10 +74,10 @@ class Stream:
         if self.scheduler is not None:
             self.scheduler.drop(batch, rows)
 
-    def weights_changed(self) -> None:
+    def weights_changed(self, version: int | None = None) -> None:
         """The role's weights were updated: the engine re-reads them (a ZeRO-3 role's shadow is refreshed, on
-        every rank); rows admitted from now on record the next version."""
-        self.version += 1
+        every rank); rows admitted from now on record ``version`` (None: the next one)."""
+        self.version = self.version + 1 if version is None else version
         if self.scheduler is not None:
             self.scheduler.version = self.version
             self.rollout._engine_model()  # a ZeRO-3 role's shadow gathers the new weights (collective)

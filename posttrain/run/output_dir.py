@@ -175,8 +175,8 @@ def plan_output_dir(cfg: OutputDirSettings) -> OutputDirPlan:
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
         raise ConfigError(f"save_total_limit must be >= 1 or unset (keep every checkpoint), got {cfg.save_total_limit}")
     resume = resume_dir(cfg) if cfg.resume_from_checkpoint else None
-    if resume is not None:
-        check_checkpoint_files(resume)
+    if resume is not None:  # saved by the processes that train (generation ranks save nothing)
+        check_checkpoint_files(resume, int(os.environ.get("WORLD_SIZE", "1")) - getattr(cfg, "generation_processes", 0))
     foreign = foreign_entries(out)
     used = [name for name in (*_RUN_FILES, *_MODEL_FILES) if (out / name).exists() and name not in foreign]
     used += [p.name for p in checkpoints(out)]
@@ -483,7 +483,7 @@ def save_checkpoint(session: Session, cfg: OutputDirSettings, step: int, export:
     tmp = final.with_name(final.name + ".tmp")
     if session.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
-    session.accelerator.wait_for_everyone()
+    session.wait_for_everyone()
     try:
         for role, tokenizer in export.items():
             session.save_pretrained(role, tmp / role, tokenizer=tokenizer)
@@ -504,7 +504,7 @@ def save_checkpoint(session: Session, cfg: OutputDirSettings, step: int, export:
         if cfg.save_total_limit:
             for old in checkpoints(cfg.output_dir)[: -cfg.save_total_limit]:
                 shutil.rmtree(old)
-    session.accelerator.wait_for_everyone()
+    session.wait_for_everyone()
     return final
 
 

@@ -30,5 +30,5 @@ def save_trained_model(session: Session, role: str, directory: str | os.PathLike
         save_merged(session.unwrap(role), state_dict, path)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))
-    session.accelerator.wait_for_everyone()
+    session.wait_for_everyone()
     return path

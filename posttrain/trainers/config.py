@@ -200,7 +200,8 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
     check_placement(cfg.mix, cfg.role_configs)
     roles = roles_for(trained, frozen, mix=cfg.mix, configs=cfg.role_configs, master_weights=cfg.master_weights,
                       decoded=decoded)
-    check_engine_setting(cfg.single_process_engine, world_size=world_size(),
+    generation_processes = getattr(cfg, "generation_processes", 0)  # GRPO/RLOO: ranks that only generate
+    check_engine_setting(cfg.single_process_engine, world_size=world_size() - generation_processes,
                          mixed_precision=cfg.mixed_precision, own_configs=[r.name for r in roles if r.trains and not r.from_mix])
     checks.check_output_dir(cfg.output_dir)
     checks.check_resume_path(cfg.resume_from_checkpoint, cfg.output_dir)
@@ -210,4 +211,5 @@ def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_
                    max_grad_norm=cfg.max_grad_norm, mixed_precision=cfg.mixed_precision,
                    learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
                    warmup_steps=warmup_steps(cfg, total_steps), total_steps=total_steps, log_with=cfg.report_to or None,
-                   project_dir=cfg.output_dir, single_process_engine=cfg.single_process_engine)
+                   project_dir=cfg.output_dir, single_process_engine=cfg.single_process_engine,
+                   generation_processes=generation_processes)

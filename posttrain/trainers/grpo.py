@@ -18,13 +18,14 @@ from posttrain.models import compiled_layers, varlen_attention
 from posttrain.models.lora import adapters_disabled, check_no_head_adapter
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import init_kwargs, model_config, policy_source, reference_source
-from posttrain.placement.ranks import gather_ranks, mean_over_ranks, sum_over_ranks, world_size
+from posttrain.placement.ranks import gather_ranks, mean_over_ranks, pad_across_ranks, sum_over_ranks
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
 from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
 from posttrain.trainers.config import make_session, saves
 from posttrain.trainers.dynamic_sampling import fill_generation_batch
+from posttrain.trainers.generation_ranks import GenerationFeed, GenerationRank, SeparateGeneration
 from posttrain.trainers.grpo_config import GRPOConfig, check_reference
 from posttrain.trainers.grpo_eval import GenerationEval
 from posttrain.trainers.grpo_loss import (
@@ -38,10 +39,10 @@ from posttrain.trainers.grpo_loss import (
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
 from posttrain.trainers.online import completion_logps, truncated_rows, write_samples
 from posttrain.trainers.run_log import Phases
-from posttrain.trainers.streaming import StreamingGeneration
+from posttrain.trainers.streaming import StreamingGeneration, training_processes
 
 
-class GRPOTrainer(GenerationEval, Trainer):
+class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
     """GRPO with per-role placement and TRL 1.16's constructor; the logged rows (TRL's metric names) are
     ``state.log_history``."""
 
@@ -97,6 +98,9 @@ class GRPOTrainer(GenerationEval, Trainer):
         self.tool_use, reward_funcs = agents.setup(tools, environment_factory, self.rollout_func, reward_funcs, cfg,
                                                    tok, model_config(policy_given).get_text_config().max_position_embeddings)
         self.rewards = self._rewards(reward_funcs, reward_processing_classes)
+        if cfg.async_generation and (self.tool_use is not None or self.rollout_func is not None):
+            raise ConfigError("async_generation streams single-turn completions: drop tools, environment_factory "
+                              "and rollout_func, or set async_generation false")
 
         self.rows = prompt_rows(train_dataset, cfg._algorithm)
         check_conversation(self.rows, ("prompt",), tok, "train_dataset")
@@ -113,7 +117,7 @@ class GRPOTrainer(GenerationEval, Trainer):
                                     if self.tool_use is None else agents.check_prompts(self.tool_use, self.eval_rows))
         max_prompt_len = max(len(p) for p in self.prompt_ids + getattr(self, "eval_prompt_ids", []))
 
-        world = world_size()
+        world = training_processes(cfg)  # generation ranks (generation_processes) take no batch
         self.local_gen_size = cfg.per_device_train_batch_size * cfg.steps_per_generation
         self.prompts_per_generation = cfg.generation_batch_size // cfg.num_generations
         if self.prompts_per_generation > len(self.rows):
@@ -153,6 +157,13 @@ class GRPOTrainer(GenerationEval, Trainer):
         policy = s.load("policy", policy_given, **kwargs)
         policy.config.get_text_config().pad_token_id = tok.pad_token_id
         policy.generation_config.pad_token_id = tok.pad_token_id
+        self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
+                                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                       stop_token_ids=self.eos_ids)
+        if s.generates:  # this rank only generates (trainers/generation_ranks.py): no engine, its own loop
+            self.generation_rank = GenerationRank(self, policy, max_prompt_len)
+            self.model, self.rollout = self.generation_rank.copy, self.generation_rank.rollout
+            return
         # TRL's adapters start from the state set_seed(seed) left (a causal LM's from_pretrained draws nothing);
         # seeded here so that every placement starts from those same adapters.
         prepare_trained(s, "policy", policy, cfg, self.peft_config, total_steps=self.total_steps,
@@ -162,15 +173,11 @@ class GRPOTrainer(GenerationEval, Trainer):
             s.prepare("reference", s.load("reference", reference, **kwargs))
         self.rewards.load(s)
 
-        self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
-                                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                       stop_token_ids=self.eos_ids)
         self.rollout = Rollout.from_config(cfg, s, "policy", self.sampling, max_batch=self.local_gen_size,
                                           max_prompt_len=max_prompt_len)
-        if cfg.async_generation:
-            if self.tool_use is not None or self.rollout_func is not None:
-                raise ConfigError("async_generation streams single-turn completions: drop tools, environment_factory "
-                                  "and rollout_func, or set async_generation false")
+        if cfg.async_generation and s.groups is not None:  # the generation ranks generate (generation_processes)
+            self.feed = GenerationFeed(self)
+        elif cfg.async_generation:
             self.streaming = StreamingGeneration(self.rollout, cfg, world, self._generation_rows, self.prompt_ids,
                                                  tok.pad_token_id)
         self.phases = Phases()
@@ -217,15 +224,17 @@ class GRPOTrainer(GenerationEval, Trainer):
         if self._compile:
             self.compiled_layers = compiled_layers.compile_layers(base, required=cfg.compile_layers is True)
 
-    def _generation_rows(self, cycle: int) -> list[int]:
-        """This process's rows of generation batch ``cycle``: prompts, each ``num_generations`` times."""
+    def _generation_rows(self, cycle: int, rank: int | None = None) -> list[int]:
+        """This process's (training ``rank``'s) rows of generation batch ``cycle``: prompts, each ``num_generations``
+        times."""
         cfg, s = self.cfg, self.session
+        rank = s.process_index if rank is None else rank
         per_epoch = max(1, len(self.rows) // self.prompts_per_generation)
         epoch, k = divmod(cycle, per_epoch)
         order = repeat_order(len(self.rows), cfg.seed, epoch, cfg.shuffle_dataset)  # TRL's RepeatSampler
         prompts = order[k * self.prompts_per_generation : (k + 1) * self.prompts_per_generation]
         expanded = [i for i in prompts for _ in range(cfg.num_generations)]
-        return expanded[s.process_index * self.local_gen_size : (s.process_index + 1) * self.local_gen_size]
+        return expanded[rank * self.local_gen_size : (rank + 1) * self.local_gen_size]
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return gather_ranks(self.session, t)
@@ -250,11 +259,15 @@ class GRPOTrainer(GenerationEval, Trainer):
         self.trainer_state.global_step = self.step
         self.trainer_state.epoch = cycle * self.prompts_per_generation / len(self.rows)
         self.trainer_state.num_input_tokens_seen = int(self.num_tokens)
-        if self.streaming is not None:  # the first groups to finish, whatever generation batch they came from
+        if self.feed is not None:  # the generation ranks' groups of this batch (trainers/generation_ranks.py)
+            with self.phases("generate"):
+                idx, *generated, streamed = self.feed.batch(cycle, s.device)
+        elif self.streaming is not None:  # the first groups to finish, whatever generation batch they came from
             with self.phases("generate"):
                 step = cycle + 1  # one generation batch per optimizer step
                 groups = self.streaming.next_groups(drain=self.evaluates_after(step) or self.saves_after(step))
                 idx, *generated, streamed = self.streaming.batch(groups, s.device)
+        if self.streaming is not None or self.feed is not None:
             batch, metrics = self._sample_and_score([self.rows[i] for i in idx], [], cfg.num_generations, train=True,
                                                     generated=tuple(generated))
             metrics.update(streamed)
@@ -400,8 +413,7 @@ class GRPOTrainer(GenerationEval, Trainer):
             local = entropies.detach()[mask.bool()].float()
             pool = local
             if s.num_processes > 1:  # the quantile over every process's tokens, as TRL takes it
-                padded = s.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)
-                pool = s.accelerator.gather(padded)
+                pool = gather_ranks(s, pad_across_ranks(s, local, dim=0, pad_index=-1e9))
                 pool = pool[pool != -1e9]
             entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile, pool)
         loss, stats = grpo_loss(cfg, logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
@@ -436,6 +448,9 @@ class GRPOTrainer(GenerationEval, Trainer):
         if self.streaming is not None:
             with self.phases("generate"):
                 self.streaming.weights_changed()
+        if self.feed is not None:
+            with self.phases("weight_sync"):
+                self.feed.stepped(step)
         if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
             with self.phases("ref_sync"):
                 s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
@@ -475,15 +490,21 @@ class GRPOTrainer(GenerationEval, Trainer):
         # A checkpoint holds no generation batch, so it is taken only where one ends (streaming: drained).
         if self.streaming is not None:
             return self.streaming.drained
+        if self.feed is not None:  # the generation ranks drain only where the config saves
+            return self.saves_after(step)
         return (step * self.cfg.gradient_accumulation_steps) % self.micro_per_generation == 0
 
     def checkpoint_rank_state(self, directory: Path, rank: int) -> None:
         if self.streaming is not None:  # the finished groups not yet trained
             self.streaming.save(directory, rank)
+        if self.feed is not None:
+            self.feed.save(directory, rank, self.step)
 
     def restore_rank_state(self, directory: Path, rank: int) -> None:
         if self.streaming is not None:
             self.streaming.restore(directory, rank)
+        if self.feed is not None:
+            self.feed.restore(directory, rank)
 
     def _log_samples(self) -> None:
         prompts, texts, scores, extra = self.samples

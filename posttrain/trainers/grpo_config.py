@@ -9,13 +9,12 @@ from typing import Any
 import trl
 
 from posttrain.errors import ConfigError
-from posttrain.placement.ranks import world_size
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
 from posttrain.trainers.config import TrainConfig
 from posttrain.trainers.grpo_loss import LOSS_TYPES
-from posttrain.trainers.streaming import StreamingFields, check_streaming_config
+from posttrain.trainers.streaming import StreamingFields, check_streaming_config, training_processes
 
 _SAMPLING = "posttrain's engine samples with temperature, top_p and top_k"
 # TRL config fields GRPO and RLOO share (TRL's RLOOConfig has them too): those that take effect...
@@ -89,7 +88,7 @@ def check_online_config(cfg: Any) -> None:
     TrainConfig.__post_init__(cfg)
     check_rollout_fields(cfg)
     agents.check_config(cfg)
-    world = world_size()
+    world = training_processes(cfg)  # generation ranks (generation_processes) take no batch
     grpo = hasattr(cfg, "loss_type")  # TRL's RLOOConfig has none of GRPO's loss options
     if grpo:
         cfg.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none"}.get(

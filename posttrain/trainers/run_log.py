@@ -68,7 +68,7 @@ class RunLog:
             truncate_jsonl(self.out / "samples.jsonl", start)
         self.history: list[dict] = []
         if start > 0:
-            session.accelerator.wait_for_everyone()  # read once rank 0 has cut the file back
+            session.wait_for_everyone()  # read once rank 0 has cut the file back
             self.history = read_rows(self.out / "metrics.jsonl")
         if cfg.report_to:
             # Trackers (TensorBoard's hparams) take scalars only.

@@ -18,7 +18,9 @@ import torch
 
 from posttrain.data.prompts import left_pad
 from posttrain.errors import ConfigError
-from posttrain.rollout.sampling import RolloutOutput, finish
+from posttrain.placement.generation_ranks import check_layout
+from posttrain.placement.ranks import world_size
+from posttrain.rollout.sampling import RolloutOutput, SamplingParams, finish
 from posttrain.rollout.scheduler import Batch
 
 STATE_FILE = "streaming_rank{}.pt"
@@ -37,6 +39,18 @@ class StreamingFields:
     max_inflight_tasks: int = -1
     # Optimizer steps between weight syncs to generation (colocated generation reads the weights as they train).
     weight_sync_steps: int = 1
+    # The last N ranks of the launch only generate, the others only train (trainers/generation_ranks.py).
+    generation_processes: int = 0
+
+
+def training_processes(cfg: Any) -> int:
+    """The launch's processes that train: all, less ``generation_processes`` (a layout that cannot work is refused)."""
+    gen = cfg.generation_processes
+    if gen and not isinstance(gen, bool) and cfg.async_generation is not True:
+        raise ConfigError(f"generation_processes {gen} needs async_generation true (the generation ranks stream "
+                          "their rollouts across optimizer steps): set async_generation true, or generation_processes 0")
+    layout = check_layout(gen, world_size(), cfg.generation_backend)
+    return layout.training_processes if layout else world_size()
 
 
 def check_streaming_config(cfg: Any, world: int) -> None:
@@ -45,11 +59,23 @@ def check_streaming_config(cfg: Any, world: int) -> None:
         raise ConfigError(f"async_generation must be true or false, got {cfg.async_generation!r}")
     if not isinstance(cfg.max_staleness, int) or cfg.max_staleness < 0:
         raise ConfigError(f"max_staleness must be a whole number >= 0 (weight updates), got {cfg.max_staleness!r}")
-    if cfg.weight_sync_steps != 1:
+    separate = bool(cfg.generation_processes)
+    if not separate and cfg.weight_sync_steps != 1:
         raise ConfigError("weight_sync_steps other than 1 needs separate generation ranks; colocated generation reads "
                           "the weights as they train: set weight_sync_steps 1")
     if not cfg.async_generation:
         return
+    if separate:
+        if isinstance(cfg.weight_sync_steps, bool) or not isinstance(cfg.weight_sync_steps, int) or (
+                cfg.weight_sync_steps < 1):
+            raise ConfigError(f"weight_sync_steps must be a whole number >= 1, got {cfg.weight_sync_steps!r}")
+        if cfg.weight_sync_steps > cfg.max_staleness + 1:
+            raise ConfigError(f"weight_sync_steps {cfg.weight_sync_steps} lets groups lag more than max_staleness "
+                              f"({cfg.max_staleness}) updates behind (a generation batch waits for a synced version): "
+                              f"set weight_sync_steps at most {cfg.max_staleness + 1}, or raise max_staleness")
+        if cfg.max_inflight_tasks != -1:
+            raise ConfigError("with generation_processes, max_staleness alone bounds the generation batches in flight "
+                              "(max_staleness + 1): set max_inflight_tasks -1")
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
     reasons = [
         (cfg.generation_backend != "posttrain", "generation_backend posttrain (streaming decodes in the engine)"),
@@ -159,22 +185,11 @@ class StreamingGeneration:
     def batch(self, groups: list[Group], device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor,
                                                                          RolloutOutput, dict[str, float]]:
         """The dataset rows, left-padded prompts, completions and streaming metrics of ``groups``."""
-        g = self.group_size
-        rows = [self.rows_of(grp.cycle)[grp.index * g + k] for grp in groups for k in range(g)]
-        width = max(int(grp.prompt_mask.sum(1).max()) for grp in groups)  # as wide as the longest prompt
-        prompt_ids = torch.cat([_to_width(grp.prompt_ids, width, self.pad) for grp in groups]).to(device)
-        prompt_mask = torch.cat([_to_width(grp.prompt_mask, width, 0) for grp in groups]).to(device)
-        tokens = torch.cat([grp.tokens for grp in groups])
-        logprobs = torch.cat([grp.logprobs for grp in groups])
-        completion, mask, logprobs = finish(tokens, logprobs, self.stream.rollout.sampling)
-        staleness = torch.tensor([float(self.version - grp.version) for grp in groups])
-        metrics = {"sample/staleness_mean": staleness.mean().item(), "sample/staleness_max": staleness.max().item(),
-                   "streaming/dropped_groups": float(self.dropped), "streaming/in_flight": float(
-                       self.stream.live + self.stream.waiting), "streaming/ready_groups": float(len(self.ready))}
+        *out, metrics = group_batch(groups, self.rows_of, self.pad, self.stream.rollout.sampling, self.version, device)
+        metrics.update({"streaming/dropped_groups": float(self.dropped), "streaming/in_flight": float(
+            self.stream.live + self.stream.waiting), "streaming/ready_groups": float(len(self.ready))})
         self.dropped = 0
-        out = RolloutOutput(sequences=torch.cat([prompt_ids, completion.to(device)], 1), completion_ids=completion,
-                            completion_mask=mask, logprobs=logprobs)
-        return rows, prompt_ids, prompt_mask, out, metrics
+        return (*out, metrics)
 
     def weights_changed(self) -> None:
         """After an optimizer step: the engine reads the new weights; groups now too stale are dropped."""
@@ -222,6 +237,25 @@ class StreamingGeneration:
         self.next_cycle, self.dropped_total = int(state["next_cycle"]), int(state["dropped_total"])
         self.stream.version = int(state["version"])
         self.ready = [Group(**grp) for grp in state["ready"]]
+
+
+def group_batch(groups: list[Group], rows_of: Any, pad: int, sampling: SamplingParams, version: int,
+                device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor, RolloutOutput, dict[str, float]]:
+    """The dataset rows (``rows_of(cycle)``: a generation batch's rows of this process), left-padded prompts and
+    completions of finished ``groups``, and their staleness against weight ``version`` (TRL AsyncGRPO's names)."""
+    g = len(groups[0].tokens)
+    rows = [rows_of(grp.cycle)[grp.index * g + k] for grp in groups for k in range(g)]
+    width = max(int(grp.prompt_mask.sum(1).max()) for grp in groups)  # as wide as the longest prompt
+    prompt_ids = torch.cat([_to_width(grp.prompt_ids, width, pad) for grp in groups]).to(device)
+    prompt_mask = torch.cat([_to_width(grp.prompt_mask, width, 0) for grp in groups]).to(device)
+    tokens = torch.cat([grp.tokens for grp in groups])
+    logprobs = torch.cat([grp.logprobs for grp in groups])
+    completion, mask, logprobs = finish(tokens, logprobs, sampling)
+    staleness = torch.tensor([float(version - grp.version) for grp in groups])
+    metrics = {"sample/staleness_mean": staleness.mean().item(), "sample/staleness_max": staleness.max().item()}
+    out = RolloutOutput(sequences=torch.cat([prompt_ids, completion.to(device)], 1), completion_ids=completion,
+                        completion_mask=mask, logprobs=logprobs)
+    return rows, prompt_ids, prompt_mask, out, metrics
 
 
 def _to_width(t: torch.Tensor, width: int, pad: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 (tests/test_generation_ranks.py launches it once and reads its JSON). One Session with generation_processes=1:
 ZeRO-2, ZeRO-3 and LoRA (ZeRO-2) trained roles and a frozen ZeRO-3 reference, engines over the training ranks;
 weight syncs in small buckets before and after an SGD step; the rollout channel; training-rank reductions; a
-checkpoint saved and restored by the training ranks alone. fp32; every rank's results end in one JSON."""
+checkpoint saved and restored by the training ranks alone; then GRPO over the layout (generation_ranks_grpo.py).
+fp32; every rank's results end in one JSON."""
 
 import json
 import random
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import generation_ranks_grpo  # beside this script
 import torch
 import torch.distributed as dist
 
@@ -216,9 +218,10 @@ def main(out: str, tmp: str) -> None:
     res = {"rank": dist.get_rank(), "world": dist.get_world_size(), "generates": s.generates}
     res.update(generator_side(s) if s.generates else trainer_side(s, Path(tmp)))
     res["seconds"] = round(time.perf_counter() - start, 1)
+    s.close()
+    res["grpo"] = generation_ranks_grpo.main(str(Path(tmp) / "grpo"))  # the trainer over this layout
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, res)
-    s.close()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(every, indent=1))
 

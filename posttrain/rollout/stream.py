@@ -5,21 +5,36 @@ never waits for a batch's longest row."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from posttrain.rollout.engine import DecodeEngine
+from posttrain.rollout.sampling import SamplingParams
 from posttrain.rollout.scheduler import Batch, Scheduler
 
-if TYPE_CHECKING:
-    from posttrain.rollout.api import Rollout
+
+class Source(Protocol):
+    """What a stream reads of the :class:`~posttrain.rollout.api.Rollout` that opens it."""
+
+    sampling: SamplingParams
+    max_prompt_len: int
+    rollouts: int  # rollouts of its own so far (each re-begins the engine)
+
+    def engine_for(self, sampling: SamplingParams) -> DecodeEngine: ...
+
+    def _engine_model(self) -> Any: ...
+
+    def _seed_key(self) -> int: ...
+
+    def update_stats(self) -> None: ...
 
 
 class Stream:
     """Batches submitted in order and decoded by :meth:`advance`; the submitter takes finished rows from each
     :class:`Batch` (``finished``) and says when the weights change (:meth:`weights_changed`)."""
 
-    def __init__(self, rollout: Rollout) -> None:
+    def __init__(self, rollout: Source) -> None:
         self.rollout = rollout
         self.scheduler: Scheduler | None = None
         self._rollouts = -1  # the rollout count at which the engine was last begun for the stream

@@ -106,10 +106,14 @@ def runs(tmp_path_factory):
     killed_rows = len((tmp / "killed" / "metrics.jsonl").read_text().splitlines())
     kto_killed = launch_expecting_failure(tmp / "kto-killed.json", "kto-killed", tmp)
     kto_dir = sorted(p.name for p in (tmp / "kto-killed").glob("checkpoint-*"))
+    grpo_killed = launch_expecting_failure(tmp / "grpo-killed.json", "grpo-streaming-killed", tmp)
+    grpo_dir = {p.name: sorted(q.name for q in (p / "state").iterdir())
+                for p in (tmp / "grpo-killed").glob("checkpoint-*") if (p / "state").is_dir()}
     resumed_out = tmp / "resume.json"
     log = torchrun(ROOT / "tests" / "dist" / "checkpoint_kill.py", resumed_out, "resume", tmp)
     return dict(tmp=tmp, full=full, killed=killed, killed_dir=killed_dir, killed_rows=killed_rows, log=log,
-                resumed=json.loads(resumed_out.read_text()), kto_killed=kto_killed, kto_dir=kto_dir)
+                resumed=json.loads(resumed_out.read_text()), kto_killed=kto_killed, kto_dir=kto_dir,
+                grpo_killed=grpo_killed, grpo_dir=grpo_dir)
 
 
 def test_a_save_killed_midway_leaves_only_a_tmp_folder(runs):
@@ -184,4 +188,21 @@ def test_kto_killed_while_saving_resumes_to_the_uninterrupted_run(runs):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and [r["step"] for r in full] == [1, 2, 3, 4]
     for a, b in zip(full, resumed):
         for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (b["step"], key)
+
+
+def test_streaming_grpo_killed_while_saving_resumes_to_the_uninterrupted_run(runs):
+    """GRPO streaming on two processes (finished, untrained groups saved per rank), rank 1 gone while checkpoint-4
+    is written: the half-written folder (its streaming files already there) is skipped, the run resumes from step 2
+    and logs what the uninterrupted run logged, staleness and all."""
+    assert runs["grpo_killed"].returncode != 0
+    assert set(runs["grpo_dir"]) == {"checkpoint-2", "checkpoint-4.tmp"}
+    assert {"streaming_rank0.pt", "streaming_rank1.pt", "trainer_state.json"} <= set(runs["grpo_dir"]["checkpoint-2"])
+    assert "trainer_state.json" not in runs["grpo_dir"]["checkpoint-4.tmp"]
+    full = [r for r in runs["resumed"]["grpo_full"] if "loss" in r]
+    resumed = [r for r in runs["resumed"]["grpo_resumed"] if "loss" in r]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and [r["step"] for r in full] == [1, 2, 3, 4]
+    assert max(r["sample/staleness_max"] for r in full) > 0
+    for a, b in zip(full, resumed):
+        for key in ("loss", "reward", "kl", "grad_norm", "sample/staleness_mean", "completions/mean_length"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (b["step"], key)

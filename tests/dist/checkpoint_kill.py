@@ -10,6 +10,10 @@
                                 load_state refuses a state lacking rank 1's RNG file; then KTO's
                                 uninterrupted run and its killed run resumed (latest)
     OUT kto-killed TMP          KTO (4 steps, a checkpoint every 2); rank 1 exits while saving checkpoint-4
+    OUT grpo-streaming-killed TMP
+                                GRPO with streaming generation (4 steps, a checkpoint every 2, finished untrained
+                                groups in each rank's state); rank 1 exits while saving checkpoint-4; "resume" runs
+                                its uninterrupted twin and resumes it
 """
 
 import json
@@ -66,6 +70,23 @@ def kto_run(tmp: Path, name: str, **fields) -> list[dict]:
                               max_steps=4, save_steps=2, logging_steps=1, max_length=64, disable_tqdm=True,
                               gradient_checkpointing=False), **fields})
     trainer = KTOTrainer(str(tiny.sft_model_path()), args=cfg, train_dataset=rows())
+    trainer.train()
+    return trainer.state.log_history
+
+
+def grpo_streaming_run(tmp: Path, name: str, **fields) -> list[dict]:
+    """GRPO with streaming generation on the tiny SFT model: max_staleness 2 through 4 slots per process, 4 steps,
+    a checkpoint every 2; its logged rows."""
+    from posttrain.demo import tiny
+    from posttrain.scripts.data import bundled_prompts
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    cfg = GRPOConfig(**{**dict(output_dir=str(tmp / name), per_device_train_batch_size=8, num_generations=4,
+                               max_completion_length=10, max_steps=4, save_steps=2, logging_steps=1, seed=7,
+                               learning_rate=3e-3, disable_tqdm=True, async_generation=True, max_staleness=2,
+                               generation_kv_slots=4), **fields})
+    trainer = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=["posttrain.demo.synthetic.sentiment_reward"],
+                          args=cfg, train_dataset=bundled_prompts(64, cfg.seed))
     trainer.train()
     return trainer.state.log_history
 
@@ -129,6 +150,9 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
     elif mode == "kto-killed":
         die_while_saving_policy(4)
         kto_run(tmp, "kto-killed")
+    elif mode == "grpo-streaming-killed":
+        die_while_saving_policy(4)
+        grpo_streaming_run(tmp, "grpo-killed")
     elif mode == "resume":
         cfg = PPOConfig(**{**BASE, "output_dir": str(tmp / "killed"), "resume_from_checkpoint": "latest"})
         trainer = PPOTrainer(args=cfg, train_dataset=ppo_prompts(cfg), **trainer_models({}))
@@ -150,6 +174,8 @@ def main(out: str, mode: str, tmp: str, *rest: str) -> None:
         # KTO after its kill: the uninterrupted run, then the killed one resumed from its latest checkpoint.
         res["kto_full"] = kto_run(tmp, "kto-full")
         res["kto_resumed"] = kto_run(tmp, "kto-killed", resume_from_checkpoint="latest")
+        res["grpo_full"] = grpo_streaming_run(tmp, "grpo-full")
+        res["grpo_resumed"] = grpo_streaming_run(tmp, "grpo-killed", resume_from_checkpoint="latest")
     if int(os.environ["RANK"]) == 0:
         Path(out).write_text(json.dumps(res))
 

@@ -26,6 +26,9 @@ class StubSession:
         self.accelerator = SimpleNamespace(wait_for_everyone=lambda: None, trackers=[], is_local_main_process=True)
         self.loaded: list[Path] = []
 
+    def wait_for_everyone(self) -> None:
+        pass
+
     def unwrap(self, role):
         return torch.nn.Linear(1, 1)  # no config: nothing for the resume checks or the card to read
 

@@ -285,19 +285,18 @@ class GenerationFeed:
 
 class SeparateGeneration:
     """GRPOTrainer's methods under ``generation_processes``: a generation rank runs :class:`GenerationRank`'s loop in
-    place of the training loop and writes nothing (the training ranks log, save and evaluate); the training ranks end
-    the weight syncs when training ends."""
+    place of the training loop (the loop's ``generation_loop``) and writes nothing (the training ranks log, save and
+    evaluate); the training ranks end the weight syncs when training ends (``training_ended``)."""
 
     generation_rank: GenerationRank | None = None
     feed: GenerationFeed | None = None
 
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
-        if self.generation_rank is not None:
-            return self.generation_rank.run()
-        out = super().train(resume_from_checkpoint)
+    def generation_loop(self) -> Any:
+        return self.generation_rank.run()
+
+    def training_ended(self) -> None:
         if self.feed is not None:
             self.feed.finish()
-        return out
 
     def _finish_init(self, callbacks: list[Any] | None) -> None:
         if self.generation_rank is None:
@@ -306,11 +305,6 @@ class SeparateGeneration:
         from transformers.trainer_callback import TrainerState
 
         self.state = TrainerState(max_steps=self.total_steps)  # an empty log: the training ranks keep it
-
-    def save_model(self, directory: str | None = None) -> Path:
-        if self.generation_rank is not None:  # the training ranks save the trained policy
-            return Path(directory or self.cfg.output_dir)
-        return super().save_model(directory)
 
     def evaluate(self) -> dict[str, float]:
         if self.generation_rank is not None:  # evaluation generates on the training ranks

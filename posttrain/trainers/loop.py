@@ -145,6 +145,14 @@ class Trainer:
         last = step == self.total_steps if last is None else last
         return saves(self.cfg) and (step % self.cfg.save_steps == 0 or last)
 
+    def generation_loop(self) -> Any:
+        """What a generation rank (``generation_processes``) runs instead of training; trainers with such ranks
+        define it."""
+        raise ConfigError(f"{type(self).__name__} has no generation ranks: set generation_processes 0")
+
+    def training_ended(self) -> None:
+        """After the last step, on every training rank (a trainer with generation ranks ends their loop here)."""
+
     def checkpoint_rank_state(self, directory: Path, rank: int) -> None:
         """Write what this rank alone holds into a checkpoint's ``state/`` (nothing by default)."""
 
@@ -157,6 +165,8 @@ class Trainer:
         from transformers.trainer_utils import TrainOutput
 
         cfg, s = self.cfg, self.session
+        if getattr(s, "generates", False):  # this rank only generates (generation_processes): its own loop
+            return self.generation_loop()
         if not hasattr(self, "state"):
             self._finish_init(None)
         if resume_from_checkpoint not in (None, False):
@@ -213,6 +223,7 @@ class Trainer:
             if last:
                 break
         log.close()
+        self.training_ended()
         self._event("on_train_end")
         runtime = time.perf_counter() - started
         losses = [v for v in losses if v is not None]
@@ -260,7 +271,10 @@ class Trainer:
         return push_to_hub(self.cfg, self.cfg.output_dir, commit_message)
 
     def save_model(self, directory: str | os.PathLike | None = None) -> Path:
-        """Save the first trained role in the output dir (TRL's layout), others in ``<role>/``; returns it."""
+        """Save the first trained role in the output dir (TRL's layout), others in ``<role>/``; returns it. A
+        generation rank saves nothing (the training ranks hold the trained weights)."""
+        if getattr(self.session, "generates", False):
+            return Path(directory or self.cfg.output_dir)
         trained = self.roles["trained"]
         merge = getattr(self.cfg, "merge_adapters", False)
         path = save_trained_model(self.session, trained[0], directory or self.cfg.output_dir, self.tokenizer, merge)

@@ -154,9 +154,10 @@ def test_grpo_staleness_is_bounded_and_rollouts_partial(ranks):
 def test_grpo_generation_copy_ends_as_the_trained_policy(ranks):
     """After training, the generation rank's copy holds the final trained weights exactly (the last sync); with LoRA
     its adapters and base too."""
-    assert all(ranks[0]["grpo"][run]["copy_equal"] for run in ("zero2-zero3", "zero3", "resumed", "lora"))
-    lora = [r for r in grpo_rows(ranks, "lora") if "loss" in r]
-    assert len(lora) == 4 and [r["sample/staleness_max"] for r in lora] == [0.0, 1.0, 1.0, 1.0]
+    assert all(ranks[0]["grpo"][run]["copy_equal"] for run in ("zero2-zero3", "zero3", "resumed", "lora", "rloo"))
+    for run in ("lora", "rloo"):  # LoRA GRPO, and RLOO (GRPO's loop and generation, its own objective)
+        rows = [r for r in grpo_rows(ranks, run) if "loss" in r]
+        assert len(rows) == 4 and [r["sample/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0], run
 
 
 # -- in-process ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """GRPO with separate generation ranks on 3 CPU processes over gloo (ranks 0 and 1 train, rank 2 generates), run by
 tests/dist/generation_ranks_checks.py after its own checks (one launch): the same short streaming run
 (max_staleness 1, 6 slots for 16 sequences a generation batch, save_steps 2, an evaluation at step 4) under the
-zero2-zero3 and zero3 mixes, the first resumed from its step-2 checkpoint, and a LoRA run. Per rank: each run's logged rows (the
+zero2-zero3 and zero3 mixes, the first resumed from its step-2 checkpoint, a LoRA run and an RLOO run. Per rank: each run's logged rows (the
 generation rank's: none) and train() metrics; on rank 0 whether the generation rank's final weights equal the trained
 policy's."""
 
@@ -26,10 +26,13 @@ def reward(completion_ids, **_):
     return [float(sum(c) % 7) for c in completion_ids]
 
 
-def run(tmp: Path, name: str, peft_config=None, **fields) -> dict:
+def run(tmp: Path, name: str, peft_config=None, rloo: bool = False, **fields) -> dict:
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
     start = time.perf_counter()
-    cfg = GRPOConfig(output_dir=str(tmp / name), **{**SHORT, **fields})
-    t = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=reward, args=cfg, train_dataset=bundled_prompts(64, 7),
+    config_cls, trainer_cls = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+    cfg = config_cls(output_dir=str(tmp / name), **{**SHORT, **fields})
+    t = trainer_cls(str(tiny.sft_model_path()), reward_funcs=reward, args=cfg, train_dataset=bundled_prompts(64, 7),
                     eval_dataset=bundled_prompts(4, 1), peft_config=peft_config)
     out = t.train()
     t.save_model()
@@ -59,6 +62,7 @@ def main(tmp: str) -> dict:
     # adapters (merged into the engine's weights after each).
     res["lora"] = run(tmp, "lora", mix="zero2-zero3", learning_rate=2e-2, save_strategy="no", eval_strategy="no",
                       peft_config=LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0))
+    res["rloo"] = run(tmp, "rloo", rloo=True, mix="zero2-zero3", save_strategy="no", eval_strategy="no")
     res["saved"] = sorted(p.name for p in (tmp / "zero2-zero3" / "checkpoint-2" / "state").glob("streaming_*"))
     return res
 

@@ -54,6 +54,16 @@ def run(config_cls, trainer_cls, reward_funcs, save=False, peft_config=None, **f
     return trainer.state.log_history, sorted(trainer.session.roles), dict(trainer.rollout.stats)
 
 
+def placed_and_resumed(tmp: str, name: str, rewards: list, **fields) -> dict:
+    """GRPO runs under zero2-zero3 and zero3, and the first resumed from its step-2 checkpoint: each one's rows."""
+    runs = {mix: run(GRPOConfig, GRPOTrainer, rewards, mix=mix, output_dir=f"{tmp}/{name}-{mix}", **fields)[0]
+            for mix in ("zero2-zero3", "zero3")}
+    runs["resumed"] = run(GRPOConfig, GRPOTrainer, rewards, mix="zero2-zero3", output_dir=f"{tmp}/{name}-zero2-zero3",
+                          resume_from_checkpoint=f"{tmp}/{name}-zero2-zero3/checkpoint-2",
+                          **{**fields, "overwrite_output_dir": False})[0]
+    return runs
+
+
 def main(out: str, tmp: str) -> None:
     rewards = [SENTIMENT, str(tiny.reward_model_path())]
     res: dict = {"placements": {}, "roles": {}}
@@ -104,25 +114,13 @@ def main(out: str, tmp: str) -> None:
     # Dynamic sampling: the same kept groups, losses and counters whatever the placement, and after a resume
     # (the extra generation batches drawn before the checkpoint move the prompt order on).
     dynamic = dict(SHORT, dynamic_sampling=True, sync_ref_model=False, reward_weights=None)
-    for mix in ("zero2-zero3", "zero3"):
-        res.setdefault("dynamic", {})[mix], _, _ = run(GRPOConfig, GRPOTrainer, [saturating], mix=mix,
-                                                       output_dir=f"{tmp}/dynamic-{mix}", **dynamic)
-    res["dynamic"]["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, [saturating], mix="zero2-zero3",
-                                          output_dir=f"{tmp}/dynamic-zero2-zero3",
-                                          resume_from_checkpoint=f"{tmp}/dynamic-zero2-zero3/checkpoint-2",
-                                          **{**dynamic, "overwrite_output_dir": False})
+    res["dynamic"] = placed_and_resumed(tmp, "dynamic", [saturating], **dynamic)
 
     # Streaming: each process streams its own groups; the same rows whatever the placement, and after a resume
     # from the step-2 checkpoint (each rank's finished, untrained groups saved with it).
     streaming = dict(SHORT, async_generation=True, max_staleness=2, generation_kv_slots=4, steps_per_generation=None,
                      sync_ref_model=False, reward_weights=None, max_completion_length=10)
-    for mix in ("zero2-zero3", "zero3"):
-        res.setdefault("streaming", {})[mix], _, _ = run(GRPOConfig, GRPOTrainer, [SENTIMENT], mix=mix,
-                                                         output_dir=f"{tmp}/streaming-{mix}", **streaming)
-    res["streaming"]["resumed"], _, _ = run(GRPOConfig, GRPOTrainer, [SENTIMENT], mix="zero2-zero3",
-                                            output_dir=f"{tmp}/streaming-zero2-zero3",
-                                            resume_from_checkpoint=f"{tmp}/streaming-zero2-zero3/checkpoint-2",
-                                            **{**streaming, "overwrite_output_dir": False})
+    res["streaming"] = placed_and_resumed(tmp, "streaming", [SENTIMENT], **streaming)
 
     import torch.distributed as dist
     from accelerate.utils import gather_object

@@ -51,42 +51,58 @@ def preference_rows(n: int, seq_len: int) -> list[dict[str, str]]:
 
 
 def run_trl(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: Stamps) -> None:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    from posttrain.demo import tiny
-
-    cpu = not torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
-    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
-    args = DPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=spec["pairs"], max_length=spec["seq_len"],
-                     learning_rate=1e-6, max_steps=spec["warmup"] + spec["steps"], bf16=True,
-                     gradient_checkpointing=True, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-                     use_cpu=cpu, disable_tqdm=True, dataloader_num_workers=0)
-    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=tiny.load_tokenizer(path), callbacks=[stamps.callback()])
-    stamps.mark()
-    trainer.train()
+    run_trl_with_reference(spec, path, rows, out, stamps, DPOConfig, DPOTrainer, spec["pairs"])
 
 
 def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: Stamps,
                   engine: str, master_weights: str) -> dict[str, Any]:
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
-    cfg = DPOConfig(output_dir=str(out / f"posttrain-{engine}-{master_weights}"), overwrite_output_dir=True,
-                    per_device_train_batch_size=spec["pairs"], max_length=spec["seq_len"], learning_rate=1e-6,
-                    max_steps=spec["warmup"] + spec["steps"], bf16=True, master_weights=master_weights,
-                    gradient_checkpointing=True, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
-                    single_process_engine=ENGINES[engine])
-    trainer = DPOTrainer(str(path), args=cfg, train_dataset=rows)
+    return run_posttrain_with_reference(spec, path, rows, out, stamps, engine, master_weights, DPOConfig, DPOTrainer,
+                                        spec["pairs"])
+
+
+def run_trl_with_reference(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: Stamps,
+                           config_cls: Any, trainer_cls: Any, batch: int) -> None:
+    """TRL's trainer of an offline objective with a reference (DPO, KTO): a bf16 model and a bf16 reference, ``batch``
+    rows a step (the races' TRL side)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.demo import tiny
+
+    cpu = not torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    args = config_cls(output_dir=str(out / "trl"), per_device_train_batch_size=batch, max_length=spec["seq_len"],
+                      learning_rate=1e-6, max_steps=spec["warmup"] + spec["steps"], bf16=True,
+                      gradient_checkpointing=True, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                      use_cpu=cpu, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = trainer_cls(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tiny.load_tokenizer(path), callbacks=[stamps.callback()])
+    stamps.mark()
+    trainer.train()
+
+
+def run_posttrain_with_reference(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: Stamps,
+                                 engine: str, master_weights: str, config_cls: Any, trainer_cls: Any,
+                                 batch: int) -> dict[str, Any]:
+    """posttrain's trainer of that objective (the same settings), under ``single_process_engine`` ``engine`` and
+    ``master_weights``; the row's fields."""
+    cfg = config_cls(output_dir=str(out / f"posttrain-{engine}-{master_weights}"), overwrite_output_dir=True,
+                     per_device_train_batch_size=batch, max_length=spec["seq_len"], learning_rate=1e-6,
+                     max_steps=spec["warmup"] + spec["steps"], bf16=True, master_weights=master_weights,
+                     gradient_checkpointing=True, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+                     single_process_engine=ENGINES[engine])
+    trainer = trainer_cls(str(path), args=cfg, train_dataset=rows)
     s = trainer.session
     history = stamps.train(trainer)[spec["warmup"]:]
     return {"placements": {n: s.zero_stage(n) for n in s.roles}, "master_weights": s.master_weights("policy"),
-            "engine": s.engine_kind("policy"),
-            "one_rank_changes": s.one_rank_changes, "losses": [h["loss"] for h in history],
-            "phase_s": race.phase_medians(history)}
+            "engine": s.engine_kind("policy"), "one_rank_changes": s.one_rank_changes,
+            "losses": [h["loss"] for h in history], "phase_s": race.phase_medians(history)}
 
 
 def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict[str, Any]:

@@ -30,11 +30,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.races import race  # noqa: E402
+from benchmarks.races.dpo_race import (  # noqa: E402  # the same sides as DPO's race
+    DEFAULT_SIDES,
+    SIDES,
+    run_posttrain_with_reference,
+    run_trl_with_reference,
+)
 from benchmarks.races.race import Stamps  # noqa: E402
-
-DEFAULT_SIDES = ("trl", "posttrain-auto-bf16", "posttrain-ds-bf16", "posttrain-auto-fp32", "posttrain-ds-fp32")
-SIDES = DEFAULT_SIDES + ("posttrain-torch-bf16", "posttrain-torch-fp32")
-ENGINES = {"auto": "auto", "ds": "deepspeed", "torch": "torch"}
 
 
 def feedback_rows(n: int, seq_len: int) -> list[dict[str, Any]]:
@@ -48,41 +50,17 @@ def feedback_rows(n: int, seq_len: int) -> list[dict[str, Any]]:
 
 
 def run_trl(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: Stamps) -> None:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
     from trl import KTOConfig, KTOTrainer
 
-    from posttrain.demo import tiny
-
-    cpu = not torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
-    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
-    args = KTOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=spec["rows"], max_length=spec["seq_len"],
-                     learning_rate=1e-6, max_steps=spec["warmup"] + spec["steps"], bf16=True,
-                     gradient_checkpointing=True, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-                     use_cpu=cpu, disable_tqdm=True, dataloader_num_workers=0)
-    trainer = KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=tiny.load_tokenizer(path), callbacks=[stamps.callback()])
-    stamps.mark()
-    trainer.train()
+    run_trl_with_reference(spec, path, rows, out, stamps, KTOConfig, KTOTrainer, spec["rows"])
 
 
 def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: Stamps,
                   engine: str, master_weights: str) -> dict[str, Any]:
     from posttrain.trainers.kto import KTOConfig, KTOTrainer
 
-    cfg = KTOConfig(output_dir=str(out / f"posttrain-{engine}-{master_weights}"), overwrite_output_dir=True,
-                    per_device_train_batch_size=spec["rows"], max_length=spec["seq_len"], learning_rate=1e-6,
-                    max_steps=spec["warmup"] + spec["steps"], bf16=True, master_weights=master_weights,
-                    gradient_checkpointing=True, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
-                    single_process_engine=ENGINES[engine])
-    trainer = KTOTrainer(str(path), args=cfg, train_dataset=rows)
-    s = trainer.session
-    history = stamps.train(trainer)[spec["warmup"]:]
-    return {"placements": {n: s.zero_stage(n) for n in s.roles}, "master_weights": s.master_weights("policy"),
-            "engine": s.engine_kind("policy"), "one_rank_changes": s.one_rank_changes,
-            "losses": [h["loss"] for h in history], "phase_s": race.phase_medians(history)}
+    return run_posttrain_with_reference(spec, path, rows, out, stamps, engine, master_weights, KTOConfig, KTOTrainer,
+                                        spec["rows"])
 
 
 def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict[str, Any]:

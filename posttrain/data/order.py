@@ -146,9 +146,10 @@ class TrainLoader:
     shuffle: bool = True
 
     @classmethod
-    def rows(cls, n: int, per_device_batch: int, world: int, seed: int) -> TrainLoader:
-        """The Trainer's loader (SFT, DPO, reward, GKD); ``seed`` is ``data_seed`` when set, else ``seed``."""
-        return cls(n, per_device_batch, world, seed)
+    def rows(cls, n: int, per_device_batch: int, world: int, seed: int, shuffle: bool = True) -> TrainLoader:
+        """The Trainer's loader (SFT, DPO, reward, GKD, KTO); ``seed`` is ``data_seed`` when set, else ``seed``;
+        ``shuffle`` False: the dataset's order (KTO's ``train_sampling_strategy: sequential``)."""
+        return cls(n, per_device_batch, world, seed, shuffle=shuffle)
 
     @classmethod
     def grpo(cls, n: int, per_device_batch: int, world: int, seed: int, num_generations: int,

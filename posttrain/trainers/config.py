@@ -179,12 +179,13 @@ def validate_train_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"unknown lr_scheduler_type {cfg.lr_scheduler_type!r}: choose from {', '.join(schedulers)}")
 
 
-def row_schedule(cfg: TrainConfig, n_rows: int, noun: str = "rows") -> tuple[TrainLoader, Schedule]:
-    """TRL's Trainer order over ``n_rows`` rows and its optimizer steps (an epoch's leftover rows trained as a
-    short last step, as TRL does); an empty dataset is refused."""
+def row_schedule(cfg: TrainConfig, n_rows: int, noun: str = "rows", shuffle: bool = True
+                 ) -> tuple[TrainLoader, Schedule]:
+    """TRL's Trainer order over ``n_rows`` rows (``shuffle`` False: in order) and its optimizer steps (an epoch's
+    leftover rows trained as a short last step, as TRL does); an empty dataset is refused."""
     if n_rows < 1:
         raise ConfigError(f"train_dataset has no usable {noun}: give at least one")
-    loader = TrainLoader.rows(n_rows, cfg.per_device_train_batch_size, world_size(), cfg.seed)
+    loader = TrainLoader.rows(n_rows, cfg.per_device_train_batch_size, world_size(), cfg.seed, shuffle)
     return loader, loader.schedule(cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_steps)
 
 

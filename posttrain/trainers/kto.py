@@ -14,15 +14,15 @@ import torch.nn.functional as F
 import trl
 
 from posttrain.data import unpaired
-from posttrain.data.order import TrainLoader, seed_everything
+from posttrain.data.order import seed_everything
 from posttrain.data.preference import as_dataset
 from posttrain.errors import ConfigError
 from posttrain.models.lora import adapters_disabled, check_no_head_adapter
 from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer
-from posttrain.placement.ranks import mean_over_ranks, sum_over_ranks, world_size
+from posttrain.placement.ranks import mean_over_ranks, sum_over_ranks
 from posttrain.placement.roles import TRAINER_ROLES
-from posttrain.trainers.config import TrainConfig, make_session
+from posttrain.trainers.config import TrainConfig, make_session, row_schedule
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
 from posttrain.trainers.reference import ReferenceRole
 from posttrain.trainers.run_log import Phases
@@ -183,9 +183,8 @@ class KTOTrainer(ReferenceRole, Trainer):
                                                             **prep) if eval_dataset is not None else None)
         _weight_advice(cfg, self.train_rows)
 
-        self.loader = TrainLoader(len(self.train_rows), cfg.per_device_train_batch_size, world_size(), cfg.seed,
-                                  shuffle=cfg.train_sampling_strategy == "random")
-        self.schedule = self.loader.schedule(cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_steps)
+        self.loader, self.schedule = row_schedule(cfg, len(self.train_rows),
+                                                  shuffle=cfg.train_sampling_strategy == "random")
         self.total_steps = self.schedule.max_steps
         self.session = make_session(cfg, self.roles["trained"], frozen, total_steps=self.total_steps)
         self.phases = Phases()

@@ -30,7 +30,7 @@ from posttrain.placement.group_channel import GroupReceiver, GroupSender, Rollou
 from posttrain.placement.weight_sync import ENDED, WeightReceiver, WeightSender
 from posttrain.rollout.sampling import RolloutOutput, finish
 from posttrain.rollout.scheduler import Batch
-from posttrain.trainers.streaming import STATE_FILE, Group, group_batch
+from posttrain.trainers.streaming import STATE_FILE, Group, group_batch, groups_per_rank
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,6 @@ class Pipeline:
 def pipeline(trainer: Any) -> Pipeline:
     cfg = trainer.cfg
     return Pipeline(cfg.max_staleness, cfg.weight_sync_steps, trainer.total_steps, trainer.saves_after)
-
-
-def groups_per_rank(cfg: Any) -> int:
-    """Groups each training rank trains per optimizer step (check_streaming_config makes it whole)."""
-    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
 
 
 @dataclass

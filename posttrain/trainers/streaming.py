@@ -95,6 +95,11 @@ def check_streaming_config(cfg: Any, world: int) -> None:
             raise ConfigError(f"async_generation needs {needs}: set it, or async_generation false")
 
 
+def groups_per_rank(cfg: Any) -> int:
+    """Groups each training process trains per optimizer step (check_streaming_config makes it whole)."""
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
+
+
 def inflight_batches(cfg: Any, world: int) -> int:
     """Generation batches (one optimizer step's each) that may be started and not yet trained."""
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
@@ -130,7 +135,7 @@ class StreamingGeneration:
         self.stream = rollout.open_stream()
         self.cfg, self.rows_of, self.prompt_ids, self.pad = cfg, rows_of, prompt_ids, pad_token_id
         self.group_size = cfg.num_generations
-        self.groups_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
+        self.groups_per_step = groups_per_rank(cfg)
         self.limit = inflight_batches(cfg, world) * self.groups_per_step  # groups started and not yet trained
         self.next_cycle = 0  # the next generation batch to submit
         self.pending: list[tuple[int, Batch, list[bool]]] = []  # submitted batches: (cycle, batch, group consumed)

@@ -80,9 +80,7 @@ class Stream:
         """One scheduling round (retire, admit, up to ``sync_every`` decode steps); False when idle."""
         if self.scheduler is None:
             return False
-        going = self.scheduler.round()
-        self.rollout.update_stats()
-        return going
+        return self.scheduler.round()
 
     def drop(self, batch: Batch, rows: list[int]) -> None:
         """Drop ``batch``'s ``rows`` that have not finished (waiting or decoding)."""
@@ -91,9 +89,11 @@ class Stream:
 
     def weights_changed(self, version: int | None = None) -> None:
         """The role's weights were updated: the engine re-reads them (a ZeRO-3 role's shadow is refreshed, on
-        every rank); rows admitted from now on record ``version`` (None: the next one)."""
+        every rank); rows admitted from now on record ``version`` (None: the next one). The rollout's stats
+        (``rollout/*`` metrics) are brought up to date here, once a step, not every decode round."""
         self.version = self.version + 1 if version is None else version
         if self.scheduler is not None:
             self.scheduler.version = self.version
+            self.rollout.update_stats()
             self.rollout._engine_model()  # a ZeRO-3 role's shadow gathers the new weights (collective)
             self.scheduler.engine.refresh()

@@ -11,6 +11,7 @@ from conftest import run_json
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
 from posttrain.rollout import Rollout, SamplingParams, choose_tokens, filter_logits, unsupported_reason
+from posttrain.rollout.sampling import gumbel_from_bits
 
 N = 10  # new tokens
 
@@ -413,6 +414,16 @@ def test_sampling_frequencies_follow_the_distribution():
     freq = torch.bincount(tokens, minlength=5).float() / rows
     assert (freq - probs).abs().max().item() < 0.01
     assert torch.allclose(logp, probs.log()[tokens], atol=1e-6)
+
+
+def test_the_noise_is_bounded_so_a_token_far_below_is_never_sampled():
+    """Every 32-bit draw gives finite noise in [-2.9, 16.7]: a token 20 nats below the best is never chosen
+    (with 24 bits the highest draw rounded to u = 1, infinite noise, a random token once in 2**24 logits)."""
+    bits = torch.tensor([0, 1, 0x1FF, 0x200, 0xFFFFFDFF, 0xFFFFFE00, 0xFFFFFEFF, 0xFFFFFF00, 0xFFFFFFFF], dtype=torch.int64)
+    noise = gumbel_from_bits(bits)
+    assert bool(noise.isfinite().all())
+    assert noise.min().item() > -2.9 and noise.max().item() < 16.7
+    assert noise.max().item() - noise.min().item() < 20.0
 
 
 def test_fallback_logs_why(tok, prompts, caplog):

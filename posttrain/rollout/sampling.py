@@ -89,8 +89,13 @@ def gumbel_noise(key: torch.Tensor, step: torch.Tensor, seq: torch.Tensor, vocab
     step = step.view(-1, 1) if step.dim() else step
     tok = torch.arange(vocab, device=seq.device, dtype=torch.int64).unsqueeze(0)
     base = _hash32(_hash32(key ^ (step * 0x2545F491)) + seq * 0x5851F42D)
-    bits = _hash32(base ^ _hash32(tok + 0x9E3779B))
-    u = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), never 0 or 1
+    return gumbel_from_bits(_hash32(base ^ _hash32(tok + 0x9E3779B)))
+
+
+def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) from 32 random bits. 23 of them, so every ``u`` is a float32 strictly inside (0, 1): with 24,
+    ``2**24 - 0.5`` rounds to ``2**24``, ``u`` to 1 and the noise to +inf, an arbitrary token chosen at any logit."""
+    u = ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
     return -torch.log(-torch.log(u))
 
 

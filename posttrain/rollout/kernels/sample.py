@@ -53,7 +53,7 @@ def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_
             barred = tl.load(stop_ptr + v, mask=ok, other=0) != 0
             pick = tl.where(barred & early, float("-inf"), pick)
         bits = _mix(base ^ _mix((v + 0x9E3779B).to(tl.uint32)))
-        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)
+        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608)  # sampling.gumbel_from_bits
         pick = tl.where(ok, pick + -tl.log(-tl.log(u)) * do_sample, float("-inf"))
         index = tl.where(pick > best, v, index)
         best = tl.maximum(best, pick)

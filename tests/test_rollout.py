@@ -491,9 +491,11 @@ def test_zero3_policy_rollout_equals_zero2(dist):
 
 def test_lora_policy_under_zero3_equals_zero2(dist):
     """A peft policy's rollout under ZeRO-3 (base and adapters gathered into the shadow) equals its
-    ZeRO-2 rollout and the adapted forward, before and after the adapters train."""
+    ZeRO-2 rollout and the adapted forward, before and after the adapters train; so does the ZeRO-2 policy's
+    "grouped" rollout (its frozen base re-pointed into the appended buffers while DeepSpeed trains)."""
     lora = dist["lora"]
-    assert lora["backends"] == ["posttrain"] * 3 and lora["lora_mode"] == ["merged", "merged", "live"]
+    assert lora["backends"] == ["posttrain"] * 4 and lora["lora_mode"] == ["merged", "merged", "live", "grouped"]
+    assert lora["appended_groups"] == 4 * tiny.model_config().num_hidden_layers
     assert lora["equal"] == [True, True] and lora["changed"]
     assert lora["logprob_diff"] < 1e-5
 

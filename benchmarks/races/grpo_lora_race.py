@@ -6,6 +6,9 @@ Rows (each a fresh process, in order, ``--rounds`` times; benchmarks/races/race.
   ``generate``, gradient checkpointing (TRL's GRPO default): what TRL runs on one GPU;
 - ``posttrain-lora``: posttrain's GRPOTrainer, default mix and engine, the same ``peft_config``
   (passed as ``peft_config=``, as to TRL's), its rollout engine; with adapters the reference is the base with them switched off on both sides;
+- ``posttrain-lora-grouped``: the same with ``generation_lora_mode="grouped"`` (the engine decodes from the
+  frozen base in place, the adapters' A rows appended to its GEMMs, no merged copy; issue 40's memory target:
+  a peak of at most 24 GiB at a step within 1.05x of ``posttrain-lora``'s);
 - ``posttrain-full``: the same case without LoRA (a full fine-tune: policy, fp32 master weights
   and Adam states, and a reference): expected to run out of memory on one H200, an ``oom`` row.
 
@@ -36,8 +39,8 @@ if str(ROOT) not in sys.path:
 from benchmarks.races import race  # noqa: E402
 from benchmarks.races.race import GiB, Stamps  # noqa: E402
 
-SIDES = ("posttrain-lora", "trl-lora", "posttrain-full")
-BASELINES = {"posttrain-lora": "trl-lora", "posttrain-full": "trl-lora"}
+SIDES = ("posttrain-lora", "posttrain-lora-grouped", "trl-lora", "posttrain-full")
+BASELINES = {"posttrain-lora": "trl-lora", "posttrain-lora-grouped": "posttrain-lora", "posttrain-full": "trl-lora"}
 BETA, LR, LORA_DROPOUT = 0.04, 1e-6, 0.05
 
 
@@ -88,12 +91,13 @@ def run_trl(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamp
 
 
 def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: Stamps,
-                  lora: bool) -> dict[str, Any]:
+                  lora: bool, lora_mode: str = "merged") -> dict[str, Any]:
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     row: dict[str, Any] = {}
-    cfg = GRPOConfig(output_dir=str(out / ("posttrain-lora" if lora else "posttrain-full")), overwrite_output_dir=True,
-                     save_strategy="no", max_prompt_length=spec["prompt_len"], **_settings(spec))
+    name = f"posttrain-lora-{lora_mode}" if lora else "posttrain-full"
+    cfg = GRPOConfig(output_dir=str(out / name), overwrite_output_dir=True, save_strategy="no",
+                     max_prompt_length=spec["prompt_len"], generation_lora_mode=lora_mode, **_settings(spec))
     trainer = GRPOTrainer(str(path), reward_funcs=[parity_reward], args=cfg, train_dataset=rows,
                           peft_config=lora_config(spec) if lora else None)
     s = trainer.session
@@ -117,7 +121,8 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
     rows = prompt_rows(max(prompts, 1), spec["prompt_len"])
     if side == "trl-lora":
         return run_trl(spec, path, rows, out, stamps)
-    return run_posttrain(spec, path, rows, out, stamps, lora=side == "posttrain-lora")
+    return run_posttrain(spec, path, rows, out, stamps, lora=side.startswith("posttrain-lora"),
+                         lora_mode="grouped" if side == "posttrain-lora-grouped" else "merged")
 
 
 def targets(summary: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
@@ -143,6 +148,13 @@ def targets(summary: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> l
         lines.append(f"posttrain-lora round {r['round']}: losses finite {finite}, LoRA B norm {r.get('lora_b_norm')} "
                      f"(0 at initialisation); generated with {how}, compiled {rollout.get('compiled')}, "
                      f"{rollout.get('graphs')} graphs, degraded {r.get('degraded')}")
+    grouped = summary.get("posttrain-lora-grouped", {})
+    if grouped.get("step_s") and ours.get("step_s") and grouped.get("peak_allocated_gib"):
+        x = grouped["step_s"] / ours["step_s"]
+        ok = grouped["peak_allocated_gib"] <= 24 and x <= 1.05
+        lines.append(f"LoRA grouped (no merged copy): peak {grouped['peak_allocated_gib']:.2f} GiB against merged's "
+                     f"{ours.get('peak_allocated_gib', 0):.2f}, step {grouped['step_s']:.2f} s = {x:.3f}x merged's "
+                     f"(target: at most 24 GiB at <= 1.05x: {'met' if ok else 'missed'})")
     full = summary.get("posttrain-full")
     if full:
         lines.append(f"full fine-tune: {full['status']} (target: out of memory shown)")

@@ -1,8 +1,11 @@
 """peft LoRA adapters as the decode engine reads them: ``"merged"`` (W + scaling * B @ A buffers), ``"live"``
-(low-rank terms in the step) or ``"grouped"`` (one product per q|k|v, gate|up); updates need no recapture."""
+(low-rank terms in the step) or ``"grouped"`` (per q|k|v, gate|up, o and down: the adapters' A rows appended
+to the frozen base rows, so one GEMM gives the projections and x A^T, then one expand GEMM; no second copy of
+the base); updates need no recapture."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,6 +80,30 @@ def resolve(module: nn.Module) -> nn.Module:
     return module.modules_to_save[names[0]]
 
 
+@dataclass
+class Appended:
+    """Projections sharing an input, mode "grouped" on live weights: ``weight`` holds the base rows (the frozen
+    base parameters are re-pointed at views of it, so the base is not copied) then every adapter's A rows;
+    ``expand`` [out, R] is each adapter's B times its scaling (0 where inactive), block by block."""
+
+    modules: list[Any]  # the projections, resolved (peft lora.Linear or nn.Linear)
+    weight: torch.Tensor  # [out + R, in]
+    bias: torch.Tensor | None  # [out + R]: the base biases, zeros under the A rows
+    expand: torch.Tensor  # [out, R]
+    expand_bias: torch.Tensor | None  # [out]: LoRA B biases times their scaling
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes beyond the base weights: the A rows and the expand block."""
+        out = self.expand.shape[0]
+        tensors = [self.weight[out:], self.expand, self.expand_bias, self.bias]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _base(m: nn.Module) -> nn.Module:
+    return m.get_base_layer() if hasattr(m, "lora_A") and hasattr(m, "base_layer") else m
+
+
 class Adapters:
     """How the decoder reads projections (``tensor``), LoRA per ``mode``; ``refresh()`` once per rollout."""
 
@@ -89,11 +116,18 @@ class Adapters:
         self.merged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # module id -> weight, bias
         self.groups: dict[tuple[int, ...], tuple[list[Any], list[str], tuple]] = {}  # mode "grouped"
         self.adopted: set[int] = set()  # merged buffers that are slices of the engine's fused ones
+        self.appended: dict[tuple[int, ...], Appended] = {}  # mode "grouped" on live weights
+        self.repointed = 0  # base weights found re-allocated and pointed back into their appended buffer
 
     def tensor(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
         return self._tensor(t) if self._tensor is not None else t.detach()
+
+    @property
+    def appends(self) -> bool:
+        """Mode "grouped" on live weights: adapted projections read from appended buffers (:meth:`append`)."""
+        return self.mode == "grouped" and self.lora and self._tensor is None
 
     def module(self, m: nn.Module) -> nn.Module:
         return resolve(m) if self.lora else m
@@ -103,7 +137,8 @@ class Adapters:
         """Bytes of the merged buffers outside the fused ones, and of the grouped copies."""
         merged = [t for key, (w, b) in self.merged.items() if key not in self.adopted for t in (w, b)]
         grouped = [t for _, _, terms in self.groups.values() for term in terms for t in term]
-        return sum(t.numel() * t.element_size() for t in merged + grouped if t is not None)
+        return (sum(t.numel() * t.element_size() for t in merged + grouped if t is not None)
+                + sum(a.extra_bytes for a in self.appended.values()))
 
     def _scale(self, layer: Any, adapter: str) -> torch.Tensor:
         key = (id(layer), adapter)
@@ -125,6 +160,68 @@ class Adapters:
         found = tuple((self.tensor(m.lora_A[a].weight), self.tensor(m.lora_B[a].weight),
                        self.tensor(m.lora_B[a].bias), self._scale(m, a)) for a in m.lora_A)
         return self.tensor(base.weight), self.tensor(base.bias), found
+
+    def append(self, modules: tuple[nn.Module, ...]) -> Appended | None:
+        """Mode "grouped" on live weights (not a ZeRO-3 shadow's views): ``modules``' appended layout, built once;
+        None where none of them is adapted or their base weights are trainable or unlike."""
+        if not self.appends:
+            return None
+        ms = [self.module(m) for m in modules]
+        if not any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in ms):
+            return None
+        key = tuple(id(m) for m in ms)
+        if key in self.appended:
+            return self.appended[key]
+        ws = [_base(m).weight for m in ms]
+        # A trainable base belongs to the optimizer (DeepSpeed flattens it): only frozen ones are re-pointed.
+        if any(w.requires_grad or w.dim() != 2 for w in ws) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) > 1:
+            return None
+        pairs = [(m, a) for m in ms if hasattr(m, "lora_A") for a in m.lora_A]
+        out, rank = sum(w.shape[0] for w in ws), sum(m.lora_A[a].weight.shape[0] for m, a in pairs)
+        like = {"dtype": ws[0].dtype, "device": ws[0].device}
+        weight = torch.empty(out + rank, ws[0].shape[1], **like)
+        bias = torch.zeros(out + rank, **like) if any(_base(m).bias is not None for m in ms) else None
+        lora_bias = any(m.lora_B[a].bias is not None for m, a in pairs)
+        entry = Appended(ms, weight, bias, torch.zeros(out, rank, **like), torch.zeros(out, **like) if lora_bias else None)
+        with torch.no_grad():
+            o = 0
+            for w in ws:
+                weight[o : o + w.shape[0]].copy_(w)
+                w.data = weight[o : o + w.shape[0]]  # the old storage frees: the base now lives here
+                o += w.shape[0]
+        self.appended[key] = entry
+        self._fill_appended(entry)
+        return entry
+
+    @torch.no_grad()
+    def _fill_appended(self, entry: Appended) -> None:
+        """The A rows, the scaled B blocks and the biases into ``entry``, in place; a base weight re-allocated
+        since (``param.data`` replaced) is copied back in and re-pointed."""
+        o = r0 = 0
+        out = entry.expand.shape[0]
+        for m in entry.modules:
+            base = _base(m)
+            n = base.weight.shape[0]
+            part = entry.weight[o : o + n]
+            if base.weight.data_ptr() != part.data_ptr():
+                part.copy_(base.weight)
+                base.weight.data = part
+                self.repointed += 1
+            if entry.bias is not None:
+                entry.bias[o : o + n].copy_(base.bias) if base.bias is not None else entry.bias[o : o + n].zero_()
+            on = set(active(m)) if hasattr(m, "lora_A") else set()
+            if entry.expand_bias is not None:
+                entry.expand_bias[o : o + n].zero_()
+            for a in getattr(m, "lora_A", {}):
+                la, lb, lb_bias = m.lora_A[a].weight, m.lora_B[a].weight, m.lora_B[a].bias
+                r = la.shape[0]
+                scale = float(m.scaling[a]) if a in on else 0.0
+                entry.weight[out + r0 : out + r0 + r].copy_(la)
+                entry.expand[o : o + n, r0 : r0 + r].copy_(lb * scale)
+                if entry.expand_bias is not None and lb_bias is not None:
+                    entry.expand_bias[o : o + n].add_(lb_bias * scale)
+                r0 += r
+            o += n
 
     def group(self, modules: tuple[nn.Module, ...]) -> tuple | None:
         """Mode "grouped": per adapter, the stacked LoRA terms of projections sharing an input, or None."""
@@ -233,6 +330,8 @@ class Adapters:
             return
         for key in self.groups:
             self._fill(key)
+        for entry in self.appended.values():
+            self._fill_appended(entry)
         for m in self.model.modules():
             if not (hasattr(m, "lora_A") and hasattr(m, "base_layer")):
                 continue

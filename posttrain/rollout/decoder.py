@@ -108,8 +108,19 @@ def lora_add_parts(ys: list[torch.Tensor], x: torch.Tensor, terms: Any) -> list[
     return [o.to(y.dtype) for o, y in zip(outs, ys)]
 
 
+def appended_linear(w: dict[str, Any], key: str, x: torch.Tensor) -> torch.Tensor:
+    """Projections ``key`` of ``x`` from the base rows with the adapters' A rows appended (LoRA mode "grouped"):
+    one GEMM gives the projections and x A^T, a second adds (x A^T) (scaling B)^T."""
+    expand = w[key + "_up"]
+    y = F.linear(x, w[key + "_ext"], w.get(key + "_extb"))
+    base, shrunk = y.split([expand.shape[0], expand.shape[1]], dim=-1)
+    return base + F.linear(shrunk, expand, w.get(key + "_upb"))
+
+
 def linear(w: dict[str, Any], key: str, x: torch.Tensor) -> torch.Tensor:
     """Projection ``key`` of ``x`` (with its bias and LoRA terms, if any)."""
+    if key + "_ext" in w:
+        return appended_linear(w, key, x)
     return lora_add(F.linear(x, w[key], w.get(key + "b")), x, w.get(key + "_lora"))
 
 
@@ -144,7 +155,10 @@ def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, 
     """Projections, q/k norms and rotation (unless not ``rotate``) of the normed input ``h``."""
     b, t, _ = h.shape
     d = spec.head_dim
-    if "qkv" in w:
+    sizes = [spec.heads * d, spec.kv_heads * d, spec.kv_heads * d]
+    if "qkv_ext" in w:
+        q, k, v = appended_linear(w, "qkv", h).split(sizes, dim=-1)
+    elif "qkv" in w:
         q, k, v = F.linear(h, w["qkv"], w.get("qkvb")).split([spec.heads * d, spec.kv_heads * d, spec.kv_heads * d],
                                                              dim=-1)
         q, k, v = lora_add(q, h, w.get("q_lora")), lora_add(k, h, w.get("k_lora")), lora_add(v, h, w.get("v_lora"))
@@ -174,7 +188,14 @@ def attention_out(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor
     else:
         x = x + o
         h = rms_norm(x, w["ln2"], spec.eps)
-    if pointwise and "gate_up" in w and spec.act is F.silu and not any(
+    if "gate_up_ext" in w:
+        gate_up = appended_linear(w, "gate_up", h)
+        if pointwise and spec.act is F.silu:
+            mid = torch.ops.posttrain.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            mid = spec.act(gate) * up
+    elif pointwise and "gate_up" in w and spec.act is F.silu and not any(
             w.get(k) for k in ("gate_lora", "up_lora", "gate_up_lora")):
         mid = torch.ops.posttrain.silu_mul(F.linear(h, w["gate_up"], w.get("gate_upb")))
     else:

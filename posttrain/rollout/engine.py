@@ -103,7 +103,9 @@ class DecodeEngine:
         # Fused q|k|v and gate|up: views where possible, else copies if ``fused``, else separate GEMMs.
         views = weights.fused_views(model, self.adapters)
         self.fuse_views = views is not None
-        self.fused = weights.fused_buffers(model, self.adapters) if fused and views is None else None
+        # Appended LoRA buffers already fuse each group (no copy of the base to make).
+        copies = fused and views is None and not self.adapters.appends
+        self.fused = weights.fused_buffers(model, self.adapters) if copies else None
         self.weights = weights.read_weights(model, views or self.fused, self.adapters)
         layers = len(self.weights["layers"])
         self.prompts: SharedPrompts | None = None
@@ -194,6 +196,7 @@ class DecodeEngine:
                                           if t is not None),
                 "fused_projections": "views" if self.fuse_views else "copies" if self.fused else "off",
                 "lora_mode": self.lora_mode, "lora_merged_bytes": self.adapters.nbytes,
+                "lora_appended_groups": len(self.adapters.appended), "lora_repointed": self.adapters.repointed,
                 "fallback_reasons": list(self.fallback_reasons)}
 
     def _fall_back(self, reason: str, err: Exception | None = None, counter: str | None = None) -> None:

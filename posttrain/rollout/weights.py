@@ -30,14 +30,23 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor | None]] |
         if fused:
             entry.update({k: v for k, v in fused[i].items() if v is not None})
         for group, keys, modules in (("qkv", ("q", "k", "v"), (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                     ("gate_up", ("gate", "up"), (mlp.gate_proj, mlp.up_proj))):
-            terms = src.group(modules)  # LoRA mode "grouped": one low-rank product for the group
+                                     ("gate_up", ("gate", "up"), (mlp.gate_proj, mlp.up_proj)),
+                                     ("o", ("o",), (attn.o_proj,)), ("down", ("down",), (mlp.down_proj,))):
+            appended = src.append(modules)  # LoRA mode "grouped" on live weights: base and A rows in one GEMM
+            if appended is not None:
+                entry.pop(group, None)
+                entry.pop(group + "b", None)
+                entry.update({group + "_ext": appended.weight, group + "_up": appended.expand})
+                if appended.bias is not None:
+                    entry[group + "_extb"] = appended.bias
+                if appended.expand_bias is not None:
+                    entry[group + "_upb"] = appended.expand_bias
+                continue
+            terms = src.group(modules) if len(modules) > 1 else None  # "grouped" on a ZeRO-3 shadow's views
             if terms:
                 entry[group + "_lora"] = terms
             for key, module in zip(keys, modules):
                 linear(entry, key, module, weight=group not in entry, own=not terms)
-        linear(entry, "o", attn.o_proj)
-        linear(entry, "down", mlp.down_proj)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
             entry.update(qn=src.tensor(norm(attn.q_norm).weight), kn=src.tensor(norm(attn.k_norm).weight))
         layers.append(entry)

@@ -59,6 +59,9 @@ def lora_policies(ids: torch.Tensor, mask: torch.Tensor, tok) -> dict:
     rollouts = {name: Rollout(s, name, sampling, max_batch=4, max_prompt_len=16) for name in ("l2", "l3")}
     rollouts["l3live"] = Rollout(s, "l3", sampling, max_batch=4, max_prompt_len=16,
                                  engine_options={"lora_mode": "live"})
+    # Grouped under ZeRO-2: the frozen base re-pointed into the appended buffers, DeepSpeed training on.
+    rollouts["l2grouped"] = Rollout(s, "l2", sampling, max_batch=4, max_prompt_len=16,
+                                    engine_options={"lora_mode": "grouped"})
     res: dict = {"equal": [], "logprob_diff": 0.0, "backends": [r.stats["backend"] for r in rollouts.values()]}
     firsts = []
     for round_ in range(2):
@@ -81,6 +84,7 @@ def lora_policies(ids: torch.Tensor, mask: torch.Tensor, tok) -> dict:
                 step(s, name, o.sequences)
     res["changed"] = not torch.allclose(firsts[0], firsts[1])
     res["lora_mode"] = [r.stats.get("lora_mode") for r in rollouts.values()]
+    res["appended_groups"] = rollouts["l2grouped"].stats["lora_appended_groups"]
     return res
 
 

@@ -51,6 +51,9 @@ def _plan_checked(argv: list[str]) -> int:
                     help="the trainers' setting of that name: count the rollout engine's fused q|k|v and "
                          "gate|up copies where it makes them (a policy on the torch path, or with LoRA; "
                          "DeepSpeed's weights are fused as views, at no cost)")
+    ap.add_argument("--generation-lora-mode", "--generation_lora_mode", choices=["merged", "live", "grouped"],
+                    default="merged", help="the trainers' setting of that name, with --use-peft: merged counts a copy "
+                    "of every adapted weight, grouped only the adapters' rows beside the base it reads in place")
     ap.add_argument("--generation-shared-prompt-kv", "--generation_shared_prompt_kv", action="store_true",
                     help="the trainers' setting of that name: the rollout engine holds each prompt's KV once per "
                          "group of --num-generations rows (GRPO, RLOO)")
@@ -145,7 +148,7 @@ def _plan_checked(argv: list[str]) -> int:
                            fused_projections=args.generation_fused_projections,
                            shared_prompt_group=shared_group, tool_tokens=args.tool_tokens,
                            generation_batch=generation_rows, kv_slots=args.generation_kv_slots,
-                           streamed_rows=streamed)
+                           streamed_rows=streamed, lora_mode=args.generation_lora_mode)
 
     if args.generation_processes:
         print(generation_rank_line(args, shapes, launched, generation_rows or args.micro_batch, lora) + "\n")

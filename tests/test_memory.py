@@ -285,7 +285,7 @@ def test_lora_plan_freezes_the_base_and_drops_the_reference(capsys):
     assert "add --use-peft" in capsys.readouterr().err
 
 
-def test_lora_plan_counts_the_engines_merged_weights():
+def test_lora_plan_counts_the_engines_adapter_weights():
     """GRPO with LoRA decodes from merged weights (the rollout engine's default ``lora_mode``): the
     planner keeps every adapted linear layer's bf16 weight once more for the run. At the 8B shape
     with all-linear adapters that is the 13,958,643,712 bytes the H200 race's engine reported
@@ -298,6 +298,14 @@ def test_lora_plan_counts_the_engines_merged_weights():
     assert adapted - plain == 13958643712
     # peft's default targets for Llama (q_proj, v_proj) merge only those.
     assert memory.merged_adapter_params("8b", memory.Lora()) == 32 * (4096 * 4096 + 1024 * 4096)
+    # generation_lora_mode "grouped" reads the base in place: per layer and group the A rows and the
+    # [out, R] expand block (q|k|v: 48 ranks x (4096 in + 6144 out); gate|up: 32 x (4096 + 28672); o: 16 x
+    # (4096 + 4096); down: 16 x (14336 + 4096)), bf16.
+    per_layer = 48 * (4096 + 6144) + 32 * (4096 + 2 * 14336) + 16 * (4096 + 4096) + 16 * (14336 + 4096)
+    assert memory.appended_adapter_params("8b", lora) == 32 * per_layer
+    grouped = memory.plan("grpo", "8b", "zero2-zero3", lora=lora, lora_mode="grouped", **kw).roles[0].rollout
+    assert grouped - plain == 2 * 32 * per_layer
+    assert memory.plan("grpo", "8b", "zero2-zero3", lora=lora, lora_mode="live", **kw).roles[0].rollout == plain
 
 
 def test_zero2_step_without_the_flat_bf16_copy():

@@ -14,6 +14,7 @@ from posttrain.planner.shapes import (
     ModelSize,
     adapted_inputs,
     adapter_params,
+    appended_adapter_params,
     merged_adapter_params,
     model_config,
     model_size,
@@ -277,12 +278,15 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          generation_backend: str = "posttrain", master_weights: str = "fp32",
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
          fused_projections: bool = False, shared_prompt_group: int | None = None, tool_tokens: int = 0,
-         generation_batch: int | None = None, kv_slots: int | None = None, streamed_rows: int = 0) -> Plan:
+         generation_batch: int | None = None, kv_slots: int | None = None, streamed_rows: int = 0,
+         lora_mode: str = "merged") -> Plan:
     """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response;
     ``tool_tokens``: multi-turn tool use (GRPO/RLOO), tool output per sequence inside the response budget;
     ``generation_batch``: sequences one process generates at once (default ``micro_batch``); ``kv_slots``: the
     engine's KV budget in sequences (``generation_kv_slots``, default ``generation_batch``); ``streamed_rows``:
-    streaming generation's sequences started and not yet trained per process (their outputs held on the GPU)."""
+    streaming generation's sequences started and not yet trained per process (their outputs held on the GPU);
+    ``lora_mode``: the engine's ``generation_lora_mode`` (merged: a copy of each adapted weight; grouped: the A rows
+    and expand blocks beside the base read in place, ZeRO-3 aside; live: nothing)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -390,12 +394,14 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
                 gen += 2 * policy.size.params
         else:
             # Fused projections are views of DeepSpeed's flat buffers; copies otherwise.
-            copies = fused_projections and (lora is not None or "policy" in torch_path)
+            copies = fused_projections and ((lora is not None and lora_mode != "grouped") or "policy" in torch_path)
             policy.rollout = rollout_engine_bytes(policy.size, slots, seq_len, policy.place.stage, copies,
                                                   engine_kv)
             policy.kv_cache = engine_kv
-            if lora is not None:  # the engine's merged adapted weights (its default lora_mode), bf16
+            if lora is not None and lora_mode == "merged":  # a bf16 copy of every adapted weight
                 policy.rollout += 2 * merged_adapter_params(shapes["policy"], lora, vocab)
+            elif lora is not None and lora_mode == "grouped":
+                policy.rollout += 2 * appended_adapter_params(shapes["policy"], lora, vocab)
             policy.rollout += streamed_bytes(streamed_rows, seq_len - response_len, response_len)
         phases["generate"] = gen
         # LoRA: the reference forward is the policy's own, adapters disabled.

@@ -186,6 +186,25 @@ def adapted_inputs(spec: str, lora: Lora, vocab_size: int | None = None) -> int:
 
 
 @functools.lru_cache(maxsize=64)
+def appended_adapter_params(spec: str, lora: Lora, vocab_size: int | None = None) -> int:
+    """Elements the engine adds in LoRA mode "grouped" (rollout/adapters.py): per group of projections sharing an
+    input (q|k|v, gate|up, o, down) with an adapted one, the A rows and the [out, R] expand block."""
+    from torch import nn
+
+    model = meta_model(spec, "causal", vocab_size)
+    targets = lora.target_modules or _default_targets(model)
+    adapted = {id(m) for m in _adapted(model, targets, []) if isinstance(m, nn.Linear)}
+    total = 0
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj), (attn.o_proj,),
+                      (mlp.down_proj,)):
+            rank = lora.r * sum(id(m) in adapted for m in group)
+            total += rank * (group[0].in_features + sum(m.out_features for m in group))
+    return total
+
+
+@functools.lru_cache(maxsize=64)
 def merged_adapter_params(spec: str, lora: Lora, vocab_size: int | None = None) -> int:
     """Weights the rollout engine keeps merged (default ``lora_mode``): each adapted linear weight again."""
     from torch import nn

@@ -51,9 +51,10 @@ def _plan_checked(argv: list[str]) -> int:
                     help="the trainers' setting of that name: count the rollout engine's fused q|k|v and "
                          "gate|up copies where it makes them (a policy on the torch path, or with LoRA; "
                          "DeepSpeed's weights are fused as views, at no cost)")
-    ap.add_argument("--generation-lora-mode", "--generation_lora_mode", choices=["merged", "live", "grouped"],
-                    default="merged", help="the trainers' setting of that name, with --use-peft: merged counts a copy "
-                    "of every adapted weight, grouped only the adapters' rows beside the base it reads in place")
+    ap.add_argument("--generation-lora-mode", "--generation_lora_mode", choices=["auto", "merged", "live", "grouped"],
+                    default="auto", help="the trainers' setting of that name, with --use-peft: merged counts a copy "
+                    "of every adapted weight, grouped only the adapters' rows beside the base it reads in place "
+                    "(auto: grouped, merged for a ZeRO-3 policy)")
     ap.add_argument("--generation-shared-prompt-kv", "--generation_shared_prompt_kv", action="store_true",
                     help="the trainers' setting of that name: the rollout engine holds each prompt's KV once per "
                          "group of --num-generations rows (GRPO, RLOO)")

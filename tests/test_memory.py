@@ -286,7 +286,7 @@ def test_lora_plan_freezes_the_base_and_drops_the_reference(capsys):
 
 
 def test_lora_plan_counts_the_engines_adapter_weights():
-    """GRPO with LoRA decodes from merged weights (the rollout engine's default ``lora_mode``): the
+    """GRPO with LoRA decoding from merged weights (``generation_lora_mode`` merged): the
     planner keeps every adapted linear layer's bf16 weight once more for the run. At the 8B shape
     with all-linear adapters that is the 13,958,643,712 bytes the H200 race's engine reported
     (``lora_merged_bytes``, benchmarks/results/2026-12-01-1xH200-races/grpo_lora_race.jsonl)."""
@@ -294,7 +294,7 @@ def test_lora_plan_counts_the_engines_adapter_weights():
     assert 2 * memory.merged_adapter_params("8b", lora) == 13958643712
     kw = dict(world_size=1, micro_batch=16, seq_len=384, response_len=256, gradient_checkpointing=True)
     plain = memory.plan("grpo", "8b", "zero2-zero3", **kw).roles[0].rollout
-    adapted = memory.plan("grpo", "8b", "zero2-zero3", lora=lora, **kw).roles[0].rollout
+    adapted = memory.plan("grpo", "8b", "zero2-zero3", lora=lora, lora_mode="merged", **kw).roles[0].rollout
     assert adapted - plain == 13958643712
     # peft's default targets for Llama (q_proj, v_proj) merge only those.
     assert memory.merged_adapter_params("8b", memory.Lora()) == 32 * (4096 * 4096 + 1024 * 4096)
@@ -305,6 +305,11 @@ def test_lora_plan_counts_the_engines_adapter_weights():
     assert memory.appended_adapter_params("8b", lora) == 32 * per_layer
     grouped = memory.plan("grpo", "8b", "zero2-zero3", lora=lora, lora_mode="grouped", **kw).roles[0].rollout
     assert grouped - plain == 2 * 32 * per_layer
+    # The default, auto: grouped for this ZeRO-2 policy, merged for a ZeRO-3 one (its shadow's layout is fixed).
+    assert memory.plan("grpo", "8b", "zero2-zero3", lora=lora, **kw).roles[0].rollout == grouped
+    zero3 = {m: memory.plan("grpo", "8b", "zero3", lora=lora, lora_mode=m, **kw).roles[0].rollout
+             for m in ("auto", "merged", "live")}
+    assert zero3["auto"] == zero3["merged"] == zero3["live"] + 13958643712
     assert memory.plan("grpo", "8b", "zero2-zero3", lora=lora, lora_mode="live", **kw).roles[0].rollout == plain
 
 

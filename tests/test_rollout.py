@@ -494,8 +494,10 @@ def test_lora_policy_under_zero3_equals_zero2(dist):
     ZeRO-2 rollout and the adapted forward, before and after the adapters train; so does the ZeRO-2 policy's
     "grouped" rollout (its frozen base re-pointed into the appended buffers while DeepSpeed trains)."""
     lora = dist["lora"]
-    assert lora["backends"] == ["posttrain"] * 4 and lora["lora_mode"] == ["merged", "merged", "live", "grouped"]
+    # The default, auto: grouped on the ZeRO-2 policy's live weights, merged from the ZeRO-3 shadow.
+    assert lora["backends"] == ["posttrain"] * 4 and lora["lora_mode"] == ["grouped", "merged", "live", "grouped"]
     assert lora["appended_groups"] == 4 * tiny.model_config().num_hidden_layers
+    assert lora["repointed"] == [0, 0] and lora["shared_buffers"]
     assert lora["equal"] == [True, True] and lora["changed"]
     assert lora["logprob_diff"] < 1e-5
 
@@ -759,8 +761,8 @@ def test_generation_fused_projections_is_a_config_field(models, tok, prompts):
 
     with pytest.raises(ConfigError, match="--generation_fused_projections"):
         check_rollout_fields(Cfg(generation_fused_projections="yes"))
-    assert engine_options(Cfg()) == {"lora_mode": "merged"}
-    assert engine_options(Cfg(generation_fused_projections=True)) == {"lora_mode": "merged", "fused": True}
+    assert engine_options(Cfg()) == {"lora_mode": "auto"}
+    assert engine_options(Cfg(generation_fused_projections=True)) == {"lora_mode": "auto", "fused": True}
     ids, mask = prompts
     model = models["llama"]
     runs = {}

@@ -215,7 +215,7 @@ def test_generation_shared_prompt_kv_is_a_config_field(tmp_path):
     with pytest.raises(ConfigError, match="--generation_shared_prompt_kv"):
         cfg(tmp_path / "bad", generation_shared_prompt_kv="yes")
     assert engine_options(cfg(tmp_path / "o", generation_shared_prompt_kv=True)) == {
-        "lora_mode": "merged", "shared_prompt_kv": True, "group_size": 4}
+        "lora_mode": "auto", "shared_prompt_kv": True, "group_size": 4}
     runs = {}
     for on in (False, True):
         # The sampler correction off: the two cache layouts' sampler log-probs differ by float32 rounding, which

@@ -129,8 +129,10 @@ def test_turns_equal_the_sequence_with_tool_output_forced_in(model, tok, prompts
     if backend == "posttrain":
         # The appended output is a prefill of its own tokens, not of the conversation.
         assert r.engine.stats()["prefill_sequences"] == ids.shape[0]
-        # Tools run after the other rows' decode steps are queued, while those rows keep their slots going.
-        assert max(r.tool.live_others) > 0
+        # Tools run after the other rows' decode steps are queued, while those rows keep their slots going
+        # (with two slots both may be waiting on tools at once).
+        if kv_slots is None:
+            assert max(r.tool.live_others) > 0
 
 
 def test_budget_filled_by_tool_output_and_overlong_result_refused(model, tok, prompts):

@@ -199,6 +199,7 @@ class RolePlan:
     resident_grads: float = 0.0  # the part of ``grads`` DeepSpeed keeps between steps
     rollout: float = 0.0  # posttrain.rollout's cache, graph pool and ZeRO-3 copy, kept for the run
     adapters: int = 0  # LoRA: the parameters that train (its base is frozen); 0: the whole model trains
+    lora_mode: str = ""  # LoRA: how the rollout engine holds the adapters (generation_lora_mode, resolved)
 
     @property
     def at_rest(self) -> float:
@@ -279,14 +280,14 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
          fused_projections: bool = False, shared_prompt_group: int | None = None, tool_tokens: int = 0,
          generation_batch: int | None = None, kv_slots: int | None = None, streamed_rows: int = 0,
-         lora_mode: str = "merged") -> Plan:
+         lora_mode: str = "auto") -> Plan:
     """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response;
     ``tool_tokens``: multi-turn tool use (GRPO/RLOO), tool output per sequence inside the response budget;
     ``generation_batch``: sequences one process generates at once (default ``micro_batch``); ``kv_slots``: the
     engine's KV budget in sequences (``generation_kv_slots``, default ``generation_batch``); ``streamed_rows``:
     streaming generation's sequences started and not yet trained per process (their outputs held on the GPU);
     ``lora_mode``: the engine's ``generation_lora_mode`` (merged: a copy of each adapted weight; grouped: the A rows
-    and expand blocks beside the base read in place, ZeRO-3 aside; live: nothing)."""
+    and expand blocks beside the base read in place; live: nothing; auto: grouped, merged for a ZeRO-3 policy)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -394,10 +395,15 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
                 gen += 2 * policy.size.params
         else:
             # Fused projections are views of DeepSpeed's flat buffers; copies otherwise.
-            copies = fused_projections and ((lora is not None and lora_mode != "grouped") or "policy" in torch_path)
+            if lora_mode == "auto":
+                lora_mode = "merged" if policy.place.stage == 3 else "grouped"
+            # grouped LoRA on live weights (not a ZeRO-3 shadow) fuses each group itself: no copies.
+            appends = lora is not None and lora_mode == "grouped" and policy.place.stage != 3
+            copies = fused_projections and not appends and (lora is not None or "policy" in torch_path)
             policy.rollout = rollout_engine_bytes(policy.size, slots, seq_len, policy.place.stage, copies,
                                                   engine_kv)
             policy.kv_cache = engine_kv
+            policy.lora_mode = lora_mode if lora is not None else ""
             if lora is not None and lora_mode == "merged":  # a bf16 copy of every adapted weight
                 policy.rollout += 2 * merged_adapter_params(shapes["policy"], lora, vocab)
             elif lora is not None and lora_mode == "grouped":
@@ -465,7 +471,8 @@ def format_plan(p: Plan) -> str:
         if r.rollout:
             lines.append(f"({r.name}: posttrain.rollout keeps {r.rollout / GiB:.2f} GiB for the run, counted at rest: "
                          "KV cache, graph pool" + (", the gathered ZeRO-3 copy" if r.place.stage == 3 else "")
-                         + (", the merged LoRA weights" if r.adapters else "")
+                         + {"merged": ", the merged LoRA weights", "grouped": ", the LoRA adapters' rows beside the "
+                            "base it reads in place"}.get(r.lora_mode, "")
                          + "; generation_backend hf holds the cache only while generating)")
     for r in p.roles:
         if r.adapters:

@@ -5,6 +5,7 @@ the base); updates need no recapture."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 
-LORA_MODES = ("merged", "live", "grouped")
+LORA_MODES = ("auto", "merged", "live", "grouped")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -100,6 +101,11 @@ class Appended:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+# Appended buffers by their group's first projection: every engine on one model shares them (a second would
+# re-point the base into its own buffer, and the two would take the base back from each other every rollout).
+_APPENDED: weakref.WeakKeyDictionary[nn.Module, Appended] = weakref.WeakKeyDictionary()
+
+
 def _base(m: nn.Module) -> nn.Module:
     return m.get_base_layer() if hasattr(m, "lora_A") and hasattr(m, "base_layer") else m
 
@@ -107,9 +113,11 @@ def _base(m: nn.Module) -> nn.Module:
 class Adapters:
     """How the decoder reads projections (``tensor``), LoRA per ``mode``; ``refresh()`` once per rollout."""
 
-    def __init__(self, model: nn.Module, mode: str = "merged", tensor: Any = None) -> None:
+    def __init__(self, model: nn.Module, mode: str = "auto", tensor: Any = None) -> None:
         if mode not in LORA_MODES:
             raise ConfigError(f"lora_mode (--generation_lora_mode) {mode!r}: use one of {LORA_MODES}")
+        if mode == "auto":  # grouped reads live weights in place; a ZeRO-3 shadow's layout is fixed: merged there
+            mode = "grouped" if tensor is None else "merged"
         self.model, self.mode, self._tensor = model, mode, tensor
         self.lora = any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
         self.scales: dict[tuple[int, str], torch.Tensor] = {}  # (module id, adapter) -> 0-dim float32
@@ -172,6 +180,11 @@ class Adapters:
         key = tuple(id(m) for m in ms)
         if key in self.appended:
             return self.appended[key]
+        shared = _APPENDED.get(ms[0])
+        if shared is not None and [id(m) for m in shared.modules] == list(key):
+            self.appended[key] = shared
+            self._fill_appended(shared)
+            return shared
         ws = [_base(m).weight for m in ms]
         # A trainable base belongs to the optimizer (DeepSpeed flattens it): only frozen ones are re-pointed.
         if any(w.requires_grad or w.dim() != 2 for w in ws) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) > 1:
@@ -189,7 +202,7 @@ class Adapters:
                 weight[o : o + w.shape[0]].copy_(w)
                 w.data = weight[o : o + w.shape[0]]  # the old storage frees: the base now lives here
                 o += w.shape[0]
-        self.appended[key] = entry
+        self.appended[key] = _APPENDED[ms[0]] = entry
         self._fill_appended(entry)
         return entry
 

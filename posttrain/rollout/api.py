@@ -43,9 +43,10 @@ class RolloutFields:
     # Each prompt's keys and values held once for its num_generations rows: prompt KV memory divided
     # by the group size (a memory setting; `posttrain plan --generation-shared-prompt-kv` counts it).
     generation_shared_prompt_kv: bool = False
-    # How LoRA adapters decode: "merged" (merged copies), "live" (low-rank terms, no copy) or
-    # "grouped" ("live" with q|k|v and gate|up one product each); see rollout/adapters.py.
-    generation_lora_mode: str = "merged"
+    # How LoRA adapters decode: "grouped" (the base read in place, the adapters' A rows appended to its
+    # GEMMs), "merged" (merged copies), "live" (low-rank terms, no copy); "auto": grouped, merged for a
+    # ZeRO-3 policy (its gathered copy has a fixed layout); see rollout/adapters.py.
+    generation_lora_mode: str = "auto"
     # TRL's sampling settings (temperature, top_p, top_k, max_completion_length) and
     # ds3_gather_for_generation (gather a ZeRO-3 model whole; False: per-layer hooks, less memory,
     # slow, always transformers' generate) are the TRL config's own fields.

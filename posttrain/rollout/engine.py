@@ -83,7 +83,7 @@ class DecodeEngine:
     ``triton_decode`` None: Triton on CUDA, True: required, False: SDPA."""
 
     def __init__(self, model: torch.nn.Module, sampling: SamplingParams, slots: int, max_prompt_len: int, *,
-                 tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, lora_mode: str = "merged",
+                 tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, lora_mode: str = "auto",
                  fused: bool = False, shared_prompt_kv: bool = False, group_size: int = 1,
                  prompt_slots: int | None = None, sync_every: int = 16, smallest_bucket: int = 8,
                  length_bucket: int = 128, prefill_tokens: int = 16384, admit_min: int | None = None,

@@ -76,26 +76,35 @@ class Turns:
         return harvest
 
     def resolve(self, engine: DecodeEngine, slot_seq: dict[int, int], age: dict[int, int]) -> None:
-        """Ask for each waiting turn's appended tokens and extend its slot (or mark its sequence ended)."""
+        """Ask for each waiting turn's appended tokens and extend the slots together, one batched prefill (or
+        mark the sequences ended); a turn that ends at its first token after them is asked again."""
         st = engine.slots
         slot_of = {seq: s for s, seq in slot_seq.items()}
-        for seq, ids in self.pending.items():
-            s = slot_of[seq]
-            while True:
+        waiting = dict(self.pending)
+        while waiting:
+            slots, news = [], []
+            for seq, ids in waiting.items():
                 new = self.ask(seq, ids)
                 if new is None:
                     self.ended.add(seq)
-                    break
-                extend(engine, s, new)
-                step = int(st.step[s])
+                else:
+                    slots.append(slot_of[seq])
+                    news.append(new)
+            waiting = {}
+            if not slots:
+                break
+            extend(engine, slots, news)
+            steps, done = st.step[slots].tolist(), st.done[slots].tolist()
+            for s, step, ended in zip(slots, steps, done):
+                seq = slot_seq[s]
                 age[s] = step - 1  # a done row's age ran on while it waited
-                if not bool(st.done[s]):
-                    break
+                if not ended:
+                    continue
                 if step >= self.max_new_tokens:  # the appended tokens filled the budget
                     self.lengths[seq] = step
                     self.ended.add(seq)
-                    break
-                ids = st.out_tokens[s, :step].tolist()  # the first token after them ended the turn
+                else:  # the first token after them ended the turn
+                    waiting[seq] = st.out_tokens[s, :step].tolist()
         self.pending.clear()
 
     def output(self, tokens: torch.Tensor, logprobs: torch.Tensor, pad: int) -> TurnOutput:
@@ -112,52 +121,69 @@ class Turns:
 
 
 @torch.no_grad()
-def extend(engine: DecodeEngine, slot: int, new: list[int]) -> None:
-    """Append ``new`` to the sequence in ``slot``: prefill its pending token and ``new`` into the slot's cache
-    (attending to what the slot holds), then choose the next token unless the budget is full."""
+def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> None:
+    """Append ``news[i]`` to the sequence in ``slots[i]``, all rows in one prefill: each row's pending token (its
+    turn's last, not yet cached) and its new tokens are written into its slot's cache and attend to what the slot
+    holds; then each row's next token is chosen unless its budget is full. Rows are right-padded to the longest;
+    padded positions are neither written nor read."""
     if engine.prompts is not None:
         raise ConfigError("multi-turn generation does not run with generation_shared_prompt_kv: set it false")
-    st, spec, w = engine.slots, engine.spec, engine.weights
-    dev = engine.device
-    col0, pos0, step0 = int(st.col[slot]), int(st.pos[slot]), int(st.step[slot])
-    # The turn's last token is not in the cache yet (a done row's ``last`` is pad: read it from the output).
-    pending = st.out_tokens[slot, step0 - 1 : step0]
-    ids = torch.cat([pending, torch.tensor(new, dtype=torch.long, device=dev)]).unsqueeze(0)
-    t = ids.shape[1]
-    length = col0 + t
-    if length > st.length:
-        raise ConfigError(f"sequence in slot {slot} outgrows its cache ({length} > {st.length} columns)")
-    here = torch.arange(t, device=dev)
-    cos, sin = decoder.rotary((pos0 + here).unsqueeze(0), w["inv_freq"], spec.rope_scaling, engine.dtype)
-    allowed = st.key_valid[slot, :length].unsqueeze(0) & (st.cols[:length].unsqueeze(0) <= (col0 + here).unsqueeze(1))
+    st, spec, w, dev = engine.slots, engine.spec, engine.weights, engine.device
+    n = len(slots)
+    rows = torch.tensor(slots, dtype=torch.long, device=dev)
+    col0, pos0, step0 = (t.tolist() for t in (st.col[rows], st.pos[rows], st.step[rows]))
+    lens = [len(new) + 1 for new in news]
+    width = max(lens)
+    for s, c, t in zip(slots, col0, lens):
+        if c + t > st.length:
+            raise ConfigError(f"sequence in slot {s} outgrows its cache ({c + t} > {st.length} columns)")
+    pending = st.out_tokens[rows, torch.tensor(step0, device=dev) - 1]
+    new_ids = torch.tensor([new + [0] * (width - t) for new, t in zip(news, lens)], dtype=torch.long, device=dev)
+    ids = torch.cat([pending.unsqueeze(1), new_ids[:, : width - 1]], 1)  # [n, width]
+    here = torch.arange(width, device=dev)
+    lens_t, col0_t = torch.tensor(lens, device=dev), torch.tensor(col0, device=dev)
+    real = here.unsqueeze(0) < lens_t.unsqueeze(1)  # [n, width]: not padding
+    cols = (col0_t.unsqueeze(1) + here).clamp(max=st.length - 1)
+    pair_row, pair_pos = real.nonzero(as_tuple=True)
+    pair_slot, pair_col = rows[pair_row], cols[pair_row, pair_pos]
+    length = max(c + t for c, t in zip(col0, lens))
+    cos, sin = decoder.rotary(torch.tensor(pos0, device=dev).unsqueeze(1) + here, w["inv_freq"], spec.rope_scaling,
+                              engine.dtype)
+    allowed = st.key_valid[rows, :length].unsqueeze(1) & (st.cols[:length].view(1, 1, -1) <= cols.unsqueeze(2))
     groups = spec.heads // spec.kv_heads
     x = F.embedding(ids, w["embed"])
     for i, lw in enumerate(w["layers"]):
-        q, k, v = decoder.qkv(spec, lw, x, cos, sin)
-        st.keys[i][slot, :, col0:length] = k[0]
-        st.values[i][slot, :, col0:length] = v[0]
-        keys, values = st.keys[i][slot : slot + 1, :, :length], st.values[i][slot : slot + 1, :, :length]
+        q, k, v = decoder.qkv(spec, lw, x, cos, sin)  # k, v [n, kv_heads, width, d]
+        st.keys[i][pair_slot, :, pair_col] = k[pair_row, :, pair_pos]
+        st.values[i][pair_slot, :, pair_col] = v[pair_row, :, pair_pos]
+        keys, values = st.keys[i][rows, :, :length], st.values[i][rows, :, :length]
         out = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
-                                             attn_mask=allowed.view(1, 1, t, length), scale=spec.scaling)
+                                             attn_mask=allowed.unsqueeze(1), scale=spec.scaling)
         x = decoder.attention_out(spec, lw, x, out)
-    logits = decoder.head(spec, w, x[:, -1:])
-    j = step0 + len(new)  # the index of the next token in the completion
-    st.out_tokens[slot, step0:j] = ids[0, 1:]
-    st.out_logprobs[slot, step0:j] = 0.0
-    if j >= engine.max_new or j >= int(engine.limit):
-        st.step[slot] = j
-        st.done[slot] = True
-        return
+    last = x[torch.arange(n, device=dev), lens_t - 1].unsqueeze(1)  # each row's last real position
+    logits = decoder.head(spec, w, last)
+    step0_t = torch.tensor(step0, device=dev)
+    nxt = step0_t + lens_t - 1  # the index of each row's next completion token
+    new_row, new_pos = real[:, 1:].nonzero(as_tuple=True)  # the appended tokens, at step0 onwards
+    st.out_tokens[rows[new_row], step0_t[new_row] + new_pos] = new_ids[new_row, new_pos]
+    st.out_logprobs[rows[new_row], step0_t[new_row] + new_pos] = 0.0
     token, logprob = choose_tokens(
-        logits, torch.tensor([j], device=dev), st.sample_key[slot : slot + 1], seq=st.seq[slot : slot + 1], temperature=engine.temperature,
+        logits, nxt, st.sample_key[rows], seq=st.seq[rows], temperature=engine.temperature,
         do_sample=engine.do_sample, top_k=engine.top_k, top_p=engine.top_p, use_top_p=engine.use_top_p,
         min_new_tokens=engine.min_new, stop_ids=engine.stop_ids)
-    st.out_tokens[slot, j], st.out_logprobs[slot, j] = token[0], logprob[0]
-    done = j >= int(engine.limit) - 1
+    full = (nxt >= engine.max_new) | (nxt >= engine.limit)  # no room for a token: the row ends here
+    keep = ~full
+    at = nxt.clamp(max=st.out_tokens.shape[1] - 1)
+    st.out_tokens[rows, at] = torch.where(keep, token, st.out_tokens[rows, at])
+    st.out_logprobs[rows, at] = torch.where(keep, logprob.to(st.out_logprobs.dtype), st.out_logprobs[rows, at])
+    done = full | (nxt >= engine.limit - 1)
     if engine.stop_mask is not None:
-        done = done or bool(engine.stop_mask[token[0]])
-    st.last[slot], st.pos[slot], st.col[slot], st.step[slot] = token[0], pos0 + t, length, j + 1
-    st.done[slot] = done
+        done = done | (keep & engine.stop_mask[token])
+    st.last[rows] = torch.where(keep, token, st.last[rows])
+    st.pos[rows] = torch.tensor(pos0, device=dev) + lens_t
+    st.col[rows] = col0_t + lens_t
+    st.step[rows] = torch.where(keep, nxt + 1, nxt)
+    st.done[rows] = done
 
 
 class TurnSampling(LogitsProcessor):

@@ -107,6 +107,35 @@ def test_a_sequence_decoding_across_a_weight_update_samples_under_each_steps_wei
     assert any(a.tokens[i].tolist() != unchanged[i][0] for i in range(2))
 
 
+def test_groups_are_admitted_whole_so_each_starts_under_one_version():
+    """A stream of groups of 4 through 6 slots admits a whole group at a time (4, not 6, at first); after the
+    weights change mid-stream every group's rows carry one version, so none goes stale for rows that waited for
+    slots. Without groups (group_size 1) the free slots fill as before."""
+    tok = tiny.load_tokenizer()
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny.model_config()).eval()
+    enc = tok(["the cat sat on the", "a", "hello world how are you"], return_tensors="pt", padding=True,
+              padding_side="left")
+    ids, mask = enc["input_ids"].repeat_interleave(4, 0), enc["attention_mask"].repeat_interleave(4, 0)
+    for group_size, first in ((4, 4), (1, 6)):
+        r = Rollout(None, "policy", SamplingParams(max_new_tokens=24, pad_token_id=tok.pad_token_id, temperature=1.0),
+                    max_batch=12, max_prompt_len=ids.shape[1], model=model, kv_slots=6)
+        stream = r.open_stream(group_size)
+        batch = stream.submit(ids, mask)
+        assert stream.advance() and stream.live == first and stream.waiting == 12 - first
+        stream.weights_changed()
+        while stream.advance():
+            pass
+        assert all(batch.finished)
+        versions = [set(batch.admitted_at[g : g + 4]) for g in range(0, 12, 4)]
+        if group_size == 4:
+            assert all(len(v) == 1 for v in versions) and versions[0] == {0}
+        else:  # the second group's first two rows started under version 0, the rest later
+            assert versions[1] == {0, 1}
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "grpo-lora"])
 def test_staleness_zero_is_the_synchronous_run(tmp_path, algorithm):
     """max_staleness 0 admits one generation batch at a time and trains it whole: the same samples, losses and

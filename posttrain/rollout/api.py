@@ -297,9 +297,10 @@ class Rollout:
             st[k] += self._retired[k]
         self.stats.update(st, capture_s=round(st["capture_s"], 3))
 
-    def open_stream(self) -> Stream:
+    def open_stream(self, group_size: int = 1) -> Stream:
         """A :class:`~posttrain.rollout.stream.Stream` of generation batches over this rollout's engine
-        (one per Rollout; refused where only transformers' generate runs)."""
+        (one per Rollout; refused where only transformers' generate runs); ``group_size``: rows admitted a
+        whole group at a time."""
         from posttrain.rollout.stream import Stream
 
         if self.backend != "posttrain":
@@ -309,5 +310,5 @@ class Rollout:
         if self.engine_options.get("shared_prompt_kv"):
             raise ConfigError("streaming rollouts do not run with generation_shared_prompt_kv: set it false")
         if self.stream is None:
-            self.stream = Stream(self)
+            self.stream = Stream(self, group_size)
         return self.stream

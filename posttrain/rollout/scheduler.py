@@ -38,8 +38,11 @@ class Scheduler:
     """The slots' occupancy over one or more :class:`Batch` es, admitted in submission order."""
 
     def __init__(self, engine: DecodeEngine, max_new_tokens: int, profile: bool = False,
-                 turns: Turns | None = None) -> None:
+                 turns: Turns | None = None, group_size: int = 1) -> None:
         self.engine, self.max_new, self.turns = engine, max_new_tokens, turns
+        # Sequences are admitted in whole groups of this many (submitted group by group): a group then starts
+        # under one weight version, and none is dropped as stale for members that waited for slots.
+        self.group_size = max(1, min(group_size, len(engine.slots)))
         self.last_step = max_new_tokens - 1  # a row's last token has step index max_new_tokens - 1
         self.slot_seq: dict[int, int] = {}  # occupied slot -> sequence number (its submission order)
         self.age: dict[int, int] = {}  # decode steps run since the sequence entered
@@ -143,6 +146,8 @@ class Scheduler:
             self._retire()
         free, waiting = len(engine.slots) - len(slot_seq), len(self.waiting)
         k = min(free, waiting)
+        if k < waiting:
+            k -= k % self.group_size
         if engine.prompts is not None and k:  # and as many as the free prompt slots and member places take
             k = engine.fits([self.rows[self.waiting[i]][0].groups[self.rows[self.waiting[i]][1]] for i in range(k)])
         admit = k > 0 and (k == waiting or k >= engine.admit_min or not slot_seq)

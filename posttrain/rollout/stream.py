@@ -32,10 +32,11 @@ class Source(Protocol):
 
 class Stream:
     """Batches submitted in order and decoded by :meth:`advance`; the submitter takes finished rows from each
-    :class:`Batch` (``finished``) and says when the weights change (:meth:`weights_changed`)."""
+    :class:`Batch` (``finished``) and says when the weights change (:meth:`weights_changed`). ``group_size``:
+    batches hold whole groups of that many rows, admitted to slots a whole group at a time."""
 
-    def __init__(self, rollout: Source) -> None:
-        self.rollout = rollout
+    def __init__(self, rollout: Source, group_size: int = 1) -> None:
+        self.rollout, self.group_size = rollout, group_size
         self.scheduler: Scheduler | None = None
         self._rollouts = -1  # the rollout count at which the engine was last begun for the stream
         self.version = 0  # weight updates since the stream opened (or was restored)
@@ -61,7 +62,7 @@ class Stream:
             # A rollout of its own (evaluation) re-began the engine since: begin it again, empty.
             engine = rollout.engine_for(rollout.sampling)
             engine.begin(0, rollout.sampling.max_new_tokens, rollout.max_prompt_len)
-            self.scheduler = Scheduler(engine, rollout.sampling.max_new_tokens)
+            self.scheduler = Scheduler(engine, rollout.sampling.max_new_tokens, group_size=self.group_size)
             self.scheduler.version = self.version
             self._rollouts = rollout.rollouts
         return self.scheduler

@@ -109,7 +109,7 @@ class GenerationRank:
         most = -(-self.per_step // self.generators) * cfg.num_generations  # rows of a generation batch here
         self.rollout = Rollout.from_config(cfg, None, "policy", trainer.sampling, max_batch=most,
                                            max_prompt_len=max_prompt_len, model=copy)
-        self.stream = self.rollout.open_stream()
+        self.stream = self.rollout.open_stream(cfg.num_generations)
         self.plan = pipeline(trainer)
         self.receiver = WeightReceiver(s.groups, copy)
         self.stats = {"generation/versions": 0.0, "generation/loads_while_decoding": 0.0, "generation/groups": 0.0,

@@ -132,7 +132,7 @@ class StreamingGeneration:
 
     def __init__(self, rollout: Any, cfg: Any, world: int, rows_of: Any, prompt_ids: list[list[int]],
                  pad_token_id: int) -> None:
-        self.stream = rollout.open_stream()
+        self.stream = rollout.open_stream(cfg.num_generations)
         self.cfg, self.rows_of, self.prompt_ids, self.pad = cfg, rows_of, prompt_ids, pad_token_id
         self.group_size = cfg.num_generations
         self.groups_per_step = groups_per_rank(cfg)

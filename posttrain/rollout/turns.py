@@ -66,13 +66,18 @@ class Turns:
     def collect(self, engine: DecodeEngine, finished: list[int], slot_seq: dict[int, int]) -> list[int]:
         """Of the slots whose turn ended, those to harvest (their sequence ended); the others' turns wait for
         :meth:`resolve` in their slots, so their tools run while the other rows' decode steps run."""
-        st, harvest = engine.slots, []
+        st, harvest, ask = engine.slots, [], []
         for s in finished:
             seq = slot_seq[s]
             if seq in self.ended:
                 harvest.append(s)
             elif seq not in self.pending:
-                self.pending[seq] = st.out_tokens[s, : int(st.step[s])].tolist()
+                ask.append(s)
+        if ask:  # one read of their tokens, not one per slot
+            rows = torch.tensor(ask, device=st.step.device)
+            steps, tokens = st.step[rows].tolist(), st.out_tokens[rows].tolist()
+            for s, step, ids in zip(ask, steps, tokens):
+                self.pending[slot_seq[s]] = ids[:step]
         return harvest
 
     def resolve(self, engine: DecodeEngine, slot_seq: dict[int, int], age: dict[int, int]) -> None:

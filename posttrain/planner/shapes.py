@@ -206,7 +206,7 @@ def appended_adapter_params(spec: str, lora: Lora, vocab_size: int | None = None
 
 @functools.lru_cache(maxsize=64)
 def merged_adapter_params(spec: str, lora: Lora, vocab_size: int | None = None) -> int:
-    """Weights the rollout engine keeps merged (default ``lora_mode``): each adapted linear weight again."""
+    """Weights the rollout engine keeps merged (``lora_mode`` merged): each adapted linear weight again."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 

@@ -220,8 +220,8 @@ class Adapters:
                 part.copy_(base.weight)
                 base.weight.data = part
                 self.repointed += 1
-            if entry.bias is not None:
-                entry.bias[o : o + n].copy_(base.bias) if base.bias is not None else entry.bias[o : o + n].zero_()
+            if entry.bias is not None and base.bias is not None:
+                entry.bias[o : o + n].copy_(base.bias)
             on = set(active(m)) if hasattr(m, "lora_A") else set()
             if entry.expand_bias is not None:
                 entry.expand_bias[o : o + n].zero_()
@@ -237,7 +237,8 @@ class Adapters:
             o += n
 
     def group(self, modules: tuple[nn.Module, ...]) -> tuple | None:
-        """Mode "grouped": per adapter, the stacked LoRA terms of projections sharing an input, or None."""
+        """Mode "grouped" where the base is not appended to (a ZeRO-3 shadow's views): per adapter, the stacked
+        LoRA terms of projections sharing an input, or None."""
         if self.mode != "grouped" or not self.lora:
             return None
         ms = [self.module(m) for m in modules]

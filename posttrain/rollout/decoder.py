@@ -159,8 +159,7 @@ def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, 
     if "qkv_ext" in w:
         q, k, v = appended_linear(w, "qkv", h).split(sizes, dim=-1)
     elif "qkv" in w:
-        q, k, v = F.linear(h, w["qkv"], w.get("qkvb")).split([spec.heads * d, spec.kv_heads * d, spec.kv_heads * d],
-                                                             dim=-1)
+        q, k, v = F.linear(h, w["qkv"], w.get("qkvb")).split(sizes, dim=-1)
         q, k, v = lora_add(q, h, w.get("q_lora")), lora_add(k, h, w.get("k_lora")), lora_add(v, h, w.get("v_lora"))
     else:
         q, k, v = linear(w, "q", h), linear(w, "k", h), linear(w, "v", h)

@@ -54,7 +54,7 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--generation-lora-mode", "--generation_lora_mode", choices=["auto", "merged", "live", "grouped"],
                     default="auto", help="the trainers' setting of that name, with --use-peft: merged counts a copy "
                     "of every adapted weight, grouped only the adapters' rows beside the base it reads in place "
-                    "(auto: grouped, merged for a ZeRO-3 policy)")
+                    "(auto: grouped)")
     ap.add_argument("--generation-shared-prompt-kv", "--generation_shared_prompt_kv", action="store_true",
                     help="the trainers' setting of that name: the rollout engine holds each prompt's KV once per "
                          "group of --num-generations rows (GRPO, RLOO)")

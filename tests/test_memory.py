@@ -305,11 +305,12 @@ def test_lora_plan_counts_the_engines_adapter_weights():
     assert memory.appended_adapter_params("8b", lora) == 32 * per_layer
     grouped = memory.plan("grpo", "8b", "zero2-zero3", lora=lora, lora_mode="grouped", **kw).roles[0].rollout
     assert grouped - plain == 2 * 32 * per_layer
-    # The default, auto: grouped for this ZeRO-2 policy, merged for a ZeRO-3 one (its shadow's layout is fixed).
+    # The default, auto, is grouped: for a ZeRO-3 policy too (the A rows in its shadow's layout).
     assert memory.plan("grpo", "8b", "zero2-zero3", lora=lora, **kw).roles[0].rollout == grouped
     zero3 = {m: memory.plan("grpo", "8b", "zero3", lora=lora, lora_mode=m, **kw).roles[0].rollout
-             for m in ("auto", "merged", "live")}
-    assert zero3["auto"] == zero3["merged"] == zero3["live"] + 13958643712
+             for m in ("auto", "grouped", "merged", "live")}
+    assert zero3["auto"] == zero3["grouped"] == zero3["live"] + 2 * 32 * per_layer
+    assert zero3["merged"] == zero3["live"] + 13958643712
     assert memory.plan("grpo", "8b", "zero2-zero3", lora=lora, lora_mode="live", **kw).roles[0].rollout == plain
 
 

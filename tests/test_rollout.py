@@ -490,13 +490,14 @@ def test_zero3_policy_rollout_equals_zero2(dist):
 
 
 def test_lora_policy_under_zero3_equals_zero2(dist):
-    """A peft policy's rollout under ZeRO-3 (base and adapters gathered into the shadow) equals its
-    ZeRO-2 rollout and the adapted forward, before and after the adapters train; so does the ZeRO-2 policy's
-    "grouped" rollout (its frozen base re-pointed into the appended buffers while DeepSpeed trains)."""
+    """A peft policy's rollout under ZeRO-3 (base and adapters gathered into the shadow, each projection group
+    laid out with room for the A rows) equals its ZeRO-2 rollout and the adapted forward, before and after the
+    adapters train; so does the ZeRO-2 policy's "grouped" rollout (its frozen base re-pointed into the appended
+    buffers while DeepSpeed trains)."""
     lora = dist["lora"]
-    # The default, auto: grouped on the ZeRO-2 policy's live weights, merged from the ZeRO-3 shadow.
-    assert lora["backends"] == ["posttrain"] * 4 and lora["lora_mode"] == ["grouped", "merged", "live", "grouped"]
-    assert lora["appended_groups"] == 4 * tiny.model_config().num_hidden_layers
+    # The default, auto: grouped, on the ZeRO-2 policy's live weights and in the ZeRO-3 shadow's layout.
+    assert lora["backends"] == ["posttrain"] * 4 and lora["lora_mode"] == ["grouped", "grouped", "live", "grouped"]
+    assert lora["appended_groups"] == lora["appended_groups_zero3"] == 4 * tiny.model_config().num_hidden_layers
     assert lora["repointed"] == [0, 0] and lora["shared_buffers"]
     assert lora["equal"] == [True, True] and lora["changed"]
     assert lora["logprob_diff"] < 1e-5

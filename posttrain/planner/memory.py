@@ -287,7 +287,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
     engine's KV budget in sequences (``generation_kv_slots``, default ``generation_batch``); ``streamed_rows``:
     streaming generation's sequences started and not yet trained per process (their outputs held on the GPU);
     ``lora_mode``: the engine's ``generation_lora_mode`` (merged: a copy of each adapted weight; grouped: the A rows
-    and expand blocks beside the base read in place; live: nothing; auto: grouped, merged for a ZeRO-3 policy)."""
+    and expand blocks beside the base read in place; live: nothing; auto: grouped)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -395,10 +395,9 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
                 gen += 2 * policy.size.params
         else:
             # Fused projections are views of DeepSpeed's flat buffers; copies otherwise.
-            if lora_mode == "auto":
-                lora_mode = "merged" if policy.place.stage == 3 else "grouped"
-            # grouped LoRA on live weights (not a ZeRO-3 shadow) fuses each group itself: no copies.
-            appends = lora is not None and lora_mode == "grouped" and policy.place.stage != 3
+            lora_mode = "grouped" if lora_mode == "auto" else lora_mode
+            # grouped LoRA fuses each group itself (in place, or in a ZeRO-3 shadow's layout): no copies.
+            appends = lora is not None and lora_mode == "grouped"
             copies = fused_projections and not appends and (lora is not None or "policy" in torch_path)
             policy.rollout = rollout_engine_bytes(policy.size, slots, seq_len, policy.place.stage, copies,
                                                   engine_kv)

@@ -92,6 +92,7 @@ class Appended:
     bias: torch.Tensor | None  # [out + R]: the base biases, zeros under the A rows
     expand: torch.Tensor  # [out, R]
     expand_bias: torch.Tensor | None  # [out]: LoRA B biases times their scaling
+    live: bool = True  # the base parameters point into ``weight`` (else a ZeRO-3 shadow refreshes its base rows)
 
     @property
     def extra_bytes(self) -> int:
@@ -113,12 +114,14 @@ def _base(m: nn.Module) -> nn.Module:
 class Adapters:
     """How the decoder reads projections (``tensor``), LoRA per ``mode``; ``refresh()`` once per rollout."""
 
-    def __init__(self, model: nn.Module, mode: str = "auto", tensor: Any = None) -> None:
+    def __init__(self, model: nn.Module, mode: str = "auto", tensor: Any = None, layout: Any = None) -> None:
+        """``tensor``: what the engine reads of a parameter (a ZeRO-3 shadow's view; None: the parameter);
+        ``layout``: that shadow, where it laid the projection groups out with room for the A rows."""
         if mode not in LORA_MODES:
             raise ConfigError(f"lora_mode (--generation_lora_mode) {mode!r}: use one of {LORA_MODES}")
-        if mode == "auto":  # grouped reads live weights in place; a ZeRO-3 shadow's layout is fixed: merged there
-            mode = "grouped" if tensor is None else "merged"
-        self.model, self.mode, self._tensor = model, mode, tensor
+        if mode == "auto":  # grouped where the base can be appended to in place: live weights or a laid-out shadow
+            mode = "grouped" if tensor is None or layout is not None else "merged"
+        self.model, self.mode, self._tensor, self.layout = model, mode, tensor, layout
         self.lora = any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
         self.scales: dict[tuple[int, str], torch.Tensor] = {}  # (module id, adapter) -> 0-dim float32
         self.merged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # module id -> weight, bias
@@ -134,8 +137,8 @@ class Adapters:
 
     @property
     def appends(self) -> bool:
-        """Mode "grouped" on live weights: adapted projections read from appended buffers (:meth:`append`)."""
-        return self.mode == "grouped" and self.lora and self._tensor is None
+        """Mode "grouped" on live weights or a laid-out shadow: adapted projections read from appended buffers."""
+        return self.mode == "grouped" and self.lora and (self._tensor is None or self.layout is not None)
 
     def module(self, m: nn.Module) -> nn.Module:
         return resolve(m) if self.lora else m
@@ -170,8 +173,8 @@ class Adapters:
         return self.tensor(base.weight), self.tensor(base.bias), found
 
     def append(self, modules: tuple[nn.Module, ...]) -> Appended | None:
-        """Mode "grouped" on live weights (not a ZeRO-3 shadow's views): ``modules``' appended layout, built once;
-        None where none of them is adapted or their base weights are trainable or unlike."""
+        """Mode "grouped": ``modules``' appended layout, built once; None where none of them is adapted, or their
+        base weights are trainable or unlike, or the shadow did not lay them out."""
         if not self.appends:
             return None
         ms = [self.module(m) for m in modules]
@@ -180,6 +183,8 @@ class Adapters:
         key = tuple(id(m) for m in ms)
         if key in self.appended:
             return self.appended[key]
+        if self.layout is not None:
+            return self._append_shadowed(key, ms)
         shared = _APPENDED.get(ms[0])
         if shared is not None and [id(m) for m in shared.modules] == list(key):
             self.appended[key] = shared
@@ -206,6 +211,21 @@ class Adapters:
         self._fill_appended(entry)
         return entry
 
+    def _append_shadowed(self, key: tuple[int, ...], ms: list[Any]) -> Appended | None:
+        """A ZeRO-3 shadow's laid-out group: its base rows are the shadow's (refreshed by it), the A rows after."""
+        weight = self.layout.appended([_base(m).weight for m in ms])
+        if weight is None:
+            return None
+        views = [self.tensor(_base(m).weight) for m in ms]
+        out, like = sum(v.shape[0] for v in views), {"dtype": weight.dtype, "device": weight.device}
+        bias = torch.zeros(weight.shape[0], **like) if any(_base(m).bias is not None for m in ms) else None
+        lora_bias = any(m.lora_B[a].bias is not None for m in ms if hasattr(m, "lora_B") for a in m.lora_B)
+        entry = Appended(ms, weight, bias, torch.zeros(out, weight.shape[0] - out, **like),
+                         torch.zeros(out, **like) if lora_bias else None, live=False)
+        self.appended[key] = entry
+        self._fill_appended(entry)
+        return entry
+
     @torch.no_grad()
     def _fill_appended(self, entry: Appended) -> None:
         """The A rows, the scaled B blocks and the biases into ``entry``, in place; a base weight re-allocated
@@ -214,19 +234,20 @@ class Adapters:
         out = entry.expand.shape[0]
         for m in entry.modules:
             base = _base(m)
-            n = base.weight.shape[0]
+            n = self.tensor(base.weight).shape[0]
             part = entry.weight[o : o + n]
-            if base.weight.data_ptr() != part.data_ptr():
+            if entry.live and base.weight.data_ptr() != part.data_ptr():
                 part.copy_(base.weight)
                 base.weight.data = part
                 self.repointed += 1
             if entry.bias is not None and base.bias is not None:
-                entry.bias[o : o + n].copy_(base.bias)
+                entry.bias[o : o + n].copy_(self.tensor(base.bias))
             on = set(active(m)) if hasattr(m, "lora_A") else set()
             if entry.expand_bias is not None:
                 entry.expand_bias[o : o + n].zero_()
             for a in getattr(m, "lora_A", {}):
-                la, lb, lb_bias = m.lora_A[a].weight, m.lora_B[a].weight, m.lora_B[a].bias
+                la, lb, lb_bias = (self.tensor(m.lora_A[a].weight), self.tensor(m.lora_B[a].weight),
+                                   self.tensor(m.lora_B[a].bias))
                 r = la.shape[0]
                 scale = float(m.scaling[a]) if a in on else 0.0
                 entry.weight[out + r0 : out + r0 + r].copy_(la)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from posttrain.errors import ConfigError
-from posttrain.rollout import adapters, scheduler
+from posttrain.rollout import adapters, scheduler, weights
 from posttrain.rollout.adapters import LORA_MODES
 from posttrain.rollout.decoder import unsupported_reason
 from posttrain.rollout.engine import RUN_COUNTERS, DecodeEngine
@@ -44,8 +44,8 @@ class RolloutFields:
     # by the group size (a memory setting; `posttrain plan --generation-shared-prompt-kv` counts it).
     generation_shared_prompt_kv: bool = False
     # How LoRA adapters decode: "grouped" (the base read in place, the adapters' A rows appended to its
-    # GEMMs), "merged" (merged copies), "live" (low-rank terms, no copy); "auto": grouped, merged for a
-    # ZeRO-3 policy (its gathered copy has a fixed layout); see rollout/adapters.py.
+    # GEMMs), "merged" (merged copies), "live" (low-rank terms, no copy); "auto": grouped where the base can
+    # be appended to (live weights, or a ZeRO-3 policy's gathered copy laid out for it); see rollout/adapters.py.
     generation_lora_mode: str = "auto"
     # TRL's sampling settings (temperature, top_p, top_k, max_completion_length) and
     # ds3_gather_for_generation (gather a ZeRO-3 model whole; False: per-layer hooks, less memory,
@@ -186,7 +186,8 @@ class Rollout:
             return model, None
         if self.shadow is None:
             fast = self.session.fast_frozen.get(self.role)
-            self.shadow = ShadowModel(self._module(), fast)
+            grouped = self.engine_options.get("lora_mode", "auto") in ("auto", "grouped")
+            self.shadow = ShadowModel(self._module(), fast, weights.appended_layout(model) if grouped else ())
         self.shadow.refresh()
         return model, self.shadow.view
 
@@ -287,7 +288,7 @@ class Rollout:
                     self._retired[k] += old[k]
                 self.engine = None
             self.engine = DecodeEngine(model, knobs, self.kv_slots, self.max_prompt_len, tensor=tensor,
-                                       **self.engine_options)
+                                       layout=self.shadow if tensor is not None else None, **self.engine_options)
         return self.engine
 
     def update_stats(self) -> None:

@@ -83,7 +83,8 @@ class DecodeEngine:
     ``triton_decode`` None: Triton on CUDA, True: required, False: SDPA."""
 
     def __init__(self, model: torch.nn.Module, sampling: SamplingParams, slots: int, max_prompt_len: int, *,
-                 tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, lora_mode: str = "auto",
+                 tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, layout: Any = None,
+                 lora_mode: str = "auto",
                  fused: bool = False, shared_prompt_kv: bool = False, group_size: int = 1,
                  prompt_slots: int | None = None, sync_every: int = 16, smallest_bucket: int = 8,
                  length_bucket: int = 128, prefill_tokens: int = 16384, admit_min: int | None = None,
@@ -91,7 +92,7 @@ class DecodeEngine:
         self.model, self.sampling = model, sampling
         self.prompt_len, self.max_new = max_prompt_len, sampling.max_new_tokens
         self.length = max_prompt_len + self.max_new
-        self.adapters = Adapters(model, lora_mode, tensor)
+        self.adapters = Adapters(model, lora_mode, tensor, layout)
         self.lora_mode = self.adapters.mode if self.adapters.lora else None
         embed = self.adapters.tensor(self.adapters.module(model.model.embed_tokens).weight)
         self.device, self.dtype = embed.device, embed.dtype

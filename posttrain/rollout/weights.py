@@ -7,6 +7,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.rollout.adapters import resolve
+
+
+def projection_groups(layer: nn.Module) -> tuple[tuple[str, tuple[str, ...], tuple[nn.Module, ...]], ...]:
+    """A decoder layer's projections by shared input: (group key, keys, modules)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (("qkv", ("q", "k", "v"), (attn.q_proj, attn.k_proj, attn.v_proj)),
+            ("gate_up", ("gate", "up"), (mlp.gate_proj, mlp.up_proj)),
+            ("o", ("o",), (attn.o_proj,)), ("down", ("down",), (mlp.down_proj,)))
+
+
+def appended_layout(model: nn.Module) -> list[tuple[list[nn.Parameter], int]]:
+    """For a ZeRO-3 shadow's layout (rollout/shadow.py): each projection group with a LoRA-adapted member, its base
+    weights and the rows LoRA mode "grouped" appends after them (the adapters' ranks)."""
+    out = []
+    for layer in model.model.layers:
+        for _, _, modules in projection_groups(layer):
+            ms = [resolve(m) for m in modules]
+            adapted = [m for m in ms if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+            if adapted:
+                rank = sum(getattr(w, "ds_shape", w.shape)[0] for m in adapted for w in
+                           (m.lora_A[a].weight for a in m.lora_A))
+                out.append(([(m.get_base_layer() if m in adapted else m).weight for m in ms], rank))
+    return out
+
 
 def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor | None]] | None, src: Any) -> dict[str, Any]:
     """Decoder weights as detached views of live params, read via ``src``; ``fused`` fuses q|k|v, gate|up."""
@@ -24,15 +49,13 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor | None]] |
 
     layers = []
     for i, layer in enumerate(base.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         entry: dict[str, Any] = {"ln1": src.tensor(norm(layer.input_layernorm).weight),
                                  "ln2": src.tensor(norm(layer.post_attention_layernorm).weight)}
         if fused:
             entry.update({k: v for k, v in fused[i].items() if v is not None})
-        for group, keys, modules in (("qkv", ("q", "k", "v"), (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                     ("gate_up", ("gate", "up"), (mlp.gate_proj, mlp.up_proj)),
-                                     ("o", ("o",), (attn.o_proj,)), ("down", ("down",), (mlp.down_proj,))):
-            appended = src.append(modules)  # LoRA mode "grouped" on live weights: base and A rows in one GEMM
+        for group, keys, modules in projection_groups(layer):
+            appended = src.append(modules)  # LoRA mode "grouped": base and A rows in one GEMM
             if appended is not None:
                 entry.pop(group, None)
                 entry.pop(group + "b", None)
@@ -42,7 +65,7 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor | None]] |
                 if appended.expand_bias is not None:
                     entry[group + "_upb"] = appended.expand_bias
                 continue
-            terms = src.group(modules) if len(modules) > 1 else None  # "grouped" on a ZeRO-3 shadow's views
+            terms = src.group(modules) if len(modules) > 1 else None  # "grouped" where the base is not laid out
             if terms:
                 entry[group + "_lora"] = terms
             for key, module in zip(keys, modules):
@@ -57,9 +80,9 @@ def read_weights(model: nn.Module, fused: list[dict[str, torch.Tensor | None]] |
             "inv_freq": base.rotary_emb.inv_freq, "layers": layers}
 
 
-def _groups(layer: nn.Module) -> tuple[tuple[str, tuple[nn.Module, ...]], ...]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return ("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), ("gate_up", (mlp.gate_proj, mlp.up_proj))
+def _groups(layer: nn.Module) -> list[tuple[str, tuple[nn.Module, ...]]]:
+    """The groups of several projections (q|k|v, gate|up), which fused views and copies join."""
+    return [(key, modules) for key, _, modules in projection_groups(layer) if len(modules) > 1]
 
 
 def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor | None:

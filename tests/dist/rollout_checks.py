@@ -85,6 +85,7 @@ def lora_policies(ids: torch.Tensor, mask: torch.Tensor, tok) -> dict:
     res["changed"] = not torch.allclose(firsts[0], firsts[1])
     res["lora_mode"] = [r.stats.get("lora_mode") for r in rollouts.values()]
     res["appended_groups"] = rollouts["l2grouped"].stats["lora_appended_groups"]
+    res["appended_groups_zero3"] = rollouts["l3"].stats["lora_appended_groups"]
     # Two engines on one model share its appended buffers: neither takes the base back from the other.
     res["repointed"] = [rollouts[n].stats["lora_repointed"] for n in ("l2", "l2grouped")]
     res["shared_buffers"] = (list(rollouts["l2"].engine.adapters.appended.values())[0]

@@ -102,6 +102,7 @@ def test_grouped_reads_the_base_in_place_with_the_a_rows_appended(base, tok, pro
     from posttrain.models.lora import save_merged
 
     ids, mask = prompts
+    torch.manual_seed(0)  # peft's lora_A initialisation: the same adapters in any test order
     model = with_adapters(base)
     before = model(input_ids=ids, attention_mask=mask).logits
     merged = rollout(model, tok, engine_options=dict(lora_mode="merged"))
@@ -138,6 +139,21 @@ def test_grouped_reads_the_base_in_place_with_the_a_rows_appended(base, tok, pro
     again = r.generate(ids, mask)
     assert r.stats["lora_repointed"] == 1 and torch.equal(again.sequences, want.sequences)
     assert q.base_layer.weight.untyped_storage().data_ptr() in buffers
+
+
+def test_grouped_with_a_trainable_base_weight_runs_separate_products_counted(base, tok, prompts):
+    """A base weight that trains belongs to the optimizer, so grouped leaves it where it is: its group runs
+    separate low-rank products (still the peft forward), counted as a slow fallback in the metrics."""
+    ids, mask = prompts
+    torch.manual_seed(0)  # peft initialises lora_A from the global generator: the same adapters in any test order
+    model = with_adapters(base)
+    model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.requires_grad_(True)
+    r = rollout(model, tok, engine_options=dict(lora_mode="grouped"))
+    torch.manual_seed(5)
+    out = r.generate(ids, mask)
+    assert (forward_logprobs(model, out, mask) - out.logprobs).abs().max().item() < 1e-5
+    assert r.stats["lora_fallbacks"] == 1 and r.metrics()["rollout/lora_fallbacks"] == 1 and r.degraded
+    assert r.stats["lora_appended_groups"] == 4 * len(model.base_model.model.model.layers) - 1
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -82,7 +82,7 @@ def engine_options(cfg: RolloutFields, group_size: int | None = None) -> dict[st
 
 # Rollout stats counting a fast path lost to a fallback.
 SLOW_FALLBACKS = ("compile_fallbacks", "capture_fallbacks", "adapter_fallbacks", "fused_fallbacks",
-                  "triton_fallbacks")
+                  "triton_fallbacks", "lora_fallbacks")
 
 
 def slowed(stats: dict[str, Any]) -> bool:

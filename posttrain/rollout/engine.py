@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 # Counters that add up over a run (a Rollout carries them over when it builds a new engine).
 RUN_COUNTERS = ("captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks", "storage_moves")
-COUNTERS = (*RUN_COUNTERS, "triton_fallbacks", "fused_fallbacks", "graph_pool_bytes", "prefill_rows",
+COUNTERS = (*RUN_COUNTERS, "triton_fallbacks", "fused_fallbacks", "lora_fallbacks", "graph_pool_bytes", "prefill_rows",
             "prefill_sequences", "admissions", "compactions", "decode_steps", "row_steps", "cache_cells_read",
             "prompt_compactions", "prompt_joins", "prompt_waits")
 
@@ -108,6 +108,10 @@ class DecodeEngine:
         copies = fused and views is None and not self.adapters.appends
         self.fused = weights.fused_buffers(model, self.adapters) if copies else None
         self.weights = weights.read_weights(model, views or self.fused, self.adapters)
+        if self.adapters.mode == "grouped" and self.adapters.groups:
+            self._fall_back(f"LoRA mode grouped: {len(self.adapters.groups)} projection group(s) run separate low-rank "
+                            "products, not the appended GEMM (a trainable base weight, or unlike base weights)",
+                            counter="lora_fallbacks")
         layers = len(self.weights["layers"])
         self.prompts: SharedPrompts | None = None
         cache_len = self.length

@@ -452,6 +452,9 @@ class DecodeEngine:
         graph = torch.cuda.CUDAGraph()
         saved = [t.clone() for t in self.slots.written_by_step()]
         torch.cuda.synchronize()
+        # torch.cuda.graph empties the cache on entry: empty it first, so the pool's growth is what is counted
+        # (measured from before, a capture after a training step counted the freed cache as negative bytes).
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
         try:
             with torch.cuda.graph(graph, pool=self.pool), torch.no_grad(), preferred_blas(self.blas):

@@ -452,8 +452,7 @@ class DecodeEngine:
         graph = torch.cuda.CUDAGraph()
         saved = [t.clone() for t in self.slots.written_by_step()]
         torch.cuda.synchronize()
-        # torch.cuda.graph empties the cache on entry: empty it first, so the pool's growth is what is counted
-        # (measured from before, a capture after a training step counted the freed cache as negative bytes).
+        # torch.cuda.graph empties the cache on entry: empty it first, so only the pool's growth is counted.
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
         try:

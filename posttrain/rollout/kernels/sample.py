@@ -40,8 +40,8 @@ def _partial(logits_ptr, stride_row, key_ptr, step_ptr, seq_ptr, stop_ptr, temp_
     total = tl.zeros([BLOCK_V], tl.float32)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     index = tl.zeros([BLOCK_V], tl.int32) + lo
-    for start in range(lo, hi, BLOCK_V):
-        v = start + tl.arange(0, BLOCK_V)
+    for start in range(0, chunk, BLOCK_V):  # bounds from arguments, not program ids: every Triton interpreter takes them
+        v = lo + start + tl.arange(0, BLOCK_V)
         ok = v < hi
         scaled = tl.load(logits_ptr + row * stride_row + v, mask=ok, other=float("-inf")).to(tl.float32) / temperature
         above = scaled > m

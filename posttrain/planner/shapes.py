@@ -191,14 +191,14 @@ def appended_adapter_params(spec: str, lora: Lora, vocab_size: int | None = None
     input (q|k|v, gate|up, o, down) with an adapted one, the A rows and the [out, R] expand block."""
     from torch import nn
 
+    from posttrain.rollout.weights import projection_groups
+
     model = meta_model(spec, "causal", vocab_size)
     targets = lora.target_modules or _default_targets(model)
     adapted = {id(m) for m in _adapted(model, targets, []) if isinstance(m, nn.Linear)}
     total = 0
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj), (attn.o_proj,),
-                      (mlp.down_proj,)):
+        for _, _, group in projection_groups(layer):
             rank = lora.r * sum(id(m) in adapted for m in group)
             total += rank * (group[0].in_features + sum(m.out_features for m in group))
     return total

@@ -107,8 +107,20 @@ class Appended:
 _APPENDED: weakref.WeakKeyDictionary[nn.Module, Appended] = weakref.WeakKeyDictionary()
 
 
-def _base(m: nn.Module) -> nn.Module:
-    return m.get_base_layer() if hasattr(m, "lora_A") and hasattr(m, "base_layer") else m
+def adapted(m: nn.Module) -> bool:
+    """Whether ``m`` is a peft LoRA layer (adapters over a base layer)."""
+    return hasattr(m, "lora_A") and hasattr(m, "base_layer")
+
+
+def base_of(m: nn.Module) -> nn.Module:
+    """The layer whose weight ``m`` adds its adapters to (``m`` itself if it has none)."""
+    return m.get_base_layer() if adapted(m) else m
+
+
+def appended_rank(ms: list[nn.Module]) -> int:
+    """Rows mode "grouped" appends after the base rows of projections ``ms``: their adapters' ranks (a ZeRO-3
+    partitioned A weight read by its ``ds_shape``)."""
+    return sum(getattr(w, "ds_shape", w.shape)[0] for m in ms if adapted(m) for w in (m.lora_A[a].weight for a in m.lora_A))
 
 
 class Adapters:
@@ -122,7 +134,7 @@ class Adapters:
         if mode == "auto":  # grouped where the base can be appended to in place: live weights or a laid-out shadow
             mode = "grouped" if tensor is None or layout is not None else "merged"
         self.model, self.mode, self._tensor, self.layout = model, mode, tensor, layout
-        self.lora = any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
+        self.lora = any(adapted(m) for m in model.modules())
         self.scales: dict[tuple[int, str], torch.Tensor] = {}  # (module id, adapter) -> 0-dim float32
         self.merged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # module id -> weight, bias
         self.groups: dict[tuple[int, ...], tuple[list[Any], list[str], tuple]] = {}  # mode "grouped"
@@ -160,7 +172,7 @@ class Adapters:
     def linear(self, m: nn.Module, terms: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """(weight, bias, LoRA terms) of projection ``m``; terms: (A, B, B's bias, scaling) per adapter."""
         m = self.module(m)
-        if not (self.lora and hasattr(m, "lora_A") and hasattr(m, "base_layer")):
+        if not (self.lora and adapted(m)):
             return self.tensor(m.weight), self.tensor(m.bias), None
         if self.mode == "merged":
             weight, bias = self._merged_buffers(m)
@@ -178,50 +190,42 @@ class Adapters:
         if not self.appends:
             return None
         ms = [self.module(m) for m in modules]
-        if not any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in ms):
+        if not any(adapted(m) for m in ms):
             return None
         key = tuple(id(m) for m in ms)
         if key in self.appended:
             return self.appended[key]
-        if self.layout is not None:
-            return self._append_shadowed(key, ms)
+        ws = [base_of(m).weight for m in ms]
+        if self.layout is not None:  # a ZeRO-3 shadow's layout: its base rows are refreshed by the shadow
+            weight = self.layout.appended(ws)
+            return None if weight is None else self._new_appended(key, ms, weight, live=False)
         shared = _APPENDED.get(ms[0])
         if shared is not None and [id(m) for m in shared.modules] == list(key):
             self.appended[key] = shared
             self._fill_appended(shared)
             return shared
-        ws = [_base(m).weight for m in ms]
         # A trainable base belongs to the optimizer (DeepSpeed flattens it): only frozen ones are re-pointed.
         if any(w.requires_grad or w.dim() != 2 for w in ws) or len({(w.dtype, w.device, w.shape[1]) for w in ws}) > 1:
             return None
-        pairs = [(m, a) for m in ms if hasattr(m, "lora_A") for a in m.lora_A]
-        out, rank = sum(w.shape[0] for w in ws), sum(m.lora_A[a].weight.shape[0] for m, a in pairs)
-        like = {"dtype": ws[0].dtype, "device": ws[0].device}
-        weight = torch.empty(out + rank, ws[0].shape[1], **like)
-        bias = torch.zeros(out + rank, **like) if any(_base(m).bias is not None for m in ms) else None
-        lora_bias = any(m.lora_B[a].bias is not None for m, a in pairs)
-        entry = Appended(ms, weight, bias, torch.zeros(out, rank, **like), torch.zeros(out, **like) if lora_bias else None)
+        out = sum(w.shape[0] for w in ws)
+        weight = torch.empty(out + appended_rank(ms), ws[0].shape[1], dtype=ws[0].dtype, device=ws[0].device)
         with torch.no_grad():
             o = 0
             for w in ws:
                 weight[o : o + w.shape[0]].copy_(w)
                 w.data = weight[o : o + w.shape[0]]  # the old storage frees: the base now lives here
                 o += w.shape[0]
-        self.appended[key] = _APPENDED[ms[0]] = entry
-        self._fill_appended(entry)
+        _APPENDED[ms[0]] = entry = self._new_appended(key, ms, weight, live=True)
         return entry
 
-    def _append_shadowed(self, key: tuple[int, ...], ms: list[Any]) -> Appended | None:
-        """A ZeRO-3 shadow's laid-out group: its base rows are the shadow's (refreshed by it), the A rows after."""
-        weight = self.layout.appended([_base(m).weight for m in ms])
-        if weight is None:
-            return None
-        views = [self.tensor(_base(m).weight) for m in ms]
-        out, like = sum(v.shape[0] for v in views), {"dtype": weight.dtype, "device": weight.device}
-        bias = torch.zeros(weight.shape[0], **like) if any(_base(m).bias is not None for m in ms) else None
-        lora_bias = any(m.lora_B[a].bias is not None for m in ms if hasattr(m, "lora_B") for a in m.lora_B)
+    def _new_appended(self, key: tuple[int, ...], ms: list[Any], weight: torch.Tensor, live: bool) -> Appended:
+        """``ms``' entry over ``weight`` (their base rows, then room for the A rows), registered and filled."""
+        out = sum(self.tensor(base_of(m).weight).shape[0] for m in ms)
+        like = {"dtype": weight.dtype, "device": weight.device}
+        bias = torch.zeros(weight.shape[0], **like) if any(base_of(m).bias is not None for m in ms) else None
+        lora_bias = any(m.lora_B[a].bias is not None for m in ms if adapted(m) for a in m.lora_B)
         entry = Appended(ms, weight, bias, torch.zeros(out, weight.shape[0] - out, **like),
-                         torch.zeros(out, **like) if lora_bias else None, live=False)
+                         torch.zeros(out, **like) if lora_bias else None, live=live)
         self.appended[key] = entry
         self._fill_appended(entry)
         return entry
@@ -233,7 +237,7 @@ class Adapters:
         o = r0 = 0
         out = entry.expand.shape[0]
         for m in entry.modules:
-            base = _base(m)
+            base = base_of(m)
             n = self.tensor(base.weight).shape[0]
             part = entry.weight[o : o + n]
             if entry.live and base.weight.data_ptr() != part.data_ptr():
@@ -263,7 +267,7 @@ class Adapters:
         if self.mode != "grouped" or not self.lora:
             return None
         ms = [self.module(m) for m in modules]
-        if not all(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in ms):
+        if not all(adapted(m) for m in ms):
             return None
         names = list(ms[0].lora_A)
         if any(list(m.lora_A) != names for m in ms):
@@ -305,8 +309,7 @@ class Adapters:
     def _lora_layer(self, m: nn.Module) -> Any:
         """``m`` resolved, if it is a LoRA layer whose weight ``linear`` returns merged."""
         m = self.module(m)
-        adapted = self.lora and hasattr(m, "lora_A") and hasattr(m, "base_layer")
-        return m if adapted else None
+        return m if self.lora and adapted(m) else None
 
     def weight_shape(self, m: nn.Module) -> tuple[int, int, torch.dtype, torch.device]:
         """(out, in, dtype, device) of the weight ``linear(m)`` returns, without allocating it."""
@@ -368,7 +371,7 @@ class Adapters:
         for entry in self.appended.values():
             self._fill_appended(entry)
         for m in self.model.modules():
-            if not (hasattr(m, "lora_A") and hasattr(m, "base_layer")):
+            if not adapted(m):
                 continue
             if self.mode == "merged":
                 if id(m) in self.merged:

@@ -142,7 +142,8 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     for s, c, t in zip(slots, col0, lens):
         if c + t > st.length:
             raise ConfigError(f"sequence in slot {s} outgrows its cache ({c + t} > {st.length} columns)")
-    pending = st.out_tokens[rows, torch.tensor(step0, device=dev) - 1]
+    step0_t = torch.tensor(step0, device=dev)
+    pending = st.out_tokens[rows, step0_t - 1]
     new_ids = torch.tensor([new + [0] * (width - t) for new, t in zip(news, lens)], dtype=torch.long, device=dev)
     ids = torch.cat([pending.unsqueeze(1), new_ids[:, : width - 1]], 1)  # [n, width]
     here = torch.arange(width, device=dev)
@@ -167,7 +168,6 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
         x = decoder.attention_out(spec, lw, x, out)
     last = x[torch.arange(n, device=dev), lens_t - 1].unsqueeze(1)  # each row's last real position
     logits = decoder.head(spec, w, last)
-    step0_t = torch.tensor(step0, device=dev)
     nxt = step0_t + lens_t - 1  # the index of each row's next completion token
     new_row, new_pos = real[:, 1:].nonzero(as_tuple=True)  # the appended tokens, at step0 onwards
     st.out_tokens[rows[new_row], step0_t[new_row] + new_pos] = new_ids[new_row, new_pos]

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.rollout.adapters import resolve
+from posttrain.rollout.adapters import adapted, appended_rank, base_of, resolve
 
 
 def projection_groups(layer: nn.Module) -> tuple[tuple[str, tuple[str, ...], tuple[nn.Module, ...]], ...]:
@@ -25,11 +25,8 @@ def appended_layout(model: nn.Module) -> list[tuple[list[nn.Parameter], int]]:
     for layer in model.model.layers:
         for _, _, modules in projection_groups(layer):
             ms = [resolve(m) for m in modules]
-            adapted = [m for m in ms if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
-            if adapted:
-                rank = sum(getattr(w, "ds_shape", w.shape)[0] for m in adapted for w in
-                           (m.lora_A[a].weight for a in m.lora_A))
-                out.append(([(m.get_base_layer() if m in adapted else m).weight for m in ms], rank))
+            if any(adapted(m) for m in ms):
+                out.append(([base_of(m).weight for m in ms], appended_rank(ms)))
     return out
 
 

@@ -15,7 +15,9 @@ generation prompt, temperature 1, every sequence in its own slot.
   model tokens in one turn.
 
 Each is run ``--warmup`` times (compile, graph capture) then ``--repeats`` times, device synchronised;
-the figure is model tokens per second of the median run (tool tokens are not counted).
+the figure is model tokens per second of the median run (tool tokens are not counted). Then one more run of
+each, profiled (device synchronised between phases, so slower): milliseconds of prefill, decode, and the
+appended tool tokens' prefill with the tools' host time.
 
     python benchmarks/rollout/turns_throughput.py --out turns_1b.json                     # one GPU
     python benchmarks/rollout/turns_throughput.py --shape tiny --repeats 1 --warmup 1    # CPU
@@ -158,6 +160,13 @@ def main() -> None:
                                                                     "compile_fallbacks", "capture_fallbacks",
                                                                     "kv_cache_bytes")},
                         "degraded": single.degraded}
+    for name, side, fn in (("multi", multi, lambda: multi.generate_turns(ids, mask, Tool(args.calls, suffix))),
+                           ("single", single, lambda: single.generate(ids, mask))):
+        side.profile = True
+        fn()
+        sync()
+        side.profile = False
+        result[name]["profile_ms"] = {k: round(v, 2) for k, v in side.timings.items()}
     ratio = result["single"]["tokens_per_s"] / result["multi"]["tokens_per_s"]
     result["ratio"] = ratio
     result["target"] = (f"multi-turn {result['multi']['tokens_per_s']:.0f} model tokens/s against one turn's "

@@ -51,7 +51,7 @@ class Scheduler:
         self.submitted = 0
         self.waiting: deque[int] = deque()
         self.version = 0  # the weights' version, recorded when a row is admitted
-        self.timings = {"prefill_ms": 0.0, "decode_ms": 0.0, "decode_steps": 0, "row_steps": 0}
+        self.timings = {"prefill_ms": 0.0, "decode_ms": 0.0, "append_ms": 0.0, "decode_steps": 0, "row_steps": 0}
         self.clock = Clock(engine.device) if profile else None
 
     def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key: int, tag: Any = None) -> Batch:
@@ -172,7 +172,7 @@ class Scheduler:
                     timings["prefill_ms"] += clock.lap()
         steps = min(engine.sync_every, max(self.last_step - a for a in age.values()))
         if turns is not None and turns.pending and len(turns.pending) == len(slot_seq):
-            turns.resolve(engine, slot_seq, age)  # nothing else decodes: the tools now
+            self._resolve()  # nothing else decodes: the tools now
             return True
         if steps <= 0:
             return True  # every live row has its last token: retire them
@@ -185,8 +185,16 @@ class Scheduler:
         for s in age:
             age[s] += steps
         if turns is not None and turns.pending:
-            turns.resolve(engine, slot_seq, age)  # on CUDA the steps just queued run meanwhile
+            self._resolve()  # on CUDA the steps just queued run meanwhile
         return True
+
+    def _resolve(self) -> None:
+        """The waiting turns' tools and their appended tokens' prefill (timed apart when profiling)."""
+        if self.clock is not None:
+            self.timings["decode_ms"] += self.clock.lap()
+        self.turns.resolve(self.engine, self.slot_seq, self.age)
+        if self.clock is not None:
+            self.timings["append_ms"] += self.clock.lap()
 
     def lap(self) -> dict[str, float]:
         """The timings so far (the last decode lap closed)."""

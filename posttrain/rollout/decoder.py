@@ -223,6 +223,23 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
     return out.reshape(b, spec.heads, 1, d)
 
 
+def stacked_mask(spec: DecoderSpec, allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed`` [B, 1, W, L] for :func:`query_attention`'s stacked queries: [B, 1, groups x W, L]."""
+    b, _, width, length = allowed.shape
+    groups = spec.heads // spec.kv_heads
+    return allowed.unsqueeze(2).expand(b, 1, groups, width, length).reshape(b, 1, groups * width, length)
+
+
+def query_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    stacked: torch.Tensor) -> torch.Tensor:
+    """Queries [B, heads, W, d] over keys and values [B, kv_heads, L, d] under :func:`stacked_mask`: each kv
+    head's query heads stacked along the queries, so the kv heads are read as they are, never repeated."""
+    b, width, d = q.shape[0], q.shape[2], spec.head_dim
+    q = q.reshape(b, spec.kv_heads, (spec.heads // spec.kv_heads) * width, d)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=stacked, scale=spec.scaling)
+    return out.reshape(b, spec.heads, width, d)
+
+
 def sdpa_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA's own kernels with their float32 log-sum-exp (a fully masked row: 0 and float32's lowest)."""
@@ -291,14 +308,11 @@ def prefill(spec: DecoderSpec, weights: dict[str, Any], ids: torch.Tensor, posit
     causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
     allowed = causal.unsqueeze(0) & key_mask.bool().unsqueeze(1)
     # A padding query attends to itself, so no row is all -inf (SDPA would give NaN there).
-    allowed = (allowed | torch.eye(p, dtype=torch.bool, device=ids.device)).unsqueeze(1)
+    allowed = stacked_mask(spec, (allowed | torch.eye(p, dtype=torch.bool, device=ids.device)).unsqueeze(1))
     x = F.embedding(ids, weights["embed"])
     cos, sin = rotary(positions, weights["inv_freq"], spec.rope_scaling, x.dtype)
-    groups = spec.heads // spec.kv_heads
     for i, w in enumerate(weights["layers"]):
         q, k, v = qkv(spec, w, x, cos, sin)
         write(i, k, v)
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
-                                             attn_mask=allowed, scale=spec.scaling)
-        x = attention_out(spec, w, x, out)
+        x = attention_out(spec, w, x, query_attention(spec, q, k, v, allowed))
     return head(spec, weights, x[:, -1:])

@@ -156,16 +156,14 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     cos, sin = decoder.rotary(torch.tensor(pos0, device=dev).unsqueeze(1) + here, w["inv_freq"], spec.rope_scaling,
                               engine.dtype)
     allowed = st.key_valid[rows, :length].unsqueeze(1) & (st.cols[:length].view(1, 1, -1) <= cols.unsqueeze(2))
-    groups = spec.heads // spec.kv_heads
+    allowed = decoder.stacked_mask(spec, allowed.unsqueeze(1))
     x = F.embedding(ids, w["embed"])
     for i, lw in enumerate(w["layers"]):
         q, k, v = decoder.qkv(spec, lw, x, cos, sin)  # k, v [n, kv_heads, width, d]
         st.keys[i][pair_slot, :, pair_col] = k[pair_row, :, pair_pos]
         st.values[i][pair_slot, :, pair_col] = v[pair_row, :, pair_pos]
         keys, values = st.keys[i][rows, :, :length], st.values[i][rows, :, :length]
-        out = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
-                                             attn_mask=allowed.unsqueeze(1), scale=spec.scaling)
-        x = decoder.attention_out(spec, lw, x, out)
+        x = decoder.attention_out(spec, lw, x, decoder.query_attention(spec, q, keys, values, allowed))
     last = x[torch.arange(n, device=dev), lens_t - 1].unsqueeze(1)  # each row's last real position
     logits = decoder.head(spec, w, last)
     nxt = step0_t + lens_t - 1  # the index of each row's next completion token

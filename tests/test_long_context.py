@@ -146,6 +146,24 @@ def test_the_planner_counts_the_fused_head_not_the_logits():
         assert abs(plan.peak / memory.GiB - row["peak_allocated_gib"]) / row["peak_allocated_gib"] < 0.03, (mode, plan.peak)
 
 
+def test_the_planner_against_the_long_context_rows():
+    """The 8B LoRA long-context rows measured on one H200 (results/2026-12-05-1xH200-remeasure): 8 completions
+    of 6,144, 7,168 and 16,384 tokens, peaks within 3%. The planner errs on the safe side by 0.76-0.94 GiB."""
+    import json
+    from pathlib import Path
+
+    from posttrain.planner import memory
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-05-1xH200-remeasure"
+    rows = [json.loads(line) for run in ("long-context", "planner-check")
+            for line in (results / run / "grpo_long_context.jsonl").read_text().splitlines()]
+    measured = {r["length"]: r["peak_allocated_gib"] for r in rows if r.get("status") == "ok"}
+    assert sorted(measured) == [2048, 6144, 7168, 16384]
+    for length in (6144, 7168, 16384):
+        predicted = long_plan(length).peak / memory.GiB
+        assert 0 < predicted - measured[length] < 0.03 * measured[length], (length, predicted, measured[length])
+
+
 def test_longest_completion_fits_and_the_next_does_not():
     from posttrain.planner.longest import longest_completion
 

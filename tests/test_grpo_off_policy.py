@@ -95,9 +95,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["in_loss", "separate_forward"])
 @pytest.mark.parametrize("mode,extra", CASES, ids=[f"{m}-{'-'.join(x) or 'default'}" for m, x in CASES])
-def test_correction_equals_trl_vllm_path(both, mode, extra):
+def test_correction_equals_trl_vllm_path(both, mode, extra, separate, monkeypatch):
+    """in_loss: the default (the generation batch trains within one optimizer step), the ratio formed in the loss
+    from its own forward; separate_forward: a generation batch that outlives its step, the old log-probs' forward."""
+    from posttrain.trainers import off_policy
+
     trl, ours, rows, prompt_ids = both
+    if separate:
+        monkeypatch.setattr(ours, "needs_old_logps", lambda: True)
     fields = {"vllm_importance_sampling_mode": mode, "vllm_importance_sampling_clip_min": None,
               "vllm_importance_sampling_clip_max": 3.0, "off_policy_mask_threshold": None, "loss_type": "grpo",
               **extra}
@@ -116,17 +123,25 @@ def test_correction_equals_trl_vllm_path(both, mode, extra):
         mine, metrics = ours._sample_and_score(rows, prompt_ids, G, train=True)
     policy = ours.session.engines["policy"]
     policy.zero_grad()
-    loss, _ = ours.compute_loss(mine)
+    loss, stats = ours.compute_loss(mine)
     loss.backward()
 
-    assert torch.allclose(mine["importance_sampling_ratio"], batch["importance_sampling_ratio"], atol=TOL)
+    mask, per_sequence = mine["completion_mask"].bool(), mode.startswith("sequence")
+    assert ("importance_sampling_ratio" in mine) is separate and ("sampling" in stats) is not separate
+    if separate:
+        ratio = mine["importance_sampling_ratio"]
+        assert torch.allclose(ratio, batch["importance_sampling_ratio"], atol=TOL)
+    else:  # as training_step, once the generation batch (here one micro-batch) has trained
+        metrics.update(off_policy.reduce_sampling_values([stats["sampling"]], mode))
+        ratio = stats["sampling"][1]  # the ratio of each completion token (token modes) or sequence
+        theirs_ratio = batch["importance_sampling_ratio"]
+        assert torch.allclose(ratio, theirs_ratio.flatten() if per_sequence else theirs_ratio[mask], atol=TOL)
     assert loss.item() == pytest.approx(theirs.item(), abs=TOL, rel=TOL)
     sampled = {k for k in their_metrics if k.startswith("sampling/")}
     assert len(sampled) == 5 and sampled <= set(metrics)
     for k in sampled:
         assert metrics[k] == pytest.approx(their_metrics[k], abs=TOL, rel=TOL), k
-    ratio = mine["importance_sampling_ratio"]
-    valid = ratio if mode.startswith("sequence") else ratio[mine["completion_mask"].bool()]
+    valid = ratio if per_sequence or not separate else ratio[mask]
     if mode.endswith("mask"):  # the bounds were hit: some ratios masked, and the fraction says how many
         assert (valid == 0).any() and metrics["sampling/masked_fraction"] == pytest.approx(
             (valid == 0).float().mean().item())
@@ -200,3 +215,83 @@ def test_sampler_logprobs_are_over_the_full_vocabulary_not_the_top_k_support(bac
     assert (out.logprobs - full)[valid].abs().max() < TOL
     gap = (kept - out.logprobs)[valid]  # minus the log of the top-3 mass: never below 0, here up to ~2
     assert (gap > -TOL).all() and gap.max() > 0.5
+
+
+
+def test_correction_in_the_loss_equals_a_separate_old_forward(tmp_path_factory, monkeypatch):
+    """A generation batch trained within one optimizer step (two micro-batches, each trained twice: num_iterations
+    2): the correction reads the loss forward's own log-probs. Per mode, the step's loss, its ``sampling/*`` over
+    the whole generation batch and every micro-batch's gradients equal those with the old log-probs' own forward
+    (forced, as where a generation batch outlives its step), and that forward is gone."""
+    from posttrain.trainers import grpo
+    from posttrain.trainers.off_policy import IS_MODES
+    from posttrain.trainers.online import completion_logps
+
+    tok = tiny.load_tokenizer()
+    _, completions, noise = fixed_rollout(tok)
+    c = torch.full((len(completions), N), tok.pad_token_id)
+    m = torch.zeros_like(c)
+    for i, ci in enumerate(completions):
+        c[i, : len(ci)], m[i, : len(ci)] = torch.tensor(ci), 1
+    grads, forwards = {False: [], True: []}, {False: 0, True: 0}
+
+    def trainer(separate):
+        cfg = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("steps")), single_process_engine="torch",
+                         per_device_train_batch_size=G, num_generations=G, gradient_accumulation_steps=4,
+                         steps_per_generation=2, num_iterations=2, max_completion_length=N, temperature=TEMPERATURE,
+                         save_strategy="no", report_to=[])
+        t = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=token_reward, args=cfg,
+                        train_dataset=[{"prompt": p} for p in ("the cat is", "my old friend felt")])
+        policy = t.session.engines["policy"]
+
+        def generate(ids, mask):  # the fixed completions; the sampler's log-probs near the current policy's
+            lp, _ = completion_logps(policy, torch.cat([ids, c], 1), torch.cat([mask, m], 1), N, TEMPERATURE)
+            for i, e in enumerate(noise):
+                lp[i, : len(e)] += torch.tensor(e)
+            return RolloutOutput(sequences=torch.cat([ids, c], 1), completion_ids=c, completion_mask=m, logprobs=lp)
+
+        def step(name, original=t.session.step):  # each micro-batch's accumulated gradients
+            grads[separate].append([p.grad.clone() for p in policy.parameters()])
+            return original(name)
+
+        t.rollout.generate, t.session.step = generate, step
+        assert not t.needs_old_logps()
+        if separate:
+            t.needs_old_logps = lambda: True
+        return t
+
+    pair = {separate: trainer(separate) for separate in (False, True)}
+    running = [False]
+
+    def count(*args, **kwargs):
+        forwards[running[0]] += 1
+        return completion_logps(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "completion_logps", count)
+    for step, mode in enumerate(IS_MODES, 1):
+        out = {}
+        for separate, t in pair.items():
+            t.cfg.vllm_importance_sampling_mode = mode
+            t.cfg.vllm_importance_sampling_clip_min = 0.5 if mode.startswith("token") else None
+            t.step, running[0] = step - 1, separate
+            out[separate] = t.training_step(step)
+        new, old = out[False], out[True]
+        assert new["loss"] == pytest.approx(old["loss"], abs=1e-6, rel=1e-6)
+        (gen_new,), (gen_old,) = new["generations"], old["generations"]
+        sampled = {k for k in gen_old if k.startswith("sampling/")}
+        assert len(sampled) == (6 if mode.endswith("mask") else 5)
+        assert sampled == {k for k in gen_new if k.startswith("sampling/")}
+        for k in sampled:
+            assert gen_new[k] == pytest.approx(gen_old[k], abs=1e-6, rel=1e-6), (mode, k)
+        if mode.endswith("mask"):  # the bounds were hit
+            assert 0 < gen_new["sampling/masked_fraction"] < 1
+        else:
+            assert 3.0 == gen_new["sampling/importance_sampling_ratio/max"] or (
+                gen_new["sampling/importance_sampling_ratio/min"] == 0.5)
+        assert "time/policy_forward" in old["times"] and "time/policy_forward" not in new["times"]
+    assert len(grads[False]) == len(grads[True]) == 4 * len(IS_MODES)
+    for a, b in zip(grads[False], grads[True]):
+        for x, y in zip(a, b):
+            assert torch.allclose(x, y, atol=1e-6, rtol=1e-6), (x - y).abs().max()
+    # Four training forwards a step either way; the separate one adds the old log-probs' forward per generation.
+    assert forwards == {False: 4 * len(IS_MODES), True: 5 * len(IS_MODES)}

@@ -231,10 +231,13 @@ def run_both(tmp_path, policy_path, scripts, rows, rendered, **kw):
     seen = list(ours_reward.calls)
     fixed, _ = ours._sample_and_score(rows, ours.prompt_ids, G, train=True)
     ours_reward.calls[:] = seen
+    _, stats = ours.compute_loss(fixed)  # the ratio formed from the loss forward's own log-probs
+    with torch.no_grad():
+        current, _ = ours.policy_logps(fixed)
     model_tokens = fixed["completion_mask"] * fixed["tool_mask"]
-    diff = ((fixed["old_per_token_logps"] - fixed["sampling_per_token_logps"]) * model_tokens).sum(1, keepdim=True)
+    diff = ((current - fixed["sampling_per_token_logps"]) * model_tokens).sum(1, keepdim=True)
     expected = torch.exp(diff).masked_fill(torch.exp(diff) > ours.cfg.vllm_importance_sampling_clip_max, 0.0)
-    assert torch.allclose(fixed["importance_sampling_ratio"], expected, atol=TOL)
+    assert torch.allclose(stats["sampling"][1], expected.flatten(), atol=TOL)
     result = dict(trl=(out, trl_metrics, trl_loss, theirs_reward), ours=(batch, metrics, loss, ours_reward))
     ours.end()
     return result

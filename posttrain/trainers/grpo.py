@@ -318,14 +318,14 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
                  "completion_mask": completion_mask, **({"tool_mask": tool_mask} if tool_mask is not None else {})}
         bs = cfg.per_device_train_batch_size if train else cfg.per_device_eval_batch_size
         sampler = getattr(out, "logprobs", None)  # a rollout that reports none is not corrected
-        corrects = train and sampler is not None and off_policy.corrects_sampling(cfg)  # needs the old log-probs
-        logps = (self.needs_old_logps() or corrects) if train else self.logps_in_rewards()
-        with self.phases("policy_forward"):
-            old = None
-            if logps:
-                with compiled_layers.no_eager_fallback(bool(self.compiled_layers)):
-                    old, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
-                                              batch_size=bs, fused=True, padding_free=cfg.padding_free)
+        corrects = train and sampler is not None and off_policy.corrects_sampling(cfg)
+        # Where TRL keeps no old log-probs they are the loss forward's own: the correction reads those there.
+        logps = self.needs_old_logps() if train else self.logps_in_rewards()
+        old = None
+        if logps:
+            with self.phases("policy_forward"), compiled_layers.no_eager_fallback(bool(self.compiled_layers)):
+                old, _ = completion_logps(s.engines["policy"], input_ids, attention_mask, n, cfg.temperature,
+                                          batch_size=bs, fused=True, padding_free=cfg.padding_free)
         with self.phases("score"):
             ref = None
             if not train and not logps:
@@ -357,7 +357,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         sampled = {}
         if train and sampler is not None:  # full vocabulary, temperature-scaled, as the training forward's
             batch["sampling_per_token_logps"] = sampler.to(dev)
-            if corrects:
+            if corrects and old is not None:
                 batch["importance_sampling_ratio"], sampled = off_policy.correct_sampling(
                     cfg, old, batch["sampling_per_token_logps"], loss_mask, self._gather)
 
@@ -416,11 +416,15 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
                 pool = gather_ranks(s, pad_across_ranks(s, local, dim=0, pad_index=-1e9))
                 pool = pool[pool != -1e9]
             entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile, pool)
+        ratio, sampled = batch.get("importance_sampling_ratio"), None
+        if ratio is None and "sampling_per_token_logps" in batch and off_policy.corrects_sampling(cfg):
+            ratio, sampled = off_policy.correct_in_loss(cfg, logps, batch["sampling_per_token_logps"], mask)
         loss, stats = grpo_loss(cfg, logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
                                 batch["advantages"], mask, entropy_mask, batch["num_items_in_batch"],
-                                s.num_processes, batch.get("sampling_per_token_logps"),
-                                batch.get("importance_sampling_ratio"))
+                                s.num_processes, batch.get("sampling_per_token_logps"), ratio)
         stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
+        if sampled is not None:  # training_step reduces them over the generation batch (sampling/*)
+            stats["sampling"] = sampled
         return loss, stats
 
     def backward_scale(self) -> float:
@@ -438,12 +442,20 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
             if micro % self.micro_per_generation == 0 or not self._buffer:
                 self._buffer, metrics = self.generate_and_score(micro // self.micro_per_generation)
                 generations.append(metrics)
+                sampled = []  # the sampling_values of the micro-batches whose loss formed the correction
             batch = self._buffer[micro % cfg.steps_per_generation]
             with self.phases("train"):
                 loss, st = self.compute_loss(batch)
                 s.backward("policy", loss * self.backward_scale())
                 s.step("policy")
             loss_sum += loss.item() * self.backward_scale() / ga
+            if "sampling" in st:  # such a generation batch trains within this step
+                place, part = micro % self.micro_per_generation, st.pop("sampling")
+                if place < cfg.steps_per_generation:  # its first pass (num_iterations): each sequence once
+                    sampled.append(part)
+                if place == cfg.steps_per_generation - 1:  # all of it has trained: TRL's metrics over the batch
+                    metrics.update(off_policy.reduce_sampling_values(sampled, cfg.vllm_importance_sampling_mode,
+                                                                     self._gather))
             stats.append(st)
         if self.streaming is not None:
             with self.phases("generate"):

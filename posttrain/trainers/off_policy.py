@@ -64,28 +64,44 @@ def importance_sampling_ratio(old_per_token_logps: torch.Tensor, sampling_per_to
     return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
+def sampling_values(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor, ratio: torch.Tensor,
+                    mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What TRL's ``sampling/*`` metrics reduce, for whole sequences: |training - sampling| log-prob of each
+    completion token, and the ratio of each completion token (token modes) or sequence."""
+    mask = mask.bool()
+    delta = (old_per_token_logps - sampling_per_token_logps).abs()
+    flat = ratio.flatten() if mode.startswith("sequence") else ratio[mask]
+    return delta[mask & ~torch.isnan(delta)], flat
+
+
 def sampling_metrics(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
                      ratio: torch.Tensor, mask: torch.Tensor, mode: str,
                      gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.reshape(1, -1)
                      ) -> dict[str, float]:
-    """TRL's ``sampling/*`` metrics of one generation batch: each process's mean and max of
-    |training - sampling| log-prob and min/mean/max ratio, then across processes as TRL reduces them (``gather``
-    stacks each process's [k] values to [processes, k]); plus posttrain's ``sampling/masked_fraction`` in the mask
-    modes, the share of completion tokens (token modes) or sequences zeroed."""
+    """TRL's ``sampling/*`` metrics of one generation batch (:func:`reduce_sampling_values`)."""
+    return reduce_sampling_values([sampling_values(old_per_token_logps, sampling_per_token_logps, ratio, mask, mode)],
+                                  mode, gather)
+
+
+def reduce_sampling_values(parts: list[tuple[torch.Tensor, torch.Tensor]], mode: str,
+                           gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.reshape(1, -1)
+                           ) -> dict[str, float]:
+    """TRL's ``sampling/*`` metrics of one generation batch from its parts' :func:`sampling_values` (the micro-batches
+    of a batch whose loss forms the ratio): each process's mean and max of |training - sampling| log-prob and
+    min/mean/max ratio, then across processes as TRL reduces them (``gather`` stacks each process's [k] values to
+    [processes, k]); plus posttrain's ``sampling/masked_fraction`` in the mask modes, the share of completion tokens
+    (token modes) or sequences zeroed."""
     from trl.trainer.utils import nanmax, nanmin
 
-    dev, mask = old_per_token_logps.device, mask.bool()
-    delta = (old_per_token_logps - sampling_per_token_logps).abs()
-    delta = delta[mask & ~torch.isnan(delta)]
-    flat = ratio.flatten() if mode.startswith("sequence") else ratio[mask]
-    zero = torch.tensor(0.0, device=dev)
+    delta, flat = torch.cat([d for d, _ in parts]), torch.cat([f for _, f in parts])
+    zero = torch.tensor(0.0, device=delta.device)
 
     def stat(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         return fn(x).float() if x.numel() else zero
 
     local = torch.stack([stat(delta, torch.mean), stat(delta, torch.max), stat(flat, torch.min),
                          stat(flat, torch.mean), stat(flat, torch.max),
-                         (flat == 0).float().sum(), torch.tensor(float(flat.numel()), device=dev)])
+                         (flat == 0).float().sum(), torch.tensor(float(flat.numel()), device=delta.device)])
     ranks = gather(local).view(-1, local.numel())
     out = {"sampling/sampling_logp_difference/mean": ranks[:, 0].mean().item(),
            "sampling/sampling_logp_difference/max": ranks[:, 1].max().item(),
@@ -114,3 +130,13 @@ def correct_sampling(cfg: Any, old_per_token_logps: torch.Tensor, sampling_per_t
     ratio = importance_sampling_ratio(old_per_token_logps, sampling_per_token_logps, mask, mode,
                                       cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
     return ratio, sampling_metrics(old_per_token_logps, sampling_per_token_logps, ratio, mask, mode, gather)
+
+
+def correct_in_loss(cfg: Any, per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """A micro-batch's correction ratio where its old log-probs are the training forward's own (a generation batch
+    trained within one optimizer step, TRL's rule), and its :func:`sampling_values`; whole sequences, so exact."""
+    mode, old = cfg.vllm_importance_sampling_mode, per_token_logps.detach()
+    ratio = importance_sampling_ratio(old, sampling_per_token_logps, mask, mode,
+                                      cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
+    return ratio, sampling_values(old, sampling_per_token_logps, ratio, mask, mode)

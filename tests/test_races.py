@@ -222,9 +222,9 @@ def test_grpo_streaming_race_tiny(races, request):
 
 
 def test_grpo_long_context_tiny(tmp_path):
-    """The long-context race (its own phases, not the runner's sides): posttrain at its length, TRL's search (here
-    one length, timed so that the comparison reuses it), every completion exactly its length on both sides, and
-    the planner's prediction recorded (run on a GPU only)."""
+    """The long-context race (its own phases, not the runner's sides): posttrain at its length, TRL's search and its
+    training phase's (here one length each, timed so that the comparison reuses it), every completion exactly its
+    length on all sides, and the planner's prediction recorded (run on a GPU only)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "benchmarks/races/grpo_long_context.py", "--shape", "tiny", "--out", str(out),
@@ -234,7 +234,9 @@ def test_grpo_long_context_tiny(tmp_path):
     lines = [json.loads(line) for line in (out / "grpo_long_context.jsonl").read_text().splitlines()]
     head, rows, summary = lines[0], {r["side"]: r for r in lines[1:-1]}, lines[-1]
     assert head["planner"]["next"] == head["planner"]["longest"] + 8 and head["planner_whole_gpu"]["gib"] == 139.0
-    assert sorted(rows) == ["posttrain@16", "trl@16"]
+    assert sorted(rows) == ["posttrain@16", "trl-train@16", "trl@16"]
     for side, row in rows.items():
-        assert row["status"] == "ok" and row["exact_length"] and row["timed"] and row["lora_b_norm"] > 0, side
-    assert "at 16 tokens: posttrain" in summary["targets"][2] and "## grpo_long_context" in (out / "results.md").read_text()
+        assert row["status"] == "ok" and row["exact_length"] and row["timed"], side
+        assert row["lora_b_norm"] > 0 or side.startswith("trl-train"), side  # fixed completions may tie in reward
+    assert any(t.startswith("TRL's training phase alone") and "16 tokens" in t for t in summary["targets"])
+    assert any(t.startswith("at 16 tokens: posttrain") for t in summary["targets"]) and "## grpo_long_context" in (out / "results.md").read_text()

@@ -22,6 +22,11 @@ Phases (``--phases``, each row a fresh process as benchmarks/races/race.py runs 
 - ``trl``: TRL at ``--trl-start`` tokens, doubling until a length runs out of memory or passes ``--trl-max``
   (one untimed step each, ``--search-warmup`` more to time them); a child past ``--timeout`` is a ``timeout``
   row and ends the search undecided;
+- ``trl-train``: TRL's training phase alone at ``--trl-start`` tokens, doubling as ``trl`` does: the same
+  GRPOTrainer + peft, its generation replaced through TRL's own ``rollout_func`` by fixed completions of exactly
+  that length (random ids, seeded; no sampler log-probs), because ``generate`` at these lengths runs past the
+  device's per-command limit. It measures where TRL's training step runs out of memory, not its generation's
+  peak (transformers' cache, freed before training);
 - ``compare``: both sides timed at ``--compare-length`` (default: the longest length both reached, read from the
   rows of this ``--out`` folder, earlier invocations included), reusing a timed row at that length.
 
@@ -51,7 +56,7 @@ from benchmarks.races.race import GiB, Stamps  # noqa: E402
 NAME = "grpo_long_context"
 LR = 1e-6
 POSITIONS = 131072  # Llama 3.1's context: every searched length fits the model's positions
-PHASES = ("posttrain", "planner", "trl", "compare")
+PHASES = ("posttrain", "planner", "trl", "trl-train", "compare")
 # GPU run's defaults, then --shape tiny's: a CPU finishes it in a minute.
 DEFAULTS = {"lengths": ([16384], [16]), "trl_start": (1024, 16), "trl_max": (131072, 16),
             "completions": (8, 2), "prompt_len": (128, 16), "lora_r": (16, 16), "lora_alpha": (32, 32),
@@ -92,9 +97,29 @@ def lengths_logged(logs: list[dict[str, Any]]) -> list[float]:
     return [h["completions/mean_length"] for h in logs if "completions/mean_length" in h]
 
 
-def run_trl(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: Stamps) -> dict[str, Any]:
+def fixed_completions(length: int, vocab: int) -> Any:
+    """A TRL ``rollout_func``: each prompt tokenized, and a completion of exactly ``length`` random ids (no
+    special ids, seeded by the call's index), no sampler log-probs."""
+    import torch
+
+    calls = [0]
+
+    def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        tok = trainer.processing_class
+        g = torch.Generator().manual_seed(calls[0])
+        calls[0] += 1
+        ids = torch.randint(3, vocab, (len(prompts), length), generator=g).tolist()
+        return {"prompt_ids": [tok(p)["input_ids"] for p in prompts], "completion_ids": ids, "logprobs": None}
+
+    return rollout
+
+
+def run_trl(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamps: Stamps,
+            fixed: bool = False) -> dict[str, Any]:
+    """TRL's GRPOTrainer + peft on this case; ``fixed``: its training phase alone (:func:`fixed_completions`)."""
     import torch
     from datasets import Dataset
+    from transformers import AutoConfig
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.demo import tiny
@@ -102,9 +127,10 @@ def run_trl(spec: dict[str, Any], path: Path, rows: list[dict], out: Path, stamp
     args = GRPOConfig(output_dir=str(out / "trl"), report_to=[], save_strategy="no",
                       use_cpu=not torch.cuda.is_available(),
                       generation_kwargs={"min_new_tokens": spec["response_len"]}, **settings(spec))
+    rollout = fixed_completions(spec["response_len"], AutoConfig.from_pretrained(path).vocab_size) if fixed else None
     trainer = GRPOTrainer(model=str(path), reward_funcs=[parity_reward], args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tiny.load_tokenizer(path), peft_config=lora_config(spec),
-                          callbacks=[stamps.callback()])
+                          callbacks=[stamps.callback()], rollout_func=rollout)
     stamps.mark()
     trainer.train()
     return {"mean_lengths": lengths_logged(stamps.logs), "lora_b_norm": lora_b_norm(trainer.model)}
@@ -138,14 +164,16 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["memory_gib"] * GiB / total))
     path = long_model(spec["shape"])
     rows = prompt_rows(spec["warmup"] + spec["steps"], spec["prompt_len"])
-    run = run_trl if side.startswith("trl") else run_posttrain
-    row = {"length": spec["response_len"], "purpose": spec["purpose"], "memory_gib": spec.get("memory_gib"),
-           **run(spec, path, rows, out, stamps)}
+    if side.startswith("trl"):
+        result = run_trl(spec, path, rows, out, stamps, fixed=side == "trl-train")
+    else:
+        result = run_posttrain(spec, path, rows, out, stamps)
+    row = {"length": spec["response_len"], "purpose": spec["purpose"], "memory_gib": spec.get("memory_gib"), **result}
     row["exact_length"] = bool(row["mean_lengths"]) and all(x == spec["response_len"] for x in row["mean_lengths"])
     return row
 
 
-RACE = race.Race(name=NAME, doc=__doc__, script=__file__, sides=("posttrain", "trl"), run_side=run_side)
+RACE = race.Race(name=NAME, doc=__doc__, script=__file__, sides=("posttrain", "trl", "trl-train"), run_side=run_side)
 
 
 def planner_prediction(spec: dict[str, Any], gib: float, step: int) -> dict[str, Any]:
@@ -189,8 +217,13 @@ def targets(rows: list[dict[str, Any]], planner: dict[str, Any] | None) -> list[
     lines = [f"posttrain trained {ours:,}-token completions (target >= 16,384: {'met' if ours >= 16384 else 'missed'})",
              f"TRL + peft's longest: {trl:,} tokens"
              + (f" (its first failure: {min(fails)[1]} at {min(fails)[0]:,})"
-                if (fails := [(r["length"], r["status"]) for r in rows if r["side"].startswith("trl")
+                if (fails := [(r["length"], r["status"]) for r in rows if r["side"].split("@")[0] == "trl"
                               and r["status"] != "ok"]) else "")]
+    if train := [r for r in rows if r["side"].startswith("trl-train@")]:
+        fits = max((r["length"] for r in train if r["status"] == "ok" and r.get("exact_length")), default=0)
+        fails = sorted((r["length"], r["status"]) for r in train if r["status"] != "ok")
+        lines.append(f"TRL's training phase alone (fixed completions through its rollout_func): {fits:,} tokens"
+                     + (f" (its first failure: {fails[0][1]} at {fails[0][0]:,})" if fails else ""))
     timed = {(r["side"].split("@")[0], r["length"]): r for r in rows if r.get("timed") and r["status"] == "ok"}
     both = sorted({n for side, n in timed if side == "posttrain"} & {n for side, n in timed if side == "trl"})
     if both:
@@ -289,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         n = pick["trl_start"]
         while n <= pick["trl_max"]:
             if run("trl", n, "trl-search", timed=False)["status"] != "ok":
+                break
+            n *= 2
+    if "trl-train" in phases:
+        n = pick["trl_start"]
+        while n <= pick["trl_max"]:
+            if run("trl-train", n, "trl-train-search", timed=False)["status"] != "ok":
                 break
             n *= 2
     if "compare" in phases:

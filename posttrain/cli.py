@@ -77,6 +77,9 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--generation-kv-slots", "--generation_kv_slots", type=int, default=None,
                     help="the trainers' setting of that name: the rollout engine's KV cache holds this many sequences "
                          "and streams the rest through them (default: every sequence generated at once)")
+    ap.add_argument("--vllm-enable-sleep-mode", "--vllm_enable_sleep_mode", action="store_true",
+                    help="GRPO/RLOO: TRL's flag; posttrain's engine frees its KV cache and graphs while the policy "
+                         "trains, so they count in the generate phase, not at rest")
     ap.add_argument("--async-generation", "--async_generation", action="store_true",
                     help="GRPO/RLOO: the trainers' streaming generation; counts the outputs of the sequences started and "
                          "not yet trained (the KV cache is the slots', as without it)")
@@ -105,6 +108,9 @@ def _plan_checked(argv: list[str]) -> int:
                               f"--world-size minus 1 ({launched - 1}); got {args.generation_processes}")
         args.world_size = launched - args.generation_processes  # the training ranks: what the mixes plan
     generation_rows = rollout_rows(args, names)
+    if args.vllm_enable_sleep_mode and (args.workload not in ("grpo", "rloo") or args.async_generation):
+        raise ConfigError("--vllm-enable-sleep-mode plans grpo or rloo without --async-generation (streamed sequences "
+                          "keep their cache across steps)")
     streamed = 0
     if args.async_generation:
         if args.workload not in ("grpo", "rloo") or args.generation_backend != "posttrain" or args.max_staleness < 0:
@@ -149,7 +155,8 @@ def _plan_checked(argv: list[str]) -> int:
                            fused_projections=args.generation_fused_projections,
                            shared_prompt_group=shared_group, tool_tokens=args.tool_tokens,
                            generation_batch=generation_rows, kv_slots=args.generation_kv_slots,
-                           streamed_rows=streamed, lora_mode=args.generation_lora_mode)
+                           streamed_rows=streamed, lora_mode=args.generation_lora_mode,
+                           sleep_mode=args.vllm_enable_sleep_mode)
 
     if args.generation_processes:
         print(generation_rank_line(args, shapes, launched, generation_rows or args.micro_batch, lora) + "\n")

@@ -155,6 +155,16 @@ def test_staleness_zero_is_the_synchronous_run(tmp_path, algorithm):
     assert all(r["sample/staleness_max"] == 0 and r["streaming/dropped_groups"] == 0 for r in streamed[0])
 
 
+def test_sleep_mode_frees_the_engine_while_training_and_changes_nothing(tmp_path):
+    """vllm_enable_sleep_mode (TRL's flag): the engine frees its KV cache after each generation batch and allocates
+    it again for the next; the run's losses and weights are those of the run without it."""
+    awake = train(**fields(tmp_path / "awake", max_steps=2))
+    asleep = train(**fields(tmp_path / "asleep", max_steps=2, vllm_enable_sleep_mode=True))
+    assert [r["loss"] for r in awake[0]] == [r["loss"] for r in asleep[0]] and len(awake[0]) == 2
+    assert all(torch.equal(x, y) for x, y in zip(awake[1], asleep[1]))
+    assert [r["rollout/sleeps"] for r in asleep[0]] == [1, 2] and awake[0][-1]["rollout/sleeps"] == 0
+
+
 def test_streaming_is_deterministic_bounded_and_resumes_exactly(tmp_path):
     """max_staleness 2 through 4 slots (groups wait, start and finish across steps): two runs log the same rows
     (the stream drains before each checkpoint and evaluation, so runs compare at the same save_steps and
@@ -208,6 +218,7 @@ def test_stale_groups_are_dropped_and_their_slots_freed(tmp_path):
     (dict(max_inflight_tasks=4), "max_inflight_tasks -1 or at least one step's completions (8)"),
     (dict(max_staleness=-1), "max_staleness must be a whole number >= 0"),
     (dict(weight_sync_steps=2), "weight_sync_steps other than 1 needs separate generation ranks"),
+    (dict(vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode false"),
 ])
 def test_settings_that_cannot_stream_are_refused_by_name(tmp_path, extra, needs):
     kw = {**fields(tmp_path, async_generation=True), **extra}

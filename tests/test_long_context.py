@@ -180,6 +180,24 @@ def test_longest_completion_fits_and_the_next_does_not():
     assert none.length is None and not none.next_plan.fits and "no max_completion_length fits" in none.line()
 
 
+def test_sleep_mode_counts_the_engine_cache_while_generating_only(capsys):
+    """vllm_enable_sleep_mode: the engine's KV cache and graph pool leave the plan's at-rest bytes for its generate
+    phase, so the longest completion that fits grows (the cache no longer sits beside the training activations)."""
+    from posttrain import cli
+    from posttrain.planner import memory
+    from posttrain.planner.longest import longest_completion
+
+    awake, asleep = long_plan(16384), long_plan(16384, sleep_mode=True)
+    moved = awake.at_rest - asleep.at_rest
+    cache = awake.roles[0].kv_cache + memory.GRAPH_POOL_BYTES_PER_ROW_VOCAB * 8 * awake.roles[0].size.vocab
+    assert moved == cache and asleep.phases["generate"] == awake.phases["generate"] + cache
+    assert asleep.phases["train"] == awake.phases["train"] and asleep.peak < awake.peak
+    assert longest_completion(lambda n: long_plan(n, sleep_mode=True)).length > longest_completion(long_plan).length
+    assert cli.main(["plan", "--workload", "grpo", "--shape", "8b", "--world-size", "1", "--micro-batch", "8",
+                     "--seq-len", "640", "--response-len", "512", "--async-generation", "--vllm-enable-sleep-mode"]) == 2
+    assert "without --async-generation" in capsys.readouterr().err
+
+
 def test_plan_longest_completion_command(capsys):
     from posttrain import cli
 

@@ -116,6 +116,27 @@ def test_same_seed_same_samples(models, tok, prompts):
     assert torch.equal(first, a) and not torch.equal(first, second)
 
 
+def test_a_sleeping_engine_frees_its_cache_and_samples_the_same(models, tok, prompts):
+    """vllm_enable_sleep_mode: the engine's KV cache is freed between rollouts (its storage 0 bytes) and the next
+    rollout allocates it again; the samples and log-probs are those of an engine that never slept."""
+    model, (ids, mask) = models["llama"], prompts
+    awake, sleeper = rollout(model, tok), rollout(model, tok)
+    outs = {}
+    for name, r in (("awake", awake), ("sleeper", sleeper)):
+        torch.manual_seed(3)
+        outs[name] = [r.generate(ids, mask)]
+        if r is sleeper:
+            r.sleep()
+            cache = r.engine.slots.keys + r.engine.slots.values
+            assert all(t.untyped_storage().nbytes() == 0 for t in cache) and not r.engine.graphs
+        outs[name].append(r.generate(ids, mask))
+    for a, b in zip(outs["awake"], outs["sleeper"]):
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=0, rtol=0)
+    assert sleeper.stats["sleeps"] == 1 and sleeper.metrics()["rollout/sleeps"] == 1
+    assert all(t.untyped_storage().nbytes() > 0 for t in sleeper.engine.slots.keys)
+
+
 def test_knobs_change_without_a_new_engine(models, tok, prompts):
     """Temperature, do_sample, top_p and min_new_tokens are buffers of the step: one engine (one
     graph on CUDA) serves greedy and sampled rollouts."""

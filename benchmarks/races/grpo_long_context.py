@@ -140,7 +140,8 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     cfg = GRPOConfig(output_dir=str(out / "posttrain"), overwrite_output_dir=True, save_strategy="no",
-                     max_prompt_length=spec["prompt_len"], **settings(spec))
+                     max_prompt_length=spec["prompt_len"], vllm_enable_sleep_mode=spec.get("sleep_mode", False),
+                     **settings(spec))
     trainer = GRPOTrainer(str(path), reward_funcs=[parity_reward], args=cfg, train_dataset=rows,
                           peft_config=lora_config(spec))
     trainer.rollout.sampling.min_new_tokens = spec["response_len"]  # no completion ends before its length
@@ -186,7 +187,8 @@ def planner_prediction(spec: dict[str, Any], gib: float, step: int) -> dict[str,
     def plan_at(n: int) -> memory.Plan:
         return memory.plan("grpo", spec["shape"], "zero2-zero3", world_size=1, micro_batch=1,
                            seq_len=spec["prompt_len"] + n, response_len=n, gpu_memory_gib=gib, lora=lora,
-                           gradient_checkpointing=True, generation_batch=spec["completions"])
+                           gradient_checkpointing=True, generation_batch=spec["completions"],
+                           sleep_mode=spec.get("sleep_mode", False))
 
     found = longest.longest_completion(plan_at, step)
     return {"gib": gib, "length_step": step, "longest": found.length, "next": found.next_length,
@@ -196,7 +198,8 @@ def planner_prediction(spec: dict[str, Any], gib: float, step: int) -> dict[str,
                        f"--generation-batch-size {spec['completions']} --seq-len {spec['prompt_len'] + 1} "
                        f"--response-len 1 --use-peft --lora-r {spec['lora_r']} --lora-target-modules all-linear "
                        f"--gradient-checkpointing --mix zero2-zero3 --master-weights fp32 --gpu-memory {gib} "
-                       f"--longest-completion --length-step {step}"}
+                       f"--longest-completion --length-step {step}"
+                       + (" --vllm-enable-sleep-mode" if spec.get("sleep_mode") else "")}
 
 
 def earlier_rows(out: Path) -> list[dict[str, Any]]:
@@ -261,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-gib", type=float, default=139.0, help="the whole GPU, for the recorded prediction")
     ap.add_argument("--compare-length", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16", help="model_init_kwargs dtype, both sides")
+    ap.add_argument("--sleep-mode", action="store_true",
+                    help="posttrain's rows and the planner with vllm_enable_sleep_mode (the engine's cache freed while "
+                         "training)")
     ap.add_argument("--steps", type=int, default=1, help="timed steps of a timed row")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps of a timed row")
     ap.add_argument("--search-warmup", type=int, default=0, help="warm-up steps of TRL's search rows (0: untimed)")
@@ -276,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     if set(phases) - set(PHASES) or any(n < 1 for n in lengths) or pick["trl_start"] < 1:
         ap.error(f"--phases takes {', '.join(PHASES)} and lengths are positive token counts")
     base = {"shape": args.shape, "completions": pick["completions"], "prompt_len": pick["prompt_len"],
-            "lora_r": pick["lora_r"], "lora_alpha": pick["lora_alpha"], "dtype": args.dtype}
+            "lora_r": pick["lora_r"], "lora_alpha": pick["lora_alpha"], "dtype": args.dtype,
+            "sleep_mode": args.sleep_mode}
     out = Path(args.out or ROOT / "benchmarks" / "results" / "races")
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.workdir)

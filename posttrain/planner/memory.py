@@ -200,6 +200,7 @@ class RolePlan:
     rollout: float = 0.0  # posttrain.rollout's cache, graph pool and ZeRO-3 copy, kept for the run
     adapters: int = 0  # LoRA: the parameters that train (its base is frozen); 0: the whole model trains
     lora_mode: str = ""  # LoRA: how the rollout engine holds the adapters (generation_lora_mode, resolved)
+    sleeps: bool = False  # the engine frees its KV cache and graph pool while training (vllm_enable_sleep_mode)
 
     @property
     def at_rest(self) -> float:
@@ -280,14 +281,16 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
          fused_projections: bool = False, shared_prompt_group: int | None = None, tool_tokens: int = 0,
          generation_batch: int | None = None, kv_slots: int | None = None, streamed_rows: int = 0,
-         lora_mode: str = "auto") -> Plan:
+         lora_mode: str = "auto", sleep_mode: bool = False) -> Plan:
     """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response;
     ``tool_tokens``: multi-turn tool use (GRPO/RLOO), tool output per sequence inside the response budget;
     ``generation_batch``: sequences one process generates at once (default ``micro_batch``); ``kv_slots``: the
     engine's KV budget in sequences (``generation_kv_slots``, default ``generation_batch``); ``streamed_rows``:
     streaming generation's sequences started and not yet trained per process (their outputs held on the GPU);
     ``lora_mode``: the engine's ``generation_lora_mode`` (merged: a copy of each adapted weight; grouped: the A rows
-    and expand blocks beside the base read in place; live: nothing; auto: grouped)."""
+    and expand blocks beside the base read in place; live: nothing; auto: grouped); ``sleep_mode``: the engine frees
+    its KV cache and graph pool while the policy trains (``vllm_enable_sleep_mode``), so they count in the generate
+    phase, not at rest."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -408,6 +411,11 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
             elif lora is not None and lora_mode == "grouped":
                 policy.rollout += 2 * appended_adapter_params(shapes["policy"], lora, vocab)
             policy.rollout += streamed_bytes(streamed_rows, seq_len - response_len, response_len)
+            if sleep_mode:  # the cache and the graph pool live only while generating
+                asleep = engine_kv + GRAPH_POOL_BYTES_PER_ROW_VOCAB * slots * policy.size.vocab
+                policy.rollout -= asleep
+                policy.sleeps = True
+                gen += asleep
         phases["generate"] = gen
         # LoRA: the reference forward is the policy's own, adapters disabled.
         phases["score"] = max([forward(by[name]) for name in names["frozen"]]
@@ -467,12 +475,16 @@ def format_plan(p: Plan) -> str:
         lines.append(f"{r.name:10} {r.place.label:13} {g(r.params)} {g(r.grads)} {g(r.optimizer)} "
                      f"{g(r.activations)} {g(r.kv_cache)}")
     for r in p.roles:
-        if r.rollout:
-            lines.append(f"({r.name}: posttrain.rollout keeps {r.rollout / GiB:.2f} GiB for the run, counted at rest: "
-                         "KV cache, graph pool" + (", the gathered ZeRO-3 copy" if r.place.stage == 3 else "")
-                         + {"merged": ", the merged LoRA weights", "grouped": ", the LoRA adapters' rows beside the "
-                            "base it reads in place"}.get(r.lora_mode, "")
-                         + "; generation_backend hf holds the cache only while generating)")
+        if r.rollout or r.sleeps:
+            held = ([] if r.sleeps else ["KV cache", "graph pool"]) + (
+                ["the gathered ZeRO-3 copy"] if r.place.stage == 3 else []) + (
+                [{"merged": "the merged LoRA weights", "grouped": "the LoRA adapters' rows beside the base it reads "
+                  "in place"}[r.lora_mode]] if r.lora_mode in ("merged", "grouped") else [])
+            lines.append(f"({r.name}: posttrain.rollout keeps {r.rollout / GiB:.2f} GiB for the run, counted at rest"
+                         + (f": {', '.join(held)}" if held else "")
+                         + ("; its KV cache and graph pool, freed while the policy trains (vllm_enable_sleep_mode), "
+                            "count in the generate phase" if r.sleeps else
+                            "; generation_backend hf holds the cache only while generating") + ")")
     for r in p.roles:
         if r.adapters:
             lines.append(f"({r.name}: LoRA, {r.adapters / 1e6:.2f}M adapter parameters train with their gradients and "

@@ -149,7 +149,7 @@ class Rollout:
         """Per-step metrics: captures, Triton use, :data:`SLOW_FALLBACKS` counters, backend fallback."""
         st = self.stats
         out = {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
-               "rollout/capture_s": st["capture_s"], "rollout/triton_decode": float(bool(st.get("triton_decode"))),
+               "rollout/capture_s": st["capture_s"], "rollout/sleeps": st.get("sleeps", 0), "rollout/triton_decode": float(bool(st.get("triton_decode"))),
                "rollout/triton_sampler": float(bool(st.get("triton_sampler"))),
                "rollout/backend_fallback": float(st["fallback"] is not None)}
         out.update({f"rollout/{name}": st.get(name, 0) for name in SLOW_FALLBACKS})
@@ -258,6 +258,16 @@ class Rollout:
         else:
             tokens, logprobs = self._engine_generate(prompt_ids, prompt_mask, sampling, key, turns)
         return turns.output(tokens.to(prompt_ids.device), logprobs.to(prompt_ids.device), sampling.pad_token_id)
+
+    def sleep(self) -> None:
+        """Free the engine's KV cache and decode graphs until the next rollout, for training to use (TRL's
+        ``vllm_enable_sleep_mode``); the next rollout allocates them again and re-captures its graphs. The
+        ``hf`` backend holds its cache only while generating: nothing to free."""
+        if self.engine is None or self.backend != "posttrain":
+            return
+        self._check_not_streaming()
+        self.engine.sleep()
+        self.update_stats()
 
     def _check_not_streaming(self) -> None:
         if self.stream is not None and not self.stream.idle:

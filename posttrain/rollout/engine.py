@@ -25,7 +25,8 @@ from posttrain.rollout.step import Parts
 logger = logging.getLogger(__name__)
 
 # Counters that add up over a run (a Rollout carries them over when it builds a new engine).
-RUN_COUNTERS = ("captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks", "storage_moves")
+RUN_COUNTERS = ("captures", "recaptures", "capture_s", "compile_fallbacks", "capture_fallbacks", "storage_moves",
+                "sleeps")
 COUNTERS = (*RUN_COUNTERS, "triton_fallbacks", "fused_fallbacks", "lora_fallbacks", "graph_pool_bytes", "prefill_rows",
             "prefill_sequences", "admissions", "compactions", "decode_steps", "row_steps", "cache_cells_read",
             "prompt_compactions", "prompt_joins", "prompt_waits")
@@ -224,6 +225,18 @@ class DecodeEngine:
 
         return flat({k: v for k, v in self.weights.items() if k != "inv_freq"})
 
+    def sleep(self) -> None:
+        """Free the KV cache and the decode graphs until the next rollout (TRL's ``vllm_enable_sleep_mode``): the
+        memory goes to training; the next rollout allocates the cache again and captures its graphs anew."""
+        self.graphs.clear()
+        self._captured_keys.clear()  # captured again after waking: not recaptures
+        self.pool = None
+        self.ptrs = []
+        self.slots.sleep()
+        if self.prompts is not None:
+            self.prompts.sleep()
+        self._stats["sleeps"] += 1
+
     def begin(self, key: int, max_new_tokens: int, width: int) -> None:
         """A new rollout: its key, length limit and widest prompt; every slot free; re-read the weights."""
         if width > self.prompt_len:
@@ -232,6 +245,9 @@ class DecodeEngine:
         if max_new_tokens > self.max_new:
             raise ConfigError(f"max_new_tokens={max_new_tokens} exceeds the {self.max_new} the Rollout was built "
                               "for; build it with the largest max_new_tokens")
+        self.slots.wake()
+        if self.prompts is not None:
+            self.prompts.wake()
         self.refresh()
         self.key.fill_(key)
         self.limit.fill_(max_new_tokens)

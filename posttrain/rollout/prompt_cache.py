@@ -8,6 +8,7 @@ import math
 import torch
 
 from posttrain.rollout.decoder import DecoderSpec
+from posttrain.rollout.slots import release, restore
 
 
 def default_prompt_slots(slots: int, group_size: int) -> int:
@@ -44,6 +45,13 @@ class SharedPrompts:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def sleep(self) -> None:
+        """Free the prompt cache's memory until :meth:`wake` (rollout/slots.py)."""
+        release(self.keys + self.values)
+
+    def wake(self) -> None:
+        restore(self.keys + self.values)
 
     def reset(self) -> None:
         """A new rollout: every prompt slot free."""

@@ -34,6 +34,13 @@ class Slots:
     def __len__(self) -> int:
         return self.count
 
+    def sleep(self) -> None:
+        """Free the cache's memory; :meth:`wake` allocates it again (the tensors keep their shapes)."""
+        release(self.keys + self.values)
+
+    def wake(self) -> None:
+        restore(self.keys + self.values)
+
     @property
     def nbytes(self) -> int:
         """The cache's bytes."""
@@ -101,3 +108,17 @@ class Slots:
         """The step's epilogue (``step.record`` or its compiled form) for rows ``:len(tokens)``."""
         epilogue(self.done, self.step, self.last, self.pos, self.col, self.out_tokens, self.out_logprobs, tokens,
                  logprobs, limit, stop_mask, pad)
+
+
+def release(tensors: list[torch.Tensor]) -> None:
+    """Free the tensors' storage (their shapes and dtypes stay; reading them before :func:`restore` fails)."""
+    for t in tensors:
+        t.untyped_storage().resize_(0)
+
+
+def restore(tensors: list[torch.Tensor]) -> None:
+    """Allocate released tensors again, zeroed (masked cache columns are read: they must hold finite numbers)."""
+    for t in tensors:
+        if t.untyped_storage().nbytes() == 0 and t.numel():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.zero_()

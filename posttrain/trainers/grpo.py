@@ -442,6 +442,8 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
             if micro % self.micro_per_generation == 0 or not self._buffer:
                 self._buffer, metrics = self.generate_and_score(micro // self.micro_per_generation)
                 generations.append(metrics)
+                if cfg.vllm_enable_sleep_mode:  # the engine's cache and graphs free while the batch trains
+                    self.rollout.sleep()
                 sampled = []  # the sampling_values of the micro-batches whose loss formed the correction
             batch = self._buffer[micro % cfg.steps_per_generation]
             with self.phases("train"):

@@ -25,6 +25,7 @@ ONLINE_WORKS = (
     "epsilon", "epsilon_high", "reward_weights", "mask_truncated_completions", "sync_ref_model",
     "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions", "num_completions_to_print",
     "log_multimodal",  # text models only: nothing multimodal is ever logged
+    "vllm_enable_sleep_mode",  # posttrain's engine frees its KV cache and graphs while the policy trains
 )
 # ... and those refused at another value than TRL's default, with the reason.
 ONLINE_REFUSED = {

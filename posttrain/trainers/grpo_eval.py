@@ -49,4 +49,6 @@ class GenerationEval:
         finally:
             policy.train()
             self.phases.pop()
+            if cfg.vllm_enable_sleep_mode:  # training resumes: the engine's cache frees for it
+                self.rollout.sleep()
         return {f"eval/{k}": v for k, v in average_generation_metrics(gens).items()}

@@ -149,7 +149,8 @@ class Rollout:
         """Per-step metrics: captures, Triton use, :data:`SLOW_FALLBACKS` counters, backend fallback."""
         st = self.stats
         out = {"rollout/captures": st["captures"], "rollout/recaptures": st["recaptures"],
-               "rollout/capture_s": st["capture_s"], "rollout/sleeps": st.get("sleeps", 0), "rollout/triton_decode": float(bool(st.get("triton_decode"))),
+               "rollout/capture_s": st["capture_s"], "rollout/sleeps": st.get("sleeps", 0),
+               "rollout/triton_decode": float(bool(st.get("triton_decode"))),
                "rollout/triton_sampler": float(bool(st.get("triton_sampler"))),
                "rollout/backend_fallback": float(st["fallback"] is not None)}
         out.update({f"rollout/{name}": st.get(name, 0) for name in SLOW_FALLBACKS})

@@ -325,16 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         elif planner["longest"] and planner["next"]:
             run("posttrain", planner["longest"], "planner-longest", timed=False, memory_gib=planner["gib"])
             run("posttrain", planner["next"], "planner-next", timed=False, memory_gib=planner["gib"])
-    if "trl" in phases:
+    for side in ("trl", "trl-train"):  # doubling until a length fails
         n = pick["trl_start"]
-        while n <= pick["trl_max"]:
-            if run("trl", n, "trl-search", timed=False)["status"] != "ok":
-                break
-            n *= 2
-    if "trl-train" in phases:
-        n = pick["trl_start"]
-        while n <= pick["trl_max"]:
-            if run("trl-train", n, "trl-train-search", timed=False)["status"] != "ok":
+        while side in phases and n <= pick["trl_max"]:
+            if run(side, n, f"{side}-search", timed=False)["status"] != "ok":
                 break
             n *= 2
     if "compare" in phases:

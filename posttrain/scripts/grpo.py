@@ -99,7 +99,8 @@ def summarize(history: list[dict], cfg: GRPOConfig, seconds: float) -> dict:
     tenth = max(1, len(scored) // 10)
     first = sum(scored[:tenth]) / tenth if scored else math.nan
     last = sum(scored[-tenth:]) / tenth if scored else math.nan
-    phases = {k: round(sum(h.get(k, 0.0) for h in history), 1) for k in PHASES}
+    # A phase no step ran is left out (the old-policy forward runs only where a batch outlives a step).
+    phases = {k: round(sum(h.get(k, 0.0) for h in history), 1) for k in PHASES if any(k in h for h in history)}
     steps = max((h["step"] for h in history if "step" in h), default=0)
     return {"steps": steps, "reward_first_tenth": round(first, 3), "reward_last_tenth": round(last, 3),
             "reward_rise": round(last - first, 3), "seconds_per_phase": phases, "seconds": round(seconds, 1),

@@ -136,25 +136,24 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     st, spec, w, dev = engine.slots, engine.spec, engine.weights, engine.device
     n = len(slots)
     rows = torch.tensor(slots, dtype=torch.long, device=dev)
-    col0, pos0, step0 = (t.tolist() for t in (st.col[rows], st.pos[rows], st.step[rows]))
+    col0_t, pos0_t, step0_t = st.col[rows], st.pos[rows], st.step[rows]
+    col0 = col0_t.tolist()  # the host checks room and sizes the read
     lens = [len(new) + 1 for new in news]
     width = max(lens)
     for s, c, t in zip(slots, col0, lens):
         if c + t > st.length:
             raise ConfigError(f"sequence in slot {s} outgrows its cache ({c + t} > {st.length} columns)")
-    step0_t = torch.tensor(step0, device=dev)
     pending = st.out_tokens[rows, step0_t - 1]
     new_ids = torch.tensor([new + [0] * (width - t) for new, t in zip(news, lens)], dtype=torch.long, device=dev)
     ids = torch.cat([pending.unsqueeze(1), new_ids[:, : width - 1]], 1)  # [n, width]
     here = torch.arange(width, device=dev)
-    lens_t, col0_t = torch.tensor(lens, device=dev), torch.tensor(col0, device=dev)
+    lens_t = torch.tensor(lens, device=dev)
     real = here.unsqueeze(0) < lens_t.unsqueeze(1)  # [n, width]: not padding
     cols = (col0_t.unsqueeze(1) + here).clamp(max=st.length - 1)
     pair_row, pair_pos = real.nonzero(as_tuple=True)
     pair_slot, pair_col = rows[pair_row], cols[pair_row, pair_pos]
     length = max(c + t for c, t in zip(col0, lens))
-    cos, sin = decoder.rotary(torch.tensor(pos0, device=dev).unsqueeze(1) + here, w["inv_freq"], spec.rope_scaling,
-                              engine.dtype)
+    cos, sin = decoder.rotary(pos0_t.unsqueeze(1) + here, w["inv_freq"], spec.rope_scaling, engine.dtype)
     allowed = st.key_valid[rows, :length].unsqueeze(1) & (st.cols[:length].view(1, 1, -1) <= cols.unsqueeze(2))
     allowed = decoder.stacked_mask(spec, allowed.unsqueeze(1))
     x = F.embedding(ids, w["embed"])
@@ -183,7 +182,7 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     if engine.stop_mask is not None:
         done = done | (keep & engine.stop_mask[token])
     st.last[rows] = torch.where(keep, token, st.last[rows])
-    st.pos[rows] = torch.tensor(pos0, device=dev) + lens_t
+    st.pos[rows] = pos0_t + lens_t
     st.col[rows] = col0_t + lens_t
     st.step[rows] = torch.where(keep, nxt + 1, nxt)
     st.done[rows] = done

@@ -74,15 +74,6 @@ def sampling_values(old_per_token_logps: torch.Tensor, sampling_per_token_logps:
     return delta[mask & ~torch.isnan(delta)], flat
 
 
-def sampling_metrics(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
-                     ratio: torch.Tensor, mask: torch.Tensor, mode: str,
-                     gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.reshape(1, -1)
-                     ) -> dict[str, float]:
-    """TRL's ``sampling/*`` metrics of one generation batch (:func:`reduce_sampling_values`)."""
-    return reduce_sampling_values([sampling_values(old_per_token_logps, sampling_per_token_logps, ratio, mask, mode)],
-                                  mode, gather)
-
-
 def reduce_sampling_values(parts: list[tuple[torch.Tensor, torch.Tensor]], mode: str,
                            gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.reshape(1, -1)
                            ) -> dict[str, float]:
@@ -126,16 +117,15 @@ def correct_sampling(cfg: Any, old_per_token_logps: torch.Tensor, sampling_per_t
                      mask: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]
                      ) -> tuple[torch.Tensor, dict[str, float]]:
     """One generation batch's correction ratio under ``cfg``'s mode and bounds, and its ``sampling/*`` metrics."""
-    mode = cfg.vllm_importance_sampling_mode
-    ratio = importance_sampling_ratio(old_per_token_logps, sampling_per_token_logps, mask, mode,
-                                      cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
-    return ratio, sampling_metrics(old_per_token_logps, sampling_per_token_logps, ratio, mask, mode, gather)
+    ratio, values = correct_in_loss(cfg, old_per_token_logps, sampling_per_token_logps, mask)
+    return ratio, reduce_sampling_values([values], cfg.vllm_importance_sampling_mode, gather)
 
 
 def correct_in_loss(cfg: Any, per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
                     mask: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """A micro-batch's correction ratio where its old log-probs are the training forward's own (a generation batch
-    trained within one optimizer step, TRL's rule), and its :func:`sampling_values`; whole sequences, so exact."""
+    """Whole sequences' correction ratio under ``cfg``'s mode and bounds, from ``per_token_logps`` (detached: the
+    old log-probs, or a micro-batch's training forward's own where a generation batch trains within one optimizer
+    step, TRL's rule), and their :func:`sampling_values`."""
     mode, old = cfg.vllm_importance_sampling_mode, per_token_logps.detach()
     ratio = importance_sampling_ratio(old, sampling_per_token_logps, mask, mode,
                                       cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)

@@ -136,10 +136,15 @@ def streamed_bytes(rows: int, prompt_len: int, response_len: int) -> int:
     return rows * (16 * prompt_len + 12 * response_len)
 
 
+def graph_pool_bytes(m: ModelSize, sequences: int) -> int:
+    """The engine's CUDA graph pool for ``sequences`` slots (:data:`GRAPH_POOL_BYTES_PER_ROW_VOCAB`)."""
+    return GRAPH_POOL_BYTES_PER_ROW_VOCAB * sequences * m.vocab
+
+
 def rollout_engine_bytes(m: ModelSize, sequences: int, length: int, policy_stage: int,
                          fused_projections: bool = False, kv_cache: int | None = None) -> int:
     """posttrain.rollout's bytes: KV cache (default all rows'), graphs, ZeRO-3 copy, fused projections."""
-    pool = GRAPH_POOL_BYTES_PER_ROW_VOCAB * sequences * m.vocab
+    pool = graph_pool_bytes(m, sequences)
     fused = fused_projection_bytes(m) if fused_projections else 0
     kv = kv_cache_bytes(m, sequences, length) if kv_cache is None else kv_cache
     return kv + pool + (2 * m.params if policy_stage == 3 else 0) + fused
@@ -412,7 +417,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
                 policy.rollout += 2 * appended_adapter_params(shapes["policy"], lora, vocab)
             policy.rollout += streamed_bytes(streamed_rows, seq_len - response_len, response_len)
             if sleep_mode:  # the cache and the graph pool live only while generating
-                asleep = engine_kv + GRAPH_POOL_BYTES_PER_ROW_VOCAB * slots * policy.size.vocab
+                asleep = engine_kv + graph_pool_bytes(policy.size, slots)
                 policy.rollout -= asleep
                 policy.sleeps = True
                 gen += asleep

@@ -45,6 +45,9 @@ def _plan_checked(argv: list[str]) -> int:
                     default="auto", help="world size 1: trained roles without a DeepSpeed engine (posttrain.placement.plain; "
                     "auto: for bf16 master weights, and for fp32 ones unless the workload decodes a trained role "
                     "(GRPO, RLOO, PPO), as the trainers' setting of that name)")
+    ap.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps", type=int, default=1,
+                    help="micro-batches per optimizer step: above 1, ZeRO-1/2's accumulated gradient partition is "
+                         "live in backward")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="trained roles recompute activations in backward (the DPO/GRPO/RLOO trainers' default)")
     ap.add_argument("--generation-fused-projections", "--generation_fused_projections", action="store_true",
@@ -137,6 +140,8 @@ def _plan_checked(argv: list[str]) -> int:
                            args.lora_dropout)
     elif args.lora_target_modules or args.lora_r != 16 or args.lora_dropout != 0.05:
         raise ConfigError("--lora-r, --lora-dropout and --lora-target-modules plan adapters: add --use-peft")
+    if args.gradient_accumulation_steps < 1:
+        raise ConfigError(f"--gradient-accumulation-steps must be 1 or more, got {args.gradient_accumulation_steps}")
     if not 0.0 <= args.lora_dropout < 1.0:
         raise ConfigError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     precisions = ["fp32", "bf16"] if args.master_weights == "both" else [args.master_weights]
@@ -156,7 +161,8 @@ def _plan_checked(argv: list[str]) -> int:
                            shared_prompt_group=shared_group, tool_tokens=args.tool_tokens,
                            generation_batch=generation_rows, kv_slots=args.generation_kv_slots,
                            streamed_rows=streamed, lora_mode=args.generation_lora_mode,
-                           sleep_mode=args.vllm_enable_sleep_mode)
+                           sleep_mode=args.vllm_enable_sleep_mode,
+                           gradient_accumulation_steps=args.gradient_accumulation_steps)
 
     if args.generation_processes:
         print(generation_rank_line(args, shapes, launched, generation_rows or args.micro_batch, lora) + "\n")

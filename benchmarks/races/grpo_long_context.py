@@ -18,7 +18,8 @@ Phases (``--phases``, each row a fresh process as benchmarks/races/race.py runs 
 - ``planner``: ``posttrain plan --longest-completion``'s prediction for this case on ``--planner-gib`` GiB
   (recorded in the header line beside the prediction for the whole GPU, ``--gpu-gib``), then posttrain at the
   predicted length and at the next length up, each child held to that many GiB
-  (``torch.cuda.set_per_process_memory_fraction``): the first must fit and the second must not (CUDA only);
+  (``torch.cuda.set_per_process_memory_fraction``) for ``--warmup`` + ``--steps`` steps (a run's later steps hold
+  Adam's states, which its first backward runs without): the first must fit and the second must not (CUDA only);
 - ``trl``: TRL at ``--trl-start`` tokens, doubling until a length runs out of memory or passes ``--trl-max``
   (one untimed step each, ``--search-warmup`` more to time them); a child past ``--timeout`` is a ``timeout``
   row and ends the search undecided;
@@ -29,6 +30,10 @@ Phases (``--phases``, each row a fresh process as benchmarks/races/race.py runs 
   peak (transformers' cache, freed before training);
 - ``compare``: both sides timed at ``--compare-length`` (default: the longest length both reached, read from the
   rows of this ``--out`` folder, earlier invocations included), reusing a timed row at that length.
+
+``--memory-trace``: posttrain's rows record every allocation of their last step after its generation and report the
+peak, the blocks live at it by the line that made them, and the peak without DeepSpeed's gradient bucket
+(benchmarks/harness/memory_trace.py): what the planner's terms are checked against.
 
     python benchmarks/races/grpo_long_context.py --out DIR                                # one H200, every phase
     python benchmarks/races/grpo_long_context.py --out DIR --phases trl --trl-start 8192  # one phase, resumed
@@ -42,6 +47,8 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +153,61 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
                           peft_config=lora_config(spec))
     trainer.rollout.sampling.min_new_tokens = spec["response_len"]  # no completion ends before its length
     s = trainer.session
+    trace = trace_after_last_generation(trainer, spec) if spec.get("memory_trace") else None
     history = stamps.train(trainer)
     st = trainer.rollout.stats
+    traced = {"memory_trace": trace.summary()} if trace is not None else {}
     return {"mean_lengths": lengths_logged(history), "engine": s.engine_kind("policy"),
             "master_weights": s.master_weights("policy"), "phase_s": race.phase_medians(history[spec["warmup"]:]),
             "lora_b_norm": lora_b_norm(s.engines["policy"]), "kv_cache_gib": st.get("kv_cache_bytes", 0) / GiB,
             "degraded": trainer.rollout.degraded,
-            "rollout": {k: v for k, v in st.items() if isinstance(v, (int, float, str, bool)) or v is None}}
+            "rollout": {k: v for k, v in st.items() if isinstance(v, (int, float, str, bool)) or v is None}, **traced}
+
+
+class PhaseTrace:
+    """The trainer's phases, with :mod:`benchmarks.harness.memory_trace` recording from the end of the last
+    step's generation to the end of training: the score, old-policy forward and training phases the planner's
+    check is about (a trace through 16K decode steps would be mostly the sampler's small blocks)."""
+
+    def __init__(self, phases: Any, generations: int) -> None:
+        self.phases, self.left, self.trace, self.recording = phases, generations, None, None
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        with self.phases(name):
+            yield
+        if name == "generate" and self.recording is None:
+            self.left -= 1
+            if self.left == 0:
+                from benchmarks.harness.memory_trace import traced
+
+                self.recording = traced()
+                self.trace = self.recording.__enter__()
+
+    def pop(self) -> dict[str, float]:
+        return self.phases.pop()
+
+    def summary(self) -> dict[str, Any]:
+        from benchmarks.harness.memory_trace import format_peak, peak
+
+        if self.recording is None:
+            return {"error": "the last generation phase never ended"}
+        self.recording.__exit__(None, None, None)
+        found = peak(self.trace.snapshot, self.trace.device, start_bytes=self.trace.start_bytes)
+        # The planner adds DeepSpeed's gradient bucket to the training activations: the peak without it says
+        # whether the two are live together.
+        found["without_bucket"] = peak(self.trace.snapshot, self.trace.device, start_bytes=self.trace.start_bytes,
+                                       ignore="setup_buckets")
+        print(format_peak(found), "\nwithout DeepSpeed's gradient bucket:", format_peak(found["without_bucket"]),
+              flush=True)
+        return found
+
+
+def trace_after_last_generation(trainer: Any, spec: dict[str, Any]) -> PhaseTrace:
+    """Wrap ``trainer.phases`` so the last optimizer step's phases after its generation are traced (one
+    generation per step: a generation batch of one prompt's completions is one optimizer step here)."""
+    trainer.phases = PhaseTrace(trainer.phases, spec["warmup"] + spec["steps"])
+    return trainer.phases
 
 
 def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict[str, Any]:
@@ -188,7 +243,7 @@ def planner_prediction(spec: dict[str, Any], gib: float, step: int) -> dict[str,
         return memory.plan("grpo", spec["shape"], "zero2-zero3", world_size=1, micro_batch=1,
                            seq_len=spec["prompt_len"] + n, response_len=n, gpu_memory_gib=gib, lora=lora,
                            gradient_checkpointing=True, generation_batch=spec["completions"],
-                           sleep_mode=spec.get("sleep_mode", False))
+                           sleep_mode=spec.get("sleep_mode", False), gradient_accumulation_steps=spec["completions"])
 
     found = longest.longest_completion(plan_at, step)
     return {"gib": gib, "length_step": step, "longest": found.length, "next": found.next_length,
@@ -196,7 +251,7 @@ def planner_prediction(spec: dict[str, Any], gib: float, step: int) -> dict[str,
             "next_peak_gib": found.next_plan.peak / GiB if found.next_plan else None, "line": found.line(),
             "command": f"posttrain plan --workload grpo --shape {spec['shape']} --world-size 1 --micro-batch 1 "
                        f"--generation-batch-size {spec['completions']} --seq-len {spec['prompt_len'] + 1} "
-                       f"--response-len 1 --use-peft --lora-r {spec['lora_r']} --lora-target-modules all-linear "
+                       f"--response-len 1 --gradient-accumulation-steps {spec['completions']} --use-peft --lora-r {spec['lora_r']} --lora-target-modules all-linear "
                        f"--gradient-checkpointing --mix zero2-zero3 --master-weights fp32 --gpu-memory {gib} "
                        f"--longest-completion --length-step {step}"
                        + (" --vllm-enable-sleep-mode" if spec.get("sleep_mode") else "")}
@@ -267,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep-mode", action="store_true",
                     help="posttrain's rows and the planner with vllm_enable_sleep_mode (the engine's cache freed while "
                          "training)")
+    ap.add_argument("--memory-trace", action="store_true",
+                    help="posttrain's rows trace their last step after its generation (benchmarks/harness/memory_trace.py): "
+                         "the peak and the blocks live at it, in the row")
     ap.add_argument("--steps", type=int, default=1, help="timed steps of a timed row")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps of a timed row")
     ap.add_argument("--search-warmup", type=int, default=0, help="warm-up steps of TRL's search rows (0: untimed)")
@@ -283,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--phases takes {', '.join(PHASES)} and lengths are positive token counts")
     base = {"shape": args.shape, "completions": pick["completions"], "prompt_len": pick["prompt_len"],
             "lora_r": pick["lora_r"], "lora_alpha": pick["lora_alpha"], "dtype": args.dtype,
-            "sleep_mode": args.sleep_mode}
+            "sleep_mode": args.sleep_mode, "memory_trace": args.memory_trace}
     out = Path(args.out or ROOT / "benchmarks" / "results" / "races")
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.workdir)
@@ -323,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("planner: no CUDA device, so the predicted lengths are recorded, not run", flush=True)
         elif planner["longest"] and planner["next"]:
-            run("posttrain", planner["longest"], "planner-longest", timed=False, memory_gib=planner["gib"])
-            run("posttrain", planner["next"], "planner-next", timed=False, memory_gib=planner["gib"])
+            # A warm-up step first: the peak of a run's later steps holds Adam's states, which the first step's
+            # backward runs without.
+            run("posttrain", planner["longest"], "planner-longest", memory_gib=planner["gib"])
+            run("posttrain", planner["next"], "planner-next", memory_gib=planner["gib"])
     for side in ("trl", "trl-train"):  # doubling until a length fails
         n = pick["trl_start"]
         while side in phases and n <= pick["trl_max"]:

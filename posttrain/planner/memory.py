@@ -84,6 +84,12 @@ def train_activation_bytes(m: ModelSize, tokens: int, checkpointing: bool = Fals
     return tokens * (layers + 8 * m.hidden + head) + (HEAD_TILE_BYTES if chunked else 0)
 
 
+def head_backward_bytes(m: ModelSize, tokens: int) -> int:
+    """Of :func:`train_activation_bytes` under the fused head, what only its backward holds: the saved hidden
+    state and its float32 gradient (the bf16 copy goes on into the layers' backward), and the tile."""
+    return tokens * (FUSED_HEAD_TRAIN_H - 2) * m.hidden + HEAD_TILE_BYTES
+
+
 def inference_bytes(m: ModelSize, tokens: int, chunked_head: bool = False) -> int:
     """Peak working memory of a forward without gradients over ``tokens`` tokens (``chunked_head``: a causal
     LM's log-probs a tile at a time)."""
@@ -286,7 +292,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
          fused_projections: bool = False, shared_prompt_group: int | None = None, tool_tokens: int = 0,
          generation_batch: int | None = None, kv_slots: int | None = None, streamed_rows: int = 0,
-         lora_mode: str = "auto", sleep_mode: bool = False) -> Plan:
+         lora_mode: str = "auto", sleep_mode: bool = False, gradient_accumulation_steps: int = 1) -> Plan:
     """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response;
     ``tool_tokens``: multi-turn tool use (GRPO/RLOO), tool output per sequence inside the response budget;
     ``generation_batch``: sequences one process generates at once (default ``micro_batch``); ``kv_slots``: the
@@ -295,7 +301,8 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
     ``lora_mode``: the engine's ``generation_lora_mode`` (merged: a copy of each adapted weight; grouped: the A rows
     and expand blocks beside the base read in place; live: nothing; auto: grouped); ``sleep_mode``: the engine frees
     its KV cache and graph pool while the policy trains (``vllm_enable_sleep_mode``), so they count in the generate
-    phase, not at rest."""
+    phase, not at rest; ``gradient_accumulation_steps`` above 1: ZeRO-1/2's bf16 gradient partition, which micro-batches
+    accumulate into, is live through every backward but the first."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -354,9 +361,16 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
         else:
             # bf16 gradient bucket(s), two with overlap_comm, allocated whole however few parameters train.
             buffers = 2 * place.reduce_bucket * (2 if place.overlap_comm else 1)
+            if gradient_accumulation_steps > 1:  # and the partition the micro-batches accumulate into
+                buffers += 2 * trained / n
             if not r.adapters and m.largest_layer > place.reduce_bucket:
                 buffers += OVERSIZED_GRAD_BYTES * m.largest_layer
             step = step_bytes * trained / n
+        if r.adapters and chunked and m.kind == "causal":
+            # A frozen head's fused backward (its tile, the float32 hidden gradient) ends before the first adapter's
+            # gradient, so before the buckets exist: the larger of the two is live, not both (benchmarks/NOTES.md).
+            head = head_backward_bytes(m, tokens)
+            return max(r.activations - head + max(head, buffers), step)
         return max(r.activations + buffers, step)
 
     def forward(r: RolePlan) -> float:

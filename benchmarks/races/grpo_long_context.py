@@ -251,7 +251,8 @@ def planner_prediction(spec: dict[str, Any], gib: float, step: int) -> dict[str,
             "next_peak_gib": found.next_plan.peak / GiB if found.next_plan else None, "line": found.line(),
             "command": f"posttrain plan --workload grpo --shape {spec['shape']} --world-size 1 --micro-batch 1 "
                        f"--generation-batch-size {spec['completions']} --seq-len {spec['prompt_len'] + 1} "
-                       f"--response-len 1 --gradient-accumulation-steps {spec['completions']} --use-peft --lora-r {spec['lora_r']} --lora-target-modules all-linear "
+                       f"--response-len 1 --gradient-accumulation-steps {spec['completions']} --use-peft "
+                       f"--lora-r {spec['lora_r']} --lora-target-modules all-linear "
                        f"--gradient-checkpointing --mix zero2-zero3 --master-weights fp32 --gpu-memory {gib} "
                        f"--longest-completion --length-step {step}"
                        + (" --vllm-enable-sleep-mode" if spec.get("sleep_mode") else "")}
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                          "training)")
     ap.add_argument("--memory-trace", action="store_true",
                     help="posttrain's rows trace their last step after its generation (benchmarks/harness/memory_trace.py): "
-                         "the peak and the blocks live at it, in the row")
+                         "the peak and the blocks live at it, in the row (recording slows that step: not for timing)")
     ap.add_argument("--steps", type=int, default=1, help="timed steps of a timed row")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps of a timed row")
     ap.add_argument("--search-warmup", type=int, default=0, help="warm-up steps of TRL's search rows (0: untimed)")

@@ -366,9 +366,9 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
             if not r.adapters and m.largest_layer > place.reduce_bucket:
                 buffers += OVERSIZED_GRAD_BYTES * m.largest_layer
             step = step_bytes * trained / n
-        if r.adapters and chunked and m.kind == "causal":
+        if r.adapters and chunked and m.kind == "causal" and place.stage < 3:
             # A frozen head's fused backward (its tile, the float32 hidden gradient) ends before the first adapter's
-            # gradient, so before the buckets exist: the larger of the two is live, not both (benchmarks/NOTES.md).
+            # gradient, so before ZeRO-1/2's buckets exist: the larger of the two is live, not both (NOTES s. 46).
             head = head_backward_bytes(m, tokens)
             return max(r.activations - head + max(head, buffers), step)
         return max(r.activations + buffers, step)

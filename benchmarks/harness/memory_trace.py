@@ -140,8 +140,9 @@ def peak(snapshot: dict[str, Any], device: int = 0, top: int = 25, start_bytes: 
     best_at = -1
     for i, e in enumerate(events):
         if e["action"] == "alloc":
+            # A live address taken again was freed unrecorded (the profiler can drop or misorder a free).
+            total += e["size"] - live.get(e["addr"], (0, None))[0]
             live[e["addr"]] = (e["size"], e.get("frames", []))
-            total += e["size"]
         elif e["action"] == "free_completed":
             live.pop(e["addr"], None)
             total -= e["size"]
@@ -164,6 +165,7 @@ def peak(snapshot: dict[str, Any], device: int = 0, top: int = 25, start_bytes: 
     return {"events": len(events), "peak_event": best_at, "start_gib": start_bytes / GiB,
             "peak_above_start_gib": best / GiB, "peak_gib": (start_bytes + best) / GiB,
             "freed_from_before_gib": freed_before / GiB, "live_blocks": len(live),
+            "live_gib": sum(size for size, _ in live.values()) / GiB,
             "groups": [{"where": k, "gib": round(v[0] / GiB, 6), "blocks": v[1]} for k, v in ranked[:top]],
             "rest_gib": sum(v[0] for _, v in ranked[top:]) / GiB}
 

@@ -154,7 +154,12 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], out: Path,
     trainer.rollout.sampling.min_new_tokens = spec["response_len"]  # no completion ends before its length
     s = trainer.session
     trace = trace_after_last_generation(trainer, spec) if spec.get("memory_trace") else None
-    history = stamps.train(trainer)
+    try:
+        history = stamps.train(trainer)
+    except Exception:
+        if trace is not None and trace.recording is not None:  # what was live when it failed (an OOM: the log)
+            trace.summary()
+        raise
     st = trainer.rollout.stats
     traced = {"memory_trace": trace.summary()} if trace is not None else {}
     return {"mean_lengths": lengths_logged(history), "engine": s.engine_kind("policy"),

@@ -279,6 +279,7 @@ def test_pipeline_schedule():
     (1, {}, "leaves no training rank in a launch of 1"),
     (3, dict(weight_sync_steps=3, max_staleness=1), "set weight_sync_steps at most 2"),
     (3, dict(max_inflight_tasks=64), "set max_inflight_tasks -1"),
+    (3, dict(stale_groups="drop"), "no group is ever late or dropped: set stale_groups wait"),
 ])
 def test_grpo_refuses_layouts_that_cannot_run(tmp_path, monkeypatch, world, extra, needs):
     from posttrain.trainers.grpo import GRPOConfig

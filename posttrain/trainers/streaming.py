@@ -1,6 +1,8 @@
 """Streaming generation for GRPO and RLOO (``async_generation``): the engine's slots stay full across optimizer
-steps and a step trains the first groups to complete. A group started under weights more than ``max_staleness``
-updates old is dropped (counted); the rest train with the sampling correction (``trainers/off_policy.py``).
+steps and a step trains groups as they complete, each at most ``max_staleness`` updates after the weights it started
+under, with the sampling correction (``trainers/off_policy.py``). ``stale_groups`` says how the bound is kept:
+"wait" trains the oldest finished groups first and decodes on before a step until no started group would miss it;
+"drop" (TRL AsyncGRPO's way) trains the first groups to finish and drops a group that misses it (counted).
 
 Each process streams its own whole groups, in TRL's prompt order; every decision (what is submitted, admitted,
 trained or dropped) follows decode steps, never the clock, so a run is deterministic. Before a step that is
@@ -24,6 +26,7 @@ from posttrain.rollout.sampling import RolloutOutput, SamplingParams, finish
 from posttrain.rollout.scheduler import Batch
 
 STATE_FILE = "streaming_rank{}.pt"
+STALE_GROUPS = ("wait", "drop")
 logger = logging.getLogger(__name__)
 
 
@@ -33,8 +36,12 @@ class StreamingFields:
 
     # Keep generating across optimizer steps and train groups as they complete (off: TRL's synchronous step).
     async_generation: bool = False
-    # Weight updates a group may lag behind the weights it trains under; older ones are dropped (TRL AsyncGRPO).
+    # Weight updates a group may lag behind the weights it trains under (TRL AsyncGRPO).
     max_staleness: int = 4
+    # How the bound is kept. "wait": the oldest groups train first and a step waits for those that would miss it,
+    # so none is lost; "drop": the first groups to finish train and a late one is dropped untrained, which
+    # drops long completions more often than short ones (TRL AsyncGRPO's behaviour).
+    stale_groups: str = "wait"
     # Sequences started and not yet trained, over all processes; -1: (max_staleness + 1) steps' worth.
     max_inflight_tasks: int = -1
     # Optimizer steps between weight syncs to generation (colocated generation reads the weights as they train).
@@ -59,6 +66,8 @@ def check_streaming_config(cfg: Any, world: int) -> None:
         raise ConfigError(f"async_generation must be true or false, got {cfg.async_generation!r}")
     if not isinstance(cfg.max_staleness, int) or cfg.max_staleness < 0:
         raise ConfigError(f"max_staleness must be a whole number >= 0 (weight updates), got {cfg.max_staleness!r}")
+    if cfg.stale_groups not in STALE_GROUPS:
+        raise ConfigError(f"stale_groups must be one of {', '.join(STALE_GROUPS)}, got {cfg.stale_groups!r}")
     separate = bool(cfg.generation_processes)
     if not separate and cfg.weight_sync_steps != 1:
         raise ConfigError("weight_sync_steps other than 1 needs separate generation ranks; colocated generation reads "
@@ -76,6 +85,9 @@ def check_streaming_config(cfg: Any, world: int) -> None:
         if cfg.max_inflight_tasks != -1:
             raise ConfigError("with generation_processes, max_staleness alone bounds the generation batches in flight "
                               "(max_staleness + 1): set max_inflight_tasks -1")
+        if cfg.stale_groups != "wait":
+            raise ConfigError("generation ranks start each generation batch under weights within max_staleness, so "
+                              "no group is ever late or dropped: set stale_groups wait")
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
     reasons = [
         (cfg.generation_backend != "posttrain", "generation_backend posttrain (streaming decodes in the engine)"),
@@ -94,6 +106,12 @@ def check_streaming_config(cfg: Any, world: int) -> None:
     for bad, needs in reasons:
         if bad:
             raise ConfigError(f"async_generation needs {needs}: set it, or async_generation false")
+    trainable = (cfg.max_staleness + 1) * per_step  # what the steps within the bound train
+    if not separate and cfg.stale_groups == "wait" and cfg.max_inflight_tasks > trainable:
+        raise ConfigError(f"max_inflight_tasks {cfg.max_inflight_tasks} starts more sequences than the "
+                          f"max_staleness + 1 steps that may train them take ({trainable}), so with stale_groups "
+                          f"wait some group would still miss the bound: set it at most {trainable}, or "
+                          "stale_groups drop")
 
 
 def groups_per_rank(cfg: Any) -> int:
@@ -173,20 +191,46 @@ class StreamingGeneration:
         self.pending = [p for p in self.pending if not all(p[2])]
 
     def next_groups(self, drain: bool) -> list[Group]:
-        """The groups this step trains: the first ``groups_per_step`` to finish, in prompt order. ``drain``: submit
-        nothing more until every started group has finished (a checkpoint or evaluation follows the step)."""
-        need = self.groups_per_step
+        """The groups this step trains, ``groups_per_step`` of them in prompt order: the oldest finished ones
+        (``stale_groups`` "wait") or the first to finish ("drop"). ``drain``: submit nothing more until every started
+        group has finished (a checkpoint or evaluation follows the step)."""
+        need, waits = self.groups_per_step, self.cfg.stale_groups == "wait"
         while True:
             self._collect()
-            if len(self.ready) >= need and (not drain or self.drained):
+            if len(self.ready) >= need and (not drain or self.drained) and not (waits and self._holds_back(need)):
                 break
             # Within the in-flight bound (draining: none), and always when nothing else could finish a group.
             while ((not drain and self._unconsumed() + need <= self.limit)
                    or (self.stream.idle and len(self.ready) < need)):
                 self._submit()
             self.stream.advance()
+        if waits:  # the oldest first (stable: then in the order they finished)
+            self.ready.sort(key=lambda grp: grp.version)
         taken, self.ready = self.ready[:need], self.ready[need:]
         return sorted(taken, key=lambda grp: (grp.cycle, grp.index))
+
+    def _started_versions(self) -> list[int]:
+        """The version of each started, unfinished group."""
+        g, versions = self.group_size, []
+        for _, batch, consumed in self.pending:
+            for j, done in enumerate(consumed):
+                started = [batch.admitted_at[r] for r in range(j * g, (j + 1) * g) if batch.admitted_at[r] >= 0]
+                if not done and started:
+                    versions.append(min(started))
+        return versions
+
+    def _holds_back(self, need: int) -> bool:
+        """Whether this step must decode on before it trains (``stale_groups`` "wait"): with the ``need`` oldest
+        finished groups trained now and as many at each later step, some group started under earlier weights would
+        train more than ``max_staleness`` updates late, unless groups still decoding finish first. Groups started
+        under the current weights never decide it: the in-flight bound leaves them room (max_staleness + 1 steps)."""
+        now, bound = self.version, self.cfg.max_staleness
+        unfinished = [v for v in self._started_versions() if v < now]
+        if not unfinished:
+            return False
+        left = sorted(grp.version for grp in self.ready)[need:] + unfinished
+        # j steps after this one the groups started under version now - bound + j or earlier must all be trained.
+        return any(sum(v <= now - bound + j for v in left) > j * need for j in range(bound))
 
     def batch(self, groups: list[Group], device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor,
                                                                          RolloutOutput, dict[str, float]]:
@@ -203,7 +247,7 @@ class StreamingGeneration:
         bound, g = self.cfg.max_staleness, self.group_size
         stale = [grp for grp in self.ready if self.version - grp.version > bound]
         self.ready = [grp for grp in self.ready if self.version - grp.version <= bound]
-        self.dropped += len(stale)
+        dropped = len(stale)
         for _, batch, consumed in self.pending:
             for j, done in enumerate(consumed):
                 rows = list(range(j * g, (j + 1) * g))
@@ -211,13 +255,16 @@ class StreamingGeneration:
                 if not done and started and self.version - min(started) > bound:
                     self.stream.drop(batch, rows)
                     consumed[j] = True
-                    self.dropped += 1
+                    dropped += 1
         self.pending = [p for p in self.pending if not all(p[2])]
-        if self.dropped and not self.dropped_total:  # once: the counter shows the rest
+        if dropped and not self.dropped_total:  # once: the counter shows the rest
+            advice = ("raise max_staleness, or give the engine more slots (generation_kv_slots)"
+                      if self.cfg.stale_groups == "drop" else "stale_groups wait keeps the bound for the groups "
+                      "started under these settings; this run was resumed or configured past it")
             logger.warning("streaming: %d group(s) started more than max_staleness (%d) weight updates ago were "
-                           "dropped untrained (counted in streaming/dropped_groups): raise max_staleness, or give "
-                           "the engine more slots (generation_kv_slots)", self.dropped, bound)
-        self.dropped_total += self.dropped
+                           "dropped untrained (counted in streaming/dropped_groups): %s", dropped, bound, advice)
+        self.dropped += dropped
+        self.dropped_total += dropped
 
     @property
     def drained(self) -> bool:

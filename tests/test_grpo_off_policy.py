@@ -281,8 +281,8 @@ def test_correction_in_the_loss_equals_a_separate_old_forward(tmp_path_factory, 
         sampled = {k for k in gen_old if k.startswith("sampling/")}
         assert len(sampled) == (6 if mode.endswith("mask") else 5)
         assert sampled == {k for k in gen_new if k.startswith("sampling/")}
-        for k in sampled:
-            assert gen_new[k] == pytest.approx(gen_old[k], abs=1e-6, rel=1e-6), (mode, k)
+        for k in sampled:  # 1e-5: the separate forward packs other rows, so its float32 sums round otherwise
+            assert gen_new[k] == pytest.approx(gen_old[k], abs=1e-5, rel=1e-5), (mode, k)
         if mode.endswith("mask"):  # the bounds were hit
             assert 0 < gen_new["sampling/masked_fraction"] < 1
         else:

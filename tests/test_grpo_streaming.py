@@ -1,7 +1,8 @@
 """Streaming generation (``async_generation``), in this process: a sequence decoding across a weight update
 samples each token under the weights of its step (the engine against transformers token by token); with
 ``max_staleness`` 0 the run is the synchronous run; with 1 it is deterministic, bounded and resumes exactly
-from a checkpoint; stale groups are dropped and their slots freed; settings that cannot stream are refused.
+from a checkpoint; with stale_groups drop, stale groups are dropped and their slots freed, with wait none is; settings
+that cannot stream are refused.
 Two processes (placements, resume) are in tests/dist/grpo_checks.py."""
 
 import copy
@@ -194,10 +195,10 @@ def test_streaming_is_deterministic_bounded_and_resumes_exactly(tmp_path):
 
 
 def test_stale_groups_are_dropped_and_their_slots_freed(tmp_path):
-    """Groups started under version 0 and unfinished when the weights reach version 2 (max_staleness 1) are
-    dropped, their slots freed and counted; groups not yet started are not stale."""
+    """stale_groups drop: groups started under version 0 and unfinished when the weights reach version 2
+    (max_staleness 1) are dropped, their slots freed and counted; groups not yet started are not stale."""
     cfg = GRPOConfig(**fields(tmp_path, async_generation=True, max_staleness=1, generation_kv_slots=4,
-                              max_completion_length=40))
+                              max_completion_length=40, stale_groups="drop"))
     t = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=reward, args=cfg, train_dataset=PROMPTS)
     st = t.streaming
     st._submit()
@@ -209,6 +210,30 @@ def test_stale_groups_are_dropped_and_their_slots_freed(tmp_path):
     assert st.dropped == st.dropped_total == 1 and st.stream.live == 0
     assert st.stream.waiting == 12 and [c for _, _, c in st.pending] == [[True, False], [False, False]]
     t.end()
+
+
+@pytest.mark.parametrize("policy", ["drop", "wait"])
+def test_stale_groups_on_long_tailed_completions(tmp_path, policy):
+    """The engine and trainer at max_staleness 1 on completions of long-tailed lengths (a random model whose
+    completions end on a 25th of the vocabulary, up to 128 tokens; one group a step through 8 slots): "drop" (TRL
+    AsyncGRPO's way) drops groups whose long member outlives two updates; "wait" drops none, and every trained group
+    is within the bound either way. tests/test_streaming_policy.py holds the policies' exact scenarios."""
+    import dataclasses
+
+    cfg = GRPOConfig(**fields(tmp_path, async_generation=True, max_staleness=1, generation_kv_slots=8,
+                              max_completion_length=128, stale_groups=policy, max_steps=20,
+                              per_device_train_batch_size=G))
+    t = GRPOTrainer(str(tiny.model_path()), reward_funcs=reward, args=cfg, train_dataset=bundled_prompts(64))
+    stops = list(range(3, t.session.unwrap("policy").config.vocab_size, 25))
+    t.rollout.sampling = dataclasses.replace(t.rollout.sampling, stop_token_ids=stops)
+    t.sampling, t.eos_ids = t.rollout.sampling, stops  # what truncation reads, as benchmarks/races do
+    t.train()
+    t.end()
+    rows = [r for r in t.state.log_history if "loss" in r]
+    dropped = sum(r["streaming/dropped_groups"] for r in rows)
+    assert len(rows) == 20 and max(r["sample/staleness_max"] for r in rows) <= 1
+    assert max(r["completions/max_length"] for r in rows) > 64  # the long tail is there
+    assert (dropped > 0) if policy == "drop" else (dropped == 0 == t.streaming.dropped_total)
 
 
 @pytest.mark.parametrize("extra,needs", [

@@ -161,6 +161,7 @@ class StreamingGeneration:
         self.ready: list[Group] = []  # finished groups, in the order they finished
         self.dropped = 0  # groups dropped as stale since the last step's metrics
         self.dropped_total = 0
+        self.held = 0  # scheduling rounds a step waited for late groups (stale_groups wait), since the last metrics
 
     @property
     def version(self) -> int:
@@ -197,8 +198,10 @@ class StreamingGeneration:
         need, waits = self.groups_per_step, self.cfg.stale_groups == "wait"
         while True:
             self._collect()
-            if len(self.ready) >= need and (not drain or self.drained) and not (waits and self._holds_back(need)):
-                break
+            if len(self.ready) >= need and (not drain or self.drained):
+                if not (waits and self._holds_back(need)):
+                    break
+                self.held += 1  # a round decoded only so that no group misses the bound
             # Within the in-flight bound (draining: none), and always when nothing else could finish a group.
             while ((not drain and self._unconsumed() + need <= self.limit)
                    or (self.stream.idle and len(self.ready) < need)):
@@ -236,9 +239,10 @@ class StreamingGeneration:
                                                                          RolloutOutput, dict[str, float]]:
         """The dataset rows, left-padded prompts, completions and streaming metrics of ``groups``."""
         *out, metrics = group_batch(groups, self.rows_of, self.pad, self.stream.rollout.sampling, self.version, device)
-        metrics.update({"streaming/dropped_groups": float(self.dropped), "streaming/in_flight": float(
-            self.stream.live + self.stream.waiting), "streaming/ready_groups": float(len(self.ready))})
-        self.dropped = 0
+        metrics.update({"streaming/dropped_groups": float(self.dropped), "streaming/held_rounds": float(self.held),
+                        "streaming/in_flight": float(self.stream.live + self.stream.waiting),
+                        "streaming/ready_groups": float(len(self.ready))})
+        self.dropped = self.held = 0
         return (*out, metrics)
 
     def weights_changed(self) -> None:

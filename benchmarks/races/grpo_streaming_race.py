@@ -6,7 +6,9 @@ Rows (each a fresh process, alternating, ``--rounds`` times; benchmarks/races/ra
 
 - ``trl``: ``trl.GRPOTrainer``, no vLLM, no DeepSpeed, bf16, gradient checkpointing, ``generate``;
 - ``posttrain-sync``: posttrain's GRPOTrainer as it ships (one generation batch per step, every row to its end);
-- ``posttrain-streaming``: the same with ``async_generation: true``, ``max_staleness: 1``.
+- ``posttrain-streaming``: the same with ``async_generation: true``, ``max_staleness: 1`` (``stale_groups`` wait,
+  the default);
+- ``posttrain-streaming-drop``: the same with ``stale_groups: drop`` (TRL AsyncGRPO's way: late groups dropped).
 
 The workload: the random-weight 1.1B Llama shape, ``--prompts`` prompts of ``--prompt-len`` tokens x
 ``--num-generations`` completions per optimizer step (``--micro`` completions per micro-batch, gradient
@@ -18,8 +20,8 @@ refuses ``generation_kwargs``, so the race sets its sampler's stop ids on the bu
 ``SamplingParams`` and the trainer's ``eos_ids``, which the truncation and reward read): the same set both sides.
 
 Each row records, per timed step, the useful tokens trained (``completions/mean_length`` x completions: the
-tokens each side's loss reads) and reports them per second of step time; streaming also reports its staleness
-and dropped groups. A posttrain row whose rollout fell back to a slower path fails.
+tokens each side's loss reads) and reports them per second of step time; streaming also reports its staleness,
+dropped groups and held rounds. A posttrain row whose rollout fell back to a slower path fails.
 
     python benchmarks/races/grpo_streaming_race.py --out DIR                     # one H200 (1.1B)
     DS_ACCELERATOR=cpu python benchmarks/races/grpo_streaming_race.py --shape tiny --steps 2 --warmup 1 --rounds 1
@@ -39,8 +41,9 @@ if str(ROOT) not in sys.path:
 from benchmarks.races import race  # noqa: E402
 from benchmarks.races.race import Stamps  # noqa: E402
 
-SIDES = ("posttrain-streaming", "posttrain-sync", "trl")
-BASELINES = {"posttrain-streaming": "posttrain-sync", "posttrain-sync": "trl"}
+SIDES = ("posttrain-streaming", "posttrain-streaming-drop", "posttrain-sync", "trl")
+BASELINES = {"posttrain-streaming": "posttrain-sync", "posttrain-streaming-drop": "posttrain-sync",
+             "posttrain-sync": "trl"}
 LR = 1e-6
 
 
@@ -91,11 +94,14 @@ def run_trl(spec: dict[str, Any], path: Path, rows: list[dict], stops: list[int]
 
 
 def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], stops: list[int], out: Path, stamps: Stamps,
-                  streaming: bool) -> dict[str, Any]:
+                  stale_groups: str | None) -> dict[str, Any]:
+    """posttrain synchronous (``stale_groups`` None) or streaming at ``max_staleness`` 1 with that policy."""
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
-    extra = dict(async_generation=True, max_staleness=1) if streaming else {}
-    cfg = GRPOConfig(output_dir=str(out / ("streaming" if streaming else "sync")), overwrite_output_dir=True,
+    streaming = stale_groups is not None
+    extra = dict(async_generation=True, max_staleness=1, stale_groups=stale_groups) if streaming else {}
+    cfg = GRPOConfig(output_dir=str(out / (f"streaming-{stale_groups}" if streaming else "sync")),
+                     overwrite_output_dir=True,
                      save_strategy="no", **_settings(spec), **extra)
     trainer = GRPOTrainer(str(path), reward_funcs=[length_reward], args=cfg, train_dataset=rows)
     # The stop set (see the module's docstring): the sampler's stop ids and what truncation reads.
@@ -112,7 +118,8 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], stops: lis
            "rollout": {k: v for k, v in st.items() if isinstance(v, (int, float, str, bool)) or v is None}}
     if streaming:
         row.update({k: [h.get(k) for h in history] for k in ("sample/staleness_mean", "sample/staleness_max",
-                                                              "streaming/dropped_groups", "streaming/in_flight")})
+                                                              "streaming/dropped_groups", "streaming/held_rounds",
+                                                              "streaming/in_flight")})
     return row
 
 
@@ -128,7 +135,8 @@ def run_side(side: str, spec: dict[str, Any], out: Path, stamps: Stamps) -> dict
     rows = prompt_rows((spec["warmup"] + spec["steps"] + 2) * spec["prompts"], spec["prompt_len"])
     if side == "trl":
         return run_trl(spec, path, rows, stops, out, stamps)
-    return run_posttrain(spec, path, rows, stops, out, stamps, streaming=side == "posttrain-streaming")
+    policy = {"posttrain-streaming": "wait", "posttrain-streaming-drop": "drop"}.get(side)
+    return run_posttrain(spec, path, rows, stops, out, stamps, stale_groups=policy)
 
 
 def targets(summary: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
@@ -136,15 +144,18 @@ def targets(summary: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> l
     lines = []
     rate = {side: summary.get(side, {}).get("tokens_per_s") for side in SIDES}
     for side, base, goal in (("posttrain-streaming", "posttrain-sync", 2.0), ("posttrain-streaming", "trl", 10.0),
+                             ("posttrain-streaming-drop", "posttrain-sync", None),
+                             ("posttrain-streaming", "posttrain-streaming-drop", None),
                              ("posttrain-sync", "trl", None)):
         if rate[side] and rate[base]:
             x = rate[side] / rate[base]
             aim = f" (target >= {goal:g}x: {'met' if x >= goal else 'missed'})" if goal else ""
             lines.append(f"{side} {rate[side]:.0f} useful tokens/s against {base}'s {rate[base]:.0f}: {x:.2f}x{aim}")
     for r in rows:
-        if r["status"] == "ok" and r["side"] == "posttrain-streaming":
-            lines.append(f"streaming round {r['round']}: staleness max {r.get('sample/staleness_max')}, dropped "
-                         f"groups {r.get('streaming/dropped_groups')}, mean length {r.get('mean_length')}")
+        if r["status"] == "ok" and r["side"].startswith("posttrain-streaming"):
+            lines.append(f"{r['side']} round {r['round']}: staleness max {r.get('sample/staleness_max')}, dropped "
+                         f"groups {r.get('streaming/dropped_groups')}, held rounds {r.get('streaming/held_rounds')}, "
+                         f"mean length {r.get('mean_length')}")
     return lines
 
 

@@ -15,9 +15,12 @@ Phases (``--phases``, each row a fresh process as benchmarks/races/race.py runs 
 ``<out>/grpo_long_context.jsonl`` as it finishes, so the rows of an interrupted run survive):
 
 - ``posttrain``: posttrain at each of ``--lengths`` (timed: ``--warmup`` + ``--steps`` steps);
-- ``planner``: ``posttrain plan --longest-completion``'s prediction for this case on ``--planner-gib`` GiB
-  (recorded in the header line beside the prediction for the whole GPU, ``--gpu-gib``), then posttrain at the
-  predicted length and at the next length up, each child held to that many GiB
+- ``planner``: ``posttrain plan --longest-completion``'s prediction for this case on a budget near
+  ``--planner-gib`` GiB: halfway between the planner's peaks of the two lengths that straddle ``--planner-gib``
+  (``--planner-exact-gib``: that budget itself), so the check decides whether the planner's error is under half a
+  length step both ways, where a budget within its error of a boundary would decide nothing (recorded in the
+  header line beside the prediction for the whole GPU, ``--gpu-gib``); then posttrain at the predicted length and
+  at the next length up, each child held to the budget
   (``torch.cuda.set_per_process_memory_fraction``) for ``--warmup`` + ``--steps`` steps (a run's later steps hold
   Adam's states, which its first backward runs without): the first must fit and the second must not (CUDA only);
 - ``trl``: TRL at ``--trl-start`` tokens, doubling until a length runs out of memory or passes ``--trl-max``
@@ -323,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
                             help=f"default {DEFAULTS[name][0]}; {DEFAULTS[name][1]} with --shape tiny")
     ap.add_argument("--gpu-gib", type=float, default=139.0, help="the whole GPU, for the recorded prediction")
+    ap.add_argument("--planner-exact-gib", action="store_true",
+                    help="check the planner on --planner-gib itself, not halfway between its two straddling peaks")
     ap.add_argument("--compare-length", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16", help="model_init_kwargs dtype, both sides")
     ap.add_argument("--sleep-mode", action="store_true",
@@ -362,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         race.render(out)
 
     planner = planner_prediction(base, pick["planner_gib"], pick["length_step"])
+    if not args.planner_exact_gib and planner["longest_peak_gib"] and planner["next_peak_gib"]:
+        planner = planner_prediction(base, round((planner["longest_peak_gib"] + planner["next_peak_gib"]) / 2, 3),
+                                     pick["length_step"])
     whole = planner_prediction(base, args.gpu_gib, pick["length_step"])
     emit({"race": NAME, "spec": {**base, **pick, "phases": phases, "steps": args.steps, "warmup": args.warmup},
           "planner": planner, "planner_whole_gpu": whole, "command": command})

@@ -11,9 +11,9 @@ whole), then streaming at each ``--bounds`` with ``stale_groups`` drop (TRL Asyn
 ``--inflight-steps`` steps' worth of sequences in flight (default ``max_staleness`` + 1).
 
 Costs (``--step-ms``): a decode step of R rows, interpolated over measured points (1.31 ms at 16 rows and 512
-columns, 1.81 at 128 rows and 768 columns: NOTES 26) and extended on their slope beyond them; a prompt token's prefill ``--prefill-us``
-(16,384 prompt tokens in 78.5 ms, NOTES 44); the training phase ``--train-s`` for a step of the race's mean tokens
-(1.82 s for 512 x (128 + 99), NOTES 44), scaled by the step's prompt and completion tokens.
+columns, 1.81 at 128 rows and 768 columns: NOTES 26) and extended on their slope beyond them; a prompt token's
+prefill ``--prefill-us`` (16,384 prompt tokens in 78.5 ms, NOTES 44); the training phase ``--train-s`` for a step of
+the race's mean tokens (1.82 s for 512 x (128 + 99), NOTES 44), scaled by the step's prompt and completion tokens.
 
     python benchmarks/rollout/streaming_policy.py --out streaming_policy.json
 """
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace, bound: int, policy: str) -> dict[str, Any]:
     st = StreamingGeneration(ScriptedRollout(engine, args.prompt_len), cfg, 1, rows_of,
                              [[1000 + i] + [2] * (args.prompt_len - 1) for i in range(total)], 0)
     mean_tokens = args.num_generations * args.prompts * (args.prompt_len + args.mean_len)
-    seconds = generating = useful = dropped = 0.0
+    seconds = generating = useful = dropped = held = 0.0
     trained_lengths, staleness = [], []
     for step in range(args.warmup + args.steps):
         before = engine.ms
@@ -104,11 +104,12 @@ def run(args: argparse.Namespace, bound: int, policy: str) -> dict[str, Any]:
             trained_lengths += lengths
             staleness += [st.version - 1 - grp.version for grp in groups]
             dropped += st.dropped
-        st.dropped = 0
+            held += st.held
+        st.dropped = st.held = 0
     return {"max_staleness": bound, "stale_groups": policy if bound else "synchronous",
             "s_per_step": seconds / args.steps, "generate_s_per_step": generating / args.steps,
             "useful_tokens_per_s": useful / seconds,
-            "dropped_groups_per_step": dropped / args.steps,
+            "dropped_groups_per_step": dropped / args.steps, "held_rounds_per_step": held / args.steps,
             "trained_mean_length": sum(trained_lengths) / len(trained_lengths),
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness)}
 
@@ -139,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     for bound in (int(b) for b in args.bounds.split(",")):
         rows += [run(args, bound, "drop"), run(args, bound, "wait")]
     base = rows[0]["useful_tokens_per_s"]
-    print(f"{'rows':<22}{'s/step':>8}{'generate':>10}{'useful tok/s':>14}{'x sync':>8}{'dropped/step':>14}{'trained len':>13}"
-          f"{'staleness':>11}")
+    columns = [("s/step", 8, "s_per_step", ".3f"), ("generate", 10, "generate_s_per_step", ".3f"),
+               ("useful tok/s", 14, "useful_tokens_per_s", ".0f"), ("x sync", 8, "x_sync", ".3f"),
+               ("dropped/step", 14, "dropped_groups_per_step", ".2f"), ("held/step", 11, "held_rounds_per_step", ".2f"),
+               ("trained len", 13, "trained_mean_length", ".1f"), ("staleness", 11, "staleness_mean", ".2f")]
+    print(f"{'rows':<22}" + "".join(f"{head:>{w}}" for head, w, _, _ in columns))
     for r in rows:
+        r["x_sync"] = r["useful_tokens_per_s"] / base
         name = r["stale_groups"] if not r["max_staleness"] else f"{r['stale_groups']} @ {r['max_staleness']}"
-        print(f"{name:<22}{r['s_per_step']:>8.3f}{r['generate_s_per_step']:>10.3f}{r['useful_tokens_per_s']:>14.0f}"
-              f"{r['useful_tokens_per_s'] / base:>8.3f}{r['dropped_groups_per_step']:>14.2f}"
-              f"{r['trained_mean_length']:>13.1f}{r['staleness_mean']:>11.2f}")
+        print(f"{name:<22}" + "".join(f"{r[key]:>{w}{fmt}}" for _, w, key, fmt in columns))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "rows": rows},
                                              indent=1))

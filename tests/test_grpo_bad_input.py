@@ -44,8 +44,12 @@ CONFIG_CASES = [
     (RLOOConfig, {"repetition_penalty": 1.2}, "repetition_penalty is 1.2, which posttrain does not support "
      "(posttrain's engine samples with temperature, top_p and top_k): drop --repetition_penalty or set it to TRL's "
      "default 1.0"),
-    (GRPOConfig, {"entropy_coef": 0.01}, "entropy_coef is 0.01, which posttrain does not support (the entropy bonus "
-     "is not implemented: use top_entropy_quantile): drop --entropy_coef or set it to TRL's default 0.0"),
+    (GRPOConfig, {"min_p": 0.1}, "min_p is 0.1, which posttrain does not support (posttrain's engine samples with "
+     "temperature, top_p and top_k): drop --min_p or set it to TRL's default None"),
+    (GRPOConfig, {"entropy_coef": -0.01},
+     "entropy_coef must be >= 0 (a bonus on the policy's entropy; 0 turns it off); got -0.01"),
+    (GRPOConfig, {"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1},
+     "use_adaptive_entropy needs 0 <= entropy_coef_min <= entropy_coef_max; got 0.5 and 0.1"),
 ]
 
 

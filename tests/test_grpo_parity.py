@@ -9,6 +9,7 @@ import torch
 from posttrain.demo import tiny
 from posttrain.models.setup import enable_gradient_checkpointing
 from posttrain.rewards import functions as reward_funcs
+from posttrain.trainers.entropy_bonus import EntropyBonus
 from posttrain.trainers.grpo import (
     GRPOConfig,
     completion_logps,
@@ -112,6 +113,10 @@ def set_trl(trainer, **fields):
     trainer.mask_truncated_completions, trainer.top_entropy_quantile = a.mask_truncated_completions, a.top_entropy_quantile
     trainer.epsilon_low = a.epsilon
     trainer.epsilon_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
+    # The entropy bonus's state, as TRL's __init__ sets it.
+    trainer.entropy_coef, trainer.use_adaptive_entropy = a.entropy_coef, a.use_adaptive_entropy
+    trainer._entropy_bonus_enabled = a.entropy_coef != 0.0 or a.use_adaptive_entropy
+    trainer._last_world_entropy, trainer._entropy_window_stats = float("inf"), None
     trainer._metrics["train"].clear()
 
 
@@ -151,6 +156,9 @@ CASES = [(lt, level, {}) for lt in LOSS_TYPES for level in ("token", "sequence")
     ("bnpo", "sequence", {"use_bias_correction_kl": False}),
     ("grpo", "token", {"beta": 0.0}),
     ("cispo", "token", {"epsilon_high": 1.02}),
+    ("dapo", "token", {"entropy_coef": 0.05}),
+    ("grpo", "token", {"entropy_coef": 0.1, "top_entropy_quantile": 0.5}),
+    ("bnpo", "sequence", {"entropy_coef": 0.02}),
 ]
 
 
@@ -161,7 +169,7 @@ def test_loss_metrics_and_gradient_equal_trl(trl, ours_model, loss_type, level, 
     fields = {"loss_type": loss_type, "importance_sampling_level": level, "beta": 0.04, "epsilon": 0.05, **extra}
     set_trl(trainer, scale_rewards="group", multi_objective_aggregation="sum_then_normalize",
             mask_truncated_completions=False, top_entropy_quantile=1.0, delta=None, epsilon_high=None,
-            use_bias_correction_kl=True, beta=0.0)
+            use_bias_correction_kl=True, beta=0.0, entropy_coef=0.0, use_adaptive_entropy=False)
     batch = trainer._generate_and_score_completions([dict(r) for r in rows])  # at beta 0: no reference needed
     set_trl(trainer, **fields)
     mask = batch["completion_mask"]
@@ -186,18 +194,22 @@ def test_loss_metrics_and_gradient_equal_trl(trl, ours_model, loss_type, level, 
               and k not in ("reward", "reward_std", "frac_reward_zero_std")}
     for padding_free in (False, True):  # TRL's run once, ours padded and on packed rows
         ours_model.zero_grad()
+        bonus = EntropyBonus(cfg)
         logps, entropies = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE,
-                                            compute_entropy=True, fused=True, padding_free=padding_free)
+                                            compute_entropy=True, fused=True, padding_free=padding_free,
+                                            entropy_grad=bonus.enabled)
         plain, _ = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE, padding_free=padding_free)
         assert torch.allclose(plain, logps, atol=TOL)  # the two paths agree
         entropy_mask = None
         if cfg.top_entropy_quantile < 1.0:
             entropy_mask = high_entropy_mask(entropies.detach(), mask, 1 - cfg.top_entropy_quantile)
         loss, stats = grpo_loss(cfg, logps, old, ref if cfg.beta else None, advantages, mask, entropy_mask,
-                                batch["num_items_in_batch"], 1)
+                                batch["num_items_in_batch"], 1, entropies=entropies, bonus=bonus)
         stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
         loss.backward()
         ours = reduce_loss_stats([stats])
+        if bonus.enabled:  # logged at the optimizer step's end (TRL's sync_gradients is true here)
+            ours["entropy_coef"] = bonus.coef
 
         assert loss.item() == pytest.approx(theirs.item(), abs=TOL, rel=TOL), padding_free
         assert logged == set(ours), (logged, set(ours))
@@ -206,6 +218,48 @@ def test_loss_metrics_and_gradient_equal_trl(trl, ours_model, loss_type, level, 
         if cfg.loss_type in ("grpo", "dapo") and level == "token" and not extra:
             assert any(ours[k] > 0 for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")), "no clipping exercised"
         assert_gradients_close(ours_model, trainer.model)
+
+
+@pytest.mark.parametrize("target", [100.0, 0.5])
+def test_adaptive_entropy_control_equals_trl(trl, ours_model, target):
+    """use_adaptive_entropy over three optimizer steps of one micro-batch each: the first applies no bonus (no
+    entropy measured yet), then the coefficient moves by entropy_coef_delta toward keeping the entropy above
+    entropy_target (100: always below it, so the bonus grows and applies; 0.5: above it, so it shrinks to
+    entropy_coef_min and is not applied); loss, policy_loss, entropy_coef and gradients equal TRL's each step."""
+    trainer, rows, _ = trl
+    fields = {"loss_type": "dapo", "beta": 0.0, "entropy_coef": 0.02, "use_adaptive_entropy": True,
+              "entropy_target": target, "entropy_coef_delta": 0.03, "entropy_coef_min": 0.01, "entropy_coef_max": 0.1}
+    set_trl(trainer, scale_rewards="group", multi_objective_aggregation="sum_then_normalize",
+            mask_truncated_completions=False, top_entropy_quantile=1.0, delta=None, epsilon_high=None,
+            use_bias_correction_kl=True, beta=0.0, entropy_coef=0.0, use_adaptive_entropy=False)
+    batch = trainer._generate_and_score_completions([dict(r) for r in rows])
+    set_trl(trainer, importance_sampling_level="token", epsilon=0.2, **fields)
+    mask = batch["completion_mask"]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], mask], 1)
+    advantages = torch.tensor([1.3, -0.4, 0.2, -1.1, 0.9, -0.7, 0.05, -0.3])
+    inputs = {**batch, "advantages": advantages, "old_per_token_logps": None, "ref_per_token_logps": None}
+    bonus, coefs = EntropyBonus(our_cfg(**fields)), []
+    for _ in range(3):
+        trainer.model.zero_grad()
+        trainer._metrics["train"].clear()
+        theirs = trainer._compute_loss(trainer.model, inputs)
+        theirs.backward()
+        ours_model.zero_grad()
+        logps, entropies = completion_logps(ours_model, ids, attention, mask.shape[1], TEMPERATURE,
+                                            compute_entropy=True, fused=True, entropy_grad=True)
+        loss, stats = grpo_loss(our_cfg(**fields), logps, None, None, advantages, mask, None,
+                                batch["num_items_in_batch"], 1, entropies=entropies, bonus=bonus)
+        loss.backward()
+        bonus.step_ended(lambda t: t)
+        coefs.append(bonus.coef)
+        assert loss.item() == pytest.approx(theirs.item(), abs=TOL, rel=TOL)
+        assert reduce_loss_stats([stats])["policy_loss"] == pytest.approx(trainer._metrics["train"]["policy_loss"][-1],
+                                                                          abs=TOL)
+        assert bonus.coef == pytest.approx(trainer.entropy_coef) == trainer._metrics["train"]["entropy_coef"][-1]
+        assert bonus.last_entropy == pytest.approx(trainer._last_world_entropy, rel=TOL)
+        assert_gradients_close(ours_model, trainer.model)
+    assert coefs == pytest.approx([0.05, 0.08, 0.1] if target > 1 else [0.01, 0.01, 0.01])
 
 
 def test_prompt_ids_equal_trl_standard_and_conversational(trl):

@@ -25,6 +25,7 @@ from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
 from posttrain.trainers.config import make_session, saves
 from posttrain.trainers.dynamic_sampling import fill_generation_batch
+from posttrain.trainers.entropy_bonus import EntropyBonus
 from posttrain.trainers.generation_ranks import GenerationFeed, GenerationRank, SeparateGeneration
 from posttrain.trainers.grpo_config import GRPOConfig, check_reference
 from posttrain.trainers.grpo_eval import GenerationEval
@@ -184,6 +185,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         self._buffer: list[dict[str, torch.Tensor]] = []  # the generation batch's micro-batches
         self.num_tokens = 0.0
         self.dynamic_rounds = 0  # extra generation batches dynamic sampling drew (they advance the prompt order)
+        self.entropy_bonus = EntropyBonus(cfg) if hasattr(cfg, "entropy_coef") else None  # TRL's RLOO has none
         # TRL hands reward functions the trainer's state.
         from transformers import TrainerState
 
@@ -399,10 +401,11 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         """The policy's per-token log-probs and entropies of the batch's completions (with grad)."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        bonus = self.entropy_bonus is not None and self.entropy_bonus.enabled
         with compiled_layers.no_eager_fallback(bool(self.compiled_layers)):
             return completion_logps(self.session.engines["policy"], input_ids, attention_mask,
                                     batch["completion_mask"].shape[1], self.cfg.temperature, compute_entropy=True,
-                                    fused=True, padding_free=self.cfg.padding_free)
+                                    fused=True, padding_free=self.cfg.padding_free, entropy_grad=bonus)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg, s = self.cfg, self.session
@@ -421,7 +424,8 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
             ratio, sampled = off_policy.correct_in_loss(cfg, logps, batch["sampling_per_token_logps"], mask)
         loss, stats = grpo_loss(cfg, logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
                                 batch["advantages"], mask, entropy_mask, batch["num_items_in_batch"],
-                                s.num_processes, batch.get("sampling_per_token_logps"), ratio)
+                                s.num_processes, batch.get("sampling_per_token_logps"), ratio, entropies,
+                                self.entropy_bonus)
         stats["means"]["entropy"] = ((entropies.detach() * mask).sum(), mask.sum().float())
         if sampled is not None:  # training_step reduces them over the generation batch (sampling/*)
             stats["sampling"] = sampled
@@ -459,6 +463,10 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
                     metrics.update(off_policy.reduce_sampling_values(sampled, cfg.vllm_importance_sampling_mode,
                                                                      self._gather))
             stats.append(st)
+        bonus = {}
+        if self.entropy_bonus is not None and self.entropy_bonus.enabled:  # logged at the step's end, as TRL
+            self.entropy_bonus.step_ended(self._sum)
+            bonus = {"entropy_coef": self.entropy_bonus.coef}
         if self.streaming is not None:
             with self.phases("generate"):
                 self.streaming.weights_changed()
@@ -468,7 +476,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
             with self.phases("ref_sync"):
                 s.blend("reference", "policy", cfg.ref_model_mixup_alpha)
-        return {"loss": loss_sum, "stats": stats, "generations": generations,
+        return {"loss": loss_sum, "stats": stats, "generations": generations, **bonus,
                 "grad_norm": s.grad_norm("policy") or 0.0, "learning_rate": s.learning_rate("policy"),
                 "epoch": step * ga / self.micro_batches_per_epoch,
                 "times": {**self.phases.pop(), "time/step": time.perf_counter() - tick}}
@@ -479,6 +487,8 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         row["loss"] = mean_over_ranks(self.session, {"loss": sum(r["loss"] for r in rows) / len(rows)})["loss"]
         row.update(average_generation_metrics([g for r in rows for g in r["generations"]]))
         row.update({k: rows[-1][k] for k in ("grad_norm", "learning_rate", "epoch")})
+        if "entropy_coef" in rows[-1]:
+            row["entropy_coef"] = sum(r["entropy_coef"] for r in rows) / len(rows)
         row.update(window_mean([r["times"] for r in rows]))
         row.update(self.rollout.metrics())
         row["train/compiled_layers"] = float(self.compiled_layers)
@@ -492,11 +502,15 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         return {"policy": self.tokenizer, **({"reference": None} if self.cfg.sync_ref_model else {})}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"num_tokens": self.num_tokens, "dynamic_rounds": self.dynamic_rounds}
+        adaptive = self.entropy_bonus is not None and self.entropy_bonus.adaptive
+        return {"num_tokens": self.num_tokens, "dynamic_rounds": self.dynamic_rounds,
+                **(self.entropy_bonus.state() if adaptive else {})}
 
     def restore(self, state: dict[str, Any], checkpoint: Path) -> None:
         self.num_tokens = float(state.get("num_tokens", 0.0))
         self.dynamic_rounds = int(state.get("dynamic_rounds", 0))
+        if self.entropy_bonus is not None:
+            self.entropy_bonus.restore(state)
         if self.cfg.sync_ref_model:
             self.session.load_weights("reference", checkpoint / "reference")
 

@@ -13,6 +13,7 @@ from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
 from posttrain.trainers.config import TrainConfig
+from posttrain.trainers.entropy_bonus import ENTROPY_FIELDS, entropy_checks
 from posttrain.trainers.grpo_loss import LOSS_TYPES
 from posttrain.trainers.streaming import StreamingFields, check_streaming_config, training_processes
 
@@ -35,7 +36,6 @@ ONLINE_REFUSED = {
     "cache_implementation": "posttrain's engine keeps its own KV cache (generation_kv_slots)",
     "log_unique_prompts": "samples.jsonl keeps every logged completion (log_completions)",
 }
-_ENTROPY = "the entropy bonus is not implemented: use top_entropy_quantile"
 
 
 @dataclass
@@ -70,12 +70,10 @@ class GRPOConfig(TrainConfig, OnlineFields, trl.GRPOConfig):
                   "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level",
                   "multi_objective_aggregation", "scale_rewards", "loss_type", "top_entropy_quantile",
                   "use_bias_correction_kl", "off_policy_mask_threshold", *off_policy.CORRECTION_FIELDS,
-                  "max_tool_calling_iterations")
+                  "max_tool_calling_iterations", *ENTROPY_FIELDS)
     _trl_refused = {
         **ONLINE_REFUSED,
         "cast_lm_head_to_fp32": "posttrain's fused LM head computes the log-probs in float32 from the model's dtype",
-        "entropy_coef": _ENTROPY, "use_adaptive_entropy": _ENTROPY, "entropy_coef_min": _ENTROPY,
-        "entropy_coef_max": _ENTROPY, "entropy_coef_delta": _ENTROPY, "entropy_target": _ENTROPY,
         "log_completions_hub_repo": "completions are logged to samples.jsonl in the output dir (log_completions)",
     }
 
@@ -128,6 +126,7 @@ def check_online_config(cfg: Any) -> None:
             (cfg.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
              "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum'"),
             (0.0 < cfg.top_entropy_quantile <= 1.0, "top_entropy_quantile must be in (0, 1]"),
+            *entropy_checks(cfg),
         ]
     for ok, message in checks:
         if not ok:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from posttrain.rewards.functions import weighted_sum
+from posttrain.trainers.entropy_bonus import EntropyBonus
 from posttrain.trainers.off_policy import off_policy_mask
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -58,11 +59,13 @@ def grpo_loss(cfg: Any, per_token_logps: torch.Tensor, old_per_token_logps: torc
               entropy_mask: torch.Tensor | None = None,
               num_items_in_batch: torch.Tensor | float | None = None,
               num_processes: int = 1, sampling_per_token_logps: torch.Tensor | None = None,
-              importance_sampling_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+              importance_sampling_ratio: torch.Tensor | None = None, entropies: torch.Tensor | None = None,
+              bonus: EntropyBonus | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """One micro-batch's loss (divided for accumulation) and (sum, count) ``means``/``per_seq`` to reduce.
     ``num_items_in_batch``: valid tokens of the whole generation batch, all processes;
     ``sampling_per_token_logps``: the sampler's (off_policy_mask_threshold reads them);
-    ``importance_sampling_ratio``: the sampler correction (``off_policy.importance_sampling_ratio``)."""
+    ``importance_sampling_ratio``: the sampler correction (``off_policy.importance_sampling_ratio``);
+    ``bonus``: the entropy bonus (``entropy_coef``), read off ``entropies`` (with grad)."""
     from trl import GRPOTrainer
 
     ga, mask = cfg.gradient_accumulation_steps, mask.to(per_token_logps.dtype)
@@ -112,18 +115,22 @@ def grpo_loss(cfg: Any, per_token_logps: torch.Tensor, old_per_token_logps: torc
     if cfg.beta != 0.0:
         per_token_loss = per_token_loss + cfg.beta * per_token_kl
 
+    # TRL's policy loss; the loss types normalised per micro-batch are then divided for accumulation.
     if cfg.loss_type in ("grpo", "sapo"):
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
+        policy = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     elif cfg.loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
+        policy = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     elif cfg.loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * cfg.max_completion_length) / ga
+        policy = (per_token_loss * mask).sum() / (per_token_loss.size(0) * cfg.max_completion_length)
     elif cfg.loss_type in ("cispo", "dapo", "vespo"):
         # num_items_in_batch spans the generation batch: rescale it to one accumulation window
         items = torch.as_tensor(num_items_in_batch, dtype=per_token_logps.dtype).clamp(min=1.0)
-        loss = (per_token_loss * mask).sum() / (items / num_processes * ga / cfg.steps_per_generation)
+        policy = (per_token_loss * mask).sum() / (items / num_processes * ga / cfg.steps_per_generation)
     else:  # luspo
-        loss = (per_token_loss * mask).sum(-1).mean() / ga
+        policy = (per_token_loss * mask).sum(-1).mean()
+    loss = policy if cfg.loss_type in ("cispo", "dapo", "vespo") else policy / ga
+    if bonus is not None and bonus.enabled:  # the entropy bonus, over the tokens the policy loss acts on
+        loss = loss - bonus.term(entropies, mask if entropy_mask is None else mask * entropy_mask, ga)
 
     with torch.no_grad():
         def masked_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +143,8 @@ def grpo_loss(cfg: Any, per_token_logps: torch.Tensor, old_per_token_logps: torc
 
         means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         per_seq: dict[str, torch.Tensor] = {}
+        if bonus is not None and bonus.enabled:  # TRL's policy_loss: a mean over processes of each one's
+            means["policy_loss"] = (policy.detach(), torch.ones((), device=policy.device))
         if cfg.beta != 0.0:
             means["kl"] = masked_sum(per_token_kl)
         if cfg.loss_type in _CLIPPED_LOSSES:

@@ -16,13 +16,16 @@ from posttrain.run.jsonrows import dumps_row
 def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                      temperature: float, *, compute_entropy: bool = False, batch_size: int | None = None,
                      fused: bool = False, float32: bool = True,
-                     fill_padding: bool = True,
-                     padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     fill_padding: bool = True, padding_free: bool = False,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and detached entropies of the last ``logits_to_keep`` tokens, 0 at padding unless
     ``fill_padding=False``. ``fused``: model has TRL's fused LM head; else ``float32`` computes them through the
     output layer in chunks of tokens (:mod:`posttrain.models.chunked_head`), and ``float32=False`` from the
     logits in the model's dtype (TRL's PPO). Positions follow the mask. ``padding_free``: each chunk's attended
-    tokens packed into one row (0 at padding whatever ``fill_padding``)."""
+    tokens packed into one row (0 at padding whatever ``fill_padding``). ``entropy_grad``: the entropies keep
+    their graph (GRPO's entropy bonus; the fused head only)."""
+    if entropy_grad and not fused:
+        raise ValueError("entropies with grad come from TRL's fused LM head: pass fused=True")
     batch_size = batch_size or input_ids.size(0)
     padding_free = padding_free and packs(model)
     logps, entropies = [], []
@@ -30,7 +33,7 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
         ids, am = input_ids[i : i + batch_size], attention_mask[i : i + batch_size]
         if padding_free:
             lp, ent = packed_completion_logps(model, ids, am, logits_to_keep, temperature, compute_entropy,
-                                              fused, float32)
+                                              fused, float32, entropy_grad)
             logps.append(lp)
             entropies.append(ent)
             continue
@@ -41,7 +44,8 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
             out = model(input_ids=ids, attention_mask=am, position_ids=positions, labels=labels,
                         fused_lm_head=True)
             lp = out.log_probs[:, -logits_to_keep:]
-            ent = out.entropy[:, -logits_to_keep:].detach() if compute_entropy else None
+            ent = out.entropy[:, -logits_to_keep:] if compute_entropy else None
+            ent = ent if ent is None or entropy_grad else ent.detach()
         else:
             lp, ent = unfused_logps(model, ids[:, -logits_to_keep:], temperature, compute_entropy, float32, True,
                                     input_ids=ids, attention_mask=am, position_ids=positions, use_cache=False,
@@ -58,7 +62,7 @@ def completion_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.
 
 def packed_completion_logps(model: Any, ids: torch.Tensor, am: torch.Tensor, logits_to_keep: int,
                             temperature: float, compute_entropy: bool, fused: bool,
-                            float32: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            float32: bool, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``completion_logps`` of one chunk on its packed row: each attended token predicts the next attended
     token of its sequence; the values land at that token's column of the last ``logits_to_keep``."""
     packing = Packing.of(am)
@@ -77,7 +81,8 @@ def packed_completion_logps(model: Any, ids: torch.Tensor, am: torch.Tensor, log
         shift_labels = torch.full_like(packed_ids, -100).index_copy(0, where, targets)
         out = model(**inputs, shift_labels=shift_labels.unsqueeze(0), fused_lm_head=True)
         lp = out.log_probs[0, where]
-        ent = out.entropy[0, where].detach() if compute_entropy else None
+        ent = out.entropy[0, where] if compute_entropy else None
+        ent = ent if ent is None or entropy_grad else ent.detach()
     else:  # a row: no scored token is fine
         lp, ent = unfused_logps(model, targets[None], temperature, compute_entropy, float32, False, **inputs,
                                 use_cache=False, logits_to_keep=where)

@@ -295,6 +295,38 @@ def test_bad_settings_name_the_fix(fields, message):
         GRPOConfig(**{"per_device_train_batch_size": 8, "num_generations": 4, **fields})
 
 
+def test_every_eos_id_the_model_declares_ends_a_completion_as_trl(tmp_path):
+    """A model whose generation config declares end-of-completion ids beyond the tokenizer's EOS (an instruct
+    model's end of turn and end of text): GRPO and RLOO stop sampling at each of them, and count a completion
+    ending on one as terminated, with TRL's list of ids (TRL's trainer built on the same folder)."""
+    import shutil
+
+    from datasets import Dataset
+    from transformers import GenerationConfig
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    tok = tiny.load_tokenizer()
+    path = tmp_path / "model"
+    shutil.copytree(tiny.sft_model_path(), path)
+    GenerationConfig(eos_token_id=[7, 9], pad_token_id=tok.pad_token_id).save_pretrained(path)
+    trl_trainer = TRLTrainer(model=str(path), reward_funcs=token_reward, train_dataset=Dataset.from_dict(
+        {"prompt": ["x"] * 8}), args=TRLConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[],
+                                             per_device_train_batch_size=8, num_generations=4))
+    assert trl_trainer.eos_token_ids == [tok.eos_token_id, 7, 9]
+    for cls, cfg_cls in ((GRPOTrainer, GRPOConfig), (RLOOTrainer, RLOOConfig)):
+        ours = cls(str(path), reward_funcs=token_reward, train_dataset=[{"prompt": "x"}] * 8,
+                   args=cfg_cls(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=8,
+                                num_generations=4, save_strategy="no"))
+        assert ours.eos_ids == trl_trainer.eos_token_ids == ours.rollout.sampling.stop_token_ids
+        ended = torch.tensor([[5, 9, 0], [5, 6, 8]])
+        assert truncated_rows(ended, torch.tensor([[1, 1, 0], [1, 1, 1]]), ours.eos_ids + [0]).tolist() == [False, True]
+        ours.end()
+
+
 def test_rloo_settings():
     from posttrain.errors import ConfigError
     from posttrain.trainers.rloo import RLOOConfig

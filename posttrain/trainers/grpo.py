@@ -93,7 +93,6 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
                 raise ConfigError(f"{policy_path}: the tokenizer has neither a pad nor an EOS token; set one "
                                   "(tokenizer.pad_token = ...) and save it with the model")
             tok.pad_token = tok.eos_token
-        self.eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
 
         tools, environment_factory, self.rollout_func = getattr(self, "_agent_args", (None, None, None))
         self.tool_use, reward_funcs = agents.setup(tools, environment_factory, self.rollout_func, reward_funcs, cfg,
@@ -158,6 +157,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         policy = s.load("policy", policy_given, **kwargs)
         policy.config.get_text_config().pad_token_id = tok.pad_token_id
         policy.generation_config.pad_token_id = tok.pad_token_id
+        self.eos_ids = declared_eos_ids(policy, tok)
         self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
                                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                        stop_token_ids=self.eos_ids)
@@ -543,6 +543,16 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
             for row, v in zip(rows, values):
                 row[column] = v
         write_samples(self.session, self.cfg.output_dir, rows)
+
+
+def declared_eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """TRL's end-of-completion ids: every id the model's generation config declares (an end-of-turn token, a
+    base model's end of text), the tokenizer's EOS first if it is not among them."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [declared] if isinstance(declared, int) else list(declared or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids = [tokenizer.eos_token_id, *ids]
+    return ids
 
 
 def micro_batches_per_epoch(num_prompts: int, cfg: GRPOConfig) -> int:

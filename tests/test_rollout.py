@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 from conftest import run_json
+from transformers import GenerationConfig
 
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
@@ -98,6 +99,17 @@ def test_sampled_logprobs_and_backends_agree(models, tok, prompts):
         assert (lp - outs[backend].logprobs).abs().max().item() < 1e-5
     assert torch.equal(outs["posttrain"].sequences, outs["hf"].sequences)
     assert (outs["posttrain"].logprobs - outs["hf"].logprobs).abs().max().item() < 1e-5
+    # A model whose generation config carries sampling defaults (an instruct model's repetition penalty and
+    # the like): transformers would fill the call's unset fields with them; the hf backend samples as before.
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(repetition_penalty=3.0, no_repeat_ngram_size=2, do_sample=True,
+                                               suppress_tokens=[int(outs["hf"].completion_ids[0, 0])])
+    try:
+        torch.manual_seed(3)
+        again = rollout(model, tok, "hf", **knobs).generate(ids, mask)
+    finally:
+        model.generation_config = saved
+    assert torch.equal(again.sequences, outs["hf"].sequences) and model.generation_config is saved
 
 
 def test_same_seed_same_samples(models, tok, prompts):

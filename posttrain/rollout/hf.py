@@ -35,6 +35,25 @@ def generation_model(session: Any, role: str, bare: nn.Module | None, zero3: boo
             yield s.engines[role].module, False
 
 
+@contextmanager
+def own_generation_config(model: nn.Module) -> Iterator[None]:
+    """While ``generate`` runs, the model's generation config is transformers' defaults: its hub values
+    (an instruct model's ``repetition_penalty``, ``no_repeat_ngram_size``, ``suppress_tokens``...) would
+    otherwise fill every field the call leaves unset and change the sampled distribution, unlike the engine's."""
+    from transformers import GenerationConfig
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = getattr(base, "generation_config", None)
+    if saved is None:
+        yield
+        return
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
 def hf_generate(model: nn.Module, synced: bool, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                 sampling: SamplingParams, key: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion tokens and log-probs [B, max_new_tokens] (padded if every row stopped early)."""
@@ -45,7 +64,7 @@ def hf_generate(model: nn.Module, synced: bool, prompt_ids: torch.Tensor, prompt
                            pad_token_id=sampling.pad_token_id, eos_token_id=sampling.stop_token_ids or None,
                            return_dict_in_generate=True, output_logits=True)
     processors = [GumbelSampling(sampling, key, prompt_ids.shape[1])] if sampling.do_sample else []
-    with torch.no_grad():
+    with torch.no_grad(), own_generation_config(model):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
                              synced_gpus=synced, logits_processor=processors)
     completion = out.sequences[:, prompt_ids.shape[1]:]

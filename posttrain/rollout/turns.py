@@ -16,6 +16,7 @@ from transformers import LogitsProcessor
 from posttrain.errors import ConfigError
 from posttrain.rollout import decoder
 from posttrain.rollout.engine import DecodeEngine
+from posttrain.rollout.hf import own_generation_config
 from posttrain.rollout.sampling import (
     SamplingParams,
     choose_tokens,
@@ -233,7 +234,7 @@ def hf_turns(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
                                eos_token_id=sampling.stop_token_ids or None, return_dict_in_generate=True,
                                output_logits=True)
         processor = TurnSampling(sampling, key, width, [len(done[i]) for i in active], active)
-        with torch.no_grad():
+        with torch.no_grad(), own_generation_config(model):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen,
                                  logits_processor=[processor])
         new = out.sequences[:, width:]

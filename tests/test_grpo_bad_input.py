@@ -42,10 +42,9 @@ CONFIG_CASES = [
     (GRPOConfig, {"use_vllm": True}, "use_vllm is True, which posttrain does not support (posttrain generates with "
      "its own engine (generation_backend), not vLLM): drop --use_vllm or set it to TRL's default False"),
     (RLOOConfig, {"repetition_penalty": 1.2}, "repetition_penalty is 1.2, which posttrain does not support "
-     "(posttrain's engine samples with temperature, top_p and top_k): drop --repetition_penalty or set it to TRL's "
-     "default 1.0"),
-    (GRPOConfig, {"min_p": 0.1}, "min_p is 0.1, which posttrain does not support (posttrain's engine samples with "
-     "temperature, top_p and top_k): drop --min_p or set it to TRL's default None"),
+     "(posttrain's engine samples with temperature, top_p, top_k and min_p): drop --repetition_penalty or set it to "
+     "TRL's default 1.0"),
+    (GRPOConfig, {"min_p": 1.5}, "min_p must be in [0, 1] (0 or None: off), got 1.5"),
     (GRPOConfig, {"entropy_coef": -0.01},
      "entropy_coef must be >= 0 (a bonus on the policy's entropy; 0 turns it off); got -0.01"),
     (GRPOConfig, {"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1},

@@ -381,9 +381,9 @@ def test_every_trl_field_works_or_is_refused(config):
     cls = {"grpo": GRPOConfig, "rloo": RLOOConfig}[config]
     status = field_status(cls)
     assert [k for k, v in status.items() if v == "?"] == []
-    assert status["num_generations"] == status["temperature"] == status["ds3_gather_for_generation"] == ""
+    assert status["num_generations"] == status["temperature"] == status["min_p"] == status["ds3_gather_for_generation"] == ""
     assert status["use_vllm"] and status["pad_to_multiple_of"]
-    for name, value in (("use_vllm", True), ("min_p", 0.1), ("pad_to_multiple_of", 8)):
+    for name, value in (("use_vllm", True), ("repetition_penalty", 1.1), ("pad_to_multiple_of", 8)):
         with pytest.raises(ConfigError, match=f"^{name} is {value!r}, which posttrain does not support"):
             cls(per_device_train_batch_size=8, num_generations=4, **{name: value})
     cls(per_device_train_batch_size=8, num_generations=4, pad_to_multiple_of=None)  # TRL's "auto" off Neuron

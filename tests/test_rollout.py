@@ -314,6 +314,30 @@ def test_the_step_traces_and_decodes_the_same(fused, tok, prompts):
     torch._dynamo.reset()
 
 
+def test_min_p_samples_alike_eager_traced_and_through_generate(tok, prompts):
+    """TRL's min_p (transformers' MinPLogitsWarper, tests below): the engine's eager step, its step traced as CUDA
+    compiles it (the torch sampler, since the Triton one has no min-p) and the hf backend sample the same tokens for
+    the same seed, the log-probs over the full vocabulary at the temperature; min_p changes what is sampled."""
+    model, (ids, mask) = build("llama", tok), prompts
+    knobs = dict(temperature=0.5, min_p=0.9)  # the test model is nearly uniform: a high min_p bites
+    outs = {}
+    for name, backend, options in (("eager", "posttrain", None), ("hf", "hf", None),
+                                   ("traced", "posttrain", dict(compile_backend="aot_eager", smallest_bucket=2,
+                                                                length_bucket=8, sync_every=3))):
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        r = rollout(model, tok, backend, engine_options=options, **knobs)
+        outs[name] = r.generate(ids, mask)
+        assert (forward_logprobs(model, outs[name], mask, temperature=0.5) - outs[name].logprobs).abs().max() < 1e-5
+        assert backend == "hf" or not r.degraded
+    torch._dynamo.reset()
+    assert torch.equal(outs["eager"].sequences, outs["hf"].sequences)
+    assert torch.equal(outs["eager"].sequences, outs["traced"].sequences)
+    torch.manual_seed(5)
+    plain = rollout(model, tok, temperature=0.5).generate(ids, mask)
+    assert not torch.equal(plain.sequences, outs["eager"].sequences)
+
+
 def graph_breaking(fn):
     """``fn`` with a graph break first: a part dynamo cannot trace in one graph."""
     def broken(*args):
@@ -421,17 +445,25 @@ def test_stop_tokens_pad_after_and_min_new_tokens(models, tok, prompts):
 
 
 def test_filters_equal_transformers_warpers():
-    from transformers import TopKLogitsWarper, TopPLogitsWarper
+    from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
-    for k, p in ((5, 1.0), (0, 0.8), (10, 0.5), (0, 0.05)):
+    for k, p, m in ((5, 1.0, None), (0, 0.8, None), (10, 0.5, None), (0, 0.05, None), (0, 1.0, 0.1),
+                    (0, 1.0, 0.5), (8, 0.9, 0.2), (0, 1.0, 1.0)):
         want = logits
         if k:
             want = TopKLogitsWarper(k)(None, want)
         if p < 1:
             want = TopPLogitsWarper(p)(None, want)
-        assert torch.equal(filter_logits(logits, k, p).isinf(), want.isinf()), (k, p)
+        if m:
+            want = MinPLogitsWarper(m)(None, want)
+        got = filter_logits(logits, k, p, min_p=m)
+        assert torch.equal(got.isinf(), want.isinf()), (k, p, m)
+        if m:  # as a graph input: a 0-d tensor with the on/off fixed
+            assert torch.equal(filter_logits(logits, k, p, min_p=torch.tensor(m), use_min_p=True).isinf(),
+                               want.isinf())
+            assert (~got.isinf()).sum() < (~filter_logits(logits, k, p).isinf()).sum()
     # The kept set's mass: the smallest top set with probability >= top_p.
     crafted = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = ~filter_logits(crafted, 0, 0.75).isinf()

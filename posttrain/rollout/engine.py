@@ -143,10 +143,10 @@ class DecodeEngine:
                          if sampling.stop_token_ids else None)
         self.stop_mask = (torch.zeros(self.spec.vocab, dtype=torch.bool, device=dev).index_fill_(0, self.stop_ids, True)
                           if self.stop_ids is not None else None)
-        self.temperature, self.do_sample, self.top_p = (torch.ones((), dtype=torch.float32, device=dev)
-                                                        for _ in range(3))
+        self.temperature, self.do_sample, self.top_p, self.min_p = (
+            torch.ones((), dtype=torch.float32, device=dev) for _ in range(4))
         self.min_new = torch.zeros((), dtype=torch.long, device=dev)
-        self.top_k, self.use_top_p = sampling.top_k, sampling.top_p < 1.0
+        self.top_k, self.use_top_p, self.use_min_p = sampling.top_k, sampling.top_p < 1.0, sampling.min_p is not None
         self.set_knobs(sampling)
         self.width = max_prompt_len  # this rollout's prompt width (set by begin)
         self.prompt_width = 0  # the prompt slots' columns the step reads (shared_prompt_kv; set by begin)
@@ -172,14 +172,16 @@ class DecodeEngine:
     @staticmethod
     def graph_key(sampling: SamplingParams) -> tuple:
         """What a compiled step is specialised on; other knobs are buffers."""
-        return (sampling.top_k, sampling.top_p < 1.0, tuple(sampling.stop_token_ids), sampling.pad_token_id)
+        return (sampling.top_k, sampling.top_p < 1.0, sampling.min_p is not None, tuple(sampling.stop_token_ids),
+                sampling.pad_token_id)
 
     def set_knobs(self, sampling: SamplingParams) -> None:
         if self.graph_key(sampling) != self.graph_key(self.sampling):
-            raise ValueError("set_knobs: top_k, top-p on/off, stop tokens and pad are fixed per engine")
+            raise ValueError("set_knobs: top_k, top-p and min-p on/off, stop tokens and pad are fixed per engine")
         self.temperature.fill_(sampling.temperature)
         self.do_sample.fill_(1.0 if sampling.do_sample else 0.0)
         self.top_p.fill_(sampling.top_p)
+        self.min_p.fill_(sampling.min_p or 0.0)
         self.min_new.fill_(sampling.min_new_tokens)
         self.sampling = sampling
 
@@ -189,8 +191,8 @@ class DecodeEngine:
         return self.slots.nbytes + (self.prompts.nbytes if self.prompts else 0)
 
     def sampler_kernel(self) -> bool:
-        """Whether the step uses the Triton sampler (Triton kernels, no top-k or top-p)."""
-        return self.spec.triton and not self.top_k and not self.use_top_p
+        """Whether the step uses the Triton sampler (Triton kernels, no top-k, top-p or min-p)."""
+        return self.spec.triton and not self.top_k and not self.use_top_p and not self.use_min_p
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters, what it runs and each fallback's reason."""
@@ -306,7 +308,8 @@ class DecodeEngine:
         tokens, logprobs = choose_tokens(
             logits, torch.zeros(len(slots), dtype=torch.long, device=dev), keys, seq=seq_t,
             temperature=self.temperature, do_sample=self.do_sample, top_k=self.top_k, top_p=self.top_p,
-            use_top_p=self.use_top_p, min_new_tokens=self.min_new, stop_ids=self.stop_ids)
+            use_top_p=self.use_top_p, min_new_tokens=self.min_new, stop_ids=self.stop_ids, min_p=self.min_p,
+            use_min_p=self.use_min_p)
         done = self.limit <= 1
         if self.stop_ids is not None:
             done = done | self.stop_mask[tokens]
@@ -387,7 +390,7 @@ class DecodeEngine:
         tokens, logprobs = parts.sample(spec, h, w["head"], w["head_bias"], w["head_lora"], st.step[:rows],
                                         st.seq[:rows], st.sample_key[:rows], self.temperature, self.do_sample, self.top_p,
                                         self.min_new, self.top_k, self.use_top_p, self.stop_ids, self.stop_mask,
-                                        self.sampler_kernel())
+                                        self.sampler_kernel(), self.min_p, self.use_min_p)
         st.record(tokens, logprobs, self.limit, self.stop_mask, self.sampling.pad_token_id, parts.record)
 
     def run(self, rows: int, length: int, steps: int) -> None:

@@ -20,6 +20,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float | None = None  # None or 0: off
     min_new_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)  # EOS and stop tokens
     do_sample: bool = True  # False: greedy
@@ -28,6 +29,9 @@ class SamplingParams:
         # None means "off", as in TRL's configs (top_k: None in some versions).
         self.top_k = 0 if self.top_k is None else int(self.top_k)
         self.top_p = 1.0 if self.top_p is None else float(self.top_p)
+        self.min_p = None if not self.min_p else float(self.min_p)
+        if self.min_p is not None and not 0 < self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1] (0 or None: off), got {self.min_p}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.temperature <= 0:
@@ -53,9 +57,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float | torch.Tensor, use_top_p: bool | None = None
-                  ) -> torch.Tensor:
-    """transformers' TopK then TopP warpers with static shapes (removed entries -inf)."""
+def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float | torch.Tensor, use_top_p: bool | None = None,
+                  min_p: float | torch.Tensor | None = None, use_min_p: bool | None = None) -> torch.Tensor:
+    """transformers' TopK, TopP then MinP warpers with static shapes (removed entries -inf)."""
     if top_k > 0 and top_k < scaled.size(-1):
         kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -65,6 +69,13 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float | torch.Tensor,
         remove_sorted = cumulative <= (1 - top_p)
         remove_sorted[..., -1:] = False
         remove = remove_sorted.scatter(-1, order, remove_sorted)
+        scaled = scaled.masked_fill(remove, float("-inf"))
+    if use_min_p if use_min_p is not None else bool(min_p):
+        # transformers' MinPLogitsWarper op for op: below min_p times the top token's probability goes (the top
+        # token itself never does).
+        probs = torch.softmax(scaled, dim=-1)
+        remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        remove = remove.scatter(-1, probs.argmax(dim=-1, keepdim=True), False)
         scaled = scaled.masked_fill(remove, float("-inf"))
     return scaled
 
@@ -102,10 +113,11 @@ def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
 def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *, seq: torch.Tensor | None = None,
                   temperature: float | torch.Tensor, do_sample: bool | torch.Tensor, top_k: int = 0,
                   top_p: float | torch.Tensor = 1.0, use_top_p: bool | None = None,
-                  min_new_tokens: int | torch.Tensor = 0, stop_ids: torch.Tensor | None = None
+                  min_new_tokens: int | torch.Tensor = 0, stop_ids: torch.Tensor | None = None,
+                  min_p: float | torch.Tensor | None = None, use_min_p: bool | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-prob from raw logits [B, V]. Scalars may be 0-d tensors (graph
-    inputs); top_k, ``use_top_p`` and stop tokens are fixed per graph."""
+    inputs); top_k, ``use_top_p``, ``use_min_p`` and stop tokens are fixed per graph."""
     if seq is None:
         seq = torch.arange(logits.size(0), device=logits.device)
     scaled = logits.float() / temperature
@@ -117,10 +129,10 @@ def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *
         pick = pick.masked_fill(barred & early, float("-inf"))
     if isinstance(do_sample, bool):
         if do_sample:  # greedy ignores top-k/top-p, as transformers does (argmax is kept by both)
-            pick = filter_logits(pick, top_k, top_p, use_top_p)
+            pick = filter_logits(pick, top_k, top_p, use_top_p, min_p, use_min_p)
             pick = pick + gumbel_noise(key, step, seq, pick.size(1))
     else:
-        pick = filter_logits(pick, top_k, top_p, use_top_p)
+        pick = filter_logits(pick, top_k, top_p, use_top_p, min_p, use_min_p)
         pick = pick + gumbel_noise(key, step, seq, pick.size(1)) * do_sample
     tokens = pick.argmax(dim=-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -150,6 +162,7 @@ class GumbelSampling(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = torch.tensor(input_ids.shape[1] - self.prompt_len, device=scores.device)
         key = torch.tensor(self.key, device=scores.device)
-        pick = filter_logits(scores.float() / self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
+        s = self.sampling
+        pick = filter_logits(scores.float() / s.temperature, s.top_k, s.top_p, min_p=s.min_p)
         seq = torch.arange(scores.size(0), device=scores.device)
         return pick + gumbel_noise(key, step, seq, scores.size(1))

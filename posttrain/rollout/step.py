@@ -16,8 +16,8 @@ from posttrain.rollout.sampling import choose_tokens
 def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: Any, head_lora: Any,
             step: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
             do_sample: torch.Tensor, top_p: torch.Tensor, min_new: torch.Tensor, top_k: int, use_top_p: bool,
-            stop_ids: torch.Tensor | None, stop_mask: torch.Tensor | None = None, kernel: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            stop_ids: torch.Tensor | None, stop_mask: torch.Tensor | None = None, kernel: bool = False,
+            min_p: torch.Tensor | None = None, use_min_p: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """LM head and the sampler (posttrain's Triton one if ``kernel``, else ``choose_tokens``)."""
     logits = decoder.head(spec, {"head": head, "head_bias": head_bias, "head_lora": head_lora}, h, normed=True)
     if kernel:
@@ -25,7 +25,8 @@ def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: An
 
         return triton_sample.choose_tokens(logits, step, key, seq, temperature, do_sample, min_new, stop_mask)
     return choose_tokens(logits, step, key, seq=seq, temperature=temperature, do_sample=do_sample, top_k=top_k,
-                         top_p=top_p, use_top_p=use_top_p, min_new_tokens=min_new, stop_ids=stop_ids)
+                         top_p=top_p, use_top_p=use_top_p, min_new_tokens=min_new, stop_ids=stop_ids, min_p=min_p,
+                         use_min_p=use_min_p)
 
 
 def inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, key_valid: torch.Tensor,

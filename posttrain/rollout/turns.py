@@ -173,7 +173,7 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     token, logprob = choose_tokens(
         logits, nxt, st.sample_key[rows], seq=st.seq[rows], temperature=engine.temperature,
         do_sample=engine.do_sample, top_k=engine.top_k, top_p=engine.top_p, use_top_p=engine.use_top_p,
-        min_new_tokens=engine.min_new, stop_ids=engine.stop_ids)
+        min_new_tokens=engine.min_new, stop_ids=engine.stop_ids, min_p=engine.min_p, use_min_p=engine.use_min_p)
     full = (nxt >= engine.max_new) | (nxt >= engine.limit)  # no room for a token: the row ends here
     keep = ~full
     at = nxt.clamp(max=st.out_tokens.shape[1] - 1)
@@ -207,7 +207,7 @@ class TurnSampling(LogitsProcessor):
             pick = pick.masked_fill(early & barred, float("-inf"))
         if not s.do_sample:
             return pick
-        pick = filter_logits(pick, s.top_k, s.top_p)
+        pick = filter_logits(pick, s.top_k, s.top_p, min_p=s.min_p)
         return pick + gumbel_noise(torch.tensor(self.key, device=dev), step, self.seqs.to(dev), scores.shape[1])
 
 

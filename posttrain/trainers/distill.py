@@ -29,7 +29,7 @@ from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
 from posttrain.trainers.online import write_samples
 from posttrain.trainers.run_log import Phases
 
-_SAMPLING = "posttrain's rollout engine samples with temperature, top_p and top_k only"
+_SAMPLING = "posttrain's rollout engine samples with temperature, top_p, top_k and min_p only"
 
 
 @dataclass
@@ -47,12 +47,11 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
     _algorithm = "distillation"
     _trl_works = ("model_init_kwargs", "trust_remote_code", "teacher_model_name_or_path", "teacher_model_revision",
                   "teacher_model_init_kwargs", "disable_dropout", "max_completion_length",
-                  "ds3_gather_for_generation", "pad_to_multiple_of", "temperature", "top_p", "top_k",
+                  "ds3_gather_for_generation", "pad_to_multiple_of", "temperature", "top_p", "top_k", "min_p",
                   "chat_template_kwargs", "beta", "log_completions", "num_completions_to_print",
                   "log_unique_prompts")
     _trl_refused = {
         "shuffle_dataset": "posttrain's distillation always shuffles the rows (TRL's default)",
-        "min_p": _SAMPLING,
         "repetition_penalty": _SAMPLING,
         "generation_kwargs": _SAMPLING,
         "cache_implementation": "posttrain generates with its own engine (generation_backend), not transformers' cache",
@@ -67,6 +66,8 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p must be in [0, 1] (0 or None: off), got {self.min_p}")
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length must be >= 1 (new tokens per generated completion), got "
                               f"{self.max_completion_length!r}")
@@ -271,7 +272,7 @@ class DistillationTrainer(Trainer):
         if role not in self.rollouts:
             sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
                                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                      stop_token_ids=self.eos_token_ids)
+                                      min_p=cfg.min_p, stop_token_ids=self.eos_token_ids)
             self.rollouts[role] = Rollout.from_config(cfg, s, role, sampling, max_batch=batch,
                                                       max_prompt_len=self.max_prompt_len)
         out_rows = []

@@ -160,7 +160,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         self.eos_ids = declared_eos_ids(policy, tok)
         self.sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
                                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                       stop_token_ids=self.eos_ids)
+                                       min_p=cfg.min_p, stop_token_ids=self.eos_ids)
         if s.generates:  # this rank only generates (trainers/generation_ranks.py): no engine, its own loop
             self.generation_rank = GenerationRank(self, policy, max_prompt_len)
             self.model, self.rollout = self.generation_rank.copy, self.generation_rank.rollout

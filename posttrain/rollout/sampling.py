@@ -29,9 +29,7 @@ class SamplingParams:
         # None means "off", as in TRL's configs (top_k: None in some versions).
         self.top_k = 0 if self.top_k is None else int(self.top_k)
         self.top_p = 1.0 if self.top_p is None else float(self.top_p)
-        self.min_p = None if not self.min_p else float(self.min_p)
-        if self.min_p is not None and not 0 < self.min_p <= 1:
-            raise ConfigError(f"min_p must be in [0, 1] (0 or None: off), got {self.min_p}")
+        self.min_p = check_min_p(self.min_p)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.temperature <= 0:
@@ -41,6 +39,13 @@ class SamplingParams:
         if self.top_k < 0 or self.min_new_tokens < 0:
             raise ConfigError(f"top_k and min_new_tokens must be >= 0, got {self.top_k} and {self.min_new_tokens}")
         self.stop_token_ids = list(self.stop_token_ids)
+
+
+def check_min_p(min_p: float | None) -> float | None:
+    """``min_p`` as the sampler takes it (None: off, for None or 0), or the sentence that names the fix."""
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ConfigError(f"min_p must be in [0, 1] (0 or None: off), got {min_p}")
+    return float(min_p) if min_p else None
 
 
 @dataclass

@@ -24,9 +24,10 @@ from posttrain.models.sources import distinct_objects, init_kwargs, model_config
 from posttrain.placement.ranks import sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
+from posttrain.rollout.sampling import check_min_p
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
-from posttrain.trainers.online import write_samples
+from posttrain.trainers.online import declared_eos_ids, write_samples
 from posttrain.trainers.run_log import Phases
 
 _SAMPLING = "posttrain's rollout engine samples with temperature, top_p, top_k and min_p only"
@@ -66,8 +67,7 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
-        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
-            raise ConfigError(f"min_p must be in [0, 1] (0 or None: off), got {self.min_p}")
+        check_min_p(self.min_p)
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length must be >= 1 (new tokens per generated completion), got "
                               f"{self.max_completion_length!r}")
@@ -206,10 +206,7 @@ class DistillationTrainer(Trainer):
             teacher_kwargs.setdefault("trust_remote_code", True)
         varlen_attention.choose_for(s, teacher_kwargs, self.teacher_source, cfg.padding_free)
         teacher = s.load("teacher", self.teacher_source, **teacher_kwargs)
-        # Every end-of-sequence id the student declares ends a completion, as TRL's.
-        declared = getattr(getattr(student, "generation_config", None), "eos_token_id", None)
-        declared = [declared] if isinstance(declared, int) else list(declared or [])
-        self.eos_token_ids = list(dict.fromkeys([self.tokenizer.eos_token_id, *declared]))
+        self.eos_token_ids = declared_eos_ids(student, self.tokenizer)
         self.peft_config = peft_config
         self.student = self.model = prepare_trained(s, "student", student, cfg, peft_config,
                                                     total_steps=self.total_steps)

@@ -50,9 +50,10 @@ class EntropyBonus:
     def term(self, entropies: torch.Tensor, mask: torch.Tensor, accumulation: int) -> torch.Tensor:
         """The bonus subtracted from a micro-batch's loss: the coefficient times the mean entropy over ``mask``
         (with grad), divided for accumulation only, whatever the loss type (TRL's definition)."""
-        mean = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        total, count = (entropies * mask).sum(), mask.sum()
+        mean = total / count.clamp(min=1.0) / accumulation
         if self.adaptive:  # the step's entropy, summed with the other micro-batches'
-            stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach().float()
+            stats = torch.stack([total, count]).detach().float()
             self._window = stats if self._window is None else self._window + stats
         return self.applied() * mean
 

@@ -38,7 +38,7 @@ from posttrain.trainers.grpo_loss import (
     reduce_loss_stats,
 )
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
-from posttrain.trainers.online import completion_logps, truncated_rows, write_samples
+from posttrain.trainers.online import completion_logps, declared_eos_ids, truncated_rows, write_samples
 from posttrain.trainers.run_log import Phases
 from posttrain.trainers.streaming import StreamingGeneration, training_processes
 
@@ -543,16 +543,6 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
             for row, v in zip(rows, values):
                 row[column] = v
         write_samples(self.session, self.cfg.output_dir, rows)
-
-
-def declared_eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    """TRL's end-of-completion ids: every id the model's generation config declares (an end-of-turn token, a
-    base model's end of text), the tokenizer's EOS first if it is not among them."""
-    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = [declared] if isinstance(declared, int) else list(declared or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids = [tokenizer.eos_token_id, *ids]
-    return ids
 
 
 def micro_batches_per_epoch(num_prompts: int, cfg: GRPOConfig) -> int:

@@ -10,6 +10,7 @@ import trl
 
 from posttrain.errors import ConfigError
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
+from posttrain.rollout.sampling import check_min_p
 from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
 from posttrain.trainers.config import TrainConfig
@@ -89,6 +90,7 @@ def check_online_config(cfg: Any) -> None:
     agents.check_config(cfg)
     world = training_processes(cfg)  # generation ranks (generation_processes) take no batch
     grpo = hasattr(cfg, "loss_type")  # TRL's RLOOConfig has none of GRPO's loss options
+    check_min_p(cfg.min_p)
     if grpo:
         cfg.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none"}.get(
             cfg.scale_rewards, cfg.scale_rewards)
@@ -107,7 +109,6 @@ def check_online_config(cfg: Any) -> None:
         (cfg.beta >= 0.0, f"beta (the KL coefficient) must be >= 0; got {cfg.beta}"),
         (cfg.temperature > 0.0,
          f"temperature must be > 0 (sampling; the loss divides logits by it); got {cfg.temperature}"),
-        (cfg.min_p is None or 0.0 <= cfg.min_p <= 1.0, f"min_p must be in [0, 1] (0 or None: off), got {cfg.min_p}"),
         (cfg.num_iterations >= 1, "num_iterations must be >= 1"),
         (cfg.dynamic_sampling_max_rounds >= 0,
          f"dynamic_sampling_max_rounds must be >= 0 (extra generation batches); got {cfg.dynamic_sampling_max_rounds}"),

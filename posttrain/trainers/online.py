@@ -117,6 +117,16 @@ def unfused_logps(model: Any, targets: torch.Tensor, temperature: float, compute
     return lp, ent
 
 
+def declared_eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """TRL's end-of-completion ids (GRPO, RLOO, distillation): every id the model's generation config declares (an
+    end-of-turn token, a base model's end of text), the tokenizer's EOS first if it is not among them."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [declared] if isinstance(declared, int) else list(declared or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids = [tokenizer.eos_token_id, *ids]
+    return ids
+
+
 def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, terminal_ids: list[int]) -> torch.Tensor:
     """Completions that hit ``max_completion_length`` without ending (last kept token not EOS/pad)."""
     lengths = completion_mask.sum(1)

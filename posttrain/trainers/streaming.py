@@ -12,6 +12,7 @@ checkpoint holds only finished groups and a resumed run continues exactly as the
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,15 +213,15 @@ class StreamingGeneration:
         taken, self.ready = self.ready[:need], self.ready[need:]
         return sorted(taken, key=lambda grp: (grp.cycle, grp.index))
 
-    def _started_versions(self) -> list[int]:
-        """The version of each started, unfinished group."""
-        g, versions = self.group_size, []
+    def _started(self) -> Iterator[tuple[Batch, list[bool], int, int]]:
+        """Each started, unfinished group: its batch, that batch's consumed flags, its index there and the weight
+        version its first sequence started under."""
+        g = self.group_size
         for _, batch, consumed in self.pending:
             for j, done in enumerate(consumed):
                 started = [batch.admitted_at[r] for r in range(j * g, (j + 1) * g) if batch.admitted_at[r] >= 0]
                 if not done and started:
-                    versions.append(min(started))
-        return versions
+                    yield batch, consumed, j, min(started)
 
     def _holds_back(self, need: int) -> bool:
         """Whether this step must decode on before it trains (``stale_groups`` "wait"): with the ``need`` oldest
@@ -228,7 +229,7 @@ class StreamingGeneration:
         train more than ``max_staleness`` updates late, unless groups still decoding finish first. Groups started
         under the current weights never decide it: the in-flight bound leaves them room (max_staleness + 1 steps)."""
         now, bound = self.version, self.cfg.max_staleness
-        unfinished = [v for v in self._started_versions() if v < now]
+        unfinished = [v for *_, v in self._started() if v < now]
         if not unfinished:
             return False
         left = sorted(grp.version for grp in self.ready)[need:] + unfinished
@@ -252,14 +253,11 @@ class StreamingGeneration:
         stale = [grp for grp in self.ready if self.version - grp.version > bound]
         self.ready = [grp for grp in self.ready if self.version - grp.version <= bound]
         dropped = len(stale)
-        for _, batch, consumed in self.pending:
-            for j, done in enumerate(consumed):
-                rows = list(range(j * g, (j + 1) * g))
-                started = [batch.admitted_at[r] for r in rows if batch.admitted_at[r] >= 0]
-                if not done and started and self.version - min(started) > bound:
-                    self.stream.drop(batch, rows)
-                    consumed[j] = True
-                    dropped += 1
+        for batch, consumed, j, version in list(self._started()):
+            if self.version - version > bound:
+                self.stream.drop(batch, list(range(j * g, (j + 1) * g)))
+                consumed[j] = True
+                dropped += 1
         self.pending = [p for p in self.pending if not all(p[2])]
         if dropped and not self.dropped_total:  # once: the counter shows the rest
             advice = ("raise max_staleness, or give the engine more slots (generation_kv_slots)"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from posttrain.demo import tiny
+from posttrain.errors import ConfigError
 from posttrain.models.setup import enable_gradient_checkpointing
 from posttrain.rewards import functions as reward_funcs
 from posttrain.trainers.entropy_bonus import EntropyBonus
@@ -287,6 +288,11 @@ def test_prompt_ids_equal_trl_standard_and_conversational(trl):
     ({"sync_ref_model": True, "beta": 0.0}, "beta: 0 loads none"),
     ({"generation_backend": "vllm"}, "generation_backend"),
     ({"generation_batch_size": 12}, "multiple of per_device_train_batch_size"),
+    ({"generation_kwargs": {"num_beams": 2}}, "'num_beams' has no equivalent"),
+    ({"generation_kwargs": {"max_new_tokens": 8}}, "set that instead"),
+    ({"generation_kwargs": {"temperature": 0.5}}, "set temperature instead"),
+    ({"generation_kwargs": {"eos_token_id": [3, -1]}}, "token ids"),
+    ({"generation_kwargs": {"top_p": 1.5}}, "top_p must be in"),
 ])
 def test_bad_settings_name_the_fix(fields, message):
     from posttrain.errors import ConfigError
@@ -325,6 +331,61 @@ def test_every_eos_id_the_model_declares_ends_a_completion_as_trl(tmp_path):
         ended = torch.tensor([[5, 9, 0], [5, 6, 8]])
         assert truncated_rows(ended, torch.tensor([[1, 1, 0], [1, 1, 1]]), ours.eos_ids + [0]).tolist() == [False, True]
         ours.end()
+
+
+def test_generation_kwargs_sample_as_trl_and_end_completions_on_their_stops(tmp_path):
+    """TRL's ``generation_kwargs`` (transformers' names, vLLM's where they differ) override the sampling fields
+    as in TRL: ``eos_token_id`` replaces the stop ids, ``stop_token_ids`` adds to them, top_k -1 is off.
+    Deliberate difference: a completion ends on the stop that ended its sampling. TRL's mask ends only at the
+    model's EOS ids, so with a stop id of one's own a completion that stops before the batch's longest runs on
+    over the padding (checked on TRL's own generation below)."""
+    from datasets import Dataset
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    from posttrain.trainers.distill import DistillationConfig
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    tok = tiny.load_tokenizer()
+    stops = list(range(2, len(tok), 8))  # an eighth of the vocabulary; neither padding (0) nor EOS (1)
+    kwargs = {"eos_token_id": stops, "top_k": 5, "min_new_tokens": 0}
+    trl_trainer = TRLTrainer(model=str(tiny.sft_model_path()), reward_funcs=token_reward, train_dataset=Dataset.from_dict(
+        {"prompt": ["x"] * 8}), args=TRLConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[],
+                                             per_device_train_batch_size=8, num_generations=4,
+                                             max_completion_length=N, generation_kwargs=kwargs))
+    assert trl_trainer.generation_config.eos_token_id == stops and trl_trainer.generation_config.top_k == 5
+    prompt = tok("the cat is")["input_ids"]
+    torch.manual_seed(0)
+    trl_completions, _ = trl_trainer._generate_single_turn([prompt] * 8, None, {}, 8)
+    # TRL's completion ends at the model's EOS only: after a stop of one's own, padding up to the longest.
+    run_on = [c for c in trl_completions if c[0] in stops and len(c) > 1]
+    assert run_on and all(set(c[1:]) == {tok.pad_token_id} for c in run_on)
+
+    ids = torch.tensor([prompt] * 8)
+    for cls, cfg_cls in ((GRPOTrainer, GRPOConfig), (RLOOTrainer, RLOOConfig)):
+        ours = cls(str(tiny.sft_model_path()), reward_funcs=token_reward, train_dataset=[{"prompt": "the cat is"}] * 8,
+                   args=cfg_cls(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=8,
+                                num_generations=4, max_completion_length=N, save_strategy="no",
+                                generation_kwargs=kwargs))
+        sampling = ours.rollout.sampling
+        assert sampling.stop_token_ids == ours.eos_ids == stops and sampling.top_k == 5
+        out = ours.rollout.generate(ids, torch.ones_like(ids))
+        for row, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1).tolist()):
+            ended = [i for i, t in enumerate(row[:n]) if t in stops]
+            assert ended in ([n - 1], []) and (ended or n == N)  # ends on its first stop, or runs to the end
+        assert any(n < N for n in out.completion_mask.sum(1).tolist())
+        ours.end()
+    added = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=token_reward, train_dataset=[{"prompt": "x"}] * 8,
+                        args=GRPOConfig(output_dir=str(tmp_path / "added"), per_device_train_batch_size=8,
+                                        num_generations=4, save_strategy="no",
+                                        generation_kwargs={"stop_token_ids": [5, 1], "top_k": -1, "min_tokens": 2}))
+    assert added.sampling.stop_token_ids == [tok.eos_token_id, 5] and added.sampling.top_k == 0
+    assert added.sampling.min_new_tokens == 2
+    added.end()
+    with pytest.raises(ConfigError, match="'suppress_tokens' has no equivalent"):
+        DistillationConfig(generation_kwargs={"suppress_tokens": [3]})
+    assert DistillationConfig(generation_kwargs={"top_p": 0.9}).generation_kwargs == {"top_p": 0.9}
 
 
 def test_rloo_settings():

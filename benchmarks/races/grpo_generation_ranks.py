@@ -24,7 +24,6 @@ and ``--nproc`` less ``--generation-processes``), each rank's share whole groups
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -67,12 +66,10 @@ def worker(args: argparse.Namespace) -> None:
                      num_generations=args.num_generations, max_completion_length=args.max_completion, beta=0.0,
                      temperature=1.0, learning_rate=1e-6, max_steps=steps, bf16=torch.cuda.is_available(), seed=0,
                      logging_steps=1, disable_tqdm=True, gradient_checkpointing=True, async_generation=True,
-                     max_staleness=args.max_staleness, generation_processes=gen)
+                     max_staleness=args.max_staleness, generation_processes=gen,
+                     generation_kwargs={"eos_token_id": stops})
     trainer = GRPOTrainer(str(path), reward_funcs=[length_reward], args=cfg,
                           train_dataset=prompt_rows((steps + args.max_staleness + 2) * args.prompts, args.prompt_len))
-    # The streaming race's stop set: the sampler's stop ids and what truncation reads (on every rank).
-    trainer.rollout.sampling = dataclasses.replace(trainer.rollout.sampling, stop_token_ids=stops)
-    trainer.sampling, trainer.eos_ids = trainer.rollout.sampling, stops
     stamps: list[float] = []
     if not trainer.session.generates:
         step = trainer.session.step

@@ -15,9 +15,7 @@ The workload: the random-weight 1.1B Llama shape, ``--prompts`` prompts of ``--p
 accumulation over the rest), up to ``--max-completion`` new tokens, temperature 1, beta 0. A completion ends on
 any of a stop set of ``--stop-frac`` of the vocabulary (ids spread evenly over it): on a random model a
 geometric length of mean about 1 / stop-frac, cut at the maximum (mean 99 of 512 at 1%), the long tail of a
-reasoning run's lengths. TRL takes the stop set as ``generation_kwargs={"eos_token_id": [...]}``; posttrain
-refuses ``generation_kwargs``, so the race sets its sampler's stop ids on the built trainer (the rollout's
-``SamplingParams`` and the trainer's ``eos_ids``, which the truncation and reward read): the same set both sides.
+reasoning run's lengths. Both sides take the stop set as TRL's ``generation_kwargs={"eos_token_id": [...]}``.
 
 Each row records, per timed step, the useful tokens trained (``completions/mean_length`` x completions: the
 tokens each side's loss reads) and reports them per second of step time; streaming also reports its staleness,
@@ -29,7 +27,6 @@ dropped groups and held rounds. A posttrain row whose rollout fell back to a slo
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,11 +99,8 @@ def run_posttrain(spec: dict[str, Any], path: Path, rows: list[dict], stops: lis
     extra = dict(async_generation=True, max_staleness=1, stale_groups=stale_groups) if streaming else {}
     cfg = GRPOConfig(output_dir=str(out / (f"streaming-{stale_groups}" if streaming else "sync")),
                      overwrite_output_dir=True,
-                     save_strategy="no", **_settings(spec), **extra)
+                     save_strategy="no", generation_kwargs={"eos_token_id": stops}, **_settings(spec), **extra)
     trainer = GRPOTrainer(str(path), reward_funcs=[length_reward], args=cfg, train_dataset=rows)
-    # The stop set (see the module's docstring): the sampler's stop ids and what truncation reads.
-    trainer.rollout.sampling = dataclasses.replace(trainer.rollout.sampling, stop_token_ids=stops)
-    trainer.sampling, trainer.eos_ids = trainer.rollout.sampling, stops
     s = trainer.session
     history = stamps.train(trainer)
     st = trainer.rollout.stats

@@ -114,6 +114,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=4, help="choices of token at each position of a turn")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--trace", action="store_true",
+                    help="one more multi-turn run under torch.profiler: host and kernel time of the prompt prefill, "
+                         "the turns' collection, the tools with their appends, and the append's prefill alone "
+                         "(benchmarks/harness/region_trace.py)")
     ap.add_argument("--out", default=None, help="a JSON file for the result")
     args = ap.parse_args()
     if args.shape == "tiny":
@@ -167,6 +171,15 @@ def main() -> None:
         sync()
         side.profile = False
         result[name]["profile_ms"] = {k: round(v, 2) for k, v in side.timings.items()}
+    if args.trace:
+        from benchmarks.harness.region_trace import regions
+        from posttrain.rollout import prefill, turns
+
+        marks = {"prompt_prefill": (prefill, "into_rows"), "collect": (turns.Turns, "collect"),
+                 "resolve": (turns.Turns, "resolve"), "append_prefill": (turns, "extend")}
+        with regions(marks) as report:
+            multi.generate_turns(ids, mask, Tool(args.calls, suffix))
+        result["multi"]["trace"] = report.summary
     ratio = result["single"]["tokens_per_s"] / result["multi"]["tokens_per_s"]
     result["ratio"] = ratio
     result["target"] = (f"multi-turn {result['multi']['tokens_per_s']:.0f} model tokens/s against one turn's "

@@ -4,6 +4,7 @@ TRL's truncation after the first stop token."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor
@@ -46,6 +47,53 @@ def check_min_p(min_p: float | None) -> float | None:
     if min_p is not None and not 0 <= min_p <= 1:
         raise ConfigError(f"min_p must be in [0, 1] (0 or None: off), got {min_p}")
     return float(min_p) if min_p else None
+
+
+# TRL's ``generation_kwargs`` keys the engine's sampler takes: transformers' GenerationConfig names and vLLM's
+# SamplingParams names (TRL hands the dict to whichever generates), each to its SamplingParams field.
+GENERATION_KWARGS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "do_sample": "do_sample",
+                     "min_new_tokens": "min_new_tokens", "min_tokens": "min_new_tokens"}
+_STOP_KWARGS = ("eos_token_id", "stop_token_ids")
+
+
+def generation_overrides(kwargs: dict[str, Any] | None, eos_ids: list[int], temperature: float) -> dict[str, Any]:
+    """SamplingParams fields from TRL's ``generation_kwargs``, which override the config's sampling fields as in
+    TRL. ``eos_token_id`` (transformers) replaces the stop ids ``eos_ids``, ``stop_token_ids`` (vLLM) adds to
+    them; any other key, or a ``temperature`` other than the config's, is refused in one sentence."""
+    if not kwargs:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"generation_kwargs must be a dict, got {type(kwargs).__name__}")
+    out: dict[str, Any] = {}
+    stops, extra = None, []
+    for key, value in kwargs.items():
+        if key in GENERATION_KWARGS:
+            # vLLM's top_k -1 and transformers' None both mean off
+            out[GENERATION_KWARGS[key]] = 0 if key == "top_k" and value in (None, -1) else value
+        elif key in _STOP_KWARGS:
+            ids = [value] if isinstance(value, int) else list(value or [])
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ConfigError(f"generation_kwargs {key} must be token ids (whole numbers >= 0), got {value!r}")
+            if key == "eos_token_id":
+                stops = ids
+            else:
+                extra = ids
+        elif key == "temperature":
+            if value != temperature:  # TRL would sample at one temperature and score the loss at the other
+                raise ConfigError(f"generation_kwargs temperature {value} differs from temperature {temperature}, "
+                                  "which the loss divides the logits by: set temperature instead")
+        elif key in ("max_new_tokens", "max_tokens", "max_length"):
+            raise ConfigError(f"generation_kwargs {key}: the completion length is max_completion_length; set that "
+                              "instead")
+        else:
+            takes = ", ".join([*GENERATION_KWARGS, *_STOP_KWARGS, "temperature"])
+            raise ConfigError(f"generation_kwargs {key!r} has no equivalent in posttrain's engine, which takes "
+                              f"{takes}: remove it")
+    if stops is not None or extra:
+        base = list(eos_ids) if stops is None else stops
+        out["stop_token_ids"] = base + [t for t in extra if t not in base]
+    SamplingParams(max_new_tokens=1, pad_token_id=0, **out)  # the values' own checks, before anything loads
+    return out
 
 
 @dataclass

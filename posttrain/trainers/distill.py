@@ -24,7 +24,7 @@ from posttrain.models.sources import distinct_objects, init_kwargs, model_config
 from posttrain.placement.ranks import sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
-from posttrain.rollout.sampling import check_min_p
+from posttrain.rollout.sampling import check_min_p, generation_overrides
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
 from posttrain.trainers.online import declared_eos_ids, write_samples
@@ -49,12 +49,11 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
     _trl_works = ("model_init_kwargs", "trust_remote_code", "teacher_model_name_or_path", "teacher_model_revision",
                   "teacher_model_init_kwargs", "disable_dropout", "max_completion_length",
                   "ds3_gather_for_generation", "pad_to_multiple_of", "temperature", "top_p", "top_k", "min_p",
-                  "chat_template_kwargs", "beta", "log_completions", "num_completions_to_print",
+                  "chat_template_kwargs", "generation_kwargs", "beta", "log_completions", "num_completions_to_print",
                   "log_unique_prompts")
     _trl_refused = {
         "shuffle_dataset": "posttrain's distillation always shuffles the rows (TRL's default)",
         "repetition_penalty": _SAMPLING,
-        "generation_kwargs": _SAMPLING,
         "cache_implementation": "posttrain generates with its own engine (generation_backend), not transformers' cache",
         "max_tool_calling_iterations": "multi-turn tool use runs in GRPOTrainer and RLOOTrainer",
     }
@@ -68,6 +67,7 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
         check_min_p(self.min_p)
+        generation_overrides(self.generation_kwargs, [], self.temperature)
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length must be >= 1 (new tokens per generated completion), got "
                               f"{self.max_completion_length!r}")
@@ -206,7 +206,9 @@ class DistillationTrainer(Trainer):
             teacher_kwargs.setdefault("trust_remote_code", True)
         varlen_attention.choose_for(s, teacher_kwargs, self.teacher_source, cfg.padding_free)
         teacher = s.load("teacher", self.teacher_source, **teacher_kwargs)
-        self.eos_token_ids = declared_eos_ids(student, self.tokenizer)
+        eos_ids = declared_eos_ids(student, self.tokenizer)
+        self.overrides = generation_overrides(cfg.generation_kwargs, eos_ids, cfg.temperature)
+        self.eos_token_ids = self.overrides.get("stop_token_ids", eos_ids)
         self.peft_config = peft_config
         self.student = self.model = prepare_trained(s, "student", student, cfg, peft_config,
                                                     total_steps=self.total_steps)
@@ -267,9 +269,10 @@ class DistillationTrainer(Trainer):
         s, tok, cfg = self.session, self.tokenizer, self.cfg
         batch = cfg.per_device_train_batch_size
         if role not in self.rollouts:
-            sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, pad_token_id=tok.pad_token_id,
-                                      temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                      min_p=cfg.min_p, stop_token_ids=self.eos_token_ids)
+            sampling = SamplingParams(**{
+                "max_new_tokens": cfg.max_completion_length, "pad_token_id": tok.pad_token_id,
+                "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "min_p": cfg.min_p,
+                "stop_token_ids": self.eos_token_ids, **self.overrides})
             self.rollouts[role] = Rollout.from_config(cfg, s, role, sampling, max_batch=batch,
                                                       max_prompt_len=self.max_prompt_len)
         out_rows = []

@@ -10,7 +10,7 @@ import trl
 
 from posttrain.errors import ConfigError
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
-from posttrain.rollout.sampling import check_min_p
+from posttrain.rollout.sampling import check_min_p, generation_overrides
 from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
 from posttrain.trainers.config import TrainConfig
@@ -23,7 +23,8 @@ _SAMPLING = "posttrain's engine samples with temperature, top_p, top_k and min_p
 ONLINE_WORKS = (
     "model_init_kwargs", "trust_remote_code", "disable_dropout", "num_generations", "num_generations_eval",
     "max_completion_length", "ds3_gather_for_generation", "shuffle_dataset", "generation_batch_size",
-    "steps_per_generation", "temperature", "top_p", "top_k", "min_p", "chat_template_kwargs", "beta", "num_iterations",
+    "steps_per_generation", "temperature", "top_p", "top_k", "min_p", "generation_kwargs", "chat_template_kwargs", "beta",
+    "num_iterations",
     "epsilon", "epsilon_high", "reward_weights", "mask_truncated_completions", "sync_ref_model",
     "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions", "num_completions_to_print",
     "log_multimodal",  # text models only: nothing multimodal is ever logged
@@ -33,7 +34,7 @@ ONLINE_WORKS = (
 ONLINE_REFUSED = {
     "pad_to_multiple_of": "posttrain pads each batch to its longest prompt and completion (padding changes no "
                           "number)",
-    "repetition_penalty": _SAMPLING, "generation_kwargs": _SAMPLING,
+    "repetition_penalty": _SAMPLING,
     "cache_implementation": "posttrain's engine keeps its own KV cache (generation_kv_slots)",
     "log_unique_prompts": "samples.jsonl keeps every logged completion (log_completions)",
 }
@@ -91,6 +92,7 @@ def check_online_config(cfg: Any) -> None:
     world = training_processes(cfg)  # generation ranks (generation_processes) take no batch
     grpo = hasattr(cfg, "loss_type")  # TRL's RLOOConfig has none of GRPO's loss options
     check_min_p(cfg.min_p)
+    generation_overrides(cfg.generation_kwargs, [], cfg.temperature)
     if grpo:
         cfg.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none"}.get(
             cfg.scale_rewards, cfg.scale_rewards)

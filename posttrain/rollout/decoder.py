@@ -144,12 +144,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer's input norm, then :func:`project_qkv`: q [B, heads, T, d], k and v [B, kv_heads, T, d]."""
-    return project_qkv(spec, w, rms_norm(x, w["ln1"], spec.eps), cos, sin)
-
-
 def project_qkv(spec: DecoderSpec, w: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Projections, q/k norms and rotation (unless not ``rotate``) of the normed input ``h``."""
@@ -223,16 +217,20 @@ def decode_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, val
     return out.reshape(b, spec.heads, 1, d)
 
 
-def stacked_mask(spec: DecoderSpec, allowed: torch.Tensor) -> torch.Tensor:
-    """``allowed`` [B, 1, W, L] for :func:`query_attention`'s stacked queries: [B, 1, groups x W, L]."""
+def stacked_bias(spec: DecoderSpec, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` [B, 1, W, L] as :func:`query_attention`'s additive mask of its stacked queries, [B, 1,
+    groups x W, L] of 0 and -inf in ``dtype``: what SDPA makes of a boolean mask, made once for all the layers
+    instead of once a layer, its rows 16-element aligned so that CUDA's kernel reads it without a padded copy."""
     b, _, width, length = allowed.shape
-    groups = spec.heads // spec.kv_heads
-    return allowed.unsqueeze(2).expand(b, 1, groups, width, length).reshape(b, 1, groups * width, length)
+    groups, room = spec.heads // spec.kv_heads, length + (-length % 16)
+    bias = torch.full((b, 1, groups, width, room), float("-inf"), dtype=dtype, device=allowed.device)
+    bias[..., :length].masked_fill_(allowed.unsqueeze(2), 0.0)
+    return bias.view(b, 1, groups * width, room)[..., :length]
 
 
 def query_attention(spec: DecoderSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     stacked: torch.Tensor) -> torch.Tensor:
-    """Queries [B, heads, W, d] over keys and values [B, kv_heads, L, d] under :func:`stacked_mask`: each kv
+    """Queries [B, heads, W, d] over keys and values [B, kv_heads, L, d] under :func:`stacked_bias`: each kv
     head's query heads stacked along the queries, so the kv heads are read as they are, never repeated."""
     b, width, d = q.shape[0], q.shape[2], spec.head_dim
     q = q.reshape(b, spec.kv_heads, (spec.heads // spec.kv_heads) * width, d)
@@ -307,12 +305,28 @@ def prefill(spec: DecoderSpec, weights: dict[str, Any], ids: torch.Tensor, posit
     b, p = ids.shape
     causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
     allowed = causal.unsqueeze(0) & key_mask.bool().unsqueeze(1)
-    # A padding query attends to itself, so no row is all -inf (SDPA would give NaN there).
-    allowed = stacked_mask(spec, (allowed | torch.eye(p, dtype=torch.bool, device=ids.device)).unsqueeze(1))
     x = F.embedding(ids, weights["embed"])
+    # A padding query attends to itself, so no row is all -inf (SDPA would give NaN there).
+    bias = stacked_bias(spec, (allowed | torch.eye(p, dtype=torch.bool, device=ids.device)).unsqueeze(1), x.dtype)
     cos, sin = rotary(positions, weights["inv_freq"], spec.rope_scaling, x.dtype)
-    for i, w in enumerate(weights["layers"]):
-        q, k, v = qkv(spec, w, x, cos, sin)
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         write(i, k, v)
-        x = attention_out(spec, w, x, query_attention(spec, q, k, v, allowed))
-    return head(spec, weights, x[:, -1:])
+        return query_attention(spec, q, k, v, bias)
+
+    return head(spec, weights, layers(spec, weights, x, cos, sin, attend)[:, -1:])
+
+
+def layers(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Every decoder layer over the hidden states ``x`` [B, T, H], ``attend(layer, q, k, v)`` giving its
+    attention; each layer's residual add fused with the next layer's input norm, as the decode step does."""
+    ws = weights["layers"]
+    h = rms_norm(x, ws[0]["ln1"], spec.eps)
+    for i, w in enumerate(ws):
+        q, k, v = project_qkv(spec, w, h, cos, sin)
+        if i + 1 < len(ws):
+            x, h = attention_out(spec, w, x, attend(i, q, k, v), ws[i + 1]["ln1"])
+        else:
+            x = attention_out(spec, w, x, attend(i, q, k, v))
+    return x

@@ -156,14 +156,16 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     length = max(c + t for c, t in zip(col0, lens))
     cos, sin = decoder.rotary(pos0_t.unsqueeze(1) + here, w["inv_freq"], spec.rope_scaling, engine.dtype)
     allowed = st.key_valid[rows, :length].unsqueeze(1) & (st.cols[:length].view(1, 1, -1) <= cols.unsqueeze(2))
-    allowed = decoder.stacked_mask(spec, allowed.unsqueeze(1))
     x = F.embedding(ids, w["embed"])
-    for i, lw in enumerate(w["layers"]):
-        q, k, v = decoder.qkv(spec, lw, x, cos, sin)  # k, v [n, kv_heads, width, d]
+    bias = decoder.stacked_bias(spec, allowed.unsqueeze(1), x.dtype)
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         st.keys[i][pair_slot, :, pair_col] = k[pair_row, :, pair_pos]
         st.values[i][pair_slot, :, pair_col] = v[pair_row, :, pair_pos]
         keys, values = st.keys[i][rows, :, :length], st.values[i][rows, :, :length]
-        x = decoder.attention_out(spec, lw, x, decoder.query_attention(spec, q, keys, values, allowed))
+        return decoder.query_attention(spec, q, keys, values, bias)
+
+    x = decoder.layers(spec, w, x, cos, sin, attend)
     last = x[torch.arange(n, device=dev), lens_t - 1].unsqueeze(1)  # each row's last real position
     logits = decoder.head(spec, w, last)
     nxt = step0_t + lens_t - 1  # the index of each row's next completion token

@@ -44,6 +44,47 @@ def test_add_rms_norm_equals_the_decoders(dtype, rows, hidden, per, monkeypatch)
     torch.testing.assert_close(normed, want, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads, d", [(3, 16), (4, 8)])
+def test_rope_heads_equals_eager_rotation(dtype, heads, d):
+    """The prefill's rotation of a [B, heads, T, d] view (transposed from the projection's [B, T, heads, d]),
+    to the bit as ``q * cos + rotate_half(q) * sin``, contiguous; a head count that is not a power of two."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, heads, d, dtype=dtype).transpose(1, 2)
+    cos, sin = decoder.rotary(torch.arange(10).view(2, 5) + 3, 1.0 / (10000 ** (torch.arange(0, d, 2) / d)), 1.0,
+                              dtype)
+    got = triton_pointwise.rope_heads(x, cos, sin)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    want = x * c + decoder._rotate_half(x) * s
+    assert got.is_contiguous() and torch.equal(got, want)
+
+
+def test_the_layers_take_the_rotation_kernel_only_with_triton():
+    """``decoder.layers`` (the prefill's and the tool append's) gives the same hidden states with the Triton
+    rotation and fused norms as eager (float32, within rounding of the fused norm)."""
+    torch.manual_seed(0)
+    hidden, inter, d = 16, 24, 8
+    spec = _spec(heads=2, kv_heads=1, head_dim=d)
+
+    def layer():
+        return {"ln1": torch.randn(hidden), "qkv": torch.randn(4 * d, hidden) / 4, "o": torch.randn(hidden, hidden) / 4,
+                "ln2": torch.randn(hidden), "gate_up": torch.randn(2 * inter, hidden) / 4,
+                "down": torch.randn(hidden, inter) / 5}
+
+    weights = {"layers": [layer(), layer()]}
+    x = torch.randn(2, 5, hidden)
+    cos, sin = decoder.rotary(torch.arange(10).view(2, 5), 1.0 / (10000 ** (torch.arange(0, d, 2) / d)), 1.0,
+                              x.dtype)
+
+    def attend(i, q, k, v):
+        assert q.shape == (2, 2, 5, d) and k.shape == (2, 1, 5, d)
+        return decoder.query_attention(spec, q, k, v, torch.zeros(2, 1, 10, 5))
+
+    want = decoder.layers(spec, weights, x, cos, sin, attend)
+    got = decoder.layers(_spec(heads=2, kv_heads=1, head_dim=d, triton=True), weights, x, cos, sin, attend)
+    assert (got - want).abs().max().item() < 1e-5
+
+
 def _spec(**changes):
     spec = decoder.DecoderSpec(heads=2, kv_heads=1, head_dim=8, scaling=8**-0.5, eps=1e-6, rope_scaling=1.0, act=F.silu,
                                vocab=10)
@@ -95,6 +136,11 @@ sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "x_out": "*bf16", "
        "eps": "fp32", **{n: "constexpr" for n in c}}
 k = triton.compile(ASTSource(tp._add_rms_norm, sig, c), target=target, options={"num_warps": 8})
 print("norm", "rsqrt" in k.asm["ptx"])
+c = {"H": 32, "BLOCK_H": 32, "D": 64}
+sig = {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32",
+       **{n: "i64" for n in ("sx_b", "sx_h", "sx_t", "sc_b", "sc_t", "ss_b", "ss_t")}, **{n: "constexpr" for n in c}}
+k = triton.compile(ASTSource(tp._rope_heads, sig, c), target=target, options={"num_warps": 4})
+print("rope", "st.global" in k.asm["ptx"])
 """
 
 
@@ -102,4 +148,4 @@ def test_the_pointwise_kernels_compile_for_an_h200(tmp_path):
     from conftest import compile_ahead_of_time
 
     out = compile_ahead_of_time(AHEAD_OF_TIME, tmp_path)
-    assert out.split() == ["silu", "True", "norm", "True"], out
+    assert out.split() == ["silu", "True", "norm", "True", "rope", "True"], out

@@ -324,7 +324,11 @@ def layers(spec: DecoderSpec, weights: dict[str, Any], x: torch.Tensor, cos: tor
     ws = weights["layers"]
     h = rms_norm(x, ws[0]["ln1"], spec.eps)
     for i, w in enumerate(ws):
-        q, k, v = project_qkv(spec, w, h, cos, sin)
+        if spec.triton:  # rotated by one kernel into the layout SDPA reads (eager: five passes and a copy)
+            q, k, v = project_qkv(spec, w, h, cos, sin, rotate=False)
+            q, k = torch.ops.posttrain.rope_heads(q, cos, sin), torch.ops.posttrain.rope_heads(k, cos, sin)
+        else:
+            q, k, v = project_qkv(spec, w, h, cos, sin)
         if i + 1 < len(ws):
             x, h = attention_out(spec, w, x, attend(i, q, k, v), ws[i + 1]["ln1"])
         else:

@@ -1,11 +1,13 @@
-"""The decode step's Triton pointwise kernels (SiLU-and-multiply, add + RMSNorm), rounding as transformers'
-eager modules."""
+"""The engine's Triton pointwise kernels (SiLU-and-multiply, add + RMSNorm, the prefill's rotary embedding),
+rounding as transformers' eager modules."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from posttrain.rollout.kernels.decode_attention import _rope
 
 SILU_BLOCK = 1024  # elements a program
 SILU_WARPS = 4
@@ -39,6 +41,33 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, x_out, h_out, rows, eps, H: tl.constexpr,
     h = (xf * scale[:, None]).to(x.dtype)
     w = tl.load(w_ptr + c, mask=c < H, other=0.0)
     tl.store(h_out + at, (w[None, :].to(tl.float32) * h.to(tl.float32)).to(x.dtype), mask=ok)
+
+
+@triton.jit
+def _rope_heads(x_ptr, cos_ptr, sin_ptr, out_ptr, T, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t,
+                H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    bt = tl.program_id(0).to(tl.int64)  # one position of one row, every head
+    b, t = bt // T, bt % T
+    h, d = tl.arange(0, BLOCK_H), tl.arange(0, D)
+    ok = (h < H)[:, None]
+    at = x_ptr + b * sx_b + t * sx_t + h[:, None] * sx_h
+    x = tl.load(at + d[None, :], mask=ok, other=0.0)
+    partner = tl.load(at + ((d + D // 2) % D)[None, :], mask=ok, other=0.0)  # rotate_half's source
+    cos = tl.load(cos_ptr + b * sc_b + t * sc_t + d)[None, :]
+    sin = tl.load(sin_ptr + b * ss_b + t * ss_t + d)[None, :]
+    tl.store(out_ptr + ((b * H + h[:, None]) * T + t) * D + d[None, :], _rope(x, partner, cos, sin, D), mask=ok)
+
+
+def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` of ``x`` [B, H, T, d] (any strides; unit along d), cos and sin
+    [B, T, d]: contiguous [B, H, T, d], what SDPA reads without a copy."""
+    b, heads, t, d = x.shape
+    out = torch.empty((b, heads, t, d), dtype=x.dtype, device=x.device)
+    if out.numel():
+        _rope_heads[(b * t,)](x, cos, sin, out, t, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
+                              cos.stride(1), sin.stride(0), sin.stride(1), H=heads,
+                              BLOCK_H=triton.next_power_of_2(heads), D=d, num_warps=SILU_WARPS)
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -84,3 +113,13 @@ def add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
 @add_rms_norm_op.register_fake
 def _(x, residual, weight, eps):  # noqa: ANN001, ANN202
     return x.new_empty(x.shape), x.new_empty(x.shape)  # contiguous, as add_rms_norm returns them
+
+
+@torch.library.custom_op("posttrain::rope_heads", mutates_args=())
+def rope_heads_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return rope_heads(x, cos, sin)
+
+
+@rope_heads_op.register_fake
+def _(x, cos, sin):  # noqa: ANN001, ANN202
+    return x.new_empty(x.shape)  # contiguous

@@ -41,9 +41,12 @@ CONFIG_CASES = [
     # TRL's fields posttrain does not take: refused by name unless at TRL's default.
     (GRPOConfig, {"use_vllm": True}, "use_vllm is True, which posttrain does not support (posttrain generates with "
      "its own engine (generation_backend), not vLLM): drop --use_vllm or set it to TRL's default False"),
-    (RLOOConfig, {"repetition_penalty": 1.2}, "repetition_penalty is 1.2, which posttrain does not support "
-     "(posttrain's engine samples with temperature, top_p, top_k and min_p): drop --repetition_penalty or set it to "
-     "TRL's default 1.0"),
+    (RLOOConfig, {"cache_implementation": "static"}, "cache_implementation is 'static', which posttrain does not "
+     "support (posttrain's engine keeps its own KV cache (generation_kv_slots)): drop --cache_implementation or set "
+     "it to TRL's default None"),
+    (RLOOConfig, {"generation_kwargs": {"num_beams": 4}}, "generation_kwargs 'num_beams' has no equivalent in "
+     "posttrain's engine, which takes top_k, top_p, min_p, do_sample, min_new_tokens, min_tokens, repetition_penalty, "
+     "eos_token_id, stop_token_ids, temperature: remove it"),
     (GRPOConfig, {"min_p": 1.5}, "min_p must be in [0, 1] (0 or None: off), got 1.5"),
     (GRPOConfig, {"entropy_coef": -0.01},
      "entropy_coef must be >= 0 (a bonus on the policy's entropy; 0 turns it off); got -0.01"),

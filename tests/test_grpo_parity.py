@@ -293,6 +293,8 @@ def test_prompt_ids_equal_trl_standard_and_conversational(trl):
     ({"generation_kwargs": {"temperature": 0.5}}, "set temperature instead"),
     ({"generation_kwargs": {"eos_token_id": [3, -1]}}, "token ids"),
     ({"generation_kwargs": {"top_p": 1.5}}, "top_p must be in"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ({"generation_kwargs": {"repetition_penalty": -1.0}}, "repetition_penalty must be > 0"),
 ])
 def test_bad_settings_name_the_fix(fields, message):
     from posttrain.errors import ConfigError
@@ -378,10 +380,11 @@ def test_generation_kwargs_sample_as_trl_and_end_completions_on_their_stops(tmp_
         ours.end()
     added = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=token_reward, train_dataset=[{"prompt": "x"}] * 8,
                         args=GRPOConfig(output_dir=str(tmp_path / "added"), per_device_train_batch_size=8,
-                                        num_generations=4, save_strategy="no",
+                                        num_generations=4, save_strategy="no", repetition_penalty=1.3,
                                         generation_kwargs={"stop_token_ids": [5, 1], "top_k": -1, "min_tokens": 2}))
     assert added.sampling.stop_token_ids == [tok.eos_token_id, 5] and added.sampling.top_k == 0
-    assert added.sampling.min_new_tokens == 2
+    assert added.sampling.min_new_tokens == 2 and added.sampling.repetition_penalty == 1.3
+    assert added.rollout.sampling.repetition_penalty == 1.3  # what the engine samples with
     added.end()
     with pytest.raises(ConfigError, match="'suppress_tokens' has no equivalent"):
         DistillationConfig(generation_kwargs={"suppress_tokens": [3]})
@@ -443,8 +446,9 @@ def test_every_trl_field_works_or_is_refused(config):
     status = field_status(cls)
     assert [k for k, v in status.items() if v == "?"] == []
     assert status["num_generations"] == status["temperature"] == status["min_p"] == status["ds3_gather_for_generation"] == ""
+    assert status["repetition_penalty"] == status["generation_kwargs"] == ""
     assert status["use_vllm"] and status["pad_to_multiple_of"]
-    for name, value in (("use_vllm", True), ("repetition_penalty", 1.1), ("pad_to_multiple_of", 8)):
+    for name, value in (("use_vllm", True), ("cache_implementation", "static"), ("pad_to_multiple_of", 8)):
         with pytest.raises(ConfigError, match=f"^{name} is {value!r}, which posttrain does not support"):
             cls(per_device_train_batch_size=8, num_generations=4, **{name: value})
     cls(per_device_train_batch_size=8, num_generations=4, pad_to_multiple_of=None)  # TRL's "auto" off Neuron

@@ -338,6 +338,56 @@ def test_min_p_samples_alike_eager_traced_and_through_generate(tok, prompts):
     assert not torch.equal(plain.sequences, outs["eager"].sequences)
 
 
+def test_repetition_penalty_samples_alike_eager_traced_streamed_and_through_generate(tok, prompts):
+    """TRL's repetition_penalty (transformers' RepetitionPenaltyLogitsProcessor over the prompt, left padding
+    skipped, and the sampled tokens): the eager step, the step traced as CUDA compiles it, sequences streamed
+    through two slots (moved between slots) and the hf backend sample the same tokens for the same seed; the
+    log-probs stay those of the unpenalized distribution at the temperature, the training forward's."""
+    model, (ids, mask) = build("llama", tok), prompts
+    knobs = dict(temperature=0.5, repetition_penalty=0.05, stop_token_ids=[tok.eos_token_id])  # < 1 rewards repeats
+    outs = {}
+    for name, backend, options, slots in (
+            ("eager", "posttrain", None, None), ("hf", "hf", None, None), ("streamed", "posttrain", None, 2),
+            ("traced", "posttrain", dict(compile_backend="aot_eager", smallest_bucket=2, length_bucket=8,
+                                         sync_every=3), None)):
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        r = rollout(model, tok, backend, engine_options=options, kv_slots=slots, **knobs)
+        outs[name] = r.generate(ids, mask)
+        assert (forward_logprobs(model, outs[name], mask, temperature=0.5) - outs[name].logprobs).abs().max() < 1e-5
+        assert backend == "hf" or not r.degraded
+    torch._dynamo.reset()
+    for name in ("hf", "streamed", "traced"):
+        assert torch.equal(outs["eager"].sequences, outs[name].sequences), name
+    torch.manual_seed(5)
+    plain = rollout(model, tok, temperature=0.5, stop_token_ids=[tok.eos_token_id]).generate(ids, mask)
+    assert not torch.equal(plain.sequences, outs["eager"].sequences)
+    # Rewarding repeats makes completions repeat their own and their prompt's tokens more than plain sampling.
+    def repeats(out):
+        return sum(len(row) - len(set(row)) for row in out.completion_ids.tolist())
+    assert repeats(outs["eager"]) > repeats(plain)
+
+
+def test_repetition_penalty_equals_transformers_processor():
+    """The penalty as transformers applies it before the temperature, over left-padded rows."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from posttrain.rollout.sampling import seen_tokens
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[0, 0, 5, 7, 5], [3, 4, 9, 9, 2]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    logits = torch.randn(2, 12) * 3
+    want = RepetitionPenaltyLogitsProcessor(1.7, prompt_ignore_length=(mask == 0).sum(1))(ids, logits.clone())
+    for do_sample in (False, True):
+        got, _ = choose_tokens(logits, torch.zeros(2, dtype=torch.long), torch.tensor(3), temperature=0.8,
+                               do_sample=do_sample, seen=seen_tokens(ids, mask, 12), penalty=1.7)
+        ref, _ = choose_tokens(want, torch.zeros(2, dtype=torch.long), torch.tensor(3), temperature=0.8,
+                               do_sample=do_sample)
+        assert torch.equal(got, ref)
+    assert seen_tokens(ids, mask, 12)[0].nonzero().flatten().tolist() == [5, 7]  # padding (0) not seen
+
+
 def graph_breaking(fn):
     """``fn`` with a graph break first: a part dynamo cannot trace in one graph."""
     def broken(*args):

@@ -8,6 +8,7 @@ import torch
 from posttrain.demo import tiny
 from posttrain.errors import ConfigError
 from posttrain.rollout import Rollout, SamplingParams, choose_tokens
+from posttrain.rollout.sampling import seen_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
@@ -58,9 +59,9 @@ class Tool:
         return result
 
 
-def reference(model, ids, mask, key, tool, stop_ids):
+def reference(model, ids, mask, key, tool, stop_ids, penalty=1.0):
     """Each sequence alone through transformers' forward and its own cache, one token at a time, the tool
-    output forced in where its turn ends."""
+    output forced in where its turn ends; the repetition ``penalty`` over every token of the conversation."""
     from transformers import DynamicCache
 
     out = []
@@ -73,8 +74,10 @@ def reference(model, ids, mask, key, tool, stop_ids):
             with torch.no_grad():
                 logits = model(input_ids=torch.tensor([seq[fed:]]), past_key_values=cache, use_cache=True).logits[:, -1]
             fed = len(seq)
+            held = seen_tokens(torch.tensor([seq]), torch.ones(1, len(seq)), logits.shape[-1]) if penalty != 1 else None
             t, lp = choose_tokens(logits, torch.tensor([len(comp)]), torch.tensor(key), seq=torch.tensor([i]),
-                                  temperature=TEMPERATURE, do_sample=True, stop_ids=torch.tensor(stop_ids))
+                                  temperature=TEMPERATURE, do_sample=True, stop_ids=torch.tensor(stop_ids),
+                                  seen=held, penalty=penalty)
             comp.append(int(t)), lps.append(float(lp))
             if comp[-1] in stop_ids or len(comp) == N:
                 new = tool(i, comp, N - len(comp))
@@ -86,9 +89,9 @@ def reference(model, ids, mask, key, tool, stop_ids):
     return out
 
 
-def run(model, tok, ids, mask, backend, seed, kv_slots=None, tool=None):
+def run(model, tok, ids, mask, backend, seed, kv_slots=None, tool=None, penalty=1.0):
     sampling = SamplingParams(max_new_tokens=N, pad_token_id=tok.pad_token_id, temperature=TEMPERATURE,
-                              stop_token_ids=stops(tok))
+                              stop_token_ids=stops(tok), repetition_penalty=penalty)
     r = Rollout(None, "policy", sampling, max_batch=ids.shape[0], max_prompt_len=ids.shape[1], backend=backend,
                 model=model, kv_slots=kv_slots)
     torch.manual_seed(seed)
@@ -100,18 +103,19 @@ def run(model, tok, ids, mask, backend, seed, kv_slots=None, tool=None):
     return r.generate_turns(ids, mask, r.tool), key, r
 
 
-@pytest.fixture(scope="module")
-def expected(model, tok, prompts):
+@pytest.fixture(scope="module", params=[1.0, 1.8], ids=["no-penalty", "repetition-penalty"])
+def expected(model, tok, prompts, request):
     torch.manual_seed(5)
     key = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    return key, reference(model, *prompts, key, Tool(), stops(tok))
+    return key, reference(model, *prompts, key, Tool(), stops(tok), request.param), request.param
 
 
 @pytest.mark.parametrize("backend,kv_slots", [("posttrain", None), ("posttrain", 2), ("hf", None)])
 def test_turns_equal_the_sequence_with_tool_output_forced_in(model, tok, prompts, expected, backend, kv_slots):
-    """kv_slots 2: sequences stream through two slots, extended rows compacted and moved with the others."""
+    """kv_slots 2: sequences stream through two slots, extended rows compacted and moved with the others. With
+    transformers' repetition penalty: every token of the conversation (prompt, samples, tool output) penalized."""
     ids, mask = prompts
-    out, key, r = run(model, tok, ids, mask, backend, seed=5, kv_slots=kv_slots)
+    out, key, r = run(model, tok, ids, mask, backend, seed=5, kv_slots=kv_slots, penalty=expected[2])
     assert r.backend == backend and key == expected[0]
     ref = expected[1]
     turns = 0

@@ -18,7 +18,7 @@ from posttrain.rollout import kernels, prefill, weights
 from posttrain.rollout.adapters import Adapters
 from posttrain.rollout.decoder import DecoderSpec
 from posttrain.rollout.prompt_cache import SharedPrompts, bucket_sizes, default_prompt_slots
-from posttrain.rollout.sampling import SamplingParams, choose_tokens
+from posttrain.rollout.sampling import SamplingParams, choose_tokens, seen_tokens
 from posttrain.rollout.slots import Slots
 from posttrain.rollout.step import Parts
 
@@ -123,8 +123,9 @@ class DecodeEngine:
             self.prompts = SharedPrompts(self.spec, layers, capacity, group_size, max_prompt_len, slots, self.dtype,
                                          self.device)
             cache_len = self.max_new  # the rows' cache holds only their completions
+        self.use_penalty = sampling.repetition_penalty != 1.0
         self.slots = Slots(slots, layers, self.spec.kv_heads, self.spec.head_dim, cache_len, self.max_new,
-                           self.dtype, self.device)
+                           self.dtype, self.device, vocab=self.spec.vocab if self.use_penalty else None)
         self.sync_every, self.length_bucket = sync_every, max(1, length_bucket)
         self.prefill_tokens = prefill_tokens
         self.admit_min = admit_min if admit_min is not None else max(1, slots // 8)
@@ -143,8 +144,8 @@ class DecodeEngine:
                          if sampling.stop_token_ids else None)
         self.stop_mask = (torch.zeros(self.spec.vocab, dtype=torch.bool, device=dev).index_fill_(0, self.stop_ids, True)
                           if self.stop_ids is not None else None)
-        self.temperature, self.do_sample, self.top_p, self.min_p = (
-            torch.ones((), dtype=torch.float32, device=dev) for _ in range(4))
+        self.temperature, self.do_sample, self.top_p, self.min_p, self.penalty = (
+            torch.ones((), dtype=torch.float32, device=dev) for _ in range(5))
         self.min_new = torch.zeros((), dtype=torch.long, device=dev)
         self.top_k, self.use_top_p, self.use_min_p = sampling.top_k, sampling.top_p < 1.0, sampling.min_p is not None
         self.set_knobs(sampling)
@@ -173,15 +174,17 @@ class DecodeEngine:
     def graph_key(sampling: SamplingParams) -> tuple:
         """What a compiled step is specialised on; other knobs are buffers."""
         return (sampling.top_k, sampling.top_p < 1.0, sampling.min_p is not None, tuple(sampling.stop_token_ids),
-                sampling.pad_token_id)
+                sampling.pad_token_id, sampling.repetition_penalty != 1.0)
 
     def set_knobs(self, sampling: SamplingParams) -> None:
         if self.graph_key(sampling) != self.graph_key(self.sampling):
-            raise ValueError("set_knobs: top_k, top-p and min-p on/off, stop tokens and pad are fixed per engine")
+            raise ValueError("set_knobs: top_k, top-p, min-p and the repetition penalty on/off, stop tokens and pad "
+                             "are fixed per engine")
         self.temperature.fill_(sampling.temperature)
         self.do_sample.fill_(1.0 if sampling.do_sample else 0.0)
         self.top_p.fill_(sampling.top_p)
         self.min_p.fill_(sampling.min_p or 0.0)
+        self.penalty.fill_(sampling.repetition_penalty)
         self.min_new.fill_(sampling.min_new_tokens)
         self.sampling = sampling
 
@@ -191,8 +194,9 @@ class DecodeEngine:
         return self.slots.nbytes + (self.prompts.nbytes if self.prompts else 0)
 
     def sampler_kernel(self) -> bool:
-        """Whether the step uses the Triton sampler (Triton kernels, no top-k, top-p or min-p)."""
-        return self.spec.triton and not self.top_k and not self.use_top_p and not self.use_min_p
+        """Whether the step uses the Triton sampler (Triton kernels, no top-k, top-p, min-p or repetition penalty)."""
+        return (self.spec.triton and not self.top_k and not self.use_top_p and not self.use_min_p
+                and not self.use_penalty)
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters, what it runs and each fallback's reason."""
@@ -305,17 +309,18 @@ class DecodeEngine:
                                                   self.prefill_tokens, self.dtype)
             valid[:, :p] = mask.bool()
         keys = self.key.expand(len(slots)).clone() if key is None else torch.full_like(seq_t, key)
+        seen = seen_tokens(ids, mask, self.spec.vocab) if self.use_penalty else None
         tokens, logprobs = choose_tokens(
             logits, torch.zeros(len(slots), dtype=torch.long, device=dev), keys, seq=seq_t,
             temperature=self.temperature, do_sample=self.do_sample, top_k=self.top_k, top_p=self.top_p,
             use_top_p=self.use_top_p, min_new_tokens=self.min_new, stop_ids=self.stop_ids, min_p=self.min_p,
-            use_min_p=self.use_min_p)
+            use_min_p=self.use_min_p, seen=seen, penalty=self.penalty)
         done = self.limit <= 1
         if self.stop_ids is not None:
             done = done | self.stop_mask[tokens]
         col = 0 if self.prompts is not None else p  # the first completion token's cache column
         self.slots.admit(slot_t, seq_t, keys, tokens, logprobs, mask.sum(1), valid, col, done,
-                         self.sampling.pad_token_id)
+                         self.sampling.pad_token_id, seen)
         self._stats["prefill_rows"] += prefilled
         self._stats["prefill_sequences"] += len(slots)
         self._stats["admissions"] += 1
@@ -390,7 +395,8 @@ class DecodeEngine:
         tokens, logprobs = parts.sample(spec, h, w["head"], w["head_bias"], w["head_lora"], st.step[:rows],
                                         st.seq[:rows], st.sample_key[:rows], self.temperature, self.do_sample, self.top_p,
                                         self.min_new, self.top_k, self.use_top_p, self.stop_ids, self.stop_mask,
-                                        self.sampler_kernel(), self.min_p, self.use_min_p)
+                                        self.sampler_kernel(), self.min_p, self.use_min_p,
+                                        None if st.seen is None else st.seen[:rows], self.penalty)
         st.record(tokens, logprobs, self.limit, self.stop_mask, self.sampling.pad_token_id, parts.record)
 
     def run(self, rows: int, length: int, steps: int) -> None:

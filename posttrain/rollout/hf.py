@@ -62,7 +62,8 @@ def hf_generate(model: nn.Module, synced: bool, prompt_ids: torch.Tensor, prompt
     n = sampling.max_new_tokens
     gen = GenerationConfig(max_new_tokens=n, min_new_tokens=sampling.min_new_tokens or None, do_sample=False,
                            pad_token_id=sampling.pad_token_id, eos_token_id=sampling.stop_token_ids or None,
-                           return_dict_in_generate=True, output_logits=True)
+                           repetition_penalty=sampling.repetition_penalty, return_dict_in_generate=True,
+                           output_logits=True)
     processors = [GumbelSampling(sampling, key, prompt_ids.shape[1])] if sampling.do_sample else []
     with torch.no_grad(), own_generation_config(model):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,

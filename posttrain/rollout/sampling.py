@@ -25,6 +25,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)  # EOS and stop tokens
     do_sample: bool = True  # False: greedy
+    repetition_penalty: float = 1.0  # transformers' (CTRL's): 1 off; a seen token's logit divided (or times if < 0)
 
     def __post_init__(self) -> None:
         # None means "off", as in TRL's configs (top_k: None in some versions).
@@ -37,6 +38,9 @@ class SamplingParams:
             raise ConfigError(f"temperature must be positive, got {self.temperature}; use do_sample=False for greedy")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.repetition_penalty, bool) or not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        self.repetition_penalty = float(self.repetition_penalty)
         if self.top_k < 0 or self.min_new_tokens < 0:
             raise ConfigError(f"top_k and min_new_tokens must be >= 0, got {self.top_k} and {self.min_new_tokens}")
         self.stop_token_ids = list(self.stop_token_ids)
@@ -52,7 +56,8 @@ def check_min_p(min_p: float | None) -> float | None:
 # TRL's ``generation_kwargs`` keys the engine's sampler takes: transformers' GenerationConfig names and vLLM's
 # SamplingParams names (TRL hands the dict to whichever generates), each to its SamplingParams field.
 GENERATION_KWARGS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "do_sample": "do_sample",
-                     "min_new_tokens": "min_new_tokens", "min_tokens": "min_new_tokens"}
+                     "min_new_tokens": "min_new_tokens", "min_tokens": "min_new_tokens",
+                     "repetition_penalty": "repetition_penalty"}
 _STOP_KWARGS = ("eos_token_id", "stop_token_ids")
 
 
@@ -167,15 +172,22 @@ def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *
                   temperature: float | torch.Tensor, do_sample: bool | torch.Tensor, top_k: int = 0,
                   top_p: float | torch.Tensor = 1.0, use_top_p: bool | None = None,
                   min_new_tokens: int | torch.Tensor = 0, stop_ids: torch.Tensor | None = None,
-                  min_p: float | torch.Tensor | None = None, use_min_p: bool | None = None
+                  min_p: float | torch.Tensor | None = None, use_min_p: bool | None = None,
+                  seen: torch.Tensor | None = None, penalty: float | torch.Tensor = 1.0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-prob from raw logits [B, V]. Scalars may be 0-d tensors (graph
-    inputs); top_k, ``use_top_p``, ``use_min_p`` and stop tokens are fixed per graph."""
+    inputs); top_k, ``use_top_p``, ``use_min_p``, stop tokens and ``seen`` (given or None) are fixed per graph.
+    ``seen`` [B, V]: the tokens each row's prompt and completion hold, whose logits the repetition ``penalty``
+    scales before the temperature, as transformers' RepetitionPenaltyLogitsProcessor; the log-prob is the
+    unpenalized one, as the training forward computes it."""
     if seq is None:
         seq = torch.arange(logits.size(0), device=logits.device)
     scaled = logits.float() / temperature
     logp = torch.log_softmax(scaled, dim=-1)
     pick = scaled
+    if seen is not None:
+        raw = logits.float()
+        pick = torch.where(seen, torch.where(raw < 0, raw * penalty, raw / penalty), raw) / temperature
     if stop_ids is not None:
         barred = torch.zeros(scaled.size(-1), dtype=torch.bool, device=scaled.device).index_fill(0, stop_ids, True)
         early = (step < min_new_tokens).view(-1, 1) if step.dim() else step < min_new_tokens
@@ -189,6 +201,14 @@ def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *
         pick = pick + gumbel_noise(key, step, seq, pick.size(1)) * do_sample
     tokens = pick.argmax(dim=-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def seen_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] bool: the tokens of each row of ``ids`` where ``mask`` (what the repetition penalty scales;
+    transformers' processor skips left padding and ids past the vocabulary the same way)."""
+    marks = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)
+    marks.scatter_(1, ids.masked_fill(mask == 0, vocab).clamp(max=vocab), True)
+    return marks[:, :vocab]
 
 
 def finish(completion: torch.Tensor, logprobs: torch.Tensor, sampling: SamplingParams

@@ -13,7 +13,7 @@ class Slots:
     """``count`` slots of ``length`` cache columns and ``max_new`` outputs each."""
 
     def __init__(self, count: int, layers: int, kv_heads: int, head_dim: int, length: int, max_new: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, vocab: int | None = None) -> None:
         shape = (count, kv_heads, length, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -29,6 +29,8 @@ class Slots:
         self.out_tokens = torch.zeros(count, max_new, **long)
         self.out_logprobs = torch.zeros(count, max_new, dtype=torch.float32, device=device)
         self.cols = torch.arange(length, device=device)
+        # The tokens each slot's sequence holds, for the repetition penalty (``vocab`` given: the penalty is on).
+        self.seen = torch.zeros(count, vocab, dtype=torch.bool, device=device) if vocab else None
         self.count, self.length, self.device = count, length, device
 
     def __len__(self) -> int:
@@ -48,7 +50,8 @@ class Slots:
 
     def written_by_step(self) -> list[torch.Tensor]:
         """The tensors a decode step writes (a warm-up or capture restores them after)."""
-        return [self.last, self.pos, self.col, self.step, self.done, self.out_tokens, self.out_logprobs]
+        seen = [self.seen] if self.seen is not None else []
+        return [self.last, self.pos, self.col, self.step, self.done, self.out_tokens, self.out_logprobs, *seen]
 
     def reset(self) -> None:
         """A new rollout: every slot free."""
@@ -66,8 +69,9 @@ class Slots:
     @torch.no_grad()
     def admit(self, slots: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, tokens: torch.Tensor,
               logprobs: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, col: int, done: torch.Tensor,
-              pad: int) -> None:
-        """Sequences ``seq`` (sampled with ``key``, one per row) into ``slots`` with their first tokens and state."""
+              pad: int, seen: torch.Tensor | None = None) -> None:
+        """Sequences ``seq`` (sampled with ``key``, one per row) into ``slots`` with their first tokens and state;
+        ``seen``: their prompts' tokens (the repetition penalty's), the first tokens are added."""
         k = len(slots)
         out_t = torch.full((k, self.out_tokens.shape[1]), pad, dtype=torch.long, device=self.device)
         out_l = torch.zeros(k, self.out_logprobs.shape[1], dtype=torch.float32, device=self.device)
@@ -77,6 +81,8 @@ class Slots:
                            (self.step, torch.ones_like(tokens)), (self.seq, seq), (self.sample_key, key),
                            (self.done, done.expand(k).clone())):
             buf.index_copy_(0, slots, value)
+        if self.seen is not None:
+            self.seen.index_copy_(0, slots, seen.scatter(1, tokens.unsqueeze(1), True))
 
     @torch.no_grad()
     def move(self, src: list[int], dst: list[int], length: int) -> None:
@@ -86,8 +92,9 @@ class Slots:
         for cache in self.keys + self.values:
             view = cache[:, :, :length]
             view.index_copy_(0, d, view.index_select(0, s))
+        seen = [self.seen] if self.seen is not None else []
         for buf in (self.last, self.pos, self.col, self.step, self.seq, self.sample_key, self.done, self.key_valid,
-                    self.out_tokens, self.out_logprobs):
+                    self.out_tokens, self.out_logprobs, *seen):
             buf.index_copy_(0, d, buf.index_select(0, s))
         self.done.index_fill_(0, s, True)
 
@@ -107,7 +114,7 @@ class Slots:
                pad: int, epilogue: Callable[..., None] = step.record) -> None:
         """The step's epilogue (``step.record`` or its compiled form) for rows ``:len(tokens)``."""
         epilogue(self.done, self.step, self.last, self.pos, self.col, self.out_tokens, self.out_logprobs, tokens,
-                 logprobs, limit, stop_mask, pad)
+                 logprobs, limit, stop_mask, pad, self.seen)
 
 
 def release(tensors: list[torch.Tensor]) -> None:

@@ -17,7 +17,8 @@ def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: An
             step: torch.Tensor, seq: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
             do_sample: torch.Tensor, top_p: torch.Tensor, min_new: torch.Tensor, top_k: int, use_top_p: bool,
             stop_ids: torch.Tensor | None, stop_mask: torch.Tensor | None = None, kernel: bool = False,
-            min_p: torch.Tensor | None = None, use_min_p: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            min_p: torch.Tensor | None = None, use_min_p: bool = False, seen: torch.Tensor | None = None,
+            penalty: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """LM head and the sampler (posttrain's Triton one if ``kernel``, else ``choose_tokens``)."""
     logits = decoder.head(spec, {"head": head, "head_bias": head_bias, "head_lora": head_lora}, h, normed=True)
     if kernel:
@@ -26,7 +27,7 @@ def sample(spec: DecoderSpec, h: torch.Tensor, head: torch.Tensor, head_bias: An
         return triton_sample.choose_tokens(logits, step, key, seq, temperature, do_sample, min_new, stop_mask)
     return choose_tokens(logits, step, key, seq=seq, temperature=temperature, do_sample=do_sample, top_k=top_k,
                          top_p=top_p, use_top_p=use_top_p, min_new_tokens=min_new, stop_ids=stop_ids, min_p=min_p,
-                         use_min_p=use_min_p)
+                         use_min_p=use_min_p, seen=seen, penalty=penalty if penalty is not None else 1.0)
 
 
 def inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, key_valid: torch.Tensor,
@@ -48,10 +49,14 @@ def inputs(spec: DecoderSpec, last: torch.Tensor, pos: torch.Tensor, col: torch.
 
 def record(done: torch.Tensor, step: torch.Tensor, last: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
             out_tokens: torch.Tensor, out_logprobs: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
-            limit: torch.Tensor, stop_mask: torch.Tensor | None, pad: int) -> None:
-    """The step's epilogue on the slot state, in place (stop tokens by mask: no host sync)."""
+            limit: torch.Tensor, stop_mask: torch.Tensor | None, pad: int, seen: torch.Tensor | None = None) -> None:
+    """The step's epilogue on the slot state, in place (stop tokens by mask: no host sync); a live row's token
+    joins ``seen`` (the repetition penalty's)."""
     rows = tokens.shape[0]
     d, st = done[:rows], step[:rows]
+    if seen is not None:
+        at = tokens.unsqueeze(1)
+        seen[:rows].scatter_(1, at, seen[:rows].gather(1, at) | ~d.unsqueeze(1))
     tokens = torch.where(d, pad, tokens)
     r, c = torch.arange(rows, device=tokens.device), st.clamp(max=out_tokens.shape[1] - 1)
     # A done row keeps what it wrote (its clamped column may hold its last real token).

@@ -172,10 +172,15 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     new_row, new_pos = real[:, 1:].nonzero(as_tuple=True)  # the appended tokens, at step0 onwards
     st.out_tokens[rows[new_row], step0_t[new_row] + new_pos] = new_ids[new_row, new_pos]
     st.out_logprobs[rows[new_row], step0_t[new_row] + new_pos] = 0.0
+    seen = None
+    if st.seen is not None:  # the repetition penalty sees the appended tokens, as generate would
+        seen = st.seen[rows]
+        seen[new_row, new_ids[new_row, new_pos]] = True
     token, logprob = choose_tokens(
         logits, nxt, st.sample_key[rows], seq=st.seq[rows], temperature=engine.temperature,
         do_sample=engine.do_sample, top_k=engine.top_k, top_p=engine.top_p, use_top_p=engine.use_top_p,
-        min_new_tokens=engine.min_new, stop_ids=engine.stop_ids, min_p=engine.min_p, use_min_p=engine.use_min_p)
+        min_new_tokens=engine.min_new, stop_ids=engine.stop_ids, min_p=engine.min_p, use_min_p=engine.use_min_p,
+        seen=seen, penalty=engine.penalty)
     full = (nxt >= engine.max_new) | (nxt >= engine.limit)  # no room for a token: the row ends here
     keep = ~full
     at = nxt.clamp(max=st.out_tokens.shape[1] - 1)
@@ -184,6 +189,9 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     done = full | (nxt >= engine.limit - 1)
     if engine.stop_mask is not None:
         done = done | (keep & engine.stop_mask[token])
+    if seen is not None:
+        seen[torch.arange(n, device=dev), token] |= keep
+        st.seen[rows] = seen
     st.last[rows] = torch.where(keep, token, st.last[rows])
     st.pos[rows] = pos0_t + lens_t
     st.col[rows] = col0_t + lens_t
@@ -233,7 +241,8 @@ def hf_turns(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=dev)
         budget = max(max_new - len(done[i]) for i in active)
         gen = GenerationConfig(max_new_tokens=budget, do_sample=False, pad_token_id=pad,
-                               eos_token_id=sampling.stop_token_ids or None, return_dict_in_generate=True,
+                               eos_token_id=sampling.stop_token_ids or None,
+                               repetition_penalty=sampling.repetition_penalty, return_dict_in_generate=True,
                                output_logits=True)
         processor = TurnSampling(sampling, key, width, [len(done[i]) for i in active], active)
         with torch.no_grad(), own_generation_config(model):

@@ -30,8 +30,6 @@ from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
 from posttrain.trainers.online import declared_eos_ids, write_samples
 from posttrain.trainers.run_log import Phases
 
-_SAMPLING = "posttrain's rollout engine samples with temperature, top_p, top_k and min_p only"
-
 
 @dataclass
 class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
@@ -49,11 +47,10 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
     _trl_works = ("model_init_kwargs", "trust_remote_code", "teacher_model_name_or_path", "teacher_model_revision",
                   "teacher_model_init_kwargs", "disable_dropout", "max_completion_length",
                   "ds3_gather_for_generation", "pad_to_multiple_of", "temperature", "top_p", "top_k", "min_p",
-                  "chat_template_kwargs", "generation_kwargs", "beta", "log_completions", "num_completions_to_print",
-                  "log_unique_prompts")
+                  "repetition_penalty", "chat_template_kwargs", "generation_kwargs", "beta", "log_completions",
+                  "num_completions_to_print", "log_unique_prompts")
     _trl_refused = {
         "shuffle_dataset": "posttrain's distillation always shuffles the rows (TRL's default)",
-        "repetition_penalty": _SAMPLING,
         "cache_implementation": "posttrain generates with its own engine (generation_backend), not transformers' cache",
         "max_tool_calling_iterations": "multi-turn tool use runs in GRPOTrainer and RLOOTrainer",
     }
@@ -66,6 +63,8 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
         check_min_p(self.min_p)
         generation_overrides(self.generation_kwargs, [], self.temperature)
         if self.max_completion_length is None or self.max_completion_length < 1:
@@ -272,7 +271,8 @@ class DistillationTrainer(Trainer):
             sampling = SamplingParams(**{
                 "max_new_tokens": cfg.max_completion_length, "pad_token_id": tok.pad_token_id,
                 "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "min_p": cfg.min_p,
-                "stop_token_ids": self.eos_token_ids, **self.overrides})
+                "repetition_penalty": cfg.repetition_penalty, "stop_token_ids": self.eos_token_ids,
+                **self.overrides})
             self.rollouts[role] = Rollout.from_config(cfg, s, role, sampling, max_batch=batch,
                                                       max_prompt_len=self.max_prompt_len)
         out_rows = []

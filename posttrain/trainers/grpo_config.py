@@ -18,13 +18,12 @@ from posttrain.trainers.entropy_bonus import ENTROPY_FIELDS, entropy_checks
 from posttrain.trainers.grpo_loss import LOSS_TYPES
 from posttrain.trainers.streaming import StreamingFields, check_streaming_config, training_processes
 
-_SAMPLING = "posttrain's engine samples with temperature, top_p, top_k and min_p"
 # TRL config fields GRPO and RLOO share (TRL's RLOOConfig has them too): those that take effect...
 ONLINE_WORKS = (
     "model_init_kwargs", "trust_remote_code", "disable_dropout", "num_generations", "num_generations_eval",
     "max_completion_length", "ds3_gather_for_generation", "shuffle_dataset", "generation_batch_size",
-    "steps_per_generation", "temperature", "top_p", "top_k", "min_p", "generation_kwargs", "chat_template_kwargs", "beta",
-    "num_iterations",
+    "steps_per_generation", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs",
+    "chat_template_kwargs", "beta", "num_iterations",
     "epsilon", "epsilon_high", "reward_weights", "mask_truncated_completions", "sync_ref_model",
     "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions", "num_completions_to_print",
     "log_multimodal",  # text models only: nothing multimodal is ever logged
@@ -34,7 +33,6 @@ ONLINE_WORKS = (
 ONLINE_REFUSED = {
     "pad_to_multiple_of": "posttrain pads each batch to its longest prompt and completion (padding changes no "
                           "number)",
-    "repetition_penalty": _SAMPLING,
     "cache_implementation": "posttrain's engine keeps its own KV cache (generation_kv_slots)",
     "log_unique_prompts": "samples.jsonl keeps every logged completion (log_completions)",
 }
@@ -111,6 +109,7 @@ def check_online_config(cfg: Any) -> None:
         (cfg.beta >= 0.0, f"beta (the KL coefficient) must be >= 0; got {cfg.beta}"),
         (cfg.temperature > 0.0,
          f"temperature must be > 0 (sampling; the loss divides logits by it); got {cfg.temperature}"),
+        (cfg.repetition_penalty > 0.0, f"repetition_penalty must be > 0 (1: off); got {cfg.repetition_penalty}"),
         (cfg.num_iterations >= 1, "num_iterations must be >= 1"),
         (cfg.dynamic_sampling_max_rounds >= 0,
          f"dynamic_sampling_max_rounds must be >= 0 (extra generation batches); got {cfg.dynamic_sampling_max_rounds}"),

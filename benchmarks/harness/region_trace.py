@@ -67,7 +67,8 @@ def summarise(events: list[dict[str, Any]], names: set[str], top: int) -> dict[s
     """Per region: calls, host ms, kernel ms (summed), device span ms (each call's first kernel start to its
     last end, summed), the heaviest kernels; a launch belongs to the innermost region around it on its thread."""
     spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"] in names]
-    launches = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+    # cuBLAS and SDPA launch through the driver API, the rest through the runtime's
+    launches = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and "correlation" in e.get("args", {})]
     kernels = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
                and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "correlation" in e.get("args", {})}

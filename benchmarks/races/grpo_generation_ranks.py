@@ -9,7 +9,7 @@ Rows (each one ``torchrun --nproc_per_node --nproc`` launch of this file, ``--wo
   training ranks as the colocated row (``--prompts`` x ``--num-generations``), so each training rank trains more.
 
 The workload is benchmarks/races/grpo_streaming_race.py's (random-weight Llama of ``--shape``, a stop set of
-``--stop-frac`` of the vocabulary, the same sampler override): useful tokens trained per second (completions'
+``--stop-frac`` of the vocabulary, the same stop set through `generation_kwargs`): useful tokens trained per second (completions'
 tokens the loss reads, over the timed steps' wall time) and the phase times of rank 0.
 
 The completions of a step must split into whole micro-batches on the training ranks of both layouts (``--nproc``

@@ -115,6 +115,7 @@ class ToolUse:
             get_training_chat_template(tokenizer))
         self.max_iterations = cfg.max_tool_calling_iterations
         self.environments: list | None = None
+        self._prefixes: dict[str, list[int]] = {}  # each tool's rendered dummy call (the suffix's prefix)
 
     # -- a batch -------------------------------------------------------------------------------------
     def start(self, rows: list[dict]) -> list[Any]:
@@ -249,16 +250,18 @@ class ToolUse:
 
     def _render_suffix(self, tool_messages: list[dict]) -> list[int]:
         tok, kw = self.tokenizer, self.cfg.chat_template_kwargs or {}
+        name = tool_messages[0]["name"]
         dummy = [{"role": "user", "content": "dummy"},
                  {"role": "assistant", "content": "",
-                  "tool_calls": [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]}]
-        prefix = tok.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True,
-                                         chat_template=self.chat_template, return_dict=False, **kw)
+                  "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}]
+        prefix = self._prefixes.get(name)
+        if prefix is None:  # the same for every call of a tool: rendered once (a template render per turn saved)
+            prefix = tok.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True,
+                                             chat_template=self.chat_template, return_dict=False, **kw)
+            eos = [i for i, t in enumerate(prefix) if t == tok.eos_token_id]
+            self._prefixes[name] = prefix = list(prefix[: eos[-1] + 1] if eos else prefix)
         full = tok.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, tokenize=True,
                                        chat_template=self.chat_template, return_dict=False, **kw)
-        eos = [i for i, t in enumerate(prefix) if t == tok.eos_token_id]
-        if eos:
-            prefix = prefix[: eos[-1] + 1]
         if list(full[: len(prefix)]) != list(prefix):
             raise ValueError("the chat template renders the tool result without keeping the conversation before it")
         return list(full[len(prefix):])

@@ -162,7 +162,8 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         self.sampling = SamplingParams(**{
             "max_new_tokens": cfg.max_completion_length, "pad_token_id": tok.pad_token_id,
             "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p,
-            "repetition_penalty": cfg.repetition_penalty, "stop_token_ids": eos_ids, **generation_overrides(cfg.generation_kwargs, eos_ids, cfg.temperature)})
+            "repetition_penalty": cfg.repetition_penalty, "stop_token_ids": eos_ids,
+            **generation_overrides(cfg.generation_kwargs, eos_ids, cfg.temperature)})
         self.eos_ids = self.sampling.stop_token_ids  # what ends a completion also counts it as terminated
         if s.generates:  # this rank only generates (trainers/generation_ranks.py): no engine, its own loop
             self.generation_rank = GenerationRank(self, policy, max_prompt_len)

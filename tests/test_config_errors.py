@@ -185,6 +185,9 @@ def test_model_path_that_does_not_exist(tmp_path, capsys):
     ("save_steps", 0, "save_steps must be >= 1 or unset"),
     ("eval_strategy", "sometimes", "eval_strategy must be 'no', 'steps' or 'epoch'"),
     ("lr_scheduler_type", "cosine_annealing", "unknown lr_scheduler_type 'cosine_annealing': choose from linear"),
+    ("lr_scheduler_type", "cosine_with_min_lr", "lr_scheduler_type 'cosine_with_min_lr' with lr_scheduler_kwargs None: "
+     "One of min_lr or min_lr_rate should be set through the `lr_scheduler_kwargs`; set the kwargs that schedule "
+     "takes (transformers' get_scheduler)"),
 ])
 def test_train_config_values(tmp_path, capsys, flag, value, message):
     from posttrain.trainers.dpo import DPOConfig

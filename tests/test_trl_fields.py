@@ -63,3 +63,30 @@ def test_a_yaml_with_a_tab_is_one_sentence(tmp_path):
     with pytest.raises(ConfigError, match=r"run.yaml is not valid YAML \(line 2, column 1\): found character '\\t' "
                                           r"that cannot start any token; indent with spaces, not tabs$"):
         parse_config((posttrain.SFTConfig, ModelConfig), None, ["--config", str(config)])
+
+
+def test_lr_scheduler_kwargs_schedule_as_transformers_trainer(tmp_path):
+    """``lr_scheduler_kwargs`` (open-r1's ``cosine_with_min_lr`` with ``min_lr_rate``) gives the learning rates
+    transformers' Trainer (TRL's) gives for the same settings, step by step."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from posttrain.models.setup import optimizer_and_scheduler
+    from posttrain.trainers.grpo import GRPOConfig
+
+    settings = dict(learning_rate=1e-3, lr_scheduler_type="cosine_with_min_lr", warmup_steps=0.2,
+                    lr_scheduler_kwargs={"min_lr_rate": 0.1})
+    cfg = GRPOConfig(per_device_train_batch_size=8, num_generations=4, **settings)
+    model = torch.nn.Linear(2, 2)
+    opt, ours = optimizer_and_scheduler(model, cfg, total_steps=10)
+    trainer = Trainer(model=torch.nn.Linear(2, 2), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                                          report_to=[], **settings))
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    theirs = trainer.lr_scheduler
+    got, want = [], []
+    for _ in range(10):
+        got.append(ours.get_last_lr()[0])
+        want.append(theirs.get_last_lr()[0])
+        opt.step(), ours.step(), trainer.optimizer.step(), theirs.step()
+    assert got == pytest.approx(want, rel=1e-12) and got[1] > got[0]  # warm-up, then the decay
+    assert ours.get_last_lr()[0] == pytest.approx(1e-4)  # the end of the run: min_lr_rate x learning_rate

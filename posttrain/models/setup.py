@@ -68,7 +68,8 @@ def optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, total_steps: int,
     opt = torch.optim.AdamW(params, lr=lr or cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
     sched = get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=warmup_steps(cfg, total_steps),
-                          num_training_steps=max(1, total_steps))
+                          num_training_steps=max(1, total_steps),
+                          scheduler_specific_kwargs=getattr(cfg, "lr_scheduler_kwargs", None) or None)
     return opt, sched
 
 

@@ -177,6 +177,26 @@ def validate_train_config(cfg: TrainConfig) -> None:
     schedulers = [t.value for t in SchedulerType]
     if cfg.lr_scheduler_type not in schedulers:
         raise ConfigError(f"unknown lr_scheduler_type {cfg.lr_scheduler_type!r}: choose from {', '.join(schedulers)}")
+    check_scheduler_kwargs(cfg)
+
+
+def check_scheduler_kwargs(cfg: Any) -> None:
+    """``lr_scheduler_kwargs`` as transformers' Trainer passes them (``scheduler_specific_kwargs``), tried on a
+    stand-in optimizer so that a missing or unknown one (``cosine_with_min_lr`` without ``min_lr_rate``) is one
+    sentence before anything loads."""
+    from transformers import get_scheduler
+
+    kwargs = getattr(cfg, "lr_scheduler_kwargs", None) or None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"lr_scheduler_kwargs must be a dict, got {kwargs!r}: write it as --lr_scheduler_kwargs "
+                          "'{\"min_lr_rate\": 0.1}'")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=1, num_training_steps=2,
+                      scheduler_specific_kwargs=kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"lr_scheduler_type {cfg.lr_scheduler_type!r} with lr_scheduler_kwargs {kwargs!r}: {err}; "
+                          "set the kwargs that schedule takes (transformers' get_scheduler)") from None
 
 
 def row_schedule(cfg: TrainConfig, n_rows: int, noun: str = "rows", shuffle: bool = True

@@ -17,7 +17,7 @@ _LOGGING = "posttrain logs every logging_steps from the main process to metrics.
 # transformers.TrainingArguments: the fields that take effect.
 TRAINING_ARGUMENTS_WORK = {
     "output_dir", "per_device_train_batch_size", "num_train_epochs", "max_steps", "learning_rate",
-    "lr_scheduler_type", "warmup_steps", "optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
     "gradient_accumulation_steps", "max_grad_norm", "bf16", "fp16", "tf32", "gradient_checkpointing",
     "logging_strategy", "logging_steps", "logging_first_step",
     "disable_tqdm", "report_to", "run_name", "eval_strategy", "eval_steps", "per_device_eval_batch_size",
@@ -33,7 +33,6 @@ TRAINING_ARGUMENTS_REFUSED = {
     "dataloader_drop_last": "posttrain trains every row, as TRL's default",
     "log_level_replica": _LOGGING,
     "log_on_each_node": _LOGGING,
-    "lr_scheduler_kwargs": "posttrain builds the schedule from lr_scheduler_type and warmup_steps alone",
     "optim_args": "posttrain's optimizer is AdamW (optim adamw_torch or adamw_torch_fused) with the adam_* fields",
     "optim_target_modules": "posttrain's optimizer is AdamW over every trained parameter",
     "label_smoothing_factor": "posttrain's losses are the algorithms' own, without label smoothing",

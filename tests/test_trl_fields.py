@@ -90,3 +90,30 @@ def test_lr_scheduler_kwargs_schedule_as_transformers_trainer(tmp_path):
         opt.step(), ours.step(), trainer.optimizer.step(), theirs.step()
     assert got == pytest.approx(want, rel=1e-12) and got[1] > got[0]  # warm-up, then the decay
     assert ours.get_last_lr()[0] == pytest.approx(1e-4)  # the end of the run: min_lr_rate x learning_rate
+
+
+def test_gradient_checkpointing_kwargs_as_trl(caplog):
+    """``gradient_checkpointing_kwargs`` (open-r1's ``{"use_reentrant": false}``) reach torch's checkpoint as TRL
+    hands them to transformers: non-reentrant unless set, reentrant for adapters under ZeRO-3 (said once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.demo import tiny
+    from posttrain.models.setup import checkpointing_kwargs, enable_gradient_checkpointing
+    from posttrain.trainers.grpo import GRPOConfig
+
+    def cfg(kwargs):
+        return GRPOConfig(per_device_train_batch_size=8, num_generations=4, gradient_checkpointing_kwargs=kwargs)
+
+    assert checkpointing_kwargs(cfg(None), zero3_lora=False) == {"use_reentrant": False}
+    assert checkpointing_kwargs(cfg({"use_reentrant": True}), zero3_lora=False) == {"use_reentrant": True}
+    assert checkpointing_kwargs(cfg({"preserve_rng_state": False}), zero3_lora=False) == {
+        "preserve_rng_state": False, "use_reentrant": False}
+    with caplog.at_level("WARNING"):
+        assert checkpointing_kwargs(cfg({"use_reentrant": False}), zero3_lora=True) == {"use_reentrant": True}
+    assert "need reentrant checkpointing" in caplog.text
+    # What the model's layers are given: the layers' checkpoint function carries the kwargs.
+    model = AutoModelForCausalLM.from_pretrained(tiny.sft_model_path(), dtype=torch.float32).train()
+    enable_gradient_checkpointing(model, **checkpointing_kwargs(cfg({"preserve_rng_state": False}), False))
+    fn = model.model.layers[0]._gradient_checkpointing_func
+    assert fn.keywords == {"preserve_rng_state": False, "use_reentrant": False}

@@ -3,6 +3,7 @@ checkpointing, dropout off, optimizer and LR schedule, then the role's engine.""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posttrain.models.lora import add_adapters, zero3_adapters
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from posttrain.placement.session import Session
@@ -26,7 +29,7 @@ def prepare_trained(session: Session, role: str, model: torch.nn.Module, cfg: An
         model = adapters_as_trl(session, role, model, peft_config, cfg.seed if adapter_seed is None else adapter_seed)
     base = model.get_base_model() if peft_config is not None else model
     if cfg.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing:
-        enable_gradient_checkpointing(base, use_reentrant=zero3_adapters(session, role, peft_config))
+        enable_gradient_checkpointing(base, **checkpointing_kwargs(cfg, zero3_adapters(session, role, peft_config)))
     if getattr(cfg, "disable_dropout", False) if disable_dropout is None else disable_dropout:
         from trl.trainer.utils import disable_dropout_in_model
 
@@ -49,9 +52,23 @@ def adapters_as_trl(session: Session, role: str, model: torch.nn.Module, peft_co
         return add_adapters(model, peft_config, session, role)
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool = False) -> None:
-    """Recompute activations in backward; ``use_reentrant``: TRL's setting for LoRA under ZeRO-3."""
-    kwargs = {"use_reentrant": use_reentrant}
+def checkpointing_kwargs(cfg: Any, zero3_lora: bool) -> dict[str, Any]:
+    """``gradient_checkpointing_kwargs`` as TRL hands them to transformers: non-reentrant unless set, and
+    reentrant for adapters trained under ZeRO-3 whatever was set (TRL's rule, said once when it overrides)."""
+    kwargs = dict(getattr(cfg, "gradient_checkpointing_kwargs", None) or {})
+    if zero3_lora:
+        if kwargs.get("use_reentrant") is False:
+            logger.warning("gradient_checkpointing_kwargs use_reentrant false: adapters trained under ZeRO-3 need "
+                           "reentrant checkpointing, which is used (TRL's rule); unset it to silence this")
+        kwargs["use_reentrant"] = True
+    kwargs.setdefault("use_reentrant", False)
+    return kwargs
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool = False, **more: Any) -> None:
+    """Recompute activations in backward; ``use_reentrant``: TRL's setting for LoRA under ZeRO-3; ``more``:
+    torch.utils.checkpoint's other arguments (``gradient_checkpointing_kwargs``)."""
+    kwargs = {"use_reentrant": use_reentrant, **more}
     # Newer transformers' name; older versions have only gradient_checkpointing_enable.
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

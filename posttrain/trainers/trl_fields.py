@@ -17,7 +17,7 @@ _LOGGING = "posttrain logs every logging_steps from the main process to metrics.
 # transformers.TrainingArguments: the fields that take effect.
 TRAINING_ARGUMENTS_WORK = {
     "output_dir", "per_device_train_batch_size", "num_train_epochs", "max_steps", "learning_rate",
-    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "optim", "gradient_checkpointing_kwargs", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
     "gradient_accumulation_steps", "max_grad_norm", "bf16", "fp16", "tf32", "gradient_checkpointing",
     "logging_strategy", "logging_steps", "logging_first_step",
     "disable_tqdm", "report_to", "run_name", "eval_strategy", "eval_steps", "per_device_eval_batch_size",
@@ -40,7 +40,6 @@ TRAINING_ARGUMENTS_REFUSED = {
     "fp16_full_eval": "evaluation runs in the training precision (bf16 or fp16)",
     "activation_checkpointing": "use gradient_checkpointing",
     "activation_checkpointing_kwargs": "use gradient_checkpointing",
-    "gradient_checkpointing_kwargs": "posttrain checkpoints with use_reentrant=False, as TRL's default",
     "torch_compile": "posttrain compiles its own decoder layers where that pays (compile_layers in GRPO/RLOO)",
     "torch_compile_backend": "posttrain compiles its own decoder layers where that pays",
     "torch_compile_mode": "posttrain compiles its own decoder layers where that pays",

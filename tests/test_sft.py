@@ -373,6 +373,7 @@ def test_tiny_training_template_renders_as_the_default():
     ({"padding_free": True}, "padding_free without packing does not enforce max_length"),
     ({"packing": True, "max_length": None}, "packing needs max_length"),
     ({"truncation_mode": "middle"}, "truncation_mode must be one of"),
+    ({"neftune_noise_alpha": -1.0}, "neftune_noise_alpha must be > 0"),
 ])
 def test_config_errors(fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -493,3 +494,78 @@ def test_scripts_refuse_bad_data_in_one_sentence(tmp_path, capsys, command, row,
                        "--dataset_name", str(data), *extra])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert status == 2 and len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("name,data,fields", [CASES[0], CASES[6]], ids=["padded", "padding_free"])
+def test_neftune_noise_equals_trl(name, data, fields, tmp_path):
+    """``neftune_noise_alpha``: the noise transformers' hook adds scales with the collated batch's shape, so the
+    same batch and generator state give TRL's noisy loss, padded and padding-free; the noise changes the loss."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.neftune import activate_neftune
+    from trl import SFTConfig as TRLConfig
+    from trl import SFTTrainer as TRLTrainer
+
+    cfg = SFTConfig(output_dir="unused", **fields)
+    tok = tokenizer()
+    rows = sft_data.prepare_sft_dataset(DATA[data](), tok, max_length=cfg.max_length, packing=cfg.packing,
+                                        completion_only_loss=cfg.completion_only_loss).to_list()
+    batch = sft_data.collator(tok, cfg.padding_free)(rows[:4])
+    model = add_fused_head(AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32)).train()
+    clean = token_terms(model, batch)
+    activate_neftune(model, 5.0)
+    torch.manual_seed(7)
+    terms = token_terms(model, batch)
+    ours = (terms["loss_sum"] / terms["tokens"]).item()
+
+    args = TRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
+                     per_device_train_batch_size=4, neftune_noise_alpha=5.0, **fields)
+    trainer = TRLTrainer(model=AutoModelForCausalLM.from_pretrained(tiny.model_path(seed=0), dtype=torch.float32),
+                         args=args, train_dataset=Dataset.from_list(DATA[data]()), processing_class=tokenizer())
+    activate_neftune(trainer.model, args.neftune_noise_alpha)  # what its train() does first
+    trainer.model.train()
+    theirs_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    torch.manual_seed(7)
+    theirs = trainer.compute_loss(trainer.model, dict(theirs_batch)).item()
+    assert ours == pytest.approx(theirs, abs=1e-6)
+    assert abs(ours - (clean["loss_sum"] / clean["tokens"]).item()) > 1e-4
+
+
+def test_neftune_hooks_the_embeddings_only_while_training(tmp_path):
+    """SFTTrainer puts transformers' NEFTune hook on the trained model's input embeddings for train() and takes
+    it off after (as transformers' Trainer); with the noise the run's first loss differs; evaluation, run in eval
+    mode, has none (the evaluation inside the run equals one after it, with the same weights)."""
+    from transformers import TrainerCallback
+
+    from posttrain.trainers.sft import SFTTrainer
+
+    rows = [{"text": t} for t in ("the cat sat", "a much longer row of text with many more words", "short one",
+                                  "and a fourth row, of middling length")]
+    seen = []
+
+    class Look(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            seen.append(bool(trainer.session.unwrap("policy").get_input_embeddings()._forward_hooks))
+
+    def run(alpha):
+        nonlocal trainer
+        trainer = SFTTrainer(str(tiny.model_path()), train_dataset=rows, eval_dataset=rows, callbacks=[Look()],
+                             args=SFTConfig(output_dir=str(tmp_path / str(alpha)), per_device_train_batch_size=4,
+                                            max_steps=2, logging_steps=1, save_strategy="no", report_to="none",
+                                            gradient_checkpointing=False, neftune_noise_alpha=alpha, seed=0,
+                                            eval_strategy="steps", eval_steps=2))
+        trainer.train()
+        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        during = [r["eval/loss"] for r in trainer.state.log_history if "eval/loss" in r]
+        evaluated = (during, trainer.evaluate()["eval/loss"])
+        hooked = bool(trainer.session.unwrap("policy").get_input_embeddings()._forward_hooks)
+        trainer.end()
+        return losses, evaluated, hooked
+
+    trainer = None
+    noisy, noisy_eval, after = run(5.0)
+    assert seen == [True, True] and not after
+    seen.clear()
+    plain, _, _ = run(None)
+    assert seen == [False, False] and abs(noisy[0] - plain[0]) > 1e-4
+    assert noisy_eval[0] == [noisy_eval[1]]

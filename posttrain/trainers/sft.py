@@ -36,7 +36,7 @@ class SFTConfig(TrainConfig, trl.SFTConfig):
     _trl_works = ("model_init_kwargs", "trust_remote_code", "chat_template_path", "dataset_text_field",
                   "dataset_num_proc", "eos_token", "pad_token", "max_length", "truncation_mode", "shuffle_dataset",
                   "packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "eval_packing",
-                  "completion_only_loss", "assistant_only_loss", "loss_type")
+                  "completion_only_loss", "assistant_only_loss", "loss_type", "neftune_noise_alpha")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,6 +58,9 @@ def validate(cfg: SFTConfig) -> None:
         # TRL's rule: padding-free rows are concatenated, so max_length would bound nothing.
         raise ConfigError("padding_free without packing does not enforce max_length: add --packing true, set "
                           "--max_length none, or set --truncation_mode none (rows longer than max_length refused)")
+    if cfg.neftune_noise_alpha is not None and not cfg.neftune_noise_alpha > 0:
+        raise ConfigError(f"neftune_noise_alpha must be > 0 (NEFTune's noise scale; unset for none), got "
+                          f"{cfg.neftune_noise_alpha}")
     check_tokenizer_fields(cfg)
 
 
@@ -153,6 +156,21 @@ class SFTTrainer(RowsTrainer):
         self.setup_times = self.phases.pop()
         self.num_tokens = 0
         self._finish_init(callbacks)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
+        """The loop, with NEFTune's embedding noise while it trains when ``neftune_noise_alpha`` is set:
+        transformers' own hook, put on and taken off as its Trainer does (TRL's SFTTrainer inherits it)."""
+        alpha = self.cfg.neftune_noise_alpha
+        if alpha is None:
+            return super().train(resume_from_checkpoint)
+        from transformers.integrations.neftune import activate_neftune, deactivate_neftune
+
+        model = self.session.unwrap("policy")
+        handle = activate_neftune(model, alpha)
+        try:
+            return super().train(resume_from_checkpoint)
+        finally:
+            deactivate_neftune(model, handle)
 
     def _prepare(self, dataset: Any, name: str, packing: bool, prep: dict) -> list[dict]:
         # TRL shuffles with seed before packing and again after.

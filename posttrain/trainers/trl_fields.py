@@ -45,7 +45,7 @@ TRAINING_ARGUMENTS_REFUSED = {
     "torch_compile_mode": "posttrain compiles its own decoder layers where that pays",
     "use_liger_kernel": "posttrain uses TRL's fused LM head and its own kernels, not Liger's",
     "liger_kernel_config": "posttrain uses TRL's fused LM head and its own kernels, not Liger's",
-    "neftune_noise_alpha": "NEFTune noise is not implemented",
+    "neftune_noise_alpha": "NEFTune's embedding noise runs in SFT (SFTConfig), where TRL's users set it",
     "torch_empty_cache_steps": "posttrain does not empty the CUDA cache during training",
     "auto_find_batch_size": "set per_device_train_batch_size (posttrain plan predicts what fits)",
     "logging_nan_inf_filter": _LOGGING,

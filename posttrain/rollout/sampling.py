@@ -38,9 +38,7 @@ class SamplingParams:
             raise ConfigError(f"temperature must be positive, got {self.temperature}; use do_sample=False for greedy")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.repetition_penalty, bool) or not self.repetition_penalty > 0:
-            raise ConfigError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
-        self.repetition_penalty = float(self.repetition_penalty)
+        self.repetition_penalty = check_repetition_penalty(self.repetition_penalty)
         if self.top_k < 0 or self.min_new_tokens < 0:
             raise ConfigError(f"top_k and min_new_tokens must be >= 0, got {self.top_k} and {self.min_new_tokens}")
         self.stop_token_ids = list(self.stop_token_ids)
@@ -51,6 +49,13 @@ def check_min_p(min_p: float | None) -> float | None:
     if min_p is not None and not 0 <= min_p <= 1:
         raise ConfigError(f"min_p must be in [0, 1] (0 or None: off), got {min_p}")
     return float(min_p) if min_p else None
+
+
+def check_repetition_penalty(penalty: float) -> float:
+    """``repetition_penalty`` as the sampler takes it (1: off), or the sentence that names the fix."""
+    if isinstance(penalty, bool) or not penalty > 0:
+        raise ConfigError(f"repetition_penalty must be > 0 (1: off), got {penalty}")
+    return float(penalty)
 
 
 # TRL's ``generation_kwargs`` keys the engine's sampler takes: transformers' GenerationConfig names and vLLM's

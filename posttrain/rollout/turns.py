@@ -138,8 +138,8 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     n = len(slots)
     slots, news = map(list, zip(*sorted(zip(slots, news))))  # rows are independent: slot order
     # A run of adjacent slots (the usual case: turns ending together) reads its cache as a view, not a gather.
-    run = slice(slots[0], slots[0] + n) if slots[-1] - slots[0] == n - 1 else None
     rows = torch.tensor(slots, dtype=torch.long, device=dev)
+    read = slice(slots[0], slots[0] + n) if slots[-1] - slots[0] == n - 1 else rows
     col0_t, pos0_t, step0_t = st.col[rows], st.pos[rows], st.step[rows]
     col0 = col0_t.tolist()  # the host checks room and sizes the read
     lens = [len(new) + 1 for new in news]
@@ -165,8 +165,7 @@ def extend(engine: DecodeEngine, slots: list[int], news: list[list[int]]) -> Non
     def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         st.keys[i][pair_slot, :, pair_col] = k[pair_row, :, pair_pos]
         st.values[i][pair_slot, :, pair_col] = v[pair_row, :, pair_pos]
-        at = run if run is not None else rows
-        keys, values = st.keys[i][at, :, :length], st.values[i][at, :, :length]
+        keys, values = st.keys[i][read, :, :length], st.values[i][read, :, :length]
         return decoder.query_attention(spec, q, keys, values, bias)
 
     x = decoder.layers(spec, w, x, cos, sin, attend)

@@ -24,10 +24,10 @@ from posttrain.models.sources import distinct_objects, init_kwargs, model_config
 from posttrain.placement.ranks import sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
-from posttrain.rollout.sampling import check_min_p, generation_overrides
+from posttrain.rollout.sampling import check_min_p, check_repetition_penalty, generation_overrides
 from posttrain.trainers.config import TrainConfig, make_session
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
-from posttrain.trainers.online import declared_eos_ids, write_samples
+from posttrain.trainers.online import config_sampling, write_samples
 from posttrain.trainers.run_log import Phases
 
 
@@ -63,9 +63,8 @@ class DistillationConfig(TrainConfig, RolloutFields, trl.DistillationConfig):
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be positive, got {self.temperature}")
-        if self.repetition_penalty <= 0:
-            raise ConfigError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
         check_min_p(self.min_p)
+        check_repetition_penalty(self.repetition_penalty)
         generation_overrides(self.generation_kwargs, [], self.temperature)
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length must be >= 1 (new tokens per generated completion), got "
@@ -205,9 +204,7 @@ class DistillationTrainer(Trainer):
             teacher_kwargs.setdefault("trust_remote_code", True)
         varlen_attention.choose_for(s, teacher_kwargs, self.teacher_source, cfg.padding_free)
         teacher = s.load("teacher", self.teacher_source, **teacher_kwargs)
-        eos_ids = declared_eos_ids(student, self.tokenizer)
-        self.overrides = generation_overrides(cfg.generation_kwargs, eos_ids, cfg.temperature)
-        self.eos_token_ids = self.overrides.get("stop_token_ids", eos_ids)
+        self.sampling = config_sampling(cfg, student, self.tokenizer)
         self.peft_config = peft_config
         self.student = self.model = prepare_trained(s, "student", student, cfg, peft_config,
                                                     total_steps=self.total_steps)
@@ -263,17 +260,12 @@ class DistillationTrainer(Trainer):
     @torch.no_grad()
     def generate(self, role: str, prompts: list[list[int]]) -> list[list[int]]:
         """Sample completions from ``role``'s model, each cut after its first EOS (collective on ZeRO-3)."""
-        from posttrain.rollout import Rollout, SamplingParams
+        from posttrain.rollout import Rollout
 
         s, tok, cfg = self.session, self.tokenizer, self.cfg
         batch = cfg.per_device_train_batch_size
         if role not in self.rollouts:
-            sampling = SamplingParams(**{
-                "max_new_tokens": cfg.max_completion_length, "pad_token_id": tok.pad_token_id,
-                "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "min_p": cfg.min_p,
-                "repetition_penalty": cfg.repetition_penalty, "stop_token_ids": self.eos_token_ids,
-                **self.overrides})
-            self.rollouts[role] = Rollout.from_config(cfg, s, role, sampling, max_batch=batch,
+            self.rollouts[role] = Rollout.from_config(cfg, s, role, self.sampling, max_batch=batch,
                                                       max_prompt_len=self.max_prompt_len)
         out_rows = []
         for i in range(0, len(prompts), batch):

@@ -38,7 +38,7 @@ from posttrain.trainers.grpo_loss import (
     reduce_loss_stats,
 )
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
-from posttrain.trainers.online import completion_logps, declared_eos_ids, truncated_rows, write_samples
+from posttrain.trainers.online import completion_logps, config_sampling, truncated_rows, write_samples
 from posttrain.trainers.run_log import Phases
 from posttrain.trainers.streaming import StreamingGeneration, training_processes
 
@@ -77,8 +77,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
 
     def _build(self, model: Any, reward_funcs: Any, args: Any, train_dataset: Any, eval_dataset: Any,
                processing_class: Any, reward_processing_classes: Any, peft_config: Any) -> None:
-        from posttrain.rollout import Rollout, SamplingParams
-        from posttrain.rollout.sampling import generation_overrides
+        from posttrain.rollout import Rollout
 
         algorithm = self.config_class._algorithm
         self.cfg = cfg = args if args is not None else default_args(self.config_class, model, algorithm)
@@ -158,12 +157,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         policy = s.load("policy", policy_given, **kwargs)
         policy.config.get_text_config().pad_token_id = tok.pad_token_id
         policy.generation_config.pad_token_id = tok.pad_token_id
-        eos_ids = declared_eos_ids(policy, tok)
-        self.sampling = SamplingParams(**{
-            "max_new_tokens": cfg.max_completion_length, "pad_token_id": tok.pad_token_id,
-            "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p,
-            "repetition_penalty": cfg.repetition_penalty, "stop_token_ids": eos_ids,
-            **generation_overrides(cfg.generation_kwargs, eos_ids, cfg.temperature)})
+        self.sampling = config_sampling(cfg, policy, tok)
         self.eos_ids = self.sampling.stop_token_ids  # what ends a completion also counts it as terminated
         if s.generates:  # this rank only generates (trainers/generation_ranks.py): no engine, its own loop
             self.generation_rank = GenerationRank(self, policy, max_prompt_len)

@@ -10,7 +10,7 @@ import trl
 
 from posttrain.errors import ConfigError
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
-from posttrain.rollout.sampling import check_min_p, generation_overrides
+from posttrain.rollout.sampling import check_min_p, check_repetition_penalty, generation_overrides
 from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
 from posttrain.trainers.config import TrainConfig
@@ -90,6 +90,7 @@ def check_online_config(cfg: Any) -> None:
     world = training_processes(cfg)  # generation ranks (generation_processes) take no batch
     grpo = hasattr(cfg, "loss_type")  # TRL's RLOOConfig has none of GRPO's loss options
     check_min_p(cfg.min_p)
+    check_repetition_penalty(cfg.repetition_penalty)
     generation_overrides(cfg.generation_kwargs, [], cfg.temperature)
     if grpo:
         cfg.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none"}.get(
@@ -109,7 +110,6 @@ def check_online_config(cfg: Any) -> None:
         (cfg.beta >= 0.0, f"beta (the KL coefficient) must be >= 0; got {cfg.beta}"),
         (cfg.temperature > 0.0,
          f"temperature must be > 0 (sampling; the loss divides logits by it); got {cfg.temperature}"),
-        (cfg.repetition_penalty > 0.0, f"repetition_penalty must be > 0 (1: off); got {cfg.repetition_penalty}"),
         (cfg.num_iterations >= 1, "num_iterations must be >= 1"),
         (cfg.dynamic_sampling_max_rounds >= 0,
          f"dynamic_sampling_max_rounds must be >= 0 (extra generation batches); got {cfg.dynamic_sampling_max_rounds}"),

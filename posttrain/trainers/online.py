@@ -10,6 +10,7 @@ import torch
 from posttrain.data.prompts import position_ids
 from posttrain.models.chunked_head import head_logps, output_layer
 from posttrain.models.packing import Packing, packs
+from posttrain.rollout.sampling import SamplingParams, generation_overrides
 from posttrain.run.jsonrows import dumps_row
 
 
@@ -125,6 +126,17 @@ def declared_eos_ids(model: Any, tokenizer: Any) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids = [tokenizer.eos_token_id, *ids]
     return ids
+
+
+def config_sampling(cfg: Any, model: Any, tokenizer: Any) -> SamplingParams:
+    """The sampler of GRPO, RLOO and distillation: the config's sampling fields and TRL's end-of-completion ids
+    (:func:`declared_eos_ids`), with ``generation_kwargs`` over them as TRL applies it."""
+    eos_ids = declared_eos_ids(model, tokenizer)
+    return SamplingParams(**{
+        "max_new_tokens": cfg.max_completion_length, "pad_token_id": tokenizer.pad_token_id,
+        "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "min_p": cfg.min_p,
+        "repetition_penalty": cfg.repetition_penalty, "stop_token_ids": eos_ids,
+        **generation_overrides(cfg.generation_kwargs, eos_ids, cfg.temperature)})
 
 
 def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, terminal_ids: list[int]) -> torch.Tensor:

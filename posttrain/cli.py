@@ -83,6 +83,9 @@ def _plan_checked(argv: list[str]) -> int:
     ap.add_argument("--vllm-enable-sleep-mode", "--vllm_enable_sleep_mode", action="store_true",
                     help="GRPO/RLOO: TRL's flag; posttrain's engine frees its KV cache and graphs while the policy "
                          "trains, so they count in the generate phase, not at rest")
+    ap.add_argument("--repetition-penalty", "--repetition_penalty", type=float, default=1.0,
+                    help="GRPO/RLOO: TRL's field (1: off); on posttrain's engine each slot keeps a set of the tokens "
+                         "it holds and the step's sampler a larger pool")
     ap.add_argument("--async-generation", "--async_generation", action="store_true",
                     help="GRPO/RLOO: the trainers' streaming generation; counts the outputs of the sequences started and "
                          "not yet trained (the KV cache is the slots', as without it)")
@@ -114,6 +117,12 @@ def _plan_checked(argv: list[str]) -> int:
     if args.vllm_enable_sleep_mode and (args.workload not in ("grpo", "rloo") or args.async_generation):
         raise ConfigError("--vllm-enable-sleep-mode plans grpo or rloo without --async-generation (streamed sequences "
                           "keep their cache across steps)")
+    from posttrain.rollout.sampling import check_repetition_penalty  # here: the sampler imports transformers
+
+    check_repetition_penalty(args.repetition_penalty)
+    if args.repetition_penalty != 1.0 and args.workload not in ("grpo", "rloo"):
+        raise ConfigError(f"--repetition-penalty plans grpo or rloo, whose rollouts sample with it (got "
+                          f"{args.workload}): drop it")
     streamed = 0
     if args.async_generation:
         if args.workload not in ("grpo", "rloo") or args.generation_backend != "posttrain" or args.max_staleness < 0:
@@ -162,7 +171,8 @@ def _plan_checked(argv: list[str]) -> int:
                            generation_batch=generation_rows, kv_slots=args.generation_kv_slots,
                            streamed_rows=streamed, lora_mode=args.generation_lora_mode,
                            sleep_mode=args.vllm_enable_sleep_mode,
-                           gradient_accumulation_steps=args.gradient_accumulation_steps)
+                           gradient_accumulation_steps=args.gradient_accumulation_steps,
+                           repetition_penalty=args.repetition_penalty != 1.0)
 
     if args.generation_processes:
         print(generation_rank_line(args, shapes, launched, generation_rows or args.micro_batch, lora) + "\n")

@@ -202,6 +202,36 @@ def test_planner_counts_the_engine():
         assert hf.phases["generate"] - fast.phases["generate"] == kv + (2 * size.params if stage == 3 else 0)
 
 
+def test_planner_counts_the_repetition_penalty(tok, prompts, capsys):
+    """``posttrain plan --repetition-penalty``: the engine's per-slot token sets (counted as the engine allocates
+    them) and the penalized step's larger pool; nothing without the penalty, and only for GRPO/RLOO."""
+    from posttrain import cli
+    from posttrain.planner import memory
+
+    model, (ids, mask) = build("llama", tok), prompts
+    r = rollout(model, tok, kv_slots=4, repetition_penalty=1.5)
+    r.generate(ids, mask)
+    seen = r.engine.slots.seen
+    assert seen.numel() * seen.element_size() == memory.PENALTY_SEEN_BYTES_PER_ROW_VOCAB * 4 * model.config.vocab_size
+    plain = rollout(model, tok, kv_slots=4)
+    plain.generate(ids, mask)
+    assert plain.engine.slots.seen is None
+    size = memory.model_size("1b")
+    args = dict(world_size=1, micro_batch=8, seq_len=512, kv_slots=4)
+    off, on = (memory.plan("grpo", "1b", "zero2-zero3", repetition_penalty=p, **args) for p in (False, True))
+    per = memory.PENALTY_SEEN_BYTES_PER_ROW_VOCAB + memory.PENALTY_POOL_BYTES_PER_ROW_VOCAB
+    assert on.roles[0].rollout - off.roles[0].rollout == per * 4 * size.vocab
+    asleep = [memory.plan("grpo", "1b", "zero2-zero3", repetition_penalty=p, sleep_mode=True, **args)
+              for p in (False, True)]  # the token sets stay; the pool sleeps with the graphs
+    assert asleep[1].roles[0].rollout - asleep[0].roles[0].rollout == 4 * size.vocab
+    base = ["plan", "--workload", "grpo", "--shape", "1b", "--world-size", "1", "--micro-batch", "8"]
+    assert cli.main(base + ["--repetition-penalty", "1.2"]) == 0
+    assert cli.main([*base[:2], "dpo", *base[3:], "--repetition-penalty", "1.2"]) == 2
+    assert "--repetition-penalty plans grpo or rloo" in capsys.readouterr().err
+    assert cli.main(base + ["--repetition-penalty", "0"]) == 2
+    assert "repetition_penalty must be > 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_fused_projections_give_the_same_tokens(kind, models, tok, prompts):
     """``fused`` (q|k|v and gate|up copies, refreshed per rollout) decodes the same."""

@@ -129,6 +129,10 @@ def kv_cache_bytes(m: ModelSize, sequences: int, length: int, prompt_slots: int 
 
 # posttrain.rollout's CUDA graph pool, an upper estimate: four float32 [batch, vocab] sampling tensors.
 GRAPH_POOL_BYTES_PER_ROW_VOCAB = 32
+# The repetition penalty: each slot's bool set of the tokens it holds (rollout.slots.Slots.seen), kept with the
+# slots, and in the step's pool three more float32 [batch, vocab] (the raw logits, the scaled ones, their select).
+PENALTY_SEEN_BYTES_PER_ROW_VOCAB = 1
+PENALTY_POOL_BYTES_PER_ROW_VOCAB = 12
 
 
 def fused_projection_bytes(m: ModelSize) -> int:
@@ -142,18 +146,22 @@ def streamed_bytes(rows: int, prompt_len: int, response_len: int) -> int:
     return rows * (16 * prompt_len + 12 * response_len)
 
 
-def graph_pool_bytes(m: ModelSize, sequences: int) -> int:
-    """The engine's CUDA graph pool for ``sequences`` slots (:data:`GRAPH_POOL_BYTES_PER_ROW_VOCAB`)."""
-    return GRAPH_POOL_BYTES_PER_ROW_VOCAB * sequences * m.vocab
+def graph_pool_bytes(m: ModelSize, sequences: int, penalty: bool = False) -> int:
+    """The engine's CUDA graph pool for ``sequences`` slots (:data:`GRAPH_POOL_BYTES_PER_ROW_VOCAB`, more with
+    the repetition ``penalty``)."""
+    per = GRAPH_POOL_BYTES_PER_ROW_VOCAB + (PENALTY_POOL_BYTES_PER_ROW_VOCAB if penalty else 0)
+    return per * sequences * m.vocab
 
 
 def rollout_engine_bytes(m: ModelSize, sequences: int, length: int, policy_stage: int,
-                         fused_projections: bool = False, kv_cache: int | None = None) -> int:
-    """posttrain.rollout's bytes: KV cache (default all rows'), graphs, ZeRO-3 copy, fused projections."""
-    pool = graph_pool_bytes(m, sequences)
+                         fused_projections: bool = False, kv_cache: int | None = None, penalty: bool = False) -> int:
+    """posttrain.rollout's bytes: KV cache (default all rows'), graphs, ZeRO-3 copy, fused projections, the
+    repetition ``penalty``'s token sets."""
+    pool = graph_pool_bytes(m, sequences, penalty)
     fused = fused_projection_bytes(m) if fused_projections else 0
     kv = kv_cache_bytes(m, sequences, length) if kv_cache is None else kv_cache
-    return kv + pool + (2 * m.params if policy_stage == 3 else 0) + fused
+    seen = PENALTY_SEEN_BYTES_PER_ROW_VOCAB * sequences * m.vocab if penalty else 0
+    return kv + pool + (2 * m.params if policy_stage == 3 else 0) + fused + seen
 
 
 @dataclass(frozen=True)
@@ -292,7 +300,8 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
          gradient_checkpointing: bool = False, lora: Lora | None = None, single_process_engine: str = "auto",
          fused_projections: bool = False, shared_prompt_group: int | None = None, tool_tokens: int = 0,
          generation_batch: int | None = None, kv_slots: int | None = None, streamed_rows: int = 0,
-         lora_mode: str = "auto", sleep_mode: bool = False, gradient_accumulation_steps: int = 1) -> Plan:
+         lora_mode: str = "auto", sleep_mode: bool = False, gradient_accumulation_steps: int = 1,
+         repetition_penalty: bool = False) -> Plan:
     """Per-GPU memory per role; ``micro_batch``: prompts/pairs/seqs; ``seq_len`` has the response;
     ``tool_tokens``: multi-turn tool use (GRPO/RLOO), tool output per sequence inside the response budget;
     ``generation_batch``: sequences one process generates at once (default ``micro_batch``); ``kv_slots``: the
@@ -302,7 +311,8 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
     and expand blocks beside the base read in place; live: nothing; auto: grouped); ``sleep_mode``: the engine frees
     its KV cache and graph pool while the policy trains (``vllm_enable_sleep_mode``), so they count in the generate
     phase, not at rest; ``gradient_accumulation_steps`` above 1: ZeRO-1/2's bf16 gradient partition, which micro-batches
-    accumulate into, is live through every backward but the first."""
+    accumulate into, is live through every backward but the first; ``repetition_penalty``: the sampler's penalty is
+    on (each engine slot's token set and the step's larger pool)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     names = WORKLOADS[workload]
@@ -422,7 +432,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
             appends = lora is not None and lora_mode == "grouped"
             copies = fused_projections and not appends and (lora is not None or "policy" in torch_path)
             policy.rollout = rollout_engine_bytes(policy.size, slots, seq_len, policy.place.stage, copies,
-                                                  engine_kv)
+                                                  engine_kv, repetition_penalty)
             policy.kv_cache = engine_kv
             policy.lora_mode = lora_mode if lora is not None else ""
             if lora is not None and lora_mode == "merged":  # a bf16 copy of every adapted weight
@@ -431,7 +441,7 @@ def plan(workload: str, shapes: dict[str, str] | str, mix: str, *, world_size: i
                 policy.rollout += 2 * appended_adapter_params(shapes["policy"], lora, vocab)
             policy.rollout += streamed_bytes(streamed_rows, seq_len - response_len, response_len)
             if sleep_mode:  # the cache and the graph pool live only while generating
-                asleep = engine_kv + graph_pool_bytes(policy.size, slots)
+                asleep = engine_kv + graph_pool_bytes(policy.size, slots, repetition_penalty)
                 policy.rollout -= asleep
                 policy.sleeps = True
                 gen += asleep

@@ -234,3 +234,39 @@ def test_missing_value_and_bad_settings_are_refused(tmp_path):
         KTOConfig(output_dir=str(tmp_path), train_sampling_strategy="random")
     with pytest.raises(ConfigError, match=r"^unknown loss_type 'sigmoid': choose from kto, apo_zero_unpaired$"):
         KTOConfig(output_dir=str(tmp_path), loss_type="sigmoid")
+
+
+def test_jit_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
+    """enable_jit_checkpoint on a real trainer: SIGTERM during step 2 leaves checkpoint-2 and stops; resuming it
+    logs the uninterrupted run's steps 3 and 4 and ends on its weights."""
+    import os
+    import signal
+
+    from transformers import TrainerCallback
+
+    from posttrain import KTOConfig, KTOTrainer
+
+    class Sigterm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # during step 2
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    fields = {**SETTINGS, "gradient_accumulation_steps": 1, "max_steps": 4, "enable_jit_checkpoint": True}
+
+    def run(out, callbacks=None, **extra):
+        trainer = KTOTrainer(str(tiny.model_path(seed=0)), args=KTOConfig(output_dir=str(out), **fields, **extra),
+                             train_dataset=unpaired_rows(), callbacks=callbacks)
+        trainer.train()
+        return trainer.state.log_history, trainer.session.unwrap("policy").state_dict()
+
+    full, full_weights = run(tmp_path / "full")
+    assert not list((tmp_path / "full").glob("checkpoint-*"))  # save_strategy no: no SIGTERM, no checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "stopped", callbacks=[Sigterm()])
+    assert [p.name for p in (tmp_path / "stopped").glob("checkpoint-*")] == ["checkpoint-2"]
+    resumed, weights = run(tmp_path / "stopped", resume_from_checkpoint="latest")
+    assert [r["step"] for r in resumed if "loss" in r] == [1, 2, 3, 4]
+    for a, b in zip([r for r in full if "loss" in r], [r for r in resumed if "loss" in r]):
+        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "num_tokens", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    assert max((weights[k] - v).abs().max().item() for k, v in full_weights.items()) < 1e-6

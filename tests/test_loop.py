@@ -3,6 +3,8 @@ windows, evaluation and checkpoint cadence, resume in one place; and the trainer
 evaluation refusing eval_strategy by name."""
 
 import json
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -138,3 +140,68 @@ def test_no_trainer_carries_its_own_loop():
     # The planner's workloads are the roles the trainers declare.
     assert memory.WORKLOADS["ppo"] == PPOTrainer.roles and memory.WORKLOADS["rloo"] == GRPOTrainer.roles
 
+
+
+class Preempted(Counting):
+    """Counting, sent SIGTERM during step ``at``; checkpoints only on the steps ``can`` allows."""
+
+    def __init__(self, cfg: LoopConfig, total: int, at: int | None, can=lambda step: True) -> None:
+        super().__init__(cfg, total)
+        self.at, self.can, self.handlers = at, can, []
+
+    def training_step(self, step):
+        self.handlers.append(signal.getsignal(signal.SIGTERM))
+        if step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(step)
+
+    def can_checkpoint(self, step):
+        return self.can(step)
+
+
+@pytest.fixture
+def interrupt_state(monkeypatch):
+    from posttrain.run import interrupt
+
+    monkeypatch.setattr(interrupt, "_state", dict(interrupt._state))
+    return interrupt
+
+
+@pytest.mark.parametrize("can, saved", [(lambda step: True, 3), (lambda step: step % 2 == 0, 4)])
+def test_jit_checkpoint_saves_where_sigterm_came_and_resumes_from_it(tmp_path, capsys, interrupt_state, can, saved):
+    """enable_jit_checkpoint (transformers' field, TRL's configs have it): a SIGTERM during step 3 gives a checkpoint
+    where the first step that can take one ends (GRPO: where a generation batch ends), then the run stops as an
+    interrupted one, its line naming that checkpoint; a resume continues from it. The handler is the loop's only
+    while it trains."""
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = LoopConfig(output_dir=str(tmp_path), logging_steps=1, disable_tqdm=True, enable_jit_checkpoint=True)
+    trainer = Preempted(cfg, 10, at=3, can=can)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert signal.getsignal(signal.SIGTERM) is before and trainer.handlers[0] is not before
+    assert trainer.steps_run == list(range(1, saved + 1))
+    assert [p.name for p in output_dir.checkpoints(tmp_path)] == [f"checkpoint-{saved}"]
+    assert interrupt_state.exit_status(KeyboardInterrupt()) == interrupt_state.EXIT_STATUS
+    assert (f"[posttrain] stopped by SIGTERM at step {saved} of 10; resume with --resume_from_checkpoint latest "
+            f"(checkpoint-{saved})") in capsys.readouterr().err
+    resumed = LoopConfig(output_dir=str(tmp_path), logging_steps=1, disable_tqdm=True, enable_jit_checkpoint=True,
+                         resume_from_checkpoint="latest")
+    again = Preempted(resumed, 10, at=None)
+    again.train()
+    assert again.steps_run == list(range(saved + 1, 11)) and again.restored == (saved * 10, f"checkpoint-{saved}")
+    assert [h["step"] for h in again.state.log_history if "loss" in h] == list(range(1, 11))
+
+
+def test_without_jit_checkpoint_the_loop_leaves_sigterm_alone(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = Preempted(LoopConfig(output_dir=str(tmp_path), disable_tqdm=True), 2, at=None)
+    trainer.train()
+    assert trainer.handlers == [before, before]
+
+
+def test_jit_checkpoint_is_refused_with_streaming():
+    from posttrain.trainers.grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match="async_generation needs enable_jit_checkpoint false"):
+        GRPOConfig(async_generation=True, enable_jit_checkpoint=True, num_generations=2,
+                   per_device_train_batch_size=2)

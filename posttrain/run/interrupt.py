@@ -39,6 +39,11 @@ def track(describe: Callable[[], str] | None) -> None:
     _state["describe"] = describe
 
 
+def stopped_by(signum: int) -> None:
+    """A signal that another handler took (a just-in-time checkpoint's SIGTERM) names the interrupt's line."""
+    _state.update(signal=signum, at=time.monotonic())
+
+
 def _on_signal(signum: int, frame: Any) -> None:
     now = time.monotonic()
     if _state["signal"] is None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,7 +17,9 @@ import torch
 from posttrain.errors import ConfigError
 from posttrain.models import packing
 from posttrain.placement.ranks import mean_over_ranks
+from posttrain.run import interrupt
 from posttrain.run.output_dir import check_resume, claim_output_dir, resume_dir, save_checkpoint
+from posttrain.run.preemption import JitCheckpoint
 from posttrain.run.save import save_trained_model
 from posttrain.trainers.config import TrainConfig, saves
 from posttrain.trainers.run_log import RunLog
@@ -190,9 +194,25 @@ class Trainer:
                                     card=self.card_info())
         self.state.log_history = log.history
         started, first, losses = time.perf_counter(), self.step, []
+        self._event("on_train_begin")
+        with JitCheckpoint() if cfg.enable_jit_checkpoint else nullcontext() as jit:
+            self._train_steps(log, losses, jit)
+        log.close()
+        self.training_ended()
+        self._event("on_train_end")
+        runtime = time.perf_counter() - started
+        losses = [v for v in losses if v is not None]
+        train_loss = sum(losses) / len(losses) if losses else 0.0
+        metrics = {"train_runtime": runtime, "train_steps_per_second": (self.step - first) / max(runtime, 1e-9),
+                   "train_loss": train_loss, "epoch": self.state.epoch}
+        return TrainOutput(self.step, train_loss, metrics)
+
+    def _train_steps(self, log: RunLog, losses: list[Any], jit: JitCheckpoint | None) -> None:
+        """Optimizer steps to ``total_steps`` (or a callback's stop): logging, evaluation and checkpoints as the
+        config says; ``jit``: after a SIGTERM, a checkpoint at the first step that can take one, then stop."""
+        cfg, s = self.cfg, self.session
         fallbacks = packing.fallbacks()
         window: list[dict[str, Any]] = []
-        self._event("on_train_begin")
         while self.step < self.total_steps:
             self._event("on_step_begin")
             # self.step counts the steps done, as TRL's global_step.
@@ -215,22 +235,22 @@ class Trainer:
                 metrics = self.evaluate()
                 log.log(self.step, metrics, advance=False)
                 self._event("on_evaluate", metrics=metrics)
-            if self.saves_after(self.step, last) and self.can_checkpoint(self.step):
-                save_checkpoint(s, cfg, self.step, self.checkpoint_models(),
-                                {"total_steps": self.total_steps, **self.checkpoint_state()}, trainer=self.name,
-                                rank_state=self.checkpoint_rank_state)
-                self._event("on_save")
+            saved = self.saves_after(self.step, last) and self.can_checkpoint(self.step)
+            if saved:
+                self._save_checkpoint()
             if last:
                 break
-        log.close()
-        self.training_ended()
-        self._event("on_train_end")
-        runtime = time.perf_counter() - started
-        losses = [v for v in losses if v is not None]
-        train_loss = sum(losses) / len(losses) if losses else 0.0
-        metrics = {"train_runtime": runtime, "train_steps_per_second": (self.step - first) / max(runtime, 1e-9),
-                   "train_loss": train_loss, "epoch": self.state.epoch}
-        return TrainOutput(self.step, train_loss, metrics)
+            if jit is not None and self.can_checkpoint(self.step) and jit.requested(s):
+                if not saved:
+                    self._save_checkpoint()
+                interrupt.stopped_by(signal.SIGTERM)
+                raise KeyboardInterrupt  # stops as an interrupted run does; its line names this checkpoint
+
+    def _save_checkpoint(self) -> None:
+        save_checkpoint(self.session, self.cfg, self.step, self.checkpoint_models(),
+                        {"total_steps": self.total_steps, **self.checkpoint_state()}, trainer=self.name,
+                        rank_state=self.checkpoint_rank_state)
+        self._event("on_save")
 
     def end(self) -> None:
         """Finish the trackers and leave the process as it was (no ZeRO-3 mode, no group posttrain made):

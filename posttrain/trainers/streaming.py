@@ -101,6 +101,7 @@ def check_streaming_config(cfg: Any, world: int) -> None:
         (cfg.dynamic_sampling, "dynamic_sampling false"),
         (cfg.generation_shared_prompt_kv, "generation_shared_prompt_kv false"),
         (cfg.vllm_enable_sleep_mode, "vllm_enable_sleep_mode false (streamed sequences keep their cache across steps)"),
+        (cfg.enable_jit_checkpoint, "enable_jit_checkpoint false (the stream drains for a checkpoint only at save_steps)"),
         (cfg.max_inflight_tasks != -1 and cfg.max_inflight_tasks < per_step,
          f"max_inflight_tasks -1 or at least one step's completions ({per_step})"),
     ]

@@ -76,3 +76,14 @@ def test_kto_placement_invariance(res):
     for mix in MIXES[1:]:
         for key, values in first.items():
             assert res["kto"][mix][key] == pytest.approx(values, rel=0, abs=TOL), (mix, key)
+
+
+def test_jit_checkpoint_when_sigterm_reaches_one_rank(res):
+    """enable_jit_checkpoint at 3 ranks, SIGTERM to rank 1 alone during step 2: all ranks save checkpoint-2 and
+    stop (none waits in a collective), and the resumed run logs the uninterrupted run's losses and evaluation."""
+    if res["world"] != 3:
+        pytest.skip("the just-in-time checkpoint runs at 3 ranks (tests/dist/world_checks.py)")
+    jit = res["jit"]
+    assert jit["stopped"] and jit["checkpoints"] == ["checkpoint-2"]
+    for key, values in res["kto"]["zero2-zero3"].items():
+        assert jit["resumed"][key] == pytest.approx(values, rel=0, abs=TOL), key

@@ -151,6 +151,28 @@ def model_checks(tmp: Path) -> dict:
     return res
 
 
+def jit_checkpoint_check(tmp: Path) -> dict:
+    """enable_jit_checkpoint when SIGTERM reaches rank 1 alone, during step 2: every rank saves checkpoint-2 and
+    stops; resumed, the run logs what the uninterrupted one does."""
+    import os
+    import signal
+
+    from transformers import TrainerCallback
+
+    class Sigterm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1 and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        kto_run(tmp / "kto", "jit", callbacks=[Sigterm()], enable_jit_checkpoint=True)
+        stopped = False
+    except KeyboardInterrupt:
+        stopped = True
+    saved = sorted(p.name for p in (tmp / "kto" / "jit").glob("checkpoint-*"))
+    return {"stopped": stopped, "checkpoints": saved, "resumed": kto_run(tmp / "kto", "jit", resume_from_checkpoint="latest")}
+
+
 def main(out: str, tmp: str) -> None:
     tmp, start = Path(tmp), time.perf_counter()
     res = model_checks(tmp)
@@ -171,6 +193,8 @@ def main(out: str, tmp: str) -> None:
     seconds["ppo"] = time.perf_counter() - start - sum(seconds.values())
     # KTO at 3 ranks: its KL estimate is averaged over the ranks' micro-batches each step.
     res["kto"] = {mix: kto_run(tmp / "kto", mix, mix=mix) for mix in (MIXES if world == 3 else ())}
+    if world == 3:
+        res["jit"] = jit_checkpoint_check(tmp)
     seconds["kto"] = time.perf_counter() - start - sum(seconds.values())
     res["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
     if dist.get_rank() == 0:

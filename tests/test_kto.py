@@ -237,8 +237,9 @@ def test_missing_value_and_bad_settings_are_refused(tmp_path):
 
 
 def test_jit_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
-    """enable_jit_checkpoint on a real trainer: SIGTERM during step 2 leaves checkpoint-2 and stops; resuming it
-    logs the uninterrupted run's steps 3 and 4 and ends on its weights."""
+    """enable_jit_checkpoint on a real trainer: SIGTERM during step 2 leaves checkpoint-2 and stops (whole, though
+    the run's other checkpoints hold only the model: save_only_model); resuming it logs the uninterrupted run's
+    steps 3 and 4 and ends on its weights."""
     import os
     import signal
 
@@ -254,17 +255,22 @@ def test_jit_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
     fields = {**SETTINGS, "gradient_accumulation_steps": 1, "max_steps": 4, "enable_jit_checkpoint": True}
 
     def run(out, callbacks=None, **extra):
-        trainer = KTOTrainer(str(tiny.model_path(seed=0)), args=KTOConfig(output_dir=str(out), **fields, **extra),
+        trainer = KTOTrainer(str(tiny.model_path(seed=0)), args=KTOConfig(output_dir=str(out), **{**fields, **extra}),
                              train_dataset=unpaired_rows(), callbacks=callbacks)
         trainer.train()
         return trainer.state.log_history, trainer.session.unwrap("policy").state_dict()
 
     full, full_weights = run(tmp_path / "full")
     assert not list((tmp_path / "full").glob("checkpoint-*"))  # save_strategy no: no SIGTERM, no checkpoint
-    with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "stopped", callbacks=[Sigterm()])
-    assert [p.name for p in (tmp_path / "stopped").glob("checkpoint-*")] == ["checkpoint-2"]
-    resumed, weights = run(tmp_path / "stopped", resume_from_checkpoint="latest")
+    with pytest.raises(KeyboardInterrupt):  # save_only_model: checkpoint-1 holds the model alone
+        run(tmp_path / "stopped", callbacks=[Sigterm()], save_strategy="steps", save_steps=1, save_only_model=True)
+    stopped = tmp_path / "stopped"
+    assert sorted(p.name for p in stopped.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert sorted(p.name for p in (stopped / "checkpoint-1" / "state").iterdir()) == ["saved_by.json",
+                                                                                     "trainer_state.json"]
+    assert AutoModelForCausalLM.from_pretrained(stopped / "checkpoint-1" / "policy").config.vocab_size > 0
+    assert (stopped / "checkpoint-2" / "state" / "policy").is_dir()  # the stop's checkpoint is whole
+    resumed, weights = run(stopped, resume_from_checkpoint="latest")
     assert [r["step"] for r in resumed if "loss" in r] == [1, 2, 3, 4]
     for a, b in zip([r for r in full if "loss" in r], [r for r in resumed if "loss" in r]):
         for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "num_tokens", "grad_norm"):

@@ -205,3 +205,32 @@ def test_jit_checkpoint_is_refused_with_streaming():
     with pytest.raises(ConfigError, match="async_generation needs enable_jit_checkpoint false"):
         GRPOConfig(async_generation=True, enable_jit_checkpoint=True, num_generations=2,
                    per_device_train_batch_size=2)
+
+
+def test_save_only_model_checkpoints_hold_no_state_and_are_not_resumed(tmp_path, interrupt_state):
+    """save_only_model (transformers' field): checkpoints hold the models and the step, not the engines'
+    optimizer and RNG state, so a resume from one is refused in one sentence before anything loads, naming a
+    whole checkpoint when there is one (a just-in-time checkpoint is always whole: it exists to resume). The
+    trainers run this check when they build their Session, before any model loads."""
+    cfg = LoopConfig(output_dir=str(tmp_path), save_steps=2, logging_steps=1, disable_tqdm=True, save_only_model=True,
+                     enable_jit_checkpoint=True)
+    trainer = Preempted(cfg, 10, at=5)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert [p.name for p in output_dir.checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    assert [output_dir.is_model_only(tmp_path / f"checkpoint-{n}") for n in (2, 4, 5)] == [True, True, False]
+    assert sorted(p.name for p in (tmp_path / "checkpoint-4" / "state").iterdir()) == ["saved_by.json",
+                                                                                       "trainer_state.json"]
+    assert trainer.session.loaded == []
+    resumed = dict(output_dir=str(tmp_path), save_steps=2, disable_tqdm=True, save_only_model=True)
+    with pytest.raises(ConfigError, match="checkpoint-4 was saved with save_only_model, so it holds no optimizer, "
+                                          "schedule or RNG state to resume: resume from .*checkpoint-5, the newest "
+                                          "checkpoint with it, or start a new run from its model"):
+        output_dir.plan_output_dir(LoopConfig(resume_from_checkpoint=str(tmp_path / "checkpoint-4"), **resumed))
+    again = Preempted(LoopConfig(resume_from_checkpoint="latest", **resumed), 10, at=None)
+    again.train()  # latest: checkpoint-5, whole
+    assert again.steps_run == list(range(6, 11))
+    (tmp_path / "checkpoint-5").rename(tmp_path / "gone")
+    (tmp_path / "checkpoint-10").rename(tmp_path / "gone10")
+    with pytest.raises(ConfigError, match="checkpoint-8 was saved with save_only_model.*: start a new run"):
+        output_dir.plan_output_dir(LoopConfig(resume_from_checkpoint="latest", **resumed))

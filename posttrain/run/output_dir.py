@@ -40,6 +40,7 @@ _MODEL_FILES = ("config.json", "adapter_config.json", "model.safetensors", "mode
 SETTINGS_FILE = "posttrain_config.json"  # the run's settings; config.json is the saved model's
 LOCK_FILE = ".posttrain.lock"
 SAVED_BY_FILE = "saved_by.json"  # in checkpoint-N/state/: the trainer, config class and models that saved it
+MODEL_ONLY = "model_only"  # trainer_state.json's mark of a save_only_model checkpoint (no state to resume)
 # What posttrain writes at an output dir's top besides checkpoints and saved models.
 _OWN_FILES = (*_RUN_FILES, SETTINGS_FILE, LOCK_FILE, CURVES_FILE, "summary.json")
 # save_pretrained's files (model, adapter, tokenizer): a saved model, replaced by the next save.
@@ -288,7 +289,7 @@ def resume_dir(cfg: OutputDirSettings) -> Path | None:
         if path is None:
             raise ConfigError(f"resume_from_checkpoint is 'latest' but {cfg.output_dir} holds no complete checkpoint: "
                               "unset resume_from_checkpoint to start from scratch, or give a checkpoint's path")
-        return path
+        return _resumable(path)
     path = Path(cfg.resume_from_checkpoint).expanduser()
     if _PARTIAL.fullmatch(path.name) or (path.is_dir() and not (path / "state" / "trainer_state.json").is_file()):
         good = latest_checkpoint(path.parent)
@@ -297,7 +298,28 @@ def resume_dir(cfg: OutputDirSettings) -> Path | None:
     if not (path / "state").is_dir():
         raise ConfigError(f"{path} is not a posttrain checkpoint (no state/ inside): give a checkpoint-N folder "
                           "of an output dir, or resume_from_checkpoint: latest")
-    return path
+    return _resumable(path)
+
+
+def is_model_only(path: Path) -> bool:
+    """A checkpoint saved with ``save_only_model``: its models, no engine, optimizer or RNG state."""
+    try:
+        state = json.loads((path / "state" / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and bool(state.get(MODEL_ONLY))
+
+
+def _resumable(path: Path) -> Path:
+    """``path``, unless it holds only models (save_only_model): then the sentence naming what can resume."""
+    if not is_model_only(path):
+        return path
+    whole = [p for p in checkpoints(path.parent) if not is_model_only(p)]
+    other = f"resume from {whole[-1]}, the newest checkpoint with it, or " if whole else ""
+    folder = _first_model_folder(path)
+    start = f"start a new run from its model with --model_name_or_path {path / folder}" if folder else "start a new run"
+    raise ConfigError(f"{path} was saved with save_only_model, so it holds no optimizer, schedule or RNG state to "
+                      f"resume: {other}{start}")
 
 
 def check_resume(cfg: OutputDirSettings, trainer_name: str, model_config: Any = None, uses_peft: bool | None = None,
@@ -474,11 +496,13 @@ def _saved_by(session: Session, cfg: OutputDirSettings, export: dict[str, Any], 
 
 
 def save_checkpoint(session: Session, cfg: OutputDirSettings, step: int, export: dict[str, Any], extra: dict,
-                    trainer: str | None = None, rank_state: Callable[[Path, int], None] | None = None) -> Path:
+                    trainer: str | None = None, rank_state: Callable[[Path, int], None] | None = None,
+                    model_only: bool = False) -> Path:
     """Write ``checkpoint-N/`` (``<role>/`` exports, ``state/``) atomically; prune to ``save_total_limit``.
     ``trainer``: the trainer's name, recorded for :func:`check_resume`; ``rank_state(state_dir, rank)``: what
-    each rank writes of its own. A full disk: one sentence, the half-written folder removed and the previous
-    checkpoints intact."""
+    each rank writes of its own; ``model_only`` (TRL's ``save_only_model``): the exports and the step, no
+    resumable state. A full disk: one sentence, the half-written folder removed and the previous checkpoints
+    intact."""
     final = checkpoint_dir(cfg, step)
     tmp = final.with_name(final.name + ".tmp")
     if session.is_main_process and tmp.exists():
@@ -487,10 +511,17 @@ def save_checkpoint(session: Session, cfg: OutputDirSettings, step: int, export:
     try:
         for role, tokenizer in export.items():
             session.save_pretrained(role, tmp / role, tokenizer=tokenizer)
-        if rank_state is not None:  # before save_state, whose trainer_state.json is written last
-            (tmp / "state").mkdir(parents=True, exist_ok=True)
-            rank_state(tmp / "state", session.process_index)
-        session.save_state(tmp / "state", extra={"step": step, **extra})  # returns once every rank has written
+        if model_only:
+            session.wait_for_everyone()  # every rank's exports written
+            if session.is_main_process:
+                (tmp / "state").mkdir(parents=True, exist_ok=True)
+                (tmp / "state" / "trainer_state.json").write_text(json.dumps({"step": step, MODEL_ONLY: True,
+                                                                              **extra}, indent=1))
+        else:
+            if rank_state is not None:  # before save_state, whose trainer_state.json is written last
+                (tmp / "state").mkdir(parents=True, exist_ok=True)
+                rank_state(tmp / "state", session.process_index)
+            session.save_state(tmp / "state", extra={"step": step, **extra})  # returns once every rank has written
         if session.is_main_process:
             (tmp / "state" / SAVED_BY_FILE).write_text(json.dumps(_saved_by(session, cfg, export, trainer), indent=1))
     except Exception as err:

@@ -241,15 +241,17 @@ class Trainer:
             if last:
                 break
             if jit is not None and self.can_checkpoint(self.step) and jit.requested(s):
-                if not saved:
-                    self._save_checkpoint()
+                if not saved or cfg.save_only_model:  # a checkpoint to resume, whatever save_only_model says
+                    self._save_checkpoint(model_only=False)
                 interrupt.stopped_by(signal.SIGTERM)
                 raise KeyboardInterrupt  # stops as an interrupted run does; its line names this checkpoint
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, model_only: bool | None = None) -> None:
+        """``checkpoint-N``; ``model_only`` (default: ``save_only_model``) without the state a resume needs."""
         save_checkpoint(self.session, self.cfg, self.step, self.checkpoint_models(),
                         {"total_steps": self.total_steps, **self.checkpoint_state()}, trainer=self.name,
-                        rank_state=self.checkpoint_rank_state)
+                        rank_state=self.checkpoint_rank_state,
+                        model_only=self.cfg.save_only_model if model_only is None else model_only)
         self._event("on_save")
 
     def end(self) -> None:

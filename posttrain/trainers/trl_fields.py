@@ -23,7 +23,7 @@ TRAINING_ARGUMENTS_WORK = {
     "disable_tqdm", "report_to", "run_name", "eval_strategy", "eval_steps", "per_device_eval_batch_size",
     "save_strategy", "save_steps", "save_total_limit", "push_to_hub", "hub_token", "hub_private_repo",
     "hub_model_id", "seed", "resume_from_checkpoint", "remove_unused_columns", "do_train", "do_eval", "do_predict",
-    "local_rank", "log_level", "use_cpu", "enable_jit_checkpoint",
+    "local_rank", "log_level", "use_cpu", "enable_jit_checkpoint", "save_only_model",
 }
 # transformers.TrainingArguments: why another value than the default is refused.
 TRAINING_ARGUMENTS_REFUSED = {
@@ -62,7 +62,6 @@ TRAINING_ARGUMENTS_REFUSED = {
     "eval_accumulation_steps": _EVAL_LOOP,
     "include_for_metrics": _EVAL_LOOP,
     "batch_eval_metrics": _EVAL_LOOP,
-    "save_only_model": "a checkpoint always holds what an exact resume needs",
     "save_on_each_node": "the main process writes the checkpoint's model files; DeepSpeed writes its shards",
     "hub_strategy": _HUB,
     "hub_always_push": _HUB,

@@ -234,3 +234,35 @@ def test_save_only_model_checkpoints_hold_no_state_and_are_not_resumed(tmp_path,
     (tmp_path / "checkpoint-10").rename(tmp_path / "gone10")
     with pytest.raises(ConfigError, match="checkpoint-8 was saved with save_only_model.*: start a new run"):
         output_dir.plan_output_dir(LoopConfig(resume_from_checkpoint="latest", **resumed))
+
+
+def test_eval_on_start_and_torch_empty_cache_steps(tmp_path, monkeypatch):
+    """eval_on_start: an evaluation logged at the run's first step, before training; torch_empty_cache_steps N:
+    accelerate's clear_device_cache before the steps transformers' Trainer clears in (global step 0, N, 2N...)."""
+    from posttrain.trainers import loop
+
+    cleared = []
+    monkeypatch.setattr(loop, "clear_device_cache", lambda: cleared.append(True))
+    cfg = LoopConfig(output_dir=str(tmp_path), logging_steps=1, disable_tqdm=True, eval_on_start=True,
+                     torch_empty_cache_steps=2, save_strategy="no")
+    trainer = Counting(cfg, 5)
+    trainer.train()
+    assert trainer.state.log_history[0] == {"step": 0, "eval/loss": 0.0}
+    assert len(cleared) == 3
+    with pytest.raises(ConfigError, match="torch_empty_cache_steps must be a whole number >= 1 or unset, got 0"):
+        LoopConfig(output_dir=str(tmp_path), torch_empty_cache_steps=0)
+
+
+@pytest.mark.parametrize("field", [{"eval_strategy": "steps"}, {"eval_on_start": True}])
+def test_evaluation_without_an_eval_dataset_is_refused_before_loading(tmp_path, field):
+    """transformers' Trainer (and so TRL's) refuses eval_strategy other than no, or eval_on_start, without an
+    eval_dataset; posttrain says so before any model loads."""
+    from posttrain import SFTConfig, SFTTrainer
+
+    cfg = SFTConfig(output_dir=str(tmp_path), **field)
+    with pytest.raises(ConfigError, match="but no eval_dataset was given: pass eval_dataset=, or set --eval_strategy"):
+        SFTTrainer("no/such-model", args=cfg, train_dataset=[{"text": "a b"}])
+    with pytest.raises(ConfigError, match="PPO does not evaluate .* eval_on_start is set: drop --eval_on_start"):
+        from posttrain.trainers.ppo import PPOConfig
+
+        PPOConfig(output_dir=str(tmp_path), eval_on_start=True)

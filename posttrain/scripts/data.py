@@ -40,6 +40,7 @@ def load_train_eval(script: ScriptArguments, test_split_size: float, cfg: TrainC
     except (ValueError, KeyError):  # a single file, or a hub dataset without that split
         note(f"no evaluation will run: {name} has no {script.dataset_test_split!r} split; hold out part of the "
              "training data with --test_split_size 0.1, or pass --eval_strategy no")
+        cfg.eval_strategy = "no"  # as the note says (the trainer refuses evaluation without an eval_dataset)
         return train, None
     if check is not None:
         check(test, f"{name} (split {script.dataset_test_split!r})")

@@ -151,8 +151,14 @@ def validate_train_config(cfg: TrainConfig) -> None:
     if cfg.eval_strategy != "no" and not cfg._evaluates:
         raise ConfigError(f"{cfg._algorithm} does not evaluate (it has no eval dataset), but eval_strategy is "
                           f"{cfg.eval_strategy!r}: set --eval_strategy no")
+    if cfg.eval_on_start and not cfg._evaluates:
+        raise ConfigError(f"{cfg._algorithm} does not evaluate (it has no eval dataset), but eval_on_start is set: "
+                          "drop --eval_on_start")
     if cfg.eval_strategy == "steps" and cfg.eval_steps is None:
         cfg.eval_steps = cfg.logging_steps
+    empty = cfg.torch_empty_cache_steps
+    if empty is not None and (isinstance(empty, bool) or not isinstance(empty, int) or empty < 1):
+        raise ConfigError(f"torch_empty_cache_steps must be a whole number >= 1 or unset, got {empty!r}")
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("bf16 and fp16 are both set: keep one of --bf16 / --fp16")
     precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
@@ -178,6 +184,14 @@ def validate_train_config(cfg: TrainConfig) -> None:
     if cfg.lr_scheduler_type not in schedulers:
         raise ConfigError(f"unknown lr_scheduler_type {cfg.lr_scheduler_type!r}: choose from {', '.join(schedulers)}")
     check_scheduler_kwargs(cfg)
+
+
+def check_eval_data(cfg: TrainConfig, eval_dataset: Any) -> None:
+    """transformers' Trainer's rule, which TRL's trainers keep: evaluation asked for needs an eval_dataset."""
+    if eval_dataset is None and (cfg.eval_strategy != "no" or cfg.eval_on_start):
+        asked = f"eval_strategy is {cfg.eval_strategy!r}" if cfg.eval_strategy != "no" else "eval_on_start is set"
+        raise ConfigError(f"{asked} but no eval_dataset was given: pass eval_dataset=, or set --eval_strategy no"
+                          + (" and drop --eval_on_start" if cfg.eval_on_start else ""))
 
 
 def check_scheduler_kwargs(cfg: Any) -> None:

@@ -25,7 +25,7 @@ from posttrain.placement.ranks import sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.rollout.sampling import check_min_p, check_repetition_penalty, generation_overrides
-from posttrain.trainers.config import TrainConfig, make_session
+from posttrain.trainers.config import TrainConfig, check_eval_data, make_session
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
 from posttrain.trainers.online import config_sampling, write_samples
 from posttrain.trainers.run_log import Phases
@@ -169,6 +169,7 @@ class DistillationTrainer(Trainer):
         refuse_arguments("DistillationTrainer", optimizers=optimizers, quantization_config=quantization_config,
                          tools=tools or None)
         self.cfg = cfg = args if args is not None else default_args(DistillationConfig, model, "Distillation")
+        check_eval_data(cfg, eval_dataset)
         distinct_objects(model=model, teacher_model=teacher_model)
         self.teacher_source = teacher_source(teacher_model, cfg.teacher_model_name_or_path)
         if train_dataset is None:

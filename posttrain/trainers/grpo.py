@@ -23,7 +23,7 @@ from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
 from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
-from posttrain.trainers.config import make_session, saves
+from posttrain.trainers.config import check_eval_data, make_session, saves
 from posttrain.trainers.dynamic_sampling import fill_generation_batch
 from posttrain.trainers.entropy_bonus import EntropyBonus
 from posttrain.trainers.generation_ranks import GenerationFeed, GenerationRank, SeparateGeneration
@@ -81,6 +81,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
 
         algorithm = self.config_class._algorithm
         self.cfg = cfg = args if args is not None else default_args(self.config_class, model, algorithm)
+        check_eval_data(cfg, eval_dataset)
         self.peft_config = peft_config
         check_reference(cfg, adapters=peft_config is not None)
         if peft_config is not None:

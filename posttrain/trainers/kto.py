@@ -22,7 +22,7 @@ from posttrain.models.setup import prepare_trained
 from posttrain.models.sources import distinct_objects, init_kwargs, model_and_tokenizer
 from posttrain.placement.ranks import mean_over_ranks, sum_over_ranks
 from posttrain.placement.roles import TRAINER_ROLES
-from posttrain.trainers.config import TrainConfig, make_session, row_schedule
+from posttrain.trainers.config import TrainConfig, check_eval_data, make_session, row_schedule
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments, window_mean
 from posttrain.trainers.reference import ReferenceRole
 from posttrain.trainers.run_log import Phases
@@ -147,6 +147,7 @@ class KTOTrainer(ReferenceRole, Trainer):
         refuse_arguments("KTOTrainer", data_collator=data_collator, compute_metrics=compute_metrics,
                          optimizers=optimizers, quantization_config=quantization_config)
         self.cfg = cfg = args if args is not None else default_args(KTOConfig, model, "KTO")
+        check_eval_data(cfg, eval_dataset)
         if train_dataset is None:
             raise ConfigError("KTOTrainer needs train_dataset= (a datasets.Dataset or a list of rows)")
         validate(cfg)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from accelerate.utils.memory import clear_device_cache
 
 from posttrain.errors import ConfigError
 from posttrain.models import packing
@@ -195,6 +196,10 @@ class Trainer:
         self.state.log_history = log.history
         started, first, losses = time.perf_counter(), self.step, []
         self._event("on_train_begin")
+        if cfg.eval_on_start:  # transformers' field: the metrics before this run's first step
+            metrics = self.evaluate()
+            log.log(self.step, metrics, advance=False)
+            self._event("on_evaluate", metrics=metrics)
         with JitCheckpoint() if cfg.enable_jit_checkpoint else nullcontext() as jit:
             self._train_steps(log, losses, jit)
         log.close()
@@ -214,6 +219,8 @@ class Trainer:
         fallbacks = packing.fallbacks()
         window: list[dict[str, Any]] = []
         while self.step < self.total_steps:
+            if cfg.torch_empty_cache_steps and self.step % cfg.torch_empty_cache_steps == 0:
+                clear_device_cache()  # accelerate's, which transformers' Trainer calls every N steps
             self._event("on_step_begin")
             # self.step counts the steps done, as TRL's global_step.
             window.append(self.training_step(self.step + 1))

@@ -22,7 +22,7 @@ from posttrain.models.tokenizer import check_tokenizer_fields, set_tokens
 from posttrain.placement.ranks import gather_ranks
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.models import head_outputs
-from posttrain.trainers.config import TrainConfig, make_session, row_schedule
+from posttrain.trainers.config import TrainConfig, check_eval_data, make_session, row_schedule
 from posttrain.trainers.loop import RowsTrainer, default_args, eval_shards, refuse_arguments
 from posttrain.trainers.run_log import Phases
 
@@ -141,6 +141,7 @@ class RewardTrainer(RowsTrainer):
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                          quantization_config=quantization_config)
         self.cfg = cfg = args if args is not None else default_args(RewardConfig, model, "Reward")
+        check_eval_data(cfg, eval_dataset)
         if train_dataset is None:
             raise ConfigError("RewardTrainer needs train_dataset= (a datasets.Dataset or a list of rows)")
         seed_everything(cfg.seed)

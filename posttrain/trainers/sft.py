@@ -17,7 +17,7 @@ from posttrain.models.sources import init_kwargs, model_and_tokenizer
 from posttrain.models.tokenizer import check_tokenizer_fields, set_tokens
 from posttrain.placement.ranks import sum_over_ranks
 from posttrain.placement.roles import TRAINER_ROLES
-from posttrain.trainers.config import TrainConfig, make_session, row_schedule
+from posttrain.trainers.config import TrainConfig, check_eval_data, make_session, row_schedule
 from posttrain.trainers.loop import RowsTrainer, default_args, eval_shards, refuse_arguments
 from posttrain.trainers.run_log import Phases
 
@@ -117,6 +117,7 @@ class SFTTrainer(RowsTrainer):
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                          quantization_config=quantization_config, formatting_func=formatting_func)
         self.cfg = cfg = args if args is not None else default_args(SFTConfig, model, "SFT")
+        check_eval_data(cfg, eval_dataset)
         if train_dataset is None:
             raise ConfigError("SFTTrainer needs train_dataset= (a datasets.Dataset or a list of rows)")
         validate(cfg)

@@ -24,6 +24,7 @@ TRAINING_ARGUMENTS_WORK = {
     "save_strategy", "save_steps", "save_total_limit", "push_to_hub", "hub_token", "hub_private_repo",
     "hub_model_id", "seed", "resume_from_checkpoint", "remove_unused_columns", "do_train", "do_eval", "do_predict",
     "local_rank", "log_level", "use_cpu", "enable_jit_checkpoint", "save_only_model",
+    "torch_empty_cache_steps", "eval_on_start",
 }
 # transformers.TrainingArguments: why another value than the default is refused.
 TRAINING_ARGUMENTS_REFUSED = {
@@ -46,7 +47,6 @@ TRAINING_ARGUMENTS_REFUSED = {
     "use_liger_kernel": "posttrain uses TRL's fused LM head and its own kernels, not Liger's",
     "liger_kernel_config": "posttrain uses TRL's fused LM head and its own kernels, not Liger's",
     "neftune_noise_alpha": "NEFTune's embedding noise runs in SFT (SFTConfig), where TRL's users set it",
-    "torch_empty_cache_steps": "posttrain does not empty the CUDA cache during training",
     "auto_find_batch_size": "set per_device_train_batch_size (posttrain plan predicts what fits)",
     "logging_nan_inf_filter": _LOGGING,
     "include_num_input_tokens_seen": "posttrain logs num_tokens where TRL does",
@@ -56,7 +56,6 @@ TRAINING_ARGUMENTS_REFUSED = {
     "trackio_static_space_id": "trackers are named by run_name and report_to",
     "eval_delay": _EVAL_LOOP,
     "prediction_loss_only": _EVAL_LOOP,
-    "eval_on_start": _EVAL_LOOP,
     "eval_do_concat_batches": _EVAL_LOOP,
     "eval_use_gather_object": _EVAL_LOOP,
     "eval_accumulation_steps": _EVAL_LOOP,

@@ -198,3 +198,18 @@ def test_example_divergence_falls(tmp_path):
     assert summary["forward_kl_fall_factor"] > 1.5
     assert summary["jsd_after"] < summary["jsd_before"]
     assert (out / "model.safetensors").exists()  # the trained student at the top, as TRL
+
+
+def test_eval_strategy_epoch_evaluates_at_each_epoch_end(tmp_path):
+    """eval_strategy epoch in the Python API: an evaluation after each of transformers' epochs of optimizer steps
+    (ceil(rows / (batch x processes x accumulation)): 10 rows in steps of 4 make 3), not only at the end."""
+    rows = [{"prompt": "the cat", "completion": f" is calm {'.' * (i % 3 + 1)}"} for i in range(10)]
+    cfg = DistillationConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, num_train_epochs=2, lmbda=0.0, eval_strategy="epoch",
+                             logging_steps=1, save_strategy="no", disable_tqdm=True, report_to=[],
+                             per_device_eval_batch_size=2, gradient_checkpointing=False)
+    trainer = DistillationTrainer(str(tiny.model_path()), str(tiny.model_path(seed=1)), args=cfg,
+                                  train_dataset=rows, eval_dataset=rows[:4])
+    trainer.train()
+    assert trainer.total_steps == 5  # TRL's ceil(2 epochs x 10 / 4); epochs end after steps 3 and 6 (cut at 5)
+    assert [r["step"] for r in trainer.state.log_history if "eval/loss" in r] == [3, 5]

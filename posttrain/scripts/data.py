@@ -47,14 +47,6 @@ def load_train_eval(script: ScriptArguments, test_split_size: float, cfg: TrainC
     return train, test
 
 
-def eval_steps_per_epoch(rows: int, cfg: TrainConfig) -> int:
-    """``eval_strategy: epoch`` as a number of optimizer steps over ``rows`` training rows."""
-    from posttrain.placement.ranks import world_size
-
-    world = world_size()
-    return max(1, rows // (cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps))
-
-
 def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, script: ScriptArguments,
                     test_split_size: float, bundled: Callable[[], tuple[list[dict], list[dict]]],
                     check: Callable[[Any, str], None] | None = None, model: Any = None,
@@ -70,8 +62,6 @@ def trainer_on_data(trainer_cls: Callable[..., Trainer], cfg: TrainConfig, scrip
         train, test = load_train_eval(script, test_split_size, cfg, check=check)
     trainer = trainer_cls(model=model, args=cfg, train_dataset=train, eval_dataset=test, peft_config=peft_config,
                           **trainer_kwargs)
-    if test is not None and cfg.eval_strategy == "epoch" and getattr(trainer, "schedule", None) is None:
-        cfg.eval_steps = eval_steps_per_epoch(len(trainer.train_rows), cfg)
     return trainer, (trainer.evaluate() if test is not None else {})
 
 

@@ -22,7 +22,7 @@ from posttrain.scripts.args import (
     require_dataset,
     run_script,
 )
-from posttrain.scripts.data import eval_steps_per_epoch, load_train_eval
+from posttrain.scripts.data import load_train_eval
 from posttrain.scripts.ppo import saved_as
 from posttrain.trainers.distill import DistillationConfig, DistillationTrainer
 from posttrain.trainers.multi import MultiConfig, MultiTrainer, Task, text_collate
@@ -112,8 +112,6 @@ def main(argv: list[str] | None = None) -> None:
         path, teacher_losses = tiny_teacher(targs, tiny.corpus()[: -targs.heldout_lines], cfg.seed)
         cfg.teacher_model_name_or_path = str(path)
     train_rows, eval_rows = load_rows(script, targs, cfg)
-    if eval_rows is not None and cfg.eval_strategy == "epoch":
-        cfg.eval_steps = eval_steps_per_epoch(len(train_rows), cfg)
     trainer = DistillationTrainer(model=model, teacher_model=cfg.teacher_model_name_or_path, args=cfg,
                                   train_dataset=train_rows, eval_dataset=eval_rows, peft_config=peft_config)
     before = []

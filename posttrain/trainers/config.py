@@ -44,6 +44,7 @@ class TrainConfig:
 
     _algorithm: ClassVar[str] = "this trainer"
     _evaluates: ClassVar[bool] = True  # False: no evaluation, and eval_strategy is refused by name
+    _epochs: ClassVar[bool] = True  # False: no epochs of optimizer steps, and save_strategy epoch is refused
     _trl_works: ClassVar[tuple[str, ...]] = ()  # the TRL config's own fields that take effect
     _trl_refused: ClassVar[dict[str, str]] = {}  # the TRL config's own fields refused, with the reason
 
@@ -141,7 +142,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
     if cfg.use_cpu and torch.cuda.is_available():
         raise ConfigError("use_cpu is set but this machine has a GPU, which posttrain uses: hide it with "
                           "CUDA_VISIBLE_DEVICES='' to train on the CPU, or drop --use_cpu")
-    for name, allowed in (("logging_strategy", ("steps",)), ("save_strategy", ("steps", "no")),
+    for name, allowed in (("logging_strategy", ("steps",)), ("save_strategy", ("steps", "epoch", "no")),
                           ("optim", ("adamw_torch", "adamw_torch_fused"))):
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} {getattr(cfg, name)!r} is not supported: posttrain takes "
@@ -151,6 +152,9 @@ def validate_train_config(cfg: TrainConfig) -> None:
     if cfg.eval_strategy != "no" and not cfg._evaluates:
         raise ConfigError(f"{cfg._algorithm} does not evaluate (it has no eval dataset), but eval_strategy is "
                           f"{cfg.eval_strategy!r}: set --eval_strategy no")
+    if cfg.save_strategy == "epoch" and not cfg._epochs:
+        raise ConfigError(f"{cfg._algorithm} steps over whole global batches, not epochs, but save_strategy is 'epoch': "
+                          "set --save_strategy steps with --save_steps N")
     if cfg.eval_on_start and not cfg._evaluates:
         raise ConfigError(f"{cfg._algorithm} does not evaluate (it has no eval dataset), but eval_on_start is set: "
                           "drop --eval_on_start")
@@ -220,12 +224,16 @@ def row_schedule(cfg: TrainConfig, n_rows: int, noun: str = "rows", shuffle: boo
     if n_rows < 1:
         raise ConfigError(f"train_dataset has no usable {noun}: give at least one")
     loader = TrainLoader.rows(n_rows, cfg.per_device_train_batch_size, world_size(), cfg.seed, shuffle)
-    return loader, loader.schedule(cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_steps)
+    schedule = loader.schedule(cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_steps)
+    if cfg.save_strategy == "epoch":  # a checkpoint where each of TRL's epochs of optimizer steps ends
+        cfg.save_steps = schedule.steps_per_epoch
+    return loader, schedule
 
 
 def saves(cfg: TrainConfig) -> bool:
-    """Whether the run writes checkpoints (TrainingArguments' save_strategy and save_steps)."""
-    return cfg.save_strategy == "steps" and bool(cfg.save_steps)
+    """Whether the run writes checkpoints (TrainingArguments' save_strategy and save_steps; under "epoch" the
+    trainer sets save_steps to its steps per epoch)."""
+    return cfg.save_strategy in ("steps", "epoch") and bool(cfg.save_steps)
 
 
 def make_session(cfg: TrainConfig, trained: list[str], frozen: list[str], total_steps: int | None = None,

@@ -133,15 +133,20 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
                                                                                     * steps_per_epoch))
         if cfg.eval_strategy == "epoch":
             cfg.eval_steps = steps_per_epoch
+        if cfg.save_strategy == "epoch":
+            cfg.save_steps = steps_per_epoch
         # A checkpoint holds no generation batch: refused where one would fall inside (a save_steps past the
         # run's end saves only at the end, where the last generation batch ends unless max_steps cuts it).
         if (saves(cfg) and cfg.save_steps <= self.total_steps
                 and (cfg.save_steps * cfg.gradient_accumulation_steps) % self.micro_per_generation):
+            what = (f"an epoch's {cfg.save_steps} steps (save_strategy epoch)" if cfg.save_strategy == "epoch"
+                    else f"save_steps ({cfg.save_steps})")
             raise ConfigError(
-                f"save_steps ({cfg.save_steps}) must end on a generation boundary: a generation batch lasts "
+                f"{what} must end on a generation boundary: a generation batch lasts "
                 f"{self.micro_per_generation} micro-batches (steps_per_generation x num_iterations) and a step "
                 f"{cfg.gradient_accumulation_steps}; pick save_steps so that save_steps x gradient_accumulation_steps "
-                f"is a multiple of {self.micro_per_generation}")
+                f"is a multiple of {self.micro_per_generation}"
+                + (", with --save_strategy steps" if cfg.save_strategy == "epoch" else ""))
 
         self.rewards.plan(model_config(policy_given), tok)
         frozen = (["reference"] if self.separate_reference else []) + self.rewards.roles

@@ -65,6 +65,7 @@ class MultiConfig(TrainConfig, TrainingArguments):
 
     _algorithm = "multi-model training"
     _evaluates = False  # the script calls MultiTrainer.evaluate(name, items), not the loop
+    _epochs = False
 
 
 class MultiTrainer(Trainer):

@@ -87,6 +87,7 @@ class PPOConfig(TrainConfig, RolloutFields, TrainingArguments):
 
     _algorithm = "PPO"
     _evaluates = False
+    _epochs = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -298,3 +298,16 @@ def test_grpo_save_strategy_epoch_must_end_on_a_generation_batch(tmp_path):
                                           "boundary.*with --save_strategy steps"):
         GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=[synthetic.sentiment_reward], args=cfg,
                     train_dataset=bundled_prompts(3))
+
+
+def test_data_seed_orders_the_rows_as_transformers_sampler(tmp_path):
+    """data_seed: the row trainers' order is the one transformers' sampler draws with it (tests/test_trl_order.py
+    holds that order against a real Trainer with data_seed); GRPO's prompts keep seed, as TRL's RepeatSampler."""
+    from posttrain import SFTConfig, SFTTrainer
+    from posttrain.demo import tiny
+
+    rows = [{"text": t} for t in tiny.corpus()[:6]]
+    for data_seed, want in ((5, 5), (None, 42)):
+        cfg = SFTConfig(output_dir=str(tmp_path / str(data_seed)), seed=42, data_seed=data_seed, max_steps=1,
+                        report_to=[], disable_tqdm=True)
+        assert SFTTrainer(str(tiny.model_path()), args=cfg, train_dataset=rows).loader.seed == want

@@ -219,11 +219,14 @@ def check_scheduler_kwargs(cfg: Any) -> None:
 
 def row_schedule(cfg: TrainConfig, n_rows: int, noun: str = "rows", shuffle: bool = True
                  ) -> tuple[TrainLoader, Schedule]:
-    """TRL's Trainer order over ``n_rows`` rows (``shuffle`` False: in order) and its optimizer steps (an epoch's
-    leftover rows trained as a short last step, as TRL does); an empty dataset is refused."""
+    """TRL's Trainer order over ``n_rows`` rows (``shuffle`` False: in order; seeded by ``data_seed`` or else
+    ``seed``) and its optimizer steps (an epoch's leftover rows trained as a short last step, as TRL does); an
+    empty dataset is refused."""
     if n_rows < 1:
         raise ConfigError(f"train_dataset has no usable {noun}: give at least one")
-    loader = TrainLoader.rows(n_rows, cfg.per_device_train_batch_size, world_size(), cfg.seed, shuffle)
+    # transformers' sampler draws with data_seed where set (TRL's GRPO, RLOO and distillation samplers do not)
+    seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
+    loader = TrainLoader.rows(n_rows, cfg.per_device_train_batch_size, world_size(), seed, shuffle)
     schedule = loader.schedule(cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_steps)
     if cfg.save_strategy == "epoch":  # a checkpoint where each of TRL's epochs of optimizer steps ends
         cfg.save_steps = schedule.steps_per_epoch

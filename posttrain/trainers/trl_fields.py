@@ -24,7 +24,7 @@ TRAINING_ARGUMENTS_WORK = {
     "save_strategy", "save_steps", "save_total_limit", "push_to_hub", "hub_token", "hub_private_repo",
     "hub_model_id", "seed", "resume_from_checkpoint", "remove_unused_columns", "do_train", "do_eval", "do_predict",
     "local_rank", "log_level", "use_cpu", "enable_jit_checkpoint", "save_only_model",
-    "torch_empty_cache_steps", "eval_on_start",
+    "torch_empty_cache_steps", "eval_on_start", "data_seed",
 }
 # transformers.TrainingArguments: why another value than the default is refused.
 TRAINING_ARGUMENTS_REFUSED = {
@@ -71,7 +71,6 @@ TRAINING_ARGUMENTS_REFUSED = {
     "ignore_data_skip": "a resumed run always continues the data where it stopped",
     "restore_callback_states_from_checkpoint": "callbacks are not saved in checkpoints",
     "full_determinism": "posttrain seeds every process from seed; deterministic kernels are torch's setting",
-    "data_seed": "posttrain orders the data with seed",
     "accelerator_config": _DEEPSPEED,
     "parallelism_config": _DEEPSPEED,
     "dataloader_num_workers": _LOADER,

@@ -311,3 +311,22 @@ def test_data_seed_orders_the_rows_as_transformers_sampler(tmp_path):
         cfg = SFTConfig(output_dir=str(tmp_path / str(data_seed)), seed=42, data_seed=data_seed, max_steps=1,
                         report_to=[], disable_tqdm=True)
         assert SFTTrainer(str(tiny.model_path()), args=cfg, train_dataset=rows).loader.seed == want
+
+
+@pytest.mark.parametrize("env, each_node, level", [({"RANK": "0", "LOCAL_RANK": "0"}, True, "info"),
+                                                   ({"RANK": "3", "LOCAL_RANK": "1"}, True, "error"),
+                                                   ({"RANK": "2", "LOCAL_RANK": "0"}, True, "info"),
+                                                   ({"RANK": "2", "LOCAL_RANK": "0"}, False, "error")])
+def test_log_level_replica_and_log_on_each_node(monkeypatch, tmp_path, env, each_node, level):
+    """transformers' rule: the main process of each node (log_on_each_node, its default) or of the run logs at
+    log_level, the others at log_level_replica."""
+    from transformers.utils import logging as hf_logging
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = hf_logging.get_verbosity()
+    try:
+        LoopConfig(output_dir=str(tmp_path), log_level="info", log_level_replica="error", log_on_each_node=each_node)
+        assert hf_logging.get_verbosity() == hf_logging.get_log_levels_dict()[level]
+    finally:
+        hf_logging.set_verbosity(before)

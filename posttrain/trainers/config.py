@@ -95,10 +95,14 @@ def resolve_training_arguments(cfg: Any) -> None:
         setattr(cfg, name, getattr(value, "value", value))
     if cfg.tf32 is not None and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
-    if cfg.log_level != "passive":
+    # transformers' should_log: the main process of each node (log_on_each_node) or of the run logs at log_level,
+    # the others at log_level_replica
+    main = int(os.environ.get("LOCAL_RANK" if cfg.log_on_each_node else "RANK", "0")) == 0
+    level = cfg.log_level if main else cfg.log_level_replica
+    if level != "passive":
         from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity(hf_logging.get_log_levels_dict()[cfg.log_level])
+        hf_logging.set_verbosity(hf_logging.get_log_levels_dict()[level])
 
 
 def pad_multiple(value: Any) -> int | None:

@@ -25,6 +25,7 @@ TRAINING_ARGUMENTS_WORK = {
     "hub_model_id", "seed", "resume_from_checkpoint", "remove_unused_columns", "do_train", "do_eval", "do_predict",
     "local_rank", "log_level", "use_cpu", "enable_jit_checkpoint", "save_only_model",
     "torch_empty_cache_steps", "eval_on_start", "data_seed",
+    "log_level_replica", "log_on_each_node",
 }
 # transformers.TrainingArguments: why another value than the default is refused.
 TRAINING_ARGUMENTS_REFUSED = {
@@ -32,8 +33,6 @@ TRAINING_ARGUMENTS_REFUSED = {
     "use_cache": "the training forward never uses the KV cache; generation runs posttrain's own engine",
     "skip_memory_metrics": "posttrain logs memory in its benchmarks and posttrain plan, not per run",
     "dataloader_drop_last": "posttrain trains every row, as TRL's default",
-    "log_level_replica": _LOGGING,
-    "log_on_each_node": _LOGGING,
     "optim_args": "posttrain's optimizer is AdamW (optim adamw_torch or adamw_torch_fused) with the adam_* fields",
     "optim_target_modules": "posttrain's optimizer is AdamW over every trained parameter",
     "label_smoothing_factor": "posttrain's losses are the algorithms' own, without label smoothing",

@@ -194,8 +194,10 @@ class DistillationTrainer(Trainer):
         self.total_steps = self.count_steps()
         per_step = cfg.per_device_train_batch_size * world_size() * cfg.gradient_accumulation_steps
         per_epoch = max(1, math.ceil(len(self.train_rows) / per_step))  # transformers' num_update_steps_per_epoch
-        cfg.eval_steps = per_epoch if cfg.eval_strategy == "epoch" else cfg.eval_steps
-        cfg.save_steps = per_epoch if cfg.save_strategy == "epoch" else cfg.save_steps
+        if cfg.eval_strategy == "epoch":
+            cfg.eval_steps = per_epoch
+        if cfg.save_strategy == "epoch":
+            cfg.save_steps = per_epoch
         decoded = self.roles["trained"] if cfg.lmbda > 0 or eval_generates else []
         self.session = s = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps,
                                         decoded=decoded)

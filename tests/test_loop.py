@@ -330,3 +330,41 @@ def test_log_level_replica_and_log_on_each_node(monkeypatch, tmp_path, env, each
         assert hf_logging.get_verbosity() == hf_logging.get_log_levels_dict()[level]
     finally:
         hf_logging.set_verbosity(before)
+
+
+def test_log_completions_table_in_trackers_with_unique_prompts(tmp_path):
+    """log_completions: samples.jsonl keeps every logged completion, and each tracker that takes tables
+    (accelerate's log_table: W&B, ClearML) gets a "completions" table at the step, as TRL logs one to W&B;
+    log_unique_prompts keeps each prompt's first row in the table."""
+    from transformers import TrainerCallback
+
+    from posttrain.demo import synthetic, tiny
+    from posttrain.run.jsonrows import read_rows
+    from posttrain.scripts.data import bundled_prompts
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    class Tables:
+        def __init__(self) -> None:
+            self.logged = []
+
+        def log_table(self, name, columns=None, data=None, dataframe=None, step=None):
+            self.logged.append((name, step, [dict(zip(columns, row)) for row in data]))
+
+    tables = Tables()
+
+    class Attach(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            trainer.session.accelerator.trackers.append(tables)  # after init_trackers, as a tracker of report_to
+
+    cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=2,
+                     max_completion_length=4, logging_steps=1, log_completions=True, log_unique_prompts=True,
+                     save_strategy="no", disable_tqdm=True, report_to=[], gradient_checkpointing=False)
+    trainer = GRPOTrainer(str(tiny.sft_model_path()), reward_funcs=[synthetic.sentiment_reward], args=cfg,
+                          train_dataset=bundled_prompts(8), callbacks=[Attach()])
+    trainer.train()
+    samples = read_rows(tmp_path / "samples.jsonl")
+    assert [name for name, _, _ in tables.logged] == ["completions", "completions"]
+    for step, (_, at, rows) in enumerate(tables.logged, 1):
+        mine = [r for r in samples if r["step"] == step]
+        assert at == step and len(mine) == 4 and len({r["prompt"] for r in mine}) == 2
+        assert rows == [r for i, r in enumerate(mine) if r["prompt"] not in {m["prompt"] for m in mine[:i]}]

@@ -369,7 +369,8 @@ class DistillationTrainer(Trainer):
         """``log_completions``: the step's last micro-batch (this process's) in ``samples.jsonl``."""
         if self.cfg.log_completions and self._samples:
             n = self.cfg.num_completions_to_print
-            write_samples(self.session, self.cfg.output_dir, self._samples[:n] if n is not None else self._samples)
+            write_samples(self.session, self.cfg.output_dir, self._samples[:n] if n is not None else self._samples,
+                          step=step, unique_prompts=self.cfg.log_unique_prompts)
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"num_tokens": self.num_tokens}

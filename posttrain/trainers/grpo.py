@@ -546,7 +546,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
         for column, values in extra.items():  # columns reward functions added with log_extra
             for row, v in zip(rows, values):
                 row[column] = v
-        write_samples(self.session, self.cfg.output_dir, rows)
+        write_samples(self.session, self.cfg.output_dir, rows, step=self.step, unique_prompts=self.cfg.log_unique_prompts)
 
 
 def micro_batches_per_epoch(num_prompts: int, cfg: GRPOConfig) -> int:

@@ -25,7 +25,7 @@ ONLINE_WORKS = (
     "steps_per_generation", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs",
     "chat_template_kwargs", "beta", "num_iterations",
     "epsilon", "epsilon_high", "reward_weights", "mask_truncated_completions", "sync_ref_model",
-    "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions", "num_completions_to_print",
+    "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions", "num_completions_to_print", "log_unique_prompts",
     "log_multimodal",  # text models only: nothing multimodal is ever logged
     "vllm_enable_sleep_mode",  # posttrain's engine frees its KV cache and graphs while the policy trains
 )
@@ -34,7 +34,6 @@ ONLINE_REFUSED = {
     "pad_to_multiple_of": "posttrain pads each batch to its longest prompt and completion (padding changes no "
                           "number)",
     "cache_implementation": "posttrain's engine keeps its own KV cache (generation_kv_slots)",
-    "log_unique_prompts": "samples.jsonl keeps every logged completion (log_completions)",
 }
 
 

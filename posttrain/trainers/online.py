@@ -1,4 +1,5 @@
-"""What the online-RL trainers (PPO, GRPO, RLOO) share: completion log-probs, truncation, samples.jsonl."""
+"""What the online-RL trainers (PPO, GRPO, RLOO) share: completion log-probs, truncation, samples.jsonl and
+the trackers' completions table."""
 
 from __future__ import annotations
 
@@ -146,10 +147,25 @@ def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor, 
     return ~torch.isin(last, torch.tensor(terminal_ids, device=last.device)) | (lengths == 0)
 
 
-def write_samples(session: Any, output_dir: str, rows: list[dict]) -> None:
-    """Append sample completions to ``samples.jsonl`` (rank 0; a NaN reward as null)."""
-    if session.is_main_process:
-        with open(Path(output_dir) / "samples.jsonl", "a") as f:
-            f.writelines(dumps_row(r) + "\n" for r in rows)
+def write_samples(session: Any, output_dir: str, rows: list[dict], step: int | None = None,
+                  unique_prompts: bool = False) -> None:
+    """Append sample completions to ``samples.jsonl`` (rank 0; a NaN reward as null) and log them as a
+    ``completions`` table at ``step`` to each tracker that takes tables (accelerate's ``log_table``: W&B, ClearML),
+    as TRL's ``log_completions`` does; ``unique_prompts`` (TRL's ``log_unique_prompts``): the table keeps each
+    prompt's first row, the file every row."""
+    if not session.is_main_process:
+        return
+    with open(Path(output_dir) / "samples.jsonl", "a") as f:
+        f.writelines(dumps_row(r) + "\n" for r in rows)
+    tables = [t for t in session.accelerator.trackers if hasattr(t, "log_table")]
+    if not (tables and rows):
+        return
+    if unique_prompts:
+        first = {str(r.get("prompt")): r for r in reversed(rows)}  # reversed: each prompt's first row wins
+        rows = [r for r in rows if first[str(r.get("prompt"))] is r]
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    data = [[r.get(c) for c in columns] for r in rows]
+    for tracker in tables:
+        tracker.log_table("completions", columns=columns, data=data, step=step)
 
 

@@ -498,6 +498,6 @@ class PPOTrainer(Trainer):
         prompts = self.tokenizer.batch_decode(queries[:4], skip_special_tokens=True)
         rows = [{"update": update, "prompt": p, "completion": c, "score": round(float(sc), 4)}
                 for p, c, sc in zip(prompts, texts[:4], scores[:4].tolist())]
-        write_samples(self.session, self.cfg.output_dir, rows)
+        write_samples(self.session, self.cfg.output_dir, rows, step=update)
         if self.session.is_main_process:
             self.run_log.write("\n".join(f"  [{update}] {r['prompt']!r} -> {r['completion']!r} ({r['score']:+.2f})" for r in rows))

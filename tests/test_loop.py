@@ -270,18 +270,20 @@ def test_evaluation_without_an_eval_dataset_is_refused_before_loading(tmp_path, 
 
 def test_save_strategy_epoch_saves_where_each_epoch_ends(tmp_path):
     """save_strategy epoch (transformers' value, TRL recipes' habit): a checkpoint after each epoch's optimizer
-    steps, TRL's count of them (7 rows in steps of 2 rows: 4 steps an epoch, the last one short); refused, by
-    name, by the trainers that step over whole global batches."""
+    steps, TRL's count of them (7 rows in steps of 2 rows: 4 steps an epoch, the last one short), where
+    eval_strategy epoch evaluates too; refused, by name, by the trainers that step over whole global batches."""
     from posttrain import SFTConfig, SFTTrainer
     from posttrain.demo import tiny
     from posttrain.trainers.ppo import PPOConfig
 
     cfg = SFTConfig(output_dir=str(tmp_path / "sft"), per_device_train_batch_size=2, num_train_epochs=2,
-                    save_strategy="epoch", logging_steps=1, disable_tqdm=True, report_to=[], max_length=32,
-                    gradient_checkpointing=False)
-    trainer = SFTTrainer(str(tiny.model_path()), args=cfg, train_dataset=[{"text": t} for t in tiny.corpus()[:7]])
+                    save_strategy="epoch", eval_strategy="epoch", logging_steps=1, disable_tqdm=True, report_to=[],
+                    max_length=32, gradient_checkpointing=False)
+    rows = [{"text": t} for t in tiny.corpus()[:7]]
+    trainer = SFTTrainer(str(tiny.model_path()), args=cfg, train_dataset=rows, eval_dataset=rows[:2])
     trainer.train()
     assert [p.name for p in output_dir.checkpoints(tmp_path / "sft")] == ["checkpoint-4", "checkpoint-8"]
+    assert [r["step"] for r in trainer.state.log_history if "eval/loss" in r] == [4, 8]  # eval_strategy epoch alike
     with pytest.raises(ConfigError, match="PPO steps over whole global batches, not epochs, but save_strategy is "
                                           "'epoch': set --save_strategy steps with --save_steps N"):
         PPOConfig(output_dir=str(tmp_path / "ppo"), save_strategy="epoch")

@@ -187,11 +187,11 @@ def choose_tokens(logits: torch.Tensor, step: torch.Tensor, key: torch.Tensor, *
     unpenalized one, as the training forward computes it."""
     if seq is None:
         seq = torch.arange(logits.size(0), device=logits.device)
-    scaled = logits.float() / temperature
+    raw = logits.float()
+    scaled = raw / temperature
     logp = torch.log_softmax(scaled, dim=-1)
     pick = scaled
     if seen is not None:
-        raw = logits.float()
         pick = torch.where(seen, torch.where(raw < 0, raw * penalty, raw / penalty), raw) / temperature
     if stop_ids is not None:
         barred = torch.zeros(scaled.size(-1), dtype=torch.bool, device=scaled.device).index_fill(0, stop_ids, True)

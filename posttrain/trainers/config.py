@@ -232,9 +232,17 @@ def row_schedule(cfg: TrainConfig, n_rows: int, noun: str = "rows", shuffle: boo
     seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
     loader = TrainLoader.rows(n_rows, cfg.per_device_train_batch_size, world_size(), seed, shuffle)
     schedule = loader.schedule(cfg.gradient_accumulation_steps, cfg.num_train_epochs, cfg.max_steps)
-    if cfg.save_strategy == "epoch":  # a checkpoint where each of TRL's epochs of optimizer steps ends
-        cfg.save_steps = schedule.steps_per_epoch
+    epoch_steps(cfg, schedule.steps_per_epoch)
     return loader, schedule
+
+
+def epoch_steps(cfg: TrainConfig, steps_per_epoch: int) -> None:
+    """``eval_strategy``/``save_strategy`` "epoch" as the loop runs them: ``eval_steps``/``save_steps`` set to the
+    trainer's optimizer steps per epoch (TRL's count), so an evaluation or checkpoint follows each epoch's end."""
+    if cfg.eval_strategy == "epoch":
+        cfg.eval_steps = steps_per_epoch
+    if cfg.save_strategy == "epoch":
+        cfg.save_steps = steps_per_epoch
 
 
 def saves(cfg: TrainConfig) -> bool:

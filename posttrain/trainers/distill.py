@@ -25,7 +25,7 @@ from posttrain.placement.ranks import sum_over_ranks, world_size
 from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rollout.api import RolloutFields, check_rollout_fields
 from posttrain.rollout.sampling import check_min_p, check_repetition_penalty, generation_overrides
-from posttrain.trainers.config import TrainConfig, check_eval_data, make_session
+from posttrain.trainers.config import TrainConfig, check_eval_data, epoch_steps, make_session
 from posttrain.trainers.loop import Trainer, default_args, refuse_arguments
 from posttrain.trainers.online import config_sampling, write_samples
 from posttrain.trainers.run_log import Phases
@@ -193,11 +193,7 @@ class DistillationTrainer(Trainer):
         seed_everything(cfg.seed)
         self.total_steps = self.count_steps()
         per_step = cfg.per_device_train_batch_size * world_size() * cfg.gradient_accumulation_steps
-        per_epoch = max(1, math.ceil(len(self.train_rows) / per_step))  # transformers' num_update_steps_per_epoch
-        if cfg.eval_strategy == "epoch":
-            cfg.eval_steps = per_epoch
-        if cfg.save_strategy == "epoch":
-            cfg.save_steps = per_epoch
+        epoch_steps(cfg, max(1, math.ceil(len(self.train_rows) / per_step)))  # transformers' steps per epoch
         decoded = self.roles["trained"] if cfg.lmbda > 0 or eval_generates else []
         self.session = s = make_session(cfg, self.roles["trained"], self.roles["frozen"], total_steps=self.total_steps,
                                         decoded=decoded)

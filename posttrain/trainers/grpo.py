@@ -23,7 +23,7 @@ from posttrain.placement.roles import TRAINER_ROLES
 from posttrain.rewards.scoring import Rewards
 from posttrain.trainers import off_policy
 from posttrain.trainers import tools as agents
-from posttrain.trainers.config import check_eval_data, make_session, saves
+from posttrain.trainers.config import check_eval_data, epoch_steps, make_session, saves
 from posttrain.trainers.dynamic_sampling import fill_generation_batch
 from posttrain.trainers.entropy_bonus import EntropyBonus
 from posttrain.trainers.generation_ranks import GenerationFeed, GenerationRank, SeparateGeneration
@@ -131,10 +131,7 @@ class GRPOTrainer(SeparateGeneration, GenerationEval, Trainer):
                                            / (cfg.per_device_train_batch_size * world * cfg.gradient_accumulation_steps)))
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs
                                                                                     * steps_per_epoch))
-        if cfg.eval_strategy == "epoch":
-            cfg.eval_steps = steps_per_epoch
-        if cfg.save_strategy == "epoch":
-            cfg.save_steps = steps_per_epoch
+        epoch_steps(cfg, steps_per_epoch)
         # A checkpoint holds no generation batch: refused where one would fall inside (a save_steps past the
         # run's end saves only at the end, where the last generation batch ends unless max_steps cuts it).
         if (saves(cfg) and cfg.save_steps <= self.total_steps

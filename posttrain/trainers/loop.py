@@ -140,10 +140,8 @@ class Trainer:
         cfg = self.cfg
         if not (self.evaluates and self.has_eval_data() and cfg.eval_strategy != "no"):
             return False
-        schedule = getattr(self, "schedule", None)
-        every = schedule.steps_per_epoch if cfg.eval_strategy == "epoch" and schedule is not None else cfg.eval_steps
         last = step == self.total_steps if last is None else last
-        return bool(every and step % every == 0) or last
+        return bool(cfg.eval_steps and step % cfg.eval_steps == 0) or last
 
     def saves_after(self, step: int, last: bool | None = None) -> bool:
         """Whether a checkpoint is due after optimizer step ``step`` (``save_steps`` and the last step)."""
@@ -197,9 +195,7 @@ class Trainer:
         started, first, losses = time.perf_counter(), self.step, []
         self._event("on_train_begin")
         if cfg.eval_on_start:  # transformers' field: the metrics before this run's first step
-            metrics = self.evaluate()
-            log.log(self.step, metrics, advance=False)
-            self._event("on_evaluate", metrics=metrics)
+            self._evaluate_and_log(log)
         with JitCheckpoint() if cfg.enable_jit_checkpoint else nullcontext() as jit:
             self._train_steps(log, losses, jit)
         log.close()
@@ -239,9 +235,7 @@ class Trainer:
                 self._event("on_log", logs=row)
             log.advance()
             if self.evaluates_after(self.step, last):
-                metrics = self.evaluate()
-                log.log(self.step, metrics, advance=False)
-                self._event("on_evaluate", metrics=metrics)
+                self._evaluate_and_log(log)
             saved = self.saves_after(self.step, last) and self.can_checkpoint(self.step)
             if saved:
                 self._save_checkpoint()
@@ -252,6 +246,11 @@ class Trainer:
                     self._save_checkpoint(model_only=False)
                 interrupt.stopped_by(signal.SIGTERM)
                 raise KeyboardInterrupt  # stops as an interrupted run does; its line names this checkpoint
+
+    def _evaluate_and_log(self, log: RunLog) -> None:
+        metrics = self.evaluate()
+        log.log(self.step, metrics, advance=False)
+        self._event("on_evaluate", metrics=metrics)
 
     def _save_checkpoint(self, model_only: bool | None = None) -> None:
         """``checkpoint-N``; ``model_only`` (default: ``save_only_model``) without the state a resume needs."""
